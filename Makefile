@@ -1,0 +1,36 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip setuptools wheel
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/corral run --config app/configs/local.yaml --json run-report.json
+
+test: install
+	bash scripts/test-setup.sh
+	$(BIN)/ruff check app workers tests
+	$(BIN)/mypy app
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check app workers tests
+	$(BIN)/ruff format --check app workers tests
+	$(BIN)/mypy app
+
+bench: install
+	$(BIN)/corral bench --json bench.json --plot docs/ladder.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
