@@ -1,0 +1,59 @@
+"""Run policy: the knobs of one collection run, frozen and validated.
+
+Process settings (ports, URLs, paths) live elsewhere; this is only what the scheduler obeys. Every
+field has a bound, so a bad value is refused when the policy is built, never half-way through a run.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PauseModeName(StrEnum):
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+class PolicyName(StrEnum):
+    SYNC = "sync"
+    COMPLETION = "completion"
+    LANES = "lanes"
+    FULL = "full"
+
+
+class PolicyConfig(BaseModel):
+    """The scheduler's policy. The three techniques are separate switches, for ablation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    groups_per_batch: int = Field(32, ge=1, description="B: groups per trainer batch")
+    group_size: int = Field(8, ge=2, description="G: attempts per task; GRPO needs at least 2")
+    surplus_groups: int = Field(32, ge=0, description="S: groups admitted beyond B (in flight + ready ≤ B+S)")
+    max_staleness: int = Field(4, ge=0, description="K: largest allowed trainer version minus oldest turn version")
+    completion_order: bool = Field(True, description="fill batches in completion order, not start order")
+    pinned_lanes: bool = Field(True, description="run sandbox work in lanes with their own CPU sets")
+    rolling_updates: bool = Field(True, description="publish weights one engine at a time, keeping in-flight turns")
+    max_updating_engines: int = Field(1, ge=1, description="engines allowed to load weights at the same time")
+    pause_mode: PauseModeName = Field(PauseModeName.KEEP, description="how an updating engine treats in-flight turns")
+    filter_zero_variance: bool = Field(False, description="discard groups whose rewards are all equal")
+
+    @classmethod
+    def ladder(cls, name: PolicyName | str, **overrides: object) -> PolicyConfig:
+        """The ablation ladder: each rung adds one technique to the one before."""
+        rung = PolicyName(name)
+        switches: dict[str, object] = {
+            PolicyName.SYNC: {
+                "completion_order": False,
+                "surplus_groups": 0,
+                "pinned_lanes": False,
+                "rolling_updates": False,
+            },
+            PolicyName.COMPLETION: {"completion_order": True, "pinned_lanes": False, "rolling_updates": False},
+            PolicyName.LANES: {"completion_order": True, "pinned_lanes": True, "rolling_updates": False},
+            PolicyName.FULL: {"completion_order": True, "pinned_lanes": True, "rolling_updates": True},
+        }[rung]
+        data = {**overrides, **switches}
+        return cls.model_validate(data)

@@ -1,0 +1,82 @@
+"""Weight publication plans: rolling (one engine at a time) or stop-the-world.
+
+Invariants:
+- rolling: at most `max_updating` engines are updating at once; an updating engine takes no new turns
+  and its in-flight turns are kept (or drained), never restarted;
+- stop-the-world: every engine updates together and the runtime restarts the in-flight trajectories;
+- an engine always moves to the newest published version; versions it never served are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BeginUpdate:
+    engine: str
+    version: int
+
+
+@dataclass(frozen=True)
+class RestartInFlight:
+    """Stop-the-world: every in-flight trajectory starts over."""
+
+
+UpdateAction = BeginUpdate | RestartInFlight
+
+
+class UpdatePlan:
+    def __init__(self, engines: list[str], rolling: bool, max_updating: int = 1, version: int = 0) -> None:
+        if not engines:
+            raise ValueError("an update plan needs at least one engine")
+        if max_updating < 1:
+            raise ValueError(f"max_updating must be ≥ 1, got {max_updating}")
+        self.rolling = rolling
+        self.max_updating = max_updating
+        self.target = version
+        self.versions = dict.fromkeys(engines, version)
+        self.updating: dict[str, int] = {}
+        self.max_seen_updating = 0
+        self.updates_done = 0
+
+    def routable(self, engine: str) -> bool:
+        return engine not in self.updating
+
+    def on_publish(self, version: int) -> list[UpdateAction]:
+        if version <= self.target:
+            return []
+        self.target = version
+        if self.rolling:
+            return self._next()
+        # A stop-the-world update still running moves the engines on to `version` when it ends.
+        return [] if self.updating else self._stop_world()
+
+    def on_updated(self, engine: str) -> list[UpdateAction]:
+        version = self.updating.pop(engine)
+        self.versions[engine] = version
+        self.updates_done += 1
+        if self.rolling:
+            return self._next()
+        if self.updating or all(v >= self.target for v in self.versions.values()):
+            return []
+        return self._stop_world()
+
+    def _stop_world(self) -> list[UpdateAction]:
+        actions: list[UpdateAction] = [RestartInFlight()]
+        for engine in self.versions:
+            self.updating[engine] = self.target
+            actions.append(BeginUpdate(engine, self.target))
+        self.max_seen_updating = max(self.max_seen_updating, len(self.updating))
+        return actions
+
+    def _next(self) -> list[UpdateAction]:
+        actions: list[UpdateAction] = []
+        for engine, version in self.versions.items():
+            if len(self.updating) >= self.max_updating:
+                break
+            if version < self.target and engine not in self.updating:
+                self.updating[engine] = self.target
+                actions.append(BeginUpdate(engine, self.target))
+        self.max_seen_updating = max(self.max_seen_updating, len(self.updating))
+        return actions

@@ -1,0 +1,55 @@
+"""Typed failures of an HTTP serving engine.
+
+Invariant: every failure of an engine call surfaces as exactly one `EngineError` subclass whose message
+names the engine URL and the route, so a log line alone says which engine failed where. The clients
+never retry; the runtime decides (retry, route elsewhere, mark the engine down).
+"""
+
+from __future__ import annotations
+
+BODY_EXCERPT_CHARS = 500
+
+
+class EngineError(Exception):
+    """Base of every engine failure. `url` is the engine's base URL, `route` the path called."""
+
+    def __init__(self, url: str, route: str, detail: str) -> None:
+        self.url = url
+        self.route = route
+        self.detail = detail
+        super().__init__(f"engine {url} {route}: {detail}")
+
+
+class _EngineHTTPStatusError(EngineError):
+    """An HTTP error status; `status` is the code and `body` the first characters of the response."""
+
+    kind = "HTTP error"
+
+    def __init__(self, url: str, route: str, status: int, body: str) -> None:
+        self.status = status
+        self.body = body[:BODY_EXCERPT_CHARS]
+        super().__init__(url, route, f"{self.kind} {status}: {self.body!r}")
+
+
+class EngineRequestError(_EngineHTTPStatusError):
+    """HTTP 4xx: the engine rejected the request (bad body, wrong phase (409), route not mounted (404))."""
+
+    kind = "request rejected with HTTP"
+
+
+class EngineServerError(_EngineHTTPStatusError):
+    """HTTP 5xx: the engine failed while handling the request."""
+
+    kind = "server error HTTP"
+
+
+class EngineTimeout(EngineError):
+    """No complete answer within the client's timeout."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached: connection refused, DNS failure, connection dropped."""
+
+
+class EngineProtocolError(EngineError):
+    """A 2xx answer that is not JSON or lacks a field the client needs."""

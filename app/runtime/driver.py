@@ -1,0 +1,382 @@
+"""The runtime: an asyncio driver that feeds events to the core scheduler and carries out its decisions.
+
+It runs unchanged under the real clock and under the simulator's virtual clock: time comes only from
+the running loop, and every task it starts belongs to one TaskGroup.
+
+Invariants:
+- every attempt task ends exactly once: it reports done, or it is cancelled because its group was
+  discarded, or it is restarted by a stop-the-world update (counted in `restarted_trajectories`);
+- every sandbox that an attempt created is cleaned up in the cleanup lane, whatever ended the attempt;
+- a turn is routed only to an engine that is not updating, and at most `slots` turns run per engine;
+- under rolling updates no trajectory is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from app.core.config import PauseModeName, PolicyConfig
+from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
+from app.core.router import choose_engine
+from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
+from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
+from app.lanes.base import LaneName, Lanes
+from app.runtime.context import Agent, AttemptOutcome
+from app.runtime.ports import AttemptSource, Trainer
+from app.sandboxes.base import ExecResult, Sandbox
+from app.tasks.spec import TaskSpec
+
+log = logging.getLogger(__name__)
+
+AttemptKey = tuple[int, int]
+
+
+@dataclass
+class BatchRecord:
+    index: int
+    requested_at: float
+    delivered_at: float
+    ready_at: float
+    trainer_version: int
+    max_staleness: int
+    mean_reward: float
+
+
+@dataclass
+class EngineRecord:
+    turns: int = 0
+    tokens: int = 0
+    updates: int = 0
+    busy_s: float = 0.0
+    versions: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass
+class RunState:
+    """What the runtime measured; the report is built from this and the scheduler's own accounts."""
+
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    batches: list[BatchRecord] = field(default_factory=list)
+    engines: dict[str, EngineRecord] = field(default_factory=dict)
+    tokens: int = 0
+    turns: int = 0
+    attempt_time: dict[AttemptKey, float] = field(default_factory=dict)
+    restarted_time: float = 0.0
+    restarted_trajectories: int = 0
+    max_engines_updating: int = 0
+    update_log: list[tuple[float, str, int, str]] = field(default_factory=list)
+    trainer_wait_s: float = 0.0
+
+
+class _EnginePool:
+    """Engines with a fixed number of slots each; turns wait in FIFO order for a routable slot."""
+
+    def __init__(self, engines: Sequence[Engine], slots: int, plan: UpdatePlan) -> None:
+        self.by_name = {e.name: e for e in engines}
+        self.slots = slots
+        self.plan = plan
+        self.active = dict.fromkeys(self.by_name, 0)
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._drain: dict[str, list[asyncio.Future[None]]] = {name: [] for name in self.by_name}
+
+    async def acquire(self) -> Engine:
+        loop = asyncio.get_running_loop()
+        while True:
+            name = choose_engine(self.active, self.slots, self.plan.routable)
+            if name is not None and not self._waiters:
+                self.active[name] += 1
+                return self.by_name[name]
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.wake()  # pass the wake-up we were given on to the next waiter
+                else:
+                    self._waiters.remove(waiter)
+                raise
+            # Woken: our turn at the head. Take a slot directly if one is routable.
+            name = choose_engine(self.active, self.slots, self.plan.routable)
+            if name is not None:
+                self.active[name] += 1
+                self.wake()
+                return self.by_name[name]
+
+    def release(self, engine: Engine) -> None:
+        self.active[engine.name] -= 1
+        if self.active[engine.name] == 0:
+            for fut in self._drain[engine.name]:
+                if not fut.done():
+                    fut.set_result(None)
+            self._drain[engine.name].clear()
+        self.wake()
+
+    def wake(self) -> None:
+        if choose_engine(self.active, self.slots, self.plan.routable) is None:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def drained(self, name: str) -> None:
+        if self.active[name] == 0:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drain[name].append(fut)
+        await fut
+
+
+class _AttemptContext:
+    """The agent's window onto the runtime for one attempt (see app.runtime.context)."""
+
+    def __init__(self, runtime: Runtime, key: AttemptKey, task: TaskSpec | None, sandbox: Sandbox) -> None:
+        self._rt = runtime
+        self._key = key
+        self.attempt_id = f"g{key[0]}a{key[1]}"
+        self.task = task
+        self.sandbox = sandbox
+
+    def now(self) -> float:
+        return self._rt.now()
+
+    async def generate(self, request: TurnRequest) -> TurnResult:
+        return await self._rt.generate(self._key, request)
+
+    async def reset(self) -> ExecResult:
+        task = self.task
+        if task is None:
+            raise RuntimeError(f"{self.attempt_id}: this attempt has no task to reset from")
+        return await self._rt.lanes.run(LaneName.RESET, lambda slot: self.sandbox.reset(task, slot.cpus))
+
+    async def exec(self, command: str, timeout_s: float) -> ExecResult:
+        return await self._rt.lanes.run(
+            LaneName.EXEC, lambda slot: self.sandbox.exec(command, timeout_s, slot.cpus)
+        )
+
+    async def validate(self) -> float:
+        return await self._rt.lanes.run(LaneName.VALIDATE, lambda slot: self.sandbox.validate(slot.cpus))
+
+
+class Runtime:
+    """Drives one collection run: admission, attempts, batches, trainer steps and weight publication."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        engines: Sequence[Engine],
+        engine_slots: int,
+        lanes: Lanes,
+        source: AttemptSource,
+        trainer: Trainer,
+        on_event: Callable[[str, dict[str, object]], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.scheduler = Scheduler(policy)
+        self.plan = UpdatePlan([e.name for e in engines], policy.rolling_updates, policy.max_updating_engines)
+        self.pool = _EnginePool(engines, engine_slots, self.plan)
+        self.lanes = lanes
+        self.source = source
+        self.trainer = trainer
+        self.state = RunState(engines={e.name: EngineRecord() for e in engines})
+        self._on_event = on_event
+        self._tg: asyncio.TaskGroup | None = None
+        self._attempts: dict[AttemptKey, asyncio.Task[None]] = {}
+        self._attempt_started: dict[AttemptKey, float] = {}
+        self._group_tasks: dict[int, list[AttemptKey]] = {}
+        self._batch_waiter: asyncio.Future[DeliverBatch] | None = None
+        self._weights: dict[int, str | None] = {0: None}
+        self._version = 0
+        self._stopping = False
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def run(self, batches: int | None = None, duration_s: float | None = None) -> RunState:
+        if batches is None and duration_s is None:
+            raise ValueError("a run needs a number of batches or a duration")
+        self.state.started_at = self.now()
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._apply(self.scheduler.on_start(self.now()))
+            await self._trainer_loop(batches, duration_s)
+            self._stopping = True
+            self._apply(self.scheduler.on_stop(self.now()))
+        self.state.ended_at = self.now()
+        return self.state
+
+    async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = None if duration_s is None else self.state.started_at + duration_s
+        n = 0
+        while batches is None or n < batches:
+            requested = self.now()
+            self._batch_waiter = loop.create_future()
+            self._apply(self.scheduler.on_batch_requested(requested))
+            if deadline is None:
+                batch = await self._batch_waiter
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        batch = await self._batch_waiter
+                except TimeoutError:
+                    self.state.trainer_wait_s += self.now() - requested
+                    return
+            delivered = self.now()
+            self.state.trainer_wait_s += delivered - requested
+            self._record_batch(batch, requested, delivered)
+            self._version += 1
+            path = await self.trainer.step(batch, self._version)
+            self._weights[self._version] = path
+            self._apply(self.scheduler.on_version_published(self._version, self.now()))
+            self._do_updates(self.plan.on_publish(self._version))
+            n += 1
+            if deadline is not None and self.now() >= deadline:
+                return
+
+    def _record_batch(self, batch: DeliverBatch, requested: float, delivered: float) -> None:
+        groups = [self.scheduler.group_of(g.group_id) for g in batch.groups]
+        ready = max(g.completed_at or delivered for g in groups)
+        rewards = [r for g in batch.groups for r in g.rewards]
+        self.state.batches.append(
+            BatchRecord(
+                index=batch.index,
+                requested_at=requested,
+                delivered_at=delivered,
+                ready_at=ready,
+                trainer_version=batch.trainer_version,
+                max_staleness=max(g.staleness for g in batch.groups),
+                mean_reward=sum(rewards) / len(rewards),
+            )
+        )
+        self._emit("batch", {"index": batch.index, "wait_s": delivered - requested})
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        for decision in decisions:
+            if isinstance(decision, StartGroup):
+                keys = [(decision.group_id, i) for i in range(decision.group_size)]
+                self._group_tasks[decision.group_id] = keys
+                for key in keys:
+                    self._start_attempt(key, decision.task_index)
+                self._emit("group_admitted", {"group": decision.group_id})
+            elif isinstance(decision, CancelGroup):
+                for key in self._group_tasks.pop(decision.group_id, []):
+                    task = self._attempts.pop(key, None)
+                    if task is not None:
+                        self._close_attempt_time(key)
+                        task.cancel()
+                self._emit("group_discarded", {"group": decision.group_id, "reason": decision.reason.value})
+            elif isinstance(decision, DeliverBatch):
+                if self._batch_waiter is None or self._batch_waiter.done():
+                    raise RuntimeError("the scheduler delivered a batch nobody asked for")
+                self._batch_waiter.set_result(decision)
+
+    def _start_attempt(self, key: AttemptKey, task_index: int) -> None:
+        assert self._tg is not None
+        agent, task, sandbox = self.source.make_attempt(key[0], task_index, key[1])
+        self._attempt_started[key] = self.now()
+        self._attempts[key] = self._tg.create_task(self._run_attempt(key, task_index, agent, task, sandbox))
+
+    def _close_attempt_time(self, key: AttemptKey) -> float:
+        spent = self.now() - self._attempt_started.pop(key, self.now())
+        self.state.attempt_time[key] = self.state.attempt_time.get(key, 0.0) + spent
+        return spent
+
+    async def _run_attempt(
+        self, key: AttemptKey, task_index: int, agent: Agent, task: TaskSpec | None, sandbox: Sandbox
+    ) -> None:
+        ctx = _AttemptContext(self, key, task, sandbox)
+        try:
+            try:
+                outcome = await agent.run(ctx)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # fault tolerance: an infrastructure error fails the group, not the run
+                log.warning("attempt %s failed: %r", ctx.attempt_id, exc)
+                outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            assert self._tg is not None
+            self._tg.create_task(self._cleanup(sandbox))
+        if self._attempts.get(key) is asyncio.current_task():
+            del self._attempts[key]
+            self._close_attempt_time(key)
+        self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))
+
+    async def _cleanup(self, sandbox: Sandbox) -> None:
+        try:
+            await self.lanes.run(LaneName.CLEANUP, lambda slot: sandbox.cleanup(slot.cpus))
+        except Exception as exc:  # a failed cleanup must not end the run; it is logged with context
+            log.warning("sandbox cleanup failed: %r", exc)
+
+    async def generate(self, key: AttemptKey, request: TurnRequest) -> TurnResult:
+        engine = await self.pool.acquire()
+        started = self.now()
+        try:
+            result = await engine.generate(request)
+        finally:
+            record = self.state.engines[engine.name]
+            record.busy_s += self.now() - started
+            self.pool.release(engine)
+        record.turns += 1
+        record.tokens += result.tokens
+        self.state.turns += 1
+        self.state.tokens += result.tokens
+        self._apply(self.scheduler.on_turn(key[0], key[1], result.weight_version, self.now()))
+        return result
+
+    # -- weight publication --------------------------------------------------------------------
+
+    def _do_updates(self, actions: list[UpdateAction]) -> None:
+        assert self._tg is not None
+        for action in actions:
+            if isinstance(action, RestartInFlight):
+                self._restart_in_flight()
+            elif isinstance(action, BeginUpdate):
+                self._tg.create_task(self._update_engine(action))
+        self.state.max_engines_updating = max(self.state.max_engines_updating, len(self.plan.updating))
+
+    def _restart_in_flight(self) -> None:
+        for key, task in list(self._attempts.items()):
+            task.cancel()
+            self.state.restarted_time += self._close_attempt_time(key)
+            self.state.restarted_trajectories += 1
+            self._apply(self.scheduler.on_attempt_restarted(key[0], key[1], self.now()))
+            self._start_attempt(key, self.scheduler.group_of(key[0]).task_index)
+
+    async def _update_engine(self, action: BeginUpdate) -> None:
+        engine = self.pool.by_name[action.engine]
+        mode = PauseMode(self.policy.pause_mode.value) if self.plan.rolling else PauseMode.ABORT
+        self.state.update_log.append((self.now(), engine.name, action.version, "begin"))
+        await engine.pause(mode)
+        if mode is PauseMode.WAIT:
+            await self.pool.drained(engine.name)
+        await engine.publish_weights(action.version, self._weights.get(action.version))
+        await engine.resume()
+        record = self.state.engines[engine.name]
+        record.updates += 1
+        record.versions.append((self.now(), action.version))
+        self.state.update_log.append((self.now(), engine.name, action.version, "end"))
+        self._emit("engine_updated", {"engine": engine.name, "version": action.version})
+        if not self._stopping:
+            self._do_updates(self.plan.on_updated(engine.name))
+        else:
+            self.plan.on_updated(engine.name)
+        self.pool.wake()
+
+    def _emit(self, kind: str, data: dict[str, object]) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, data)
+
+
+__all__ = ["PauseModeName", "Runtime", "RunState"]

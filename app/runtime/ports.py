@@ -1,0 +1,26 @@
+"""Ports the runtime drives besides engines, sandboxes and lanes: where attempts come from, and the
+trainer that consumes batches and publishes weights."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from app.core.scheduler import DeliverBatch
+    from app.runtime.context import Agent
+    from app.sandboxes.base import Sandbox
+    from app.tasks.spec import TaskSpec
+
+
+class AttemptSource(Protocol):
+    """Builds one attempt of a group: its agent, its task and its sandbox."""
+
+    def make_attempt(
+        self, group_id: int, task_index: int, attempt: int
+    ) -> tuple[Agent, TaskSpec | None, Sandbox]: ...
+
+
+class Trainer(Protocol):
+    async def step(self, batch: DeliverBatch, version: int) -> str | None:
+        """Train on `batch`, producing policy `version`; return its weights directory, if any."""
+        ...

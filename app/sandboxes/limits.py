@@ -1,0 +1,226 @@
+"""Resource limits for local sandbox processes: rlimits, a pids cgroup, and a dedicated uid.
+
+Invariants:
+- `ResourceLimits.apply_rlimits` only calls setrlimit, so it is safe in a preexec_fn; a limit of None
+  leaves the inherited value.
+- The process-count limit holds only where something enforces it: a per-sandbox pids cgroup
+  (`PidsGroup`, cgroup v1 `pids` hierarchy or v2 `pids.max`), or RLIMIT_NPROC on a uid that no one
+  else uses (`UidPool`). RLIMIT_NPROC is ignored for root, so as root the sandbox drops to its uid.
+- A uid is claimed by exactly one live sandbox at a time (an O_EXCL claim file naming the owner pid);
+  a claim whose owner is dead may be taken over. Killing "every process of the uid" therefore only
+  hits that sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.sandboxes.cpuset import CGROUP_ROOT, GROUP_PREFIX
+
+
+class SandboxLimitError(RuntimeError):
+    """A limit was asked for but cannot be set up on this host."""
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    cpu_time_s: int | None = 600  # RLIMIT_CPU, per process; SIGXCPU at the limit, SIGKILL 1 s later
+    memory_bytes: int | None = 4 << 30  # RLIMIT_AS, per process (virtual address space)
+    max_procs: int | None = 512  # pids cgroup pids.max and RLIMIT_NPROC of the sandbox uid
+    file_size_bytes: int | None = 1 << 30  # RLIMIT_FSIZE; SIGXFSZ / EFBIG beyond it
+    open_files: int | None = 4096  # RLIMIT_NOFILE
+
+    def apply_rlimits(self, *, nproc: bool) -> None:
+        """Set the rlimits on the calling process (meant for a preexec_fn)."""
+        if self.cpu_time_s is not None:
+            resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_time_s, self.cpu_time_s + 1))
+        if self.memory_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
+        if self.file_size_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_bytes, self.file_size_bytes))
+        if self.open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
+        if nproc and self.max_procs is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
+
+
+def _pids_parent(root: Path) -> tuple[Path, str] | None:
+    """The writable place for per-sandbox pids groups, or None when there is none."""
+    v1 = root / "pids"
+    if os.access(v1 / "cgroup.procs", os.W_OK):
+        return v1 / GROUP_PREFIX, "cgroup1"
+    controllers = (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").exists() else []
+    if "pids" in controllers and os.access(root / "cgroup.subtree_control", os.W_OK):
+        return root / GROUP_PREFIX, "cgroup2"
+    return None
+
+
+class PidsGroup:
+    """One sandbox's pids cgroup: caps its process count and finds every process it ever started.
+
+    Children of the group are per-exec groups, so a timed-out exec can be killed with all its
+    descendants (even those that called setsid) without touching the sandbox's other processes.
+    """
+
+    def __init__(self, path: Path, version: str) -> None:
+        self.path = path
+        self.version = version
+
+    @classmethod
+    def create(cls, name: str, max_procs: int | None, root: Path = CGROUP_ROOT) -> PidsGroup | None:
+        """Make the group, or return None when no pids cgroup is writable here."""
+        found = _pids_parent(root)
+        if found is None:
+            return None
+        parent, version = found
+        try:
+            if version == "cgroup2":
+                _enable_controller(root, "pids")
+                parent.mkdir(exist_ok=True)
+                _enable_controller(parent, "pids")
+            else:
+                parent.mkdir(exist_ok=True)
+            path = parent / name
+            path.mkdir(exist_ok=True)
+            if version == "cgroup2":
+                _enable_controller(path, "pids")
+            if max_procs is not None:
+                (path / "pids.max").write_text(str(max_procs))
+        except OSError:
+            # e.g. a v2 container root that holds processes and so cannot enable controllers.
+            return None
+        return cls(path, version)
+
+    def child(self, name: str) -> Path:
+        """A per-exec leaf group (created now); the limit of `self` still applies to it."""
+        leaf = self.path / name
+        leaf.mkdir(exist_ok=True)
+        return leaf
+
+    @staticmethod
+    def join(leaf: Path, pid: int) -> None:
+        """Only syscalls: usable in a preexec_fn."""
+        fd = os.open(leaf / "cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, str(pid).encode())
+        finally:
+            os.close(fd)
+
+    def pids(self, group: Path | None = None) -> list[int]:
+        found: list[int] = []
+        for procs in (group or self.path).rglob("cgroup.procs"):
+            with contextlib.suppress(FileNotFoundError):
+                found.extend(int(line) for line in procs.read_text().split())
+        return found
+
+    def kill_all(self, group: Path | None = None) -> int:
+        """SIGKILL every process in the group (and its children groups); returns how many were sent."""
+        target = group or self.path
+        kill_file = target / "cgroup.kill"
+        if kill_file.exists():
+            kill_file.write_text("1")
+            return -1
+        sent = 0
+        # A process may fork between reading the list and the kill; a few rounds catch those.
+        for _ in range(20):
+            pids = self.pids(target)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    sent += 1
+        return sent
+
+    @staticmethod
+    def remove_leaf(leaf: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            leaf.rmdir()
+
+    def remove(self) -> None:
+        """Remove the per-exec leaves and the group; they must be empty (call `kill_all` first)."""
+        if not self.path.exists():
+            return
+        for leaf in sorted((p for p in self.path.iterdir() if p.is_dir()), reverse=True):
+            _rmdir_retry(leaf)
+        _rmdir_retry(self.path)
+
+
+def _rmdir_retry(path: Path) -> None:
+    # A killed process leaves the group only once the kernel has reaped it; that takes a moment.
+    for _ in range(100):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            time.sleep(0.01)
+    raise SandboxLimitError(f"cgroup {path} still busy after its processes were killed")
+
+
+def _enable_controller(group: Path, controller: str) -> None:
+    control = group / "cgroup.subtree_control"
+    if controller not in control.read_text().split():
+        control.write_text(f"+{controller}")
+
+
+class UidPool:
+    """Hands out uids from [base, base + span), one per live sandbox, through claim files in `claims`."""
+
+    def __init__(self, base: int, span: int, claims: Path) -> None:
+        if base <= 0 or span <= 0:
+            raise SandboxLimitError(f"uid range must be positive, got base={base} span={span}")
+        self.base = base
+        self.span = span
+        self.claims = claims
+
+    def claim(self, hint: int) -> int:
+        self.claims.mkdir(parents=True, exist_ok=True)
+        for i in range(self.span):
+            uid = self.base + (hint + i) % self.span
+            path = self.claims / str(uid)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                if _owner_alive(path):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return uid
+        raise SandboxLimitError(f"all {self.span} sandbox uids from {self.base} are claimed ({self.claims})")
+
+    def release(self, uid: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.claims / str(uid)).unlink()
+
+
+def _owner_alive(path: Path) -> bool:
+    try:
+        owner = int(path.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return True  # being written right now, or unreadable: leave it alone
+    if owner <= 0:
+        return True
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,170 @@
+"""Simulated engines, sandboxes, agent and trainer: the ports the production runtime drives, on
+virtual time and simulated CPU pools (see app.sim.cpu for the CPU model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.core.scheduler import DeliverBatch
+from app.engines.base import PauseMode, TurnRequest, TurnResult
+from app.runtime.context import Agent, AttemptContext, AttemptOutcome
+from app.sandboxes.base import ExecResult, Sandbox
+from app.sim.cpu import CpuPool, Stream
+from app.sim.workload import Trajectory, TrajectorySource, Workload
+from app.tasks.spec import TaskSpec
+
+
+class SimInfraError(RuntimeError):
+    """A simulated infrastructure failure (the sandbox died)."""
+
+
+class SimEngine:
+    """An engine whose turns take `llm_s` of work on its CPU pool; paused with `keep`, they freeze."""
+
+    def __init__(self, name: str, pool: CpuPool, update_s: float, tokens_per_s: float, demand: float) -> None:
+        self.name = name
+        self._stream: Stream = pool.stream(name)
+        self._pool = pool
+        self._update_s = update_s
+        self._tokens_per_s = tokens_per_s
+        self._demand = demand
+        self._version = 0
+        self._active = 0
+
+    async def generate(self, request: TurnRequest) -> TurnResult:
+        version = self._version
+        llm_s = float(request.meta.get("llm_s", 0.0))
+        if self._active == 0:
+            self._pool.change_demand(self._demand)
+        self._active += 1
+        try:
+            await self._stream.run(llm_s)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._pool.change_demand(-self._demand)
+        return TurnResult(text="", weight_version=version, tokens=max(1, round(llm_s * self._tokens_per_s)))
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode is PauseMode.KEEP:
+            self._stream.set_factor(0.0)
+
+    async def resume(self) -> None:
+        self._stream.set_factor(1.0)
+
+    async def publish_weights(self, version: int, path: str | None) -> None:
+        await asyncio.sleep(self._update_s)
+        self._version = version
+
+    async def weight_version(self) -> int:
+        return self._version
+
+    async def health(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        return None
+
+
+class SimSandbox:
+    """Sandbox operations cost the drawn durations as CPU work in the pool of the lane running them."""
+
+    def __init__(self, trajectory: Trajectory, pools: dict[tuple[int, ...] | None, Stream], demand: float) -> None:
+        self.trajectory = trajectory
+        self._pools = pools
+        self._demand = demand
+        self._turn = 0
+
+    async def _work(self, seconds: float, cpus: Sequence[int] | None) -> None:
+        await self._pools[tuple(cpus) if cpus is not None else None].run(seconds, self._demand)
+
+    async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
+        await self._work(self.trajectory.reset_s, cpus)
+        return ExecResult(exit_code=0, output="")
+
+    async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
+        turn = self.trajectory.turns[min(self._turn, len(self.trajectory.turns) - 1)]
+        self._turn += 1
+        await self._work(turn.tool_s, cpus)
+        return ExecResult(exit_code=0, output="")
+
+    async def validate(self, cpus: Sequence[int] | None = None) -> float:
+        await self._work(self.trajectory.validate_s, cpus)
+        if self.trajectory.infra_error:
+            raise SimInfraError("sandbox lost during validation")
+        return self.trajectory.reward
+
+    async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
+        await self._work(self.trajectory.cleanup_s, cpus)
+
+
+class SimAgent:
+    """Plays a drawn trajectory: reset, turns of engine time then tool time, capped, then validation."""
+
+    def __init__(self, trajectory: Trajectory) -> None:
+        self.trajectory = trajectory
+
+    async def run(self, ctx: AttemptContext) -> AttemptOutcome:
+        await ctx.reset()
+        turns = 0
+        timed_out = False
+        try:
+            async with asyncio.timeout(self.trajectory.timeout_s):
+                for turn in self.trajectory.turns:
+                    await ctx.generate(TurnRequest(prompt="", meta={"llm_s": turn.llm_s}))
+                    await ctx.exec("", turn.tool_s + 1.0)
+                    turns += 1
+        except TimeoutError:
+            timed_out = True
+        reward = await ctx.validate()
+        return AttemptOutcome(reward=reward, turns=turns, timed_out=timed_out)
+
+
+class SimTrainer:
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    async def step(self, batch: DeliverBatch, version: int) -> str | None:
+        await asyncio.sleep(self.step_s)
+        return None
+
+
+_SIM_TASK = TaskSpec(name="sim", instruction="", root=Path("."), validation="true")
+
+
+class SimSource:
+    """Attempts for the runtime, built from seeded trajectory draws."""
+
+    def __init__(
+        self, trajectories: TrajectorySource, pools: dict[tuple[int, ...] | None, Stream], demand: float
+    ) -> None:
+        self.trajectories = trajectories
+        self._pools = pools
+        self._demand = demand
+
+    def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Agent, TaskSpec | None, Sandbox]:
+        trajectory = self.trajectories.trajectory(task_index, attempt)
+        return SimAgent(trajectory), _SIM_TASK, SimSandbox(trajectory, self._pools, self._demand)
+
+
+def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:
+    """Give each lane whole cores, in proportion to its slots, from the cores left after serving."""
+    slots = workload.lanes.slots()
+    first = workload.cpus.serving
+    free = workload.cpus.total - first
+    if free < len(slots):
+        raise ValueError(f"cpus: {free} cores left after serving, but the 4 lanes need at least one each")
+    total_slots = sum(slots.values())
+    shares = {lane: max(1, int(free * n / total_slots)) for lane, n in slots.items()}
+    while sum(shares.values()) > free:
+        biggest = max(shares, key=lambda lane: shares[lane])
+        shares[biggest] -= 1
+    leftover = free - sum(shares.values())
+    shares["exec"] += leftover
+    split: dict[str, tuple[int, ...]] = {}
+    for lane, n in shares.items():
+        split[lane] = tuple(range(first, first + n))
+        first += n
+    return split

@@ -1,0 +1,34 @@
+"""A clairvoyant lower bound on mean batch collection time, for the same workload and resources.
+
+Let D_n be the time batch n is delivered, s the trainer step and d_g a group's uncontended duration
+(its slowest attempt on an idle machine). By D_n, n·B groups have completed, so:
+- order statistic: D_n ≥ the (n·B)-th smallest d_g among admitted groups;
+- capacity: at most B + S groups are live at once and each delivered group was live for at least d_g,
+  so D_n ≥ (sum of the n·B smallest d_g) / (B + S).
+Collection times add up to D_n minus the n − 1 trainer steps between deliveries, so the mean over N
+batches is at least max over n of (max(order, capacity) − (n − 1)·s) / N.
+
+Contention, queueing, restarts and pauses only add time, so no policy can beat this bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def lower_bound_s(
+    admitted_durations: Sequence[float], batches: int, groups_per_batch: int, max_live: int, step_s: float
+) -> float:
+    if batches <= 0:
+        return 0.0
+    durations = sorted(admitted_durations)
+    best = 0.0
+    prefix = 0.0
+    for i, d in enumerate(durations):
+        prefix += d
+        n, rem = divmod(i + 1, groups_per_batch)
+        if rem or n > batches:
+            continue
+        bound = max(d, prefix / max_live) - (n - 1) * step_s
+        best = max(best, bound / batches)
+    return best

@@ -1,0 +1,95 @@
+"""Run the production runtime and scheduler on virtual time against a workload.
+
+`simulate` builds the simulated ports for one policy and returns the report; `bench` runs the ablation
+ladder and the sweeps on the same seeded draws.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from app.core.config import PolicyConfig, PolicyName
+from app.lanes.base import LaneName
+from app.lanes.inprocess import InProcessLanes
+from app.runtime.driver import Runtime
+from app.runtime.report import build_report
+from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
+from app.sim.bound import lower_bound_s
+from app.sim.clock import run_virtual
+from app.sim.cpu import CpuPool, Stream
+from app.sim.workload import TrajectorySource, Workload
+
+Progress = Callable[[int], None]
+
+
+def policy_for(workload: Workload, name: str, **overrides: Any) -> PolicyConfig:
+    base: dict[str, Any] = {
+        "groups_per_batch": workload.batch.groups,
+        "group_size": workload.batch.group_size,
+        "surplus_groups": workload.policy.surplus_groups,
+        "max_staleness": workload.policy.max_staleness,
+    }
+    return PolicyConfig.ladder(name, **{**base, **overrides})
+
+
+def simulate(
+    workload: Workload,
+    policy: PolicyConfig,
+    name: str,
+    on_batch: Progress | None = None,
+    trajectories: TrajectorySource | None = None,
+) -> dict[str, Any]:
+    """Simulate `workload.batches` trainer steps under `policy`; return the run report."""
+    wall = time.perf_counter()
+    source = trajectories or TrajectorySource(workload)
+    cpus = workload.cpus
+    split = lane_cpu_split(workload)
+    streams: dict[tuple[int, ...] | None, Stream] = {}
+    if policy.pinned_lanes:
+        serving = CpuPool("serving", cpus.serving)
+        for lane, ids in split.items():
+            streams[ids] = CpuPool(lane, len(ids)).stream(lane)
+    else:
+        serving = CpuPool("shared", cpus.total)
+        streams[None] = serving.stream("sandboxes")
+    engines = [
+        SimEngine(f"engine-{i}", serving, workload.engines.update_s, workload.engines.tokens_per_s, cpus.engine_demand)
+        for i in range(workload.engines.count)
+    ]
+    slots = workload.lanes.slots()
+    lanes = InProcessLanes(
+        concurrency={LaneName(k): v for k, v in slots.items()},
+        cpus={LaneName(k): v for k, v in split.items()},
+        pinned=policy.pinned_lanes,
+    )
+
+    def on_event(kind: str, data: dict[str, object]) -> None:
+        if kind == "batch" and on_batch is not None:
+            on_batch(int(str(data["index"])) + 1)
+
+    runtime = Runtime(
+        policy=policy,
+        engines=engines,
+        engine_slots=workload.engines.slots,
+        lanes=lanes,
+        source=SimSource(source, streams, cpus.sandbox_demand),
+        trainer=SimTrainer(workload.trainer.step_s),
+        on_event=on_event,
+    )
+    state = run_virtual(runtime.run(batches=workload.batches))
+    admitted = [g.task_index for g in runtime.scheduler.groups.values()]
+    bound = lower_bound_s(
+        [source.group_duration(t) for t in admitted],
+        len(state.batches),
+        policy.groups_per_batch,
+        policy.groups_per_batch + policy.surplus_groups,
+        workload.trainer.step_s,
+    )
+    report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)
+    report["policy_config"] = policy.model_dump(mode="json")
+    return report
+
+
+LADDER = [PolicyName.SYNC, PolicyName.COMPLETION, PolicyName.LANES, PolicyName.FULL]

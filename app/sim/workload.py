@@ -1,0 +1,406 @@
+"""Workload specs: what the simulator draws trajectories from.
+
+The field names are a contract (other tools write these files). Every field has a default; a field
+that a trace supplies is not needed when `trace` is given. A distribution is a number,
+`{lognormal: {median, p90}}`, `{uniform: [lo, hi]}` or `{empirical: [...]}`.
+
+Draws are keyed by (seed, group, attempt), never by the order in which a policy asks for them, so every
+policy in a ladder sees exactly the same trajectories.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Z90 = 1.2815515655446004  # the standard normal's 90th percentile
+
+
+class WorkloadError(ValueError):
+    """A workload file or trace is unusable; the message names the field or line."""
+
+
+class Lognormal(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    median: float = Field(gt=0)
+    p90: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _p90_above_median(self) -> Lognormal:
+        if self.p90 < self.median:
+            raise ValueError(f"p90 ({self.p90}) must be ≥ median ({self.median})")
+        return self
+
+
+class Dist(BaseModel):
+    """One of: a constant, a lognormal by median and p90, a uniform range, or empirical samples."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    constant: float | None = Field(None, ge=0)
+    lognormal: Lognormal | None = None
+    uniform: tuple[float, float] | None = None
+    empirical: tuple[float, ...] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_number(cls, data: Any) -> Any:
+        if isinstance(data, bool):
+            raise ValueError("a distribution is a number or a mapping, not a boolean")
+        if isinstance(data, int | float):
+            return {"constant": data}
+        return data
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Dist:
+        given = [k for k in ("constant", "lognormal", "uniform", "empirical") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of: a number, lognormal, uniform, empirical")
+        if self.uniform is not None and not 0 <= self.uniform[0] <= self.uniform[1]:
+            raise ValueError(f"uniform needs 0 ≤ lo ≤ hi, got {list(self.uniform)}")
+        if self.empirical is not None and (not self.empirical or min(self.empirical) < 0):
+            raise ValueError("empirical needs a non-empty list of non-negative samples")
+        return self
+
+    def draw(self, rng: random.Random, scale: float = 1.0) -> float:
+        if self.constant is not None:
+            return self.constant * scale
+        if self.lognormal is not None:
+            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
+            return self.lognormal.median * scale * math.exp(rng.gauss(0.0, sigma))
+        if self.uniform is not None:
+            return rng.uniform(*self.uniform) * scale
+        assert self.empirical is not None
+        return rng.choice(self.empirical) * scale
+
+    def mean(self) -> float:
+        if self.constant is not None:
+            return self.constant
+        if self.lognormal is not None:
+            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
+            return self.lognormal.median * math.exp(sigma * sigma / 2)
+        if self.uniform is not None:
+            return sum(self.uniform) / 2
+        assert self.empirical is not None
+        return sum(self.empirical) / len(self.empirical)
+
+
+def _ln(median: float, p90: float) -> Dist:
+    return Dist(lognormal=Lognormal(median=median, p90=p90))
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchSpec(Strict):
+    groups: int = Field(32, ge=1, description="B: groups per trainer batch")
+    group_size: int = Field(8, ge=2, description="G: attempts per task")
+
+
+class TrainerSpec(Strict):
+    step_s: float = Field(5.0, ge=0, description="seconds per trainer step (sentinel-tensor scale)")
+
+
+class PolicySpec(Strict):
+    surplus_groups: int = Field(32, ge=0, description="S")
+    max_staleness: int = Field(4, ge=0, description="K")
+
+
+class EnginesSpec(Strict):
+    count: int = Field(8, ge=1, description="serving engines")
+    slots: int = Field(64, ge=1, description="concurrent sequences per engine")
+    update_s: float = Field(20.0, ge=0, description="seconds to load a new policy version")
+    tokens_per_s: float = Field(40.0, gt=0, description="decode tokens per second per sequence")
+
+
+class CpusSpec(Strict):
+    total: int = Field(128, ge=2, description="cores on the rollout hosts")
+    serving: int = Field(32, ge=1, description="cores reserved for serving when lanes are pinned")
+    engine_demand: float = Field(4.0, ge=0, description="cores a busy engine's serving loop uses")
+    sandbox_demand: float = Field(1.0, ge=0, description="cores one running sandbox operation uses")
+
+    @model_validator(mode="after")
+    def _serving_leaves_room(self) -> CpusSpec:
+        if self.serving >= self.total:
+            raise ValueError(f"serving ({self.serving}) must leave cores for the lanes (total {self.total})")
+        return self
+
+
+class LanesSpec(Strict):
+    """Concurrent slots per lane. Each lane gets cores in proportion to its slots."""
+
+    reset: int = Field(32, ge=1)
+    exec: int = Field(48, ge=1)
+    validate_: int = Field(24, ge=1, alias="validate")
+    cleanup: int = Field(8, ge=1)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def slots(self) -> dict[str, int]:
+        return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
+
+
+class TrajectorySpec(Strict):
+    reset_s: Dist = Field(default_factory=lambda: _ln(7, 40), description="sandbox set-up")
+    turns: Dist = Field(default_factory=lambda: _ln(18, 36), description="agent turns per attempt")
+    llm_s: Dist = Field(default_factory=lambda: _ln(9, 18), description="engine time per turn")
+    tool_s: Dist = Field(default_factory=lambda: _ln(2.5, 10), description="tool-call time per turn")
+    validate_s: Dist = Field(default_factory=lambda: _ln(5, 30), description="tests for the reward")
+    cleanup_s: Dist = Field(default_factory=lambda: _ln(13, 17), description="sandbox teardown")
+    timeout_s: float = Field(660.0, gt=0, description="cap on the agent phase (turns)")
+    task_spread: float = Field(0.6, ge=0, description="log-sd of a per-task difficulty factor")
+    attempt_spread: float = Field(0.15, ge=0, description="log-sd of a per-attempt speed factor")
+    p_success: float = Field(0.5, ge=0, le=1, description="reward-1 probability of a task of difficulty 1")
+    p_infra_error: float = Field(0.0, ge=0, le=1, description="chance an attempt dies of an infra error")
+
+
+class TraceSpec(Strict):
+    path: Path
+    llm_fraction: float = Field(0.6, ge=0, le=1, description="share of agent time spent on the engine")
+
+
+class Workload(Strict):
+    seed: int = 0
+    batches: int = Field(12, ge=1, description="trainer steps")
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    engines: EnginesSpec = Field(default_factory=EnginesSpec)
+    cpus: CpusSpec = Field(default_factory=CpusSpec)
+    lanes: LanesSpec = Field(default_factory=LanesSpec)
+    trajectory: TrajectorySpec = Field(default_factory=TrajectorySpec)
+    trace: TraceSpec | None = None
+
+    @field_validator("trace", mode="before")
+    @classmethod
+    def _trace_path(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"path": value}
+        return value
+
+
+@dataclass(frozen=True)
+class Turn:
+    llm_s: float
+    tool_s: float
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One attempt, fully drawn: what it would take on an idle machine."""
+
+    reset_s: float
+    turns: tuple[Turn, ...]
+    validate_s: float
+    cleanup_s: float
+    timeout_s: float
+    reward: float
+    infra_error: bool = False
+
+    @property
+    def agent_s(self) -> float:
+        return min(self.timeout_s, sum(t.llm_s + t.tool_s for t in self.turns))
+
+    @property
+    def duration_s(self) -> float:
+        """Uncontended time from admission to reward (cleanup runs after, off the critical path)."""
+        return self.reset_s + self.agent_s + self.validate_s
+
+    @property
+    def llm_work_s(self) -> float:
+        """Engine time within the agent time cap."""
+        left, total = self.timeout_s, 0.0
+        for turn in self.turns:
+            if left <= 0:
+                break
+            total += min(turn.llm_s, left)
+            left -= turn.llm_s + turn.tool_s
+        return total
+
+
+@dataclass(frozen=True)
+class TraceAttempt:
+    task: str
+    reset_s: float
+    agent_s: float
+    validate_s: float
+    cleanup_s: float
+    reward: float
+    turns: tuple[Turn, ...] | None
+
+
+class TrajectorySource:
+    """Seeded trajectory draws for a workload, from its distributions or from a recorded trace."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self._trace: dict[str, list[TraceAttempt]] | None = None
+        self._trace_tasks: list[str] = []
+        if workload.trace is not None:
+            self._trace = load_trace(workload.trace.path)
+            self._trace_tasks = sorted(self._trace)
+        self._cache: dict[tuple[int, int], Trajectory] = {}
+
+    def trajectory(self, group: int, attempt: int) -> Trajectory:
+        key = (group, attempt)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._draw(group, attempt)
+            self._cache[key] = found
+        return found
+
+    def group_duration(self, group: int) -> float:
+        size = self.workload.batch.group_size
+        return max(self.trajectory(group, a).duration_s for a in range(size))
+
+    def group_llm_work(self, group: int) -> float:
+        size = self.workload.batch.group_size
+        return sum(self.trajectory(group, a).llm_work_s for a in range(size))
+
+    def _rng(self, *key: int) -> random.Random:
+        return random.Random(":".join(str(k) for k in (self.workload.seed, *key)))
+
+    def _draw(self, group: int, attempt: int) -> Trajectory:
+        if self._trace is not None:
+            return self._draw_trace(group, attempt)
+        spec = self.workload.trajectory
+        task_rng = self._rng(group)
+        difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
+        p_task = spec.p_success ** min(difficulty, 50.0)
+        rng = self._rng(group, attempt)
+        speed = difficulty * math.exp(rng.gauss(0.0, spec.attempt_spread))
+        n_turns = max(1, round(spec.turns.draw(rng)))
+        turns = tuple(Turn(spec.llm_s.draw(rng, speed), spec.tool_s.draw(rng, speed)) for _ in range(n_turns))
+        return Trajectory(
+            reset_s=spec.reset_s.draw(task_rng),  # set-up cost is a property of the task
+            turns=turns,
+            validate_s=spec.validate_s.draw(rng),
+            cleanup_s=spec.cleanup_s.draw(rng),
+            timeout_s=spec.timeout_s,
+            reward=1.0 if rng.random() < p_task else 0.0,
+            infra_error=rng.random() < spec.p_infra_error,
+        )
+
+    def _draw_trace(self, group: int, attempt: int) -> Trajectory:
+        assert self._trace is not None and self.workload.trace is not None
+        task = self._trace_tasks[self._rng(group).randrange(len(self._trace_tasks))]
+        rng = self._rng(group, attempt)
+        rec = rng.choice(self._trace[task])
+        turns = rec.turns or _split_agent_time(rec.agent_s, self.workload, rng)
+        return Trajectory(
+            reset_s=rec.reset_s,
+            turns=turns,
+            validate_s=rec.validate_s,
+            cleanup_s=rec.cleanup_s,
+            timeout_s=self.workload.trajectory.timeout_s,
+            reward=rec.reward,
+        )
+
+
+def _split_agent_time(agent_s: float, workload: Workload, rng: random.Random) -> tuple[Turn, ...]:
+    assert workload.trace is not None
+    n = max(1, round(workload.trajectory.turns.draw(rng)))
+    weights = [rng.expovariate(1.0) for _ in range(n)]
+    total = sum(weights)
+    frac = workload.trace.llm_fraction
+    return tuple(Turn(agent_s * w / total * frac, agent_s * w / total * (1 - frac)) for w in weights)
+
+
+class _TraceTurn(Strict):
+    llm_s: float = Field(ge=0)
+    tool_s: float = Field(ge=0)
+
+
+class _TraceLine(Strict):
+    task: str = Field(min_length=1)
+    reset_s: float = Field(ge=0)
+    agent_s: float = Field(ge=0)
+    validate_s: float = Field(ge=0)
+    cleanup_s: float = Field(ge=0)
+    reward: float
+    turns: list[_TraceTurn] | None = None
+
+
+def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
+    """Read a JSON Lines trace: one recorded attempt per line, grouped by task."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise WorkloadError(f"trace.path: cannot read {path}: {exc.strerror}") from None
+    by_task: dict[str, list[TraceAttempt]] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = _TraceLine.model_validate(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"trace {path}, line {lineno}: not JSON ({exc.msg})") from None
+        except ValidationError as exc:
+            raise WorkloadError(f"trace {path}, line {lineno}: {_problems(exc)}") from None
+        turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
+        agent_s = sum(t.llm_s + t.tool_s for t in turns) if turns else rec.agent_s
+        by_task.setdefault(rec.task, []).append(
+            TraceAttempt(rec.task, rec.reset_s, agent_s, rec.validate_s, rec.cleanup_s, rec.reward, turns)
+        )
+    if not by_task:
+        raise WorkloadError(f"trace {path} is empty: it needs at least one recorded attempt")
+    return by_task
+
+
+def _problems(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-")) or "(top level)"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_workload(data: Any, source: str = "workload") -> Workload:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{source}: the top level must be a mapping of fields")
+    try:
+        workload = Workload.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(f"{source}: {_problems(exc)}") from None
+    if workload.trace is not None:
+        load_trace(workload.trace.path)  # refuse an empty or malformed trace now, not mid-run
+    return workload
+
+
+def load_workload(path: Path | None) -> Workload:
+    """Read a YAML or JSON workload file; `None` gives the built-in terminal-bench-style default."""
+    if path is None:
+        return default_workload()
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise WorkloadError(f"{path}: not valid YAML/JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("trace"), dict | str):
+        trace = data["trace"] if isinstance(data["trace"], dict) else {"path": data["trace"]}
+        trace_path = Path(str(trace.get("path", "")))
+        if trace.get("path") and not trace_path.is_absolute():
+            data["trace"] = {**trace, "path": str(Path(path).parent / trace_path)}
+    return parse_workload(data, str(path))
+
+
+def default_workload() -> Workload:
+    """Terminal-bench-style work, 32 groups × 8 attempts a batch, derived from DESIGN.md's figures."""
+    return Workload()
+
+
+def group_durations(source: TrajectorySource, groups: Sequence[int]) -> list[float]:
+    return [source.group_duration(g) for g in groups]
