@@ -2,15 +2,16 @@
 
 Routes and bodies (sglang srt/entrypoints/http_server.py and managers/io_struct.py):
 
-| Corral call | SGLang route | body / answer |
-| --- | --- | --- |
-| generate | `POST /v1/completions` | OpenAI shape, as for vLLM (docs/engines.md) |
-| pause(mode) | `POST /pause_generation` | `{"mode": "abort" \\| "in_place" \\| "retract"}` → `{"message", "status": "ok"}` |
-| resume | `POST /continue_generation` | `{}` → `{"message", "status": "ok"}` |
-| publish_weights | `POST /update_weights_from_disk` | `{"model_path", "weight_version": str}` → `{"success", "message", "num_paused_requests"}`; 400 on failure |
-| weight_version | `GET /get_weight_version` | `{"weight_version": str \\| null}` (newer SGLang also reports it in `/model_info`) |
-| reset_prefix_cache | `POST /flush_cache` | plain text |
-| health | `GET /health` | empty 200 |
+- generate: `POST /v1/completions`, the OpenAI shape as for vLLM (docs/engines.md).
+- pause(mode): `POST /pause_generation {"mode": "abort" | "in_place" | "retract"}`
+  → `{"message": ..., "status": "ok"}`.
+- resume: `POST /continue_generation {}` → `{"message": ..., "status": "ok"}`.
+- publish_weights: `POST /update_weights_from_disk {"model_path": dir, "weight_version": str}`
+  → `{"success": bool, "message": str, "num_paused_requests": int}`; HTTP 400 when the load fails.
+- weight_version: `GET /get_weight_version` → `{"weight_version": str | null}` (newer SGLang also reports
+  it in `/model_info`).
+- reset_prefix_cache: `POST /flush_cache` → plain text.
+- health: `GET /health` → empty 200.
 
 Mode mapping: `keep` → `in_place` (requests stay in the running batch with their KV cache and continue
 after `/continue_generation`, like vLLM's keep); `abort` → `abort`. SGLang has no `wait` mode, so

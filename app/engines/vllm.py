@@ -141,6 +141,18 @@ def parse_version(transport: HTTPTransport, route: str, value: object) -> int | 
     raise transport.protocol_error(route, f"weight version {value!r:.100} is not an integer")
 
 
+def min_reported_version(transport: HTTPTransport, route: str, answer: Mapping[str, Any], known: int) -> int:
+    """`known`, or the smaller version the engine reports for the whole turn in a top-level
+    `{"corral": {"weight_version": ...}}` (Corral's embedded engine sends it; vLLM does not)."""
+    extension = answer.get("corral")
+    if extension is None:
+        return known
+    if not isinstance(extension, dict):
+        raise transport.protocol_error(route, f"top-level 'corral' is not an object: {extension!r:.200}")
+    reported = parse_version(transport, route, extension.get("weight_version"))
+    return known if reported is None else min(known, reported)
+
+
 class VLLMEngine:
     """An `Engine` behind vLLM's OpenAI and RL control routes (see docs/engines.md)."""
 
@@ -197,7 +209,7 @@ class VLLMEngine:
         choice0 = first_choice(self._http, route, answer)
         text: str = get_field(self._http, route, choice0, "text", str)
         tokens = completion_tokens(self._http, route, answer)
-        version = sent_version
+        version = min_reported_version(self._http, route, answer, sent_version)
         chosen: int | None = None
         logprob: float | None = None
         extension = choice0.get("corral")
@@ -238,7 +250,9 @@ class VLLMEngine:
         # The OpenAI schema allows null content (e.g. a pure tool call); Corral needs text.
         text: str = get_field(self._http, route, message, "content", str)
         return TurnResult(
-            text=text, weight_version=sent_version, tokens=completion_tokens(self._http, route, answer)
+            text=text,
+            weight_version=min_reported_version(self._http, route, answer, sent_version),
+            tokens=completion_tokens(self._http, route, answer),
         )
 
     # --- pause / resume -------------------------------------------------------------------------

@@ -209,9 +209,10 @@ class Runtime:
             self._tg = tg
             self._apply(self.scheduler.on_start(self.now()))
             await self._trainer_loop(batches, duration_s)
+            # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
+            self.state.ended_at = self.now()
             self._stopping = True
             self._apply(self.scheduler.on_stop(self.now()))
-        self.state.ended_at = self.now()
         return self.state
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:

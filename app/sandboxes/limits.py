@@ -56,7 +56,8 @@ def _pids_parent(root: Path) -> tuple[Path, str] | None:
     v1 = root / "pids"
     if os.access(v1 / "cgroup.procs", os.W_OK):
         return v1 / GROUP_PREFIX, "cgroup1"
-    controllers = (root / "cgroup.controllers").read_text().split() if (root / "cgroup.controllers").exists() else []
+    top = root / "cgroup.controllers"
+    controllers = top.read_text().split() if top.exists() else []
     if "pids" in controllers and os.access(root / "cgroup.subtree_control", os.W_OK):
         return root / GROUP_PREFIX, "cgroup2"
     return None

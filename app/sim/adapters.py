@@ -71,33 +71,35 @@ class SimEngine:
 class SimSandbox:
     """Sandbox operations cost the drawn durations as CPU work in the pool of the lane running them."""
 
-    def __init__(self, trajectory: Trajectory, pools: dict[tuple[int, ...] | None, Stream], demand: float) -> None:
+    def __init__(
+        self, trajectory: Trajectory, pools: dict[tuple[int, ...] | None, Stream], demand: dict[str, float]
+    ) -> None:
         self.trajectory = trajectory
         self._pools = pools
         self._demand = demand
         self._turn = 0
 
-    async def _work(self, seconds: float, cpus: Sequence[int] | None) -> None:
-        await self._pools[tuple(cpus) if cpus is not None else None].run(seconds, self._demand)
+    async def _work(self, kind: str, seconds: float, cpus: Sequence[int] | None) -> None:
+        await self._pools[tuple(cpus) if cpus is not None else None].run(seconds, self._demand[kind])
 
     async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
-        await self._work(self.trajectory.reset_s, cpus)
+        await self._work("reset", self.trajectory.reset_s, cpus)
         return ExecResult(exit_code=0, output="")
 
     async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
         turn = self.trajectory.turns[min(self._turn, len(self.trajectory.turns) - 1)]
         self._turn += 1
-        await self._work(turn.tool_s, cpus)
+        await self._work("exec", turn.tool_s, cpus)
         return ExecResult(exit_code=0, output="")
 
     async def validate(self, cpus: Sequence[int] | None = None) -> float:
-        await self._work(self.trajectory.validate_s, cpus)
+        await self._work("validate", self.trajectory.validate_s, cpus)
         if self.trajectory.infra_error:
             raise SimInfraError("sandbox lost during validation")
         return self.trajectory.reward
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
-        await self._work(self.trajectory.cleanup_s, cpus)
+        await self._work("cleanup", self.trajectory.cleanup_s, cpus)
 
 
 class SimAgent:
@@ -138,7 +140,10 @@ class SimSource:
     """Attempts for the runtime, built from seeded trajectory draws."""
 
     def __init__(
-        self, trajectories: TrajectorySource, pools: dict[tuple[int, ...] | None, Stream], demand: float
+        self,
+        trajectories: TrajectorySource,
+        pools: dict[tuple[int, ...] | None, Stream],
+        demand: dict[str, float],
     ) -> None:
         self.trajectories = trajectories
         self._pools = pools
@@ -150,14 +155,16 @@ class SimSource:
 
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:
-    """Give each lane whole cores, in proportion to its slots, from the cores left after serving."""
-    slots = workload.lanes.slots()
+    """Give each lane whole cores, in proportion to the cores its full slots would use, from the cores
+    left after serving."""
+    demand = workload.cpus.sandbox_demand.by_lane()
+    slots = {lane: n * max(demand[lane], 1e-3) for lane, n in workload.lanes.slots().items()}
     first = workload.cpus.serving
     free = workload.cpus.total - first
     if free < len(slots):
         raise ValueError(f"cpus: {free} cores left after serving, but the 4 lanes need at least one each")
     total_slots = sum(slots.values())
-    shares = {lane: max(1, int(free * n / total_slots)) for lane, n in slots.items()}
+    shares = {lane: max(1, round(free * n / total_slots)) for lane, n in slots.items()}
     while sum(shares.values()) > free:
         biggest = max(shares, key=lambda lane: shares[lane])
         shares[biggest] -= 1

@@ -79,15 +79,19 @@ class Stream:
         self._last = now
 
     def reschedule(self, now: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         while self._heap and self._heap[0][2].done():
             heapq.heappop(self._heap)  # cancelled jobs leave lazily
-        if not self._heap or self.rate <= 0.0:
-            return
-        delay = max(0.0, (self._heap[0][0] - self.served) / self.rate)
-        self._timer = asyncio.get_running_loop().call_at(now + delay, self._fire)
+        rate = self.rate
+        when = None
+        if self._heap and rate > 0.0:
+            when = now + max(0.0, (self._heap[0][0] - self.served) / rate)
+        if self._timer is not None:
+            if when is not None and self._timer.when() == when:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if when is not None:
+            self._timer = asyncio.get_running_loop().call_at(when, self._fire)
 
     def set_factor(self, factor: float) -> None:
         now = asyncio.get_running_loop().time()
@@ -101,18 +105,19 @@ class Stream:
         now = loop.time()
         self.settle(now)
         fut: asyncio.Future[None] = loop.create_future()
-        heapq.heappush(self._heap, (self.served + max(0.0, work), next(self._seq), fut))
+        entry = (self.served + max(0.0, work), next(self._seq), fut)
+        heapq.heappush(self._heap, entry)
         if demand:
             self.pool.change_demand(demand)
-        self.reschedule(now)
+        if self._heap[0] is entry or self._timer is None:
+            self.reschedule(now)
         try:
             await fut
         finally:
             if demand:
                 self.pool.change_demand(-demand)
             if not fut.done():
-                fut.cancel()
-                self.reschedule(loop.time())
+                fut.cancel()  # leaves the heap lazily; the stream's timer skips it when it fires
 
     def _fire(self) -> None:
         self._timer = None

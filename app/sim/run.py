@@ -74,7 +74,7 @@ def simulate(
         engines=engines,
         engine_slots=workload.engines.slots,
         lanes=lanes,
-        source=SimSource(source, streams, cpus.sandbox_demand),
+        source=SimSource(source, streams, cpus.sandbox_demand.by_lane()),
         trainer=SimTrainer(workload.trainer.step_s),
         on_event=on_event,
     )

@@ -32,6 +32,7 @@ class Lognormal(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     median: float = Field(gt=0)
     p90: float = Field(gt=0)
+    max: float | None = Field(None, gt=0, description="cap, e.g. a harness timeout")
 
     @model_validator(mode="after")
     def _p90_above_median(self) -> Lognormal:
@@ -74,7 +75,10 @@ class Dist(BaseModel):
             return self.constant * scale
         if self.lognormal is not None:
             sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
-            return self.lognormal.median * scale * math.exp(rng.gauss(0.0, sigma))
+            value = self.lognormal.median * math.exp(rng.gauss(0.0, sigma))
+            if self.lognormal.max is not None:
+                value = min(value, self.lognormal.max)
+            return value * scale
         if self.uniform is not None:
             return rng.uniform(*self.uniform) * scale
         assert self.empirical is not None
@@ -92,8 +96,8 @@ class Dist(BaseModel):
         return sum(self.empirical) / len(self.empirical)
 
 
-def _ln(median: float, p90: float) -> Dist:
-    return Dist(lognormal=Lognormal(median=median, p90=p90))
+def _ln(median: float, p90: float, cap: float | None = None) -> Dist:
+    return Dist(lognormal=Lognormal(median=median, p90=p90, max=cap))
 
 
 class Strict(BaseModel):
@@ -110,22 +114,45 @@ class TrainerSpec(Strict):
 
 
 class PolicySpec(Strict):
-    surplus_groups: int = Field(32, ge=0, description="S")
+    surplus_groups: int = Field(64, ge=0, description="S")
     max_staleness: int = Field(4, ge=0, description="K")
 
 
 class EnginesSpec(Strict):
     count: int = Field(8, ge=1, description="serving engines")
-    slots: int = Field(64, ge=1, description="concurrent sequences per engine")
-    update_s: float = Field(20.0, ge=0, description="seconds to load a new policy version")
+    slots: int = Field(96, ge=1, description="concurrent sequences per engine")
+    update_s: float = Field(5.0, ge=0, description="seconds to load a new policy version (sentinel-scale)")
     tokens_per_s: float = Field(40.0, gt=0, description="decode tokens per second per sequence")
 
 
+class SandboxDemand(Strict):
+    """Cores one running sandbox operation keeps busy, by kind: set-up and teardown mostly wait on I/O."""
+
+    reset: float = Field(0.25, ge=0)
+    exec: float = Field(1.0, ge=0)
+    validate_: float = Field(0.5, ge=0, alias="validate")
+    cleanup: float = Field(0.25, ge=0)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_number(cls, data: Any) -> Any:
+        if isinstance(data, int | float) and not isinstance(data, bool):
+            return dict.fromkeys(("reset", "exec", "validate", "cleanup"), data)
+        return data
+
+    def by_lane(self) -> dict[str, float]:
+        return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
+
+
 class CpusSpec(Strict):
-    total: int = Field(128, ge=2, description="cores on the rollout hosts")
+    total: int = Field(288, ge=2, description="cores on the rollout hosts")
     serving: int = Field(32, ge=1, description="cores reserved for serving when lanes are pinned")
-    engine_demand: float = Field(4.0, ge=0, description="cores a busy engine's serving loop uses")
-    sandbox_demand: float = Field(1.0, ge=0, description="cores one running sandbox operation uses")
+    engine_demand: float = Field(2.0, ge=0, description="cores a busy engine's serving loop uses")
+    sandbox_demand: SandboxDemand = Field(
+        default_factory=lambda: SandboxDemand(), description="cores one running operation uses, per lane"
+    )
 
     @model_validator(mode="after")
     def _serving_leaves_room(self) -> CpusSpec:
@@ -137,10 +164,10 @@ class CpusSpec(Strict):
 class LanesSpec(Strict):
     """Concurrent slots per lane. Each lane gets cores in proportion to its slots."""
 
-    reset: int = Field(32, ge=1)
-    exec: int = Field(48, ge=1)
-    validate_: int = Field(24, ge=1, alias="validate")
-    cleanup: int = Field(8, ge=1)
+    reset: int = Field(192, ge=1)
+    exec: int = Field(192, ge=1)
+    validate_: int = Field(48, ge=1, alias="validate")
+    cleanup: int = Field(48, ge=1)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -149,14 +176,14 @@ class LanesSpec(Strict):
 
 
 class TrajectorySpec(Strict):
-    reset_s: Dist = Field(default_factory=lambda: _ln(7, 40), description="sandbox set-up")
+    reset_s: Dist = Field(default_factory=lambda: _ln(7, 40, 300), description="sandbox set-up")
     turns: Dist = Field(default_factory=lambda: _ln(18, 36), description="agent turns per attempt")
     llm_s: Dist = Field(default_factory=lambda: _ln(9, 18), description="engine time per turn")
     tool_s: Dist = Field(default_factory=lambda: _ln(2.5, 10), description="tool-call time per turn")
-    validate_s: Dist = Field(default_factory=lambda: _ln(5, 30), description="tests for the reward")
+    validate_s: Dist = Field(default_factory=lambda: _ln(5, 30, 120), description="tests for the reward")
     cleanup_s: Dist = Field(default_factory=lambda: _ln(13, 17), description="sandbox teardown")
-    timeout_s: float = Field(660.0, gt=0, description="cap on the agent phase (turns)")
-    task_spread: float = Field(0.6, ge=0, description="log-sd of a per-task difficulty factor")
+    timeout_s: float = Field(420.0, gt=0, description="cap on the agent phase (turns)")
+    task_spread: float = Field(0.3, ge=0, description="log-sd of a per-task difficulty factor")
     attempt_spread: float = Field(0.15, ge=0, description="log-sd of a per-attempt speed factor")
     p_success: float = Field(0.5, ge=0, le=1, description="reward-1 probability of a task of difficulty 1")
     p_infra_error: float = Field(0.0, ge=0, le=1, description="chance an attempt dies of an infra error")
@@ -274,13 +301,15 @@ class TrajectorySource:
         spec = self.workload.trajectory
         task_rng = self._rng(group)
         difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
+        task_turns = spec.turns.draw(task_rng)
+        reset_s = spec.reset_s.draw(task_rng)  # set-up cost is a property of the task (its image)
         p_task = spec.p_success ** min(difficulty, 50.0)
         rng = self._rng(group, attempt)
         speed = difficulty * math.exp(rng.gauss(0.0, spec.attempt_spread))
-        n_turns = max(1, round(spec.turns.draw(rng)))
+        n_turns = max(1, round(task_turns * math.exp(rng.gauss(0.0, spec.attempt_spread))))
         turns = tuple(Turn(spec.llm_s.draw(rng, speed), spec.tool_s.draw(rng, speed)) for _ in range(n_turns))
         return Trajectory(
-            reset_s=spec.reset_s.draw(task_rng),  # set-up cost is a property of the task
+            reset_s=reset_s,
             turns=turns,
             validate_s=spec.validate_s.draw(rng),
             cleanup_s=spec.cleanup_s.draw(rng),

@@ -30,10 +30,11 @@ from app.engines.embedded.model import (
     PolicyModel,
     choice_logprobs,
     decode,
+    policy_logits,
     prefill,
     prompt_ids,
     sample_next,
-    score_candidates,
+    sequence_logprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -322,15 +323,16 @@ class BatchEngine:
         logits, state = prefill(self.model, seq.ids)
         seq.logits, seq.state = logits, state
         if request.candidates:
-            scores = score_candidates(self.model, logits, state, request.candidates)
+            summed = sequence_logprobs(self.model, logits, state, request.candidates)
+            policy = policy_logits(summed, request.candidates)
             if request.temperature > 0:
-                probs = torch.softmax(scores / request.temperature, dim=-1)
+                probs = torch.softmax(policy / request.temperature, dim=-1)
                 choice = int(torch.multinomial(probs, 1, generator=self._generator).item())
             else:
-                choice = int(scores.argmax().item())
+                choice = int(policy.argmax().item())
             seq.choice = choice
-            seq.logprob = float(scores[choice])
-            seq.choice_logprob = float(choice_logprobs(scores, request.temperature)[choice])
+            seq.logprob = float(summed[choice])
+            seq.choice_logprob = float(choice_logprobs(policy, request.temperature)[choice])
 
     def _step_guarded(self) -> None:
         try:

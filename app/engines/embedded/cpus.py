@@ -45,7 +45,8 @@ def pin_cpus(cpus: Sequence[int]) -> None:
     missing = sorted(set(cpus) - allowed)
     if missing:
         raise CpuListError(
-            f"CPUs {missing} are not available to this process (allowed: {format_cpu_list(sorted(allowed))})"
+            f"CPUs {format_cpu_list(missing)} are not available to this process "
+            f"(allowed: {format_cpu_list(sorted(allowed))})"
         )
     os.sched_setaffinity(0, cpus)
 

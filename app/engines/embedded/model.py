@@ -6,7 +6,8 @@ Invariants:
 - Tokens are bytes 0..255; input id 256 is BOS, always prepended to a prompt, so an empty prompt and an
   empty candidate are well defined. The head predicts bytes only, so sampling never yields BOS.
 - `candidate_logprobs` is differentiable: a trainer calls it with grad enabled and back-propagates a
-  GRPO loss through it. The engine samples its choice from `softmax(candidate_logprobs / temperature)`.
+  GRPO loss through it. It is exactly the distribution the engine samples a candidate from:
+  softmax over candidates of (per-byte mean log-probability / temperature).
 - The registered buffer `corral_sentinel` is part of the state dict (and of every checkpoint); in
   sentinel mode a weight update swaps only this tensor.
 """
@@ -90,10 +91,10 @@ def prefill(model: PolicyModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch
     return logits[0, -1], state[:, 0]
 
 
-def score_candidates(
+def sequence_logprobs(
     model: PolicyModel, last_logits: torch.Tensor, state: torch.Tensor, candidates: Sequence[str]
 ) -> torch.Tensor:
-    """Summed log-probability of each candidate's bytes continuing a prefilled prompt.
+    """[n] summed log-probability of each candidate's bytes continuing a prefilled prompt.
 
     `last_logits` [256] predicts the first candidate byte; `state` [layers, hidden] is the prompt's state.
     """
@@ -120,19 +121,37 @@ def score_candidates(
     return (logp * mask).sum(dim=1)
 
 
-def candidate_logprobs(model: PolicyModel, prompt: str, candidates: Sequence[str]) -> torch.Tensor:
-    """[len(candidates)] summed log-probabilities of each candidate given `prompt`; differentiable.
+def policy_logits(summed: torch.Tensor, candidates: Sequence[str]) -> torch.Tensor:
+    """Per-byte mean log-probability: the candidate policy's logits.
 
-    The policy over candidates is `softmax(candidate_logprobs(...) / temperature)`; see
-    `choice_logprobs`.
+    Summed log-probabilities would make the policy pick the shortest candidate almost surely (each
+    byte costs ~log 256 nats at init), leaving a GRPO group no variance to learn from.
     """
-    last_logits, state = prefill(model, prompt_ids(model, prompt))
-    return score_candidates(model, last_logits, state, candidates)
+    lengths = torch.tensor([max(len(encode(c)), 1) for c in candidates], dtype=summed.dtype)
+    return summed / lengths
 
 
-def choice_logprobs(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+def choice_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of picking each candidate (temperature 0 is scored as temperature 1)."""
-    return torch.log_softmax(scores / (temperature if temperature > 0 else 1.0), dim=-1)
+    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+def candidate_sequence_logprobs(model: PolicyModel, prompt: str, candidates: Sequence[str]) -> torch.Tensor:
+    """[n] summed log-probability of each candidate's bytes given `prompt` (differentiable)."""
+    last_logits, state = prefill(model, prompt_ids(model, prompt))
+    return sequence_logprobs(model, last_logits, state, candidates)
+
+
+def candidate_logprobs(
+    model: PolicyModel, prompt: str, candidates: Sequence[str], temperature: float = 1.0
+) -> torch.Tensor:
+    """[n] log π(candidate | prompt) under the engine's candidate policy; differentiable.
+
+    This is the distribution the engine samples its `corral.choice` from (its `corral.choice_logprob`
+    is this tensor at the choice), so a GRPO trainer computes its ratio and loss from it.
+    """
+    summed = candidate_sequence_logprobs(model, prompt, candidates)
+    return choice_logprobs(policy_logits(summed, candidates), temperature)
 
 
 def sample_next(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

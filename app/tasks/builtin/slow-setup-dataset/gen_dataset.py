@@ -6,7 +6,7 @@ Each row stretches the chain by ROUNDS hashes, so the set-up costs real CPU time
 import hashlib
 
 ROWS = 200_000
-ROUNDS = 64
+ROUNDS = 128
 
 h = b"corral-dataset"
 with open("dataset.csv", "w") as f:

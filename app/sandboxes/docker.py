@@ -1,0 +1,230 @@
+"""DockerSandbox: one long-lived container per attempt, driven through the docker SDK.
+
+Invariants:
+- One container per sandbox, named `corral-<attempt id>` and labelled `corral.attempt`; `reset`
+  replaces any container of that name, `cleanup` removes it (a missing container is not an error).
+- Containers run with `network_mode="none"`, `pids_limit`, `mem_limit` and an init process (so
+  killed commands' children are reaped); `cpuset_cpus` is the CPU set of the lane running the
+  current operation (set at creation, updated when a later operation comes from another lane).
+- exec has no timeout in the docker API, so every command runs under a small sh wrapper inside the
+  container: the command gets its own session, and when the deadline passes the whole session is
+  SIGKILLed (grandchildren included) and the wrapper exits 124 with a marker; that gives
+  `timed_out=True, exit_code=None`.
+- Output is streamed and capped like LocalSandbox's (`output_limit`, visible notice, `truncated`).
+- Every blocking SDK call runs in `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import docker
+import docker.errors
+import docker.utils.socket
+
+from app.sandboxes.base import ExecResult
+from app.sandboxes.cpuset import format_cpu_list
+from app.sandboxes.local import DEFAULT_OUTPUT_LIMIT, SandboxError, _CappedBuffer, _safe_name
+
+if TYPE_CHECKING:
+    from app.tasks.spec import TaskSpec
+
+LABEL = "corral.attempt"
+# $0 = command, $1 = timeout in seconds. The watcher is a separate sh so that killing it (trap)
+# also stops its sleep; the marker file distinguishes a deadline kill from a command dying of SIGKILL.
+_WATCHER = (
+    'sleep "$1" & s=$!; trap "kill \\$s 2>/dev/null; exit 0" TERM; wait $s; '
+    'touch /tmp/.corral-timeout-$2; kill -KILL -"$2" 2>/dev/null'
+)
+_WRAPPER = f"""
+setsid sh -c "$0" </dev/null & p=$!
+sh -c '{_WATCHER}' _ "$1" "$p" & w=$!
+{{ wait $p; rc=$?; kill -TERM $w; wait $w; }} 2>/dev/null
+if [ -e /tmp/.corral-timeout-$p ]; then rm -f /tmp/.corral-timeout-$p; exit 124; fi
+exit $rc
+"""
+TIMEOUT_EXIT = 124
+
+
+class DockerSandboxFactory:
+    def __init__(
+        self,
+        image: str,
+        *,
+        client: docker.DockerClient | None = None,
+        base_url: str | None = None,
+        work_dir: str = "/work",
+        mem_limit: str | int = "4g",
+        pids_limit: int = 512,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        keep_alive_cmd: Sequence[str] = ("sleep", "2147483647"),
+    ) -> None:
+        if output_limit <= 0:
+            raise SandboxError(f"output_limit must be positive, got {output_limit}")
+        self.image = image
+        self._client = client
+        self._base_url = base_url
+        self.work_dir = work_dir
+        self.mem_limit = mem_limit
+        self.pids_limit = pids_limit
+        self.output_limit = output_limit
+        self.keep_alive_cmd = list(keep_alive_cmd)
+
+    @property
+    def client(self) -> docker.DockerClient:
+        # Built lazily: creating a client talks to the daemon, which must not happen at import or
+        # construction time inside the event loop.
+        if self._client is None:
+            self._client = (
+                docker.DockerClient(base_url=self._base_url) if self._base_url else docker.from_env()
+            )
+        return self._client
+
+    def create(self, attempt_id: str) -> DockerSandbox:
+        return DockerSandbox(self, attempt_id)
+
+
+class DockerSandbox:
+    def __init__(self, factory: DockerSandboxFactory, attempt_id: str) -> None:
+        self.factory = factory
+        self.attempt_id = attempt_id
+        self.container_name = f"corral-{_safe_name(attempt_id)}"
+        self.container_id: str | None = None
+        self._cpus: str | None = None
+        self._task: TaskSpec | None = None
+
+    isolation = "docker"
+
+    # -- the port -----------------------------------------------------------------------------------
+
+    async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
+        archive = await asyncio.to_thread(_task_archive, task)
+        await asyncio.to_thread(self._remove)
+        await asyncio.to_thread(self._start, cpus, archive)
+        self._task = task
+        if not task.setup.strip():
+            return ExecResult(exit_code=0, output="")
+        return await self._run(task.setup, task.setup_timeout_s, cpus)
+
+    async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
+        self._require_reset()
+        return await self._run(command, timeout_s, cpus)
+
+    async def validate(self, cpus: Sequence[int] | None = None) -> float:
+        task = self._require_reset()
+        result = await self._run(task.validation, task.validation_timeout_s, cpus)
+        return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+
+    async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
+        await asyncio.to_thread(self._remove)
+        self._task = None
+
+    # -- internals (blocking; called through to_thread) ---------------------------------------------
+
+    def _require_reset(self) -> TaskSpec:
+        if self._task is None or self.container_id is None:
+            raise SandboxError(f"sandbox {self.attempt_id!r} used before reset (or after cleanup)")
+        return self._task
+
+    def _start(self, cpus: Sequence[int] | None, archive: bytes) -> None:
+        f = self.factory
+        kwargs: dict[str, Any] = {}
+        if cpus:
+            kwargs["cpuset_cpus"] = format_cpu_list(cpus)
+        container = f.client.containers.run(
+            f.image,
+            f.keep_alive_cmd,
+            name=self.container_name,
+            detach=True,
+            init=True,
+            network_mode="none",
+            pids_limit=f.pids_limit,
+            mem_limit=f.mem_limit,
+            working_dir=f.work_dir,
+            labels={LABEL: self.attempt_id},
+            **kwargs,
+        )
+        self.container_id = container.id
+        self._cpus = kwargs.get("cpuset_cpus")
+        # The image may lack the work dir; put_archive needs it to exist.
+        mkdir = f.client.api.exec_create(container.id, ["mkdir", "-p", f.work_dir])["Id"]
+        f.client.api.exec_start(mkdir)
+        if not container.put_archive(f.work_dir, archive):
+            raise SandboxError(f"copying the task files into {self.container_name}:{f.work_dir} failed")
+
+    def _remove(self) -> None:
+        try:
+            container = self.factory.client.containers.get(self.container_name)
+        except docker.errors.NotFound:
+            self.container_id = None
+            return
+        with contextlib.suppress(docker.errors.NotFound):
+            container.remove(force=True)
+        self.container_id = None
+        self._cpus = None
+
+    def _set_cpus(self, cpus: Sequence[int] | None) -> None:
+        if not cpus:
+            return
+        wanted = format_cpu_list(cpus)
+        if wanted != self._cpus:
+            assert self.container_id is not None
+            self.factory.client.api.update_container(self.container_id, cpuset_cpus=wanted)
+            self._cpus = wanted
+
+    def _exec_blocking(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+        started = time.monotonic()
+        self._set_cpus(cpus)
+        api = self.factory.client.api
+        assert self.container_id is not None
+        exec_id = api.exec_create(
+            self.container_id,
+            ["sh", "-c", _WRAPPER, command, f"{max(timeout_s, 0.001):.3f}"],
+            workdir=self.factory.work_dir,
+        )["Id"]
+        buffer = _CappedBuffer(self.factory.output_limit)
+        # The raw socket rather than stream=True: the SDK's stream leaves its socket open.
+        sock = api.exec_start(exec_id, socket=True)
+        try:
+            for _stream, chunk in docker.utils.socket.frames_iter(sock, tty=False):
+                buffer.feed(chunk)
+        finally:
+            # SocketIO.close() leaves the underlying socket open; close that too.
+            raw = getattr(sock, "_sock", None)
+            sock.close()
+            if raw is not None:
+                raw.close()
+        exit_code = api.exec_inspect(exec_id)["ExitCode"]
+        timed_out = exit_code == TIMEOUT_EXIT and time.monotonic() - started >= timeout_s
+        return ExecResult(
+            exit_code=None if timed_out else exit_code,
+            output=buffer.text(),
+            timed_out=timed_out,
+            truncated=buffer.dropped > 0,
+            duration_s=time.monotonic() - started,
+        )
+
+    async def _run(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+        return await asyncio.to_thread(self._exec_blocking, command, timeout_s, cpus)
+
+
+def _task_archive(task: TaskSpec) -> bytes:
+    """The task's files as a tar stream, paths relative to the work dir."""
+    root = task.root.resolve()
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        for rel in task.files:
+            src = (root / rel).resolve()
+            if not src.is_relative_to(root):
+                raise SandboxError(f"task {task.name!r}: file {rel!r} is outside the task root {root}")
+            if not src.exists():
+                raise SandboxError(f"task {task.name!r}: file {rel!r} not found under {root}")
+            tar.add(src, arcname=str(Path(rel)), recursive=True)
+    return data.getvalue()

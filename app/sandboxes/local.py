@@ -1,0 +1,465 @@
+"""LocalSandbox: an attempt's work directory on this host, its commands run under bubblewrap and limits.
+
+Invariants:
+- Each sandbox owns one work directory `base_dir/<attempt id>`; `reset` rebuilds it from the task
+  (copy, then the set-up script), `cleanup` kills every process the sandbox started and removes it.
+- Every command runs as `bash -c <command>` in its own session (process group) with the rlimits of
+  `ResourceLimits`, on the lane's CPUs (`cpuset.prepare`, applied before exec), as the sandbox's own
+  uid when we are root (so RLIMIT_NPROC holds), and in a per-exec pids cgroup where one is writable.
+- A timeout SIGKILLs the whole process group and the exec's pids cgroup (so grandchildren that
+  called setsid die too); under bwrap the pid namespace dies with its first process as well. The
+  result then has `timed_out=True` and `exit_code=None`.
+- Output (stdout and stderr merged) is read as it comes and at most `output_limit` bytes are kept;
+  the rest is counted, dropped, and reported by a visible notice and `truncated=True`.
+- Isolation is "bwrap" only when bubblewrap really created its namespaces in a probe on this host;
+  otherwise "none", with a logged warning. Under bwrap: no network (only a private loopback), a
+  read-only view of the system directories, the work dir writable at `/work`, a private /tmp, /proc
+  and /dev, no view of other sandboxes, /root, /home or the repository.
+- Nothing here blocks the event loop: processes through asyncio, file work through `to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from app.sandboxes import cpuset
+from app.sandboxes.base import ExecResult
+from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
+
+if TYPE_CHECKING:
+    from app.tasks.spec import TaskSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_LIMIT = 64 * 1024
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BWRAP_WORK_DIR = "/work"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+# After the main process exits, background processes may keep the output pipe open; read this much
+# longer, then stop (they keep running until cleanup, or die with the pid namespace under bwrap).
+DRAIN_AFTER_EXIT_S = 0.2
+
+Isolation = Literal["bwrap", "none"]
+
+
+class SandboxError(RuntimeError):
+    """A sandbox operation could not be carried out (not: the command failed, that is an ExecResult)."""
+
+
+@functools.cache
+def probe_bwrap(bwrap: str = "bwrap") -> tuple[tuple[str, ...] | None, str]:
+    """Which namespace flags bubblewrap can use here: (flags, why) with flags None when it cannot run.
+
+    Cached per binary: one probe (a few ms) per process.
+    """
+    path = shutil.which(bwrap)
+    if path is None:
+        return None, f"{bwrap} not found on PATH"
+    attempts = (
+        ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"),
+        ("--unshare-net", "--unshare-ipc", "--unshare-uts"),
+        ("--unshare-net",),
+    )
+    last = ""
+    for flags in attempts:
+        cmd = [path, *flags, "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"{path} failed to start: {exc}"
+        if done.returncode == 0:
+            return flags, "ok"
+        last = done.stderr.strip() or f"exit {done.returncode}"
+    return None, f"{path} cannot create namespaces here: {last}"
+
+
+class _CappedBuffer:
+    """Keeps the first `limit` bytes fed to it and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def feed(self, chunk: bytes) -> None:
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += chunk[:room]
+        self.dropped += max(0, len(chunk) - max(room, 0))
+
+    def text(self) -> str:
+        out = self.kept.decode("utf-8", errors="replace")
+        if self.dropped:
+            out += f"\n[corral: output truncated, {self.dropped} bytes dropped]"
+        return out
+
+
+def _safe_name(attempt_id: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", attempt_id).strip(".")
+    if not name:
+        raise SandboxError(f"attempt id {attempt_id!r} gives an empty directory name")
+    return name[:100]
+
+
+def _shell_exit_code(returncode: int) -> int:
+    # A signal death is reported as the shell would: 128 + signal number.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _rmtree(path: Path) -> None:
+    def fix_and_retry(func: Callable[..., Any], p: str, _exc: object) -> None:
+        # The sandboxed code may have removed write/execute permission from its own directories.
+        parent = os.path.dirname(p)
+        with contextlib.suppress(OSError):
+            os.chmod(parent, stat.S_IRWXU)
+        if os.path.isdir(p) and not os.path.islink(p):
+            with contextlib.suppress(OSError):
+                os.chmod(p, stat.S_IRWXU)
+        func(p)
+
+    if not path.exists():
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fix_and_retry)
+    else:
+        shutil.rmtree(path, onerror=fix_and_retry)
+
+
+class LocalSandboxFactory:
+    """Makes `LocalSandbox`es under `base_dir`; probes bwrap, cgroups and uid dropping once."""
+
+    def __init__(
+        self,
+        base_dir: Path | str,
+        *,
+        limits: ResourceLimits | None = None,
+        isolation: Literal["auto", "bwrap", "none"] = "auto",
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        uid_base: int | None = 200_000,
+        uid_span: int = 10_000,
+        use_cgroups: bool = True,
+        extra_ro_binds: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        bwrap: str = "bwrap",
+        pin_method: str | None = None,
+        cgroup_root: Path = cpuset.CGROUP_ROOT,
+    ) -> None:
+        if output_limit <= 0:
+            raise SandboxError(f"output_limit must be positive, got {output_limit}")
+        self.base_dir = Path(base_dir).resolve()
+        self.limits = limits or ResourceLimits()
+        self.output_limit = output_limit
+        self.extra_ro_binds = tuple(extra_ro_binds)
+        self.env = dict(env or {})
+        self.pin_method = pin_method
+        self.cgroup_root = cgroup_root
+        self.use_cgroups = use_cgroups
+
+        self.bwrap_flags: tuple[str, ...] = ()
+        self.bwrap_path: str | None = None
+        if isolation == "none":
+            self.isolation: Isolation = "none"
+        else:
+            flags, why = probe_bwrap(bwrap)
+            if flags is None:
+                if isolation == "bwrap":
+                    raise SandboxError(f"isolation='bwrap' requested but {why}")
+                log.warning("LocalSandbox runs without isolation (no network or fs separation): %s", why)
+                self.isolation = "none"
+            else:
+                self.isolation = "bwrap"
+                self.bwrap_flags = flags
+                self.bwrap_path = shutil.which(bwrap)
+        self.pid_namespace = "--unshare-pid" in self.bwrap_flags
+
+        self.setpriv = shutil.which("setpriv")
+        self.uids: UidPool | None = None
+        if uid_base is not None and os.geteuid() == 0:
+            if self.setpriv is None:
+                log.warning("sandboxes run as root: setpriv (util-linux) is missing, RLIMIT_NPROC won't hold")
+            else:
+                self.uids = UidPool(uid_base, uid_span, self.base_dir / ".uids")
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        if self.uids is not None:
+            # Sandbox uids must reach their own directory without listing the others.
+            self.base_dir.chmod(0o711)
+            (self.base_dir / ".uids").mkdir(exist_ok=True)
+            (self.base_dir / ".uids").chmod(0o700)
+            if self.isolation == "none":
+                self._check_reachable(self.base_dir)
+
+    @staticmethod
+    def _check_reachable(base_dir: Path) -> None:
+        for parent in base_dir.parents:
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                raise SandboxError(
+                    f"base_dir {base_dir} is not reachable by sandbox uids: {parent} lacks o+x; "
+                    "pick a base dir under /tmp or /var/lib, or pass uid_base=None"
+                )
+
+    def create(self, attempt_id: str) -> LocalSandbox:
+        return LocalSandbox(self, attempt_id)
+
+
+class LocalSandbox:
+    def __init__(self, factory: LocalSandboxFactory, attempt_id: str) -> None:
+        self.factory = factory
+        self.attempt_id = attempt_id
+        self.name = _safe_name(attempt_id)
+        self.work_dir = factory.base_dir / self.name
+        self.uid: int | None = None
+        self.pids_group: PidsGroup | None = None
+        self.last_pin_method: str | None = None
+        self._task: TaskSpec | None = None
+        self._exec_seq = 0
+
+    @property
+    def isolation(self) -> Isolation:
+        return self.factory.isolation
+
+    # -- the port -----------------------------------------------------------------------------------
+
+    async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
+        if self.factory.uids is not None and self.uid is None:
+            self.uid = await asyncio.to_thread(self.factory.uids.claim, zlib.crc32(self.name.encode()))
+        # Also kills what a crashed earlier owner of this uid or work dir left behind.
+        await self._teardown()
+        if self.factory.use_cgroups:
+            self.pids_group = await asyncio.to_thread(
+                PidsGroup.create,
+                f"{self.name}-{os.getpid()}",
+                self.factory.limits.max_procs,
+                self.factory.cgroup_root,
+            )
+        await asyncio.to_thread(self._populate, task)
+        self._task = task
+        if not task.setup.strip():
+            return ExecResult(exit_code=0, output="")
+        return await self._run(task.setup, task.setup_timeout_s, cpus)
+
+    async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
+        self._require_reset()
+        return await self._run(command, timeout_s, cpus)
+
+    async def validate(self, cpus: Sequence[int] | None = None) -> float:
+        task = self._require_reset()
+        result = await self._run(task.validation, task.validation_timeout_s, cpus)
+        return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+
+    async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
+        await self._teardown()
+        if self.uid is not None and self.factory.uids is not None:
+            self.factory.uids.release(self.uid)
+            self.uid = None
+        self._task = None
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _require_reset(self) -> TaskSpec:
+        if self._task is None:
+            raise SandboxError(f"sandbox {self.attempt_id!r} used before reset (or after cleanup)")
+        return self._task
+
+    def _populate(self, task: TaskSpec) -> None:
+        root = task.root.resolve()
+        self.work_dir.mkdir(mode=0o700)
+        for rel in task.files:
+            src = (root / rel).resolve()
+            if not src.is_relative_to(root):
+                raise SandboxError(f"task {task.name!r}: file {rel!r} is outside the task root {root}")
+            dst = self.work_dir / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            elif src.exists():
+                shutil.copy2(src, dst)
+            else:
+                raise SandboxError(f"task {task.name!r}: file {rel!r} not found under {root}")
+        if self.uid is not None:
+            uid = self.uid
+            os.chown(self.work_dir, uid, uid)
+            for dirpath, dirnames, filenames in os.walk(self.work_dir):
+                for entry in (*dirnames, *filenames):
+                    os.lchown(os.path.join(dirpath, entry), uid, uid)
+
+    async def _teardown(self) -> None:
+        """Kill every process of this sandbox and remove its directory and cgroup."""
+        await self._kill_everything()
+        if self.pids_group is not None:
+            await asyncio.to_thread(self.pids_group.remove)
+            self.pids_group = None
+        await asyncio.to_thread(_rmtree, self.work_dir)
+
+    async def _kill_everything(self) -> None:
+        if self.pids_group is not None:
+            await asyncio.to_thread(self.pids_group.kill_all)
+        if self.uid is not None and self.factory.setpriv is not None:
+            # kill(-1) as the sandbox uid reaches every process of that uid, however it detached.
+            proc = await asyncio.create_subprocess_exec(
+                self.factory.setpriv,
+                f"--reuid={self.uid}",
+                f"--regid={self.uid}",
+                "--clear-groups",
+                "kill",
+                "-KILL",
+                "-1",
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            await proc.wait()
+
+    def _argv(self, command: str) -> list[str]:
+        inner = ["bash", "-c", command]
+        if self.uid is not None and self.factory.setpriv is not None:
+            inner = [
+                self.factory.setpriv,
+                f"--reuid={self.uid}",
+                f"--regid={self.uid}",
+                "--clear-groups",
+                "--no-new-privs",
+                *inner,
+            ]
+        if self.isolation == "none":
+            return inner
+        assert self.factory.bwrap_path is not None
+        argv = [self.factory.bwrap_path, *self.factory.bwrap_flags, "--die-with-parent"]
+        for path in (*SYSTEM_DIRS, *self.factory.extra_ro_binds):
+            if os.path.islink(path):
+                argv += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                argv += ["--ro-bind", path, path]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+        argv += ["--bind", str(self.work_dir), BWRAP_WORK_DIR, "--chdir", BWRAP_WORK_DIR]
+        return [*argv, "--", *inner]
+
+    def _env(self) -> dict[str, str]:
+        home = BWRAP_WORK_DIR if self.isolation == "bwrap" else str(self.work_dir)
+        return {
+            "PATH": SANDBOX_PATH,
+            "HOME": home,
+            "LANG": "C.UTF-8",
+            "TMPDIR": "/tmp",
+            "CORRAL_ATTEMPT": self.attempt_id,
+            **self.factory.env,
+        }
+
+    async def _run(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+        if not self.work_dir.is_dir():
+            raise SandboxError(f"sandbox {self.attempt_id!r}: work dir {self.work_dir} is missing")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        placement = None
+        if cpus:
+            placement = await asyncio.to_thread(
+                cpuset.prepare, cpus, root=self.factory.cgroup_root, method=self.factory.pin_method
+            )
+            if (
+                placement.method == cpuset.METHOD_CGROUP2
+                and self.pids_group is not None
+                and self.pids_group.version == "cgroup2"
+            ):
+                # On v2 a process sits in one group only: the pids leaf wins, CPUs go by affinity.
+                placement = cpuset.Placement(placement.cpus, cpuset.METHOD_AFFINITY)
+            self.last_pin_method = placement.method
+        leaf: Path | None = None
+        if self.pids_group is not None:
+            self._exec_seq += 1
+            leaf = await asyncio.to_thread(self.pids_group.child, f"exec-{self._exec_seq}")
+        limits = self.factory.limits
+        drop_uid = self.uid is not None
+
+        def preexec() -> None:
+            # Runs in the child between fork and exec: only syscalls, nothing that takes a lock.
+            pid = os.getpid()
+            if leaf is not None:
+                PidsGroup.join(leaf, pid)
+            if placement is not None:
+                placement.apply(pid)
+            limits.apply_rlimits(nproc=drop_uid)
+
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(command),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=write_fd,
+                stderr=write_fd,
+                cwd=self.work_dir,
+                env=self._env(),
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+
+        buffer = _CappedBuffer(self.factory.output_limit)
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
+        )
+        timed_out = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pump = tg.create_task(self._pump(reader, buffer))
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout_s)
+                except TimeoutError:
+                    timed_out = True
+                    await self._kill_exec(proc.pid, leaf)
+                    await proc.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(pump, DRAIN_AFTER_EXIT_S)
+        finally:
+            transport.close()
+            if proc.returncode is None:
+                await self._kill_exec(proc.pid, leaf)
+                await proc.wait()
+            if leaf is not None:
+                await asyncio.to_thread(self._remove_leaf_when_empty, leaf)
+
+        returncode = proc.returncode
+        assert returncode is not None
+        return ExecResult(
+            exit_code=None if timed_out else _shell_exit_code(returncode),
+            output=buffer.text(),
+            timed_out=timed_out,
+            truncated=buffer.dropped > 0,
+            duration_s=loop.time() - started,
+        )
+
+    @staticmethod
+    async def _pump(reader: asyncio.StreamReader, buffer: _CappedBuffer) -> None:
+        while chunk := await reader.read(65536):
+            buffer.feed(chunk)
+
+    async def _kill_exec(self, pgid: int, leaf: Path | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        if leaf is not None and self.pids_group is not None:
+            await asyncio.to_thread(self.pids_group.kill_all, leaf)
+
+    def _remove_leaf_when_empty(self, leaf: Path) -> None:
+        assert self.pids_group is not None
+        if not self.pids_group.pids(leaf):
+            with contextlib.suppress(OSError):
+                leaf.rmdir()
+
+
+__all__ = ["LocalSandbox", "LocalSandboxFactory", "ResourceLimits", "SandboxError", "SandboxLimitError"]
