@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # System packages the tests need; each step is idempotent and quiet when already done.
+# bubblewrap: LocalSandbox isolation. docker.io: DockerSandbox tests (tests start their own dockerd).
+# busybox-static: the tiny registry-free test image (scripts/docker-image.sh). util-linux gives setpriv.
 set -euo pipefail
 need=()
 command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v dockerd >/dev/null || need+=(docker.io)
+dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+command -v setpriv >/dev/null || need+=(util-linux)
 if ((${#need[@]})); then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -32,28 +32,42 @@ class PolicyConfig(BaseModel):
     groups_per_batch: int = Field(32, ge=1, description="B: groups per trainer batch")
     group_size: int = Field(8, ge=2, description="G: attempts per task; GRPO needs at least 2")
     surplus_groups: int = Field(32, ge=0, description="S: groups admitted beyond B (in flight + ready ≤ B+S)")
-    max_staleness: int = Field(4, ge=0, description="K: largest allowed trainer version minus oldest turn version")
+    max_staleness: int = Field(
+        4, ge=0, description="K: largest allowed trainer version minus oldest turn version"
+    )
     completion_order: bool = Field(True, description="fill batches in completion order, not start order")
     pinned_lanes: bool = Field(True, description="run sandbox work in lanes with their own CPU sets")
-    rolling_updates: bool = Field(True, description="publish weights one engine at a time, keeping in-flight turns")
+    rolling_updates: bool = Field(
+        True, description="publish weights one engine at a time, keeping in-flight turns"
+    )
     max_updating_engines: int = Field(1, ge=1, description="engines allowed to load weights at the same time")
-    pause_mode: PauseModeName = Field(PauseModeName.KEEP, description="how an updating engine treats in-flight turns")
+    pause_mode: PauseModeName = Field(
+        PauseModeName.KEEP, description="how an updating engine treats in-flight turns"
+    )
     filter_zero_variance: bool = Field(False, description="discard groups whose rewards are all equal")
+
+    def with_changes(self, **changes: object) -> PolicyConfig:
+        """A copy with `changes` applied and validated (model_copy alone would skip validation)."""
+        return type(self).model_validate({**self.model_dump(), **changes})
 
     @classmethod
     def ladder(cls, name: PolicyName | str, **overrides: object) -> PolicyConfig:
         """The ablation ladder: each rung adds one technique to the one before."""
         rung = PolicyName(name)
-        switches: dict[str, object] = {
+        table: dict[PolicyName, dict[str, object]] = {
             PolicyName.SYNC: {
                 "completion_order": False,
                 "surplus_groups": 0,
                 "pinned_lanes": False,
                 "rolling_updates": False,
             },
-            PolicyName.COMPLETION: {"completion_order": True, "pinned_lanes": False, "rolling_updates": False},
+            PolicyName.COMPLETION: {
+                "completion_order": True,
+                "pinned_lanes": False,
+                "rolling_updates": False,
+            },
             PolicyName.LANES: {"completion_order": True, "pinned_lanes": True, "rolling_updates": False},
             PolicyName.FULL: {"completion_order": True, "pinned_lanes": True, "rolling_updates": True},
-        }[rung]
-        data = {**overrides, **switches}
+        }
+        data = {**overrides, **table[rung]}
         return cls.model_validate(data)

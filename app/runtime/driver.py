@@ -98,7 +98,7 @@ class _EnginePool:
             except asyncio.CancelledError:
                 if waiter.done() and not waiter.cancelled():
                     self.wake()  # pass the wake-up we were given on to the next waiter
-                else:
+                elif waiter in self._waiters:
                     self._waiters.remove(waiter)
                 raise
             # Woken: our turn at the head. Take a slot directly if one is routable.
@@ -259,7 +259,25 @@ class Runtime:
                 mean_reward=sum(rewards) / len(rewards),
             )
         )
-        self._emit("batch", {"index": batch.index, "wait_s": delivered - requested})
+        self._emit(
+            "batch",
+            {
+                "index": batch.index,
+                "wait_s": delivered - requested,
+                "staleness": [g.staleness for g in batch.groups],
+                "groups": [g.group_id for g in batch.groups],
+            },
+        )
+
+    # -- live changes (operators retune S and K while the run goes on) ---------------------------
+
+    def set_surplus(self, surplus: int) -> None:
+        self._apply(self.scheduler.set_surplus(surplus, self.now()))
+        self._emit("surplus_changed", {"surplus_groups": surplus})
+
+    def set_max_staleness(self, max_staleness: int) -> None:
+        self._apply(self.scheduler.set_max_staleness(max_staleness, self.now()))
+        self._emit("max_staleness_changed", {"max_staleness": max_staleness})
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -270,7 +288,7 @@ class Runtime:
                 self._group_tasks[decision.group_id] = keys
                 for key in keys:
                     self._start_attempt(key, decision.task_index)
-                self._emit("group_admitted", {"group": decision.group_id})
+                self._emit("group_admitted", {"group": decision.group_id, "live": self.scheduler.groups_live})
             elif isinstance(decision, CancelGroup):
                 for key in self._group_tasks.pop(decision.group_id, []):
                     task = self._attempts.pop(key, None)
@@ -308,7 +326,11 @@ class Runtime:
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
-            self._tg.create_task(self._cleanup(sandbox))
+            cleanup = self._cleanup(sandbox)
+            try:
+                self._tg.create_task(cleanup)
+            except RuntimeError:
+                await cleanup  # the run is aborting: no sandbox may be left behind, so clean up here
         if self._attempts.get(key) is asyncio.current_task():
             del self._attempts[key]
             self._close_attempt_time(key)
@@ -380,4 +402,4 @@ class Runtime:
             self._on_event(kind, data)
 
 
-__all__ = ["PauseModeName", "Runtime", "RunState"]
+__all__ = ["PauseModeName", "RunState", "Runtime"]

@@ -8,6 +8,7 @@ tokens_per_s, events, wall_s — plus the extras listed in `build_report`.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -42,11 +43,13 @@ def build_report(
 ) -> dict[str, Any]:
     waits = [b.delivered_at - b.requested_at for b in state.batches]
     ready = [b.ready_at for b in state.batches]
-    intervals = [b - a for a, b in zip(ready, ready[1:], strict=False)]
+    intervals = [b - a for a, b in itertools.pairwise(ready)]
     duration = max(state.ended_at - state.started_at, 1e-9)
     counters = scheduler.counters
     discarded = {reason.value: counters.discarded[reason] for reason in DiscardReason}
-    ended = sum(1 for g in scheduler.groups.values() if g.state in (GroupState.DELIVERED, GroupState.DISCARDED))
+    ended = sum(
+        1 for g in scheduler.groups.values() if g.state in (GroupState.DELIVERED, GroupState.DISCARDED)
+    )
     lost = counters.admitted - counters.delivered - sum(discarded.values())
     lost = max(lost, counters.admitted - ended)
     wasted = dict.fromkeys([*discarded, "restarted"], 0.0)

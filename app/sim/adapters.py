@@ -149,7 +149,9 @@ class SimSource:
         self._pools = pools
         self._demand = demand
 
-    def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Agent, TaskSpec | None, Sandbox]:
+    def make_attempt(
+        self, group_id: int, task_index: int, attempt: int
+    ) -> tuple[Agent, TaskSpec | None, Sandbox]:
         trajectory = self.trajectories.trajectory(task_index, attempt)
         return SimAgent(trajectory), _SIM_TASK, SimSandbox(trajectory, self._pools, self._demand)
 

@@ -6,14 +6,15 @@ ladder and the sweeps on the same seeded draws.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from app.core.config import PolicyConfig, PolicyName
 from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
-from app.runtime.driver import Runtime
+from app.runtime.driver import RunState, Runtime
 from app.runtime.report import build_report
 from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
 from app.sim.bound import lower_bound_s
@@ -40,8 +41,14 @@ def simulate(
     name: str,
     on_batch: Progress | None = None,
     trajectories: TrajectorySource | None = None,
+    changes: Sequence[tuple[float, str, int]] = (),
+    observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
 ) -> dict[str, Any]:
-    """Simulate `workload.batches` trainer steps under `policy`; return the run report."""
+    """Simulate `workload.batches` trainer steps under `policy`; return the run report.
+
+    `changes` are live retunes at virtual times: (t, "surplus_groups" | "max_staleness", value).
+    `observer` sees every runtime event with the runtime, for invariant checks.
+    """
     wall = time.perf_counter()
     source = trajectories or TrajectorySource(workload)
     cpus = workload.cpus
@@ -55,7 +62,13 @@ def simulate(
         serving = CpuPool("shared", cpus.total)
         streams[None] = serving.stream("sandboxes")
     engines = [
-        SimEngine(f"engine-{i}", serving, workload.engines.update_s, workload.engines.tokens_per_s, cpus.engine_demand)
+        SimEngine(
+            f"engine-{i}",
+            serving,
+            workload.engines.update_s,
+            workload.engines.tokens_per_s,
+            cpus.engine_demand,
+        )
         for i in range(workload.engines.count)
     ]
     slots = workload.lanes.slots()
@@ -66,6 +79,8 @@ def simulate(
     )
 
     def on_event(kind: str, data: dict[str, object]) -> None:
+        if observer is not None:
+            observer(runtime, kind, data)
         if kind == "batch" and on_batch is not None:
             on_batch(int(str(data["index"])) + 1)
 
@@ -78,13 +93,24 @@ def simulate(
         trainer=SimTrainer(workload.trainer.step_s),
         on_event=on_event,
     )
-    state = run_virtual(runtime.run(batches=workload.batches))
+
+    async def main() -> RunState:
+        loop = asyncio.get_running_loop()
+        setters = {"surplus_groups": runtime.set_surplus, "max_staleness": runtime.set_max_staleness}
+        for at, knob, value in changes:
+            if knob not in setters:
+                raise ValueError(f"unknown live change {knob!r}; use surplus_groups or max_staleness")
+            loop.call_at(at, setters[knob], value)
+        return await runtime.run(batches=workload.batches)
+
+    state = run_virtual(main())
     admitted = [g.task_index for g in runtime.scheduler.groups.values()]
     bound = lower_bound_s(
         [source.group_duration(t) for t in admitted],
         len(state.batches),
         policy.groups_per_batch,
-        policy.groups_per_batch + policy.surplus_groups,
+        policy.groups_per_batch
+        + max([policy.surplus_groups] + [v for _, k, v in changes if k == "surplus_groups"]),
         workload.trainer.step_s,
     )
     report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)

@@ -319,7 +319,8 @@ class TrajectorySource:
         )
 
     def _draw_trace(self, group: int, attempt: int) -> Trajectory:
-        assert self._trace is not None and self.workload.trace is not None
+        assert self._trace is not None
+        assert self.workload.trace is not None
         task = self._trace_tasks[self._rng(group).randrange(len(self._trace_tasks))]
         rng = self._rng(group, attempt)
         rec = rng.choice(self._trace[task])

@@ -1,0 +1,72 @@
+"""The ablation ladder and the S and K sweeps, all on the same seeded trajectory draws."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app.sim.run import LADDER, policy_for, simulate
+from app.sim.workload import TrajectorySource, Workload
+
+OnRun = Callable[[str, int, int], None]
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "batch_collection_s": report["batch_collection_s"]["mean"],
+        "p90_s": report["batch_collection_s"]["p90"],
+        "lower_bound_s": report["lower_bound_s"],
+        "trainer_idle_fraction": report["trainer_idle_fraction"],
+        "max_staleness": report["max_staleness"],
+        "discarded_groups": report["discarded_groups"],
+        "max_groups_in_flight": report["max_groups_in_flight"],
+        "wasted_trajectory_s": report["wasted_trajectory_s"],
+    }
+
+
+def run_bench(
+    workload: Workload,
+    surplus_values: Sequence[int],
+    staleness_values: Sequence[int],
+    on_run: OnRun | None = None,
+) -> dict[str, Any]:
+    draws = TrajectorySource(workload)
+    plan: list[tuple[str, str, dict[str, Any]]] = [(p.value, p.value, {}) for p in LADDER]
+    plan += [(f"S={s}", "full", {"surplus_groups": s}) for s in surplus_values]
+    plan += [(f"K={k}", "full", {"max_staleness": k}) for k in staleness_values]
+    plan += [
+        ("full without lanes", "full", {"pinned_lanes": False}),
+        ("full without rolling", "full", {"rolling_updates": False}),
+        ("full without completion order", "full", {"completion_order": False}),
+    ]
+    policies: dict[str, Any] = {}
+    surplus: list[dict[str, Any]] = []
+    staleness: list[dict[str, Any]] = []
+    ablations: dict[str, Any] = {}
+    for i, (label, rung, overrides) in enumerate(plan):
+        if on_run is not None:
+            on_run(label, i, len(plan))
+        switches = {
+            k: overrides.pop(k)
+            for k in ("pinned_lanes", "rolling_updates", "completion_order")
+            if k in overrides
+        }
+        policy = policy_for(workload, rung, **overrides)
+        if switches:
+            policy = policy.with_changes(**switches)
+        report = simulate(workload, policy, label, trajectories=draws)
+        if label in {p.value for p in LADDER}:
+            policies[label] = report
+        elif label.startswith("S="):
+            surplus.append({"surplus_groups": policy.surplus_groups, **_summary(report)})
+        elif label.startswith("K="):
+            staleness.append({"max_staleness": policy.max_staleness, **_summary(report)})
+        else:
+            ablations[label] = _summary(report)
+    if on_run is not None:
+        on_run("done", len(plan), len(plan))
+    return {
+        "workload": workload.model_dump(mode="json", by_alias=True),
+        "policies": policies,
+        "sweeps": {"surplus": surplus, "max_staleness": staleness, "ablations": ablations},
+    }

@@ -1,0 +1,46 @@
+"""Plots of a bench report: the ladder against its lower bound, and the S sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_bench(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(result["policies"])
+    means = [result["policies"][n]["batch_collection_s"]["mean"] for n in names]
+    p90s = [result["policies"][n]["batch_collection_s"]["p90"] for n in names]
+    bounds = [result["policies"][n]["lower_bound_s"] for n in names]
+    xs = range(len(names))
+    ax1.bar([x - 0.2 for x in xs], means, width=0.4, label="mean")
+    ax1.bar([x + 0.2 for x in xs], p90s, width=0.4, label="p90", alpha=0.6)
+    ax1.scatter(list(xs), bounds, color="black", marker="_", s=600, label="lower bound", zorder=3)
+    for x, m in zip(xs, means, strict=True):
+        ax1.annotate(f"{m:.0f}", (x - 0.2, m), ha="center", va="bottom", fontsize=8)
+    ax1.set_xticks(list(xs), names)
+    ax1.set_ylabel("batch collection time (s)")
+    ax1.set_title("ablation ladder")
+    ax1.legend()
+    sweep = result["sweeps"]["surplus"]
+    if sweep:
+        s = [row["surplus_groups"] for row in sweep]
+        ax2.plot(s, [row["batch_collection_s"] for row in sweep], marker="o", label="full: mean")
+        ax2.plot(s, [row["lower_bound_s"] for row in sweep], linestyle="--", label="lower bound")
+        stale = [row["discarded_groups"]["stale"] for row in sweep]
+        ax3 = ax2.twinx()
+        ax3.bar(s, stale, width=4, alpha=0.25, color="red", label="stale groups")
+        ax3.set_ylabel("stale groups discarded")
+        ax2.set_xlabel("surplus groups S")
+        ax2.set_ylabel("batch collection time (s)")
+        ax2.set_title("surplus sweep (full)")
+        ax2.legend(loc="upper right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+
+from app.core.rollout import BeginUpdate, RestartInFlight, UpdatePlan
+from app.core.router import choose_engine
+
+
+def test_rolling_updates_one_engine_at_a_time_to_the_newest_version() -> None:
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=1)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1)]
+    assert not plan.routable("a")
+    assert plan.routable("b")
+    assert plan.on_publish(2) == []  # a is still updating; nobody else may start
+    assert plan.on_updated("a") == [BeginUpdate("a", 2)]  # a is behind the newest version: it goes again
+    assert plan.on_updated("a") == [BeginUpdate("b", 2)]
+    assert plan.on_updated("b") == [BeginUpdate("c", 2)]
+    assert plan.on_updated("c") == []
+    assert plan.versions == {"a": 2, "b": 2, "c": 2}
+    assert plan.max_seen_updating == 1
+
+
+def test_rolling_respects_a_larger_maximum() -> None:
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=2)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1), BeginUpdate("b", 1)]
+    assert plan.on_updated("b") == [BeginUpdate("c", 1)]
+    assert plan.max_seen_updating == 2
+
+
+def test_stop_the_world_updates_all_and_restarts() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=False)
+    assert plan.on_publish(1) == [RestartInFlight(), BeginUpdate("a", 1), BeginUpdate("b", 1)]
+    assert plan.on_publish(2) == []
+    assert plan.on_updated("a") == []
+    assert plan.on_updated("b") == [RestartInFlight(), BeginUpdate("a", 2), BeginUpdate("b", 2)]
+
+
+def test_plan_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="at least one engine"):
+        UpdatePlan([], rolling=True)
+    with pytest.raises(ValueError, match="max_updating"):
+        UpdatePlan(["a"], rolling=True, max_updating=0)
+
+
+def test_router_picks_least_loaded_routable_engine_with_a_free_slot() -> None:
+    assert choose_engine({"a": 2, "b": 1, "c": 1}, 3, lambda e: e != "b") == "c"
+    assert choose_engine({"a": 3, "b": 3}, 3, lambda e: True) is None
+    assert choose_engine({"a": 0}, 3, lambda e: False) is None
