@@ -156,8 +156,11 @@ class CpusSpec(Strict):
 
     @model_validator(mode="after")
     def _serving_leaves_room(self) -> CpusSpec:
-        if self.serving >= self.total:
-            raise ValueError(f"serving ({self.serving}) must leave cores for the lanes (total {self.total})")
+        # The simulator splits the cores left after serving into the four lanes, one core each at least.
+        if self.total - self.serving < 4:
+            raise ValueError(
+                f"serving ({self.serving}) must leave at least 4 cores for the 4 lanes (total {self.total})"
+            )
         return self
 
 
@@ -365,12 +368,17 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
         text = Path(path).read_text()
     except OSError as exc:
         raise WorkloadError(f"trace.path: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"trace {path}: not UTF-8 text (byte {exc.start})") from None
     by_task: dict[str, list[TraceAttempt]] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rec = _TraceLine.model_validate(json.loads(line))
+            data = json.loads(line)
+            if not isinstance(data, dict):
+                raise WorkloadError(f"trace {path}, line {lineno}: each line must be a JSON object")
+            rec = _TraceLine.model_validate(data)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"trace {path}, line {lineno}: not JSON ({exc.msg})") from None
         except ValidationError as exc:
@@ -415,6 +423,8 @@ def load_workload(path: Path | None) -> Workload:
         text = Path(path).read_text()
     except OSError as exc:
         raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:

@@ -1,0 +1,92 @@
+"""`corral run` for real: embedded engine processes, bwrap/local sandboxes, built-in tasks, weights
+published every trainer step, one engine at a time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.runtime.local import LocalRunError, load_config, run_local
+
+CONFIG = """
+seed: 3
+batch: {groups: 1, group_size: 2}
+policy: {surplus_groups: 1, max_staleness: 2}
+engines: {count: 2, cpus: [0], slots: 4, max_tokens: 8}
+lanes: {cpus: [1], reset: 2, exec: 2, validate: 1, cleanup: 1}
+trainer: {step_s: 0.2}
+tasks: {include: [fix-off-by-one, json-transform, patch-config-sed, sort-uniq-log]}
+"""
+
+
+def write_config(tmp_path: Path, text: str = CONFIG) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def updates_by_engine(report: dict) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for entry in report["update_log"]:
+        if entry["phase"] == "end":
+            out.setdefault(entry["engine"], []).append(entry["version"])
+    return out
+
+
+@pytest.mark.slow
+def test_full_run_publishes_weights_one_engine_at_a_time_without_restarts(tmp_path: Path) -> None:
+    report = run_local(write_config(tmp_path), "full", batches=3)
+    assert report["batches"] == 3
+    assert report["restarted_trajectories"] == 0
+    assert report["lost_groups"] == 0
+    assert report["max_engines_updating"] == 1
+    # Updates never overlap: each begin is followed by the same engine's end before another begin.
+    log = report["update_log"]
+    for begin, end in zip(log[::2], log[1::2], strict=True):
+        assert (begin["phase"], end["phase"]) == ("begin", "end")
+        assert begin["engine"] == end["engine"]
+    # Each engine's version advanced, in order, to the versions the trainer published.
+    versions = updates_by_engine(report)
+    assert versions["engine-0"] == sorted(versions["engine-0"])
+    assert max(v for vs in versions.values() for v in vs) >= 2
+    assert report["turns"] > 0
+    assert report["tokens_per_s"] > 0
+    assert set(report["lanes"]) == {"reset", "exec", "validate", "cleanup"}
+
+
+@pytest.mark.slow
+def test_sync_run_restarts_in_flight_work_on_update(tmp_path: Path) -> None:
+    report = run_local(write_config(tmp_path), "sync", batches=2)
+    assert report["batches"] == 2
+    assert report["lost_groups"] == 0
+    assert report["cpus"]["lanes"] is None  # shared CPUs in the sync rung
+
+
+def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> None:
+    bad = write_config(tmp_path, CONFIG.replace("lanes: {cpus: [1]", "lanes: {cpus: [0]"))
+    with pytest.raises(LocalRunError, match="disjoint"):
+        load_config(bad)
+    bad = write_config(tmp_path, CONFIG + "\nbogus: 1\n")
+    with pytest.raises(LocalRunError, match="bogus"):
+        load_config(bad)
+    bad = write_config(tmp_path, CONFIG.replace("group_size: 2", "group_size: 1"))
+    with pytest.raises(LocalRunError, match="group_size"):
+        load_config(bad)
+    with pytest.raises(LocalRunError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, CONFIG.replace("include: [fix-off-by-one", "include: [no-such-task"))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", str(cfg), "--json",
+         str(tmp_path / "out.json"), "--batches", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "no-such-task" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.json").exists()

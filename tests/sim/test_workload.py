@@ -1,0 +1,267 @@
+"""Workload specs: distributions draw in range and reproducibly per seed; traces load, are drawn per task
+from their recorded attempts, and a trace workload simulates end to end without losing a group."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.sim.run import policy_for, simulate
+from app.sim.workload import (
+    Dist,
+    TrajectorySource,
+    Workload,
+    WorkloadError,
+    load_trace,
+    load_workload,
+    parse_workload,
+)
+
+
+def draws(spec: Any, seed: int, n: int = 500) -> list[float]:
+    dist = Dist.model_validate(spec)
+    rng = random.Random(seed)
+    return [dist.draw(rng) for _ in range(n)]
+
+
+def make_small(**overrides: Any) -> dict[str, Any]:
+    """A tiny workload as file data: 2 batches of B=2 groups of G=2, fast trajectories."""
+    base: dict[str, Any] = {
+        "seed": 3,
+        "batches": 2,
+        "batch": {"groups": 2, "group_size": 2},
+        "trainer": {"step_s": 1.0},
+        "policy": {"surplus_groups": 2, "max_staleness": 2},
+        "engines": {"count": 2, "slots": 4, "update_s": 1.0},
+        "cpus": {"total": 8, "serving": 2},
+        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
+        "trajectory": {
+            "reset_s": {"uniform": [0.5, 2]},
+            "turns": {"uniform": [2, 5]},
+            "llm_s": {"lognormal": {"median": 1, "p90": 3}},
+            "tool_s": 0.5,
+            "validate_s": 1,
+            "cleanup_s": 1,
+            "timeout_s": 60,
+        },
+    }
+    base.update(overrides)
+    return base
+
+
+# -- distributions -----------------------------------------------------------------------------------
+
+
+def test_number_is_a_constant() -> None:
+    assert set(draws(3.5, seed=1, n=20)) == {3.5}
+    assert Dist.model_validate(0).mean() == 0
+
+
+def test_lognormal_matches_median_and_p90() -> None:
+    values = sorted(draws({"lognormal": {"median": 10, "p90": 40}}, seed=2, n=20_000))
+    median, p90 = values[len(values) // 2], values[int(len(values) * 0.9)]
+    assert median == pytest.approx(10, rel=0.05)
+    assert p90 == pytest.approx(40, rel=0.08)
+    assert min(values) > 0
+
+
+def test_lognormal_max_caps_every_draw() -> None:
+    values = draws({"lognormal": {"median": 10, "p90": 40, "max": 25}}, seed=3, n=2_000)
+    assert max(values) == 25  # the tail above the cap lands exactly on it (a harness timeout)
+    assert min(values) > 0
+
+
+def test_uniform_stays_in_range() -> None:
+    values = draws({"uniform": [2, 5]}, seed=4)
+    assert all(2 <= v <= 5 for v in values)
+    assert max(values) - min(values) > 2.5
+
+
+def test_empirical_draws_only_its_samples() -> None:
+    values = draws({"empirical": [1, 4, 9]}, seed=5)
+    assert set(values) == {1, 4, 9}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [7, {"lognormal": {"median": 3, "p90": 8, "max": 20}}, {"uniform": [0, 1]}, {"empirical": [1, 2, 3]}],
+)
+def test_draws_repeat_for_a_seed_and_differ_across_seeds(spec: Any) -> None:
+    assert draws(spec, seed=11) == draws(spec, seed=11)
+    if not isinstance(spec, int):
+        assert draws(spec, seed=11) != draws(spec, seed=12)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"lognormal": {"median": 3}}, "p90"),
+        ({"lognormal": {"median": 5, "p90": 2}}, "p90"),
+        ({"uniform": [3, 1]}, "uniform"),
+        ({"empirical": []}, "empirical"),
+        ({"normal": 3}, "normal"),
+        (True, "boolean"),
+        (-1, "constant"),
+    ],
+)
+def test_bad_distribution_is_refused_naming_the_field(spec: Any, field: str) -> None:
+    with pytest.raises(WorkloadError, match=field):
+        parse_workload({"trajectory": {"llm_s": spec}}, "w.yaml")
+
+
+def test_trajectories_are_keyed_by_group_and_attempt_not_by_order() -> None:
+    workload = Workload.model_validate(make_small())
+    forward, backward = TrajectorySource(workload), TrajectorySource(workload)
+    keys = [(g, a) for g in range(6) for a in range(2)]
+    first = [forward.trajectory(g, a) for g, a in keys]
+    second = [backward.trajectory(g, a) for g, a in reversed(keys)]
+    assert first == list(reversed(second))
+    other = TrajectorySource(Workload.model_validate(make_small(seed=4)))
+    assert [other.trajectory(g, a) for g, a in keys] != first
+
+
+def test_drawn_trajectories_respect_their_distributions() -> None:
+    source = TrajectorySource(Workload.model_validate(make_small()))
+    for g in range(20):
+        resets = set()
+        for a in range(2):
+            t = source.trajectory(g, a)
+            resets.add(t.reset_s)
+            assert 0.5 <= t.reset_s <= 2
+            assert t.validate_s == 1
+            assert t.cleanup_s == 1
+            assert len(t.turns) >= 1
+            assert t.reward in (0.0, 1.0)
+            assert t.agent_s <= t.timeout_s
+        assert len(resets) == 1  # set-up cost belongs to the task, shared by the group's attempts
+
+
+# -- traces --------------------------------------------------------------------------------------------
+
+
+def write_trace(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def attempt(task: str, agent_s: float, reward: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {
+        "task": task,
+        "reset_s": 1.0,
+        "agent_s": agent_s,
+        "validate_s": 2.0,
+        "cleanup_s": 3.0,
+        "reward": reward,
+        **extra,
+    }
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    records = [attempt("a", 10 + i, reward=i % 2) for i in range(4)]
+    records += [attempt("b", 100 + i) for i in range(3)]
+    records.append(attempt("c", 0, turns=[{"llm_s": 2.0, "tool_s": 1.0}, {"llm_s": 4.0, "tool_s": 0.5}]))
+    return write_trace(tmp_path / "trace.jsonl", records)
+
+
+def test_trace_loads_attempts_grouped_by_task(trace_file: Path) -> None:
+    trace = load_trace(trace_file)
+    assert sorted(trace) == ["a", "b", "c"]
+    assert [r.agent_s for r in trace["a"]] == [10, 11, 12, 13]
+    assert [r.reward for r in trace["a"]] == [0, 1, 0, 1]
+    assert all(r.turns is None for r in trace["a"] + trace["b"])
+    (c,) = trace["c"]
+    assert c.turns is not None
+    assert [(t.llm_s, t.tool_s) for t in c.turns] == [(2.0, 1.0), (4.0, 0.5)]
+    assert c.agent_s == pytest.approx(7.5)  # recorded turns are the truth, not the agent_s field
+
+
+def trace_workload(trace_file: Path, **overrides: Any) -> Workload:
+    data = make_small(trace={"path": str(trace_file), "llm_fraction": 0.75}, **overrides)
+    data["trajectory"] = {"turns": {"uniform": [3, 6]}, "timeout_s": 1000}
+    return parse_workload(data)
+
+
+def test_groups_draw_from_one_tasks_recorded_attempts(trace_file: Path) -> None:
+    trace = load_trace(trace_file)
+    workload = trace_workload(trace_file, batch={"groups": 2, "group_size": 4})
+    source = TrajectorySource(workload)
+    tasks_seen = set()
+    for g in range(30):
+        members = [source.trajectory(g, a) for a in range(4)]
+        # every attempt of a group is a recorded attempt of the same task
+        matching = [
+            task
+            for task, recs in trace.items()
+            if all(any(m.agent_s == pytest.approx(r.agent_s) for r in recs) for m in members)
+        ]
+        assert len(matching) == 1, (g, [m.agent_s for m in members])
+        tasks_seen.add(matching[0])
+        for m in members:
+            assert (m.reset_s, m.validate_s, m.cleanup_s) == (1.0, 2.0, 3.0)
+    assert tasks_seen == {"a", "b", "c"}
+    again = TrajectorySource(workload)
+    assert [again.trajectory(g, 1) for g in range(30)] == [source.trajectory(g, 1) for g in range(30)]
+
+
+def test_agent_time_is_split_into_turns_when_the_trace_has_none(trace_file: Path) -> None:
+    source = TrajectorySource(trace_workload(trace_file))
+    split = recorded = 0
+    for g in range(40):
+        t = source.trajectory(g, 0)
+        total = sum(turn.llm_s + turn.tool_s for turn in t.turns)
+        if t.agent_s != pytest.approx(7.5):  # tasks a and b carry no turns
+            split += 1
+            assert 3 <= len(t.turns) <= 6  # the workload's turn distribution
+            llm = sum(turn.llm_s for turn in t.turns)
+            assert llm == pytest.approx(0.75 * total)  # trace.llm_fraction
+            assert all(turn.llm_s > 0 and turn.tool_s > 0 for turn in t.turns)
+        else:
+            recorded += 1
+            assert [(x.llm_s, x.tool_s) for x in t.turns] == [(2.0, 1.0), (4.0, 0.5)]
+        assert total in (pytest.approx(7.5), *(pytest.approx(v) for v in (10, 11, 12, 13, 100, 101, 102)))
+    assert split
+    assert recorded
+
+
+def test_relative_trace_path_is_read_next_to_the_workload_file(tmp_path: Path, trace_file: Path) -> None:
+    spec = tmp_path / "w.yaml"
+    spec.write_text(json.dumps(make_small(trace=trace_file.name)))
+    workload = load_workload(spec)
+    assert workload.trace is not None
+    assert workload.trace.path == tmp_path / "trace.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "empty"),
+        ("\n  \n", "empty"),
+        (json.dumps(attempt("a", 1)) + "\n{not json\n", "line 2: not JSON"),
+        ('{"task": "a", "reset_s": 1, "validate_s": 1, "cleanup_s": 1, "reward": 1}\n', "line 1: agent_s"),
+        (json.dumps(attempt("a", -1)) + "\n", "line 1: agent_s"),
+        (json.dumps(attempt("a", 1, turns=[{"llm_s": 1}])) + "\n", "line 1: turns.0.tool_s"),
+        (json.dumps(attempt("a", 1)) + "\n[1, 2]\n", "line 2: each line must be a JSON object"),
+    ],
+)
+def test_bad_trace_is_refused_naming_the_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    with pytest.raises(WorkloadError, match=message):
+        load_trace(path)
+    with pytest.raises(WorkloadError, match=message):
+        parse_workload({"trace": str(path)})  # refused at load time, not mid-run
+
+
+def test_trace_workload_simulates_end_to_end(trace_file: Path) -> None:
+    workload = trace_workload(trace_file)
+    report = simulate(workload, policy_for(workload, "full"), "full")
+    assert report["batches"] == 2
+    assert report["lost_groups"] == 0
+    assert report["max_groups_in_flight"] <= 2 + 2
+    assert report["max_staleness"] <= 2
+    assert len(report["batch_collection_s"]["per_batch"]) == 2
