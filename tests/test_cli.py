@@ -251,11 +251,6 @@ def test_bench_writes_ladder_sweeps_and_plot(tmp_path: Path) -> None:
     assert "| sync |" in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/sim/bench.py: a K-sweep row's max_staleness (the K swept) is overwritten by the measured "
-    "max_staleness from _summary, so the row no longer says which K it ran",
-)
 def test_staleness_sweep_rows_name_their_k() -> None:
     from app.sim.bench import run_bench
     from app.sim.workload import Workload

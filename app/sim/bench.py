@@ -17,7 +17,7 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         "p90_s": report["batch_collection_s"]["p90"],
         "lower_bound_s": report["lower_bound_s"],
         "trainer_idle_fraction": report["trainer_idle_fraction"],
-        "max_staleness": report["max_staleness"],
+        "max_staleness_delivered": report["max_staleness"],
         "discarded_groups": report["discarded_groups"],
         "max_groups_in_flight": report["max_groups_in_flight"],
         "wasted_trajectory_s": report["wasted_trajectory_s"],
