@@ -25,7 +25,7 @@ class SimEngine:
 
     def __init__(self, name: str, pool: CpuPool, update_s: float, tokens_per_s: float, demand: float) -> None:
         self.name = name
-        self._stream: Stream = pool.stream(name)
+        self._stream: Stream = pool.stream(name, serving=True)
         self._pool = pool
         self._update_s = update_s
         self._tokens_per_s = tokens_per_s

@@ -55,11 +55,11 @@ def simulate(
     split = lane_cpu_split(workload)
     streams: dict[tuple[int, ...] | None, Stream] = {}
     if policy.pinned_lanes:
-        serving = CpuPool("serving", cpus.serving)
+        serving = CpuPool("serving", cpus.serving, cpus.thrash)
         for lane, ids in split.items():
-            streams[ids] = CpuPool(lane, len(ids)).stream(lane)
+            streams[ids] = CpuPool(lane, len(ids), cpus.thrash).stream(lane)
     else:
-        serving = CpuPool("shared", cpus.total)
+        serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
         streams[None] = serving.stream("sandboxes")
     engines = [
         SimEngine(

@@ -154,6 +154,14 @@ class CpusSpec(Strict):
         default_factory=lambda: SandboxDemand(), description="cores one running operation uses, per lane"
     )
 
+    thrash: float = Field(
+        0.5, ge=0, description="efficiency lost per unit of oversubscription (0: pure processor sharing)"
+    )
+
+    interference: float = Field(
+        0.5, ge=0, description="serving slow-down per unit of co-located sandbox load (shared CPUs only)"
+    )
+
     @model_validator(mode="after")
     def _serving_leaves_room(self) -> CpusSpec:
         # The simulator splits the cores left after serving into the four lanes, one core each at least.
