@@ -236,11 +236,11 @@ async def _turns(
 
 
 async def _load_worker(
-    lanes: InProcessLanes, sandbox: LocalSandbox, cfg: BenchConfig, done: list[int]
+    lanes: InProcessLanes, sandbox: LocalSandbox, cfg: BenchConfig, done: list[int], stop: asyncio.Event
 ) -> None:
-    """Keep one sandbox command running through the exec lane until cancelled."""
+    """Keep one sandbox command running through the exec lane until `stop` is set (or cancelled)."""
     command = f"head -c {cfg.load_mib * 1024 * 1024} /dev/zero | sha256sum"
-    while True:
+    while not stop.is_set():
         result = await lanes.run(
             LaneName.EXEC, lambda slot: sandbox.exec(command, cfg.exec_timeout_s, cpus=slot.cpus)
         )
@@ -264,6 +264,7 @@ async def _measure_config(
     client = VLLMEngine(engine.name, engine.base_url, MODEL_NAME, timeout_s=120.0)
     sandboxes: list[LocalSandbox] = []
     execs = [0]
+    stop = asyncio.Event()
     tick = None if on_turn is None else (lambda: on_turn(name, round_index))
     try:
         lanes: InProcessLanes | None = None
@@ -281,7 +282,7 @@ async def _measure_config(
                 await sandbox.reset(task, cpus=lane_cpus)
         async with asyncio.TaskGroup() as tg:
             load_tasks = (
-                [tg.create_task(_load_worker(lanes, sandbox, cfg, execs)) for sandbox in sandboxes]
+                [tg.create_task(_load_worker(lanes, sandbox, cfg, execs, stop)) for sandbox in sandboxes]
                 if lanes is not None
                 else []
             )
@@ -294,6 +295,9 @@ async def _measure_config(
             latencies = await _turns(client, cfg.turns, cfg, tick)
             duration = time.perf_counter() - started
             executed = execs[0]
+            # The event ends a worker whose cancellation is lost: Python 3.11's wait_for (inside
+            # LocalSandbox.exec) can swallow a cancel that races with the command's exit.
+            stop.set()
             for load_task in load_tasks:
                 load_task.cancel()
         return ConfigRound(latencies, executed, duration)
@@ -394,6 +398,9 @@ def run_benchmark(cfg: BenchConfig, on_turn: OnTurn | None = None) -> dict[str, 
         report["machine"]["loadavg_before"] = list(load_before)
         report["machine"]["loadavg_after"] = list(os.getloadavg())
         report["wall_s"] = time.perf_counter() - started
+        report["engines"] = {
+            e.name: {"pid": e.proc.pid, "port": e.port, "cpus": list(e.cpus)} for e in engines.values()
+        }
         return report
     finally:
         for engine in engines.values():

@@ -256,4 +256,6 @@ def test_staleness_sweep_rows_name_their_k() -> None:
     from app.sim.workload import Workload
 
     result = run_bench(Workload.model_validate(make_workload()), [], [1, 3])
-    assert [row["max_staleness"] for row in result["sweeps"]["max_staleness"]] == [1, 3]
+    rows = result["sweeps"]["max_staleness"]
+    # K is compared at the default S (2) and at the largest S of the sweep (none given: 0).
+    assert [(row["max_staleness"], row["surplus_groups"]) for row in rows] == [(1, 0), (3, 0), (1, 2), (3, 2)]

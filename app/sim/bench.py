@@ -33,7 +33,14 @@ def run_bench(
     draws = TrajectorySource(workload)
     plan: list[tuple[str, str, dict[str, Any]]] = [(p.value, p.value, {}) for p in LADDER]
     plan += [(f"S={s}", "full", {"surplus_groups": s}) for s in surplus_values]
-    plan += [(f"K={k}", "full", {"max_staleness": k}) for k in staleness_values]
+    # K matters only where groups live long enough to go stale, so compare it at the default S and at
+    # the largest S of the sweep.
+    k_surplus = sorted({workload.policy.surplus_groups, max(surplus_values, default=0)})
+    plan += [
+        (f"K={k},S={s}", "full", {"max_staleness": k, "surplus_groups": s})
+        for s in k_surplus
+        for k in staleness_values
+    ]
     plan += [
         ("full without lanes", "full", {"pinned_lanes": False}),
         ("full without rolling", "full", {"rolling_updates": False}),
@@ -60,7 +67,13 @@ def run_bench(
         elif label.startswith("S="):
             surplus.append({"surplus_groups": policy.surplus_groups, **_summary(report)})
         elif label.startswith("K="):
-            staleness.append({"max_staleness": policy.max_staleness, **_summary(report)})
+            staleness.append(
+                {
+                    "max_staleness": policy.max_staleness,
+                    "surplus_groups": policy.surplus_groups,
+                    **_summary(report),
+                }
+            )
         else:
             ablations[label] = _summary(report)
     if on_run is not None:

@@ -12,7 +12,7 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax4) = plt.subplots(1, 3, figsize=(17, 4.5))
     names = list(result["policies"])
     means = [result["policies"][n]["batch_collection_s"]["mean"] for n in names]
     p90s = [result["policies"][n]["batch_collection_s"]["p90"] for n in names]
@@ -40,6 +40,18 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
         ax2.set_ylabel("batch collection time (s)")
         ax2.set_title("surplus sweep (full)")
         ax2.legend(loc="upper right")
+    ablations = result["sweeps"].get("ablations", {})
+    if ablations and "full" in result["policies"]:
+        labels = ["full", *(name.replace("full without ", "− ") for name in ablations)]
+        values = [
+            result["policies"]["full"]["batch_collection_s"]["mean"],
+            *(row["batch_collection_s"] for row in ablations.values()),
+        ]
+        bars = ax4.bar(labels, values, color=["tab:green"] + ["tab:gray"] * len(ablations))
+        for bar, value in zip(bars, values, strict=True):
+            ax4.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+        ax4.set_ylabel("batch collection time (s)")
+        ax4.set_title("full, minus one technique")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
