@@ -418,14 +418,18 @@ class LocalSandbox:
         try:
             async with asyncio.TaskGroup() as tg:
                 pump = tg.create_task(self._pump(reader, buffer))
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+                # arrives as the process exits, and the runtime cancels attempts of discarded groups.
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        await proc.wait()
                 except TimeoutError:
                     timed_out = True
                     await self._kill_exec(proc.pid, leaf)
                     await proc.wait()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(pump, DRAIN_AFTER_EXIT_S)
+                    async with asyncio.timeout(DRAIN_AFTER_EXIT_S):
+                        await pump
         finally:
             transport.close()
             if proc.returncode is None:
