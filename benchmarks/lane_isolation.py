@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -236,9 +237,9 @@ async def _turns(
 
 
 async def _load_worker(
-    lanes: InProcessLanes, sandbox: LocalSandbox, cfg: BenchConfig, done: list[int], stop: asyncio.Event
+    lanes: InProcessLanes, sandbox: LocalSandbox, cfg: BenchConfig, done: list[int], stop: threading.Event
 ) -> None:
-    """Keep one sandbox command running through the exec lane until `stop` is set (or cancelled)."""
+    """Keep one sandbox command running through the exec lane until `stop` is set."""
     command = f"head -c {cfg.load_mib * 1024 * 1024} /dev/zero | sha256sum"
     while not stop.is_set():
         result = await lanes.run(
@@ -252,6 +253,63 @@ async def _load_worker(
         done[0] += 1
 
 
+class _LoadThread(threading.Thread):
+    """The sandbox lanes' work, in its own thread and event loop.
+
+    Affinity is per thread on Linux: this thread (which forks the sandbox commands) runs on the lane
+    CPUs when pinned, while the measuring thread stays on the serving CPUs, as a lane worker and the
+    control plane would in a deployment.
+    """
+
+    def __init__(
+        self, name: str, cfg: BenchConfig, factory: LocalSandboxFactory, task: TaskSpec, round_index: int
+    ) -> None:
+        super().__init__(name=f"lane-load-{name}", daemon=True)
+        self.pinned = name == "pinned"
+        self.cfg = cfg
+        self.factory = factory
+        self.task = task
+        self.round_index = round_index
+        self.execs = [0]
+        self.started_load = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        os.sched_setaffinity(0, self.cfg.lane_cpus if self.pinned else self.cfg.all_cpus)
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # reported by the measuring thread, which owns the run
+            self.error = exc
+        finally:
+            self.started_load.set()
+
+    async def _main(self) -> None:
+        cfg = self.cfg
+        lane_cpus = cfg.lane_cpus if self.pinned else None
+        lanes = InProcessLanes(
+            concurrency=dict.fromkeys(LaneName, cfg.load_workers),
+            cpus=dict.fromkeys(LaneName, lane_cpus),
+            pinned=self.pinned,
+        )
+        name = "pinned" if self.pinned else "unpinned"
+        sandboxes = [
+            self.factory.create(f"lanebench-{os.getpid()}-r{self.round_index}-{name}-{i}")
+            for i in range(cfg.load_workers)
+        ]
+        try:
+            for sandbox in sandboxes:
+                await sandbox.reset(self.task, cpus=lane_cpus)
+            async with asyncio.TaskGroup() as tg:
+                for sandbox in sandboxes:
+                    tg.create_task(_load_worker(lanes, sandbox, cfg, self.execs, self.stop))
+                await asyncio.sleep(0.3)  # every load command under way before the first turn
+                self.started_load.set()
+        finally:
+            for sandbox in sandboxes:
+                await sandbox.cleanup()
+
+
 async def _measure_config(
     name: str,
     engine: _Engine,
@@ -262,48 +320,30 @@ async def _measure_config(
     on_turn: OnTurn | None,
 ) -> ConfigRound:
     client = VLLMEngine(engine.name, engine.base_url, MODEL_NAME, timeout_s=120.0)
-    sandboxes: list[LocalSandbox] = []
-    execs = [0]
-    stop = asyncio.Event()
     tick = None if on_turn is None else (lambda: on_turn(name, round_index))
+    load = _LoadThread(name, cfg, factory, task, round_index) if name in LOADED else None
+    # The measuring thread plays the control plane: on the serving CPUs unless nothing is pinned.
+    os.sched_setaffinity(0, cfg.all_cpus if name == "unpinned" else cfg.serving_cpus)
     try:
-        lanes: InProcessLanes | None = None
-        if name in LOADED:
-            pinned = name == "pinned"
-            lane_cpus = cfg.lane_cpus if pinned else None
-            lanes = InProcessLanes(
-                concurrency=dict.fromkeys(LaneName, cfg.load_workers),
-                cpus=dict.fromkeys(LaneName, lane_cpus),
-                pinned=pinned,
-            )
-            for i in range(cfg.load_workers):
-                sandbox = factory.create(f"lanebench-{os.getpid()}-r{round_index}-{name}-{i}")
-                sandboxes.append(sandbox)
-                await sandbox.reset(task, cpus=lane_cpus)
-        async with asyncio.TaskGroup() as tg:
-            load_tasks = (
-                [tg.create_task(_load_worker(lanes, sandbox, cfg, execs, stop)) for sandbox in sandboxes]
-                if lanes is not None
-                else []
-            )
-            if load_tasks:
-                # Let every load command get going before the first turn.
-                await asyncio.sleep(0.3)
-            await _turns(client, cfg.warmup_turns, cfg, None)
-            execs[0] = 0
-            started = time.perf_counter()
-            latencies = await _turns(client, cfg.turns, cfg, tick)
-            duration = time.perf_counter() - started
-            executed = execs[0]
-            # The event ends a worker whose cancellation is lost: Python 3.11's wait_for (inside
-            # LocalSandbox.exec) can swallow a cancel that races with the command's exit.
-            stop.set()
-            for load_task in load_tasks:
-                load_task.cancel()
+        if load is not None:
+            load.start()
+            await asyncio.to_thread(load.started_load.wait)
+            if load.error is not None:
+                raise LoadError(f"sandbox load did not start: {load.error!r}")
+        await _turns(client, cfg.warmup_turns, cfg, None)
+        executed_before = load.execs[0] if load is not None else 0
+        started = time.perf_counter()
+        latencies = await _turns(client, cfg.turns, cfg, tick)
+        duration = time.perf_counter() - started
+        executed = (load.execs[0] if load is not None else 0) - executed_before
         return ConfigRound(latencies, executed, duration)
     finally:
-        for sandbox in sandboxes:
-            await sandbox.cleanup()
+        os.sched_setaffinity(0, cfg.all_cpus)
+        if load is not None:
+            load.stop.set()
+            await asyncio.to_thread(load.join, cfg.exec_timeout_s + 30)
+            if load.error is not None and not isinstance(load.error, LoadError | asyncio.CancelledError):
+                raise LoadError(f"sandbox load failed: {load.error!r}")
         await client.aclose()
 
 
@@ -472,15 +512,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _cpu_tuple(text: str) -> tuple[int, ...]:
-    from app.sandboxes.cpuset import parse_cpu_list
+    from app.cpulist import parse_cpu_list
 
     try:
-        cpus = parse_cpu_list(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like '0' or '1-3'") from None
-    if not cpus:
-        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
-    return cpus
+        return tuple(parse_cpu_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like '0' or '1-3': {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

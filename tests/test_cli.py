@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import make_workload_data
 
 CORRAL = Path(sys.executable).with_name("corral")
 
@@ -35,29 +36,7 @@ REPORT_KEYS = {
 
 
 def make_workload(**overrides: Any) -> dict[str, Any]:
-    """A small workload: 2 batches of B=2 groups of G=2, seconds-long trajectories."""
-    base: dict[str, Any] = {
-        "seed": 5,
-        "batches": 2,
-        "batch": {"groups": 2, "group_size": 2},
-        "trainer": {"step_s": 1.0},
-        "policy": {"surplus_groups": 2, "max_staleness": 2},
-        "engines": {"count": 2, "slots": 4, "update_s": 1.0},
-        "cpus": {"total": 8, "serving": 2},
-        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
-        "trajectory": {
-            "reset_s": {"uniform": [0.5, 2]},
-            "turns": {"uniform": [2, 5]},
-            "llm_s": {"lognormal": {"median": 1, "p90": 3}},
-            "tool_s": 0.5,
-            "validate_s": 1,
-            "cleanup_s": 1,
-            "timeout_s": 60,
-        },
-    }
-    for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value
-    return base
+    return make_workload_data(**{"seed": 5, **overrides})
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:

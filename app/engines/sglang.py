@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any, Self
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
-from app.engines.errors import EngineError, EngineRequestError
-from app.engines.vllm import HTTPTransport, completion_tokens, first_choice, get_field, parse_version
+from app.engines.errors import EngineRequestError
+from app.engines.vllm import HTTPTransport, completion_tokens, first_choice, get_field
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
 
@@ -112,22 +112,13 @@ class SGLangEngine:
 
     async def weight_version(self) -> int:
         """`GET /get_weight_version`; a null version falls back to the client's known version."""
-        route = "/get_weight_version"
-        answer = await self._http.request_json("GET", route)
-        if "weight_version" not in answer:
-            raise self._http.protocol_error(route, f"missing field 'weight_version' in {answer!r:.300}")
-        version = parse_version(self._http, route, answer["weight_version"])
-        return self._known_version if version is None else version
+        return await self._http.read_version("/get_weight_version", self._known_version)
 
     async def reset_prefix_cache(self) -> None:
         await self._http.request("POST", "/flush_cache", timeout_s=self._control_timeout_s)
 
     async def health(self) -> bool:
-        try:
-            await self._http.request("GET", "/health")
-        except EngineError:
-            return False
-        return True
+        return await self._http.healthy()
 
     async def aclose(self) -> None:
         await self._http.aclose()

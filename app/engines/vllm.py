@@ -91,6 +91,22 @@ class HTTPTransport:
             raise EngineProtocolError(self.base_url, route, f"expected a JSON object, got {body!r:.200}")
         return body
 
+    async def healthy(self) -> bool:
+        """`GET /health` answered 2xx; any failure to get that answer is reported as unhealthy."""
+        try:
+            await self.request("GET", "/health")
+        except EngineError:
+            return False
+        return True
+
+    async def read_version(self, route: str, known: int) -> int:
+        """The engine's committed version from `{"weight_version": ...}` at `route`; `known` when null."""
+        answer = await self.request_json("GET", route)
+        if "weight_version" not in answer:
+            raise self.protocol_error(route, f"missing field 'weight_version' in {answer!r:.300}")
+        version = parse_version(self, route, answer["weight_version"])
+        return known if version is None else version
+
     def protocol_error(self, route: str, detail: str) -> EngineProtocolError:
         return EngineProtocolError(self.base_url, route, detail)
 
@@ -312,12 +328,7 @@ class VLLMEngine:
         `{"weight_version": null}` (no publication has named a version yet) is the one answer that
         carries nothing usable; then the client's known version is returned.
         """
-        route = "/weight_info"
-        answer = await self._http.request_json("GET", route)
-        if "weight_version" not in answer:
-            raise self._http.protocol_error(route, f"missing field 'weight_version' in {answer!r:.300}")
-        version = parse_version(self._http, route, answer["weight_version"])
-        return self._known_version if version is None else version
+        return await self._http.read_version("/weight_info", self._known_version)
 
     async def reset_prefix_cache(self) -> None:
         await self._http.request("POST", "/reset_prefix_cache", timeout_s=self._control_timeout_s)
@@ -325,11 +336,7 @@ class VLLMEngine:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def health(self) -> bool:
-        try:
-            await self._http.request("GET", "/health")
-        except EngineError:
-            return False
-        return True
+        return await self._http.healthy()
 
     async def aclose(self) -> None:
         await self._http.aclose()

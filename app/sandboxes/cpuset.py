@@ -15,9 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.cpulist import format_cpu_list, parse_cpu_list
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP_PREFIX = "corral"
@@ -31,41 +33,12 @@ class CpuPinError(RuntimeError):
     """The requested CPU set cannot be applied (bad CPU ids, or not even affinity works)."""
 
 
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """Parse the kernel's list format, e.g. "0-2,5" -> (0, 1, 2, 5)."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return tuple(sorted(cpus))
-
-
-def format_cpu_list(cpus: Iterable[int]) -> str:
-    """Inverse of `parse_cpu_list`, compressing runs: (0, 1, 2, 5) -> "0-2,5"."""
-    ordered = sorted(set(cpus))
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
 def read_cpus_allowed(pid: int) -> tuple[int, ...]:
     """The CPUs a process may run on, from `Cpus_allowed_list` in /proc/<pid>/status."""
     status = Path(f"/proc/{pid}/status").read_text()
     for line in status.splitlines():
         if line.startswith("Cpus_allowed_list:"):
-            return parse_cpu_list(line.split(":", 1)[1])
+            return tuple(parse_cpu_list(line.split(":", 1)[1]))
     raise CpuPinError(f"/proc/{pid}/status has no Cpus_allowed_list line")
 
 
@@ -93,11 +66,20 @@ def _validate(cpus: Sequence[int]) -> tuple[int, ...]:
     wanted = tuple(sorted(set(cpus)))
     if not wanted:
         raise CpuPinError("empty CPU set")
-    online = os.sched_getaffinity(0)
+    # Checked against the CPUs online, not this thread's mask: a control-plane thread pinned to the
+    # serving CPUs still places sandbox commands on the lane CPUs.
+    online = _online_cpus()
     outside = [c for c in wanted if c not in online]
     if outside:
-        raise CpuPinError(f"CPUs {outside} are not available to this process (allowed: {sorted(online)})")
+        raise CpuPinError(f"CPUs {outside} are not online here (online: {sorted(online)})")
     return wanted
+
+
+def _online_cpus() -> set[int]:
+    try:
+        return set(parse_cpu_list(Path("/sys/devices/system/cpu/online").read_text()))
+    except (OSError, ValueError):
+        return os.sched_getaffinity(0)
 
 
 def _write(path: Path, value: str) -> None:

@@ -29,8 +29,8 @@ import docker
 import docker.errors
 import docker.utils.socket
 
+from app.cpulist import format_cpu_list
 from app.sandboxes.base import ExecResult
-from app.sandboxes.cpuset import format_cpu_list
 from app.sandboxes.local import DEFAULT_OUTPUT_LIMIT, SandboxError, _CappedBuffer, _safe_name
 
 if TYPE_CHECKING:

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.sandboxes import cpuset
-from app.sandboxes.cpuset import CpuPinError, format_cpu_list, parse_cpu_list, pin, read_cpus_allowed
+from app.sandboxes.cpuset import CpuPinError, pin, read_cpus_allowed
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
@@ -22,11 +23,17 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest.mark.parametrize(
     ("text", "cpus"),
-    [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("0-2,5,7-8", (0, 1, 2, 5, 7, 8)), ("1,3\n", (1, 3)), ("", ())],
+    [("0", [0]), ("0-3", [0, 1, 2, 3]), ("0-2,5,7-8", [0, 1, 2, 5, 7, 8]), ("1,3\n", [1, 3])],
 )
-def test_cpu_list_round_trip(text: str, cpus: tuple[int, ...]) -> None:
+def test_cpu_list_round_trip(text: str, cpus: list[int]) -> None:
     assert parse_cpu_list(text) == cpus
     assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0,,1"])
+def test_bad_cpu_lists_are_refused(text: str) -> None:
+    with pytest.raises(CpuListError):
+        parse_cpu_list(text)
 
 
 def test_read_cpus_allowed_matches_affinity() -> None:
@@ -80,7 +87,7 @@ def test_children_started_after_the_pin_inherit_it() -> None:
 
 
 def test_pin_rejects_cpus_that_do_not_exist(sleeper: subprocess.Popen[bytes]) -> None:
-    with pytest.raises(CpuPinError, match="not available"):
+    with pytest.raises(CpuPinError, match="not online"):
         pin(sleeper.pid, [4096])
     with pytest.raises(CpuPinError, match="empty"):
         pin(sleeper.pid, [])

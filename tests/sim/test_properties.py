@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from factories import make_workload_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,16 +18,13 @@ from app.sim.workload import Workload
 
 
 def make_workload(**overrides: Any) -> Workload:
-    base: dict[str, Any] = {
-        "seed": 1,
-        "batches": 3,
-        "batch": {"groups": 2, "group_size": 2},
-        "trainer": {"step_s": 1.0},
-        "policy": {"surplus_groups": 2, "max_staleness": 1},
-        "engines": {"count": 2, "slots": 2, "update_s": 2.0},
-        "cpus": {"total": 8, "serving": 2},
-        "lanes": {"reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
-        "trajectory": {
+    base = make_workload_data(
+        seed=1,
+        batches=3,
+        policy={"max_staleness": 1},
+        engines={"slots": 2, "update_s": 2.0},
+        lanes={"reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        trajectory={
             "reset_s": {"uniform": [0.5, 3]},
             "turns": {"uniform": [1, 4]},
             "llm_s": {"lognormal": {"median": 2, "p90": 6}},
@@ -35,9 +33,11 @@ def make_workload(**overrides: Any) -> Workload:
             "cleanup_s": 1.0,
             "timeout_s": 30.0,
         },
-    }
+    )
     for key, value in overrides.items():
-        base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value
+        base[key] = (
+            {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        )
     return Workload.model_validate(base)
 
 

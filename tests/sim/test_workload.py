@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import make_workload_data
 
 from app.sim.run import policy_for, simulate
 from app.sim.workload import (
@@ -29,28 +30,7 @@ def draws(spec: Any, seed: int, n: int = 500) -> list[float]:
 
 
 def make_small(**overrides: Any) -> dict[str, Any]:
-    """A tiny workload as file data: 2 batches of B=2 groups of G=2, fast trajectories."""
-    base: dict[str, Any] = {
-        "seed": 3,
-        "batches": 2,
-        "batch": {"groups": 2, "group_size": 2},
-        "trainer": {"step_s": 1.0},
-        "policy": {"surplus_groups": 2, "max_staleness": 2},
-        "engines": {"count": 2, "slots": 4, "update_s": 1.0},
-        "cpus": {"total": 8, "serving": 2},
-        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
-        "trajectory": {
-            "reset_s": {"uniform": [0.5, 2]},
-            "turns": {"uniform": [2, 5]},
-            "llm_s": {"lognormal": {"median": 1, "p90": 3}},
-            "tool_s": 0.5,
-            "validate_s": 1,
-            "cleanup_s": 1,
-            "timeout_s": 60,
-        },
-    }
-    base.update(overrides)
-    return base
+    return make_workload_data(**overrides)
 
 
 # -- distributions -----------------------------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""`make_x(**overrides)` factories shared by the test modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def make_workload_data(**overrides: Any) -> dict[str, Any]:
+    """A tiny workload as file data: 2 batches of B=2 groups of G=2, seconds-long trajectories.
+
+    A mapping override is merged one level deep (`trajectory={"timeout_s": 5}` keeps the other
+    trajectory fields); anything else replaces the field.
+    """
+    base: dict[str, Any] = {
+        "seed": 3,
+        "batches": 2,
+        "batch": {"groups": 2, "group_size": 2},
+        "trainer": {"step_s": 1.0},
+        "policy": {"surplus_groups": 2, "max_staleness": 2},
+        "engines": {"count": 2, "slots": 4, "update_s": 1.0},
+        "cpus": {"total": 8, "serving": 2},
+        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
+        "trajectory": {
+            "reset_s": {"uniform": [0.5, 2]},
+            "turns": {"uniform": [2, 5]},
+            "llm_s": {"lognormal": {"median": 1, "p90": 3}},
+            "tool_s": 0.5,
+            "validate_s": 1,
+            "cleanup_s": 1,
+            "timeout_s": 60,
+        },
+    }
+    for key, value in overrides.items():
+        base[key] = (
+            {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        )
+    return base
