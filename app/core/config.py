@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class PauseModeName(StrEnum):
@@ -71,3 +71,42 @@ class PolicyConfig(BaseModel):
         }
         data = {**overrides, **table[rung]}
         return cls.model_validate(data)
+
+
+class LaneConfig(BaseModel):
+    """One sandbox lane: how many operations run at once, and on which CPUs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    slots: int = Field(1, ge=1, description="operations of this lane running at once")
+    cpus: tuple[int, ...] = Field((), description="CPU set of the lane's workers")
+
+
+class LanesConfig(BaseModel):
+    """The four lanes and the serving CPUs they must stay off.
+
+    Lanes may share CPUs with one another (a 2-core machine has one CPU for all of them), never with
+    serving: that is what keeps tool calls from preempting model turns.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    reset: LaneConfig
+    exec: LaneConfig
+    validate_: LaneConfig = Field(alias="validate")
+    cleanup: LaneConfig
+    serving_cpus: tuple[int, ...] = Field(description="CPUs of model serving")
+
+    @model_validator(mode="after")
+    def _off_serving(self) -> LanesConfig:
+        serving = set(self.serving_cpus)
+        for name, lane in self.by_name().items():
+            if not lane.cpus:
+                raise ValueError(f"lane {name} needs a CPU set")
+            shared = sorted(serving & set(lane.cpus))
+            if shared:
+                raise ValueError(f"lane {name} shares CPUs {shared} with serving; lanes must stay off them")
+        return self
+
+    def by_name(self) -> dict[str, LaneConfig]:
+        return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}

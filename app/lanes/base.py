@@ -34,6 +34,7 @@ class LaneSlot:
 class LaneStats:
     queue_depth: int = 0
     busy: int = 0
+    max_busy: int = 0
     max_queue_depth: int = 0
     completed: int = 0
     wait_s_total: float = 0.0

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
+from app.core.config import LanesConfig
 from app.lanes.base import LaneName, LaneSlot, LaneStats
 
 T = TypeVar("T")
@@ -28,10 +29,20 @@ class InProcessLanes:
         self._sems = {lane: asyncio.Semaphore(max(1, concurrency[lane])) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
 
+    @classmethod
+    def from_config(cls, config: LanesConfig, pinned: bool) -> InProcessLanes:
+        lanes = {LaneName(name): lane for name, lane in config.by_name().items()}
+        return cls(
+            concurrency={name: lane.slots for name, lane in lanes.items()},
+            cpus={name: lane.cpus for name, lane in lanes.items()},
+            pinned=pinned,
+        )
+
     async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T:
         stats = self._stats[lane]
         if not self._pinned:
             stats.busy += 1
+            stats.max_busy = max(stats.max_busy, stats.busy)
             try:
                 return await op(LaneSlot(lane, None))
             finally:
@@ -49,6 +60,7 @@ class InProcessLanes:
         stats.wait_s_total += waited
         stats.wait_s_max = max(stats.wait_s_max, waited)
         stats.busy += 1
+        stats.max_busy = max(stats.max_busy, stats.busy)
         try:
             return await op(LaneSlot(lane, self._cpus.get(lane)))
         finally:

@@ -29,11 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rich.console import Console
 
 from app.agent.loop import ShellAgent, ShellAgentConfig
-from app.core.config import PolicyConfig
+from app.core.config import LanesConfig, PolicyConfig
 from app.core.scheduler import DeliverBatch
 from app.engines.embedded.weights import save_sentinel
 from app.engines.vllm import VLLMEngine
-from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.context import Agent
 from app.runtime.driver import Runtime
@@ -74,7 +73,7 @@ class EnginesConfig(_Strict):
     startup_timeout_s: float = Field(60.0, gt=0)
 
 
-class LanesConfig(_Strict):
+class LocalLanesConfig(_Strict):
     cpus: list[int] = Field(default_factory=lambda: [1], description="CPU set of the sandbox lanes")
     reset: int = Field(2, ge=1)
     exec: int = Field(2, ge=1)
@@ -104,16 +103,30 @@ class LocalRunConfig(_Strict):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     policy: PolicyKnobs = Field(default_factory=PolicyKnobs)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
-    lanes: LanesConfig = Field(default_factory=LanesConfig)
+    lanes: LocalLanesConfig = Field(default_factory=LocalLanesConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
+    def lane_config(self) -> LanesConfig:
+        """The four lanes, all on `lanes.cpus`, kept off the serving CPUs (validated by the core)."""
+        cpus = tuple(self.lanes.cpus)
+        return LanesConfig.model_validate(
+            {
+                "reset": {"slots": self.lanes.reset, "cpus": cpus},
+                "exec": {"slots": self.lanes.exec, "cpus": cpus},
+                "validate": {"slots": self.lanes.validate_, "cpus": cpus},
+                "cleanup": {"slots": self.lanes.cleanup, "cpus": cpus},
+                "serving_cpus": tuple(self.engines.cpus),
+            }
+        )
+
     @model_validator(mode="after")
-    def _disjoint(self) -> LocalRunConfig:
-        overlap = set(self.engines.cpus) & set(self.lanes.cpus)
-        if overlap:
-            raise ValueError(f"engines.cpus and lanes.cpus must be disjoint; both have {sorted(overlap)}")
+    def _cpus_usable(self) -> LocalRunConfig:
+        try:
+            self.lane_config()
+        except ValidationError as exc:
+            raise ValueError(f"engines.cpus / lanes.cpus: {exc.errors()[0]['msg']}") from None
         available = os.sched_getaffinity(0)
         for name, cpus in (("engines.cpus", self.engines.cpus), ("lanes.cpus", self.lanes.cpus)):
             if not cpus:
@@ -312,16 +325,7 @@ async def _run(
             engines.start()
             await engines.wait_healthy()
             clients = engines.clients()
-            lanes = InProcessLanes(
-                concurrency={
-                    LaneName.RESET: config.lanes.reset,
-                    LaneName.EXEC: config.lanes.exec,
-                    LaneName.VALIDATE: config.lanes.validate_,
-                    LaneName.CLEANUP: config.lanes.cleanup,
-                },
-                cpus=dict.fromkeys(LaneName, lane_cpus),
-                pinned=policy.pinned_lanes,
-            )
+            lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
             factory = LocalSandboxFactory(work, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)

@@ -102,6 +102,7 @@ def build_report(
         "lanes": {
             name: {
                 "completed": s.completed,
+                "max_busy": s.max_busy,
                 "max_queue_depth": s.max_queue_depth,
                 "wait_s_mean": _r(s.wait_s_mean),
                 "wait_s_max": _r(s.wait_s_max),

@@ -11,8 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from app.core.config import PolicyConfig, PolicyName
-from app.lanes.base import LaneName
+from app.core.config import LanesConfig, PolicyConfig, PolicyName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.driver import RunState, Runtime
 from app.runtime.report import build_report
@@ -72,11 +71,13 @@ def simulate(
         for i in range(workload.engines.count)
     ]
     slots = workload.lanes.slots()
-    lanes = InProcessLanes(
-        concurrency={LaneName(k): v for k, v in slots.items()},
-        cpus={LaneName(k): v for k, v in split.items()},
-        pinned=policy.pinned_lanes,
+    lane_config = LanesConfig.model_validate(
+        {
+            **{lane: {"slots": slots[lane], "cpus": split[lane]} for lane in slots},
+            "serving_cpus": tuple(range(cpus.serving)),
+        }
     )
+    lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes)
 
     def on_event(kind: str, data: dict[str, object]) -> None:
         if observer is not None:

@@ -150,3 +150,22 @@ def test_grpo_advantages_normalise_within_group() -> None:
     adv = grpo_advantages([1.0, 0.0, 1.0, 0.0])
     assert adv == pytest.approx((1.0, -1.0, 1.0, -1.0), abs=1e-5)
     assert grpo_advantages([1.0, 1.0]) == (0.0, 0.0)
+
+
+def test_lanes_must_stay_off_the_serving_cpus() -> None:
+    from app.core.config import LanesConfig
+
+    lane = {"slots": 2, "cpus": (1,)}
+    config = LanesConfig.model_validate(
+        {"reset": lane, "exec": lane, "validate": lane, "cleanup": lane, "serving_cpus": (0,)}
+    )
+    assert config.by_name()["validate"].slots == 2
+    with pytest.raises(ValueError, match="lane exec shares CPUs \\[0\\] with serving"):
+        LanesConfig.model_validate(
+            {"reset": lane, "exec": {"slots": 1, "cpus": (0, 1)}, "validate": lane, "cleanup": lane,
+             "serving_cpus": (0,)}
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a CPU set"):
+        LanesConfig.model_validate(
+            {"reset": lane, "exec": {"slots": 1}, "validate": lane, "cleanup": lane, "serving_cpus": (0,)}
+        )

@@ -67,7 +67,7 @@ def test_sync_run_restarts_in_flight_work_on_update(tmp_path: Path) -> None:
 
 def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> None:
     bad = write_config(tmp_path, CONFIG.replace("lanes: {cpus: [1]", "lanes: {cpus: [0]"))
-    with pytest.raises(LocalRunError, match="disjoint"):
+    with pytest.raises(LocalRunError, match="shares CPUs \\[0\\] with serving"):
         load_config(bad)
     bad = write_config(tmp_path, CONFIG + "\nbogus: 1\n")
     with pytest.raises(LocalRunError, match="bogus"):
