@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from app.core.config import PauseModeName, PolicyConfig
+from app.core.config import PolicyConfig
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
 from app.core.router import choose_engine
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
@@ -331,9 +331,10 @@ class Runtime:
                 self._tg.create_task(cleanup)
             except RuntimeError:
                 await cleanup  # the run is aborting: no sandbox may be left behind, so clean up here
-        if self._attempts.get(key) is asyncio.current_task():
-            del self._attempts[key]
-            self._close_attempt_time(key)
+        if self._attempts.get(key) is not asyncio.current_task():
+            return  # this try was superseded (restarted or its group discarded): its finish must not count
+        del self._attempts[key]
+        self._close_attempt_time(key)
         self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))
 
     async def _cleanup(self, sandbox: Sandbox) -> None:
@@ -400,6 +401,3 @@ class Runtime:
     def _emit(self, kind: str, data: dict[str, object]) -> None:
         if self._on_event is not None:
             self._on_event(kind, data)
-
-
-__all__ = ["PauseModeName", "RunState", "Runtime"]

@@ -27,7 +27,9 @@ class _JumpingSelector(selectors.DefaultSelector):
         self.loop: VirtualTimeLoop | None = None
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        ready = super().select(0)
+        # Only the loop's own wake-up pipe is registered in a pure simulation; polling it on every
+        # iteration would cost a system call per event for nothing.
+        ready = super().select(0) if len(self.get_map()) > 1 or timeout != 0 else []
         if ready or timeout == 0:
             return ready
         assert self.loop is not None

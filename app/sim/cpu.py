@@ -115,7 +115,9 @@ class Stream:
         if self._heap and rate > 0.0:
             when = now + max(0.0, (self._heap[0][0] - self.served) / rate)
         if self._timer is not None:
-            if when is not None and self._timer.when() == when:
+            # A timer due no later than needed may stay: firing early only re-arms it. Cancelling
+            # and re-creating timers on every rate change would churn the loop's timer heap.
+            if when is not None and self._timer.when() <= when:
                 return
             self._timer.cancel()
             self._timer = None
