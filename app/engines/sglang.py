@@ -24,11 +24,11 @@ with `"success": false` is an `EngineRequestError` too: the load did not happen.
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Self
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
 from app.engines.errors import EngineRequestError
-from app.engines.vllm import HTTPTransport, completion_tokens, first_choice, get_field
+from app.engines.vllm import HTTPTransport, completion_body, completion_tokens, first_choice, get_field
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
 
@@ -66,13 +66,7 @@ class SGLangEngine:
     async def generate(self, request: TurnRequest) -> TurnResult:
         route = "/v1/completions"
         sent_version = self._known_version
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": request.prompt,
-            "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
-        }
-        answer = await self._http.request_json("POST", route, json=body)
+        answer = await self._http.request_json("POST", route, json=completion_body(self.model, request))
         text: str = get_field(self._http, route, first_choice(self._http, route, answer), "text", str)
         chosen = None
         if request.candidates:

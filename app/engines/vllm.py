@@ -114,6 +114,16 @@ class HTTPTransport:
         await self._client.aclose()
 
 
+def completion_body(model: str, request: TurnRequest) -> dict[str, Any]:
+    """The OpenAI `/v1/completions` body both vLLM and SGLang take for one turn."""
+    return {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+    }
+
+
 def get_field(
     transport: HTTPTransport, route: str, obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...]
 ) -> Any:
@@ -213,12 +223,7 @@ class VLLMEngine:
     async def generate(self, request: TurnRequest) -> TurnResult:
         route = "/v1/completions"
         sent_version = self._known_version
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": request.prompt,
-            "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
-        }
+        body = completion_body(self.model, request)
         if request.candidates:
             body["candidates"] = list(request.candidates)
         answer = await self._http.request_json("POST", route, json=body)

@@ -31,6 +31,7 @@ import docker.utils.socket
 
 from app.cpulist import format_cpu_list
 from app.sandboxes.base import ExecResult
+from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.local import DEFAULT_OUTPUT_LIMIT, SandboxError, _CappedBuffer, _safe_name
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class DockerSandboxFactory:
         return DockerSandbox(self, attempt_id)
 
 
-class DockerSandbox:
+class DockerSandbox(CommandSandbox):
     def __init__(self, factory: DockerSandboxFactory, attempt_id: str) -> None:
         self.factory = factory
         self.attempt_id = attempt_id
@@ -108,19 +109,7 @@ class DockerSandbox:
         archive = await asyncio.to_thread(_task_archive, task)
         await asyncio.to_thread(self._remove)
         await asyncio.to_thread(self._start, cpus, archive)
-        self._task = task
-        if not task.setup.strip():
-            return ExecResult(exit_code=0, output="")
-        return await self._run(task.setup, task.setup_timeout_s, cpus)
-
-    async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
-        self._require_reset()
-        return await self._run(command, timeout_s, cpus)
-
-    async def validate(self, cpus: Sequence[int] | None = None) -> float:
-        task = self._require_reset()
-        result = await self._run(task.validation, task.validation_timeout_s, cpus)
-        return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+        return await self._set_up(task, cpus)
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
         await asyncio.to_thread(self._remove)

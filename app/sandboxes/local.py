@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from app.sandboxes import cpuset
 from app.sandboxes.base import ExecResult
+from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ class LocalSandboxFactory:
         return LocalSandbox(self, attempt_id)
 
 
-class LocalSandbox:
+class LocalSandbox(CommandSandbox):
     def __init__(self, factory: LocalSandboxFactory, attempt_id: str) -> None:
         self.factory = factory
         self.attempt_id = attempt_id
@@ -246,19 +247,7 @@ class LocalSandbox:
                 self.factory.cgroup_root,
             )
         await asyncio.to_thread(self._populate, task)
-        self._task = task
-        if not task.setup.strip():
-            return ExecResult(exit_code=0, output="")
-        return await self._run(task.setup, task.setup_timeout_s, cpus)
-
-    async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
-        self._require_reset()
-        return await self._run(command, timeout_s, cpus)
-
-    async def validate(self, cpus: Sequence[int] | None = None) -> float:
-        task = self._require_reset()
-        result = await self._run(task.validation, task.validation_timeout_s, cpus)
-        return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
+        return await self._set_up(task, cpus)
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
         await self._teardown()
