@@ -191,7 +191,8 @@ class Runtime:
         self._attempts: dict[AttemptKey, asyncio.Task[None]] = {}
         self._attempt_started: dict[AttemptKey, float] = {}
         self._group_tasks: dict[int, list[AttemptKey]] = {}
-        self._batch_waiter: asyncio.Future[DeliverBatch] | None = None
+        self._batch_waiter: asyncio.Future[DeliverBatch | None] | None = None
+        self._stop_requested = False
         self._weights: dict[int, str | None] = {0: None}
         self._version = 0
         self._stopping = False
@@ -219,19 +220,18 @@ class Runtime:
         loop = asyncio.get_running_loop()
         deadline = None if duration_s is None else self.state.started_at + duration_s
         n = 0
-        while batches is None or n < batches:
+        while (batches is None or n < batches) and not self._stop_requested:
             requested = self.now()
             self._batch_waiter = loop.create_future()
             self._apply(self.scheduler.on_batch_requested(requested))
-            if deadline is None:
-                batch = await self._batch_waiter
-            else:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        batch = await self._batch_waiter
-                except TimeoutError:
-                    self.state.trainer_wait_s += self.now() - requested
-                    return
+            try:
+                async with asyncio.timeout_at(deadline):
+                    batch = await self._batch_waiter
+            except TimeoutError:
+                batch = None
+            if batch is None:  # the deadline passed or an operator asked the run to stop
+                self.state.trainer_wait_s += self.now() - requested
+                return
             delivered = self.now()
             self.state.trainer_wait_s += delivered - requested
             self._record_batch(batch, requested, delivered)
@@ -241,8 +241,20 @@ class Runtime:
             self._apply(self.scheduler.on_version_published(self._version, self.now()))
             self._do_updates(self.plan.on_publish(self._version))
             n += 1
-            if deadline is not None and self.now() >= deadline:
+            if self._stop_requested or (deadline is not None and self.now() >= deadline):
                 return
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def request_stop(self) -> None:
+        """End the run after the current trainer step: live groups are discarded as cancelled, every
+        sandbox is cleaned up, and the report covers the batches delivered so far."""
+        self._stop_requested = True
+        if self._batch_waiter is not None and not self._batch_waiter.done():
+            self._batch_waiter.set_result(None)
+        self._emit("stop_requested", {})
 
     def _record_batch(self, batch: DeliverBatch, requested: float, delivered: float) -> None:
         groups = [self.scheduler.group_of(g.group_id) for g in batch.groups]

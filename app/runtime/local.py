@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -343,10 +344,23 @@ async def _run(
                 trainer=trainer,
                 on_event=on_event,
             )
+            loop = asyncio.get_running_loop()
+
+            def stop_on_signal() -> None:
+                if console is not None:
+                    console.print("stopping: finishing the current step, cleaning up, writing the report")
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)  # a second signal stops at once
+                runtime.request_stop()
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop_on_signal)
             try:
                 state = await runtime.run(batches=batches, duration_s=duration_s)
                 versions = {c.name: await c.weight_version() for c in clients}
             finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
                 for client in clients:
                     await client.aclose()
         finally:
@@ -358,6 +372,7 @@ async def _run(
         {"t": round(t - state.started_at, 3), "engine": e, "version": v, "phase": p}
         for t, e, v, p in state.update_log
     ]
+    report["stopped_early"] = runtime.stop_requested
     report["cpus"] = {
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,

@@ -3,6 +3,8 @@ published every trainer step, one engine at a time."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +92,37 @@ def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
     assert "no-such-task" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def embedded_engine_pids() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "app.engines.embedded --port"], capture_output=True, text=True)
+    return {int(pid) for pid in found.stdout.split()}
+
+
+@pytest.mark.slow
+def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> None:
+    before = embedded_engine_pids()
+    out = tmp_path / "report.json"
+    config = str(write_config(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", config,
+         "--json", str(out), "--duration", "600"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    # Wait until the first batch is delivered, so the stop lands in the middle of real work.
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "batch {" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(seen) + rest
+    assert "Traceback" not in rest
+    report = json.loads(out.read_text())
+    assert report["stopped_early"] is True
+    assert report["batches"] >= 1
+    assert report["lost_groups"] == 0
+    assert report["admitted_groups"] == report["delivered_groups"] + sum(report["discarded_groups"].values())
+    assert embedded_engine_pids() <= before  # every engine this run started is gone
