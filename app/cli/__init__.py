@@ -65,6 +65,7 @@ def sim(
     json_out: Annotated[Path, typer.Option("--json", help="where to write the report")] = Path("sim.json"),
     surplus: Annotated[int | None, typer.Option(help="override S")] = None,
     max_staleness: Annotated[int | None, typer.Option(help="override K")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG of every group's timeline")] = None,
 ) -> None:
     """Simulate one policy on a workload and write its report."""
     from app.sim.run import policy_for, simulate
@@ -79,8 +80,16 @@ def sim(
         fail(_validation_message(exc))
     with progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
-        report = simulate(spec, pol, policy.value, on_batch=lambda n: progress.update(task, completed=n))
+        report = simulate(
+            spec,
+            pol,
+            policy.value,
+            on_batch=lambda n: progress.update(task, completed=n),
+            timeline=plot is not None,
+        )
     write_json(json_out, report)
+    if plot is not None:
+        _plot_timeline(report, plot)
     bc = report["batch_collection_s"]
     err.print(
         f"{policy.value}: {report['batches']} batches, collection mean {bc['mean']:.1f} s "
@@ -129,6 +138,15 @@ def bench(
         except OSError as exc:
             fail(f"cannot write {plot}: {exc.strerror}")
     err.print(ladder_table(result), highlight=False)
+
+
+def _plot_timeline(report: dict[str, Any], out: Path) -> None:
+    from app.plots import plot_timeline
+
+    try:
+        plot_timeline(report, out)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror}")
 
 
 def ladder_table(result: dict[str, Any]) -> str:
@@ -193,8 +211,11 @@ def run(
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     duration: Annotated[float | None, typer.Option(help="stop after this many seconds")] = None,
     batches: Annotated[int | None, typer.Option(help="stop after this many batches")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG of every group's timeline")] = None,
 ) -> None:
-    """Collect trajectories for real: embedded engines, local sandboxes, the built-in tasks."""
+    """Collect trajectories for real: embedded engines, local sandboxes, the built-in tasks.
+
+    Ctrl-C ends the run after the current step and still writes the report."""
     from app.runtime.local import LocalRunError, run_local
 
     if duration is not None and duration <= 0:
@@ -206,6 +227,8 @@ def run(
     except LocalRunError as exc:
         fail(str(exc))
     write_json(json_out, report)
+    if plot is not None:
+        _plot_timeline(report, plot)
     bc = report["batch_collection_s"]
     err.print(
         f"{policy.value}: {report['batches']} batches, collection mean {bc['mean']:.1f} s, "

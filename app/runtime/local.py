@@ -38,6 +38,7 @@ from app.lanes.inprocess import InProcessLanes
 from app.runtime.context import Agent
 from app.runtime.driver import Runtime
 from app.runtime.report import build_report
+from app.runtime.timeline import batch_marks, group_timeline
 from app.sandboxes.base import Sandbox
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.loader import TaskError, builtin_suite_path, load_suite
@@ -373,6 +374,8 @@ async def _run(
         for t, e, v, p in state.update_log
     ]
     report["stopped_early"] = runtime.stop_requested
+    report["groups_timeline"] = group_timeline(runtime.scheduler, state)
+    report["batch_marks"] = batch_marks(state)
     report["cpus"] = {
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,

@@ -15,6 +15,7 @@ from app.core.config import LanesConfig, PolicyConfig, PolicyName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.driver import RunState, Runtime
 from app.runtime.report import build_report
+from app.runtime.timeline import batch_marks, group_timeline
 from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
 from app.sim.bound import lower_bound_s
 from app.sim.clock import run_virtual
@@ -42,6 +43,7 @@ def simulate(
     trajectories: TrajectorySource | None = None,
     changes: Sequence[tuple[float, str, int]] = (),
     observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
+    timeline: bool = False,
 ) -> dict[str, Any]:
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
@@ -116,6 +118,13 @@ def simulate(
     )
     report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)
     report["policy_config"] = policy.model_dump(mode="json")
+    if timeline:
+        report["groups_timeline"] = group_timeline(runtime.scheduler, state)
+        report["batch_marks"] = batch_marks(state)
+        report["update_log"] = [
+            {"t": round(t - state.started_at, 3), "engine": e, "version": v, "phase": p}
+            for t, e, v, p in state.update_log
+        ]
     return report
 
 
