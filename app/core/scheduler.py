@@ -29,6 +29,11 @@ class GroupState(StrEnum):
     DELIVERED = "delivered"
     DISCARDED = "discarded"
 
+    @property
+    def is_live(self) -> bool:
+        """Running or ready: counted against B + S."""
+        return self in (GroupState.RUNNING, GroupState.READY)
+
 
 class DiscardReason(StrEnum):
     STALE = "stale"

@@ -26,7 +26,7 @@ from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, S
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
 from app.lanes.base import LaneName, Lanes
 from app.runtime.context import Agent, AttemptOutcome
-from app.runtime.ports import AttemptSource, Trainer
+from app.runtime.ports import AttemptSource, Trainer, TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
 from app.tasks.spec import TaskSpec
 
@@ -194,6 +194,7 @@ class Runtime:
         self._batch_waiter: asyncio.Future[DeliverBatch | None] | None = None
         self._stop_requested = False
         self._weights: dict[int, str | None] = {0: None}
+        self._outcomes: dict[int, dict[int, AttemptOutcome]] = {}  # live groups' finished attempts
         self._version = 0
         self._stopping = False
 
@@ -236,7 +237,7 @@ class Runtime:
             self.state.trainer_wait_s += delivered - requested
             self._record_batch(batch, requested, delivered)
             self._version += 1
-            path = await self.trainer.step(batch, self._version)
+            path = await self.trainer.step(self._training_batch(batch), self._version)
             self._weights[self._version] = path
             self._apply(self.scheduler.on_version_published(self._version, self.now()))
             self._do_updates(self.plan.on_publish(self._version))
@@ -255,6 +256,16 @@ class Runtime:
         if self._batch_waiter is not None and not self._batch_waiter.done():
             self._batch_waiter.set_result(None)
         self._emit("stop_requested", {})
+
+    def _training_batch(self, batch: DeliverBatch) -> TrainingBatch:
+        attempts = {}
+        for group in batch.groups:
+            finished = self._outcomes.pop(group.group_id)
+            attempts[group.group_id] = tuple(finished[i] for i in sorted(finished))
+        # Groups that ended without a CancelGroup (gone stale or filtered while ready) leave here.
+        for gid in [g for g in self._outcomes if not self.scheduler.groups[g].state.is_live]:
+            del self._outcomes[gid]
+        return TrainingBatch(batch, attempts)
 
     def _record_batch(self, batch: DeliverBatch, requested: float, delivered: float) -> None:
         groups = [self.scheduler.group_of(g.group_id) for g in batch.groups]
@@ -302,6 +313,7 @@ class Runtime:
                     self._start_attempt(key, decision.task_index)
                 self._emit("group_admitted", {"group": decision.group_id, "live": self.scheduler.groups_live})
             elif isinstance(decision, CancelGroup):
+                self._outcomes.pop(decision.group_id, None)
                 for key in self._group_tasks.pop(decision.group_id, []):
                     task = self._attempts.pop(key, None)
                     if task is not None:
@@ -347,6 +359,8 @@ class Runtime:
             return  # this try was superseded (restarted or its group discarded): its finish must not count
         del self._attempts[key]
         self._close_attempt_time(key)
+        if outcome.error is None:
+            self._outcomes.setdefault(key[0], {})[key[1]] = outcome
         self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))
 
     async def _cleanup(self, sandbox: Sandbox) -> None:

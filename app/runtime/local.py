@@ -31,12 +31,12 @@ from rich.console import Console
 
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import LanesConfig, PolicyConfig
-from app.core.scheduler import DeliverBatch
 from app.engines.embedded.weights import save_sentinel
 from app.engines.vllm import VLLMEngine
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.context import Agent
 from app.runtime.driver import Runtime
+from app.runtime.ports import TrainingBatch
 from app.runtime.report import build_report
 from app.runtime.timeline import batch_marks, group_timeline
 from app.sandboxes.base import Sandbox
@@ -233,8 +233,8 @@ class SentinelTrainer:
         self.weights_dir = weights_dir
         self.rewards: list[float] = []
 
-    async def step(self, batch: DeliverBatch, version: int) -> str | None:
-        self.rewards.extend(r for g in batch.groups for r in g.rewards)
+    async def step(self, batch: TrainingBatch, version: int) -> str | None:
+        self.rewards.extend(r for g in batch.batch.groups for r in g.rewards)
         await asyncio.sleep(self.step_s)
         path = self.weights_dir / f"v{version}"
         await asyncio.to_thread(save_sentinel, path, float(version))

@@ -3,10 +3,14 @@ trainer that consumes batches and publishes weights."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from app.core.scheduler import DeliverBatch
+from app.runtime.context import AttemptOutcome
+
 if TYPE_CHECKING:
-    from app.core.scheduler import DeliverBatch
     from app.runtime.context import Agent
     from app.sandboxes.base import Sandbox
     from app.tasks.spec import TaskSpec
@@ -20,7 +24,16 @@ class AttemptSource(Protocol):
     ) -> tuple[Agent, TaskSpec | None, Sandbox]: ...
 
 
+@dataclass(frozen=True)
+class TrainingBatch:
+    """A delivered batch with the trajectories behind it: rewards and advantages per group from the
+    scheduler, and each group's G attempt outcomes (transcripts, turn versions, logprobs)."""
+
+    batch: DeliverBatch
+    attempts: Mapping[int, tuple[AttemptOutcome, ...]]  # group id -> outcomes in attempt order
+
+
 class Trainer(Protocol):
-    async def step(self, batch: DeliverBatch, version: int) -> str | None:
+    async def step(self, batch: TrainingBatch, version: int) -> str | None:
         """Train on `batch`, producing policy `version`; return its weights directory, if any."""
         ...

@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.core.scheduler import DeliverBatch
 from app.engines.base import PauseMode, TurnRequest, TurnResult
 from app.runtime.context import Agent, AttemptContext, AttemptOutcome
+from app.runtime.ports import TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
 from app.sim.cpu import CpuPool, Stream
 from app.sim.workload import Trajectory, TrajectorySource, Workload
@@ -128,7 +128,7 @@ class SimTrainer:
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
 
-    async def step(self, batch: DeliverBatch, version: int) -> str | None:
+    async def step(self, batch: TrainingBatch, version: int) -> str | None:
         await asyncio.sleep(self.step_s)
         return None
 

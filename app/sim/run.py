@@ -14,6 +14,7 @@ from typing import Any
 from app.core.config import LanesConfig, PolicyConfig, PolicyName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.driver import RunState, Runtime
+from app.runtime.ports import Trainer
 from app.runtime.report import build_report
 from app.runtime.timeline import batch_marks, group_timeline
 from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
@@ -44,6 +45,7 @@ def simulate(
     changes: Sequence[tuple[float, str, int]] = (),
     observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
     timeline: bool = False,
+    trainer: Trainer | None = None,
 ) -> dict[str, Any]:
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
@@ -93,7 +95,7 @@ def simulate(
         engine_slots=workload.engines.slots,
         lanes=lanes,
         source=SimSource(source, streams, cpus.sandbox_demand.by_lane()),
-        trainer=SimTrainer(workload.trainer.step_s),
+        trainer=trainer or SimTrainer(workload.trainer.step_s),
         on_event=on_event,
     )
 
