@@ -12,6 +12,7 @@ ends; every sandbox is cleaned up by the runtime.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import random
 import signal
@@ -161,6 +162,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL, so no engine is
+    orphaned (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class EngineProcesses:
     """Embedded engine servers as child processes; always stopped by PID on exit."""
 
@@ -185,7 +193,9 @@ class EngineProcesses:
             if self.config.sentinel:
                 argv.append("--sentinel")
             with log.open("wb") as out:
-                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                )
             self.procs.append((proc, port, log))
 
     async def wait_healthy(self) -> None:

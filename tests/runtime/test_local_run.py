@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,27 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
     assert report["lost_groups"] == 0
     assert report["admitted_groups"] == report["delivered_groups"] + sum(report["discarded_groups"].values())
     assert embedded_engine_pids() <= before  # every engine this run started is gone
+
+
+@pytest.mark.slow
+def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
+    before = embedded_engine_pids()
+    config = str(write_config(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", config,
+         "--json", str(tmp_path / "r.json"), "--duration", "600"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "batch {" in line:
+            break
+    started = embedded_engine_pids() - before
+    assert len(started) == 2
+    proc.kill()
+    proc.wait(timeout=30)
+    proc.stderr.close()
+    deadline = time.monotonic() + 30
+    while embedded_engine_pids() & started and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not embedded_engine_pids() & started
