@@ -32,3 +32,30 @@ def lower_bound_s(
         bound = max(d, prefix / max_live) - (n - 1) * step_s
         best = max(best, bound / batches)
     return best
+
+
+def admission_bound_s(
+    requests: Sequence[float],
+    groups: Sequence[tuple[float, float, float | None, int | None]],
+    groups_per_batch: int,
+) -> float:
+    """Mean over batches of a per-batch bound that takes the run's own admission times as given.
+
+    `groups` holds (admitted_at, uncontended duration, ended_at, batch index or None). Batch n, asked
+    for at r_n, needs B groups that it did not leave to earlier batches and that were still live at
+    r_n; none of them can be ready before max(r_n, admitted_at + duration). So its collection time is
+    at least the B-th smallest of those, minus r_n. This bounds the execution (contention, queueing,
+    pauses) of the run's own scheduling decisions, not the decisions themselves.
+    """
+    if not requests:
+        return 0.0
+    total = 0.0
+    for n, r in enumerate(requests):
+        ready_at = sorted(
+            max(r, admitted + duration)
+            for admitted, duration, ended, batch in groups
+            if (batch is None or batch >= n) and (ended is None or ended >= r)
+        )
+        if len(ready_at) >= groups_per_batch:
+            total += ready_at[groups_per_batch - 1] - r
+    return total / len(requests)

@@ -18,7 +18,7 @@ from app.runtime.ports import Trainer
 from app.runtime.report import build_report
 from app.runtime.timeline import batch_marks, group_timeline
 from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
-from app.sim.bound import lower_bound_s
+from app.sim.bound import admission_bound_s, lower_bound_s
 from app.sim.clock import run_virtual
 from app.sim.cpu import CpuPool, Stream
 from app.sim.workload import TrajectorySource, Workload
@@ -119,6 +119,17 @@ def simulate(
         workload.trainer.step_s,
     )
     report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)
+    report["lower_bound_given_admissions_s"] = round(
+        admission_bound_s(
+            [b.requested_at for b in state.batches],
+            [
+                (g.admitted_at, source.group_duration(g.task_index), g.ended_at, g.batch_index)
+                for g in runtime.scheduler.groups.values()
+            ],
+            policy.groups_per_batch,
+        ),
+        6,
+    )
     report["policy_config"] = policy.model_dump(mode="json")
     if timeline:
         report["groups_timeline"] = group_timeline(runtime.scheduler, state)

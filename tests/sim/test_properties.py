@@ -125,6 +125,7 @@ def check_run(workload: Workload, policy: PolicyConfig, live: list[tuple[float, 
                     assert g.completed_at >= latest, (n, g.id)
     # The lower bound is a true lower bound.
     assert report["batch_collection_s"]["mean"] >= report["lower_bound_s"] - 1e-6
+    assert report["batch_collection_s"]["mean"] >= report["lower_bound_given_admissions_s"] - 1e-5
     return report
 
 
