@@ -20,13 +20,13 @@ run: install
 
 test: install
 	bash scripts/test-setup.sh
-	$(BIN)/ruff check app workers tests
+	$(BIN)/ruff check app workers tests benchmarks
 	$(BIN)/mypy app
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check app workers tests
-	$(BIN)/ruff format --check app workers tests
+	$(BIN)/ruff check app workers tests benchmarks
+	$(BIN)/ruff format --check app workers tests benchmarks
 	$(BIN)/mypy app
 
 bench: install
