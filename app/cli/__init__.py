@@ -87,16 +87,7 @@ def sim(
             on_batch=lambda n: progress.update(task, completed=n),
             timeline=plot is not None,
         )
-    write_json(json_out, report)
-    if plot is not None:
-        _plot_timeline(report, plot)
-    bc = report["batch_collection_s"]
-    err.print(
-        f"{policy.value}: {report['batches']} batches, collection mean {bc['mean']:.1f} s "
-        f"(p90 {bc['p90']:.1f}), lower bound {report['lower_bound_s']:.1f} s, "
-        f"idle {report['trainer_idle_fraction']:.0%} → {json_out}",
-        highlight=False,
-    )
+    _finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
 
 
 @app.command()
@@ -140,13 +131,22 @@ def bench(
     err.print(ladder_table(result), highlight=False)
 
 
-def _plot_timeline(report: dict[str, Any], out: Path) -> None:
-    from app.plots import plot_timeline
+def _finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: str) -> None:
+    """Write the report (and the timeline plot), then one summary line."""
+    write_json(json_out, report)
+    if plot is not None:
+        from app.plots import plot_timeline
 
-    try:
-        plot_timeline(report, out)
-    except OSError as exc:
-        fail(f"cannot write {out}: {exc.strerror}")
+        try:
+            plot_timeline(report, plot)
+        except OSError as exc:
+            fail(f"cannot write {plot}: {exc.strerror}")
+    bc = report["batch_collection_s"]
+    err.print(
+        f"{report['policy']}: {report['batches']} batches, collection mean {bc['mean']:.1f} s "
+        f"(p90 {bc['p90']:.1f}), {detail}, idle {report['trainer_idle_fraction']:.0%} → {json_out}",
+        highlight=False,
+    )
 
 
 def ladder_table(result: dict[str, Any]) -> str:
@@ -226,16 +226,7 @@ def run(
         report = run_local(config, policy.value, duration_s=duration, batches=batches, console=err)
     except LocalRunError as exc:
         fail(str(exc))
-    write_json(json_out, report)
-    if plot is not None:
-        _plot_timeline(report, plot)
-    bc = report["batch_collection_s"]
-    err.print(
-        f"{policy.value}: {report['batches']} batches, collection mean {bc['mean']:.1f} s, "
-        f"idle {report['trainer_idle_fraction']:.0%}, "
-        f"restarts {report['restarted_trajectories']} → {json_out}",
-        highlight=False,
-    )
+    _finish(report, json_out, plot, f"restarts {report['restarted_trajectories']}")
 
 
 def main() -> None:

@@ -24,44 +24,15 @@ with `"success": false` is an `EngineRequestError` too: the load did not happen.
 
 from __future__ import annotations
 
-from typing import Self
-
 from app.engines.base import PauseMode, TurnRequest, TurnResult
 from app.engines.errors import EngineRequestError
-from app.engines.vllm import HTTPTransport, completion_body, completion_tokens, first_choice, get_field
+from app.engines.vllm import HTTPEngineClient, completion_body, completion_tokens, first_choice, get_field
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
 
 
-class SGLangEngine:
+class SGLangEngine(HTTPEngineClient):
     """An `Engine` behind an SGLang server (`python -m sglang.launch_server`)."""
-
-    def __init__(
-        self,
-        name: str,
-        base_url: str,
-        model: str,
-        timeout_s: float = 60.0,
-        api_key: str | None = None,
-        *,
-        control_timeout_s: float | None = None,
-        initial_version: int = 0,
-    ) -> None:
-        self.name = name
-        self.model = model
-        self._http = HTTPTransport(base_url, timeout_s, api_key)
-        self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
-        self._known_version = initial_version
-
-    @property
-    def known_version(self) -> int:
-        return self._known_version
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         route = "/v1/completions"
@@ -110,9 +81,3 @@ class SGLangEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self._http.request("POST", "/flush_cache", timeout_s=self._control_timeout_s)
-
-    async def health(self) -> bool:
-        return await self._http.healthy()
-
-    async def aclose(self) -> None:
-        await self._http.aclose()

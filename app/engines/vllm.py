@@ -179,8 +179,8 @@ def min_reported_version(transport: HTTPTransport, route: str, answer: Mapping[s
     return known if reported is None else min(known, reported)
 
 
-class VLLMEngine:
-    """An `Engine` behind vLLM's OpenAI and RL control routes (see docs/engines.md)."""
+class HTTPEngineClient:
+    """What the vLLM and SGLang clients share: the transport, the known version, lifecycle."""
 
     def __init__(
         self,
@@ -200,8 +200,6 @@ class VLLMEngine:
         self._http = HTTPTransport(base_url, timeout_s, api_key)
         self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
         self._known_version = initial_version
-        self._transfer_initialized = False
-        self._publish_lock = asyncio.Lock()
 
     @property
     def base_url(self) -> str:
@@ -217,6 +215,19 @@ class VLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def health(self) -> bool:
+        return await self._http.healthy()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class VLLMEngine(HTTPEngineClient):
+    """An `Engine` behind vLLM's OpenAI and RL control routes (see docs/engines.md)."""
+
+    _transfer_initialized = False
+    _publish_lock: asyncio.Lock | None = None  # one per client, made on first publication
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -308,6 +319,8 @@ class VLLMEngine:
                 f"engine {self.name} ({self.base_url}): checkpoint path {path!r} is not absolute"
             )
         timeout = self._control_timeout_s
+        if self._publish_lock is None:
+            self._publish_lock = asyncio.Lock()
         async with self._publish_lock:
             if not self._transfer_initialized:
                 await self._http.request(
@@ -337,11 +350,3 @@ class VLLMEngine:
 
     async def reset_prefix_cache(self) -> None:
         await self._http.request("POST", "/reset_prefix_cache", timeout_s=self._control_timeout_s)
-
-    # --- lifecycle ------------------------------------------------------------------------------
-
-    async def health(self) -> bool:
-        return await self._http.healthy()
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
