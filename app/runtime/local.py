@@ -366,10 +366,15 @@ async def _run(
 
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop_on_signal)
+            # The control plane (this thread: routing turns, forking sandbox commands that pin
+            # themselves to the lanes) stays on the serving CPUs, off the lanes' CPUs, as in
+            # benchmarks/lane_isolation.py.
+            os.sched_setaffinity(0, serving_cpus)
             try:
                 state = await runtime.run(batches=batches, duration_s=duration_s)
                 versions = {c.name: await c.weight_version() for c in clients}
             finally:
+                os.sched_setaffinity(0, all_cpus)
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
                 for client in clients:
