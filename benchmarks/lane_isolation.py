@@ -13,10 +13,9 @@ Invariants:
 - Both loaded configurations run the same sandbox load: `load_workers` commands in flight at all times,
   each a fixed amount of hashing, issued through `LocalSandbox.exec` in the exec lane. A command that
   fails or times out is an error (`LoadError`), never a silently lighter load.
-- The measuring client (this process) runs on every CPU in every configuration. It cannot be confined
-  to the serving CPUs: it starts the sandbox commands, and `cpuset.prepare` only places a command on
-  CPUs the calling thread may use itself. Its own CPU use (HTTP, spawning) is small and the same in
-  both loaded configurations.
+- The measuring thread plays the control plane: it runs on the serving CPUs in `idle` and `pinned`
+  and on every CPU in `unpinned`. The sandbox load runs in its own thread (affinity is per thread),
+  on the lane CPUs when pinned, so the commands it forks start on the lane CPUs.
 - Every engine process this module starts is killed (by PID) before `run_benchmark` returns or raises.
 - Inflation of a configuration is p99 under load / p99 idle, taken per round (so a round's loaded
   figure is compared with the idle figure of the same round) and summarised by the median over rounds.
