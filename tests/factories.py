@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from app.tasks.spec import TaskSpec
 
 
 def make_workload_data(**overrides: Any) -> dict[str, Any]:
@@ -35,3 +38,19 @@ def make_workload_data(**overrides: Any) -> dict[str, Any]:
             {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
         )
     return base
+
+
+def make_echo_task(root: Path, **overrides: Any) -> TaskSpec:
+    """A task whose files are `greeting.txt` and `lib/helper.sh` under `root` (the sandbox tests' fixture)."""
+    fields: dict[str, Any] = {
+        "name": "echo-task",
+        "instruction": "make greeting.txt say hello",
+        "root": root,
+        "validation": "grep -q hello greeting.txt",
+        "setup": "echo set-up ran > setup.log",
+        "files": ("greeting.txt", "lib/helper.sh"),
+        "setup_timeout_s": 20.0,
+        "validation_timeout_s": 20.0,
+    }
+    fields.update(overrides)
+    return TaskSpec(**fields)

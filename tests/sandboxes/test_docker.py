@@ -6,30 +6,15 @@ from typing import Any
 
 import docker.errors
 import pytest
+from factories import make_echo_task as make_task
 
 from app.sandboxes.docker import DockerSandboxFactory
 from app.sandboxes.local import SandboxError
-from app.tasks.spec import TaskSpec
 
 pytestmark = pytest.mark.docker
 
 IMAGE = "corral-sandbox:test"
 ALLOWED = sorted(os.sched_getaffinity(0))
-
-
-def make_task(root: Path, **overrides: Any) -> TaskSpec:
-    fields: dict[str, Any] = {
-        "name": "echo-task",
-        "instruction": "make greeting.txt say hello",
-        "root": root,
-        "validation": "grep -q hello greeting.txt",
-        "setup": "echo set-up ran > setup.log",
-        "files": ("greeting.txt", "lib/helper.sh"),
-        "setup_timeout_s": 20.0,
-        "validation_timeout_s": 20.0,
-    }
-    fields.update(overrides)
-    return TaskSpec(**fields)
 
 
 def make_factory(client: Any, **overrides: Any) -> DockerSandboxFactory:

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import make_echo_task as make_task
 
 from app.sandboxes.cpuset import read_cpus_allowed
 from app.sandboxes.limits import ResourceLimits
 from app.sandboxes.local import LocalSandboxFactory, SandboxError, probe_bwrap
-from app.tasks.spec import TaskSpec
 
 BWRAP_FLAGS, BWRAP_WHY = probe_bwrap()
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -27,21 +27,6 @@ HAS_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") is not
 
 def make_factory(base_dir: Path, **overrides: Any) -> LocalSandboxFactory:
     return LocalSandboxFactory(base_dir, **overrides)
-
-
-def make_task(root: Path, **overrides: Any) -> TaskSpec:
-    fields: dict[str, Any] = {
-        "name": "echo-task",
-        "instruction": "make greeting.txt say hello",
-        "root": root,
-        "validation": "grep -q hello greeting.txt",
-        "setup": "echo set-up ran > setup.log",
-        "files": ("greeting.txt", "lib/helper.sh"),
-        "setup_timeout_s": 20.0,
-        "validation_timeout_s": 20.0,
-    }
-    fields.update(overrides)
-    return TaskSpec(**fields)
 
 
 def pid_alive(pid: int) -> bool:

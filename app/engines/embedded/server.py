@@ -209,6 +209,14 @@ def create_app(config: EmbeddedConfig) -> FastAPI:
                 404, f"The model `{name}` does not exist (this engine serves `{config.model_name}`)."
             )
 
+    def check_request(model: str | None, stream: bool, n: int) -> None:
+        """What both generation routes refuse: another model, streaming, more than one choice."""
+        check_model(model)
+        if stream:
+            raise BadRequest(400, "stream=true is not supported by the embedded engine")
+        if n != 1:
+            raise BadRequest(400, f"n={n} is not supported by the embedded engine (only n=1)")
+
     async def run_turn(request: GenerationRequest) -> GenerationResult:
         if request.max_tokens > config.max_tokens_limit:
             raise BadRequest(
@@ -243,11 +251,7 @@ def create_app(config: EmbeddedConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> dict[str, Any]:
-        check_model(body.model)
-        if body.stream:
-            raise BadRequest(400, "stream=true is not supported by the embedded engine")
-        if body.n != 1:
-            raise BadRequest(400, f"n={body.n} is not supported by the embedded engine (only n=1)")
+        check_request(body.model, body.stream, body.n)
         if isinstance(body.prompt, list):
             if len(body.prompt) != 1:
                 raise BadRequest(400, f"prompt lists must hold exactly one prompt, got {len(body.prompt)}")
@@ -290,11 +294,7 @@ def create_app(config: EmbeddedConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody) -> dict[str, Any]:
-        check_model(body.model)
-        if body.stream:
-            raise BadRequest(400, "stream=true is not supported by the embedded engine")
-        if body.n != 1:
-            raise BadRequest(400, f"n={body.n} is not supported by the embedded engine (only n=1)")
+        check_request(body.model, body.stream, body.n)
         prompt = "".join(f"{m.role}: {m.content}\n" for m in body.messages) + "assistant: "
         result = await run_turn(
             GenerationRequest(prompt=prompt, max_tokens=body.max_tokens, temperature=body.temperature)
