@@ -5,7 +5,7 @@ the running loop, and every task it starts belongs to one TaskGroup.
 
 Invariants:
 - every attempt task ends exactly once: it reports done, or it is cancelled because its group was
-  discarded, or it is restarted by a stop-the-world update (counted in `restarted_trajectories`);
+  discarded, or it is restarted by a stop-the-world update (counted by the scheduler's `restarts`);
 - every sandbox that an attempt created is cleaned up in the cleanup lane, whatever ended the attempt;
 - a turn is routed only to an engine that is not updating, and at most `slots` turns run per engine;
 - under rolling updates no trajectory is restarted.
@@ -63,11 +63,8 @@ class RunState:
     ended_at: float = 0.0
     batches: list[BatchRecord] = field(default_factory=list)
     engines: dict[str, EngineRecord] = field(default_factory=dict)
-    tokens: int = 0
-    turns: int = 0
     attempt_time: dict[AttemptKey, float] = field(default_factory=dict)
     restarted_time: float = 0.0
-    restarted_trajectories: int = 0
     max_engines_updating: int = 0
     update_log: list[tuple[float, str, int, str]] = field(default_factory=list)
     trainer_wait_s: float = 0.0
@@ -380,8 +377,6 @@ class Runtime:
             self.pool.release(engine)
         record.turns += 1
         record.tokens += result.tokens
-        self.state.turns += 1
-        self.state.tokens += result.tokens
         self._apply(self.scheduler.on_turn(key[0], key[1], result.weight_version, self.now()))
         return result
 
@@ -400,7 +395,6 @@ class Runtime:
         for key, task in list(self._attempts.items()):
             task.cancel()
             self.state.restarted_time += self._close_attempt_time(key)
-            self.state.restarted_trajectories += 1
             self._apply(self.scheduler.on_attempt_restarted(key[0], key[1], self.now()))
             self._start_attempt(key, self.scheduler.group_of(key[0]).task_index)
 

@@ -45,6 +45,8 @@ def build_report(
     ready = [b.ready_at for b in state.batches]
     intervals = [b - a for a, b in itertools.pairwise(ready)]
     duration = max(state.ended_at - state.started_at, 1e-9)
+    turns = sum(rec.turns for rec in state.engines.values())
+    tokens = sum(rec.tokens for rec in state.engines.values())
     counters = scheduler.counters
     discarded = {reason.value: counters.discarded[reason] for reason in DiscardReason}
     ended = sum(
@@ -74,9 +76,9 @@ def build_report(
         "max_staleness": counters.max_staleness_delivered,
         "max_groups_in_flight": counters.max_groups_in_flight,
         "discarded_groups": discarded,
-        "restarted_trajectories": state.restarted_trajectories,
+        "restarted_trajectories": counters.restarts,
         "lost_groups": lost,
-        "tokens_per_s": _r(state.tokens / duration),
+        "tokens_per_s": _r(tokens / duration),
         "events": counters.events,
         "wall_s": round(wall_s, 3),
         # extras
@@ -84,8 +86,8 @@ def build_report(
         "delivered_groups": counters.delivered,
         "run_s": _r(duration),
         "trainer_wait_s": _r(state.trainer_wait_s),
-        "turns": state.turns,
-        "tokens": state.tokens,
+        "turns": turns,
+        "tokens": tokens,
         "mean_reward": _r(statistics.fmean(b.mean_reward for b in state.batches)) if state.batches else 0.0,
         "wasted_trajectory_s": {k: _r(v) for k, v in wasted.items()},
         "max_engines_updating": state.max_engines_updating,
