@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime.local import LocalRunError, load_config, run_local
+from app.runtime.config import LocalRunError, load_config
+from app.runtime.local import run_local
 
 CONFIG = """
 seed: 3

@@ -1,0 +1,321 @@
+"""The typed event stream: every state change of a run, in the order it happened.
+
+The runtime publishes one `Event` per state change; the store, the live stream to the browser, the
+metrics and the run report all read this one stream. An event is a frozen payload wrapped in an
+`Envelope` that carries the run id, a gap-free sequence number and the time (seconds on the run's clock).
+
+Invariants:
+- sequence numbers start at 0 and increase by one per event of a run, so a gap means a lost event;
+- every admitted group has exactly one terminal event (`GroupDelivered` or `GroupDiscarded`); the
+  `Ledger` checks this from the stream alone, independently of the scheduler's own counters;
+- `Envelope.to_dict` / `envelope_from_dict` round-trip exactly, and the dict is strict JSON (no NaN).
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of every payload. `kind` is the stable name used on the wire and in the store."""
+
+    kind: ClassVar[str] = "event"
+
+
+# -- groups ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAdmitted(Event):
+    kind: ClassVar[str] = "group_admitted"
+    group_id: int
+    task_index: int
+    group_size: int
+    task: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReady(Event):
+    """All G attempts finished; the group waits in the ready queue (completion order)."""
+
+    kind: ClassVar[str] = "group_ready"
+    group_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDelivered(Event):
+    kind: ClassVar[str] = "group_delivered"
+    group_id: int
+    batch_index: int
+    staleness: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDiscarded(Event):
+    """Terminal: `reason` is one of stale, failed, cancelled, zero_variance, orphaned."""
+
+    kind: ClassVar[str] = "group_discarded"
+    group_id: int
+    reason: str
+    detail: str = ""
+
+
+# -- attempts and their spans -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStarted(Event):
+    kind: ClassVar[str] = "attempt_started"
+    group_id: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFinished(Event):
+    kind: ClassVar[str] = "attempt_finished"
+    group_id: int
+    attempt: int
+    reward: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRestarted(Event):
+    """A stop-the-world update threw the attempt's turns away; it starts over."""
+
+    kind: ClassVar[str] = "attempt_restarted"
+    group_id: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnDone(Event):
+    """One model turn: `queued_at` is when it asked for an engine slot, `start`/`end` the engine call."""
+
+    kind: ClassVar[str] = "turn"
+    group_id: int
+    attempt: int
+    engine: str
+    version: int
+    queued_at: float
+    start: float
+    end: float
+    tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxOp(Event):
+    """One sandbox operation in a lane: `queued_at` → `start` is the lane queue wait."""
+
+    kind: ClassVar[str] = "sandbox_op"
+    group_id: int
+    attempt: int
+    lane: str
+    queued_at: float
+    start: float
+    end: float
+    ok: bool = True
+    detail: str = ""
+
+
+# -- engines and weights ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPublished(Event):
+    """The trainer published `version` (weights at `path`, or a sentinel when `path` is None)."""
+
+    kind: ClassVar[str] = "version_published"
+    version: int
+    path: str | None = None
+    actor: str = "trainer"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUpdateBegin(Event):
+    kind: ClassVar[str] = "engine_update_begin"
+    engine: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUpdateEnd(Event):
+    """`ok` False: the step failed or timed out (`error` says which) and the engine left rotation."""
+
+    kind: ClassVar[str] = "engine_update_end"
+    engine: str
+    version: int
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStateChanged(Event):
+    """`state` is one of serving, draining, updating, paused, unhealthy, restarting, stopped."""
+
+    kind: ClassVar[str] = "engine_state"
+    engine: str
+    state: str
+    detail: str = ""
+
+
+# -- trainer, batches and policy ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequested(Event):
+    kind: ClassVar[str] = "batch_requested"
+    batch_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDelivered(Event):
+    kind: ClassVar[str] = "batch_delivered"
+    batch_index: int
+    group_ids: tuple[int, ...]
+    trainer_version: int
+    requested_at: float
+    ready_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChanged(Event):
+    """A live change of a run policy knob (`field` is e.g. max_staleness or surplus_groups)."""
+
+    kind: ClassVar[str] = "policy_changed"
+    field: str
+    old: int | float | str | None
+    new: int | float | str | None
+    actor: str = "operator"
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted(Event):
+    kind: ClassVar[str] = "run_started"
+    policy: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnded(Event):
+    """`reason`: completed, duration, stopped (operator or signal), or error."""
+
+    kind: ClassVar[str] = "run_ended"
+    reason: str
+    detail: str = ""
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        GroupAdmitted,
+        GroupReady,
+        GroupDelivered,
+        GroupDiscarded,
+        AttemptStarted,
+        AttemptFinished,
+        AttemptRestarted,
+        TurnDone,
+        SandboxOp,
+        VersionPublished,
+        EngineUpdateBegin,
+        EngineUpdateEnd,
+        EngineStateChanged,
+        BatchRequested,
+        BatchDelivered,
+        PolicyChanged,
+        RunStarted,
+        RunEnded,
+    )
+}
+
+TERMINAL_GROUP_EVENTS = (GroupDelivered, GroupDiscarded)
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    run_id: str
+    seq: int
+    t: float
+    event: Event
+
+    @property
+    def kind(self) -> str:
+        return self.event.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"run_id": self.run_id, "seq": self.seq, "t": self.t, "kind": self.kind}
+        for f in dataclasses.fields(self.event):
+            value = getattr(self.event, f.name)
+            body[f.name] = list(value) if isinstance(value, tuple) else value
+        _check_finite(body)
+        return body
+
+
+def envelope_from_dict(data: dict[str, Any]) -> Envelope:
+    """The inverse of `Envelope.to_dict`; unknown kinds or fields raise `ValueError`."""
+    kind = data.get("kind")
+    cls = EVENT_TYPES.get(str(kind))
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(data) - set(names) - {"run_id", "seq", "t", "kind"}
+    if extra:
+        raise ValueError(f"{kind}: unknown fields {sorted(extra)}")
+    values = {n: tuple(data[n]) if isinstance(data.get(n), list) else data[n] for n in names if n in data}
+    event = cls(**values)
+    return Envelope(str(data["run_id"]), int(data["seq"]), float(data["t"]), event)
+
+
+def _check_finite(body: dict[str, Any]) -> None:
+    for key, value in body.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"event {body.get('kind')} field {key} is not finite: {value}")
+
+
+@dataclass
+class Ledger:
+    """An account of groups kept from the event stream alone: which were admitted and which ended.
+
+    It is independent of the scheduler's counters on purpose: `lost` counts admitted groups with no
+    terminal event, `ended_twice` groups with more than one, and `gaps` missing sequence numbers.
+    """
+
+    admitted: set[int] = field(default_factory=set)
+    ended: dict[int, str] = field(default_factory=dict)
+    ended_twice: set[int] = field(default_factory=set)
+    next_seq: int = 0
+    gaps: int = 0
+
+    def on_envelope(self, env: Envelope) -> None:
+        if env.seq != self.next_seq:
+            self.gaps += abs(env.seq - self.next_seq)
+        self.next_seq = env.seq + 1
+        self.on_event(env.event)
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, GroupAdmitted):
+            self.admitted.add(event.group_id)
+        elif isinstance(event, GroupDelivered | GroupDiscarded):
+            outcome = "delivered" if isinstance(event, GroupDelivered) else event.reason
+            if event.group_id in self.ended:
+                self.ended_twice.add(event.group_id)
+            self.ended[event.group_id] = outcome
+
+    @property
+    def open_groups(self) -> set[int]:
+        """Admitted and not yet ended: in flight or ready."""
+        return self.admitted - set(self.ended)
+
+    @property
+    def lost(self) -> int:
+        """After the run has ended: admitted groups with no terminal event, plus terminal events for
+        groups never admitted, plus double endings."""
+        never_admitted = set(self.ended) - self.admitted
+        return len(self.open_groups) + len(never_admitted) + len(self.ended_twice)
