@@ -20,7 +20,10 @@ class CommandSandbox:
 
     _task: TaskSpec | None = None
 
-    async def _run(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+    async def _run(
+        self, command: str, timeout_s: float, cpus: Sequence[int] | None, lane: str = "exec"
+    ) -> ExecResult:
+        """Run `command` on `cpus` as work of `lane` (reset, exec or validate: its CPU share group)."""
         raise NotImplementedError
 
     def _require_reset(self) -> TaskSpec:
@@ -31,13 +34,13 @@ class CommandSandbox:
         self._task = task
         if not task.setup.strip():
             return ExecResult(exit_code=0, output="")
-        return await self._run(task.setup, task.setup_timeout_s, cpus)
+        return await self._run(task.setup, task.setup_timeout_s, cpus, "reset")
 
     async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
         self._require_reset()
-        return await self._run(command, timeout_s, cpus)
+        return await self._run(command, timeout_s, cpus, "exec")
 
     async def validate(self, cpus: Sequence[int] | None = None) -> float:
         task = self._require_reset()
-        result = await self._run(task.validation, task.validation_timeout_s, cpus)
+        result = await self._run(task.validation, task.validation_timeout_s, cpus, "validate")
         return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0

@@ -200,7 +200,9 @@ class DockerSandbox(CommandSandbox):
             duration_s=time.monotonic() - started,
         )
 
-    async def _run(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+    async def _run(
+        self, command: str, timeout_s: float, cpus: Sequence[int] | None, lane: str = "exec"
+    ) -> ExecResult:
         return await asyncio.to_thread(self._exec_blocking, command, timeout_s, cpus)
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from app.sandboxes import cpuset
+from app.sandboxes import cpuset, cpushare
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
@@ -158,6 +158,7 @@ class LocalSandboxFactory:
         bwrap: str = "bwrap",
         pin_method: str | None = None,
         cgroup_root: Path = cpuset.CGROUP_ROOT,
+        lane_weights: Mapping[str, int] | None = None,
     ) -> None:
         if output_limit <= 0:
             raise SandboxError(f"output_limit must be positive, got {output_limit}")
@@ -169,6 +170,16 @@ class LocalSandboxFactory:
         self.pin_method = pin_method
         self.cgroup_root = cgroup_root
         self.use_cgroups = use_cgroups
+        # Work-conserving lanes: each lane's processes join a cpu-share group of that lane's weight.
+        self.lane_shares: dict[str, cpushare.SharePlacement] = {}
+        for lane, weight in (lane_weights or {}).items():
+            placement = cpushare.prepare_share(lane, weight, root=cgroup_root)
+            if placement is None:
+                log.warning(
+                    "lane %s: no writable cpu cgroup here, so its weight %d is not applied", lane, weight
+                )
+                break
+            self.lane_shares[lane] = placement
 
         self.bwrap_flags: tuple[str, ...] = ()
         self.bwrap_path: str | None = None
@@ -346,7 +357,9 @@ class LocalSandbox(CommandSandbox):
             **self.factory.env,
         }
 
-    async def _run(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+    async def _run(
+        self, command: str, timeout_s: float, cpus: Sequence[int] | None, lane: str = "exec"
+    ) -> ExecResult:
         if not self.work_dir.is_dir():
             raise SandboxError(f"sandbox {self.attempt_id!r}: work dir {self.work_dir} is missing")
         loop = asyncio.get_running_loop()
@@ -370,6 +383,10 @@ class LocalSandbox(CommandSandbox):
             leaf = await asyncio.to_thread(self.pids_group.child, f"exec-{self._exec_seq}")
         limits = self.factory.limits
         drop_uid = self.uid is not None
+        # On v1 the cpu hierarchy is separate from cpuset and pids, so a process sits in all three; on
+        # v2 it sits in one group only, and the pids leaf wins.
+        on_v2 = self.pids_group is not None and self.pids_group.version == "cgroup2"
+        share = None if on_v2 else self.factory.lane_shares.get(lane)
 
         def preexec() -> None:
             # Runs in the child between fork and exec: only syscalls, nothing that takes a lock.
@@ -378,6 +395,8 @@ class LocalSandbox(CommandSandbox):
                 PidsGroup.join(leaf, pid)
             if placement is not None:
                 placement.apply(pid)
+            if share is not None:
+                share.apply(pid)
             limits.apply_rlimits(nproc=drop_uid)
 
         read_fd, write_fd = os.pipe()

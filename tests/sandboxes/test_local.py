@@ -11,6 +11,7 @@ import pytest
 from factories import make_echo_task as make_task
 
 from app.sandboxes.cpuset import read_cpus_allowed
+from app.sandboxes.cpushare import share_method
 from app.sandboxes.limits import ResourceLimits
 from app.sandboxes.local import LocalSandboxFactory, SandboxError, probe_bwrap
 
@@ -313,4 +314,18 @@ async def test_commands_run_as_a_dedicated_uid_when_root(
         assert result.output == f"{sb.uid}\nwrote\n"
     else:
         assert result.output == f"{os.geteuid()}\nwrote\n"
+    await sb.cleanup()
+
+
+@pytest.mark.skipif(share_method() is None, reason="no writable cpu cgroup controller on this host")
+async def test_lane_weights_put_each_operation_in_its_lane_group(base_dir: Path, task_root: Path) -> None:
+    factory = make_factory(base_dir, lane_weights={"reset": 200, "exec": 400})
+    sb = factory.create("pytest-lanes")
+    task = make_task(task_root, setup="cat /proc/self/cgroup > setup-cgroup.txt")
+    await sb.reset(task)
+    result = await sb.exec("cat setup-cgroup.txt; echo ---; cat /proc/self/cgroup", timeout_s=10)
+    setup_groups, exec_groups = result.output.split("---")
+    assert "corral/lane-reset" in setup_groups
+    assert "corral/lane-exec" in exec_groups
+    assert "corral/lane-reset" not in exec_groups
     await sb.cleanup()
