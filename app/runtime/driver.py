@@ -233,11 +233,10 @@ class Runtime:
             delivered = self.now()
             self.state.trainer_wait_s += delivered - requested
             self._record_batch(batch, requested, delivered)
-            self._version += 1
-            path = await self.trainer.step(self._training_batch(batch), self._version)
-            self._weights[self._version] = path
-            self._apply(self.scheduler.on_version_published(self._version, self.now()))
-            self._do_updates(self.plan.on_publish(self._version))
+            version = self._version + 1
+            path = await self.trainer.step(self._training_batch(batch), version)
+            if self._version < version:  # an external trainer publishes through `publish` itself
+                self.publish(version, path)
             n += 1
             if self._stop_requested or (deadline is not None and self.now() >= deadline):
                 return
@@ -288,6 +287,21 @@ class Runtime:
                 "groups": [g.group_id for g in batch.groups],
             },
         )
+
+    @property
+    def version(self) -> int:
+        """The trainer's latest published policy version."""
+        return self._version
+
+    def publish(self, version: int, path: str | None) -> None:
+        """Publish policy `version` (weights directory `path`, or None for a sentinel): staleness is
+        measured against it from now on and a weight update starts across the engines."""
+        if version <= self._version:
+            raise ValueError(f"version {version} is not newer than the published version {self._version}")
+        self._version = version
+        self._weights[version] = path
+        self._apply(self.scheduler.on_version_published(version, self.now()))
+        self._do_updates(self.plan.on_publish(version))
 
     # -- live changes (operators retune S and K while the run goes on) ---------------------------
 

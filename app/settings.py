@@ -1,0 +1,63 @@
+"""Process settings for `corral serve` (and workers): one pydantic-settings object, environment prefix
+`CORRAL_`, built in the app factory and injected — never read at import time.
+
+Run policy (B, G, S, K, lanes) is not here: it belongs to each run's config (`app.service.schemas`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_database_url() -> str:
+    return f"sqlite:///{Path.cwd() / 'corral.db'}"
+
+
+class Settings(BaseSettings):
+    """Where state lives, where lanes run, who may act, and where the API listens."""
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="forbid", frozen=True)
+
+    database_url: str = Field(
+        default_factory=_default_database_url,
+        description="SQLAlchemy URL; a SQLite file is the embedded default, Postgres is for deployment",
+    )
+    broker_url: str | None = Field(
+        None, description="Celery broker (redis:// or amqp://); unset means in-process lanes"
+    )
+    operator_token: str = Field(
+        default_factory=lambda: secrets.token_urlsafe(24),
+        min_length=8,
+        description="bearer token for operator actions; generated (and printed) at start when unset",
+    )
+    operator_token_generated: bool = Field(False, description="set by `load_settings` when generated")
+    view_token: str | None = Field(None, description="bearer token for reads; unset: reads are open")
+    host: str = Field("127.0.0.1", description="address `corral serve` listens on")
+    port: int = Field(8000, ge=1, le=65535)
+    data_dir: Path = Field(
+        default_factory=lambda: Path.cwd() / "corral-data",
+        description="run work directories, weights and sandbox scratch",
+    )
+    ack_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="an offered batch not acked in this time is offered again"
+    )
+    resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        if not value.startswith(("sqlite", "postgresql")):
+            raise ValueError(f"database_url must be sqlite:// or postgresql+psycopg://, got {value!r}")
+        return value
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment (and `overrides`), remembering whether the token was generated."""
+    import os
+
+    generated = "CORRAL_OPERATOR_TOKEN" not in os.environ and "operator_token" not in overrides
+    return Settings(**overrides, operator_token_generated=generated)  # type: ignore[arg-type]
