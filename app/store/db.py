@@ -1,0 +1,60 @@
+"""Engines and sessions for a database URL: SQLite (the embedded default) or Postgres (psycopg 3).
+
+The URL is always a parameter; process settings are read elsewhere (the app factory) and passed in.
+SQLite connections get foreign keys, WAL and a busy timeout, and real transactions: pysqlite's own
+transaction handling is turned off so that `BEGIN` and SAVEPOINT behave as on Postgres (the tests roll
+each test back through a savepoint on both backends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+DEFAULT_DATABASE_URL = "sqlite:///./corral.db"
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An Engine for `url`; `postgresql://` is read as psycopg 3 (`postgresql+psycopg://`)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed, **kwargs)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(parsed, **kwargs)
+
+
+def _sqlite_engine(url: Any, **kwargs: Any) -> Engine:
+    memory = url.database in (None, "", ":memory:")
+    connect_args = kwargs.pop("connect_args", {})
+    connect_args.setdefault("check_same_thread", False)
+    if memory:
+        kwargs.setdefault("poolclass", StaticPool)
+    engine = create_engine(url, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        if not memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that never expire loaded objects on commit (views read them after the commit)."""
+    return sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,43 @@
+"""Bring a database to the newest schema: `upgrade_to_head(url)`, called by the app factory at start.
+
+The migration scripts live in `migrations/` at the repository root (next to `alembic.ini`), so the
+`alembic` command and this helper run the very same revisions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic config for `url` that does not touch the process's logging."""
+    if not (MIGRATIONS_DIR / "env.py").is_file():
+        raise FileNotFoundError(f"migrations not found at {MIGRATIONS_DIR}")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["url"] = url
+    config.attributes["skip_logging"] = True
+    return config
+
+
+def upgrade_to_head(url: str) -> None:
+    """Apply every migration not yet applied to the database at `url` (idempotent)."""
+    command.upgrade(alembic_config(url), "head")
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database at `engine` is on; None for a database never migrated."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
