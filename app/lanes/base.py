@@ -2,7 +2,11 @@
 
 Lanes are `reset`, `exec`, `validate` and `cleanup`. A lane's CPU set is disjoint from the serving CPUs
 when lanes are pinned. Implementations: `InProcessLanes` (embedded default, also used by the simulator)
-and, later, Celery queues (one queue per lane).
+and `CeleryLanes` (one queue per lane and host, app.lanes.celery).
+
+Sandbox work reaches a lane in one of two forms: a closure (`run`, in-process only) or a serialisable
+`LaneOp` (`run_op`, app.lanes.ops) on a sandbox that `attach` has handed a handle for. An op that
+crosses processes must be a `LaneOp`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from app.lanes.ops import LaneOp, SandboxHandle
+    from app.sandboxes.base import Sandbox
 
 T = TypeVar("T")
 
@@ -47,5 +55,12 @@ class LaneStats:
 
 class Lanes(Protocol):
     async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T: ...
+
+    def attach(self, sandbox: Sandbox) -> SandboxHandle:
+        """The handle that names `sandbox` in `LaneOp`s; it is placed on a host here. The lanes forget
+        the sandbox once its cleanup op has run."""
+        ...
+
+    async def run_op(self, op: LaneOp[T]) -> T: ...
 
     def stats(self) -> dict[str, LaneStats]: ...

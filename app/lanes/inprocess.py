@@ -3,6 +3,10 @@
 Invariant: at most `concurrency[lane]` operations of a lane run at once; an operation waits in FIFO
 order for a slot. With `pinned=False` there is one shared, unbounded pool and no CPU set, which is the
 ablation baseline ("shared CPUs").
+
+A `LaneOp` runs through `app.lanes.ops.execute_op` on the live sandbox object that `attach` registered
+under the op's handle (this process is the only host); the registration ends with the sandbox's
+cleanup op.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import TypeVar
 
 from app.core.config import LanesConfig
 from app.lanes.base import LaneName, LaneSlot, LaneStats
+from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, execute_op, handle_of, local_host
+from app.sandboxes.base import Sandbox
 
 T = TypeVar("T")
 
@@ -28,6 +34,8 @@ class InProcessLanes:
         self._cpus = dict(cpus)
         self._sems = {lane: asyncio.Semaphore(max(1, concurrency[lane])) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
+        self._host = local_host()
+        self._live: dict[str, Sandbox] = {}
 
     @classmethod
     def from_config(cls, config: LanesConfig, pinned: bool) -> InProcessLanes:
@@ -67,6 +75,21 @@ class InProcessLanes:
             stats.busy -= 1
             stats.completed += 1
             self._sems[lane].release()
+
+    def attach(self, sandbox: Sandbox) -> SandboxHandle:
+        handle = handle_of(sandbox, self._host)
+        self._live[handle.id] = sandbox
+        return handle
+
+    async def run_op(self, op: LaneOp[T]) -> T:
+        sandbox = self._live.get(op.handle.id)
+        if sandbox is None:
+            raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: not attached to these lanes")
+        try:
+            return await self.run(op.lane, lambda slot: execute_op(op, sandbox, slot.cpus))
+        finally:
+            if op.name is LaneName.CLEANUP:
+                self._live.pop(op.handle.id, None)
 
     def stats(self) -> dict[str, LaneStats]:
         return {lane.value: s for lane, s in self._stats.items()}

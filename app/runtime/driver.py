@@ -24,7 +24,8 @@ from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdateP
 from app.core.router import choose_engine
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
-from app.lanes.base import LaneName, Lanes
+from app.lanes.base import Lanes
+from app.lanes.ops import LaneOp, SandboxHandle
 from app.runtime.context import Agent, AttemptOutcome
 from app.runtime.ports import AttemptSource, Trainer, TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
@@ -140,6 +141,7 @@ class _AttemptContext:
         self.attempt_id = f"g{key[0]}a{key[1]}"
         self.task = task
         self.sandbox = sandbox
+        self.handle = runtime.lanes.attach(sandbox)
 
     def now(self) -> float:
         return self._rt.now()
@@ -151,15 +153,13 @@ class _AttemptContext:
         task = self.task
         if task is None:
             raise RuntimeError(f"{self.attempt_id}: this attempt has no task to reset from")
-        return await self._rt.lanes.run(LaneName.RESET, lambda slot: self.sandbox.reset(task, slot.cpus))
+        return await self._rt.lanes.run_op(LaneOp.reset(self.handle, task))
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
-        return await self._rt.lanes.run(
-            LaneName.EXEC, lambda slot: self.sandbox.exec(command, timeout_s, slot.cpus)
-        )
+        return await self._rt.lanes.run_op(LaneOp.exec(self.handle, command, timeout_s))
 
     async def validate(self) -> float:
-        return await self._rt.lanes.run(LaneName.VALIDATE, lambda slot: self.sandbox.validate(slot.cpus))
+        return await self._rt.lanes.run_op(LaneOp.validate(self.handle))
 
 
 class Runtime:
@@ -361,7 +361,7 @@ class Runtime:
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
-            cleanup = self._cleanup(sandbox)
+            cleanup = self._cleanup(ctx.handle)
             try:
                 self._tg.create_task(cleanup)
             except RuntimeError:
@@ -374,9 +374,9 @@ class Runtime:
             self._outcomes.setdefault(key[0], {})[key[1]] = outcome
         self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))
 
-    async def _cleanup(self, sandbox: Sandbox) -> None:
+    async def _cleanup(self, handle: SandboxHandle) -> None:
         try:
-            await self.lanes.run(LaneName.CLEANUP, lambda slot: sandbox.cleanup(slot.cpus))
+            await self.lanes.run_op(LaneOp.cleanup(handle))
         except Exception as exc:  # a failed cleanup must not end the run; it is logged with context
             log.warning("sandbox cleanup failed: %r", exc)
 

@@ -1,0 +1,289 @@
+"""Serialisable lane operations: what a lane runs, as data that can cross a process or a host.
+
+A `LaneOp` is an operation name (`reset`, `exec`, `validate`, `cleanup`; the op runs in the lane of the
+same name), a `SandboxHandle` naming the sandbox it acts on, JSON arguments and an op id. The handle
+carries the sandbox's host once it has been placed: every later op of that sandbox routes to that
+host's lane queues, since the sandbox's work directory, uid claim and cgroup live there.
+
+Invariants:
+- `LaneOp.from_dict(op.to_dict()) == op`, and `to_dict()` is plain JSON (str, int, float, list, dict);
+  a malformed dict raises `LaneOpError` naming the field; non-finite numbers are refused.
+- In-process lanes and Celery lanes run an op through the same function, `execute_op`; results cross
+  the wire through `encode_result` / `decode_result`, which round-trip exactly.
+- An op id names one logical operation: a repeated delivery of the same op id is the same op (Celery
+  workers return the stored result instead of running it twice).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Generic, TypeVar, cast
+
+from app.lanes.base import LaneName
+from app.sandboxes.base import ExecResult, Sandbox
+from app.tasks.spec import TaskSpec
+
+R = TypeVar("R")
+
+
+class LaneOpError(ValueError):
+    """A lane operation that cannot be decoded or carried out as described."""
+
+
+def local_host() -> str:
+    """This host's name as lane queues spell it."""
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class SandboxHandle:
+    """Names one sandbox: its kind, its id (the attempt id), the host it lives on and where it is there.
+
+    `host` is None until the sandbox is placed; lanes place it on first use (see `Lanes.attach`).
+    """
+
+    kind: str  # "local" (a work directory), "docker" (a container), or an in-process-only kind
+    id: str
+    host: str | None = None
+    work_dir: str | None = None
+    container: str | None = None
+
+    def on(self, host: str) -> SandboxHandle:
+        return replace(self, host=host)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> SandboxHandle:
+        raw = _mapping(data, "handle")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise LaneOpError(f"handle: unknown fields {unknown}")
+        kind = _str(raw, "kind", "handle")
+        ident = _str(raw, "id", "handle")
+        if not kind or not ident:
+            raise LaneOpError("handle.kind and handle.id must be non-empty")
+        return cls(
+            kind=kind,
+            id=ident,
+            host=_opt_str(raw, "host", "handle"),
+            work_dir=_opt_str(raw, "work_dir", "handle"),
+            container=_opt_str(raw, "container", "handle"),
+        )
+
+
+def handle_of(sandbox: Sandbox, host: str | None = None) -> SandboxHandle:
+    """The handle of a sandbox object: a work directory for local sandboxes, a container for docker ones;
+    any other sandbox (the simulator's) gets an in-process-only handle named after the object."""
+    from app.sandboxes.local import LocalSandbox
+
+    if isinstance(sandbox, LocalSandbox):
+        return SandboxHandle("local", sandbox.attempt_id, host, work_dir=str(sandbox.work_dir))
+    container = getattr(sandbox, "container_name", None)
+    attempt_id = getattr(sandbox, "attempt_id", None)
+    if isinstance(container, str) and isinstance(attempt_id, str):
+        return SandboxHandle("docker", attempt_id, host, container=container)
+    return SandboxHandle(type(sandbox).__name__, f"{type(sandbox).__name__}-{id(sandbox):x}", host)
+
+
+@dataclass(frozen=True)
+class LaneOp(Generic[R]):
+    """One sandbox operation as data. Build it with `reset`, `exec`, `validate` or `cleanup`; the type
+    parameter is what running it returns."""
+
+    name: LaneName
+    handle: SandboxHandle
+    args: Mapping[str, Any] = field(default_factory=dict)
+    op_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def lane(self) -> LaneName:
+        return self.name
+
+    @property
+    def host(self) -> str | None:
+        return self.handle.host
+
+    def on(self, host: str) -> LaneOp[R]:
+        return replace(self, handle=self.handle.on(host))
+
+    @staticmethod
+    def reset(handle: SandboxHandle, task: TaskSpec) -> LaneOp[ExecResult]:
+        return LaneOp(LaneName.RESET, handle, {"task": task_to_dict(task)})
+
+    @staticmethod
+    def exec(handle: SandboxHandle, command: str, timeout_s: float) -> LaneOp[ExecResult]:
+        op: LaneOp[ExecResult] = LaneOp(
+            LaneName.EXEC, handle, {"command": command, "timeout_s": float(timeout_s)}
+        )
+        _check_args(op.name, op.args)
+        return op
+
+    @staticmethod
+    def validate(handle: SandboxHandle) -> LaneOp[float]:
+        return LaneOp(LaneName.VALIDATE, handle)
+
+    @staticmethod
+    def cleanup(handle: SandboxHandle) -> LaneOp[None]:
+        return LaneOp(LaneName.CLEANUP, handle)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id,
+            "name": self.name.value,
+            "handle": self.handle.to_dict(),
+            "args": dict(self.args),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> LaneOp[Any]:
+        raw = _mapping(data, "op")
+        unknown = sorted(set(raw) - {"op_id", "name", "handle", "args"})
+        if unknown:
+            raise LaneOpError(f"op: unknown fields {unknown}")
+        name_text = _str(raw, "name", "op")
+        try:
+            name = LaneName(name_text)
+        except ValueError:
+            raise LaneOpError(f"op.name: {name_text!r} is not one of {[n.value for n in LaneName]}") from None
+        op_id = _str(raw, "op_id", "op")
+        if not op_id:
+            raise LaneOpError("op.op_id must be non-empty")
+        args = dict(_mapping(raw.get("args", {}), "op.args"))
+        _check_args(name, args)
+        return LaneOp(name, SandboxHandle.from_dict(raw.get("handle")), args, op_id)
+
+
+# -- the one way an op is carried out ---------------------------------------------------------------
+
+
+async def execute_op(op: LaneOp[R], sandbox: Sandbox, cpus: Sequence[int] | None) -> R:
+    """Run `op` on `sandbox` with the lane's CPU set. In-process and Celery lanes both call this."""
+    result: object
+    if op.name is LaneName.RESET:
+        result = await sandbox.reset(task_from_dict(op.args["task"]), cpus)
+    elif op.name is LaneName.EXEC:
+        result = await sandbox.exec(str(op.args["command"]), float(op.args["timeout_s"]), cpus)
+    elif op.name is LaneName.VALIDATE:
+        result = float(await sandbox.validate(cpus))
+    else:
+        await sandbox.cleanup(cpus)
+        result = None
+    return cast(R, result)
+
+
+def encode_result(name: LaneName, result: object) -> Any:
+    """A result as JSON: an `ExecResult` as a dict, a reward as a float, a cleanup as None."""
+    if name in (LaneName.RESET, LaneName.EXEC):
+        assert isinstance(result, ExecResult)
+        return {f.name: getattr(result, f.name) for f in fields(ExecResult)}
+    if name is LaneName.VALIDATE:
+        assert isinstance(result, float)
+        return result
+    return None
+
+
+def decode_result(op: LaneOp[R], data: Any) -> R:
+    if op.name in (LaneName.RESET, LaneName.EXEC):
+        raw = _mapping(data, f"{op.name.value} result")
+        return cast(R, ExecResult(**{f.name: raw[f.name] for f in fields(ExecResult)}))
+    if op.name is LaneName.VALIDATE:
+        if not isinstance(data, int | float) or isinstance(data, bool):
+            raise LaneOpError(f"validate result: expected a number, got {type(data).__name__}")
+        return cast(R, float(data))
+    return cast(R, None)
+
+
+# -- tasks as JSON ------------------------------------------------------------------------------------
+
+
+def task_to_dict(task: TaskSpec) -> dict[str, Any]:
+    return {
+        "name": task.name,
+        "instruction": task.instruction,
+        "root": str(task.root),
+        "validation": task.validation,
+        "setup": task.setup,
+        "files": list(task.files),
+        "candidate_actions": list(task.candidate_actions),
+        "setup_timeout_s": task.setup_timeout_s,
+        "agent_timeout_s": task.agent_timeout_s,
+        "validation_timeout_s": task.validation_timeout_s,
+        "max_turns": task.max_turns,
+        "tags": list(task.tags),
+    }
+
+
+def task_from_dict(data: object) -> TaskSpec:
+    raw = _mapping(data, "args.task")
+    known = {f.name for f in fields(TaskSpec)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise LaneOpError(f"args.task: unknown fields {unknown}")
+    values: dict[str, Any] = dict(raw)
+    try:
+        values["root"] = Path(values["root"])
+        for name in ("files", "candidate_actions", "tags"):
+            if name in values:
+                values[name] = tuple(values[name])
+        for name in ("setup_timeout_s", "agent_timeout_s", "validation_timeout_s"):
+            if name in values:
+                values[name] = _finite(values[name], f"args.task.{name}")
+        return TaskSpec(**values)
+    except (KeyError, TypeError) as exc:
+        raise LaneOpError(f"args.task: {exc}") from None
+
+
+# -- checks -------------------------------------------------------------------------------------------
+
+
+def _check_args(name: LaneName, args: Mapping[str, Any]) -> None:
+    expected = {
+        LaneName.RESET: {"task"},
+        LaneName.EXEC: {"command", "timeout_s"},
+        LaneName.VALIDATE: set(),
+        LaneName.CLEANUP: set(),
+    }[name]
+    if set(args) != expected:
+        raise LaneOpError(f"op.args of {name.value}: expected {sorted(expected)}, got {sorted(args)}")
+    if name is LaneName.EXEC:
+        if not isinstance(args["command"], str):
+            raise LaneOpError("op.args.command must be a string")
+        if _finite(args["timeout_s"], "op.args.timeout_s") <= 0:
+            raise LaneOpError(f"op.args.timeout_s must be positive, got {args['timeout_s']}")
+    elif name is LaneName.RESET:
+        task_from_dict(args["task"])
+
+
+def _finite(value: object, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise LaneOpError(f"{where}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise LaneOpError(f"{where}: must be finite, got {value}")
+    return float(value)
+
+
+def _mapping(data: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise LaneOpError(f"{where}: expected an object, got {type(data).__name__}")
+    return cast(Mapping[str, Any], data)
+
+
+def _str(raw: Mapping[str, Any], key: str, where: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str):
+        raise LaneOpError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _opt_str(raw: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise LaneOpError(f"{where}.{key}: expected a string or null, got {type(value).__name__}")
+    return value
