@@ -1,0 +1,243 @@
+"""`corral advise`: search S, K, the number of updating engines and the lane concurrency for the
+settings that minimise mean batch collection time on a workload, by simulating each candidate.
+
+The search is coordinate descent from the workload's own settings: one knob at a time, every value of
+that knob's grid is simulated (in parallel processes) with the other knobs held at the best found so
+far, and the best is kept; two passes over the knobs. Every candidate runs the production scheduler
+and runtime under the simulator on the same seeded draws, so differences come from the settings only.
+
+Ranking: lower mean batch collection time wins. A candidate must beat the current settings by more
+than `TIE_FRACTION` to be recommended over them; otherwise the advice says the current settings
+match the best found, rather than recommending a change inside the noise of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.sim.run import policy_for, simulate
+from app.sim.workload import Workload
+
+TIE_FRACTION = 0.01
+LANES = ("reset", "exec", "validate", "cleanup")
+MAX_LANE_SLOTS = 100_000
+
+OnRun = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    surplus_groups: int
+    max_staleness: int
+    max_updating_engines: int
+    lane_slots: tuple[tuple[str, int], ...]
+
+    def with_knob(self, knob: str, value: int) -> Settings:
+        if knob in LANES:
+            slots = tuple((lane, value if lane == knob else n) for lane, n in self.lane_slots)
+            return dataclasses.replace(self, lane_slots=slots)
+        if knob == "surplus_groups":
+            return dataclasses.replace(self, surplus_groups=value)
+        if knob == "max_staleness":
+            return dataclasses.replace(self, max_staleness=value)
+        if knob == "max_updating_engines":
+            return dataclasses.replace(self, max_updating_engines=value)
+        raise ValueError(f"unknown knob {knob!r}")
+
+    def as_policy(self) -> dict[str, int]:
+        return {
+            "surplus_groups": self.surplus_groups,
+            "max_staleness": self.max_staleness,
+            "max_updating_engines": self.max_updating_engines,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.as_policy(), "lanes": dict(self.lane_slots)}
+
+
+@dataclass
+class Outcome:
+    settings: Settings
+    batch_collection_s: float
+    p90_s: float
+    trainer_idle_fraction: float
+    wasted_trajectory_s: float
+    lower_bound_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings.as_dict(),
+            "batch_collection_s": self.batch_collection_s,
+            "p90_s": self.p90_s,
+            "trainer_idle_fraction": self.trainer_idle_fraction,
+            "wasted_trajectory_s": self.wasted_trajectory_s,
+            "lower_bound_s": self.lower_bound_s,
+        }
+
+
+@dataclass
+class Advice:
+    current: Outcome
+    recommended: Outcome
+    evaluated: list[Outcome] = field(default_factory=list)
+
+    @property
+    def beats_current(self) -> bool:
+        return self.recommended.settings != self.current.settings
+
+    def verdict(self) -> str:
+        if not self.beats_current:
+            return (
+                "the current settings match the best found: no candidate beat them by more than "
+                f"{TIE_FRACTION:.0%} in mean batch collection time"
+            )
+        ratio = self.current.batch_collection_s / max(self.recommended.batch_collection_s, 1e-9)
+        return f"the advised settings cut mean batch collection time {ratio:.2f}× against the current ones"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "current": self.current.as_dict(),
+            "recommended": self.recommended.as_dict(),
+            "beats_current": self.beats_current,
+            "verdict": self.verdict(),
+            "evaluated": [o.as_dict() for o in self.evaluated],
+        }
+
+
+def current_settings(workload: Workload) -> Settings:
+    return Settings(
+        surplus_groups=workload.policy.surplus_groups,
+        max_staleness=workload.policy.max_staleness,
+        max_updating_engines=1,
+        lane_slots=tuple(workload.lanes.slots().items()),
+    )
+
+
+def knob_grid(workload: Workload, best: Settings) -> dict[str, list[int]]:
+    """The values tried for each knob around `best` (always including its current value)."""
+    b = workload.batch.groups
+    engines = workload.engines.count
+    surplus = {0, b // 4, b // 2, b, 2 * b, 3 * b, best.surplus_groups}
+    staleness = {1, 2, 3, 4, 6, 8, best.max_staleness}
+    updating = {n for n in (1, 2, engines // 4, engines // 2) if 1 <= n <= engines}
+    updating.add(best.max_updating_engines)
+    grid: dict[str, list[int]] = {
+        "surplus_groups": sorted(surplus),
+        "max_staleness": sorted(staleness),
+        "max_updating_engines": sorted(updating),
+    }
+    for lane, slots in best.lane_slots:
+        grid[lane] = sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)})
+    return grid
+
+
+def _workload_with(workload: Workload, settings: Settings) -> Workload:
+    data = workload.model_dump(by_alias=True)
+    data["lanes"] = {**data["lanes"], **dict(settings.lane_slots)}
+    data["policy"] = {
+        **data["policy"],
+        "surplus_groups": settings.surplus_groups,
+        "max_staleness": settings.max_staleness,
+    }
+    if workload.trace is not None:
+        data["trace"] = workload.trace  # already resolved; keep the object, not a relative path
+    return Workload.model_validate(data)
+
+
+def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") -> Outcome:
+    """Simulate one candidate (module-level so that worker processes can run it)."""
+    candidate = _workload_with(workload, settings)
+    policy = policy_for(candidate, policy_name, max_updating_engines=settings.max_updating_engines)
+    report = simulate(candidate, policy, policy_name)
+    return Outcome(
+        settings=settings,
+        batch_collection_s=report["batch_collection_s"]["mean"],
+        p90_s=report["batch_collection_s"]["p90"],
+        trainer_idle_fraction=report["trainer_idle_fraction"],
+        wasted_trajectory_s=round(sum(report["wasted_trajectory_s"].values()), 3),
+        lower_bound_s=report["lower_bound_s"],
+    )
+
+
+def _rank(outcome: Outcome) -> tuple[float, float]:
+    return (outcome.batch_collection_s, outcome.wasted_trajectory_s)
+
+
+def advise(
+    workload: Workload,
+    policy_name: str = "full",
+    passes: int = 2,
+    workers: int | None = None,
+    on_run: OnRun | None = None,
+    knobs: Iterable[str] | None = None,
+) -> Advice:
+    """Coordinate descent over the knobs; `on_run(done, planned)` reports progress."""
+    workers = workers or max(1, min(os.cpu_count() or 1, 8))
+    start = current_settings(workload)
+    seen: dict[Settings, Outcome] = {}
+    planned = 1
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+
+        def run_all(candidates: list[Settings]) -> None:
+            todo = [c for c in dict.fromkeys(candidates) if c not in seen]
+            futures = [pool.submit(evaluate, workload, c, policy_name) for c in todo]
+            for fut in futures:
+                outcome = fut.result()
+                seen[outcome.settings] = outcome
+                if on_run is not None:
+                    on_run(len(seen), planned)
+
+        run_all([start])
+        best = start
+        for _ in range(passes):
+            grid = knob_grid(workload, best)
+            for knob in knobs or grid:
+                values = grid[knob]
+                planned += sum(1 for v in values if best.with_knob(knob, v) not in seen)
+                run_all([best.with_knob(knob, v) for v in values])
+                best = min((seen[best.with_knob(knob, v)] for v in values), key=_rank).settings
+    current = seen[start]
+    top = min(seen.values(), key=_rank)
+    if top.batch_collection_s >= current.batch_collection_s * (1 - TIE_FRACTION):
+        top = current
+    return Advice(current, top, sorted(seen.values(), key=_rank))
+
+
+def plot_advice(advice: Advice, path: str) -> None:
+    """Current against advised settings, and every candidate's time against the lower bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = ["current", "advised"]
+    pair = [advice.current, advice.recommended]
+    bars = left.bar(names, [o.batch_collection_s for o in pair], color=["#999999", "#2b7bba"])
+    for bar, outcome in zip(bars, pair, strict=True):
+        left.annotate(
+            f"{outcome.batch_collection_s:.1f} s\nidle {outcome.trainer_idle_fraction:.0%}\n"
+            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    left.axhline(advice.current.lower_bound_s, color="k", ls="--", lw=1, label="lower bound (current B+S)")
+    left.set_ylabel("mean batch collection time (s)")
+    left.set_title(advice.verdict(), fontsize=9, wrap=True)
+    left.legend(fontsize=8)
+    ordered = advice.evaluated
+    right.plot(range(len(ordered)), [o.batch_collection_s for o in ordered], "o-", ms=3, label="candidate")
+    right.plot(range(len(ordered)), [o.lower_bound_s for o in ordered], "k--", lw=1, label="its lower bound")
+    right.set_xlabel("candidates, best first")
+    right.set_ylabel("mean batch collection time (s)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
