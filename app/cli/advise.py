@@ -1,0 +1,97 @@
+"""`corral advise` and `corral trace import`: real traces in, recommended S, K and lanes out."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.cli.common import check_output, check_plot, fail, progress_bar, say, write_json
+from app.cli.sim import load
+from app.sim.workload import WorkloadError
+
+trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
+
+
+class TraceFormat(StrEnum):
+    TERMINAL_BENCH = "terminal-bench"
+    CORRAL_RUN = "corral-run"
+
+
+@trace_app.command("import")
+def trace_import(
+    source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
+    fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],
+    out: Annotated[Path, typer.Option("--out", help="the trace to write (JSON Lines)")] = Path("trace.jsonl"),
+) -> None:
+    """Read trials (terminal-bench) or attempts (a `corral run` report) into a Corral trace."""
+    from app.sim.traces import import_corral_run, import_terminal_bench, write_trace
+
+    check_output(out, "--out")
+    try:
+        if fmt is TraceFormat.TERMINAL_BENCH:
+            result = import_terminal_bench(source)
+        else:
+            result = import_corral_run(source)
+    except WorkloadError as exc:
+        fail(str(exc))
+    written = write_trace(result.records, out)
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
+    tasks = len({r["task"] for r in result.records})
+    say(f"{written} attempts of {tasks} tasks → {out} (skipped: {skipped})")
+
+
+def advise(
+    workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
+    trace: Annotated[
+        Path | None, typer.Option(help="a Corral trace to replay instead of the workload's distributions")
+    ] = None,
+    json_out: Annotated[Path, typer.Option("--json", help="where to write the advice")] = Path("advice.json"),
+    plot: Annotated[Path | None, typer.Option(help="PNG of current against advised settings")] = None,
+    passes: Annotated[int, typer.Option(min=1, max=5, help="rounds over the knobs")] = 2,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=64, help="parallel simulations; default: the CPU count")
+    ] = None,
+) -> None:
+    """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""
+    from app.sim.advise import advise as run_advice
+    from app.sim.advise import plot_advice
+    from app.sim.workload import TraceSpec, Workload
+
+    check_output(json_out, "--json")
+    check_plot(plot)
+    spec = load(workload)
+    if trace is not None:
+        try:
+            data = spec.model_dump(by_alias=True)
+            data["trace"] = TraceSpec(path=trace.resolve())
+            spec = Workload.model_validate(data)
+        except (WorkloadError, ValueError) as exc:
+            fail(f"--trace {trace}: {exc}")
+    with progress_bar() as progress:
+        task = progress.add_task("simulating candidates", total=1)
+
+        def on_run(done: int, planned: int) -> None:
+            progress.update(task, completed=done, total=planned)
+
+        advice = run_advice(spec, passes=passes, workers=workers, on_run=on_run)
+    result = advice.as_dict()
+    write_json(json_out, result)
+    if plot is not None:
+        plot_advice(advice, str(plot))
+    cur, rec = advice.current, advice.recommended
+    say(
+        f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "
+        f"updating={cur.settings.max_updating_engines} lanes={dict(cur.settings.lane_slots)} → "
+        f"{cur.batch_collection_s:.1f} s, idle {cur.trainer_idle_fraction:.0%}, "
+        f"wasted {cur.wasted_trajectory_s:,.0f} traj-s"
+    )
+    say(
+        f"advised: S={rec.settings.surplus_groups} K={rec.settings.max_staleness} "
+        f"updating={rec.settings.max_updating_engines} lanes={dict(rec.settings.lane_slots)} → "
+        f"{rec.batch_collection_s:.1f} s, idle {rec.trainer_idle_fraction:.0%}, "
+        f"wasted {rec.wasted_trajectory_s:,.0f} traj-s"
+    )
+    say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
