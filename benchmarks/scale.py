@@ -1,20 +1,30 @@
 """Scale: the production runtime and scheduler under the simulator with 10,000 trajectories in flight.
 
 The workload keeps (B + S)·G trajectories live (default B=250 groups, G=8, S=1000: 10,000), with enough
-engine slots and lane slots that none of them queues for a slot, and short trajectories so a few
-batches suffice. It prints the figures; it asserts nothing about speed.
+engine slots, lane slots and cores that none of them queues for a slot or a core, so the run measures
+the runtime, the scheduler and the simulator, not CPU contention. Two trajectory shapes:
+- `short`: 2–4 turns an attempt (the shape this benchmark always used, so figures stay comparable);
+- `realistic`: DESIGN.md's turn count, median 18 and p90 36 turns an attempt, where the per-attempt
+  costs (admission, reset, validation, cleanup, the attempt's task and timeout) are spread over as many
+  turns as a real agent makes.
+It also times `corral bench` on the default workload (the ladder and both sweeps, 16 simulations), as
+the bench runs it. It prints the figures; it asserts nothing about speed. `--profile N` prints the N
+functions with the most own time under cProfile (which slows the run about 3×).
 
 Invariant checked (exit code 1 if broken): no admitted group is lost (`lost_groups == 0`), and the
 scheduler reached B + S groups live at once, so the run really had (B + S)·G trajectories in flight.
 
-Run: `.venv/bin/python -m benchmarks.scale [--groups 250 --group-size 8 --surplus 1000 --batches 3]`.
+Run: `.venv/bin/python -m benchmarks.scale [--groups 250 --group-size 8 --surplus 1000 --batches 3]
+[--shape short|realistic|both] [--no-bench] [--profile 25]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
+import pstats
 import sys
 import time
 from typing import Any
@@ -22,9 +32,17 @@ from typing import Any
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 
+SHAPES = {
+    "short": {"uniform": [2, 4]},
+    "realistic": {"lognormal": {"median": 18, "p90": 36}},
+}
 
-def scale_workload(groups: int = 250, group_size: int = 8, surplus: int = 1000, batches: int = 3) -> Workload:
-    """Short trajectories, with a slot for every live trajectory on the engines and in every lane."""
+
+def scale_workload(
+    groups: int = 250, group_size: int = 8, surplus: int = 1000, batches: int = 3, shape: str = "short"
+) -> Workload:
+    """Short turns, with a slot for every live trajectory on the engines and in every lane, and a core
+    for every running sandbox operation."""
     in_flight = (groups + surplus) * group_size
     engines = max(1, math.ceil(in_flight / 1000))
     return Workload.model_validate(
@@ -39,12 +57,14 @@ def scale_workload(groups: int = 250, group_size: int = 8, surplus: int = 1000, 
                 "slots": math.ceil(in_flight / engines),
                 "update_s": 0.5,
             },
-            # cores scale with the live sandboxes, so the run measures the scheduler, not CPU contention
-            "cpus": {"total": 64 + in_flight // 4, "serving": 64, "engine_demand": 1.0},
+            # Cores scale with the live sandboxes, so the run measures the scheduler, not CPU contention:
+            # lanes split the sandbox cores by slots × demand (1 + 0.25 + 0.5 + 0.25 cores per slot
+            # set), so 2 cores per trajectory give every lane a core for each operation it runs.
+            "cpus": {"total": 64 + 2 * in_flight, "serving": 64, "engine_demand": 1.0},
             "lanes": {"reset": in_flight, "exec": in_flight, "validate": in_flight, "cleanup": in_flight},
             "trajectory": {
                 "reset_s": {"uniform": [0.5, 2.0]},
-                "turns": {"uniform": [2, 4]},
+                "turns": SHAPES[shape],
                 "llm_s": {"lognormal": {"median": 1.0, "p90": 2.5}},
                 "tool_s": {"uniform": [0.1, 1.0]},
                 "validate_s": {"uniform": [0.5, 1.5]},
@@ -57,13 +77,16 @@ def scale_workload(groups: int = 250, group_size: int = 8, surplus: int = 1000, 
     )
 
 
-def run_scale(groups: int, group_size: int, surplus: int, batches: int) -> dict[str, Any]:
-    workload = scale_workload(groups, group_size, surplus, batches)
+def run_scale(
+    groups: int, group_size: int, surplus: int, batches: int, shape: str = "short"
+) -> dict[str, Any]:
+    workload = scale_workload(groups, group_size, surplus, batches, shape)
     cpu = time.process_time()
     report = simulate(workload, policy_for(workload, "full"), "full")
     cpu = time.process_time() - cpu
     wall = report["wall_s"]
     return {
+        "shape": shape,
         "groups_per_batch": groups,
         "group_size": group_size,
         "surplus_groups": surplus,
@@ -85,23 +108,58 @@ def run_scale(groups: int, group_size: int, surplus: int, batches: int) -> dict[
     }
 
 
+def time_default_bench() -> dict[str, Any]:
+    """How long `corral bench` takes on the built-in default workload, with its default sweeps."""
+    from app.sim.bench import run_bench
+    from app.sim.workload import default_workload
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = run_bench(default_workload(), [0, 16, 32, 64, 96], [4, 8])
+    runs = len(result["policies"]) + sum(len(v) for v in result["sweeps"].values())
+    return {
+        "simulations": runs,
+        "wall_s": round(time.perf_counter() - wall, 2),
+        "cpu_s": round(time.process_time() - cpu, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--groups", type=int, default=250, help="B")
     parser.add_argument("--group-size", type=int, default=8, help="G")
     parser.add_argument("--surplus", type=int, default=1000, help="S")
     parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    parser.add_argument("--no-bench", action="store_true", help="skip timing `corral bench`")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N under cProfile")
     parser.add_argument("--json", dest="json_out", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = run_scale(args.groups, args.group_size, args.surplus, args.batches)
-    for key, value in result.items():
-        print(f"{key:>24}: {value}")
+    shapes = list(SHAPES) if args.shape == "both" else [args.shape]
+    results = []
+    ok = True
+    for shape in shapes:
+        if args.profile:
+            profiler = cProfile.Profile()
+            result = profiler.runcall(
+                run_scale, args.groups, args.group_size, args.surplus, args.batches, shape
+            )
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        else:
+            result = run_scale(args.groups, args.group_size, args.surplus, args.batches, shape)
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+        print()
+        results.append(result)
+        if result["lost_groups"] != 0 or result["max_groups_in_flight"] != args.groups + args.surplus:
+            print(f"FAILED ({shape}): groups were lost or B + S was never reached", file=sys.stderr)
+            ok = False
+    out: dict[str, Any] = {"scale": results}
+    if not args.no_bench:
+        out["corral_bench_default"] = time_default_bench()
+        print(f"corral bench on the default workload: {out['corral_bench_default']}")
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
-    ok = result["lost_groups"] == 0 and result["max_groups_in_flight"] == args.groups + args.surplus
-    if not ok:
-        print("FAILED: groups were lost or B + S was never reached", file=sys.stderr)
+            json.dump(out, fh, indent=2)
     return 0 if ok else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
@@ -36,14 +37,14 @@ class SimEngine:
     async def generate(self, request: TurnRequest) -> TurnResult:
         version = self._version
         llm_s = float(request.meta.get("llm_s", 0.0))
-        if self._active == 0:
+        if self._active == 0 and self._demand:
             self._pool.change_demand(self._demand)
         self._active += 1
         try:
             await self._stream.run(llm_s)
         finally:
             self._active -= 1
-            if self._active == 0:
+            if self._active == 0 and self._demand:
                 self._pool.change_demand(-self._demand)
         return TurnResult(text="", weight_version=version, tokens=max(1, round(llm_s * self._tokens_per_s)))
 
@@ -68,38 +69,50 @@ class SimEngine:
         return None
 
 
+_OK = ExecResult(exit_code=0, output="")
+
+
+@dataclass(frozen=True)
+class SimLaneCpus:
+    """Where each kind of sandbox operation runs (its lane's CPU stream) and the cores it keeps busy."""
+
+    reset: tuple[Stream, float]
+    exec: tuple[Stream, float]
+    validate: tuple[Stream, float]
+    cleanup: tuple[Stream, float]
+
+
 class SimSandbox:
     """Sandbox operations cost the drawn durations as CPU work in the pool of the lane running them."""
 
-    def __init__(
-        self, trajectory: Trajectory, pools: dict[tuple[int, ...] | None, Stream], demand: dict[str, float]
-    ) -> None:
+    def __init__(self, trajectory: Trajectory, lanes: SimLaneCpus) -> None:
         self.trajectory = trajectory
-        self._pools = pools
-        self._demand = demand
+        self._lanes = lanes
         self._turn = 0
 
-    async def _work(self, kind: str, seconds: float, cpus: Sequence[int] | None) -> None:
-        await self._pools[tuple(cpus) if cpus is not None else None].run(seconds, self._demand[kind])
-
     async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
-        await self._work("reset", self.trajectory.reset_s, cpus)
-        return ExecResult(exit_code=0, output="")
+        stream, demand = self._lanes.reset
+        await stream.run(self.trajectory.reset_s, demand)
+        return _OK
 
     async def exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None = None) -> ExecResult:
-        turn = self.trajectory.turns[min(self._turn, len(self.trajectory.turns) - 1)]
+        turns = self.trajectory.turns
+        turn = turns[min(self._turn, len(turns) - 1)]
         self._turn += 1
-        await self._work("exec", turn.tool_s, cpus)
-        return ExecResult(exit_code=0, output="")
+        stream, demand = self._lanes.exec
+        await stream.run(turn.tool_s, demand)
+        return _OK
 
     async def validate(self, cpus: Sequence[int] | None = None) -> float:
-        await self._work("validate", self.trajectory.validate_s, cpus)
+        stream, demand = self._lanes.validate
+        await stream.run(self.trajectory.validate_s, demand)
         if self.trajectory.infra_error:
             raise SimInfraError("sandbox lost during validation")
         return self.trajectory.reward
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
-        await self._work("cleanup", self.trajectory.cleanup_s, cpus)
+        stream, demand = self._lanes.cleanup
+        await stream.run(self.trajectory.cleanup_s, demand)
 
 
 class SimAgent:
@@ -139,21 +152,15 @@ _SIM_TASK = TaskSpec(name="sim", instruction="", root=Path("."), validation="tru
 class SimSource:
     """Attempts for the runtime, built from seeded trajectory draws."""
 
-    def __init__(
-        self,
-        trajectories: TrajectorySource,
-        pools: dict[tuple[int, ...] | None, Stream],
-        demand: dict[str, float],
-    ) -> None:
+    def __init__(self, trajectories: TrajectorySource, lanes: SimLaneCpus) -> None:
         self.trajectories = trajectories
-        self._pools = pools
-        self._demand = demand
+        self._lanes = lanes
 
     def make_attempt(
         self, group_id: int, task_index: int, attempt: int
     ) -> tuple[Agent, TaskSpec | None, Sandbox]:
         trajectory = self.trajectories.trajectory(task_index, attempt)
-        return SimAgent(trajectory), _SIM_TASK, SimSandbox(trajectory, self._pools, self._demand)
+        return SimAgent(trajectory), _SIM_TASK, SimSandbox(trajectory, self._lanes)
 
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:

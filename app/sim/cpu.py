@@ -3,9 +3,7 @@
 Model. A pool has `cores`. Consumers add demand to it: a running sandbox operation demands
 `sandbox_demand` cores, a busy engine demands `engine_demand` cores for its serving loop (scheduling,
 tokenising, sampling). When the demand D exceeds the cores C, everything in the pool progresses at
-rate C / D instead of 1, so a turn or a tool call takes longer in proportion. With shared CPUs there is
-one pool for serving and all sandbox work; with pinned lanes serving has its own pool and each lane
-has its own, so sandbox load cannot slow serving and a cleanup storm cannot slow tool calls.
+rate C / D instead of 1, so a turn or a tool call takes longer in proportion.
 
 An oversubscribed pool also loses efficiency: with load L = D / C > 1 it delivers C / (1 + θ(L − 1))
 core-seconds per second instead of C (θ = `thrash`: run-queue switching and cache and memory-bandwidth
@@ -14,13 +12,23 @@ contention among far more runnable threads than cores). θ = 0 is pure processor
 Serving is latency-sensitive: co-located sandbox work slows it even when cores are not oversubscribed
 (shared caches, memory bandwidth, run-queue jitter on the engine's step loop; the noisy-neighbour
 effect). A serving stream's rate is divided by 1 + γ·min(1, sandbox demand / cores), γ = `interference`.
-Pinned lanes put serving in a pool with no sandbox work, so γ has no effect there.
 
-Work runs in streams. All jobs of a stream progress at the pool's rate times the stream's own factor
-(0 while an engine is paused with `keep`). Each stream tracks the service every one of its jobs has
-received so far, so a rate change costs O(streams), not O(jobs).
+`LanePool` is the sandbox side of a hard serving/sandbox boundary: the sandbox cores, shared by the
+four lanes (one stream each). Each lane has a guaranteed number of cores g (its weight's share of the
+pool, like cgroup `cpu.weight`) and gets an allocation a of cores by weighted max-min fairness over
+the lanes' demands (water-filling): a lane that wants less than its share gets what it wants and the
+idle rest goes to the others in proportion to their weights (work-conserving). With
+`borrow=False` a lane never gets more than g (hard per-lane partitions, g whole cores). A lane with
+demand d > a runs at (a / d)·1 / (1 + θ(d / a − 1)): its own threads contend for its allocation, as
+runnable threads of one cgroup do inside its share.
 
-Invariant: a job of `work` seconds never finishes sooner than `work` seconds after it starts.
+Work runs in streams. All jobs of a stream progress at the stream's rate times its own factor (0 while
+an engine is paused with `keep`). Each stream tracks the service every one of its jobs has received so
+far, so a rate change costs O(streams), not O(jobs).
+
+Invariants: a job of `work` seconds never finishes sooner than `work` seconds after it starts; in a
+`LanePool`, a lane with demand d gets at least min(d, g) cores and the allocations never exceed the
+pool's cores.
 """
 
 from __future__ import annotations
@@ -28,11 +36,29 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
+from collections.abc import Mapping
+
+from app.sim.clock import VirtualTimeLoop
+
+_EPS = 1e-9
+
+
+def _oversubscribed_rate(demand: float, cores: float, thrash: float) -> float:
+    """Rate of each unit of `demand` sharing `cores` (1 when they suffice)."""
+    if demand <= cores:
+        return 1.0
+    load = demand / cores
+    # Fair shares of cores that themselves lose efficiency to context switches and cache thrash in
+    # proportion to the excess load.
+    return 1.0 / (load * (1.0 + thrash * (load - 1.0)))
 
 
 class CpuPool:
+    """Processor sharing among everything in the pool: one rate for every unit of demand."""
+
     def __init__(self, name: str, cores: float, thrash: float = 0.0, interference: float = 0.0) -> None:
-        if cores <= 0:
+        if not math.isfinite(cores) or cores <= 0:
             raise ValueError(f"CPU pool {name!r} needs a positive number of cores, got {cores}")
         if thrash < 0 or interference < 0:
             raise ValueError(f"CPU pool {name!r}: thrash and interference must be ≥ 0")
@@ -42,48 +68,131 @@ class CpuPool:
         self.interference = interference
         self.demand = 0.0
         self.sandbox_demand = 0.0
+        self.rate = 1.0
+        self.serving_factor = 1.0  # slow-down of serving from co-located sandbox work
         self.streams: list[Stream] = []
-
-    @property
-    def rate(self) -> float:
-        if self.demand <= self.cores:
-            return 1.0
-        load = self.demand / self.cores
-        # Oversubscribed: fair shares of a pool that itself loses efficiency to context switches and
-        # cache thrash in proportion to the excess load.
-        return 1.0 / (load * (1.0 + self.thrash * (load - 1.0)))
-
-    @property
-    def serving_factor(self) -> float:
-        """Slow-down of latency-sensitive serving from co-located sandbox work (noisy neighbours)."""
-        if not self.interference or not self.sandbox_demand:
-            return 1.0
-        return 1.0 / (1.0 + self.interference * min(1.0, self.sandbox_demand / self.cores))
 
     def stream(self, name: str, serving: bool = False) -> Stream:
         stream = Stream(self, name, serving)
         self.streams.append(stream)
         return stream
 
-    def change_demand(self, delta: float, sandbox: bool = False) -> None:
-        old = (self.rate, self.serving_factor)
+    def stream_rate(self, stream: Stream) -> float:
+        return self.rate * self.serving_factor if stream.serving else self.rate
+
+    def change_demand(self, delta: float, stream: Stream | None = None) -> None:
+        """Add `delta` cores of demand; sandbox demand if it comes from a non-serving stream."""
+        sandbox = stream is not None and not stream.serving
         new_demand = self.demand + delta
-        if old == (1.0, 1.0) and new_demand <= self.cores and not (sandbox and self.interference):
-            self.demand = new_demand
+        if self.rate == 1.0 and new_demand <= self.cores and not (sandbox and self.interference):
+            self.demand = new_demand  # nothing changes speed: the common, uncontended case
             return
-        now = asyncio.get_running_loop().time()
-        for stream in self.streams:
-            stream.settle(now)
-        self.demand = 0.0 if abs(new_demand) < 1e-9 else new_demand
+        now = _now()
+        for s in self.streams:
+            s.settle(now)
+        self.demand = 0.0 if abs(new_demand) < _EPS else new_demand
         if sandbox:
             self.sandbox_demand += delta
-            if abs(self.sandbox_demand) < 1e-9:
+            if abs(self.sandbox_demand) < _EPS:
                 self.sandbox_demand = 0.0
-        rate_changed = self.rate != old[0]
-        serving_changed = self.serving_factor != old[1]
-        for stream in self.streams:
-            if rate_changed or (serving_changed and stream.serving):
-                stream.reschedule(now)
+        self.rate = _oversubscribed_rate(self.demand, self.cores, self.thrash)
+        if self.interference and self.sandbox_demand:
+            self.serving_factor = 1.0 / (1.0 + self.interference * min(1.0, self.sandbox_demand / self.cores))
+        else:
+            self.serving_factor = 1.0
+        for s in self.streams:
+            s.rate_changed(now)
+
+
+class LanePool(CpuPool):
+    """The sandbox cores, shared by lanes with guaranteed shares; work-conserving unless `borrow` is off."""
+
+    def __init__(
+        self,
+        name: str,
+        cores: float,
+        guarantees: Mapping[str, float],
+        borrow: bool = True,
+        thrash: float = 0.0,
+    ) -> None:
+        super().__init__(name, cores, thrash)
+        if not guarantees or any(not math.isfinite(g) or g <= 0 for g in guarantees.values()):
+            raise ValueError(f"CPU pool {name!r}: every lane needs a positive guaranteed share")
+        if sum(guarantees.values()) > cores * (1 + 1e-9):
+            raise ValueError(f"CPU pool {name!r}: guarantees {dict(guarantees)} exceed {cores} cores")
+        self.guarantees = dict(guarantees)
+        self.borrow = borrow
+        self.lanes: dict[str, Stream] = {}
+        self.allocation: dict[str, float] = dict.fromkeys(guarantees, 0.0)
+        self.max_borrowed = 0.0  # the most cores any lane held beyond its guarantee
+
+    def stream(self, name: str, serving: bool = False) -> Stream:
+        if name not in self.guarantees:
+            raise ValueError(f"CPU pool {self.name!r} has no lane {name!r}")
+        stream = super().stream(name, serving)
+        self.lanes[name] = stream
+        return stream
+
+    def stream_rate(self, stream: Stream) -> float:
+        demand = stream.demand
+        alloc = self.allocation[stream.name]
+        if demand <= alloc + _EPS:
+            return 1.0
+        return _oversubscribed_rate(demand, alloc, self.thrash) if alloc > 0 else 0.0
+
+    def change_demand(self, delta: float, stream: Stream | None = None) -> None:
+        if stream is None:
+            raise ValueError("demand in a lane pool belongs to a lane")
+        new_demand = stream.demand + delta
+        stream.demand = 0.0 if abs(new_demand) < _EPS else new_demand
+        old_total = self.demand
+        self.demand = max(0.0, old_total + delta)
+        if self.borrow and self.demand <= self.cores and old_total <= self.cores:
+            # Every lane gets all it wants before and after: no rate changes.
+            self.allocation[stream.name] = stream.demand
+            return
+        if not self.borrow and stream.demand <= self.guarantees[stream.name] and stream.rate == 1.0:
+            self.allocation[stream.name] = stream.demand
+            return
+        now = _now()
+        for s in self.streams:
+            s.settle(now)
+        self.allocation = self._allocate()
+        for name, alloc in self.allocation.items():
+            self.max_borrowed = max(self.max_borrowed, alloc - self.guarantees[name])
+        for s in self.streams:
+            s.rate_changed(now)
+
+    def _allocate(self) -> dict[str, float]:
+        demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
+        if not self.borrow:
+            return {name: min(d, self.guarantees[name]) for name, d in demand.items()}
+        return water_fill(demand, self.guarantees, self.cores)
+
+
+def water_fill(demand: Mapping[str, float], weights: Mapping[str, float], cores: float) -> dict[str, float]:
+    """Weighted max-min fair allocation of `cores` among `demand`: nobody gets more than it asks, and
+    the cores nobody takes are split in proportion to `weights` among those that want more."""
+    alloc = dict.fromkeys(demand, 0.0)
+    wanting = {name for name, d in demand.items() if d > 0}
+    left = cores
+    while wanting and left > _EPS:
+        total_w = sum(weights[name] for name in wanting)
+        fair = {name: left * weights[name] / total_w for name in wanting}
+        sated = [name for name in wanting if demand[name] - alloc[name] <= fair[name] + _EPS]
+        if not sated:
+            for name in wanting:
+                alloc[name] += fair[name]
+            break
+        for name in sated:
+            left -= demand[name] - alloc[name]
+            alloc[name] = demand[name]
+            wanting.discard(name)
+    return alloc
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 class Stream:
@@ -92,71 +201,86 @@ class Stream:
         self.name = name
         self.serving = serving
         self.factor = 1.0
+        self.demand = 0.0  # cores its running jobs ask for (lane pools only)
+        self.rate = 1.0
         self.served = 0.0  # service each job of this stream has received since the stream began
         self._last = 0.0
         self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-
-    @property
-    def rate(self) -> float:
-        rate = self.pool.rate * self.factor
-        return rate * self.pool.serving_factor if self.serving else rate
+        self._timer: int | None = None  # token of the pending `call_fast` timer
+        self._timer_when = math.inf
+        self._loop: VirtualTimeLoop | None = None
 
     def settle(self, now: float) -> None:
         self.served += (now - self._last) * self.rate
         self._last = now
 
+    def rate_changed(self, now: float) -> None:
+        """The pool changed its rates; the pool has settled this stream at `now` already."""
+        rate = self.pool.stream_rate(self) * self.factor
+        if rate != self.rate:
+            self.rate = rate
+            self.reschedule(now)
+
     def reschedule(self, now: float) -> None:
-        while self._heap and self._heap[0][2].done():
-            heapq.heappop(self._heap)  # cancelled jobs leave lazily
-        rate = self.rate
-        when = None
-        if self._heap and rate > 0.0:
-            when = now + max(0.0, (self._heap[0][0] - self.served) / rate)
-        if self._timer is not None:
-            # A timer due no later than needed may stay: firing early only re-arms it. Cancelling
-            # and re-creating timers on every rate change would churn the loop's timer heap.
-            if when is not None and self._timer.when() <= when:
-                return
-            self._timer.cancel()
-            self._timer = None
-        if when is not None:
-            self._timer = asyncio.get_running_loop().call_at(when, self._fire)
+        heap = self._heap
+        while heap and heap[0][2].done():
+            heapq.heappop(heap)  # cancelled jobs leave lazily
+        if not heap or self.rate <= 0.0:
+            self._timer = None  # a pending timer becomes stale and fires for nothing
+            self._timer_when = math.inf
+            return
+        when = now + max(0.0, (heap[0][0] - self.served) / self.rate)
+        if self._timer is not None and self._timer_when <= when:
+            return  # a timer due no later than needed may stay: firing early only re-arms it
+        assert self._loop is not None
+        self._timer_when = when
+        self._timer = self._loop.call_fast(when, self._fire)
 
     def set_factor(self, factor: float) -> None:
-        now = asyncio.get_running_loop().time()
+        now = _now()
         self.settle(now)
         self.factor = factor
-        self.reschedule(now)
+        self.rate_changed(now)
 
     async def run(self, work: float, demand: float = 0.0) -> None:
         """Do `work` seconds of full-speed work, adding `demand` cores to the pool meanwhile."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            running = asyncio.get_running_loop()
+            if not isinstance(running, VirtualTimeLoop):
+                raise RuntimeError("simulated CPU pools run only on the virtual-time loop")
+            loop = self._loop = running
         now = loop.time()
-        self.settle(now)
+        self.served += (now - self._last) * self.rate
+        self._last = now
         fut: asyncio.Future[None] = loop.create_future()
         entry = (self.served + max(0.0, work), next(self._seq), fut)
         heapq.heappush(self._heap, entry)
         if demand:
-            self.pool.change_demand(demand, sandbox=not self.serving)
+            self.pool.change_demand(demand, self)
         if self._heap[0] is entry or self._timer is None:
             self.reschedule(now)
         try:
             await fut
         finally:
             if demand:
-                self.pool.change_demand(-demand, sandbox=not self.serving)
+                self.pool.change_demand(-demand, self)
             if not fut.done():
                 fut.cancel()  # leaves the heap lazily; the stream's timer skips it when it fires
 
-    def _fire(self) -> None:
+    def _fire(self, token: int) -> None:
+        if token != self._timer:
+            return  # superseded by an earlier timer, or no job is waiting any more
         self._timer = None
-        now = asyncio.get_running_loop().time()
+        self._timer_when = math.inf
+        assert self._loop is not None
+        now = self._loop.time()
         self.settle(now)
         eps = 1e-9 * max(1.0, self.served)
-        while self._heap and (self._heap[0][0] <= self.served + eps or self._heap[0][2].done()):
-            _, _, fut = heapq.heappop(self._heap)
+        heap = self._heap
+        while heap and (heap[0][0] <= self.served + eps or heap[0][2].done()):
+            fut = heapq.heappop(heap)[2]
             if not fut.done():
                 fut.set_result(None)
         self.reschedule(now)

@@ -17,7 +17,7 @@ from app.runtime.driver import RunState, Runtime
 from app.runtime.ports import Trainer
 from app.runtime.report import build_report
 from app.runtime.timeline import batch_marks, group_timeline
-from app.sim.adapters import SimEngine, SimSource, SimTrainer, lane_cpu_split
+from app.sim.adapters import SimEngine, SimLaneCpus, SimSource, SimTrainer, lane_cpu_split
 from app.sim.bound import admission_bound_s, lower_bound_s
 from app.sim.clock import run_virtual
 from app.sim.cpu import CpuPool, Stream
@@ -56,14 +56,17 @@ def simulate(
     source = trajectories or TrajectorySource(workload)
     cpus = workload.cpus
     split = lane_cpu_split(workload)
-    streams: dict[tuple[int, ...] | None, Stream] = {}
+    streams: dict[str, Stream] = {}
     if policy.pinned_lanes:
         serving = CpuPool("serving", cpus.serving, cpus.thrash)
         for lane, ids in split.items():
-            streams[ids] = CpuPool(lane, len(ids), cpus.thrash).stream(lane)
+            streams[lane] = CpuPool(lane, len(ids), cpus.thrash).stream(lane)
     else:
         serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
-        streams[None] = serving.stream("sandboxes")
+        shared = serving.stream("sandboxes")
+        streams = dict.fromkeys(split, shared)
+    demand = cpus.sandbox_demand.by_lane()
+    lane_cpus = SimLaneCpus(**{lane: (streams[lane], demand[lane]) for lane in split})
     engines = [
         SimEngine(
             f"engine-{i}",
@@ -94,7 +97,7 @@ def simulate(
         engines=engines,
         engine_slots=workload.engines.slots,
         lanes=lanes,
-        source=SimSource(source, streams, cpus.sandbox_demand.by_lane()),
+        source=SimSource(source, lane_cpus),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
         on_event=on_event,
     )

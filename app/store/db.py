@@ -8,9 +8,13 @@ each test back through a savepoint on both backends).
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -58,3 +62,29 @@ def _sqlite_engine(url: Any, **kwargs: Any) -> Engine:
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     """Sessions that never expire loaded objects on commit (views read them after the commit)."""
     return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextlib.contextmanager
+def scratch_database(backend: str, postgres_url: str, tmp_dir: Path) -> Iterator[str]:
+    """Yield the URL of a new, empty database and drop it afterwards (tests and benchmarks).
+
+    `backend` "sqlite": a file under `tmp_dir`; "postgres": `CREATE DATABASE corral_test_<hex>` on the
+    server of `postgres_url` (a role allowed to create databases), dropped even if still in use.
+    """
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_dir / f'corral-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    if backend != "postgres":
+        raise ValueError(f"backend must be sqlite or postgres, not {backend!r}")
+    name = f"corral_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            with admin.connect() as c:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()

@@ -166,7 +166,8 @@ class Group(Base):
 
 
 class Trajectory(Base):
-    """One attempt of a group (GRPO member). `turns` and `tokens` are summed from its turn spans."""
+    """One attempt of a group (GRPO member). `turns` and `tokens` count every turn it ran, those a
+    restart threw away included."""
 
     __tablename__ = "trajectories"
 
@@ -174,7 +175,8 @@ class Trajectory(Base):
     group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     reward: Mapped[float | None] = mapped_column(Float)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)  # an infrastructure error
+    cancel_reason: Mapped[str | None] = mapped_column(String(32))  # its group was discarded mid-try
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     turns: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)

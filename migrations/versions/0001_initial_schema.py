@@ -178,6 +178,7 @@ def upgrade() -> None:
         sa.Column("attempt", sa.Integer(), nullable=False),
         sa.Column("reward", sa.Float(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
+        sa.Column("cancel_reason", sa.String(length=32), nullable=True),
         sa.Column("restarts", sa.Integer(), nullable=False),
         sa.Column("turns", sa.Integer(), nullable=False),
         sa.Column("tokens", sa.BigInteger(), nullable=False),

@@ -1,0 +1,405 @@
+"""Repositories over a `Session`: the queries the API, the run manager and the dashboard make.
+
+The caller owns the transaction: a repository may `flush` (to get generated ids) but never commits or
+rolls back. Most rows below a run are projected from the event stream by `app.store.sink`; the writes
+here are the ones that do not come from the stream (creating a run, its lifecycle, registering engines
+and lanes, offering and acking batches to an external trainer).
+
+Snapshot and restore: `GroupRepo.orphans(run_id)` lists the groups a crashed control plane left
+admitted or ready without an ending, so the run manager can resume them or discard them with the
+reason `orphaned` (as a `GroupDiscarded` event, so the stream stays the account); `EventRepo.next_seq`
+says where the resumed run's sequence numbers continue, and `EventRepo.load_envelopes` replays the run.
+"""
+
+from __future__ import annotations
+
+import builtins
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from app.core.events import Envelope, envelope_from_dict
+from app.store.models import (
+    TERMINAL_GROUP_STATES,
+    TERMINAL_RUN_STATES,
+    Batch,
+    Engine,
+    EventRow,
+    Group,
+    GroupStatus,
+    Lane,
+    PolicyChange,
+    RolloutStep,
+    Run,
+    RunState,
+    Span,
+    Task,
+    Trajectory,
+    WeightRollout,
+    utcnow,
+)
+
+
+class RunNotFoundError(LookupError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} not found")
+        self.run_id = run_id
+
+
+class IllegalTransitionError(ValueError):
+    """A lifecycle change the run's current state does not allow (the API answers 409)."""
+
+
+# which states each state may move to; terminal states go nowhere
+RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    RunState.CREATED: frozenset({RunState.RUNNING, RunState.STOPPED, RunState.FAILED}),
+    RunState.RUNNING: frozenset(
+        {RunState.PAUSED, RunState.STOPPING, RunState.STOPPED, RunState.FAILED, RunState.COMPLETED}
+    ),
+    RunState.PAUSED: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.STOPPED, RunState.FAILED}),
+    RunState.STOPPING: frozenset({RunState.STOPPED, RunState.FAILED, RunState.COMPLETED}),
+    RunState.STOPPED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.COMPLETED: frozenset(),
+}
+
+
+class RunRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def create(
+        self,
+        name: str,
+        config: dict[str, Any],
+        policy: dict[str, Any],
+        run_id: str | None = None,
+    ) -> Run:
+        run = Run(
+            id=run_id or uuid.uuid4().hex,
+            name=name,
+            state=RunState.CREATED.value,
+            config=config,
+            policy=policy,
+            created_at=utcnow(),
+        )
+        self.session.add(run)
+        self.session.flush()
+        return run
+
+    def get(self, run_id: str) -> Run | None:
+        return self.session.get(Run, run_id)
+
+    def require(self, run_id: str) -> Run:
+        run = self.get(run_id)
+        if run is None:
+            raise RunNotFoundError(run_id)
+        return run
+
+    def list(self, state: RunState | None = None, limit: int = 100, offset: int = 0) -> Sequence[Run]:
+        query = select(Run).order_by(Run.created_at.desc(), Run.id)
+        if state is not None:
+            query = query.where(Run.state == state.value)
+        return self.session.scalars(query.limit(limit).offset(offset)).all()
+
+    def unfinished(self) -> Sequence[Run]:
+        """Runs a control plane was driving when it stopped: the candidates to resume at start-up."""
+        terminal = [s.value for s in TERMINAL_RUN_STATES] + [RunState.CREATED.value]
+        return self.session.scalars(select(Run).where(Run.state.not_in(terminal)).order_by(Run.id)).all()
+
+    def set_state(self, run_id: str, state: RunState, error: str | None = None) -> Run:
+        """Move a run along its lifecycle; raises `IllegalTransitionError` for a move it does not allow
+        (a repeated move to the current state is a no-op)."""
+        run = self.require(run_id)
+        current = RunState(run.state)
+        if current is state:
+            return run
+        if state not in RUN_TRANSITIONS[current]:
+            raise IllegalTransitionError(f"run {run_id} is {current.value}; it cannot become {state.value}")
+        run.state = state.value
+        now = utcnow()
+        if state is RunState.RUNNING and run.started_at is None:
+            run.started_at = now
+        if state in TERMINAL_RUN_STATES:
+            run.ended_at = now
+        if error is not None:
+            run.error = error
+        self.session.flush()
+        return run
+
+
+class PolicyRepo:
+    """A run's policy history. Changes made while the run is live arrive as `PolicyChanged` events and
+    the sink records them; `record` is for changes made with no runtime to emit them (a run not yet
+    started), so a change is never recorded twice."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def record(
+        self,
+        run_id: str,
+        field: str,
+        old: Any,
+        new: Any,
+        actor: str,
+        at: float,
+        seq: int | None = None,
+    ) -> PolicyChange:
+        run = RunRepo(self.session).require(run_id)
+        change = PolicyChange(run_id=run_id, seq=seq, field=field, old=old, new=new, actor=actor, at=at)
+        self.session.add(change)
+        run.policy = {**run.policy, field: new}
+        self.session.flush()
+        return change
+
+    def history(self, run_id: str) -> Sequence[PolicyChange]:
+        query = select(PolicyChange).where(PolicyChange.run_id == run_id)
+        return self.session.scalars(query.order_by(PolicyChange.at, PolicyChange.id)).all()
+
+
+class EventRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def last_seq(self, run_id: str) -> int | None:
+        return self.session.scalar(select(func.max(EventRow.seq)).where(EventRow.run_id == run_id))
+
+    def next_seq(self, run_id: str) -> int:
+        """Where a resumed run's sequence numbers continue."""
+        last = self.last_seq(run_id)
+        return 0 if last is None else last + 1
+
+    def count(self, run_id: str) -> int:
+        return int(self.session.scalar(select(func.count()).where(EventRow.run_id == run_id)) or 0)
+
+    def list(
+        self, run_id: str, since: int = -1, limit: int = 1000, kinds: Iterable[str] | None = None
+    ) -> Sequence[EventRow]:
+        """Events with seq > `since`, in seq order (the live stream's catch-up and `timeline?since=`)."""
+        query = select(EventRow).where(EventRow.run_id == run_id, EventRow.seq > since)
+        if kinds is not None:
+            query = query.where(EventRow.kind.in_(list(kinds)))
+        return self.session.scalars(query.order_by(EventRow.seq).limit(limit)).all()
+
+    def load_envelopes(self, run_id: str, chunk: int = 10_000) -> builtins.list[Envelope]:
+        """Every stored event of the run, in seq order, as the envelopes the runtime emitted."""
+        out: builtins.list[Envelope] = []
+        since = -1
+        while True:
+            rows = self.list(run_id, since=since, limit=chunk)
+            out.extend(envelope_of(row) for row in rows)
+            if len(rows) < chunk:
+                return out
+            since = rows[-1].seq
+
+    def gaps(self, run_id: str) -> int:
+        """How many sequence numbers are missing between 0 and the last stored one."""
+        last = self.last_seq(run_id)
+        return 0 if last is None else last + 1 - self.count(run_id)
+
+
+def envelope_of(row: EventRow) -> Envelope:
+    return envelope_from_dict({**row.payload, "run_id": row.run_id, "seq": row.seq, "t": row.t,
+                               "kind": row.kind})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GroupAccount:
+    """Every admitted group's outcome: open ones are in flight or ready, the others ended once."""
+
+    admitted: int
+    open: int
+    delivered: int
+    discarded: dict[str, int]
+
+
+class GroupRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def get(self, run_id: str, group_id: int) -> Group | None:
+        return self.session.get(Group, (run_id, group_id))
+
+    def list(self, run_id: str, states: Iterable[GroupStatus] | None = None) -> Sequence[Group]:
+        query = select(Group).where(Group.run_id == run_id)
+        if states is not None:
+            query = query.where(Group.state.in_([s.value for s in states]))
+        return self.session.scalars(query.order_by(Group.group_id)).all()
+
+    def orphans(self, run_id: str) -> Sequence[Group]:
+        """Groups admitted (or ready) with no terminal state: in flight when the control plane stopped."""
+        return self.list(run_id, [GroupStatus.ADMITTED, GroupStatus.READY])
+
+    def account(self, run_id: str) -> GroupAccount:
+        rows = self.session.execute(
+            select(Group.state, Group.reason, func.count())
+            .where(Group.run_id == run_id)
+            .group_by(Group.state, Group.reason)
+        ).all()
+        terminal = {s.value for s in TERMINAL_GROUP_STATES}
+        discarded: dict[str, int] = {}
+        delivered = opened = 0
+        for state, reason, n in rows:
+            if state == GroupStatus.DELIVERED.value:
+                delivered += n
+            elif state == GroupStatus.DISCARDED.value:
+                discarded[reason or "unknown"] = discarded.get(reason or "unknown", 0) + n
+            elif state not in terminal:
+                opened += n
+        return GroupAccount(delivered + opened + sum(discarded.values()), opened, delivered, discarded)
+
+    def trajectories(self, run_id: str, group_id: int) -> Sequence[Trajectory]:
+        query = select(Trajectory).where(Trajectory.run_id == run_id, Trajectory.group_id == group_id)
+        return self.session.scalars(query.order_by(Trajectory.attempt)).all()
+
+    def tasks(self, run_id: str) -> Sequence[Task]:
+        return self.session.scalars(select(Task).where(Task.run_id == run_id).order_by(Task.task_index)).all()
+
+
+class SpanRepo:
+    """The timeline."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def list(
+        self, run_id: str, since: int = -1, group_id: int | None = None, limit: int = 5000
+    ) -> Sequence[Span]:
+        """Spans projected from events with seq > `since`, in seq order."""
+        query = select(Span).where(Span.run_id == run_id, Span.seq > since)
+        if group_id is not None:
+            query = query.where(Span.group_id == group_id)
+        return self.session.scalars(query.order_by(Span.seq, Span.id).limit(limit)).all()
+
+
+class BatchRepo:
+    """Batches and their delivery to an external trainer: offered, then acked; at least once."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def get(self, run_id: str, batch_index: int) -> Batch | None:
+        return self.session.get(Batch, (run_id, batch_index))
+
+    def list(self, run_id: str) -> Sequence[Batch]:
+        return self.session.scalars(
+            select(Batch).where(Batch.run_id == run_id).order_by(Batch.batch_index)
+        ).all()
+
+    def next_to_offer(self, run_id: str, offer_timeout_s: float, now: datetime | None = None) -> Batch | None:
+        """The oldest delivered, unacked batch never offered or offered more than `offer_timeout_s` ago."""
+        now = now or utcnow()
+        cutoff = now - timedelta(seconds=offer_timeout_s)
+        query = (
+            select(Batch)
+            .where(Batch.run_id == run_id, Batch.delivered_at.is_not(None), Batch.acked_at.is_(None))
+            .where((Batch.offered_at.is_(None)) | (Batch.offered_at <= cutoff))
+            .order_by(Batch.batch_index)
+            .limit(1)
+        )
+        return self.session.scalars(query).first()
+
+    def mark_offered(self, run_id: str, batch_index: int, now: datetime | None = None) -> None:
+        self.session.execute(
+            update(Batch)
+            .where(Batch.run_id == run_id, Batch.batch_index == batch_index)
+            .values(offered_at=now or utcnow(), offer_count=Batch.offer_count + 1)
+        )
+
+    def ack(self, run_id: str, batch_index: int, now: datetime | None = None) -> bool:
+        """Acknowledge a batch; True the first time, False for a repeated ack (which changes only the
+        count). Raises `LookupError` for a batch that does not exist or was not delivered."""
+        batch = self.get(run_id, batch_index)
+        if batch is None or batch.delivered_at is None:
+            raise LookupError(f"run {run_id!r} has no delivered batch {batch_index}")
+        first = batch.acked_at is None
+        if first:
+            batch.acked_at = now or utcnow()
+        batch.ack_count += 1
+        self.session.flush()
+        return first
+
+
+class RolloutRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def create(self, run_id: str, version: int, path: str | None, actor: str, at: float) -> WeightRollout:
+        """A rollout requested through the API, before the runtime's events about it arrive (the sink's
+        `VersionPublished` then finds it by (run, version))."""
+        rollout = WeightRollout(
+            run_id=run_id, version=version, path=path, actor=actor, state="running", started_at=at
+        )
+        self.session.add(rollout)
+        self.session.flush()
+        return rollout
+
+    def get(self, run_id: str, rollout_id: int) -> WeightRollout | None:
+        rollout = self.session.get(WeightRollout, rollout_id)
+        return rollout if rollout is not None and rollout.run_id == run_id else None
+
+    def by_version(self, run_id: str, version: int) -> WeightRollout | None:
+        query = select(WeightRollout).where(WeightRollout.run_id == run_id, WeightRollout.version == version)
+        return self.session.scalars(query).first()
+
+    def latest_version(self, run_id: str) -> int | None:
+        return self.session.scalar(
+            select(func.max(WeightRollout.version)).where(WeightRollout.run_id == run_id)
+        )
+
+    def list(self, run_id: str) -> Sequence[WeightRollout]:
+        query = select(WeightRollout).where(WeightRollout.run_id == run_id)
+        return self.session.scalars(query.order_by(WeightRollout.version)).all()
+
+    def steps(self, rollout_id: int) -> Sequence[RolloutStep]:
+        query = select(RolloutStep).where(RolloutStep.rollout_id == rollout_id)
+        return self.session.scalars(query.order_by(RolloutStep.started_at, RolloutStep.engine)).all()
+
+
+class EngineRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def register(self, run_id: str, name: str, url: str | None, state: str = "serving") -> Engine:
+        engine = self.session.get(Engine, (run_id, name))
+        if engine is None:
+            engine = Engine(run_id=run_id, name=name, url=url, state=state, weight_version=0)
+            self.session.add(engine)
+        else:
+            engine.url, engine.state = url, state
+        self.session.flush()
+        return engine
+
+    def list(self, run_id: str) -> Sequence[Engine]:
+        return self.session.scalars(select(Engine).where(Engine.run_id == run_id).order_by(Engine.name)).all()
+
+
+class LaneRepo:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def set(self, run_id: str, name: str, cpus: str, slots: int) -> Lane:
+        lane = self.session.get(Lane, (run_id, name))
+        if lane is None:
+            lane = Lane(run_id=run_id, name=name, cpus=cpus, slots=slots)
+            self.session.add(lane)
+        else:
+            lane.cpus, lane.slots = cpus, slots
+        self.session.flush()
+        return lane
+
+    def list(self, run_id: str) -> Sequence[Lane]:
+        return self.session.scalars(select(Lane).where(Lane.run_id == run_id).order_by(Lane.name)).all()
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes for `DateTime(timezone=True)`; they were stored as UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)

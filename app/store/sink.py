@@ -1,0 +1,521 @@
+"""The store's event sink: writes the typed event stream into the database, one transaction per batch.
+
+`SqlEventSink.write_batch(envelopes)` is the bus sink protocol. Each batch is one transaction: the raw
+events go to `events` in one bulk insert, and the new ones are projected into `groups`, `trajectories`,
+`spans`, `tasks`, `batches`, `engines`, `weight_rollouts`/`rollout_steps`, `policy_changes` and `runs`
+by bulk upserts, one statement per table, never a statement (or a commit) per timeline event.
+
+Invariants:
+- at-least-once in, exactly once stored: an envelope whose (run_id, seq) is already stored is skipped,
+  events and projections alike, so a sink that re-delivers a batch changes nothing;
+- a group's terminal account (delivered with batch and staleness, or discarded with reason and detail)
+  is written once; a later terminal event for the same group stays in `events` but does not rewrite it;
+- an event whose predecessors never arrived still lands (projected rows are upserts, with no foreign keys
+  between projected tables), and a run row is created for an unknown run id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from sqlalchemy import Connection, Engine, Table, and_, case, func, literal_column, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import Insert
+
+from app.core.events import (
+    AttemptFinished,
+    AttemptRestarted,
+    AttemptStarted,
+    BatchDelivered,
+    BatchRequested,
+    EngineStateChanged,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Envelope,
+    Event,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    GroupReady,
+    PolicyChanged,
+    RunEnded,
+    RunStarted,
+    SandboxOp,
+    TurnDone,
+    VersionPublished,
+)
+from app.store.models import (
+    TERMINAL_GROUP_STATES,
+    TERMINAL_RUN_STATES,
+    Batch,
+    EventRow,
+    Group,
+    GroupStatus,
+    PolicyChange,
+    RolloutStep,
+    Run,
+    RunState,
+    Span,
+    SpanPhase,
+    Task,
+    Trajectory,
+    WeightRollout,
+)
+from app.store.models import (
+    Engine as EngineRow,
+)
+
+HEADER = ("run_id", "seq", "t", "kind")
+LANE_PHASE = {
+    "reset": SpanPhase.RESET,
+    "exec": SpanPhase.TOOL,
+    "validate": SpanPhase.VALIDATE,
+    "cleanup": SpanPhase.CLEANUP,
+}
+RUN_END_STATE = {
+    "completed": RunState.COMPLETED,
+    "duration": RunState.COMPLETED,
+    "stopped": RunState.STOPPED,
+    "error": RunState.FAILED,
+}
+GROUP_COLUMNS = (
+    "task_index",
+    "group_size",
+    "admitted_at",
+    "ready_at",
+    "ended_at",
+    "reason",
+    "detail",
+    "batch_index",
+    "staleness",
+)
+_TERMINAL = tuple(s.value for s in TERMINAL_GROUP_STATES)
+
+events_t = cast(Table, EventRow.__table__)
+groups_t = cast(Table, Group.__table__)
+trajectories_t = cast(Table, Trajectory.__table__)
+spans_t = cast(Table, Span.__table__)
+tasks_t = cast(Table, Task.__table__)
+batches_t = cast(Table, Batch.__table__)
+engines_t = cast(Table, EngineRow.__table__)
+rollouts_t = cast(Table, WeightRollout.__table__)
+steps_t = cast(Table, RolloutStep.__table__)
+policy_t = cast(Table, PolicyChange.__table__)
+runs_t = cast(Table, Run.__table__)
+
+
+def insert_for(conn: Connection, table: Any) -> Any:
+    """The dialect's INSERT, which has `on_conflict_do_nothing` / `on_conflict_do_update`."""
+    name = conn.dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise ValueError(f"database dialect {name!r} is not supported (use sqlite or postgresql)")
+
+
+def event_row(env: Envelope) -> dict[str, Any]:
+    body = env.to_dict()
+    payload = {k: v for k, v in body.items() if k not in HEADER}
+    return {"run_id": env.run_id, "seq": env.seq, "t": env.t, "kind": env.kind, "payload": payload}
+
+
+# -- the fold: a batch of new events as one row per projected key -----------------------------------
+
+
+@dataclass
+class Projection:
+    """What a batch of new events changes, one row per key, so each table takes one bulk upsert
+    (Postgres refuses an upsert that touches the same row twice in one statement)."""
+
+    tasks: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    groups: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    trajectories: dict[tuple[str, int, int], dict[str, Any]] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    batches: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    engine_states: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    rare: list[Envelope] = field(default_factory=list)  # rollouts, policy and run lifecycle: in order
+
+    def add(self, env: Envelope) -> None:
+        ev, run, t = env.event, env.run_id, env.t
+        if isinstance(ev, TurnDone):
+            self._turn(env, ev)
+        elif isinstance(ev, SandboxOp):
+            self._sandbox_op(env, ev)
+        elif isinstance(ev, GroupAdmitted):
+            self.tasks.setdefault((run, ev.task_index), {"run_id": run, "task_index": ev.task_index,
+                                                         "name": ev.task})  # fmt: skip
+            row = self._group(run, ev.group_id)
+            row.update(task_index=ev.task_index, group_size=ev.group_size, admitted_at=t)
+            if row["state"] is None:
+                row["state"] = GroupStatus.ADMITTED.value
+        elif isinstance(ev, GroupReady):
+            row = self._group(run, ev.group_id)
+            row["ready_at"] = t
+            if row["state"] not in _TERMINAL:
+                row["state"] = GroupStatus.READY.value
+        elif isinstance(ev, GroupDelivered | GroupDiscarded):
+            self._group_end(run, t, ev)
+        elif isinstance(ev, AttemptStarted):
+            row = self._trajectory(run, ev.group_id, ev.attempt)
+            if row["started_at"] is None:
+                row["started_at"] = t
+        elif isinstance(ev, AttemptFinished):
+            row = self._trajectory(run, ev.group_id, ev.attempt)
+            row.update(finished_at=t, reward=ev.reward, error=ev.error)
+        elif isinstance(ev, AttemptRestarted):
+            self._trajectory(run, ev.group_id, ev.attempt)["restarts"] += 1
+        elif ev.kind == "attempt_cancelled":  # its group was discarded while the try ran
+            cancelled: Any = ev
+            row = self._trajectory(run, cancelled.group_id, cancelled.attempt)
+            row.update(finished_at=t, cancel_reason=cancelled.reason or "cancelled")
+        elif isinstance(ev, BatchRequested):
+            self._batch(run, ev.batch_index)["requested_at"] = t
+        elif isinstance(ev, BatchDelivered):
+            self._batch(run, ev.batch_index).update(
+                group_ids=list(ev.group_ids),
+                trainer_version=ev.trainer_version,
+                requested_at=ev.requested_at,
+                ready_at=ev.ready_at,
+                delivered_at=t,
+            )
+        elif isinstance(ev, EngineStateChanged):
+            self.engine_states[(run, ev.engine)] = {
+                "run_id": run, "name": ev.engine, "state": ev.state, "detail": ev.detail or None,
+            }  # fmt: skip
+        elif isinstance(
+            ev, VersionPublished | EngineUpdateBegin | EngineUpdateEnd | PolicyChanged | RunStarted | RunEnded
+        ):
+            self.rare.append(env)
+
+    def _turn(self, env: Envelope, ev: TurnDone) -> None:
+        common = {"run_id": env.run_id, "seq": env.seq, "group_id": ev.group_id, "attempt": ev.attempt,
+                  "engine": ev.engine, "lane": None, "version": ev.version}  # fmt: skip
+        if ev.start > ev.queued_at:
+            self.spans.append({**common, "phase": SpanPhase.ENGINE_QUEUE.value, "start": ev.queued_at,
+                               "end": ev.start, "tokens": None, "ok": True})  # fmt: skip
+        self.spans.append({**common, "phase": SpanPhase.TURN.value, "start": ev.start, "end": ev.end,
+                           "tokens": ev.tokens, "ok": ev.error is None})  # fmt: skip
+        row = self._trajectory(env.run_id, ev.group_id, ev.attempt)
+        row["turns"] += 1
+        row["tokens"] += ev.tokens
+
+    def _sandbox_op(self, env: Envelope, ev: SandboxOp) -> None:
+        phase = LANE_PHASE.get(ev.lane)
+        if phase is None:
+            raise ValueError(f"sandbox_op seq {env.seq}: unknown lane {ev.lane!r}")
+        common = {"run_id": env.run_id, "seq": env.seq, "group_id": ev.group_id, "attempt": ev.attempt,
+                  "engine": None, "lane": ev.lane, "version": None, "tokens": None}  # fmt: skip
+        if ev.start > ev.queued_at:
+            self.spans.append({**common, "phase": SpanPhase.LANE_QUEUE.value, "start": ev.queued_at,
+                               "end": ev.start, "ok": True})  # fmt: skip
+        self.spans.append({**common, "phase": phase.value, "start": ev.start, "end": ev.end, "ok": ev.ok})
+
+    def _group(self, run: str, group_id: int) -> dict[str, Any]:
+        key = (run, group_id)
+        row = self.groups.get(key)
+        if row is None:
+            row = {"run_id": run, "group_id": group_id, "state": None, **dict.fromkeys(GROUP_COLUMNS)}
+            self.groups[key] = row
+        return row
+
+    def _group_end(self, run: str, t: float, ev: GroupDelivered | GroupDiscarded) -> None:
+        row = self._group(run, ev.group_id)
+        if row["state"] in _TERMINAL:
+            return  # ended twice: the first ending stands (the second stays in `events`)
+        row["ended_at"] = t
+        if isinstance(ev, GroupDelivered):
+            row.update(state=GroupStatus.DELIVERED.value, batch_index=ev.batch_index, staleness=ev.staleness)
+        else:
+            row.update(state=GroupStatus.DISCARDED.value, reason=ev.reason, detail=ev.detail or None)
+
+    def _trajectory(self, run: str, group_id: int, attempt: int) -> dict[str, Any]:
+        key = (run, group_id, attempt)
+        row = self.trajectories.get(key)
+        if row is None:
+            row = {"run_id": run, "group_id": group_id, "attempt": attempt, "reward": None, "error": None,
+                   "cancel_reason": None, "restarts": 0, "turns": 0, "tokens": 0, "started_at": None,
+                   "finished_at": None}  # fmt: skip
+            self.trajectories[key] = row
+        return row
+
+    def _batch(self, run: str, index: int) -> dict[str, Any]:
+        key = (run, index)
+        row = self.batches.get(key)
+        if row is None:
+            row = {"run_id": run, "batch_index": index, "group_ids": None, "trainer_version": None,
+                   "requested_at": None, "ready_at": None, "delivered_at": None}  # fmt: skip
+            self.batches[key] = row
+        return row
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+
+def ingest(conn: Connection, envelopes: Sequence[Envelope]) -> int:
+    """Store `envelopes` and project the new ones on `conn` (the caller's transaction); returns how
+    many were new. Envelopes already stored, or repeated within the batch, are skipped."""
+    unique: dict[tuple[str, int], Envelope] = {}
+    for env in envelopes:
+        unique.setdefault((env.run_id, env.seq), env)
+    if not unique:
+        return 0
+    _ensure_runs(conn, {run for run, _ in unique})
+    rows = [event_row(env) for env in unique.values()]
+    stmt = insert_for(conn, events_t).on_conflict_do_nothing(index_elements=["run_id", "seq"])
+    inserted = conn.execute(stmt.returning(events_t.c.run_id, events_t.c.seq), rows).all()
+    new = {(r.run_id, r.seq) for r in inserted}
+    projection = Projection()
+    for key, env in sorted(unique.items(), key=lambda item: item[0]):
+        if key in new:
+            projection.add(env)
+    write_projection(conn, projection)
+    return len(new)
+
+
+def _ensure_runs(conn: Connection, run_ids: set[str]) -> None:
+    rows = [{"id": r, "name": r, "state": RunState.RUNNING.value, "config": {}, "policy": {},
+             "created_at": datetime.now(UTC)} for r in sorted(run_ids)]  # fmt: skip
+    conn.execute(insert_for(conn, runs_t).on_conflict_do_nothing(index_elements=["id"]), rows)
+
+
+def write_projection(conn: Connection, p: Projection) -> None:
+    if p.tasks:
+        stmt = insert_for(conn, tasks_t).on_conflict_do_nothing(index_elements=["run_id", "task_index"])
+        conn.execute(stmt, list(p.tasks.values()))
+    if p.groups:
+        _upsert_groups(conn, list(p.groups.values()))
+    if p.trajectories:
+        _upsert_trajectories(conn, list(p.trajectories.values()))
+    if p.spans:
+        stmt = insert_for(conn, spans_t).on_conflict_do_nothing(index_elements=["run_id", "seq", "phase"])
+        conn.execute(stmt, p.spans)
+    if p.batches:
+        _upsert_batches(conn, list(p.batches.values()))
+    if p.engine_states:
+        stmt = insert_for(conn, engines_t)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["run_id", "name"],
+            set_={"state": stmt.excluded.state, "detail": stmt.excluded.detail},
+        )
+        conn.execute(stmt, [{**row, "weight_version": 0} for row in p.engine_states.values()])
+    for env in p.rare:
+        _write_rare(conn, env)
+
+
+# spelled out: an expanding IN cannot be used in an executemany statement
+_NOT_TERMINAL = and_(*(groups_t.c.state != literal_column(f"'{v}'") for v in sorted(_TERMINAL)))
+
+
+def _upsert_groups(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        if row["state"] is None:  # only a ready event arrived for a group never seen admitted
+            row["state"] = GroupStatus.READY.value
+    stmt: Insert = insert_for(conn, groups_t)
+    ex = stmt.excluded  # type: ignore[attr-defined]
+    set_ = {c: func.coalesce(ex[c], groups_t.c[c]) for c in GROUP_COLUMNS}
+    set_["state"] = ex.state
+    stmt = stmt.on_conflict_do_update(  # type: ignore[attr-defined]
+        index_elements=["run_id", "group_id"], set_=set_, where=_NOT_TERMINAL
+    )
+    conn.execute(stmt, rows)
+
+
+def _upsert_trajectories(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    stmt: Any = insert_for(conn, trajectories_t)
+    ex, tr = stmt.excluded, trajectories_t.c
+    finished = ex.finished_at.is_not(None)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "group_id", "attempt"],
+        set_={
+            "started_at": func.coalesce(tr.started_at, ex.started_at),
+            "finished_at": func.coalesce(ex.finished_at, tr.finished_at),
+            "reward": case((finished, ex.reward), else_=tr.reward),
+            "error": case((finished, ex.error), else_=tr.error),
+            "cancel_reason": func.coalesce(ex.cancel_reason, tr.cancel_reason),
+            "restarts": tr.restarts + ex.restarts,
+            "turns": tr.turns + ex.turns,
+            "tokens": tr.tokens + ex.tokens,
+        },
+    )
+    conn.execute(stmt, rows)
+
+
+def _upsert_batches(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    stmt: Any = insert_for(conn, batches_t)
+    ex, b = stmt.excluded, batches_t.c
+    cols = ("trainer_version", "requested_at", "ready_at", "delivered_at")
+    set_: dict[str, Any] = {c: func.coalesce(ex[c], b[c]) for c in cols}
+    set_["group_ids"] = case((ex.delivered_at.is_not(None), ex.group_ids), else_=b.group_ids)
+    stmt = stmt.on_conflict_do_update(index_elements=["run_id", "batch_index"], set_=set_)
+    conn.execute(stmt, [{**row, "group_ids": row["group_ids"] or []} for row in rows])
+
+
+# -- rare events: one small statement each ------------------------------------------------------------
+
+
+def _write_rare(conn: Connection, env: Envelope) -> None:
+    ev: Event = env.event
+    if isinstance(ev, VersionPublished):
+        _rollout_id(conn, env.run_id, ev.version, env.t, path=ev.path, actor=ev.actor)
+        conn.execute(
+            update(rollouts_t)
+            .where(rollouts_t.c.run_id == env.run_id, rollouts_t.c.version < ev.version)
+            .where(rollouts_t.c.state == "running")
+            .values(state="superseded", ended_at=env.t)
+        )
+    elif isinstance(ev, EngineUpdateBegin):
+        rid = _rollout_id(conn, env.run_id, ev.version, env.t)
+        stmt: Any = insert_for(conn, steps_t)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["rollout_id", "engine"],
+            set_={"state": "updating", "started_at": stmt.excluded.started_at},
+        )
+        conn.execute(stmt, {"rollout_id": rid, "engine": ev.engine, "state": "updating", "started_at": env.t})
+    elif isinstance(ev, EngineUpdateEnd):
+        _engine_update_end(conn, env, ev)
+    elif isinstance(ev, PolicyChanged):
+        _policy_changed(conn, env, ev)
+    elif isinstance(ev, RunStarted):
+        conn.execute(
+            update(runs_t)
+            .where(runs_t.c.id == env.run_id, runs_t.c.state == RunState.CREATED.value)
+            .values(state=RunState.RUNNING.value, started_at=datetime.now(UTC))
+        )
+        engines = getattr(ev, "engines", ())  # the engines the run drives, known from its start
+        if engines:
+            conn.execute(
+                insert_for(conn, engines_t).on_conflict_do_nothing(index_elements=["run_id", "name"]),
+                [
+                    {"run_id": env.run_id, "name": name, "state": "serving", "weight_version": 0}
+                    for name in engines
+                ],
+            )
+        if ev.policy:
+            conn.execute(update(runs_t).where(runs_t.c.id == env.run_id).values(policy=dict(ev.policy)))
+    elif isinstance(ev, RunEnded):
+        state = RUN_END_STATE.get(ev.reason, RunState.FAILED)
+        conn.execute(
+            update(runs_t)
+            .where(runs_t.c.id == env.run_id, runs_t.c.state.not_in([s.value for s in TERMINAL_RUN_STATES]))
+            .values(
+                state=state.value,
+                ended_at=datetime.now(UTC),
+                error=(ev.detail or ev.reason) if state is RunState.FAILED else None,
+            )
+        )
+
+
+def _rollout_id(
+    conn: Connection, run_id: str, version: int, t: float, path: str | None = None, actor: str = "trainer"
+) -> int:
+    stmt = insert_for(conn, rollouts_t).on_conflict_do_nothing(index_elements=["run_id", "version"])
+    conn.execute(
+        stmt,
+        {"run_id": run_id, "version": version, "path": path, "actor": actor, "state": "running",
+         "started_at": t},
+    )  # fmt: skip
+    found = conn.execute(
+        select(rollouts_t.c.id).where(rollouts_t.c.run_id == run_id, rollouts_t.c.version == version)
+    ).scalar_one()
+    return int(found)
+
+
+def _engine_update_end(conn: Connection, env: Envelope, ev: EngineUpdateEnd) -> None:
+    rid = _rollout_id(conn, env.run_id, ev.version, env.t)
+    state = "done" if ev.ok else "failed"
+    stmt: Any = insert_for(conn, steps_t)
+    ex = stmt.excluded
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["rollout_id", "engine"],
+        set_={"state": ex.state, "ended_at": ex.ended_at, "error": ex.error},
+    )
+    conn.execute(
+        stmt,
+        {"rollout_id": rid, "engine": ev.engine, "state": state, "started_at": env.t, "ended_at": env.t,
+         "error": ev.error or None},
+    )  # fmt: skip
+    started = conn.execute(
+        select(steps_t.c.started_at).where(steps_t.c.rollout_id == rid, steps_t.c.engine == ev.engine)
+    ).scalar_one()
+    conn.execute(
+        insert_for(conn, spans_t).on_conflict_do_nothing(index_elements=["run_id", "seq", "phase"]),
+        {"run_id": env.run_id, "seq": env.seq, "group_id": None, "attempt": None,
+         "phase": SpanPhase.UPDATE_PAUSE.value, "engine": ev.engine, "lane": None, "version": ev.version,
+         "start": started, "end": env.t, "tokens": None, "ok": ev.ok},
+    )  # fmt: skip
+    if ev.ok:
+        stmt = insert_for(conn, engines_t)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["run_id", "name"], set_={"weight_version": stmt.excluded.weight_version}
+        )
+        conn.execute(stmt, {"run_id": env.run_id, "name": ev.engine, "state": "serving",
+                            "weight_version": ev.version})  # fmt: skip
+    _maybe_finish_rollout(conn, env.run_id, rid, env.t)
+
+
+def _maybe_finish_rollout(conn: Connection, run_id: str, rid: int, t: float) -> None:
+    """A rollout ends when every engine the run knows has ended its step (done or failed); without
+    registered engines, when no step is still updating."""
+    steps = conn.execute(select(steps_t.c.engine, steps_t.c.state).where(steps_t.c.rollout_id == rid)).all()
+    if any(s.state in ("pending", "updating") for s in steps):
+        return
+    engines = set(conn.execute(select(engines_t.c.name).where(engines_t.c.run_id == run_id)).scalars())
+    if not engines <= {s.engine for s in steps}:
+        return
+    state = "failed" if any(s.state == "failed" for s in steps) else "completed"
+    conn.execute(
+        update(rollouts_t)
+        .where(and_(rollouts_t.c.id == rid, rollouts_t.c.state == "running"))
+        .values(state=state, ended_at=t)
+    )
+
+
+def _policy_changed(conn: Connection, env: Envelope, ev: PolicyChanged) -> None:
+    conn.execute(
+        insert_for(conn, policy_t).on_conflict_do_nothing(index_elements=["run_id", "seq"]),
+        {"run_id": env.run_id, "seq": env.seq, "field": ev.field, "old": ev.old, "new": ev.new,
+         "actor": ev.actor, "at": env.t},
+    )  # fmt: skip
+    policy = conn.execute(select(runs_t.c.policy).where(runs_t.c.id == env.run_id)).scalar_one()
+    conn.execute(update(runs_t).where(runs_t.c.id == env.run_id).values(policy={**policy, ev.field: ev.new}))
+
+
+# -- the sink ------------------------------------------------------------------------------------------
+
+
+class SqlEventSink:
+    """The bus sink: `write_batch` stores a batch in one transaction, or raises and stores nothing.
+
+    `bind` is an Engine (each batch commits on its own) or a Connection already in a transaction (each
+    batch is a savepoint in it: the tests' per-test rollback, or a caller that commits itself).
+    """
+
+    def __init__(self, bind: Engine | Connection) -> None:
+        self._bind = bind
+        self.written = 0  # new events stored
+        self.duplicates = 0  # re-delivered events skipped
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        if not envelopes:
+            return
+        with self._transaction() as conn:
+            new = ingest(conn, envelopes)
+        self.written += new
+        self.duplicates += len(envelopes) - new
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        if isinstance(self._bind, Connection):
+            with self._bind.begin_nested():
+                yield self._bind
+        else:
+            with self._bind.begin() as conn:
+                yield conn
+
+    def close(self) -> None:
+        """Nothing is buffered here (the bus buffers); present for the sink protocol."""
