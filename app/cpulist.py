@@ -1,12 +1,16 @@
 """CPU lists in the kernel's format ("0-2,5"), shared by the engine's and the sandboxes' pinning.
 
 Invariant: `parse_cpu_list(format_cpu_list(cpus)) == sorted(set(cpus))`; bad text raises
-`CpuListError` naming the item, never a bare ValueError.
+`CpuListError` naming the item, never a bare ValueError. No CPU number above `MAX_CPU` is accepted, so
+parsing never builds a set larger than the kernel's own limit, whatever the text says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+# The kernel's largest configurable CPU count (CONFIG_NR_CPUS) is 8192, so no CPU number exceeds 8191.
+MAX_CPU = 8191
 
 
 class CpuListError(ValueError):
@@ -32,6 +36,10 @@ def parse_cpu_list(text: str) -> list[int]:
             raise CpuListError(f"negative CPU in {item!r} of CPU list {text!r}")
         if high < low:
             raise CpuListError(f"range {item!r} in CPU list {text!r} runs backwards")
+        if high > MAX_CPU:
+            raise CpuListError(
+                f"CPU {high} in {item!r} is above {MAX_CPU}, the largest CPU number Linux supports"
+            )
         cpus.update(range(low, high + 1))
     return sorted(cpus)
 

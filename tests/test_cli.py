@@ -89,8 +89,8 @@ def test_bad_workload_field_is_refused_by_name(
 
 def test_bad_override_flag_is_refused(tmp_path: Path) -> None:
     spec = write_yaml(tmp_path / "w.yaml", make_workload())
-    assert_refused(corral("sim", "--workload", spec, "--surplus", "-1"), "surplus_groups")
-    assert_refused(corral("sim", "--workload", spec, "--max-staleness", "-1"), "max_staleness")
+    assert_refused(corral("sim", "--workload", spec, "--surplus", "-1"), "--surplus")
+    assert_refused(corral("sim", "--workload", spec, "--max-staleness", "-1"), "--max-staleness")
     assert_refused(corral("bench", "--workload", spec, "--json", tmp_path / "b.json", "--surplus-sweep", "x"))
 
 

@@ -1,14 +1,38 @@
-"""`corral run`'s config file: the schema of app/configs/local.yaml, validated before a run starts."""
+"""`corral run`'s config file: the schema of app/configs/local.yaml, validated before a run starts.
+
+Invariants: every number is finite and every size has an upper bound (below); a count is a real
+integer (`true` or `2.0` is refused, not coerced); `load_config` refuses a bad file with one line
+naming the field, and checks that `sandbox.base_dir` is a writable directory before any engine starts.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.core.config import LanesConfig
+from app.cpulist import MAX_CPU
+from app.validation import MAX_SECONDS, human_bytes, problems
+
+# Sizes of a run on one machine. An embedded engine at the default size is a torch process of about
+# 250 MB resident (VmRSS of `corral engine --cpus 0 --sentinel`, measured idle).
+MAX_ENGINES = 64
+ENGINE_BYTES = 250_000_000
+MAX_ENGINE_SLOTS = 4_096
+MAX_GROUPS = 1_024
+MAX_GROUP_SIZE = 256
+MAX_SURPLUS = 4_096
+MAX_STALENESS = 1_000
+MAX_LANE_SLOTS = 1_024
+MAX_RUN_BATCHES = 1_000_000
+MAX_LAYERS = 64
+MAX_HIDDEN = 8_192
+MAX_TOKENS = 4_096
 
 
 class LocalRunError(RuntimeError):
@@ -16,58 +40,84 @@ class LocalRunError(RuntimeError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _count(default: int, low: int, high: int, description: str = "") -> Any:
+    """A bounded integer that refuses `true` and `2.0` instead of coercing them."""
+    return Field(default, ge=low, le=high, strict=True, description=f"{description} ({low}..{high})".strip())
+
+
+def _seconds(default: float, description: str, *, positive: bool = False) -> Any:
+    if positive:
+        return Field(default, gt=0, le=MAX_SECONDS, strict=True, description=description)
+    return Field(default, ge=0, le=MAX_SECONDS, strict=True, description=description)
+
+
+_CpuList = list[Annotated[int, Field(ge=0, le=MAX_CPU, strict=True)]]
 
 
 class BatchConfig(_Strict):
-    groups: int = Field(4, ge=1, description="B")
-    group_size: int = Field(4, ge=2, description="G")
+    groups: int = _count(4, 1, MAX_GROUPS, "B: groups per trainer batch")
+    group_size: int = _count(4, 2, MAX_GROUP_SIZE, "G: attempts per task")
 
 
 class PolicyKnobs(_Strict):
-    surplus_groups: int = Field(2, ge=0, description="S")
-    max_staleness: int = Field(2, ge=0, description="K")
-    max_updating_engines: int = Field(1, ge=1)
+    surplus_groups: int = _count(2, 0, MAX_SURPLUS, "S: groups admitted beyond B")
+    max_staleness: int = _count(2, 0, MAX_STALENESS, "K: most policy versions a group may lag")
+    max_updating_engines: int = _count(1, 1, MAX_ENGINES, "engines loading weights at once")
 
 
 class EnginesConfig(_Strict):
-    count: int = Field(2, ge=1, description="embedded engine processes")
-    cpus: list[int] = Field(default_factory=lambda: [0], description="serving CPU set (pinned policies)")
-    slots: int = Field(8, ge=1, description="concurrent turns per engine")
-    layers: int = Field(2, ge=1)
-    hidden: int = Field(64, ge=8)
-    max_tokens: int = Field(32, ge=1, description="tokens generated per turn (real CPU work)")
-    sentinel: bool = Field(True, description="weight updates swap only a marker tensor")
-    startup_timeout_s: float = Field(60.0, gt=0)
+    count: int = Field(2, ge=1, strict=True, description=f"embedded engine processes (1..{MAX_ENGINES})")
+    cpus: _CpuList = Field(default_factory=lambda: [0], description="serving CPU set (pinned policies)")
+    slots: int = _count(8, 1, MAX_ENGINE_SLOTS, "concurrent turns per engine")
+    layers: int = _count(2, 1, MAX_LAYERS, "GRU layers of the embedded policy")
+    hidden: int = _count(64, 8, MAX_HIDDEN, "hidden size of the embedded policy")
+    max_tokens: int = _count(32, 1, MAX_TOKENS, "tokens generated per turn (real CPU work)")
+    sentinel: bool = Field(True, strict=True, description="weight updates swap only a marker tensor")
+    startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", positive=True)
+
+    @field_validator("count")
+    @classmethod
+    def _count_fits(cls, count: int) -> int:
+        if count > MAX_ENGINES:
+            raise ValueError(
+                f"{count:,} embedded engines would need about {human_bytes(count * ENGINE_BYTES)} of memory "
+                f"(≈ {human_bytes(ENGINE_BYTES)} each); the limit is {MAX_ENGINES}"
+            )
+        return count
 
 
 class LocalLanesConfig(_Strict):
-    cpus: list[int] = Field(default_factory=lambda: [1], description="CPU set of the sandbox lanes")
-    reset: int = Field(2, ge=1)
-    exec: int = Field(2, ge=1)
-    validate_: int = Field(1, ge=1, alias="validate")
-    cleanup: int = Field(1, ge=1)
+    cpus: _CpuList = Field(default_factory=lambda: [1], description="CPU set of the sandbox lanes")
+    reset: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent resets")
+    exec: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent tool calls")
+    validate_: int = Field(1, ge=1, le=MAX_LANE_SLOTS, strict=True, alias="validate")
+    cleanup: int = _count(1, 1, MAX_LANE_SLOTS, "concurrent cleanups")
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class TrainerConfig(_Strict):
-    step_s: float = Field(1.0, ge=0, description="seconds per (sentinel) trainer step")
+    step_s: float = _seconds(1.0, "seconds per (sentinel) trainer step")
 
 
 class TasksConfig(_Strict):
-    suite: str = Field("builtin", description="'builtin' or a directory of task directories")
+    suite: str = Field("builtin", min_length=1, description="'builtin' or a directory of task directories")
     include: list[str] = Field(default_factory=list, description="task names to use; empty: all")
 
 
 class SandboxConfig(_Strict):
     isolation: str = Field("auto", pattern="^(auto|bwrap|none)$")
-    base_dir: str | None = Field(None, description="where work directories go; default: a temp dir")
+    base_dir: str | None = Field(None, min_length=1, description="where work directories go; default: temp")
 
 
 class LocalRunConfig(_Strict):
-    seed: int = 0
-    batches: int = Field(3, ge=1, description="trainer steps when neither --batches nor --duration is given")
+    seed: int = Field(0, strict=True)
+    batches: int = _count(
+        3, 1, MAX_RUN_BATCHES, "trainer steps when neither --batches nor --duration is given"
+    )
     batch: BatchConfig = Field(default_factory=BatchConfig)
     policy: PolicyKnobs = Field(default_factory=PolicyKnobs)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
@@ -91,10 +141,6 @@ class LocalRunConfig(_Strict):
 
     @model_validator(mode="after")
     def _cpus_usable(self) -> LocalRunConfig:
-        try:
-            self.lane_config()
-        except ValidationError as exc:
-            raise ValueError(f"engines.cpus / lanes.cpus: {exc.errors()[0]['msg']}") from None
         available = os.sched_getaffinity(0)
         for name, cpus in (("engines.cpus", self.engines.cpus), ("lanes.cpus", self.lanes.cpus)):
             if not cpus:
@@ -102,20 +148,56 @@ class LocalRunConfig(_Strict):
             missing = sorted(set(cpus) - available)
             if missing:
                 raise ValueError(f"{name}: CPUs {missing} are not available here (have {sorted(available)})")
+        try:
+            self.lane_config()
+        except ValidationError as exc:
+            raise ValueError(f"lanes.cpus: {problems(exc)}") from None
         return self
 
 
+def default_config_path() -> Path:
+    """The config shipped in the package, so `corral run` works from any directory."""
+    return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
 def load_config(path: Path) -> LocalRunConfig:
+    """Read and validate a run config; refuse it with one line naming the file and the field."""
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise LocalRunError(f"cannot read run config {path}: {exc.strerror}") from None
+        raise LocalRunError(f"cannot read run config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise LocalRunError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise LocalRunError(f"{path}: not valid YAML: {exc}") from None
+        raise LocalRunError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LocalRunError(f"{path}: the top level must be a mapping of fields, not {type(data).__name__}")
     try:
-        return LocalRunConfig.model_validate(data)
+        config = LocalRunConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
-        )
-        raise LocalRunError(f"{path}: {problems}") from None
+        raise LocalRunError(f"{path}: {problems(exc)}") from None
+    if config.sandbox.base_dir is not None:
+        check_writable_dir(Path(config.sandbox.base_dir), "sandbox.base_dir")
+    return config
+
+
+def check_writable_dir(path: Path, field: str) -> None:
+    """Refuse `path` unless it is (or can be made) a directory this process can create files in.
+
+    Directories created for the check are left in place only if the check succeeds."""
+    created: list[Path] = []
+    try:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir()
+            created.append(p)
+        if not path.is_dir():
+            raise LocalRunError(f"{field}: {path} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".corral-check-"):
+            pass
+    except OSError as exc:
+        for p in reversed(created):
+            p.rmdir()
+        raise LocalRunError(f"{field}: cannot create files in {path}: {exc.strerror or exc}") from None

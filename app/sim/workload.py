@@ -10,7 +10,6 @@ policy in a ladder sees exactly the same trajectories.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import random
@@ -22,6 +21,21 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.validation import (
+    MAX_BATCHES,
+    MAX_CORES,
+    MAX_GROUP_SIZE,
+    MAX_GROUPS_PER_BATCH,
+    MAX_SECONDS,
+    MAX_SIM_ENGINES,
+    MAX_SLOTS,
+    MAX_STALENESS,
+    MAX_SURPLUS,
+    MAX_TURNS,
+    in_flight_problem,
+    problems,
+)
+
 Z90 = 1.2815515655446004  # the standard normal's 90th percentile
 
 
@@ -30,10 +44,12 @@ class WorkloadError(ValueError):
 
 
 class Lognormal(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    median: float = Field(gt=0)
-    p90: float = Field(gt=0)
-    max: float | None = Field(None, gt=0, description="cap, e.g. a harness timeout")
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    median: float = Field(gt=0, le=MAX_SECONDS, strict=True)
+    p90: float = Field(gt=0, le=MAX_SECONDS, strict=True)
+    max: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, strict=True, description="cap, e.g. a harness timeout"
+    )
 
     @model_validator(mode="after")
     def _p90_above_median(self) -> Lognormal:
@@ -41,16 +57,12 @@ class Lognormal(BaseModel):
             raise ValueError(f"p90 ({self.p90}) must be ≥ median ({self.median})")
         return self
 
-    @functools.cached_property
-    def sigma(self) -> float:
-        return math.log(self.p90 / self.median) / Z90
-
 
 class Dist(BaseModel):
     """One of: a constant, a lognormal by median and p90, a uniform range, or empirical samples."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    constant: float | None = Field(None, ge=0)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    constant: float | None = Field(None, ge=0, le=MAX_SECONDS, strict=True)
     lognormal: Lognormal | None = None
     uniform: tuple[float, float] | None = None
     empirical: tuple[float, ...] | None = None
@@ -73,13 +85,29 @@ class Dist(BaseModel):
             raise ValueError(f"uniform needs 0 ≤ lo ≤ hi, got {list(self.uniform)}")
         if self.empirical is not None and (not self.empirical or min(self.empirical) < 0):
             raise ValueError("empirical needs a non-empty list of non-negative samples")
+        if self.upper() > MAX_SECONDS:
+            raise ValueError(f"values up to {self.upper():g} exceed the limit of {MAX_SECONDS:g}")
         return self
+
+    def upper(self) -> float:
+        """The largest draw, or for an uncapped lognormal its one-in-a-billion quantile (6 σ)."""
+        if self.constant is not None:
+            return self.constant
+        if self.lognormal is not None:
+            if self.lognormal.max is not None:
+                return self.lognormal.max
+            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
+            return self.lognormal.median * math.exp(min(6 * sigma, 700.0))
+        if self.uniform is not None:
+            return self.uniform[1]
+        return max(self.empirical or (0.0,))
 
     def draw(self, rng: random.Random, scale: float = 1.0) -> float:
         if self.constant is not None:
             return self.constant * scale
         if self.lognormal is not None:
-            value = self.lognormal.median * math.exp(rng.gauss(0.0, self.lognormal.sigma))
+            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
+            value = self.lognormal.median * math.exp(rng.gauss(0.0, sigma))
             if self.lognormal.max is not None:
                 value = min(value, self.lognormal.max)
             return value * scale
@@ -105,39 +133,51 @@ def _ln(median: float, p90: float, cap: float | None = None) -> Dist:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class BatchSpec(Strict):
-    groups: int = Field(32, ge=1, description="B: groups per trainer batch")
-    group_size: int = Field(8, ge=2, description="G: attempts per task")
+    groups: int = Field(
+        32, ge=1, le=MAX_GROUPS_PER_BATCH, strict=True, description="B: groups per trainer batch"
+    )
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, strict=True, description="G: attempts per task")
 
 
 class TrainerSpec(Strict):
-    step_s: float = Field(5.0, ge=0, description="seconds per trainer step (sentinel-tensor scale)")
+    step_s: float = Field(
+        5.0, ge=0, le=MAX_SECONDS, strict=True, description="seconds per trainer step (sentinel-tensor scale)"
+    )
 
 
 class PolicySpec(Strict):
-    surplus_groups: int = Field(64, ge=0, description="S")
-    max_staleness: int = Field(4, ge=0, description="K")
+    surplus_groups: int = Field(64, ge=0, le=MAX_SURPLUS, strict=True, description="S")
+    max_staleness: int = Field(4, ge=0, le=MAX_STALENESS, strict=True, description="K")
 
 
 class EnginesSpec(Strict):
-    count: int = Field(8, ge=1, description="serving engines")
-    slots: int = Field(96, ge=1, description="concurrent sequences per engine")
-    update_s: float = Field(5.0, ge=0, description="seconds to load a new policy version (sentinel-scale)")
-    tokens_per_s: float = Field(40.0, gt=0, description="decode tokens per second per sequence")
+    count: int = Field(8, ge=1, le=MAX_SIM_ENGINES, strict=True, description="serving engines")
+    slots: int = Field(96, ge=1, le=MAX_SLOTS, strict=True, description="concurrent sequences per engine")
+    update_s: float = Field(
+        5.0,
+        ge=0,
+        le=MAX_SECONDS,
+        strict=True,
+        description="seconds to load a new policy version (sentinel-scale)",
+    )
+    tokens_per_s: float = Field(
+        40.0, gt=0, le=1e6, strict=True, description="decode tokens per second per sequence"
+    )
 
 
 class SandboxDemand(Strict):
     """Cores one running sandbox operation keeps busy, by kind: set-up and teardown mostly wait on I/O."""
 
-    reset: float = Field(0.25, ge=0)
-    exec: float = Field(1.0, ge=0)
-    validate_: float = Field(0.5, ge=0, alias="validate")
-    cleanup: float = Field(0.25, ge=0)
+    reset: float = Field(0.25, ge=0, le=MAX_CORES, strict=True)
+    exec: float = Field(1.0, ge=0, le=MAX_CORES, strict=True)
+    validate_: float = Field(0.5, ge=0, le=MAX_CORES, strict=True, alias="validate")
+    cleanup: float = Field(0.25, ge=0, le=MAX_CORES, strict=True)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -151,19 +191,31 @@ class SandboxDemand(Strict):
 
 
 class CpusSpec(Strict):
-    total: int = Field(288, ge=2, description="cores on the rollout hosts")
-    serving: int = Field(32, ge=1, description="cores reserved for serving when lanes are pinned")
-    engine_demand: float = Field(2.0, ge=0, description="cores a busy engine's serving loop uses")
+    total: int = Field(288, ge=2, le=MAX_CORES, strict=True, description="cores on the rollout hosts")
+    serving: int = Field(
+        32, ge=1, le=MAX_CORES, strict=True, description="cores reserved for serving when lanes are pinned"
+    )
+    engine_demand: float = Field(
+        2.0, ge=0, le=MAX_CORES, strict=True, description="cores a busy engine's serving loop uses"
+    )
     sandbox_demand: SandboxDemand = Field(
         default_factory=lambda: SandboxDemand(), description="cores one running operation uses, per lane"
     )
 
     thrash: float = Field(
-        0.5, ge=0, description="efficiency lost per unit of oversubscription (0: pure processor sharing)"
+        0.5,
+        ge=0,
+        le=100,
+        strict=True,
+        description="efficiency lost per unit of oversubscription (0: pure processor sharing)",
     )
 
     interference: float = Field(
-        0.5, ge=0, description="serving slow-down per unit of co-located sandbox load (shared CPUs only)"
+        0.5,
+        ge=0,
+        le=100,
+        strict=True,
+        description="serving slow-down per unit of co-located sandbox load (shared CPUs only)",
     )
 
     @model_validator(mode="after")
@@ -179,12 +231,12 @@ class CpusSpec(Strict):
 class LanesSpec(Strict):
     """Concurrent slots per lane. Each lane gets cores in proportion to its slots."""
 
-    reset: int = Field(192, ge=1)
-    exec: int = Field(192, ge=1)
-    validate_: int = Field(48, ge=1, alias="validate")
-    cleanup: int = Field(48, ge=1)
+    reset: int = Field(192, ge=1, le=MAX_SLOTS, strict=True)
+    exec: int = Field(192, ge=1, le=MAX_SLOTS, strict=True)
+    validate_: int = Field(48, ge=1, le=MAX_SLOTS, strict=True, alias="validate")
+    cleanup: int = Field(48, ge=1, le=MAX_SLOTS, strict=True)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     def slots(self) -> dict[str, int]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
@@ -197,21 +249,43 @@ class TrajectorySpec(Strict):
     tool_s: Dist = Field(default_factory=lambda: _ln(2.5, 10), description="tool-call time per turn")
     validate_s: Dist = Field(default_factory=lambda: _ln(5, 30, 120), description="tests for the reward")
     cleanup_s: Dist = Field(default_factory=lambda: _ln(13, 17), description="sandbox teardown")
-    timeout_s: float = Field(420.0, gt=0, description="cap on the agent phase (turns)")
-    task_spread: float = Field(0.3, ge=0, description="log-sd of a per-task difficulty factor")
-    attempt_spread: float = Field(0.15, ge=0, description="log-sd of a per-attempt speed factor")
-    p_success: float = Field(0.5, ge=0, le=1, description="reward-1 probability of a task of difficulty 1")
-    p_infra_error: float = Field(0.0, ge=0, le=1, description="chance an attempt dies of an infra error")
+    timeout_s: float = Field(
+        420.0, gt=0, le=MAX_SECONDS, strict=True, description="cap on the agent phase (turns)"
+    )
+    task_spread: float = Field(
+        0.3, ge=0, le=10, strict=True, description="log-sd of a per-task difficulty factor"
+    )
+    attempt_spread: float = Field(
+        0.15, ge=0, le=10, strict=True, description="log-sd of a per-attempt speed factor"
+    )
+    p_success: float = Field(
+        0.5, ge=0, le=1, strict=True, description="reward-1 probability of a task of difficulty 1"
+    )
+    p_infra_error: float = Field(
+        0.0, ge=0, le=1, strict=True, description="chance an attempt dies of an infra error"
+    )
+
+    @model_validator(mode="after")
+    def _turns_bounded(self) -> TrajectorySpec:
+        most = self.turns.upper() * math.exp(6 * self.attempt_spread)
+        if most > MAX_TURNS:
+            raise ValueError(
+                f"turns: draws would reach about {most:,.0f} turns per attempt (the one-in-a-billion draw); "
+                f"the limit is {MAX_TURNS:,}: give a smaller p90 or a lognormal max"
+            )
+        return self
 
 
 class TraceSpec(Strict):
     path: Path
-    llm_fraction: float = Field(0.6, ge=0, le=1, description="share of agent time spent on the engine")
+    llm_fraction: float = Field(
+        0.6, ge=0, le=1, strict=True, description="share of agent time spent on the engine"
+    )
 
 
 class Workload(Strict):
-    seed: int = 0
-    batches: int = Field(12, ge=1, description="trainer steps")
+    seed: int = Field(0, strict=True)
+    batches: int = Field(12, ge=1, le=MAX_BATCHES, strict=True, description="trainer steps")
     batch: BatchSpec = Field(default_factory=BatchSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     policy: PolicySpec = Field(default_factory=PolicySpec)
@@ -227,6 +301,13 @@ class Workload(Strict):
         if isinstance(value, str):
             return {"path": value}
         return value
+
+    @model_validator(mode="after")
+    def _in_flight_bounded(self) -> Workload:
+        problem = in_flight_problem(self.batch.groups, self.batch.group_size, self.policy.surplus_groups)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 @dataclass(frozen=True)
@@ -290,7 +371,6 @@ class TrajectorySource:
             self._trace = load_trace(workload.trace.path)
             self._trace_tasks = sorted(self._trace)
         self._cache: dict[tuple[int, int], Trajectory] = {}
-        self._tasks: dict[int, tuple[float, float, float, float]] = {}
 
     def trajectory(self, group: int, attempt: int) -> Trajectory:
         key = (group, attempt)
@@ -311,26 +391,15 @@ class TrajectorySource:
     def _rng(self, *key: int) -> random.Random:
         return random.Random(":".join(str(k) for k in (self.workload.seed, *key)))
 
-    def _task(self, group: int) -> tuple[float, float, float, float]:
-        """The task-level draws of a group, shared by its attempts: difficulty, turns, reset, p(success)."""
-        found = self._tasks.get(group)
-        if found is None:
-            spec = self.workload.trajectory
-            task_rng = self._rng(group)
-            difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
-            task_turns = spec.turns.draw(task_rng)
-            reset_s = spec.reset_s.draw(task_rng)  # set-up cost is a property of the task (its image)
-            found = (difficulty, task_turns, reset_s, spec.p_success ** min(difficulty, 50.0))
-            if len(self._tasks) >= 4096:
-                self._tasks.clear()  # a cache, not a record: groups draw their attempts close together
-            self._tasks[group] = found
-        return found
-
     def _draw(self, group: int, attempt: int) -> Trajectory:
         if self._trace is not None:
             return self._draw_trace(group, attempt)
         spec = self.workload.trajectory
-        difficulty, task_turns, reset_s, p_task = self._task(group)
+        task_rng = self._rng(group)
+        difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
+        task_turns = spec.turns.draw(task_rng)
+        reset_s = spec.reset_s.draw(task_rng)  # set-up cost is a property of the task (its image)
+        p_task = spec.p_success ** min(difficulty, 50.0)
         rng = self._rng(group, attempt)
         speed = difficulty * math.exp(rng.gauss(0.0, spec.attempt_spread))
         n_turns = max(1, round(task_turns * math.exp(rng.gauss(0.0, spec.attempt_spread))))
@@ -372,18 +441,18 @@ def _split_agent_time(agent_s: float, workload: Workload, rng: random.Random) ->
 
 
 class _TraceTurn(Strict):
-    llm_s: float = Field(ge=0)
-    tool_s: float = Field(ge=0)
+    llm_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
+    tool_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
 
 
 class _TraceLine(Strict):
     task: str = Field(min_length=1)
-    reset_s: float = Field(ge=0)
-    agent_s: float = Field(ge=0)
-    validate_s: float = Field(ge=0)
-    cleanup_s: float = Field(ge=0)
-    reward: float
-    turns: list[_TraceTurn] | None = None
+    reset_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
+    agent_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
+    validate_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
+    cleanup_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
+    reward: float = Field(strict=True)
+    turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
 
 
 def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
@@ -418,11 +487,7 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
 
 
 def _problems(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-")) or "(top level)"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
+    return problems(exc)
 
 
 def parse_workload(data: Any, source: str = "workload") -> Workload:

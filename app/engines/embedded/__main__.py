@@ -1,17 +1,22 @@
-"""`python -m app.engines.embedded --port N --cpus 0,1 ...`: run the embedded engine server.
+"""`corral engine --port N --cpus 0,1 ...` (also `python -m app.engines.embedded`): the embedded engine.
 
-Invariant: bad command-line input (a malformed or unavailable CPU list, a bad size, an unreadable
-weights directory) ends the process with a one-line message and exit code 2, never a traceback.
+Invariant: bad command-line input (a malformed or unavailable CPU list, a size beyond its limit, a port
+outside 1..65535 or already in use, an unreadable weights directory) ends the process with a one-line
+message naming the flag and exit code 2, never a traceback. The port is checked before torch loads.
 The process pins itself before torch is imported, so torch's thread pools start on the pinned CPUs.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from app.engines.embedded.cpus import CpuListError, parse_cpu_list, pin_cpus
+from app.runtime.config import MAX_ENGINE_SLOTS, MAX_HIDDEN, MAX_LAYERS
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -21,46 +26,86 @@ def _cpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer ≥ `minimum`, refused with a message that says so."""
+def _int_between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in minimum..maximum, refused with a message that says so."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} is outside {minimum}..{maximum}")
         return value
 
     return parse
 
 
-_positive = _int_at_least(1)
-_non_negative = _int_at_least(0)
+_port = _int_between(1, 65535)
+_seed = _int_between(0, 2**63 - 1)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.engines.embedded",
+class _OneLineParser(argparse.ArgumentParser):
+    """Refusals are one line, `error: corral engine: --port: ...`, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message.removeprefix('argument ')}\n")
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the engine could not listen on host:port, found by binding it now (before torch loads)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host}: cannot resolve it ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"--port {port}: {host}:{port} is already in use; pick another port"
+            if exc.errno == errno.EACCES:
+                return f"--port {port}: permission denied (ports below 1024 need privileges)"
+            return f"--host {host} --port {port}: cannot listen there ({exc.strerror})"
+    return None
+
+
+def build_parser(prog: str = "corral engine") -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog=prog,
         description="Corral's embedded engine: vLLM's HTTP surface over a small torch policy on the CPU.",
     )
-    parser.add_argument("--port", type=_non_negative, required=True, help="TCP port to listen on")
+    parser.add_argument("--port", type=_port, required=True, help="TCP port to listen on (1..65535)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--cpus", type=_cpu_list, default=None, help="CPU list to pin to, e.g. '0,1' or '0-3'"
     )
-    parser.add_argument("--layers", type=_positive, default=2, help="GRU layers (default 2)")
-    parser.add_argument("--hidden", type=_positive, default=64, help="hidden size (default 64)")
-    parser.add_argument("--seed", type=_non_negative, default=0, help="init and sampling seed (default 0)")
+    parser.add_argument(
+        "--layers",
+        type=_int_between(1, MAX_LAYERS),
+        default=2,
+        help=f"GRU layers, 1..{MAX_LAYERS} (default 2)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=_int_between(1, MAX_HIDDEN),
+        default=64,
+        help=f"hidden size, 1..{MAX_HIDDEN} (default 64)",
+    )
+    parser.add_argument("--seed", type=_seed, default=0, help="init and sampling seed (default 0)")
     parser.add_argument(
         "--sentinel", action="store_true", help="weight updates swap only the corral_sentinel tensor"
     )
     parser.add_argument("--weights-dir", default=None, help="safetensors directory to start from")
+    parser.add_argument("--weight-version", type=_seed, default=0, help="version of the initial weights")
     parser.add_argument(
-        "--weight-version", type=_non_negative, default=0, help="version of the initial weights"
+        "--max-batch",
+        type=_int_between(1, MAX_ENGINE_SLOTS),
+        default=64,
+        help=f"most sequences per decode step, 1..{MAX_ENGINE_SLOTS}",
     )
-    parser.add_argument("--max-batch", type=_positive, default=64, help="most sequences per decode step")
     parser.add_argument("--model-name", default="corral-embedded", help="served model name")
     parser.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
@@ -68,12 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "corral engine") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    problem = port_problem(args.host, args.port)
+    if problem is not None:
+        parser.error(problem)
     try:
         if args.cpus is not None:
             pin_cpus(args.cpus)
+        print(
+            f"{prog}: loading the model, then serving on http://{args.host}:{args.port} "
+            "(OpenAI routes under /v1; ready when GET /health answers 200)",
+            flush=True,
+        )
         # Imported after pinning: torch's thread pools inherit the process's CPU mask.
         from app.engines.embedded.server import serve
         from app.engines.embedded.weights import WeightsError
@@ -94,11 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_level=args.log_level,
             )
         except WeightsError as exc:
-            print(f"{parser.prog}: error: --weights-dir: {exc}", file=sys.stderr)
-            return 2
+            parser.error(f"--weights-dir: {exc}")
     except CpuListError as exc:
-        print(f"{parser.prog}: error: --cpus: {exc}", file=sys.stderr)
-        return 2
+        parser.error(f"--cpus: {exc}")
     return 0
 
 

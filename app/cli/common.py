@@ -1,0 +1,147 @@
+"""What every `corral` command shares: one-line refusals, output paths checked before the work, strict
+JSON reports and the progress bar.
+
+Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; text
+from the user (paths, values) is never read as rich markup; an output path is proven writable (and
+left as it was) before any work starts; a report is strict JSON (no NaN or Infinity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def fail(message: str) -> NoReturn:
+    """Refuse: one line naming the problem, exit code 2."""
+    err.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split())))
+    raise typer.Exit(2)
+
+
+def say(message: str) -> None:
+    """A plain line on stderr; `[` in a path stays as typed."""
+    err.print(Text(message))
+
+
+@contextmanager
+def progress_bar() -> Iterator[Progress]:
+    with Progress(
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=not err.is_terminal,
+        disable=not err.is_terminal,
+    ) as progress:
+        yield progress
+
+
+def check_output(path: Path, flag: str) -> None:
+    """Prove `path` can be written, before the work: create it (and missing parents), then remove
+    whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""
+    if path.is_dir():
+        fail(f"{flag} {path}: is a directory; give a file name")
+    created: list[Path] = []
+    probe = path.with_name(path.name + ".tmp")  # write_json writes here first, then renames
+    try:
+        for parent in reversed([p for p in path.parents if not p.exists()]):
+            parent.mkdir()
+            created.append(parent)
+        with probe.open("x"):
+            pass
+        probe.unlink()
+    except FileExistsError:
+        fail(f"{flag} {path}: {probe} is in the way; remove it")
+    except OSError as exc:
+        fail(f"{flag} {path}: cannot write there: {exc.strerror or exc}")
+    finally:
+        for parent in reversed(created):
+            parent.rmdir()
+
+
+def check_plot(path: Path | None, flag: str = "--plot") -> None:
+    """A plot path must end in a format matplotlib writes, and be writable."""
+    if path is None:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix not in formats:
+        given = f"'.{suffix}'" if suffix else "no extension"
+        fail(f"{flag} {path}: {given} is not an image format; use one of {', '.join(formats)}")
+    check_output(path, flag)
+
+
+def check_finite(value: float | None, flag: str, *, low: float, high: float) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value):
+        fail(f"{flag} must be a finite number of seconds, not {value}")
+    if not low < value <= high:
+        fail(f"{flag} must be > {low:g} and ≤ {high:g}, not {value:g}")
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Strict JSON, atomically (a reader never sees a half-written report)."""
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False)
+    except ValueError:
+        bad = ", ".join(_non_finite(data)) or "?"
+        fail(f"the report for {path} holds non-finite numbers at {bad}; nothing was written")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror or exc}")
+
+
+def _non_finite(data: Any, where: str = "") -> Iterator[str]:
+    if isinstance(data, float) and not math.isfinite(data):
+        yield where or "(top)"
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            yield from _non_finite(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list | tuple):
+        for i, value in enumerate(data):
+            yield from _non_finite(value, f"{where}[{i}]")
+
+
+def summary_line(report: dict[str, Any], json_out: Path, detail: str) -> str:
+    """The one line a command ends with; a run with no batch says so instead of a mean of nothing."""
+    idle = f"trainer idle {report['trainer_idle_fraction']:.0%}"
+    if not report["batches"]:
+        return f"{report['policy']}: no batch delivered, {detail}, {idle} → {json_out}"
+    bc = report["batch_collection_s"]
+    n = report["batches"]
+    return (
+        f"{report['policy']}: {n} batch{'es' if n != 1 else ''}, collection mean {bc['mean']:.1f} s "
+        f"(p90 {bc['p90']:.1f} s), {detail}, {idle} → {json_out}"
+    )
+
+
+def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: str) -> None:
+    """Write the report (and the timeline plot), then the summary line."""
+    write_json(json_out, report)
+    if plot is not None:
+        from app.plots import plot_timeline
+
+        try:
+            plot_timeline(report, plot)
+        except (OSError, ValueError) as exc:
+            fail(f"--plot {plot}: {exc}")
+    say(summary_line(report, json_out, detail))

@@ -1,0 +1,63 @@
+"""`corral engine`: serve the embedded torch engine here, or `vllm serve` with the RL routes on a GPU host.
+
+The port is checked (range, and free to bind) before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from app.cli.common import fail
+
+
+class Backend(StrEnum):
+    EMBEDDED = "embedded"
+    VLLM = "vllm"
+
+
+def engine(
+    ctx: typer.Context,
+    backend: Annotated[
+        Backend, typer.Option(help="embedded (torch on this machine's CPUs) or vllm (a GPU host)")
+    ] = Backend.EMBEDDED,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to serve on")] = 8100,
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    cpus: Annotated[
+        str | None, typer.Option(help="embedded: CPU list to pin to, e.g. 0,1 or 0-3; default: all")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="vllm: the model to serve (required)")] = None,
+) -> None:
+    """Serve an engine: the embedded torch engine, or `vllm serve` with the RL routes enabled.
+
+    Prints the URL it serves on. Extra options pass through to the engine (embedded: --layers,
+    --hidden, --seed, --sentinel, --weights-dir, --max-batch; see `corral engine -- --help`).
+    """
+    from app.engines.embedded.__main__ import port_problem
+
+    if backend is Backend.EMBEDDED:
+        from app.engines.embedded.__main__ import main as embedded_main
+
+        if model is not None:
+            fail("--model is for --backend vllm; the embedded engine serves its own small policy")
+        argv = ["--port", str(port), "--host", host, *(["--cpus", cpus] if cpus is not None else [])]
+        raise typer.Exit(embedded_main([*argv, *ctx.args], prog="corral engine"))
+    from app.engines.vllm_launch import VLLMNotInstalledError, launch_vllm
+
+    if not model:
+        fail("--backend vllm needs --model, e.g. --model Qwen/Qwen2.5-0.5B-Instruct")
+    if cpus is not None:
+        fail("--cpus is for the embedded engine; vLLM places itself on the GPU host")
+    problem = port_problem(host, port)
+    if problem is not None:
+        fail(problem)
+    try:
+        proc = launch_vllm(model, port, host=host, extra=list(ctx.args))
+    except (VLLMNotInstalledError, ValueError) as exc:
+        fail(str(exc))
+    typer.echo(
+        f"corral engine: vllm serve {model} on http://{host}:{port} (ready when GET /health answers 200)"
+    )
+    raise typer.Exit(proc.wait())

@@ -1,0 +1,68 @@
+"""`corral run`: collect real trajectories on this machine.
+
+Order of work, so that every refusal comes before any engine starts: flags, output paths, the config
+file (including `sandbox.base_dir`), the task suite; then the engines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.cli.common import check_finite, check_output, check_plot, err, fail, finish, say
+from app.core.config import PolicyName
+from app.runtime.config import MAX_RUN_BATCHES, LocalRunError, default_config_path, load_config
+
+MAX_RUN_S = 365 * 24 * 3600.0
+
+
+def run(
+    config: Annotated[
+        Path | None,
+        typer.Option(help="run config (YAML); default: the one shipped with Corral (app/configs/local.yaml)"),
+    ] = None,
+    json_out: Annotated[Path, typer.Option("--json", help="where to write the report")] = Path(
+        "run-report.json"
+    ),
+    policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
+    duration: Annotated[
+        float | None, typer.Option(help=f"stop after this many seconds (at most {MAX_RUN_S:.0f})")
+    ] = None,
+    batches: Annotated[
+        int | None,
+        typer.Option(min=1, max=MAX_RUN_BATCHES, help="stop after this many batches; default: the config's"),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
+    ] = None,
+) -> None:
+    """Collect trajectories for real: embedded engines, local sandboxes, the built-in tasks.
+
+    Prints each step as it happens. Ctrl-C ends the run after the current step and still writes the
+    report."""
+    from app.runtime.local import run_local
+
+    check_finite(duration, "--duration", low=0, high=MAX_RUN_S)
+    check_output(json_out, "--json")
+    check_plot(plot)
+    path = config if config is not None else default_config_path()
+    try:
+        cfg = load_config(path)
+        from app.runtime.task_source import load_tasks
+
+        tasks = load_tasks(cfg.tasks)
+    except LocalRunError as exc:
+        fail(str(exc))
+    steps = f"{batches} batches" if batches else (f"{duration:g} s" if duration else f"{cfg.batches} batches")
+    say(
+        f"corral run: policy {policy.value}, {steps}, B = {cfg.batch.groups} groups of "
+        f"G = {cfg.batch.group_size}, S = {cfg.policy.surplus_groups}, K = {cfg.policy.max_staleness}, "
+        f"{len(tasks)} tasks; config {path}; report → {json_out}"
+    )
+    try:
+        report = run_local(path, policy.value, duration_s=duration, batches=batches, console=err)
+    except LocalRunError as exc:
+        fail(str(exc))
+    finish(report, json_out, plot, f"{report['restarted_trajectories']} restarted trajectories")

@@ -1,0 +1,174 @@
+"""`corral sim` and `corral bench`: the production scheduler on simulated engines, sandboxes and time.
+
+Every flag is checked before the simulation starts: S and K within their documented limits, the
+trajectories in flight within the simulator's memory limit, sweep lists non-empty, output paths writable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from app.cli.common import check_output, check_plot, err, fail, finish, progress_bar, write_json
+from app.core.config import PolicyName
+from app.sim.workload import Workload, WorkloadError, load_workload
+from app.validation import MAX_STALENESS, MAX_SURPLUS, MAX_SWEEP_VALUES, in_flight_problem, problems
+
+FLAGS = {"surplus_groups": "--surplus", "max_staleness": "--max-staleness"}
+
+SurplusOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        max=MAX_SURPLUS,
+        help="S, the surplus: how many groups may run (or wait, ready) beyond the B a batch needs; "
+        "default: the workload's",
+    ),
+]
+StalenessOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        max=MAX_STALENESS,
+        help="K, the staleness bound: a group whose oldest turn is more than K policy versions behind "
+        "the trainer is discarded; default: the workload's",
+    ),
+]
+
+
+def load(workload: Path | None) -> Workload:
+    try:
+        return load_workload(workload)
+    except WorkloadError as exc:
+        fail(str(exc))
+
+
+def check_surplus(spec: Workload, surplus: int, flag: str) -> None:
+    problem = in_flight_problem(spec.batch.groups, spec.batch.group_size, surplus)
+    if problem is not None:
+        fail(f"{flag} {surplus}: {problem}")
+
+
+def sim(
+    workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
+    policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
+    json_out: Annotated[Path, typer.Option("--json", help="where to write the report")] = Path("sim.json"),
+    surplus: SurplusOption = None,
+    max_staleness: StalenessOption = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
+    ] = None,
+) -> None:
+    """Simulate one policy on a workload and write its report."""
+    from app.sim.run import policy_for, simulate
+
+    check_output(json_out, "--json")
+    check_plot(plot)
+    spec = load(workload)
+    if surplus is not None:
+        check_surplus(spec, surplus, "--surplus")
+    overrides = {
+        k: v for k, v in {"surplus_groups": surplus, "max_staleness": max_staleness}.items() if v is not None
+    }
+    try:
+        pol = policy_for(spec, policy.value, **overrides)
+    except ValidationError as exc:
+        fail(problems(exc, FLAGS))
+    with progress_bar() as progress:
+        task = progress.add_task(f"sim {policy.value}", total=spec.batches)
+        report = simulate(
+            spec,
+            pol,
+            policy.value,
+            on_batch=lambda n: progress.update(task, completed=n),
+            timeline=plot is not None,
+        )
+    finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
+
+
+def parse_sweep(text: str, flag: str, high: int) -> list[int]:
+    """A comma-separated list of integers in 0..high, at least one and at most MAX_SWEEP_VALUES."""
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
+        fail(f"{flag} is empty; give comma-separated integers, e.g. 0,16,32")
+    values = []
+    for item in items:
+        if not item:
+            fail(f"{flag} {text!r}: empty item; give comma-separated integers, e.g. 0,16,32")
+        try:
+            value = int(item)
+        except ValueError:
+            fail(f"{flag}: {item!r} is not an integer; give comma-separated integers, e.g. 0,16,32")
+        if not 0 <= value <= high:
+            fail(f"{flag}: {value} is outside 0..{high}")
+        values.append(value)
+    if len(values) > MAX_SWEEP_VALUES:
+        fail(f"{flag}: {len(values)} values; at most {MAX_SWEEP_VALUES} (each one is a full simulation)")
+    return values
+
+
+def bench(
+    json_out: Annotated[Path, typer.Option("--json", help="where to write the bench report")],
+    workload: Annotated[
+        Path | None,
+        typer.Option(help="workload spec; default: the built-in terminal-bench-style workload"),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="write an image of the ladder and the sweeps (.png, .svg, .pdf ...)")
+    ] = None,
+    surplus_sweep: Annotated[
+        str,
+        typer.Option(help=f"comma-separated values of S (surplus groups) to sweep, each 0..{MAX_SURPLUS}"),
+    ] = "0,16,32,64,96",
+    staleness_sweep: Annotated[
+        str,
+        typer.Option(
+            help=f"comma-separated values of K (staleness bound, in policy versions) to compare, "
+            f"each 0..{MAX_STALENESS}"
+        ),
+    ] = "4,8",
+) -> None:
+    """Run the ablation ladder (sync, completion, lanes, full) and the S and K sweeps on the same draws."""
+    from app.sim.bench import run_bench
+
+    s_values = parse_sweep(surplus_sweep, "--surplus-sweep", MAX_SURPLUS)
+    k_values = parse_sweep(staleness_sweep, "--staleness-sweep", MAX_STALENESS)
+    check_output(json_out, "--json")
+    check_plot(plot)
+    spec = load(workload)
+    for s in s_values:
+        check_surplus(spec, s, "--surplus-sweep")
+    with progress_bar() as progress:
+        task = progress.add_task("bench", total=None)
+
+        def on_run(label: str, done: int, total: int) -> None:
+            progress.update(task, description=f"bench: {label}", completed=done, total=total)
+
+        result = run_bench(spec, s_values, k_values, on_run=on_run)
+    write_json(json_out, result)
+    if plot is not None:
+        from app.sim.plot import plot_bench
+
+        try:
+            plot_bench(result, plot)
+        except (OSError, ValueError) as exc:
+            fail(f"--plot {plot}: {exc}")
+    err.print(ladder_table(result), markup=False)
+
+
+def ladder_table(result: dict[str, Any]) -> str:
+    rows = ["| policy | mean (s) | p50 (s) | p90 (s) | vs sync | lower bound (s) | idle | stale | restarts |"]
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    sync_mean = result["policies"]["sync"]["batch_collection_s"]["mean"]
+    for name, rep in result["policies"].items():
+        bc = rep["batch_collection_s"]
+        ratio = f"{sync_mean / bc['mean']:.2f}×" if bc["mean"] > 0 and rep["batches"] else "n/a"
+        rows.append(
+            f"| {name} | {bc['mean']:.1f} | {bc['p50']:.1f} | {bc['p90']:.1f} | {ratio} "
+            f"| {rep['lower_bound_s']:.1f} | {rep['trainer_idle_fraction']:.0%} "
+            f"| {rep['discarded_groups']['stale']} | {rep['restarted_trajectories']} |"
+        )
+    return "\n".join(rows)

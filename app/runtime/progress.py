@@ -1,0 +1,143 @@
+"""What `corral run` prints while it works, so a newcomer sees the run from its first second.
+
+One line per step, each stamped with the seconds since the run started: the engines starting, each
+engine answering /health (with its URL), the lanes and their CPUs, then one line per delivered batch
+and per engine update or discarded group. Figures are rounded; no raw dicts. Lines are plain text
+(never read as rich markup), so a path or a task name holding `[` prints as it is.
+
+Invariant: printing never changes the run. The engine watcher only reads /health and is cancelled as
+soon as the run's own start-up check returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
+
+import httpx
+from rich.console import Console
+from rich.text import Text
+
+from app.cpulist import format_cpu_list
+from app.runtime.config import LocalRunConfig
+
+# Events that are frequent and dull; the per-batch line sums them up.
+_QUIET = frozenset({"group_admitted", "group_ready", "turn", "attempt_done", "stop_requested"})
+
+
+class _Engine(Protocol):
+    @property
+    def port(self) -> int: ...
+
+
+class _Engines(Protocol):
+    @property
+    def engines(self) -> Mapping[str, _Engine]: ...
+
+    def wait_healthy(self) -> Awaitable[None]: ...
+
+
+def _round(value: object) -> object:
+    if isinstance(value, float):
+        return round(value, 1)
+    if isinstance(value, list | tuple) and len(value) > 6:
+        return f"{len(value)} items"
+    return value
+
+
+class RunProgress:
+    """Prints a run's progress to `console` (nothing when it is None)."""
+
+    def __init__(self, console: Console | None, batches: int | None = None) -> None:
+        self.console = console
+        self.batches = batches
+        self.started = time.perf_counter()
+        self.discarded = 0
+
+    def line(self, text: str) -> None:
+        if self.console is not None:
+            stamp = f"[{time.perf_counter() - self.started:6.1f}s] "
+            self.console.print(Text(stamp + text), highlight=False, soft_wrap=True)
+
+    def starting(self, config: LocalRunConfig, serving_cpus: Sequence[int], *, pinned_lanes: bool) -> None:
+        """Where things run: the engines on the serving CPUs, the lanes on theirs (or shared)."""
+        count = config.engines.count
+        self.line(
+            f"starting {count} embedded engine{'s' if count != 1 else ''} on CPUs "
+            f"{format_cpu_list(serving_cpus)} ({config.engines.slots} turns each at once; "
+            "torch start-up takes a while on a small machine)"
+        )
+        lanes = config.lanes
+        slots = f"reset {lanes.reset}, exec {lanes.exec}, validate {lanes.validate_}, cleanup {lanes.cleanup}"
+        where = f"on CPUs {format_cpu_list(lanes.cpus)}" if pinned_lanes else "sharing every CPU with serving"
+        self.line(f"sandbox lanes (slots: {slots}) {where}")
+
+    async def wait_for_engines(self, engines: _Engines, every_s: float = 0.5) -> None:
+        """`engines.wait_healthy()`, printing each engine as it first answers /health."""
+        urls = {name: f"http://127.0.0.1:{engine.port}" for name, engine in engines.engines.items()}
+        failure: list[Exception] = []
+        async with asyncio.TaskGroup() as tg:
+            watcher = tg.create_task(self._watch(urls, every_s))
+            try:
+                await engines.wait_healthy()
+            except Exception as exc:  # re-raised below, outside the group, as itself
+                failure.append(exc)
+            watcher.cancel()
+        if failure:
+            raise failure[0]
+        self.line(f"all {len(urls)} engines ready")
+
+    async def _watch(self, urls: dict[str, str], every_s: float) -> None:
+        waiting = dict(urls)
+        last_note = time.perf_counter()
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while waiting:
+                for name, url in list(waiting.items()):
+                    try:
+                        ok = (await client.get(f"{url}/health")).status_code == 200
+                    except httpx.TransportError:
+                        ok = False
+                    if ok:
+                        del waiting[name]
+                        self.line(f"{name} ready on {url}")
+                if waiting and time.perf_counter() - last_note > 10:
+                    last_note = time.perf_counter()
+                    self.line(f"still starting: {', '.join(waiting)}")
+                await asyncio.sleep(every_s)
+
+    def on_event(self, kind: str, data: dict[str, object]) -> None:
+        """The runtime's event callback: one readable line for the events worth a line."""
+        if kind in _QUIET:
+            return
+        formatter = _FORMATS.get(kind)
+        if formatter is not None:
+            self.line(formatter(self, data))
+        else:
+            details = ", ".join(f"{k} {_round(v)}" for k, v in data.items())
+            self.line(f"{kind.replace('_', ' ')}" + (f": {details}" if details else ""))
+
+    def _batch(self, data: dict[str, object]) -> str:
+        index = int(str(data.get("index", 0))) + 1
+        of = f"/{self.batches}" if self.batches else ""
+        wait = float(str(data.get("wait_s", 0.0)))
+        staleness = data.get("staleness") or [0]
+        groups = data.get("groups") or []
+        worst = max(int(str(s)) for s in staleness) if isinstance(staleness, list) else staleness
+        count = len(groups) if isinstance(groups, list) else groups
+        return f"batch {index}{of} delivered: {count} groups after {wait:.1f} s, staleness ≤ {worst}"
+
+    def _updated(self, data: dict[str, object]) -> str:
+        return f"{data.get('engine')} now serves policy version {data.get('version')}"
+
+    def _discarded(self, data: dict[str, object]) -> str:
+        self.discarded += 1
+        return f"group {data.get('group')} discarded ({data.get('reason')}); {self.discarded} so far"
+
+
+_FORMATS: dict[str, Callable[[RunProgress, dict[str, object]], str]] = {
+    "batch": RunProgress._batch,
+    "engine_updated": RunProgress._updated,
+    "group_discarded": RunProgress._discarded,
+}

@@ -1,0 +1,77 @@
+"""Limits and one-line messages shared by every input schema (workloads, traces, run configs, the CLI).
+
+Invariants: every number a user can type is finite, and every size has an upper bound stated here;
+a refusal is one line that names the field as the user wrote it, without pydantic's "Value error,"
+prefix or a "(top)" location. No I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from pydantic import ValidationError
+
+# Longest duration of any phase, step or timeout (11.6 days): far beyond any harness cap, and small
+# enough that virtual time keeps sub-millisecond resolution.
+MAX_SECONDS = 1e6
+# Most agent turns one attempt may take (the simulator holds every turn of a live attempt).
+MAX_TURNS = 100_000
+# Simulator sizes.
+MAX_BATCHES = 100_000
+MAX_GROUPS_PER_BATCH = 10_000
+MAX_GROUP_SIZE = 1_024
+MAX_SURPLUS = 100_000
+MAX_STALENESS = 1_000
+MAX_SIM_ENGINES = 10_000
+MAX_SLOTS = 1_000_000
+MAX_CORES = 1_000_000
+MAX_SWEEP_VALUES = 32
+# (B + S) × G: trajectories the simulator keeps live at once. `python -m benchmarks.scale` peaks at
+# 62 MB above the import baseline with 10,000 short trajectories live, about 6 KB each.
+MAX_TRAJECTORIES_IN_FLIGHT = 1_000_000
+SIM_BYTES_PER_TRAJECTORY = 6_200
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n:.0f} EB"
+
+
+def in_flight_problem(groups: int, group_size: int, surplus: int) -> str | None:
+    """Why (B + S) × G live trajectories are too many for the simulator, with what they would need."""
+    live = (groups + surplus) * group_size
+    if live <= MAX_TRAJECTORIES_IN_FLIGHT:
+        return None
+    need = human_bytes(live * SIM_BYTES_PER_TRAJECTORY)
+    return (
+        f"(B + S) × G = ({groups} + {surplus}) × {group_size} = {live:,} trajectories in flight would need "
+        f"about {need} of memory (≈ {human_bytes(SIM_BYTES_PER_TRAJECTORY)} each); "
+        f"the limit is {MAX_TRAJECTORIES_IN_FLIGHT:,}"
+    )
+
+
+def finite_problem(value: float, *, low: float, high: float) -> str | None:
+    """Why `value` is not a finite number in [low, high], or None."""
+    if not math.isfinite(value):
+        return f"must be a finite number, not {value}"
+    if not low <= value <= high:
+        return f"must be between {low:g} and {high:g}, not {value:g}"
+    return None
+
+
+def problems(exc: ValidationError, rename: Mapping[str, str] | None = None) -> str:
+    """One line for every problem pydantic found: `field.path: message`.
+
+    `rename` maps a dotted field path to what the user typed (e.g. `surplus_groups` → `--surplus`).
+    """
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        where = (rename or {}).get(where, where)
+        msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts)
