@@ -13,7 +13,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) node_modules/.package-lock.json
+
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund
 
 run: install
 	$(BIN)/corral run --config app/configs/local.yaml --json run-report.json

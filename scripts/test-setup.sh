@@ -8,6 +8,8 @@ command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v dockerd >/dev/null || need+=(docker.io)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 command -v setpriv >/dev/null || need+=(util-linux)
+# chromium: the dashboard's browser tests (Playwright drives Debian's build at /usr/bin/chromium).
+[ -x /usr/bin/chromium ] || need+=(chromium)
 if ((${#need[@]})); then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -143,6 +143,7 @@ class WaitAttribution:
             "batches": [
                 {
                     "batch": b.batch_index,
+                    "requested_at": round(b.requested_at, 6),
                     "wait_s": round(b.wait_s, 6),
                     "group": b.group_id,
                     "attempt": b.attempt,

@@ -1,0 +1,97 @@
+"""What the dashboard needs from whoever owns the runs, as a Protocol, plus the replay store.
+
+`RunsBackend` is implemented over the live run manager (app.web.live) and by `ReplayStore`, which
+holds loaded `corral sim` / `corral run` reports. The dashboard asks both; replay ids start with
+`replay-`, and replays refuse every action (they are read-only).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.web.readmodel import ReportError, RunView, view_from_report
+
+MAX_REPORT_BYTES = 64 * 1024 * 1024
+
+
+class ActionRefused(Exception):
+    """An action that cannot be done on this run (a replay, an ended run); the message says why."""
+
+
+class RunsBackend(Protocol):
+    def run_ids(self) -> list[str]: ...
+
+    def view(self, run_id: str) -> RunView | None:
+        """The run's current view, or None when this backend does not know the run."""
+        ...
+
+    def version(self, run_id: str) -> int:
+        """Changes whenever the run's view would: the live stream re-renders only then."""
+        ...
+
+    async def launch(self, form: Mapping[str, str], actor: str) -> str:
+        """Start a run from the launch form's fields; ValueError names a bad field."""
+        ...
+
+    async def publish(self, run_id: str, actor: str) -> None: ...
+
+    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None: ...
+
+    async def stop(self, run_id: str, actor: str) -> None: ...
+
+
+class ReplayStore:
+    """Loaded reports, browsed like runs. Thread-safe; views are built once per report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._views: dict[str, RunView] = {}
+        self._next = 1
+
+    def add(self, report: Mapping[str, Any], label: str) -> str:
+        with self._lock:
+            run_id = f"replay-{self._next}"
+            self._next += 1
+        view = view_from_report(run_id, report, label=label)
+        with self._lock:
+            self._views[run_id] = view
+        return run_id
+
+    def add_json(self, data: bytes, label: str) -> str:
+        if len(data) > MAX_REPORT_BYTES:
+            raise ReportError(f"report: larger than {MAX_REPORT_BYTES // (1024 * 1024)} MiB")
+        try:
+            report = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ReportError(f"report: not JSON ({exc})") from exc
+        return self.add(report, label)
+
+    def add_file(self, path: Path) -> str:
+        return self.add_json(path.read_bytes(), path.name)
+
+    def run_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._views)
+
+    def view(self, run_id: str) -> RunView | None:
+        with self._lock:
+            return self._views.get(run_id)
+
+    def version(self, run_id: str) -> int:
+        return 0
+
+    async def launch(self, form: Mapping[str, str], actor: str) -> str:
+        raise ActionRefused("replays cannot launch runs")
+
+    async def publish(self, run_id: str, actor: str) -> None:
+        raise ActionRefused("a replay is read-only")
+
+    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
+        raise ActionRefused("a replay is read-only")
+
+    async def stop(self, run_id: str, actor: str) -> None:
+        raise ActionRefused("a replay is read-only")

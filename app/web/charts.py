@@ -1,0 +1,152 @@
+"""Small server-side SVG charts for the trainer panel and the wait attribution: bars, a line, and a
+stacked bar of phases. Each has a title and an accessible label; values are written on or beside the
+marks, so none needs colour to be read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from html import escape
+
+from app.core.attribution import PHASE_LABELS
+
+W, H = 360, 150
+PAD_L, PAD_R, PAD_T, PAD_B = 44, 10, 22, 26
+
+# Attribution phases share the timeline's fills where the phase exists there.
+PHASE_FILL = {
+    "admission": "#f0e0a0",
+    "handoff": "#dddddd",
+    "restart": "#b00020",
+    "update_pause": "#e0457b",
+    "model_turn": "url(#pat-model_turn)",
+    "engine_wait": "url(#pat-engine_wait)",
+    "lane_queue": "url(#pat-lane_queue)",
+    "reset": "url(#pat-reset)",
+    "tool_call": "url(#pat-tool_call)",
+    "validate": "url(#pat-validate)",
+    "cleanup": "url(#pat-cleanup)",
+    "agent": "#f7f7f7",
+}
+
+
+def _head(title: str, w: int = W, h: int = H) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(title)}" '
+        f'width="{w}" height="{h}" class="chart"><title>{escape(title)}</title>'
+        f'<text x="4" y="14" style="font:bold 12px sans-serif">{escape(title)}</text>'
+    )
+
+
+def _axis(top: float, unit: str) -> str:
+    y0, y1 = H - PAD_B, PAD_T
+    return (
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#444"/>'
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{PAD_L}" y2="{y1}" stroke="#444"/>'
+        f'<text x="{PAD_L - 4}" y="{y1 + 8}" {_SMALL_END}>{_num(top)}{unit}</text>'
+        f'<text x="{PAD_L - 4}" y="{y0}" {_SMALL_END}>0</text>'
+    )
+
+
+_SMALL_END = 'text-anchor="end" style="font:10px sans-serif"'
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _empty(title: str) -> str:
+    note = f'<text x="{PAD_L}" y="{H / 2}" style="font:11px sans-serif">no data yet</text>'
+    return _head(title) + note + "</svg>"
+
+
+def bar_chart(
+    title: str,
+    labels: Sequence[str],
+    values: Sequence[float],
+    unit: str = "",
+    reference: float | None = None,
+    reference_label: str = "",
+) -> str:
+    if not values:
+        return _empty(title)
+    top = max([*values, reference or 0.0]) or 1.0
+    span_w = (W - PAD_L - PAD_R) / len(values)
+    plot_h = H - PAD_T - PAD_B
+    parts = [_head(title), _axis(top, unit)]
+    for i, (label, v) in enumerate(zip(labels, values, strict=True)):
+        h = v / top * plot_h
+        x = PAD_L + i * span_w + 1
+        parts.append(
+            f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{max(span_w - 2, 1):.1f}" height="{h:.1f}" '
+            f'fill="#4a78b5"><title>{escape(label)}: {_num(v)}{unit}</title></rect>'
+        )
+        if len(values) <= 24:
+            parts.append(
+                f'<text x="{x + span_w / 2:.1f}" y="{H - PAD_B + 12}" text-anchor="middle" '
+                f'style="font:9px sans-serif">{escape(label)}</text>'
+            )
+    if reference is not None:
+        y = H - PAD_B - reference / top * plot_h
+        parts.append(
+            f'<line x1="{PAD_L}" y1="{y:.1f}" x2="{W - PAD_R}" y2="{y:.1f}" stroke="#b00020" '
+            f'stroke-dasharray="5 3" stroke-width="1.5"><title>{escape(reference_label)}</title></line>'
+            f'<text x="{W - PAD_R}" y="{y - 3:.1f}" text-anchor="end" style="font:10px sans-serif" '
+            f'fill="#b00020">{escape(reference_label)}</text>'
+        )
+    return "".join(parts) + "</svg>"
+
+
+def line_chart(
+    title: str, points: Sequence[tuple[float, float]], unit: str = "", top: float | None = None
+) -> str:
+    if not points:
+        return _empty(title)
+    top = top if top is not None else (max(v for _, v in points) or 1.0)
+    t_max = max(t for t, _ in points) or 1.0
+    plot_w, plot_h = W - PAD_L - PAD_R, H - PAD_T - PAD_B
+
+    def xy(t: float, v: float) -> str:
+        return f"{PAD_L + t / t_max * plot_w:.1f},{H - PAD_B - v / top * plot_h:.1f}"
+
+    path = " ".join(xy(t, v) for t, v in points)
+    dots = "".join(
+        f'<circle cx="{xy(t, v).split(",")[0]}" cy="{xy(t, v).split(",")[1]}" r="2.5" fill="#4a78b5">'
+        f"<title>{t:.1f} s: {_num(v)}{unit}</title></circle>"
+        for t, v in points
+    )
+    return (
+        _head(title)
+        + _axis(top, unit)
+        + f'<polyline points="{path}" fill="none" stroke="#4a78b5" stroke-width="2"/>'
+        + dots
+        + f'<text x="{W - PAD_R}" y="{H - 6}" {_SMALL_END}>{t_max:.0f} s</text>'
+        + "</svg>"
+    )
+
+
+def phase_bar(phases: dict[str, float], width: int = 720, title: str = "where the wait went") -> str:
+    """One stacked horizontal bar of phase shares, labelled in place when wide enough."""
+    total = sum(phases.values())
+    if total <= 0:
+        return ""
+    x = 0.0
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(title)}" '
+        f'width="{width}" height="26">'
+    ]
+    for phase, s in sorted(phases.items(), key=lambda ps: -ps[1]):
+        if s <= 0:
+            continue
+        w = s / total * width
+        label = f"{PHASE_LABELS[phase]} {s / total:.0%}"
+        parts.append(
+            f'<rect x="{x:.1f}" y="2" width="{w:.1f}" height="22" fill="{PHASE_FILL[phase]}" stroke="#222" '
+            f'stroke-width="0.5"><title>{escape(label)} ({s:.1f} s)</title></rect>'
+        )
+        if w > 7 * len(label):
+            parts.append(
+                f'<text x="{x + 4:.1f}" y="17" style="font:bold 11px sans-serif" fill="#000" '
+                f'stroke="#fff" stroke-width="3" paint-order="stroke">{escape(label)}</text>'
+            )
+        x += w
+    return "".join(parts) + "</svg>"

@@ -1,0 +1,604 @@
+"""The dashboard's read model: one `RunView` per run, built from its event stream (live runs, or a
+report that carries its event log) or from a report's group timeline (older reports).
+
+The pages read only this, so a live run and a replay are browsed with the same eyes. Building a view
+is pure: envelopes and run metadata in, plain rows out (times in seconds from the start of the run).
+
+Definitions shown on the pages:
+- a trajectory's spans: `engine_wait` (queued for an engine slot), `model_turn`, `lane_queue` (queued
+  in a sandbox lane), `reset`, `tool_call`, `validate`, `cleanup` (running in that lane);
+- a **straggler** group took more than `STRAGGLER_RATIO` × the median admission-to-completion time of
+  the run's completed groups (with at least 3 completed);
+- a group **held** batch n when it was that batch's critical group (see app.core.attribution);
+- trainer idle fraction at a batch = total trainer wait so far ÷ time since the run started.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.attribution import LANE_PHASE, WaitAttribution, attribute_waits
+from app.core.events import (
+    AttemptFinished,
+    AttemptStarted,
+    BatchDelivered,
+    BatchRequested,
+    EngineStateChanged,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Envelope,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    GroupReady,
+    PolicyChanged,
+    RunEnded,
+    RunStarted,
+    SandboxOp,
+    TurnDone,
+    VersionPublished,
+    envelope_from_dict,
+)
+
+STRAGGLER_RATIO = 1.5
+POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    start: float
+    end: float
+    phase: str
+    detail: str = ""
+
+
+@dataclass
+class Trajectory:
+    group_id: int
+    attempt: int
+    spans: list[Span] = field(default_factory=list)
+    versions: list[tuple[float, int]] = field(default_factory=list)  # (t, version) where it changes
+    started: float | None = None
+    finished: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class GroupRow:
+    group_id: int
+    task: str = ""
+    admitted: float | None = None
+    ready: float | None = None
+    ended: float | None = None
+    outcome: str = "in flight"  # delivered, a discard reason, ready, in flight
+    detail: str = ""
+    batch: int | None = None
+    staleness: int | None = None
+    straggler: bool = False
+    held_batch: int | None = None
+
+    @property
+    def discarded(self) -> bool:
+        return self.outcome not in ("delivered", "ready", "in flight")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    index: int
+    requested: float
+    delivered: float
+    wait_s: float
+    groups: tuple[int, ...] = ()
+    tokens_per_s: float | None = None
+    idle_fraction: float | None = None
+
+
+@dataclass
+class EngineRow:
+    name: str
+    state: str = "serving"
+    version: int = 0
+    in_flight: int | None = None
+    target_version: int | None = None  # the version being loaded while updating
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRow:
+    name: str
+    cpus: str = ""
+    busy: int | None = None
+    slots: int | None = None
+    queue_depth: int | None = None
+    p99_wait_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    t: float
+    actor: str
+    field: str
+    old: object
+    new: object
+
+
+@dataclass
+class RunMeta:
+    """What the event stream does not carry: live snapshots and figures from the run's owner."""
+
+    state: str | None = None
+    policy: Mapping[str, Any] | None = None
+    engines: Sequence[Mapping[str, Any]] = ()  # name, state, version, in_flight
+    lanes: Sequence[Mapping[str, Any]] = ()  # name, cpus, busy, slots, queue_depth, p99_wait_s
+    lower_bound_s: float | None = None
+    now: float | None = None  # the run's clock now (live runs), for open spans and idle fraction
+    label: str = ""
+
+
+@dataclass
+class RunView:
+    run_id: str
+    source: str  # live or replay
+    state: str
+    policy: dict[str, Any]
+    t0: float
+    now: float
+    groups: list[GroupRow]
+    trajectories: dict[tuple[int, int], Trajectory]
+    batches: list[BatchRow]
+    engines: list[EngineRow]
+    lanes: list[LaneRow]
+    publications: list[tuple[float, int]]  # (t, version) weight publications
+    updates: list[tuple[str, float, float, int]]  # engine, begin, end, version
+    audit: list[AuditRow]
+    staleness: dict[int, int]  # staleness -> delivered groups
+    attribution: WaitAttribution | None
+    lower_bound_s: float | None = None
+    label: str = ""
+    last_seq: int = -1
+    detailed: bool = True  # False: group-level rows only (a report without its event log)
+
+    # -- figures ----------------------------------------------------------------------------------
+
+    @property
+    def policy_short(self) -> dict[str, Any]:
+        return {short: self.policy.get(key) for key, short in POLICY_KEYS.items()}
+
+    @property
+    def mean_collection_s(self) -> float | None:
+        return statistics.fmean(b.wait_s for b in self.batches) if self.batches else None
+
+    @property
+    def idle_fraction(self) -> float | None:
+        elapsed = self.now - self.t0
+        if elapsed <= 0:
+            return None
+        return sum(b.wait_s for b in self.batches) / elapsed
+
+    @property
+    def span_count(self) -> int:
+        return sum(len(t.spans) for t in self.trajectories.values())
+
+    def ordered_groups(self) -> list[GroupRow]:
+        """Completed groups in completion order, then the rest in admission order."""
+
+        def key(g: GroupRow) -> tuple[int, float, int]:
+            if g.ready is not None:
+                return (0, g.ready, g.group_id)
+            return (1, g.admitted if g.admitted is not None else float("inf"), g.group_id)
+
+        return sorted(self.groups, key=key)
+
+    def rows(self) -> list[tuple[GroupRow, list[Trajectory]]]:
+        by_group: dict[int, list[Trajectory]] = defaultdict(list)
+        for (gid, _), traj in sorted(self.trajectories.items()):
+            by_group[gid].append(traj)
+        return [(g, by_group.get(g.group_id, [])) for g in self.ordered_groups()]
+
+
+# -- from events ------------------------------------------------------------------------------------
+
+
+def view_from_events(
+    run_id: str, envelopes: Iterable[Envelope], meta: RunMeta | None = None, source: str = "live"
+) -> RunView:
+    meta = meta or RunMeta()
+    envs = sorted(envelopes, key=lambda e: e.seq)
+    t0 = envs[0].t if envs else 0.0
+    last_t = envs[-1].t if envs else 0.0
+    now = max(meta.now if meta.now is not None else last_t, last_t)
+    policy: dict[str, Any] = dict(meta.policy or {})
+    state = meta.state or "running"
+    groups: dict[int, GroupRow] = {}
+    trajs: dict[tuple[int, int], Trajectory] = {}
+    batches: list[BatchRow] = []
+    engines: dict[str, EngineRow] = {}
+    publications: list[tuple[float, int]] = []
+    updates: list[tuple[str, float, float, int]] = []
+    open_updates: dict[str, tuple[float, int]] = {}
+    audit: list[AuditRow] = []
+    staleness: dict[int, int] = defaultdict(int)
+    lane_waits: dict[str, list[float]] = defaultdict(list)
+    lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
+    tokens_at: list[tuple[float, int]] = []
+
+    def traj(gid: int, attempt: int) -> Trajectory:
+        key = (gid, attempt)
+        if key not in trajs:
+            trajs[key] = Trajectory(gid, attempt)
+        return trajs[key]
+
+    def engine(name: str) -> EngineRow:
+        if name not in engines:
+            engines[name] = EngineRow(name)
+        return engines[name]
+
+    for env in envs:
+        ev, t = env.event, env.t - t0
+        if isinstance(ev, RunStarted):
+            policy = {**ev.policy, **policy} if meta.policy else dict(ev.policy)
+            for name in getattr(ev, "engines", ()):
+                engine(name)
+        elif isinstance(ev, RunEnded):
+            state = meta.state or f"ended ({ev.reason})"
+        elif isinstance(ev, GroupAdmitted):
+            groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
+        elif isinstance(ev, GroupReady):
+            groups.setdefault(ev.group_id, GroupRow(ev.group_id)).ready = t
+            groups[ev.group_id].outcome = "ready"
+        elif isinstance(ev, GroupDelivered):
+            row = groups.setdefault(ev.group_id, GroupRow(ev.group_id))
+            row.ended, row.outcome, row.batch, row.staleness = t, "delivered", ev.batch_index, ev.staleness
+            staleness[ev.staleness] += 1
+        elif isinstance(ev, GroupDiscarded):
+            row = groups.setdefault(ev.group_id, GroupRow(ev.group_id))
+            row.ended, row.outcome, row.detail = t, ev.reason, ev.detail
+        elif isinstance(ev, AttemptStarted):
+            tr = traj(ev.group_id, ev.attempt)
+            tr.started = t if tr.started is None else tr.started
+        elif isinstance(ev, AttemptFinished):
+            tr = traj(ev.group_id, ev.attempt)
+            tr.finished, tr.error = t, ev.error
+        elif ev.kind == "attempt_cancelled":  # the try stopped because its group was discarded
+            tr = traj(getattr(ev, "group_id", -1), getattr(ev, "attempt", -1))
+            tr.finished, tr.error = t, f"cancelled ({getattr(ev, 'reason', '')})"
+        elif isinstance(ev, TurnDone):
+            tr = traj(ev.group_id, ev.attempt)
+            q, s, e = ev.queued_at - t0, ev.start - t0, ev.end - t0
+            if s > q:
+                tr.spans.append(Span(q, s, "engine_wait", f"waited for an engine slot ({ev.engine})"))
+            detail = f"{ev.engine}, policy v{ev.version}, {ev.tokens} tokens" + (
+                f", error: {ev.error}" if ev.error else ""
+            )
+            tr.spans.append(Span(s, e, "model_turn", detail))
+            if not tr.versions or tr.versions[-1][1] != ev.version:
+                tr.versions.append((s, ev.version))
+            engine(ev.engine)
+            tokens_at.append((e, ev.tokens))
+        elif isinstance(ev, SandboxOp):
+            tr = traj(ev.group_id, ev.attempt)
+            q, s, e = ev.queued_at - t0, ev.start - t0, ev.end - t0
+            if s > q:
+                tr.spans.append(Span(q, s, "lane_queue", f"queued in the {ev.lane} lane"))
+                lane_waits[ev.lane].append(s - q)
+            else:
+                lane_waits[ev.lane].append(0.0)
+            lane_now[ev.lane] = (getattr(ev, "busy", None), getattr(ev, "queue_depth", None))
+            status = "ok" if ev.ok else "failed"
+            detail = f"{ev.lane} lane, {status}" + (f": {ev.detail}" if ev.detail else "")
+            tr.spans.append(Span(s, e, LANE_PHASE.get(ev.lane, "tool_call"), detail))
+        elif isinstance(ev, VersionPublished):
+            publications.append((t, ev.version))
+        elif isinstance(ev, EngineUpdateBegin):
+            row_e = engine(ev.engine)
+            row_e.state, row_e.target_version = "updating", ev.version
+            open_updates[ev.engine] = (t, ev.version)
+        elif isinstance(ev, EngineUpdateEnd):
+            row_e = engine(ev.engine)
+            begin = open_updates.pop(ev.engine, (t, ev.version))
+            updates.append((ev.engine, begin[0], t, ev.version))
+            row_e.target_version = None
+            if ev.ok:
+                row_e.version, row_e.state = ev.version, "serving"
+            else:
+                row_e.state = "unhealthy"
+        elif isinstance(ev, EngineStateChanged):
+            engine(ev.engine).state = ev.state
+        elif isinstance(ev, BatchRequested):
+            pass
+        elif isinstance(ev, BatchDelivered):
+            batches.append(
+                BatchRow(ev.batch_index, ev.requested_at - t0, t, t - (ev.requested_at - t0), ev.group_ids)
+            )
+        elif isinstance(ev, PolicyChanged):
+            audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
+            policy[ev.field] = ev.new
+    for name, (since, version) in open_updates.items():
+        updates.append((name, since, now - t0, version))
+    for snap in meta.engines:
+        row_e = engine(str(snap["name"]))
+        for key in ("state", "version", "in_flight", "target_version"):
+            if snap.get(key) is not None:
+                setattr(row_e, key, snap[key])
+    attribution = attribute_waits(envs) if batches else None
+    _mark_groups(groups, attribution)
+    return RunView(
+        run_id=run_id,
+        source=source,
+        state=state,
+        policy=policy,
+        t0=0.0,
+        now=now - t0,
+        groups=list(groups.values()),
+        trajectories=trajs,
+        batches=_with_rates(batches, tokens_at),
+        engines=sorted(engines.values(), key=lambda e: e.name),
+        lanes=_lanes(meta.lanes, lane_waits, lane_now),
+        publications=publications,
+        updates=updates,
+        audit=audit,
+        staleness=dict(sorted(staleness.items())),
+        attribution=attribution,
+        lower_bound_s=meta.lower_bound_s,
+        label=meta.label,
+        last_seq=envs[-1].seq if envs else -1,
+    )
+
+
+def _mark_groups(groups: dict[int, GroupRow], attribution: WaitAttribution | None) -> None:
+    durations = [
+        g.ready - g.admitted for g in groups.values() if g.ready is not None and g.admitted is not None
+    ]
+    if len(durations) >= 3:
+        limit = STRAGGLER_RATIO * statistics.median(durations)
+        for g in groups.values():
+            if g.ready is not None and g.admitted is not None:
+                g.straggler = g.ready - g.admitted > limit
+    if attribution is not None:
+        for b in attribution.batches:
+            if b.group_id in groups and b.wait_s > 0:
+                groups[b.group_id].held_batch = b.batch_index
+
+
+def _with_rates(batches: list[BatchRow], tokens_at: list[tuple[float, int]]) -> list[BatchRow]:
+    out: list[BatchRow] = []
+    waited = 0.0
+    previous = 0.0
+    tokens_at.sort()
+    for b in batches:
+        tokens = sum(n for t, n in tokens_at if previous < t <= b.delivered)
+        interval = b.delivered - previous
+        waited += b.wait_s
+        out.append(
+            BatchRow(
+                b.index,
+                b.requested,
+                b.delivered,
+                b.wait_s,
+                b.groups,
+                tokens_per_s=tokens / interval if interval > 0 and tokens_at else None,
+                idle_fraction=waited / b.delivered if b.delivered > 0 else None,
+            )
+        )
+        previous = b.delivered
+    return out
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * 0.99
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _lanes(
+    snapshots: Sequence[Mapping[str, Any]],
+    waits: Mapping[str, list[float]],
+    latest: Mapping[str, tuple[int | None, int | None]] | None = None,
+) -> list[LaneRow]:
+    """Lane rows: the owner's snapshot where given, else the stream's latest op (busy, queue depth)."""
+    known = [str(s["name"]) for s in snapshots]
+    names = known + [n for n in waits if n not in known]
+    by_name = {str(s["name"]): s for s in snapshots}
+    rows = []
+    for name in names:
+        snap = by_name.get(name, {})
+        p99 = snap.get("p99_wait_s")
+        busy, depth = (latest or {}).get(name, (None, None))
+        rows.append(
+            LaneRow(
+                name,
+                cpus=_cpus(snap.get("cpus", "")),
+                busy=snap.get("busy", busy),
+                slots=snap.get("slots"),
+                queue_depth=snap.get("queue_depth", depth),
+                p99_wait_s=p99 if p99 is not None else _p99(waits.get(name, [])),
+            )
+        )
+    return rows
+
+
+def _cpus(cpus: object) -> str:
+    if isinstance(cpus, list | tuple):
+        return ",".join(str(c) for c in cpus)
+    return str(cpus)
+
+
+# -- from a report ------------------------------------------------------------------------------
+
+
+class ReportError(ValueError):
+    """A report that cannot be browsed; the message names the field."""
+
+
+def view_from_report(run_id: str, report: Mapping[str, Any], label: str = "") -> RunView:
+    """A replay of a `corral sim` / `corral run` report. With an event log (`event_log`: a list of
+    envelope dicts) it is as detailed as a live run; otherwise one row per group from
+    `groups_timeline`, batches from `batch_marks` and updates from `update_log`."""
+    if not isinstance(report, Mapping):
+        raise ReportError("report: expected a JSON object")
+    policy = dict(report.get("policy_config") or {})
+    lanes = [
+        {
+            "name": name,
+            "cpus": lane.get("cpus", ""),
+            "busy": lane.get("max_busy"),
+            "slots": lane.get("slots"),
+            "queue_depth": lane.get("max_queue_depth"),
+        }
+        for name, lane in (report.get("lanes") or {}).items()
+    ]
+    meta = RunMeta(
+        state=f"replay ({report.get('policy', '?')})",
+        policy=policy,
+        lanes=lanes,
+        lower_bound_s=_float_or_none(report.get("lower_bound_s"), "lower_bound_s"),
+        label=label,
+    )
+    log = report.get("event_log")
+    if log is not None:
+        if not isinstance(log, list):
+            raise ReportError("event_log: expected a list of events")
+        try:
+            envs = [envelope_from_dict(d) for d in log]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReportError(f"event_log: {exc}") from exc
+        view = view_from_events(run_id, envs, meta, source="replay")
+        view.now = max(view.now, float(report.get("run_s") or 0.0))
+        return view
+    return _view_from_timeline(run_id, report, meta)
+
+
+def _float_or_none(value: object, name: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, int | float):
+        raise ReportError(f"{name}: expected a number")
+    return float(value)
+
+
+def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -> RunView:
+    rows = report.get("groups_timeline")
+    if not isinstance(rows, list):
+        raise ReportError("groups_timeline: missing; run corral sim with --plot or corral run")
+    groups: list[GroupRow] = []
+    trajs: dict[tuple[int, int], Trajectory] = {}
+    staleness: dict[int, int] = defaultdict(int)
+    run_s = float(report.get("run_s") or 0.0)
+    for i, r in enumerate(rows):
+        if not isinstance(r, Mapping) or "group" not in r:
+            raise ReportError(f"groups_timeline[{i}]: expected an object with a group")
+        gid = int(r["group"])
+        outcome = str(r.get("outcome", "in flight"))
+        g = GroupRow(
+            gid,
+            task=str(r.get("task", "")),
+            admitted=r.get("admitted_s"),
+            ready=r.get("completed_s"),
+            ended=r.get("ended_s"),
+            outcome=outcome,
+            batch=r.get("batch"),
+            staleness=r.get("staleness"),
+        )
+        groups.append(g)
+        if outcome == "delivered" and g.staleness is not None:
+            staleness[int(g.staleness)] += 1
+        tr = Trajectory(gid, 0)
+        if g.admitted is not None:
+            end = g.ready if g.ready is not None else (g.ended if g.ended is not None else run_s)
+            detail = "all attempts (the report has no event log)"
+            tr.spans.append(Span(g.admitted, end, "group_running", detail))
+            if g.ready is not None and g.ended is not None and g.ended > g.ready:
+                tr.spans.append(Span(g.ready, g.ended, "group_ready", "ready, waiting to be consumed"))
+        trajs[gid, 0] = tr
+    waits = (report.get("batch_collection_s") or {}).get("per_batch") or []
+    batches = [
+        BatchRow(
+            int(m["batch"]),
+            float(m["requested_s"]),
+            float(m["delivered_s"]),
+            float(m["delivered_s"]) - float(m["requested_s"]),
+            tuple(g.group_id for g in groups if g.batch == m["batch"]),
+        )
+        for m in report.get("batch_marks") or []
+    ]
+    if not batches:
+        t = 0.0
+        for i, w in enumerate(waits):
+            batches.append(BatchRow(i, t, t + float(w), float(w)))
+            t += float(w)
+    updates: list[tuple[str, float, float, int]] = []
+    begins: dict[str, float] = {}
+    publications: set[tuple[float, int]] = set()
+    for u in report.get("update_log") or []:
+        if u.get("phase") == "begin":
+            begins[u["engine"]] = float(u["t"])
+        else:
+            start = begins.pop(u["engine"], float(u["t"]))
+            updates.append((str(u["engine"]), start, float(u["t"]), int(u["version"])))
+    for _, start, _, version in updates:
+        if not any(v == version for _, v in publications):
+            publications.add((start, version))
+    engines = [
+        EngineRow(name, "stopped", int(e.get("final_version", 0)))
+        for name, e in (report.get("engines") or {}).items()
+    ]
+    by_group = {g.group_id: g for g in groups}
+    _mark_groups(by_group, None)
+    batches = _with_rates(batches, [])
+    critical: dict[int, int] = {}
+    for b in batches:
+        done = [by_group[gid] for gid in b.groups if by_group[gid].ready is not None]
+        if done and b.wait_s > 0:
+            critical[b.index] = max(done, key=lambda g: g.ready or 0.0).group_id
+    for index, gid in critical.items():
+        by_group[gid].held_batch = index
+    attribution = report.get("wait_attribution")
+    return RunView(
+        run_id=run_id,
+        source="replay",
+        state=meta.state or "replay",
+        policy=dict(meta.policy or {}),
+        t0=0.0,
+        now=max([run_s, *(b.delivered for b in batches)]),
+        groups=groups,
+        trajectories=trajs,
+        batches=batches,
+        engines=engines,
+        lanes=_lanes(meta.lanes, {}),
+        publications=sorted(publications),
+        updates=updates,
+        audit=[],
+        staleness=dict(sorted(staleness.items())),
+        attribution=None if attribution is None else _attribution_from_dict(attribution),
+        lower_bound_s=meta.lower_bound_s,
+        label=meta.label,
+        detailed=False,
+    )
+
+
+def _attribution_from_dict(data: Mapping[str, Any]) -> WaitAttribution:
+    from app.core.attribution import PHASES, BatchWait
+
+    batches = []
+    for b in data.get("batches", []):
+        phases = {p: float(b.get("phases", {}).get(p, 0.0)) for p in PHASES}
+        requested = float(b.get("requested_at", 0.0))
+        batches.append(
+            BatchWait(
+                int(b["batch"]),
+                requested,
+                requested + float(b["wait_s"]),
+                b.get("group"),
+                b.get("attempt"),
+                b.get("group_ready_at"),
+                phases,
+            )
+        )
+    return WaitAttribution(tuple(batches), {p: float(data.get("phases", {}).get(p, 0.0)) for p in PHASES})

@@ -1,0 +1,449 @@
+"""The dashboard: plain view functions over `RunView`s, one template per page, and named blocks of
+those templates rendered alone for htmx requests and for the live stream (SSE).
+
+Routes (all HTML; the JSON API lives under /api and is not this module's):
+  GET  /                         runs page                    GET /runs/{id}         run page
+  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=)
+  GET  /stream, /runs/{id}/stream   server-sent events: named blocks, re-rendered when the run changes
+  POST /login, /logout           set or clear the token cookie
+  POST /runs                     launch a run          POST /replays           load a report as a replay
+  POST /runs/{id}/publish        publish weights       POST /runs/{id}/policy  change K and S
+  POST /runs/{id}/stop           stop the run
+
+Every POST checks the CSRF double-submit token; every action needs the operator token (403 with the
+reason otherwise). Forms work without JavaScript (303 back to the page); with htmx the answer is the
+re-rendered block, errors included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+from sse_starlette.sse import EventSourceResponse
+from starlette.staticfiles import StaticFiles
+
+from app.core.attribution import PHASE_LABELS
+from app.web import charts
+from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
+from app.web.readmodel import ReportError, RunView
+from app.web.security import (
+    CSRF_FIELD,
+    AccessConfig,
+    can_view,
+    csrf_ok,
+    csrf_token,
+    is_operator,
+    set_csrf_cookie,
+    set_token_cookie,
+)
+from app.web.timeline import legend_svg, render_timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = ROOT / "templates"
+STATIC = Path(__file__).resolve().parent / "static"
+NODE_MODULES = ROOT / "node_modules"
+VENDOR = {  # served path -> file installed by `npm ci` (package.json)
+    "htmx.min.js": NODE_MODULES / "htmx.org" / "dist" / "htmx.min.js",
+    "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
+}
+RUN_BLOCKS = ("summary", "wait", "timeline", "trainer", "engines", "lanes", "policy")
+LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
+POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
+Action = Callable[["RunsBackend", dict[str, str]], Awaitable[None]]
+
+
+def make_env() -> Environment:
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
+    env.globals["phase_label"] = PHASE_LABELS.get
+    env.filters["secs"] = lambda v: "—" if v is None else f"{v:.1f} s"
+    env.filters["pct"] = lambda v: "—" if v is None else f"{v:.0%}"
+    return env
+
+
+@dataclass
+class Dashboard:
+    access: AccessConfig
+    live: RunsBackend | None = None
+    replays: ReplayStore = field(default_factory=ReplayStore)
+    env: Environment = field(default_factory=make_env)
+    stream_interval_s: float = 0.5
+    default_launch: Mapping[str, Any] = field(default_factory=dict)
+
+    def backends(self) -> list[RunsBackend]:
+        return [b for b in (self.live, self.replays) if b is not None]
+
+    def backend_of(self, run_id: str) -> RunsBackend | None:
+        for b in self.backends():
+            if b.view(run_id) is not None:
+                return b
+        return None
+
+    def views(self) -> list[RunView]:
+        return [v for b in self.backends() for rid in b.run_ids() if (v := b.view(rid)) is not None]
+
+    # -- rendering --------------------------------------------------------------------------------
+
+    def render(self, template: str, ctx: dict[str, Any], block: str | None = None) -> str:
+        tmpl = self.env.get_template(template)
+        if block is None:
+            return tmpl.render(ctx)
+        return "".join(tmpl.blocks[block](tmpl.new_context(ctx)))
+
+    def page(
+        self,
+        request: Request,
+        template: str,
+        ctx: dict[str, Any],
+        block: str | None = None,
+        status: int = 200,
+    ) -> HTMLResponse:
+        token = csrf_token(request)
+        full = {
+            **ctx,
+            "csrf": token,
+            "csrf_field": CSRF_FIELD,
+            "operator": is_operator(request, self.access),
+            "view_protected": self.access.view_token is not None,
+        }
+        response = HTMLResponse(self.render(template, full, block), status_code=status)
+        set_csrf_cookie(response, request, token)
+        return response
+
+
+# -- contexts ---------------------------------------------------------------------------------------
+
+
+def runs_context(dash: Dashboard) -> dict[str, Any]:
+    return {"runs": dash.views(), "launch": dash.default_launch}
+
+
+def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
+    b = view.batches
+    attribution = view.attribution
+    engines_versions = [e.version for e in view.engines]
+    target = max([e.target_version or 0 for e in view.engines] + engines_versions, default=0)
+    return {
+        "view": view,
+        "zoom": zoom,
+        "timeline": Markup(render_timeline(view, zoom)),
+        "legend": Markup(legend_svg(None if view.detailed else ("group_running", "group_ready"))),
+        "collection_chart": Markup(
+            charts.bar_chart(
+                "batch collection time per step",
+                [str(x.index) for x in b],
+                [x.wait_s for x in b],
+                " s",
+                view.lower_bound_s,
+                f"lower bound {view.lower_bound_s:.1f} s" if view.lower_bound_s is not None else "",
+            )
+        ),
+        "tokens_chart": Markup(
+            charts.bar_chart(
+                "tokens/s per step",
+                [str(x.index) for x in b],
+                [x.tokens_per_s for x in b if x.tokens_per_s is not None],
+                "",
+            )
+            if any(x.tokens_per_s is not None for x in b)
+            else charts.bar_chart("tokens/s per step", [], [])
+        ),
+        "idle_chart": Markup(
+            charts.line_chart(
+                "trainer idle fraction over time",
+                [(x.delivered, x.idle_fraction) for x in b if x.idle_fraction is not None],
+                "",
+                top=1.0,
+            )
+        ),
+        "staleness_chart": Markup(
+            charts.bar_chart(
+                "staleness of delivered groups",
+                [str(k) for k in view.staleness],
+                [float(v) for v in view.staleness.values()],
+                "",
+            )
+        ),
+        "wait_bar": Markup(charts.phase_bar(attribution.phases)) if attribution else Markup(""),
+        "wait_ranked": attribution.ranked() if attribution else [],
+        "wait_total": attribution.total_s if attribution else 0.0,
+        "wait_summary": attribution.summary() if attribution else "",
+        "wait_batches": list(attribution.batches)[-12:][::-1] if attribution else [],
+        "publish_target": target,
+        "engines_done": sum(1 for v in engines_versions if v >= target),
+        "policy_fields": POLICY_FIELDS,
+    }
+
+
+# -- the router -----------------------------------------------------------------------------------------
+
+
+def _error(dash: Dashboard, request: Request, message: str, status: int) -> HTMLResponse:
+    return dash.page(request, "message.html", {"message": message, "level": "error"}, status=status)
+
+
+def _forbidden(dash: Dashboard, request: Request, why: str) -> HTMLResponse:
+    return _error(dash, request, why, 403)
+
+
+def _is_htmx(request: Request) -> bool:
+    return request.headers.get("hx-request") == "true"
+
+
+async def _form(request: Request) -> dict[str, str]:
+    async with request.form() as form:
+        return {k: v for k, v in form.items() if isinstance(v, str)}
+
+
+def make_router(dash: Dashboard) -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    def guard_view(request: Request) -> HTMLResponse | None:
+        if can_view(request, dash.access):
+            return None
+        return dash.page(request, "login.html", {"next": request.url.path}, status=401)
+
+    async def guard_act(request: Request) -> tuple[dict[str, str], HTMLResponse | None]:
+        form = await _form(request)
+        if not csrf_ok(request, form.get(CSRF_FIELD)):
+            return form, _forbidden(dash, request, "refused: the form's CSRF token is missing or wrong")
+        if not is_operator(request, dash.access):
+            return form, _forbidden(dash, request, "refused: acting needs the operator token (sign in)")
+        return form, None
+
+    def run_or_404(request: Request, run_id: str) -> tuple[RunsBackend, RunView] | HTMLResponse:
+        backend = dash.backend_of(run_id)
+        view = backend.view(run_id) if backend is not None else None
+        if backend is None or view is None:
+            return _error(dash, request, f"no run {run_id}", 404)
+        return backend, view
+
+    @router.get("/", response_class=HTMLResponse)
+    async def runs_page(request: Request) -> Response:
+        if (denied := guard_view(request)) is not None:
+            return denied
+        block = "runs" if _is_htmx(request) else None
+        return dash.page(request, "runs.html", runs_context(dash), block)
+
+    @router.get("/runs/{run_id}", response_class=HTMLResponse)
+    async def run_page(request: Request, run_id: str, zoom: float = 1.0) -> Response:
+        if (denied := guard_view(request)) is not None:
+            return denied
+        found = run_or_404(request, run_id)
+        if isinstance(found, HTMLResponse):
+            return found
+        return dash.page(request, "run.html", run_context(found[1], zoom))
+
+    @router.get("/runs/{run_id}/block/{name}", response_class=HTMLResponse)
+    async def run_block(request: Request, run_id: str, name: str, zoom: float = 1.0) -> Response:
+        if (denied := guard_view(request)) is not None:
+            return denied
+        if name not in RUN_BLOCKS:
+            return _error(dash, request, f"no block {name}", 404)
+        found = run_or_404(request, run_id)
+        if isinstance(found, HTMLResponse):
+            return found
+        return dash.page(request, "run.html", run_context(found[1], zoom), name)
+
+    @router.get("/runs/{run_id}/stream")
+    async def run_stream(request: Request, run_id: str) -> Response:
+        if (denied := guard_view(request)) is not None:
+            return denied
+        found = run_or_404(request, run_id)
+        if isinstance(found, HTMLResponse):
+            return found
+        backend = found[0]
+
+        def blocks() -> list[tuple[str, str]]:
+            view = backend.view(run_id)
+            if view is None:
+                return []
+            ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
+            ctx["operator"] = is_operator(request, dash.access)
+            out = [(b, dash.render("run.html", ctx, b)) for b in LIVE_BLOCKS]
+            out.append(("timeline", str(view.last_seq)))  # a trigger: the page fetches it at its zoom
+            return out
+
+        return EventSourceResponse(_changes(request, lambda: backend.version(run_id), blocks, dash))
+
+    @router.get("/stream")
+    async def runs_stream(request: Request) -> Response:
+        if (denied := guard_view(request)) is not None:
+            return denied
+
+        def key() -> int:
+            return hash(tuple((rid, b.version(rid)) for b in dash.backends() for rid in b.run_ids()))
+
+        def blocks() -> list[tuple[str, str]]:
+            ctx = {**runs_context(dash), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
+            return [("runs", dash.render("runs.html", ctx, "runs"))]
+
+        return EventSourceResponse(_changes(request, key, blocks, dash))
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        form = await _form(request)
+        if not csrf_ok(request, form.get(CSRF_FIELD)):
+            return _forbidden(dash, request, "refused: the form's CSRF token is missing or wrong")
+        token = form.get("token", "")
+        known = [t for t in (dash.access.operator_token, dash.access.view_token) if t]
+        if not any(_eq(token, t) for t in known):
+            return dash.page(request, "login.html", {"next": "/", "error": "unknown token"}, status=403)
+        target = form.get("next", "/")
+        response = RedirectResponse(target if target.startswith("/") and "//" not in target else "/", 303)
+        set_token_cookie(response, request, token)
+        return response
+
+    @router.post("/logout")
+    async def logout(request: Request) -> Response:
+        form = await _form(request)
+        if not csrf_ok(request, form.get(CSRF_FIELD)):
+            return _forbidden(dash, request, "refused: the form's CSRF token is missing or wrong")
+        response = RedirectResponse("/", 303)
+        response.delete_cookie("corral_token")
+        return response
+
+    @router.post("/runs")
+    async def launch(request: Request) -> Response:
+        form, denied = await guard_act(request)
+        if denied is not None:
+            return denied
+        if dash.live is None:
+            return _forbidden(dash, request, "this server has no run manager; only replays can be browsed")
+        try:
+            run_id = await dash.live.launch(form, actor="operator")
+        except (ValueError, ActionRefused) as exc:
+            ctx = {**runs_context(dash), "launch_error": str(exc), "launch": form}
+            return dash.page(request, "runs.html", ctx, "launch" if _is_htmx(request) else None, status=422)
+        if _is_htmx(request):
+            response = Response(status_code=204)
+            response.headers["HX-Redirect"] = f"/runs/{run_id}"
+            return response
+        return RedirectResponse(f"/runs/{run_id}", 303)
+
+    @router.post("/replays")
+    async def load_replay(request: Request) -> Response:
+        async with request.form(max_part_size=MAX_REPORT_BYTES) as form:
+            submitted = form.get(CSRF_FIELD)
+            if not csrf_ok(request, submitted if isinstance(submitted, str) else None):
+                return _forbidden(dash, request, "refused: the form's CSRF token is missing or wrong")
+            if not is_operator(request, dash.access):
+                return _forbidden(
+                    dash, request, "refused: loading a replay needs the operator token (sign in)"
+                )
+            upload = form.get("report")
+            if upload is None or isinstance(upload, str):
+                return _error(dash, request, "report: choose a JSON file", 422)
+            data = await upload.read(MAX_REPORT_BYTES + 1)
+            name = upload.filename or "report.json"
+        try:
+            run_id = dash.replays.add_json(data, name)
+        except ReportError as exc:
+            return _error(dash, request, str(exc), 422)
+        return RedirectResponse(f"/runs/{run_id}", 303)
+
+    async def act(request: Request, run_id: str, do: Action) -> Response:
+        form, denied = await guard_act(request)
+        if denied is not None:
+            return denied
+        found = run_or_404(request, run_id)
+        if isinstance(found, HTMLResponse):
+            return found
+        backend = found[0]
+        message, status = "", 200
+        try:
+            await do(backend, form)
+        except ActionRefused as exc:
+            message, status = f"refused: {exc}", 409
+        except ValueError as exc:
+            message, status = str(exc), 422
+        if not _is_htmx(request):
+            if status != 200:
+                return _error(dash, request, message, status)
+            return RedirectResponse(f"/runs/{run_id}", 303)
+        view = backend.view(run_id)
+        assert view is not None
+        block = form.get("block", "engines")
+        block = block if block in RUN_BLOCKS else "engines"
+        return dash.page(request, "run.html", {**run_context(view), "flash": message}, block, status=status)
+
+    @router.post("/runs/{run_id}/publish")
+    async def publish(request: Request, run_id: str) -> Response:
+        return await act(request, run_id, lambda b, f: b.publish(run_id, "operator"))
+
+    @router.post("/runs/{run_id}/stop")
+    async def stop(request: Request, run_id: str) -> Response:
+        return await act(request, run_id, lambda b, f: b.stop(run_id, "operator"))
+
+    @router.post("/runs/{run_id}/policy")
+    async def policy(request: Request, run_id: str) -> Response:
+        async def change(backend: RunsBackend, form: dict[str, str]) -> None:
+            await backend.set_policy(run_id, parse_policy_form(form), form.get("actor") or "operator")
+
+        return await act(request, run_id, change)
+
+    return router
+
+
+def _eq(a: str, b: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def parse_policy_form(form: Mapping[str, str]) -> dict[str, int]:
+    """K and S from the policy form: whole numbers ≥ 0; empty fields are left unchanged."""
+    changes: dict[str, int] = {}
+    for name, short in POLICY_FIELDS.items():
+        raw = form.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{name} ({short}): expected a whole number, got {raw!r}") from None
+        if not 0 <= value <= 1_000_000:
+            raise ValueError(f"{name} ({short}): must be between 0 and 1000000, got {value}")
+        changes[name] = value
+    if not changes:
+        raise ValueError("policy: set K or S")
+    return changes
+
+
+async def _changes(
+    request: Request,
+    key: Callable[[], object],
+    blocks: Callable[[], list[tuple[str, str]]],
+    dash: Dashboard,
+) -> AsyncIterator[dict[str, str]]:
+    """Named blocks whenever `key()` changes, checked every `stream_interval_s`, until the client goes."""
+    last: object = None
+    while not await request.is_disconnected():
+        current = key()
+        if current != last:
+            last = current
+            for name, html in blocks():
+                yield {"event": name, "data": html}
+        await asyncio.sleep(dash.stream_interval_s)
+
+
+def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:
+    """Add the dashboard's routes, its static files and the npm-installed vendor scripts to `app`."""
+    app.include_router(make_router(dash))
+    app.mount("/static", StaticFiles(directory=STATIC), name="dashboard-static")
+
+    @app.get("/vendor/{name}", include_in_schema=False)
+    async def vendor(name: str) -> Response:
+        path = VENDOR.get(name)
+        if path is None or not path.is_file():
+            missing = "run `npm ci` (make install does) to install htmx" if path is not None else "unknown"
+            return Response(f"{name}: {missing}", status_code=404, media_type="text/plain")
+        headers = {"Cache-Control": "max-age=3600"}
+        return Response(path.read_bytes(), media_type="text/javascript", headers=headers)

@@ -1,0 +1,120 @@
+import pytest
+
+from app.core.events import EngineUpdateBegin, Envelope, PolicyChanged
+from app.web.readmodel import ReportError, RunMeta, view_from_events, view_from_report
+from app.web.synthetic import synthetic_run
+
+
+def make_view(**overrides):
+    events = synthetic_run(**overrides)
+    return view_from_events("run-1", events), events
+
+
+def test_view_from_events_has_every_trajectory_batch_and_engine():
+    view, events = make_view(groups=12, group_size=3, batch_groups=3)
+    assert len(view.trajectories) == 12 * 3
+    assert len(view.batches) == 4
+    assert [e.name for e in view.engines] == ["engine-0", "engine-1"]
+    assert all(e.version == 4 for e in view.engines)  # every engine loaded the last publication
+    assert view.policy_short == {"B": 3, "G": 3, "S": 3, "K": 3}  # K changed live from 2 to 3
+    assert view.audit[0].field == "max_staleness"
+    assert sum(view.staleness.values()) == 12
+    assert view.attribution is not None
+    assert len(view.attribution.batches) == 4
+    assert view.last_seq == events[-1].seq
+
+
+def test_groups_are_ordered_by_completion_and_critical_ones_are_marked():
+    view, _ = make_view()
+    ordered = view.ordered_groups()
+    ready = [g.ready for g in ordered if g.ready is not None]
+    assert ready == sorted(ready)
+    held = {b.group_id for b in view.attribution.batches if b.wait_s > 0}
+    assert {g.group_id for g in view.groups if g.held_batch is not None} == held
+
+
+def test_spans_have_known_phases_and_versions_change_inside_trajectories():
+    view, _ = make_view()
+    phases = {s.phase for t in view.trajectories.values() for s in t.spans}
+    assert {"reset", "model_turn", "tool_call", "validate", "cleanup"} <= phases
+    assert any(len(t.versions) > 1 for t in view.trajectories.values())
+
+
+def test_live_snapshots_override_engine_state_and_fill_lanes():
+    _, events = make_view(groups=4, group_size=2, batch_groups=2)
+    tail = events[-1]
+    events = [*events, Envelope("run-1", tail.seq + 1, tail.t + 1, EngineUpdateBegin("engine-0", 9))]
+    meta = RunMeta(
+        engines=[{"name": "engine-1", "in_flight": 3}],
+        lanes=[{"name": "exec", "cpus": [2, 3], "busy": 1, "slots": 4, "queue_depth": 0}],
+        now=tail.t + 5,
+    )
+    view = view_from_events("run-1", events, meta)
+    engines = {e.name: e for e in view.engines}
+    assert (engines["engine-0"].state, engines["engine-0"].target_version) == ("updating", 9)
+    assert engines["engine-1"].in_flight == 3
+    lanes = {lane.name: lane for lane in view.lanes}
+    assert lanes["exec"].cpus == "2,3"
+    assert lanes["exec"].slots == 4
+    assert lanes["exec"].p99_wait_s is not None  # from the stream's queue waits
+    assert view.now == pytest.approx(tail.t + 5 - events[0].t)
+
+
+def test_a_report_with_its_event_log_replays_in_full():
+    events = synthetic_run(groups=8, group_size=2, batch_groups=2)
+    report = {"policy": "full", "event_log": [e.to_dict() for e in events], "lower_bound_s": 3.5}
+    view = view_from_report("replay-1", report)
+    assert view.source == "replay"
+    assert view.detailed
+    assert view.lower_bound_s == 3.5
+    assert len(view.trajectories) == 16
+
+
+def test_a_report_without_event_log_shows_one_row_per_group():
+    report = {
+        "policy": "full",
+        "run_s": 30.0,
+        "policy_config": {"groups_per_batch": 2, "group_size": 4, "surplus_groups": 1, "max_staleness": 2},
+        "groups_timeline": [
+            {"group": 0, "task": 0, "admitted_s": 0.0, "completed_s": 9.0, "ended_s": 10.0,
+             "outcome": "delivered", "batch": 0, "staleness": 0},
+            {"group": 1, "task": 1, "admitted_s": 0.0, "completed_s": 4.0, "ended_s": 10.0,
+             "outcome": "delivered", "batch": 0, "staleness": 1},
+            {"group": 2, "task": 2, "admitted_s": 1.0, "completed_s": None, "ended_s": 12.0,
+             "outcome": "stale", "batch": None, "staleness": None},
+        ],
+        "batch_marks": [{"batch": 0, "requested_s": 0.0, "delivered_s": 10.0}],
+        "update_log": [{"t": 11.0, "engine": "engine-0", "version": 1, "phase": "begin"},
+                       {"t": 12.0, "engine": "engine-0", "version": 1, "phase": "end"}],
+        "engines": {"engine-0": {"final_version": 1}},
+    }  # fmt: skip
+    view = view_from_report("replay-2", report)
+    assert not view.detailed
+    assert [g.group_id for g in view.ordered_groups()] == [1, 0, 2]
+    assert next(g for g in view.groups if g.group_id == 0).held_batch == 0
+    assert next(g for g in view.groups if g.group_id == 2).discarded
+    assert view.publications == [(11.0, 1)]
+    assert view.policy_short == {"B": 2, "G": 4, "S": 1, "K": 2}
+
+
+@pytest.mark.parametrize(
+    ("report", "field"),
+    [
+        ([], "report"),
+        ({"policy": "full"}, "groups_timeline"),
+        ({"event_log": "nope"}, "event_log"),
+        ({"event_log": [{"kind": "bogus", "run_id": "r", "seq": 0, "t": 0}]}, "event_log"),
+        ({"groups_timeline": [], "lower_bound_s": "x"}, "lower_bound_s"),
+        ({"groups_timeline": [{"task": 1}]}, "groups_timeline"),
+    ],
+)
+def test_bad_reports_are_refused_naming_the_field(report, field):
+    with pytest.raises(ReportError, match=field):
+        view_from_report("r", report)
+
+
+def test_policy_changes_in_the_stream_update_the_policy():
+    events = [Envelope("r", 0, 0.0, PolicyChanged("surplus_groups", 4, 9, "alice"))]
+    view = view_from_events("r", events, RunMeta(policy={"surplus_groups": 4}))
+    assert view.policy["surplus_groups"] == 9
+    assert view.audit[0].actor == "alice"

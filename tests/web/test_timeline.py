@@ -1,0 +1,69 @@
+import re
+import xml.etree.ElementTree as ET
+
+from app.web.readmodel import view_from_events
+from app.web.synthetic import synthetic_run
+from app.web.timeline import PHASE_STYLE, legend_svg, render_timeline
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def make_view(**overrides):
+    return view_from_events("run-1", synthetic_run(**overrides), source=overrides.pop("source", "replay"))
+
+
+def test_every_span_is_a_rect_with_a_title_and_a_patterned_fill():
+    view = make_view(groups=8, group_size=2, batch_groups=2)
+    root = ET.fromstring(render_timeline(view))
+    spans = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "sp"]
+    assert len(spans) == view.span_count
+    assert all(r.find(f"{SVG}title") is not None for r in spans)
+    fills = {r.get("fill") for r in spans}
+    assert fills <= {f"url(#pat-{p})" for p in PHASE_STYLE}
+    patterns = {p.get("id") for p in root.iter(f"{SVG}pattern")}
+    assert {f"pat-{p}" for p in PHASE_STYLE} == patterns
+
+
+def test_publications_batches_and_version_changes_are_marked():
+    view = make_view(groups=8, group_size=2, batch_groups=2)
+    svg = render_timeline(view)
+    assert len(re.findall(r'class="pub"', svg)) == len(view.publications)
+    assert len(re.findall(r'class="bat"', svg)) == len(view.batches)
+    changes = sum(len(t.versions) - 1 for t in view.trajectories.values())
+    assert changes > 0
+    assert len(re.findall(r'class="ver"', svg)) == changes
+
+
+def test_stragglers_and_discarded_groups_are_labelled():
+    view = make_view(groups=10, group_size=2, batch_groups=4)  # 2 groups left over: discarded, cancelled
+    svg = render_timeline(view)
+    discarded = [g for g in view.groups if g.discarded]
+    assert discarded
+    assert svg.count("✗ cancelled") == len(discarded)
+    stragglers = [g for g in view.groups if g.straggler]
+    assert svg.count("straggler") >= len(stragglers)
+
+
+def test_zoom_stretches_time():
+    view = make_view(groups=4, group_size=2, batch_groups=2)
+    width = [float(ET.fromstring(render_timeline(view, zoom)).get("width")) for zoom in (1, 4)]
+    assert width[1] > 3 * width[0] - 200
+
+
+def test_live_trajectories_end_in_an_in_progress_span_up_to_now():
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    cut = len(events) // 3  # the run as it was a third of the way through
+    view = view_from_events("run-1", events[:cut], source="live")
+    svg = render_timeline(view)
+    open_trajs = [
+        t for t in view.trajectories.values() if t.finished is None and max(s.end for s in t.spans) < view.now
+    ]
+    assert open_trajs
+    assert svg.count("in progress since") == len(open_trajs)
+
+
+def test_legend_names_every_phase():
+    legend = legend_svg()
+    for p, (label, _, _) in PHASE_STYLE.items():
+        if not p.startswith("group_"):
+            assert label in legend

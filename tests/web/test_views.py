@@ -1,0 +1,241 @@
+import json
+import re
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.core.events import Envelope, PolicyChanged
+from app.web.backend import ActionRefused
+from app.web.readmodel import RunMeta, view_from_events
+from app.web.security import AccessConfig
+from app.web.synthetic import synthetic_run
+from app.web.views import Dashboard, _changes, mount_dashboard, parse_policy_form
+
+OPERATOR = "operator-token-123"
+
+
+class FakeRuns:
+    """A RunsBackend over an in-memory event list: actions append the events a run would publish."""
+
+    def __init__(self, events):
+        self.events = list(events)
+        self.calls = []
+
+    def run_ids(self):
+        return ["live-1"]
+
+    def view(self, run_id):
+        if run_id != "live-1":
+            return None
+        return view_from_events(run_id, self.events, RunMeta(state="running"))
+
+    def version(self, run_id):
+        return len(self.events)
+
+    def _append(self, event):
+        last = self.events[-1]
+        self.events.append(Envelope("live-1", last.seq + 1, last.t + 0.1, event))
+
+    async def launch(self, form, actor):
+        if form.get("groups_per_batch") == "0":
+            raise ValueError("groups_per_batch: must be at least 1")
+        self.calls.append(("launch", dict(form)))
+        return "live-1"
+
+    async def publish(self, run_id, actor):
+        self.calls.append(("publish", run_id))
+
+    async def set_policy(self, run_id, changes, actor):
+        for name, value in changes.items():
+            self._append(PolicyChanged(name, None, value, actor))
+        self.calls.append(("policy", dict(changes)))
+
+    async def stop(self, run_id, actor):
+        raise ActionRefused("the run has ended")
+
+
+def make_client(view_token=None, live=None):
+    app = FastAPI()
+    dash = Dashboard(AccessConfig(OPERATOR, view_token), live=live)
+    events = synthetic_run(groups=6, group_size=2, batch_groups=2)
+    dash.replays.add({"policy": "full", "event_log": [e.to_dict() for e in events]}, "a replay")
+    mount_dashboard(app, dash)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return client, dash
+
+
+async def csrf_of(client, path="/"):
+    page = await client.get(path)
+    assert page.status_code == 200
+    return re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+
+
+async def sign_in(client):
+    token = await csrf_of(client)
+    r = await client.post("/login", data={"csrf_token": token, "token": OPERATOR})
+    assert r.status_code == 303
+    return token
+
+
+async def test_runs_page_lists_live_runs_and_replays_with_labelled_fields():
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        r = await client.get("/")
+    assert r.status_code == 200
+    assert "<title>Corral — runs</title>" in r.text
+    assert 'href="/runs/live-1"' in r.text
+    assert 'href="/runs/replay-1"' in r.text
+    for field_id in re.findall(r'<input id="([^"]+)"', r.text):
+        assert f'for="{field_id}"' in r.text  # every visible input has a label
+    assert "corral_csrf" in r.headers["set-cookie"]
+
+
+async def test_run_page_and_blocks_render():
+    client, _ = make_client()
+    async with client:
+        page = await client.get("/runs/replay-1")
+        block = await client.get("/runs/replay-1/block/timeline", params={"zoom": 2})
+        missing = await client.get("/runs/nope")
+        bad_block = await client.get("/runs/replay-1/block/nope")
+    assert page.status_code == 200
+    assert "Why did the trainer wait?" in page.text
+    assert "The trainer waited" in page.text
+    assert page.text.count('class="sp"') > 100
+    assert block.status_code == 200
+    assert "<html" not in block.text
+    assert "Zoom ×2" in block.text
+    assert (missing.status_code, bad_block.status_code) == (404, 404)
+
+
+async def test_actions_need_csrf_and_the_operator_token():
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await csrf_of(client)
+        no_csrf = await client.post("/runs/live-1/policy", data={"max_staleness": "5"})
+        no_operator = await client.post(
+            "/runs/live-1/policy", data={"csrf_token": token, "max_staleness": "5"}
+        )
+        bearer_no_csrf = await client.post(
+            "/runs/live-1/publish", headers={"Authorization": f"Bearer {OPERATOR}"}, data={}
+        )
+        await sign_in(client)
+        ok = await client.post(
+            "/runs/live-1/policy",
+            data={"csrf_token": token, "max_staleness": "5", "block": "policy"},
+            headers={"HX-Request": "true"},
+        )
+    assert no_csrf.status_code == 403
+    assert "CSRF" in no_csrf.text
+    assert no_operator.status_code == 403
+    assert "operator token" in no_operator.text
+    assert bearer_no_csrf.status_code == 403
+    assert ok.status_code == 200
+    assert live.calls == [("policy", {"max_staleness": 5})]
+    assert 'id="current-k">5<' in ok.text
+    assert "set max_staleness" in ok.text
+
+
+async def test_bad_policy_values_and_refused_actions_say_why():
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await sign_in(client)
+        bad = await client.post(
+            "/runs/live-1/policy",
+            data={"csrf_token": token, "max_staleness": "nan"},
+            headers={"HX-Request": "true"},
+        )
+        refused = await client.post("/runs/live-1/stop", data={"csrf_token": token})
+        replay = await client.post("/runs/replay-1/publish", data={"csrf_token": token})
+        launch_bad = await client.post("/runs", data={"csrf_token": token, "groups_per_batch": "0"})
+        launch_ok = await client.post("/runs", data={"csrf_token": token, "groups_per_batch": "2"})
+    assert bad.status_code == 422
+    assert "max_staleness (K): expected a whole number" in bad.text
+    assert refused.status_code == 409
+    assert "the run has ended" in refused.text
+    assert replay.status_code == 409
+    assert "read-only" in replay.text
+    assert launch_bad.status_code == 422
+    assert "groups_per_batch" in launch_bad.text
+    assert launch_ok.status_code == 303
+    assert launch_ok.headers["location"] == "/runs/live-1"
+
+
+async def test_view_token_protects_reading():
+    client, _ = make_client(view_token="viewer-token-1")
+    async with client:
+        denied = await client.get("/")
+        bearer = await client.get("/", headers={"Authorization": "Bearer viewer-token-1"})
+        token = re.search(r'name="csrf_token" value="([^"]+)"', denied.text).group(1)
+        wrong = await client.post("/login", data={"csrf_token": token, "token": "guess-guess"})
+        login = await client.post(
+            "/login", data={"csrf_token": token, "token": "viewer-token-1", "next": "/"}
+        )
+        after = await client.get("/runs/replay-1")
+    assert denied.status_code == 401
+    assert "Sign in" in denied.text
+    assert bearer.status_code == 200
+    assert wrong.status_code == 403
+    assert login.status_code == 303
+    assert after.status_code == 200
+
+
+async def test_an_operator_loads_a_report_as_a_replay():
+    client, dash = make_client()
+    report = {"policy": "sync", "event_log": [e.to_dict() for e in synthetic_run(groups=4, batch_groups=2)]}
+    async with client:
+        token = await csrf_of(client)
+        anonymous = await client.post(
+            "/replays", data={"csrf_token": token}, files={"report": ("r.json", json.dumps(report))}
+        )
+        await sign_in(client)
+        ok = await client.post(
+            "/replays", data={"csrf_token": token}, files={"report": ("r.json", json.dumps(report))}
+        )
+        bad = await client.post(
+            "/replays", data={"csrf_token": token}, files={"report": ("r.json", b"{nope")}
+        )
+    assert anonymous.status_code == 403
+    assert ok.status_code == 303
+    assert ok.headers["location"] == "/runs/replay-2"
+    assert bad.status_code == 422
+    assert "not JSON" in bad.text
+    assert dash.replays.view("replay-2").label == "r.json"
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [
+        ({}, "set K or S"),
+        ({"max_staleness": "-1"}, "max_staleness (K): must be between"),
+        ({"surplus_groups": "1e9"}, "surplus_groups (S): expected a whole number"),
+        ({"surplus_groups": "inf"}, "surplus_groups (S): expected a whole number"),
+    ],
+)
+def test_policy_form_refuses_bad_values(form, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_policy_form(form)
+
+
+class FakeRequest:
+    def __init__(self, polls):
+        self.polls = polls
+
+    async def is_disconnected(self):
+        self.polls -= 1
+        return self.polls < 0
+
+
+async def test_the_live_stream_sends_blocks_only_when_the_run_changes():
+    client, dash = make_client()
+    dash.stream_interval_s = 0.0
+    keys = iter([1, 1, 2, 2])
+    sent = [
+        msg
+        async for msg in _changes(FakeRequest(4), lambda: next(keys), lambda: [("engines", "<p>x</p>")], dash)
+    ]
+    await client.aclose()
+    assert sent == [{"event": "engines", "data": "<p>x</p>"}] * 2
