@@ -267,6 +267,15 @@ class LocalSandbox(CommandSandbox):
             self.uid = None
         self._task = None
 
+    def adopt(self, task: TaskSpec | None, uid: int | None, pids_group: PidsGroup | None) -> None:
+        """Take over this sandbox as `reset` left it in another process of this host (a Celery pool
+        process): its task, its uid claim and its pids cgroup. Per-exec cgroup leaves get names of
+        this process, so two processes never share one."""
+        self._task = task
+        self.uid = uid
+        self.pids_group = pids_group
+        self._exec_seq = os.getpid() * 1_000_000
+
     # -- internals ----------------------------------------------------------------------------------
 
     def _require_reset(self) -> TaskSpec:

@@ -1,0 +1,92 @@
+"""`corral worker`: a Celery worker for one sandbox lane of one host, or for run orchestrators.
+
+Every flag is checked (and the process pinned) before Celery starts, so a bad flag is a one-line
+refusal with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from app.cli.common import fail
+from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
+from app.lanes.base import LaneName
+
+MAX_CONCURRENCY = 256
+
+
+def worker(
+    lane: Annotated[LaneName | None, typer.Option(help="the sandbox lane this worker serves")] = None,
+    cpus: Annotated[
+        str | None, typer.Option(help="CPU list the worker and its sandbox commands are pinned to, e.g. 2-3")
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="host name in the queue name lane.<host>.<lane>; default: this host's")
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(min=1, max=MAX_CONCURRENCY, help="pool processes; default: one per CPU of --cpus"),
+    ] = None,
+    orchestrator: Annotated[
+        bool, typer.Option("--orchestrator", help="serve the orchestrator queue instead of a lane")
+    ] = False,
+    isolation: Annotated[str, typer.Option(help="sandbox isolation: auto, bwrap or none")] = "auto",
+    loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO",
+) -> None:
+    """Run a Celery worker: `--lane exec --cpus 2-3` for a lane, or `--orchestrator`.
+
+    The broker comes from CORRAL_BROKER_URL (redis:// or amqp://); results go to CORRAL_RESULT_BACKEND
+    (default: the broker, when it is Redis).
+    """
+    from workers.celery_app import BrokerError, BrokerSettings, check_host
+
+    if isolation not in ("auto", "bwrap", "none"):
+        fail(f"--isolation: {isolation!r} is not one of auto, bwrap, none")
+    if loglevel.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        fail(f"--loglevel: {loglevel!r} is not one of debug, info, warning, error, critical")
+    try:
+        settings = BrokerSettings()
+        settings.urls()
+    except (BrokerError, ValidationError) as exc:
+        fail(str(exc).splitlines()[0])
+    if orchestrator:
+        if lane is not None or cpus is not None:
+            fail("--orchestrator: serves the orchestrator queue; drop --lane and --cpus")
+        from workers.main import run_orchestrator_worker
+
+        run_orchestrator_worker(settings, concurrency or 1, loglevel.upper())
+        return
+    if lane is None or cpus is None:
+        fail("--lane and --cpus are required (or pass --orchestrator)")
+    try:
+        cpu_list = parse_cpu_list(cpus)
+    except CpuListError as exc:
+        fail(f"--cpus: {exc}")
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpu_list) - allowed)
+    if missing:
+        fail(
+            f"--cpus: CPUs {format_cpu_list(missing)} are not available here "
+            f"(allowed: {format_cpu_list(sorted(allowed))})"
+        )
+    host_name = host if host is not None else socket.gethostname()
+    try:
+        check_host(host_name)
+    except BrokerError as exc:
+        fail(f"--host: {exc}")
+    from workers.main import run_lane_worker
+
+    run_lane_worker(
+        settings,
+        lane,
+        cpu_list,
+        host_name,
+        concurrency or len(cpu_list),
+        isolation,  # type: ignore[arg-type]
+        loglevel.upper(),
+    )

@@ -1,0 +1,164 @@
+"""CeleryLanes: lane operations as Celery tasks on per-lane, per-host queues (distributed deployment).
+
+`attach` places a sandbox on a host (the one with the fewest live sandboxes, ties in the given order)
+and the handle carries that host: every op of the sandbox goes to `lane.<host>.<op's lane>`, where the
+workers of that host and lane (`corral worker --lane L --host H`) consume it. The op id is the task id.
+
+Invariants:
+- every op of one sandbox lands on the host its handle names; an op whose handle has no host is refused;
+- waiting for a result never blocks the event loop: publishing and each poll of the result backend run
+  in a thread, polls back off from `poll_min_s` to `poll_max_s`;
+- an op cancelled before a worker took it is revoked, so a discarded group's queued ops do not run;
+- a worker's error is raised here (its type when importable, else celery's), never swallowed.
+
+Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
+of the queue), `busy` the ops this client has sent and not yet seen finish, waits are measured from the
+publish to the worker's start (wall clocks: same host or NTP-synchronised hosts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from celery import Celery, states
+from celery.result import AsyncResult
+
+from app.lanes.base import LaneName, LaneSlot, LaneStats
+from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, decode_result, handle_of
+from app.sandboxes.base import Sandbox
+
+T = TypeVar("T")
+
+LANE_OP_TASK = "corral.lane_op"  # workers.celery_app registers the task under this name
+
+
+def lane_queue(host: str, lane: LaneName) -> str:
+    return f"lane.{host}.{lane.value}"
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """Where and when one op ran, as its worker reported it (wall-clock seconds)."""
+
+    op: LaneOp[Any]
+    host: str
+    pid: int
+    affinity: tuple[int, ...]
+    sent_at: float
+    started_at: float
+    ended_at: float
+    replayed: bool
+
+
+class CeleryLanes:
+    def __init__(
+        self,
+        celery: Celery,
+        hosts: Sequence[str],
+        *,
+        poll_min_s: float = 0.005,
+        poll_max_s: float = 0.2,
+        on_done: Callable[[OpRecord], None] | None = None,
+    ) -> None:
+        if not hosts:
+            raise LaneOpError("hosts: CeleryLanes needs at least one lane host")
+        if len(set(hosts)) != len(hosts):
+            raise LaneOpError(f"hosts: duplicates in {list(hosts)}")
+        self._celery = celery
+        self.hosts = tuple(hosts)
+        self._poll = (poll_min_s, poll_max_s)
+        self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
+        self._stats = {lane: LaneStats() for lane in LaneName}
+        self._on_done = on_done
+
+    # -- the Lanes port ---------------------------------------------------------------------------
+
+    async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T:
+        raise LaneOpError(f"{lane.value}: a closure cannot cross to a Celery worker; send a LaneOp (run_op)")
+
+    def attach(self, sandbox: Sandbox) -> SandboxHandle:
+        handle = handle_of(sandbox)
+        host = self._placed.get(handle.id)
+        if host is None:
+            load = {h: 0 for h in self.hosts}
+            for placed in self._placed.values():
+                load[placed] += 1
+            host = min(self.hosts, key=lambda h: load[h])
+            self._placed[handle.id] = host
+        return handle.on(host)
+
+    async def run_op(self, op: LaneOp[T]) -> T:
+        if op.host is None:
+            raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: handle.host is not set")
+        stats = self._stats[op.lane]
+        stats.busy += 1
+        stats.max_busy = max(stats.max_busy, stats.busy)
+        sent_at = time.time()
+        try:
+            result = await asyncio.to_thread(
+                self._celery.send_task,
+                LANE_OP_TASK,
+                args=[op.to_dict()],
+                queue=lane_queue(op.host, op.lane),
+                task_id=op.op_id,
+            )
+            envelope = await self._wait(result, op)
+        finally:
+            stats.busy -= 1
+            if op.name is LaneName.CLEANUP:
+                self._placed.pop(op.handle.id, None)
+        waited = max(0.0, float(envelope["started_at"]) - sent_at)
+        stats.completed += 1
+        stats.wait_s_total += waited
+        stats.wait_s_max = max(stats.wait_s_max, waited)
+        if self._on_done is not None:
+            self._on_done(
+                OpRecord(
+                    op=op,
+                    host=str(envelope["host"]),
+                    pid=int(envelope["pid"]),
+                    affinity=tuple(envelope["affinity"]),
+                    sent_at=sent_at,
+                    started_at=float(envelope["started_at"]),
+                    ended_at=float(envelope["ended_at"]),
+                    replayed=bool(envelope["replayed"]),
+                )
+            )
+        return decode_result(op, envelope["result"])
+
+    def stats(self) -> dict[str, LaneStats]:
+        for lane, stats in self._stats.items():
+            stats.queue_depth = sum(self.queue_depth(host, lane) for host in self.hosts)
+            stats.max_queue_depth = max(stats.max_queue_depth, stats.queue_depth)
+        return {lane.value: s for lane, s in self._stats.items()}
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def queue_depth(self, host: str, lane: LaneName) -> int:
+        """Messages waiting in one queue, as the broker counts them (0 for a queue never declared)."""
+        with self._celery.connection_for_read() as conn:
+            try:
+                ok = conn.default_channel.queue_declare(queue=lane_queue(host, lane), passive=True)
+            except conn.channel_errors:
+                return 0
+            return int(ok.message_count)
+
+    async def _wait(self, result: AsyncResult, op: LaneOp[Any]) -> dict[str, Any]:
+        delay, most = self._poll
+        try:
+            while (await asyncio.to_thread(lambda: result.state)) not in states.READY_STATES:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, most)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # best effort: the op may already be running
+                self._celery.control.revoke(op.op_id)
+            raise
+        envelope = await asyncio.to_thread(result.get, propagate=True, disable_sync_subtasks=False)
+        if not isinstance(envelope, dict) or "result" not in envelope:
+            raise LaneOpError(f"op {op.op_id}: the worker answered {envelope!r}, not a lane op result")
+        return envelope

@@ -1,0 +1,127 @@
+"""Real Celery workers against the real Redis on this machine.
+
+`lane_cluster` starts `corral worker` processes for two logical hosts (four lanes each, every worker
+pinned to CPU 1), once per module; host names are unique to the module, so tests never share a queue
+with anyone. Each worker runs in its own session and is stopped by its own pid at the end (SIGTERM,
+then SIGKILL to its session if it hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from app.lanes.base import LaneName
+from workers.celery_app import make_celery
+
+REDIS_URL = os.environ.get("CORRAL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+CORRAL = Path(sys.executable).with_name("corral")
+WORKER_CPUS = "1"
+
+
+def redis_answers() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def broker_env(url: str = REDIS_URL, backend: str = REDIS_URL) -> dict[str, str]:
+    return {**os.environ, "CORRAL_BROKER_URL": url, "CORRAL_RESULT_BACKEND": backend}
+
+
+@dataclass
+class Workers:
+    """`corral worker` processes this test module started, with their logs."""
+
+    log_dir: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        path = self.log_dir / f"worker-{len(self.procs)}.log"
+        with path.open("wb") as log:
+            proc = subprocess.Popen(
+                [str(CORRAL), "worker", "--loglevel", "warning", *args],
+                env=env or broker_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("worker-*.log")))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # our own worker's session, pool processes included
+                proc.wait()
+
+
+@dataclass
+class LaneCluster:
+    hosts: tuple[str, str]
+    app: Celery
+    workers: Workers
+    by_lane: dict[tuple[str, LaneName], subprocess.Popen[bytes]]
+
+
+@pytest.fixture(scope="module")
+def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaneCluster]:
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379 (the Celery tests need a real broker)")
+    prefix = uuid.uuid4().hex[:8]
+    hosts = (f"a{prefix}", f"b{prefix}")
+    workers = Workers(tmp_path_factory.mktemp("workers"))
+    by_lane = {}
+    try:
+        for host in hosts:
+            for lane in LaneName:
+                concurrency = "2" if lane is LaneName.RESET else "1"
+                by_lane[host, lane] = workers.start(
+                    "--lane", lane.value, "--cpus", WORKER_CPUS, "--host", host, "--concurrency", concurrency
+                )
+        app = make_celery(REDIS_URL, REDIS_URL)
+        yield LaneCluster(hosts, app, workers, by_lane)
+        app.close()
+    finally:
+        workers.stop()
+
+
+@pytest.fixture
+def base_dir() -> Iterator[Path]:
+    # Under /tmp: sandbox uids must reach their work dir (o+x on every parent).
+    path = Path(tempfile.mkdtemp(prefix="corral-wk-", dir="/tmp"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def task_root(tmp_path: Path) -> Path:
+    root = tmp_path / "task"
+    (root / "lib").mkdir(parents=True)
+    (root / "greeting.txt").write_text("hello world\n")
+    (root / "lib" / "helper.sh").write_text("echo helper\n")
+    return root

@@ -1,0 +1,162 @@
+"""Lane workers as real processes on the real Redis: CPU pinning in the main and every pool process,
+idempotent redelivery, refusal of misrouted ops, and host affinity through CeleryLanes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from conftest import LaneCluster
+from factories import make_echo_task
+
+from app.lanes.base import LaneName
+from app.lanes.celery import CeleryLanes, OpRecord
+from app.lanes.ops import LaneOp, LaneOpError, decode_result, handle_of
+from app.sandboxes.local import LocalSandboxFactory
+from workers.celery_app import LANE_OP_TASK, queue_name
+
+RESULT_TIMEOUT_S = 60
+
+
+def send(cluster: LaneCluster, op: LaneOp[Any], host: str | None = None) -> AsyncResult:
+    assert op.host is not None
+    return cluster.app.send_task(
+        LANE_OP_TASK, args=[op.to_dict()], queue=queue_name(host or op.host, op.lane), task_id=op.op_id
+    )
+
+
+def cpus_allowed(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_for_log(cluster: LaneCluster, text: str) -> None:
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while text not in cluster.workers.logs():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no worker logged {text!r}")
+        time.sleep(0.05)
+
+
+def test_every_pool_process_of_a_lane_worker_is_pinned(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    host = lane_cluster.hosts[0]
+    factory = LocalSandboxFactory(base_dir)
+    task = make_echo_task(task_root, setup="sleep 0.5; grep Cpus_allowed_list /proc/self/status")
+    handles = [handle_of(factory.create(f"pin{i}"), host) for i in range(4)]
+    resets = [LaneOp.reset(h, task) for h in handles]
+    pending = [send(lane_cluster, op) for op in resets]
+    envelopes = [r.get(timeout=RESULT_TIMEOUT_S) for r in pending]
+
+    # Inside the task: each pool process runs on CPU 1 only, and both pool processes took work.
+    assert {tuple(e["affinity"]) for e in envelopes} == {(1,)}
+    assert len({e["pid"] for e in envelopes}) == 2
+    for op, envelope in zip(resets, envelopes, strict=True):
+        result = decode_result(op, envelope["result"])
+        assert result.exit_code == 0
+        assert "Cpus_allowed_list:\t1" in result.output  # the sandbox command too
+    # From outside: the worker's main process and every pool process it forked.
+    main = lane_cluster.by_lane[host, LaneName.RESET]
+    pool = children(main.pid)
+    assert len(pool) == 2
+    assert [cpus_allowed(pid) for pid in [main.pid, *pool]] == ["1"] * 3
+
+    cleanups = [send(lane_cluster, LaneOp.cleanup(h)) for h in handles]
+    for pending_cleanup in cleanups:
+        pending_cleanup.get(timeout=RESULT_TIMEOUT_S)
+    assert not any((base_dir / f"pin{i}").exists() for i in range(4))
+
+
+def test_a_repeated_delivery_of_a_completed_op_returns_the_stored_result(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    host = lane_cluster.hosts[0]
+    handle = handle_of(LocalSandboxFactory(base_dir).create("idem"), host)
+    send(lane_cluster, LaneOp.reset(handle, make_echo_task(task_root))).get(timeout=RESULT_TIMEOUT_S)
+    append = LaneOp.exec(handle, "echo ran >> runs.txt; wc -l < runs.txt", 10)
+    first = send(lane_cluster, append).get(timeout=RESULT_TIMEOUT_S)
+    send(lane_cluster, append)  # the same op id again: a redelivery
+    wait_for_log(lane_cluster, f"op {append.op_id} (exec) delivered again: returning its stored result")
+    count = send(lane_cluster, LaneOp.exec(handle, "wc -l < runs.txt", 10)).get(timeout=RESULT_TIMEOUT_S)
+    send(lane_cluster, LaneOp.cleanup(handle)).get(timeout=RESULT_TIMEOUT_S)
+
+    assert not first["replayed"]
+    assert decode_result(append, first["result"]).output.strip() == "1"
+    assert count["result"]["output"].strip() == "1"  # the repeated delivery did not run the command
+
+
+def test_an_op_sent_to_another_hosts_queue_is_refused(lane_cluster: LaneCluster, base_dir: Path) -> None:
+    a, b = lane_cluster.hosts
+    op = LaneOp.validate(handle_of(LocalSandboxFactory(base_dir).create("lost"), b))
+    with pytest.raises(LaneOpError, match=f"reached the validate worker of '{a}'"):
+        send(lane_cluster, op, host=a).get(timeout=RESULT_TIMEOUT_S)
+
+
+async def test_every_op_of_a_sandbox_lands_on_the_host_it_was_placed_on(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    records: list[OpRecord] = []
+    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts, on_done=records.append)
+    factory = LocalSandboxFactory(base_dir)
+    task = make_echo_task(task_root)
+
+    async def attempt(i: int) -> tuple[str, float]:
+        handle = lanes.attach(factory.create(f"aff{i}"))
+        assert handle.host is not None
+        await lanes.run_op(LaneOp.reset(handle, task))
+        await lanes.run_op(LaneOp.exec(handle, "echo hello again > greeting.txt", 10))
+        reward = await lanes.run_op(LaneOp.validate(handle))
+        await lanes.run_op(LaneOp.cleanup(handle))
+        return handle.host, reward
+
+    async with asyncio.timeout(RESULT_TIMEOUT_S):
+        done = await asyncio.gather(*(attempt(i) for i in range(4)))
+
+    assert [reward for _, reward in done] == [1.0] * 4
+    assert sorted(host for host, _ in done) == sorted(lane_cluster.hosts * 2)  # placed 2 and 2
+    by_sandbox: dict[str, set[str]] = {}
+    for record in records:
+        by_sandbox.setdefault(record.op.handle.id, set()).add(record.host)
+        assert record.host == record.op.host
+        assert record.affinity == (1,)
+    assert len(records) == 16
+    assert all(len(hosts) == 1 for hosts in by_sandbox.values())
+    stats = lanes.stats()
+    assert stats["exec"].completed == 4
+    assert stats["exec"].busy == 0
+    assert not any((base_dir / f"aff{i}").exists() for i in range(4))
+
+
+async def test_lane_stats_count_the_messages_waiting_in_a_hosts_queue(
+    lane_cluster: LaneCluster, base_dir: Path
+) -> None:
+    idle_host = f"idle{lane_cluster.hosts[0]}"  # no worker consumes this host's queues
+    lanes = CeleryLanes(lane_cluster.app, [idle_host])
+    handle = lanes.attach(LocalSandboxFactory(base_dir).create("queued"))
+    for _ in range(3):
+        send(lane_cluster, LaneOp.exec(handle, "true", 5))
+    assert lanes.stats()["exec"].queue_depth == 3
+    assert lanes.stats()["validate"].queue_depth == 0
+    with lane_cluster.app.connection_for_write() as conn:
+        conn.default_channel.queue_purge(queue_name(idle_host, LaneName.EXEC))
+    assert lanes.stats()["exec"].queue_depth == 0

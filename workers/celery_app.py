@@ -1,0 +1,114 @@
+"""The Celery app: lane work on per-lane, per-host queues, and run orchestrators on one queue.
+
+Queues: `lane.<host>.<lane>` (e.g. `lane.host-a.exec`) for sandbox operations, `orchestrator` for the
+run orchestrator. A sandbox lives on one host, so every op of it goes to that host's queue of the op's
+lane; a worker consumes exactly one lane of one host.
+
+Delivery: late acks, a prefetch of 1 and redelivery when a pool process dies mid-task, so a lost worker
+never loses an op; tasks are idempotent by op id (the op id is the Celery task id, and a redelivered op
+whose result is already stored returns that result). On Redis a message not acked within the
+visibility timeout is delivered again, so the timeout is set above the longest op.
+
+The app is built by `make_celery` from explicit URLs, in each entry point; nothing reads the
+environment at import time.
+"""
+
+from __future__ import annotations
+
+import re
+
+from celery import Celery
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.lanes.base import LaneName
+from app.lanes.celery import LANE_OP_TASK, lane_queue
+
+ORCHESTRATOR_QUEUE = "orchestrator"
+ORCHESTRATOR_TASK = "corral.run_orchestrator"
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Above the longest sandbox op we expect (p99 setup 860 s, agent timeouts up to ~2,300 s).
+VISIBILITY_TIMEOUT_S = 4 * 3600
+RESULT_TTL_S = 24 * 3600
+
+__all__ = [
+    "LANE_OP_TASK",
+    "ORCHESTRATOR_QUEUE",
+    "ORCHESTRATOR_TASK",
+    "BrokerError",
+    "BrokerSettings",
+    "check_host",
+    "make_celery",
+    "queue_name",
+]
+
+
+class BrokerError(ValueError):
+    """Broker settings that cannot work; the message names the variable."""
+
+
+class BrokerSettings(BaseSettings):
+    """Where Celery messages and results go (environment prefix `CORRAL_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore", frozen=True)
+
+    broker_url: str | None = Field(None, description="redis:// or amqp://; unset means in-process lanes")
+    result_backend: str | None = Field(
+        None, description="where op results are kept; defaults to the broker when it is Redis"
+    )
+
+    def urls(self) -> tuple[str, str]:
+        """(broker, result backend); raises `BrokerError` naming the variable that is missing."""
+        if not self.broker_url:
+            raise BrokerError("CORRAL_BROKER_URL is not set; set it to redis://… or amqp://… to use Celery")
+        if not self.broker_url.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
+            raise BrokerError(f"CORRAL_BROKER_URL must be redis:// or amqp://, got {self.broker_url!r}")
+        backend = self.result_backend
+        if backend is None:
+            if not self.broker_url.startswith(("redis://", "rediss://")):
+                raise BrokerError(
+                    "CORRAL_RESULT_BACKEND is not set; with an amqp:// broker set it to a redis:// URL"
+                )
+            backend = self.broker_url
+        if not backend.startswith(("redis://", "rediss://")):
+            raise BrokerError(f"CORRAL_RESULT_BACKEND must be redis://, got {backend!r}")
+        return self.broker_url, backend
+
+
+def queue_name(host: str, lane: LaneName | str) -> str:
+    """The queue of one lane on one host."""
+    return lane_queue(check_host(host), LaneName(lane))
+
+
+def check_host(host: str) -> str:
+    if not HOST_NAME.match(host):
+        raise BrokerError(f"host name {host!r}: use letters, digits, '.', '_' or '-' (at most 63)")
+    return host
+
+
+def make_celery(broker_url: str, result_backend: str) -> Celery:
+    app = Celery(
+        "corral",
+        broker=broker_url,
+        backend=result_backend,
+        include=["workers.lane_tasks", "workers.orchestrator"],
+    )
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        result_expires=RESULT_TTL_S,
+        result_extended=True,
+        task_default_queue=ORCHESTRATOR_QUEUE,
+        task_routes={ORCHESTRATOR_TASK: {"queue": ORCHESTRATOR_QUEUE}},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+    )
+    return app

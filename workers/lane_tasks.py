@@ -1,0 +1,92 @@
+"""The lane task: one `LaneOp` carried out by a lane worker, on its host, on its CPU set.
+
+A lane worker (`corral worker --lane L --cpus C --host H`) consumes the queue `lane.H.L`. `configure`
+sets what this worker is before Celery starts; the pool processes it forks inherit it, and each pins
+itself to the lane's CPUs again in `worker_process_init`, so the CPU set holds in every pool process
+whatever the pool does (restarts included).
+
+Invariants:
+- an op runs only on the worker of its lane and host (a misrouted op is refused, never run);
+- the op id is the task id; a delivery of an op whose result is already stored returns that result
+  without running the op again (idempotent under at-least-once delivery);
+- the op runs through `app.lanes.ops.execute_op`, as in-process lanes run it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Task, shared_task, states
+from celery.signals import worker_process_init
+
+from app.engines.embedded.cpus import pin_cpus
+from app.lanes.base import LaneName
+from app.lanes.ops import LaneOp, LaneOpError, encode_result, execute_op
+from workers.celery_app import LANE_OP_TASK
+from workers.sandboxes import HostSandboxes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaneWorker:
+    """What this worker process is: a lane of a host, on a CPU set, with the host's sandboxes."""
+
+    lane: LaneName
+    host: str
+    cpus: tuple[int, ...]
+    sandboxes: HostSandboxes
+
+
+_worker: LaneWorker | None = None
+
+
+def configure(lane: LaneName, host: str, cpus: Sequence[int], sandboxes: HostSandboxes) -> LaneWorker:
+    """Make this process a lane worker and pin it (pool processes forked later inherit both)."""
+    global _worker
+    pin_cpus(list(cpus))
+    _worker = LaneWorker(lane, host, tuple(cpus), sandboxes)
+    return _worker
+
+
+@worker_process_init.connect  # type: ignore[untyped-decorator]
+def _pin_pool_process(**_: Any) -> None:
+    if _worker is not None:
+        pin_cpus(list(_worker.cpus))
+
+
+@shared_task(name=LANE_OP_TASK, bind=True)  # type: ignore[untyped-decorator]
+def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
+    if _worker is None:
+        raise LaneOpError("this worker is not a lane worker (start it with `corral worker --lane`)")
+    op = LaneOp.from_dict(data)
+    if op.lane is not _worker.lane or op.host != _worker.host:
+        raise LaneOpError(
+            f"op {op.op_id} for lane {op.lane.value} on {op.host!r} reached the {_worker.lane.value} "
+            f"worker of {_worker.host!r}"
+        )
+    stored = self.backend.get_task_meta(self.request.id, cache=False)
+    if stored.get("status") == states.SUCCESS and isinstance(stored.get("result"), dict):
+        # The backend keeps the first result (it never overwrites a success), which is what we return.
+        log.warning("op %s (%s) delivered again: returning its stored result", op.op_id, op.name.value)
+        return {**stored["result"], "replayed": True}
+    started = time.time()
+    sandbox = _worker.sandboxes.resolve(op.handle)
+    result = asyncio.run(execute_op(op, sandbox, _worker.cpus))
+    _worker.sandboxes.after(op, sandbox)
+    return {
+        "result": encode_result(op.name, result),
+        "host": _worker.host,
+        "lane": _worker.lane.value,
+        "pid": os.getpid(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "started_at": started,
+        "ended_at": time.time(),
+        "replayed": False,
+    }

@@ -1,0 +1,46 @@
+"""Composition roots of the two worker kinds: a lane worker (one lane of one host, pinned to its CPUs)
+and an orchestrator worker. Both are Celery prefork workers; `corral worker` calls these after it has
+checked its flags."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+from app.lanes.base import LaneName
+from workers import lane_tasks
+from workers.celery_app import ORCHESTRATOR_QUEUE, BrokerSettings, make_celery, queue_name
+from workers.sandboxes import HostSandboxes
+
+# Gossip and mingle only slow a start and are not used: ops are routed by queue, not by worker.
+_QUIET = ("--without-gossip", "--without-mingle")
+
+
+def run_lane_worker(
+    settings: BrokerSettings,
+    lane: LaneName,
+    cpus: Sequence[int],
+    host: str,
+    concurrency: int,
+    isolation: Literal["auto", "bwrap", "none"] = "auto",
+    loglevel: str = "INFO",
+) -> None:
+    """Consume `lane.<host>.<lane>` with `concurrency` pool processes, each pinned to `cpus`."""
+    broker, backend = settings.urls()
+    queue = queue_name(host, lane)
+    app = make_celery(broker, backend)
+    lane_tasks.configure(lane, host, cpus, HostSandboxes(host, isolation))
+    name = f"{lane.value}-{os.getpid()}@{host}"
+    app.worker_main(
+        ["worker", "-Q", queue, "-c", str(concurrency), "-P", "prefork", "-n", name, "-l", loglevel, *_QUIET]
+    )
+
+
+def run_orchestrator_worker(settings: BrokerSettings, concurrency: int, loglevel: str = "INFO") -> None:
+    """Consume the `orchestrator` queue: each task runs one run's orchestrator to its end."""
+    broker, backend = settings.urls()
+    app = make_celery(broker, backend)
+    name = f"orchestrator-{os.getpid()}@%h"
+    argv = ["worker", "-Q", ORCHESTRATOR_QUEUE, "-c", str(concurrency), "-P", "prefork", "-n", name]
+    app.worker_main([*argv, "-l", loglevel, *_QUIET])
