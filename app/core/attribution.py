@@ -16,7 +16,10 @@ Definitions (seconds on the run's clock):
   3. `restart`      the instant lies before the attempt's last `AttemptRestarted`: that work was thrown
                     away by a stop-the-world update;
   4. `update_pause` inside a turn (queued or running) while the engine that ran it was loading weights
-                    (`EngineUpdateBegin` → `EngineUpdateEnd` of that engine);
+                    (`EngineUpdateBegin` → `EngineUpdateEnd` of that engine); and, ranked just
+                    above `agent`, any instant of the attempt not covered by a recorded span while
+                    *every* engine was loading weights: no turn could be served then (a turn
+                    cancelled while it waited, e.g. by the attempt's timeout, leaves no `TurnDone`);
   5. `model_turn`   a turn's engine call (`TurnDone.start` → `end`);
   6. `engine_wait`  a turn waiting for an engine slot (`TurnDone.queued_at` → `start`);
   7. `lane_queue`   a sandbox op waiting in its lane's queue (`SandboxOp.queued_at` → `start`);
@@ -49,6 +52,7 @@ from app.core.events import (
     Envelope,
     GroupAdmitted,
     GroupReady,
+    RunStarted,
     SandboxOp,
     TurnDone,
 )
@@ -84,7 +88,8 @@ PHASE_LABELS: dict[str, str] = {
 }
 
 LANE_PHASE = {"reset": "reset", "exec": "tool_call", "validate": "validate", "cleanup": "cleanup"}
-_RANK = {name: i for i, name in enumerate(PHASES)}
+# "stalled" (every engine updating, no span recorded) ranks just above "agent"; it counts as update_pause.
+_RANK: dict[str, float] = {name: i for i, name in enumerate(PHASES)} | {"stalled": len(PHASES) - 1.5}
 
 Interval = tuple[float, float]
 
@@ -177,6 +182,22 @@ class _Index:
     attempts: dict[tuple[int, int], _Attempt] = field(default_factory=lambda: defaultdict(_Attempt))
     updates: dict[str, list[Interval]] = field(default_factory=lambda: defaultdict(list))
     batches: list[tuple[BatchDelivered, float]] = field(default_factory=list)
+    engines: set[str] = field(default_factory=set)
+
+    def all_updating(self) -> list[Interval]:
+        """Intervals during which every known engine was loading weights."""
+        if not self.engines or set(self.updates) != self.engines:
+            return []
+        edges = sorted((t, d) for ivs in self.updates.values() for b, e in ivs for t, d in ((b, 1), (e, -1)))
+        out: list[Interval] = []
+        depth, since = 0, 0.0
+        for t, d in edges:
+            depth += d
+            if d == 1 and depth == len(self.engines):
+                since = t
+            elif d == -1 and depth == len(self.engines) - 1 and t > since:
+                out.append((since, t))
+        return out
 
 
 def _index(envelopes: Iterable[Envelope]) -> _Index:
@@ -198,6 +219,7 @@ def _index(envelopes: Iterable[Envelope]) -> _Index:
         elif isinstance(ev, AttemptRestarted):
             idx.attempts[ev.group_id, ev.attempt].restarted = t
         elif isinstance(ev, TurnDone):
+            idx.engines.add(ev.engine)
             att = idx.attempts[ev.group_id, ev.attempt]
             att.turns.append((ev.engine, ev.queued_at, ev.start, ev.end))
             att.spans.append((ev.queued_at, ev.start, "engine_wait"))
@@ -207,6 +229,7 @@ def _index(envelopes: Iterable[Envelope]) -> _Index:
             att.spans.append((ev.queued_at, ev.start, "lane_queue"))
             att.spans.append((ev.start, ev.end, LANE_PHASE.get(ev.lane, "tool_call")))
         elif isinstance(ev, EngineUpdateBegin):
+            idx.engines.add(ev.engine)
             open_updates[ev.engine] = t
         elif isinstance(ev, EngineUpdateEnd):
             begin = open_updates.pop(ev.engine, None)
@@ -214,6 +237,8 @@ def _index(envelopes: Iterable[Envelope]) -> _Index:
                 idx.updates[ev.engine].append((begin, t))
         elif isinstance(ev, BatchDelivered):
             idx.batches.append((ev, t))
+        elif isinstance(ev, RunStarted):
+            idx.engines.update(getattr(ev, "engines", ()))
     for engine, begin in open_updates.items():  # an update still running when the stream ends
         idx.updates[engine].append((begin, last_t))
     return idx
@@ -233,7 +258,9 @@ def _critical(idx: _Index, group_ids: Iterable[int]) -> tuple[int | None, int | 
     return gid, max(finished)[1] if finished else None
 
 
-def _labelled(idx: _Index, gid: int, attempt: _Attempt, window: Interval) -> list[tuple[float, float, str]]:
+def _labelled(
+    idx: _Index, gid: int, attempt: _Attempt, window: Interval, stalled: list[Interval]
+) -> list[tuple[float, float, str]]:
     lo, hi = window
     out: list[tuple[float, float, str]] = []
     start = attempt.started if attempt.started is not None else idx.admitted.get(gid, lo)
@@ -246,6 +273,7 @@ def _labelled(idx: _Index, gid: int, attempt: _Attempt, window: Interval) -> lis
         for b, e in idx.updates.get(engine, ()):
             out.append((max(queued, b), min(end, e), "update_pause"))
     out.extend(attempt.spans)
+    out.extend((b, e, "stalled") for b, e in stalled)
     return [(max(a, lo), min(b, hi), p) for a, b, p in out if min(b, hi) > max(a, lo)]
 
 
@@ -263,13 +291,14 @@ def _split(labelled: list[tuple[float, float, str]], window: Interval) -> dict[s
         # Spans are few per attempt (tens to hundreds); a prefix scan is enough.
         covering = [p for s, e, p in by_start[: bisect.bisect_right(starts, mid)] if e > mid]
         phase = min(covering, key=_RANK.__getitem__) if covering else "agent"
-        phases[phase] += b - a
+        phases["update_pause" if phase == "stalled" else phase] += b - a
     return phases
 
 
 def attribute_waits(envelopes: Iterable[Envelope]) -> WaitAttribution:
     """The critical path of every delivered batch, and the run's wait summed by phase."""
     idx = _index(envelopes)
+    stalled = idx.all_updating()
     batches = []
     total = dict.fromkeys(PHASES, 0.0)
     for ev, delivered in idx.batches:
@@ -280,7 +309,7 @@ def attribute_waits(envelopes: Iterable[Envelope]) -> WaitAttribution:
             phases["handoff"] = window[1] - window[0]
         else:
             attempt = idx.attempts[gid, attempt_no]
-            phases = _split(_labelled(idx, gid, attempt, window), window)
+            phases = _split(_labelled(idx, gid, attempt, window, stalled), window)
         for p, s in phases.items():
             total[p] += s
         batches.append(
