@@ -1,0 +1,139 @@
+"""The FastAPI app factory: `create_app(settings)` is the composition root of `corral serve`.
+
+Settings are built by the caller (or here, from the environment) and injected; nothing is read at
+import time. At start-up the database is migrated to head, the run manager is built and the runs the
+previous server left unfinished are resumed; at shutdown every run is stopped and its events flushed.
+
+Routes: the run and trainer API (app.api.runs), `GET /healthz`, `GET /metrics` (Prometheus), and the
+OpenAPI docs at `/docs`. Bad input is a 4xx with a one-line message naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from app.api.runs import router as runs_router
+from app.metrics import CorralMetrics
+from app.service.manager import RunManager
+from app.service.store import ServiceStore
+from app.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, metrics: CorralMetrics | None = None) -> FastAPI:
+    settings = settings or load_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await asyncio.to_thread(ServiceStore, settings.database_url)
+        manager = RunManager(store, settings.data_dir, settings.ack_timeout_s, app.state.metrics)
+        app.state.manager = manager
+        if settings.resume_runs:
+            resumed = await asyncio.to_thread(manager.resume_unfinished)
+            if resumed:
+                log.warning("resumed runs %s", ", ".join(resumed))
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(manager.shutdown)
+            store.close()
+
+    app = FastAPI(
+        title="Corral",
+        summary="Control plane for agentic RL rollout collection: runs, trainer API, metrics",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics or CorralMetrics()
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.include_router(runs_router)
+    app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
+    return app
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with one line per problem, each naming its field (`body.workload.batch.groups: ...`)."""
+    problems = []
+    for error in exc.errors():
+        loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        message = str(error.get("msg", "invalid"))
+        if error.get("type") == "extra_forbidden":
+            message = "unknown field"
+        problems.append(f"{loc}: {message}")
+    return JSONResponse(
+        status_code=422,
+        content={"detail": "; ".join(problems), "errors": [{"field": p.split(":")[0], "problem": p}
+                                                           for p in problems]},
+    )  # fmt: skip
+
+
+async def healthz(request: Request) -> JSONResponse:
+    """Whether the database, the broker and the engines of the executing runs are reachable."""
+    settings: Settings = request.app.state.settings
+    manager: RunManager = request.app.state.manager
+    database = await asyncio.to_thread(manager.store.ping)
+    broker: dict[str, Any] = {"mode": "in-process", "ok": True}
+    if settings.broker_url is not None:
+        broker = {"mode": "celery", "ok": await asyncio.to_thread(_broker_reachable, settings.broker_url)}
+    engines: dict[str, dict[str, bool]] = {}
+    for run_id, handle in list(manager.handles.items()):
+        if handle.loop is None or handle.ports is None or handle.done.is_set():
+            continue
+        engines[run_id] = await _engines_healthy(handle)
+    ok = database and broker["ok"] and all(all(e.values()) for e in engines.values())
+    body = {"ok": ok, "database": {"ok": database}, "broker": broker, "engines": engines}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _engines_healthy(handle: Any) -> dict[str, bool]:
+    loop, ports = handle.loop, handle.ports
+    out: dict[str, bool] = {}
+    for engine in ports.engines:
+        try:
+            future = asyncio.run_coroutine_threadsafe(engine.health(), loop)
+            out[engine.name] = bool(await asyncio.wait_for(asyncio.wrap_future(future), timeout=2.0))
+        except (TimeoutError, RuntimeError, OSError) as exc:  # unreachable or the run just ended
+            log.info("engine %s health check failed: %r", engine.name, exc)
+            out[engine.name] = False
+    return out
+
+
+def _broker_reachable(url: str) -> bool:
+    if url.startswith(("redis://", "rediss://")):
+        import redis
+
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "localhost", parsed.port or 5672), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    manager: RunManager = request.app.state.manager
+    metrics: CorralMetrics = request.app.state.metrics
+    manager.sample_metrics()
+    body, content_type = metrics.exposition()
+    return Response(content=body, media_type=content_type)

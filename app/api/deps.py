@@ -1,0 +1,86 @@
+"""What the API's routes share: the run manager from the app, bearer-token checks, answers for errors.
+
+Tokens: operator actions (create, publish, policy, pause, resume, stop, ack) need the operator token as
+`Authorization: Bearer <token>`; reads need the view token when one is configured (or the operator's).
+Tokens are compared in constant time. `X-Corral-Actor` names who acted, for the audit trail.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request, status
+
+from app.service.handle import RunHandle
+from app.service.manager import RunManager
+from app.settings import Settings
+
+
+def get_manager(request: Request) -> RunManager:
+    manager: RunManager = request.app.state.manager
+    return manager
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(token: str | None, expected: str | None) -> bool:
+    return token is not None and expected is not None and secrets.compare_digest(token, expected)
+
+
+def require_operator(
+    settings: Annotated[Settings, Depends(get_settings)],
+    authorization: Annotated[str | None, Header()] = None,
+    x_corral_actor: Annotated[str | None, Header(max_length=64)] = None,
+) -> str:
+    """The acting operator's name (for the audit trail), once the operator token checks out."""
+    token = _bearer(authorization)
+    if token is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "this action needs the operator token: Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if not _matches(token, settings.operator_token):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "the token given is not the operator token")
+    return x_corral_actor or "operator"
+
+
+def require_viewer(
+    settings: Annotated[Settings, Depends(get_settings)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> None:
+    if settings.view_token is None:
+        return
+    token = _bearer(authorization)
+    if not (_matches(token, settings.view_token) or _matches(token, settings.operator_token)):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "reads need the view token: Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def live_handle(manager: RunManager, run_id: str) -> RunHandle:
+    """The run executing in this server; 404 for an unknown run, 409 for one that is not executing."""
+    handle = manager.get(run_id)
+    if handle is not None:
+        return handle
+    if manager.store.get_run(run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id!r} is not executing in this server")
+
+
+Manager = Annotated[RunManager, Depends(get_manager)]
+Operator = Annotated[str, Depends(require_operator)]
+Viewer = Annotated[None, Depends(require_viewer)]

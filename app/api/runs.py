@@ -1,0 +1,219 @@
+"""The run and trainer API. These paths are a contract:
+
+- `GET /api/runs`, `POST /api/runs` (create and start), `GET /api/runs/{id}`;
+- `POST /api/runs/{id}/pause|resume|stop`;
+- `GET /api/runs/{id}/batches/next?timeout=S` (long-poll; 204 when no batch came in time),
+  `POST /api/runs/{id}/batches/{batch_id}/ack` (idempotent: a repeated ack is a 200 with
+  `already_acked: true`);
+- `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update),
+  `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
+- `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode}`;
+- `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`.
+
+Answers: 422 for input that fails validation (the message names the field), 404 for an unknown run,
+batch or rollout, 409 for a change the run's state does not allow, 401/403 for a missing or wrong
+token. Never a 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, HTTPException, Query, Response, status
+from fastapi import Path as PathParam
+from fastapi.concurrency import run_in_threadpool
+
+from app.api.deps import Manager, Operator, Viewer, live_handle
+from app.service.gateway import RunClosedError, UnknownBatchError
+from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
+from app.service.schemas import AckResult, PolicyPatch, RunAction, RunCreate, WeightsPublish
+
+router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+async def _on_run(handle: RunHandle, fn: Any, *args: Any) -> Any:
+    """Run a command on the run's loop; its refusals become 409s."""
+    try:
+        return await handle.call(fn, *args)
+    except (RunNotLiveError, IllegalRunStateError) as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+
+
+@router.get("")
+def list_runs(manager: Manager, _: Viewer) -> list[dict[str, Any]]:
+    return manager.list()
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def create_run(spec: RunCreate, manager: Manager, actor: Operator, response: Response) -> dict[str, Any]:
+    handle = manager.create(spec)
+    response.headers["Location"] = f"/api/runs/{handle.run_id}"
+    view = manager.view(handle.run_id)
+    assert view is not None
+    return view
+
+
+@router.get("/{run_id}")
+def get_run(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
+    view = manager.view(run_id)
+    if view is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    return view
+
+
+async def _act(run_id: str, action: RunAction, manager: Manager, actor: str) -> dict[str, Any]:
+    handle = live_handle(manager, run_id)
+    await _on_run(handle, getattr(handle, action.value))
+    return {"id": run_id, "state": handle.state.value, "actor": actor}
+
+
+@router.post("/{run_id}/pause")
+async def pause_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+    """Pause a running run: a simulated run's clock stops; a local run's engines hold their turns."""
+    return await _act(run_id, RunAction.PAUSE, manager, actor)
+
+
+@router.post("/{run_id}/resume")
+async def resume_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+    return await _act(run_id, RunAction.RESUME, manager, actor)
+
+
+@router.post("/{run_id}/stop")
+async def stop_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+    """End the run after the current step: live groups are discarded as cancelled, sandboxes cleaned."""
+    return await _act(run_id, RunAction.STOP, manager, actor)
+
+
+# -- the trainer API ---------------------------------------------------------------------------------
+
+
+@router.get("/{run_id}/batches/next", responses={204: {"description": "no batch within the timeout"}})
+async def next_batch(
+    run_id: RunId,
+    manager: Manager,
+    _: Viewer,
+    timeout: Annotated[  # noqa: ASYNC109 - the API's contract names the long-poll's wait `timeout`
+        float, Query(ge=0, le=300, allow_inf_nan=False, description="seconds to wait")
+    ] = 30.0,
+) -> Any:
+    handle = live_handle(manager, run_id)
+    try:
+        offer = await handle.gateway.next_batch(timeout)
+    except RunClosedError as exc:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}); no more batches"
+        ) from None
+    if offer is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return {**offer.payload, "delivery": offer.deliveries, "ack_timeout_s": handle.gateway.ack_timeout_s}
+
+
+@router.post("/{run_id}/batches/{batch_id}/ack")
+def ack_batch(
+    run_id: RunId,
+    batch_id: Annotated[str, PathParam(min_length=1, max_length=128)],
+    manager: Manager,
+    actor: Operator,
+) -> AckResult:
+    handle = live_handle(manager, run_id)
+    try:
+        _, already = handle.gateway.ack(batch_id, actor)
+    except UnknownBatchError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}") from None
+    return AckResult(batch_id=batch_id, already_acked=already)
+
+
+@router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED)
+async def publish_weights(
+    run_id: RunId, body: WeightsPublish, manager: Manager, actor: Operator, response: Response
+) -> dict[str, Any]:
+    handle = live_handle(manager, run_id)
+    if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
+        raise HTTPException(422, f"path: {body.path!r} is not a directory on the server")
+    try:
+        rollout = await _on_run(handle, handle.publish, body.version, body.path, actor)
+    except ValueError as exc:
+        raise HTTPException(422, f"version: {exc}") from None
+    response.headers["Location"] = f"/api/runs/{run_id}/rollouts/{body.version}"
+    return dict(rollout)
+
+
+@router.get("/{run_id}/rollouts/{rid}")
+async def get_rollout(
+    run_id: RunId, rid: Annotated[int, PathParam(ge=1, le=2**31 - 1)], manager: Manager, _: Viewer
+) -> dict[str, Any]:
+    handle = manager.get(run_id)
+    if handle is not None and handle.runtime is not None:
+        try:
+            return dict(await handle.call(handle.rollout, rid))
+        except KeyError:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {rid}") from None
+        except RunNotLiveError:
+            pass  # ended meanwhile: the store has its account
+    if await run_in_threadpool(manager.store.get_run, run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    stored = await run_in_threadpool(manager.store.rollout, run_id, rid)
+    if stored is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {rid}")
+    return stored
+
+
+@router.patch("/{run_id}/policy")
+async def patch_policy(
+    run_id: RunId, patch: Annotated[PolicyPatch, Body()], manager: Manager, actor: Operator
+) -> dict[str, Any]:
+    handle = live_handle(manager, run_id)
+    knobs = await _on_run(handle, handle.set_policy, patch, actor)
+    await run_in_threadpool(manager.store.set_policy, run_id, knobs)
+    return {"id": run_id, "policy": knobs, "actor": actor}
+
+
+@router.get("/{run_id}/timeline")
+def timeline(
+    run_id: RunId,
+    manager: Manager,
+    _: Viewer,
+    since: Annotated[int, Query(ge=-1, description="return events with seq > since")] = -1,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> dict[str, Any]:
+    if manager.get(run_id) is None and manager.store.get_run(run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    events = manager.store.timeline(run_id, since, limit)
+    return {"id": run_id, "since": since, "events": events, "next": events[-1]["seq"] if events else since}
+
+
+@router.get("/{run_id}/metrics")
+def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
+    handle = manager.get(run_id)
+    if handle is None:
+        if manager.store.get_run(run_id) is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+        raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id!r} is not executing in this server")
+    live = handle.live()
+    stats = handle.gateway.stats
+    waits = list(stats.collection_s)
+    return {
+        "id": run_id,
+        "state": live["state"],
+        "batches": live["batches"],
+        "groups_admitted": live["groups_admitted"],
+        "groups_delivered": live["groups_delivered"],
+        "groups_discarded": live["groups_discarded"],
+        "groups_live": live.get("groups_live"),
+        "trainer_version": live.get("trainer_version"),
+        "engine_versions": live.get("engine_versions"),
+        "lanes": live.get("lanes"),
+        "trainer": {
+            "offered": stats.offered,
+            "redelivered": stats.redelivered,
+            "acked": stats.acked,
+            "idle_s": round(stats.trainer_idle_s, 6),
+            "batch_wait_s_mean": round(statistics.fmean(waits), 6) if waits else None,
+        },
+        "event_sinks": handle.recorder.bus.stats(),
+    }

@@ -1,0 +1,256 @@
+"""The trainer gateway: a run's side of the trainer API, and `ExternalTrainer`, the Trainer port that
+waits on it.
+
+The runtime's trainer step offers the delivered batch here; a trainer (in another process, through the
+API, or the built-in sentinel client in this one) takes it with `next_batch`, acknowledges it with `ack`
+and publishes the next policy version. The step ends once its batch is acked and a version at least as
+new as the one it trains towards is published.
+
+Invariants:
+- delivery is at least once: a batch handed out and not acked within `ack_timeout_s` is handed out
+  again (same batch id); a batch is never handed to two trainers within one lease;
+- acking is idempotent: a second ack of the same batch reports `already_acked`;
+- the gateway is thread-safe: the run's loop and the API's loop both call it; waiters on either loop are
+  woken with `call_soon_threadsafe`. Leases are real seconds (`time.monotonic`); `next_batch` is
+  called on the API's loop, whose clock is real, whatever clock the run itself runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.runtime.ports import TrainingBatch
+
+
+class UnknownBatchError(KeyError):
+    """No batch with that id was ever offered in this run."""
+
+
+@dataclass
+class Offer:
+    batch_id: str
+    index: int
+    payload: dict[str, Any]
+    offered_at: float
+    leased_until: float | None = None
+    deliveries: int = 0
+    acked: bool = False
+    acked_by: str | None = None
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+
+
+@dataclass
+class GatewayStats:
+    offered: int = 0
+    redelivered: int = 0
+    acked: int = 0
+    trainer_idle_s: float = 0.0  # time trainers spent in next_batch with nothing to take
+    collection_s: list[float] = field(default_factory=list)
+
+
+class TrainerGateway:
+    def __init__(
+        self,
+        run_id: str,
+        ack_timeout_s: float,
+        published_version: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.run_id = run_id
+        self.ack_timeout_s = ack_timeout_s
+        self._published_version = published_version
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._offers: dict[str, Offer] = {}
+        self._waiters: list[_Waiter] = []
+        self._closed: str | None = None
+        self.stats = GatewayStats()
+        self.on_offer: Callable[[Offer], None] | None = None
+        self.on_ack: Callable[[Offer], None] | None = None
+        self.batch_offset = 0  # a resumed run numbers its batches and groups after the earlier ones
+        self.group_offset = 0
+
+    # -- the runtime's side ------------------------------------------------------------------------
+
+    async def step(self, batch: TrainingBatch, version: int) -> str | None:
+        """The Trainer port: offer `batch`, then wait for its ack and for `version` to be published."""
+        offer = self.offer(batch_payload(self.run_id, batch, version, self.batch_offset, self.group_offset))
+        while not (offer.acked and self._published_version() >= version) and self._closed is None:
+            await self.wait_changed(None)
+        return None  # the trainer published through the run's `publish`; nothing left to publish
+
+    def offer(self, payload: dict[str, Any]) -> Offer:
+        offer = Offer(payload["batch_id"], int(payload["index"]), payload, self._clock())
+        with self._lock:
+            if offer.batch_id in self._offers:
+                return self._offers[offer.batch_id]
+            self._offers[offer.batch_id] = offer
+            self.stats.offered += 1
+        if self.on_offer is not None:
+            self.on_offer(offer)
+        self.notify()
+        return offer
+
+    def restore(self, offer: Offer) -> None:
+        """Re-offer a batch that a previous incarnation of the run handed out and never saw acked."""
+        with self._lock:
+            self._offers.setdefault(offer.batch_id, offer)
+        self.notify()
+
+    # -- the trainer's side ------------------------------------------------------------------------
+
+    async def next_batch(self, timeout_s: float) -> Offer | None:
+        """The oldest batch not acked and not leased to someone else, waiting up to `timeout_s`."""
+        asked = self._clock()
+        deadline = asked + timeout_s
+        while True:
+            now = self._clock()
+            with self._lock:
+                taken, next_expiry = self._take(now)
+                if taken is None and self._closed is not None and next_expiry is None:
+                    raise RunClosedError(self._closed)  # nothing left to hand out, ever
+            if taken is not None:
+                self.stats.trainer_idle_s += now - asked
+                if taken.deliveries == 1:
+                    self.stats.collection_s.append(now - asked)
+                return taken
+            if now >= deadline:
+                self.stats.trainer_idle_s += now - asked
+                return None
+            wake = deadline if next_expiry is None else min(deadline, next_expiry)
+            await self.wait_changed(max(0.0, wake - now))
+
+    def _take(self, now: float) -> tuple[Offer | None, float | None]:
+        next_expiry: float | None = None
+        for offer in self._offers.values():
+            if offer.acked:
+                continue
+            if offer.leased_until is not None and offer.leased_until > now:
+                next_expiry = (
+                    offer.leased_until if next_expiry is None else min(next_expiry, offer.leased_until)
+                )
+                continue
+            if offer.deliveries:
+                self.stats.redelivered += 1
+            offer.deliveries += 1
+            offer.leased_until = now + self.ack_timeout_s
+            return offer, None
+        return None, next_expiry
+
+    def ack(self, batch_id: str, actor: str = "trainer") -> tuple[Offer, bool]:
+        """Acknowledge a batch; returns it and whether it had been acked already."""
+        with self._lock:
+            offer = self._offers.get(batch_id)
+            if offer is None:
+                raise UnknownBatchError(batch_id)
+            already = offer.acked
+            if not already:
+                offer.acked = True
+                offer.acked_by = actor
+                self.stats.acked += 1
+        if not already:
+            if self.on_ack is not None:
+                self.on_ack(offer)
+            self.notify()
+        return offer, already
+
+    def get(self, batch_id: str) -> Offer | None:
+        with self._lock:
+            return self._offers.get(batch_id)
+
+    def pending(self) -> list[Offer]:
+        with self._lock:
+            return [o for o in self._offers.values() if not o.acked]
+
+    def close(self, reason: str) -> None:
+        """The run ended: waiting trainers are told so."""
+        with self._lock:
+            self._closed = reason
+        self.notify()
+
+    # -- waking waiters on any loop --------------------------------------------------------------
+
+    def notify(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.loop.is_closed():
+                waiter.loop.call_soon_threadsafe(_set_done, waiter.future)
+
+    async def wait_changed(self, timeout_s: float | None) -> None:
+        """Wait until `notify` is called (or `timeout_s` seconds of this loop's clock pass)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._waiters.append(_Waiter(loop, future))
+        if timeout_s is None:
+            await future
+            return
+        handle = loop.call_later(timeout_s, _set_done, future)
+        try:
+            await future
+        finally:
+            handle.cancel()
+
+
+class RunClosedError(RuntimeError):
+    """The run ended; no more batches will be offered."""
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def batch_payload(
+    run_id: str, training: TrainingBatch, publish_version: int, batch_offset: int = 0, group_offset: int = 0
+) -> dict[str, Any]:
+    """A delivered batch as the trainer API sends it: every group with its trajectories, each with its
+    turns, reward, GRPO advantage and the policy versions of its turns, and the group's staleness."""
+    batch = training.batch
+    groups = []
+    for group in batch.groups:
+        outcomes = training.attempts.get(group.group_id, ())
+        trajectories = []
+        for i, outcome in enumerate(outcomes):
+            turns = [dict(entry) for entry in outcome.transcript]
+            versions = [int(str(t["weight_version"])) for t in turns if t.get("weight_version") is not None]
+            trajectories.append(
+                {
+                    "attempt": i,
+                    "reward": outcome.reward,
+                    "advantage": group.advantages[i] if i < len(group.advantages) else 0.0,
+                    "turns": turns,
+                    "turn_count": outcome.turns,
+                    "policy_versions": versions,
+                    "timed_out": outcome.timed_out,
+                }
+            )
+        groups.append(
+            {
+                "group_id": group.group_id + group_offset,
+                "task_index": group.task_index,
+                "staleness": group.staleness,
+                "rewards": list(group.rewards),
+                "advantages": list(group.advantages),
+                "trajectories": trajectories,
+            }
+        )
+    index = batch.index + batch_offset
+    return {
+        "batch_id": f"{run_id}-b{index}",
+        "index": index,
+        "trainer_version": batch.trainer_version,
+        "publish_version": publish_version,
+        "groups": groups,
+    }

@@ -1,0 +1,369 @@
+"""One live run inside `corral serve`: the production `Runtime` on its own asyncio loop in a thread,
+and the thread-safe commands that reach it from the API.
+
+The run's loop owns the runtime; nothing else touches it. A command from another thread (an API
+request) is a function scheduled on that loop with `call_soon_threadsafe`; its result or exception
+comes back through a `concurrent.futures.Future`, which an async caller awaits with `wrap_future`.
+
+Invariants:
+- every command runs on the run's loop, one at a time, between the runtime's own steps;
+- a command submitted after the loop has ended fails with `RunNotLiveError` (the API answers 409);
+  one pending when the loop ends fails the same way, never hangs;
+- the run's end is recorded exactly once (`RunEnded`), and every group the run admitted ends in the
+  stream: delivered, or discarded with the scheduler's reason;
+- a stopping run publishes no new version; its trainer gateway is closed, so waiting trainers learn it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from app.core.config import PauseModeName
+from app.core.events import PolicyChanged, RunEnded
+from app.engines.base import PauseMode
+from app.engines.embedded.weights import save_sentinel
+from app.runtime.driver import Runtime
+from app.service.gateway import RunClosedError, TrainerGateway
+from app.service.paced import PacedLoop
+from app.service.ports import RunPorts, open_ports, run_policy
+from app.service.recorder import RunRecorder
+from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
+from app.service.store import ResumePoint
+from app.store.models import RunState
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+UNTIL_STOPPED = 2**31  # batches: a run without a batch count goes on until it is stopped
+
+
+class RunNotLiveError(RuntimeError):
+    """The run is not executing here (ended, or not started yet); the command cannot reach it."""
+
+
+class IllegalRunStateError(RuntimeError):
+    """The command is not allowed in the run's current state (e.g. resuming a running run)."""
+
+
+class RunHandle:
+    def __init__(
+        self,
+        run_id: str,
+        spec: RunCreate,
+        work_dir: Path,
+        ack_timeout_s: float,
+        on_state: Callable[[RunHandle, RunState, str | None], None],
+        resume: ResumePoint | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.spec = spec
+        self.policy = run_policy(spec)
+        # The loop exists before its thread runs it: the run's clock is its time, readable from any
+        # thread, so events published before the start (orphans of a resumed run) are on that clock.
+        start = resume.last_t if resume is not None else 0.0
+        self.loop: asyncio.AbstractEventLoop = (
+            PacedLoop(spec.speed, start) if spec.kind is RunKind.SIM else asyncio.new_event_loop()
+        )
+        self.recorder = RunRecorder(run_id, self.loop.time, resume.next_seq if resume is not None else 0)
+        self.work_dir = work_dir
+        self.state = RunState.CREATED
+        self.error: str | None = None
+        self.knobs: dict[str, Any] = {
+            "groups_per_batch": self.policy.groups_per_batch,
+            "group_size": self.policy.group_size,
+            "surplus_groups": self.policy.surplus_groups,
+            "max_staleness": self.policy.max_staleness,
+            "max_updating_engines": self.policy.max_updating_engines,
+            "pause_mode": self.policy.pause_mode.value,
+        }
+        self.runtime: Runtime | None = None
+        self.ports: RunPorts | None = None
+        self.gateway = TrainerGateway(run_id, ack_timeout_s, self._published_version)
+        self._on_state = on_state
+        self._resume = resume
+        self._thread: threading.Thread | None = None
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._pending_lock = threading.Lock()
+        self._loop_open = False
+        self._tg: asyncio.TaskGroup | None = None
+        self.done = threading.Event()
+        self.started_wall: float | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._thread_main, name=f"run-{self.run_id}", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        return self.done.wait(timeout_s)
+
+    def _thread_main(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        with self._pending_lock:
+            self._loop_open = True
+        reason, detail = "error", ""
+        try:
+            reason = loop.run_until_complete(self._main())
+        except BaseException as exc:  # the run failed: recorded as its end, with the reason
+            detail = f"{type(exc).__name__}: {exc}"
+            log.exception("run %s failed", self.run_id)
+            self.error = detail
+        finally:
+            with self._pending_lock:
+                self._loop_open = False
+                pending, self._pending = self._pending, set()
+            for fut in pending:
+                if not fut.done():
+                    fut.set_exception(RunNotLiveError(f"run {self.run_id} has ended"))
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+            self.gateway.close(reason)
+            final = {"completed": RunState.COMPLETED, "stopped": RunState.STOPPED}.get(
+                reason, RunState.FAILED
+            )
+            if self.runtime is None:  # it failed before the runtime ran, so nobody recorded its end
+                self.recorder.publish(RunEnded("error", detail))
+            self.recorder.close()
+            self._set_state(final, detail or None)
+            self.done.set()
+
+    async def _main(self) -> str:
+        self.started_wall = time.time()
+        async with open_ports(self.spec, self.policy, self.work_dir) as ports:
+            self.ports = ports
+            runtime = Runtime(
+                policy=self.policy,
+                engines=ports.engines,
+                engine_slots=ports.engine_slots,
+                lanes=ports.lanes,
+                source=ports.source,
+                trainer=self.gateway,
+                bus=self.recorder.bus,
+            )
+            resume = self._resume
+            if resume is not None:
+                _continue_numbering(runtime, resume.group_offset, resume.batch_offset)
+            self.runtime = runtime
+            self._set_state(RunState.RUNNING, None)
+            batches = self.spec.batches or UNTIL_STOPPED
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                run = tg.create_task(runtime.run(batches=batches))
+                if resume is not None and resume.version > 0:
+                    # A resumed run continues at its last published version: engines roll to it.
+                    asyncio.get_running_loop().call_soon(
+                        self._publish, resume.version, resume.weights_path, "resume"
+                    )
+                if self.spec.trainer is TrainerKind.SENTINEL:
+                    tg.create_task(self._sentinel_client(ports))
+                await asyncio.wait([run])
+                self.gateway.close("ended")
+            run.result()
+            return "stopped" if runtime.stop_requested else "completed"
+
+    def _set_state(self, state: RunState, error: str | None) -> None:
+        self.state = state
+        self._on_state(self, state, error)
+
+    # -- commands from other threads ------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Run `fn(*args)` on the run's loop; its result (or exception) arrives in the future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._pending_lock:
+            loop = self.loop
+            if not self._loop_open or self.runtime is None:
+                raise RunNotLiveError(f"run {self.run_id} is {self.state.value}, not executing")
+            self._pending.add(fut)
+
+        def call() -> None:
+            with self._pending_lock:
+                self._pending.discard(fut)
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller, who turns it into an answer
+                fut.set_exception(exc)
+
+        loop.call_soon_threadsafe(call)
+        return fut
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    # Everything below runs on the run's loop.
+
+    def _runtime(self) -> Runtime:
+        if self.runtime is None:
+            raise RunNotLiveError(f"run {self.run_id} has not started")
+        return self.runtime
+
+    def _require(self, *states: RunState) -> None:
+        if self.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise IllegalRunStateError(f"run {self.run_id} is {self.state.value}; this needs it {allowed}")
+
+    def _published_version(self) -> int:
+        return self.runtime.version if self.runtime is not None else 0
+
+    def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
+        self._require(RunState.RUNNING, RunState.PAUSED)
+        runtime = self._runtime()
+        changes = patch.model_dump(exclude_none=True, mode="json")
+        for name, new in changes.items():
+            old = self.knobs[name]
+            if old == new:
+                continue
+            if name == "surplus_groups":
+                runtime.set_surplus(int(new), actor)
+            elif name == "max_staleness":
+                runtime.set_max_staleness(int(new), actor)
+            elif name == "max_updating_engines":
+                runtime.plan.max_updating = int(new)  # paces the next steps of the rollout
+                self.recorder.publish(PolicyChanged(name, old, new, actor))
+            elif name == "pause_mode":
+                runtime.policy = runtime.policy.with_changes(pause_mode=PauseModeName(new))
+                self.recorder.publish(PolicyChanged(name, old, new, actor))
+            self.knobs[name] = new
+        return dict(self.knobs)
+
+    def publish(self, version: int, path: str | None, actor: str) -> dict[str, Any]:
+        self._require(RunState.RUNNING, RunState.PAUSED)
+        if self._runtime().stop_requested:
+            raise IllegalRunStateError(f"run {self.run_id} is stopping; it takes no new version")
+        return self._publish(version, path, actor)
+
+    def _publish(self, version: int, path: str | None, actor: str) -> dict[str, Any]:
+        runtime = self._runtime()
+        runtime.publish(version, path, actor)  # ValueError for a version not newer than the current one
+        self.gateway.notify()
+        return self.rollout(version)
+
+    def rollout(self, version: int) -> dict[str, Any]:
+        """A rollout's progress engine by engine, from the runtime's plan and update log."""
+        runtime = self._runtime()
+        if version > runtime.version or version < 1:
+            raise KeyError(version)
+        plan = runtime.plan
+        t0 = runtime.state.started_at
+        began: dict[str, float] = {}
+        ended: dict[str, float] = {}
+        for t, engine, v, phase in runtime.state.update_log:
+            if v >= version and phase == "begin":
+                began.setdefault(engine, t - t0)
+            elif v >= version and phase == "end":
+                ended.setdefault(engine, t - t0)
+        engines = []
+        for name, served in plan.versions.items():
+            if served >= version:
+                state = "done"
+            elif plan.updating.get(name, -1) >= version:
+                state = "updating"
+            else:
+                state = "pending"
+            engines.append({"engine": name, "state": state, "version": served,
+                            "began_s": began.get(name), "ended_s": ended.get(name)})  # fmt: skip
+        done = all(e["state"] == "done" for e in engines)
+        return {
+            "rollout_id": version,
+            "version": version,
+            "state": "completed" if done else "running",
+            "superseded": runtime.version > version,
+            "max_updating_engines": plan.max_updating,
+            "pause_mode": runtime.policy.pause_mode.value,
+            "engines": engines,
+        }
+
+    def pause(self) -> None:
+        self._require(RunState.RUNNING)
+        if isinstance(self.loop, PacedLoop):
+            self.loop.pause()  # simulated time stops: nothing progresses until resume
+        else:
+            self._engines_paused(True)
+        self._set_state(RunState.PAUSED, None)
+
+    def resume(self) -> None:
+        self._require(RunState.PAUSED)
+        if isinstance(self.loop, PacedLoop):
+            self.loop.resume()
+        else:
+            self._engines_paused(False)
+        self._set_state(RunState.RUNNING, None)
+
+    def _engines_paused(self, paused: bool) -> None:
+        """Local runs: every engine holds its in-flight turns (`keep`) and starts none until resumed."""
+        assert self._tg is not None
+        assert self.ports is not None
+        for engine in self.ports.engines:
+            self._tg.create_task(engine.pause(PauseMode.KEEP) if paused else engine.resume())
+
+    def stop(self) -> None:
+        self._require(RunState.RUNNING, RunState.PAUSED)
+        if isinstance(self.loop, PacedLoop):
+            self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
+        elif self.state is RunState.PAUSED:
+            self._engines_paused(False)
+        self._set_state(RunState.STOPPING, None)
+        self._runtime().request_stop()
+        self.gateway.close("stopped")
+
+    def live(self) -> dict[str, Any]:
+        """What the run looks like now (safe from any thread: it reads values the loop replaces)."""
+        runtime = self.runtime
+        out: dict[str, Any] = {"state": self.state.value, "policy": dict(self.knobs)}
+        out.update(self.recorder.view.as_dict())
+        out["batches_unacked"] = len(self.gateway.pending())
+        if runtime is not None:
+            out["trainer_version"] = runtime.version
+            out["groups_live"] = runtime.scheduler.groups_live
+            out["engine_versions"] = dict(runtime.plan.versions)
+            out["engines_updating"] = sorted(runtime.plan.updating)
+            out["lanes"] = {
+                name: {"queue_depth": s.queue_depth, "busy": s.busy, "completed": s.completed}
+                for name, s in runtime.lanes.stats().items()
+            }
+        return out
+
+    # -- the built-in sentinel trainer, one client of the gateway ---------------------------------------
+
+    async def _sentinel_client(self, ports: RunPorts) -> None:
+        """Takes each batch, "trains" for `sentinel_step_s`, publishes a sentinel version, acks."""
+        step_s = self.spec.sentinel_step_s
+        while True:
+            try:
+                offer = await self.gateway.next_batch(3600.0)
+            except RunClosedError:
+                return
+            if offer is None:
+                continue
+            await asyncio.sleep(step_s)
+            version = int(offer.payload["publish_version"])
+            path = None
+            if ports.weights_dir is not None:
+                target = ports.weights_dir / f"v{version}"
+                await asyncio.to_thread(save_sentinel, target, float(version))
+                path = str(target)
+            runtime = self._runtime()
+            if not runtime.stop_requested and runtime.version < version:
+                self._publish(version, path, "sentinel-trainer")
+            self.gateway.ack(offer.batch_id, "sentinel-trainer")
+
+
+def _continue_numbering(runtime: Runtime, first_group: int, first_batch: int) -> None:
+    """A resumed run numbers its groups and batches after its predecessor's, so ids never collide in
+    the store. (The scheduler has no public parameter for this yet; these are its two counters.)"""
+    runtime.scheduler._next_group = first_group
+    runtime.scheduler._batches = first_batch

@@ -1,0 +1,202 @@
+"""The run manager: creates runs from a config, starts them in-process, and resumes after a restart.
+
+Each run executes in its own thread and loop (`RunHandle`); its events go through an event bus to the
+store's `SqlEventSink` and to the metrics sink. State changes of a run (running, paused, stopping,
+ended) are written to its row as they happen.
+
+Snapshot and restore: at start-up `resume_unfinished` finds the runs the previous server was driving
+(not created, not ended). Each resumes as a new incarnation: the groups its predecessor left open are
+discarded with the reason `orphaned` (events, so the stored stream stays the account), and it goes on
+from the stored sequence number, group and batch numbers and policy version. A run that was stopping
+is ended instead of resumed.
+
+Invariants:
+- every run this manager starts is stopped (and its sinks flushed) by `shutdown`;
+- every group admitted before a crash ends in the stored stream: delivered, or discarded with a reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.core.events import RunEnded
+from app.metrics import CorralMetrics
+from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
+from app.service.ports import run_policy
+from app.service.recorder import RunRecorder
+from app.service.schemas import RunCreate
+from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
+from app.store.models import TERMINAL_RUN_STATES, RunState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["IllegalRunStateError", "RunManager", "RunNotLiveError"]
+
+
+class RunManager:
+    def __init__(
+        self,
+        store: ServiceStore,
+        data_dir: Path,
+        ack_timeout_s: float,
+        metrics: CorralMetrics | None = None,
+    ) -> None:
+        self.store = store
+        self.data_dir = data_dir
+        self.ack_timeout_s = ack_timeout_s
+        self.metrics = metrics
+        self.handles: dict[str, RunHandle] = {}
+        self._records: dict[str, RunRecord] = {}  # rows of executing runs, so a GET needs no query
+        # Mirrors of offers and acks go to the store off the run's loop and off the request.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-store")
+
+    # -- creating and resuming ----------------------------------------------------------------------
+
+    def create(self, spec: RunCreate) -> RunHandle:
+        run_id = uuid.uuid4().hex[:12]
+        policy = run_policy(spec)
+        self.store.create_run(run_id, spec.name, spec.model_dump(mode="json"), policy.model_dump(mode="json"))
+        return self._start(run_id, spec, None)
+
+    def resume_unfinished(self) -> list[str]:
+        resumed = []
+        for record in self.store.unfinished_runs():
+            try:
+                spec = RunCreate.model_validate(record.config)
+            except ValidationError as exc:
+                self._end_unresumable(record, f"stored config no longer valid: {exc.errors()[0]['msg']}")
+                continue
+            point = self.store.resume_point(record.id)
+            if record.state == RunState.STOPPING.value:
+                self._end_unresumable(record, "was stopping when the control plane stopped", point)
+                continue
+            self._start(record.id, spec, point)
+            resumed.append(record.id)
+        return resumed
+
+    def _attach_sinks(self, recorder: RunRecorder) -> None:
+        recorder.bus.add_sink(self.store.event_sink(), name="store")
+        if self.metrics is not None:
+            recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
+
+    def _start(self, run_id: str, spec: RunCreate, point: ResumePoint | None) -> RunHandle:
+        handle = RunHandle(run_id, spec, self.data_dir / run_id, self.ack_timeout_s, self._on_state, point)
+        self._attach_sinks(handle.recorder)
+        if point is not None and point.open_groups:
+            handle.recorder.orphan_open_groups(
+                set(point.open_groups), "in flight when the control plane stopped"
+            )
+        handle.gateway.on_offer = lambda offer: self._mirror(self.store.mark_offered, run_id, offer.index)
+        handle.gateway.on_ack = lambda offer: self._mirror(self.store.mark_acked, run_id, offer.index)
+        record = self.store.get_run(run_id)
+        assert record is not None
+        self._records[run_id] = record
+        self.handles[run_id] = handle
+        handle.start()
+        return handle
+
+    def _end_unresumable(self, record: RunRecord, detail: str, point: ResumePoint | None = None) -> None:
+        point = point or self.store.resume_point(record.id)
+        recorder = RunRecorder(record.id, lambda: point.last_t, point.next_seq)
+        self._attach_sinks(recorder)
+        recorder.orphan_open_groups(set(point.open_groups), detail)
+        recorder.publish(RunEnded("stopped", detail))
+        recorder.close()
+        log.warning("run %s not resumed: %s", record.id, detail)
+
+    def _mirror(self, fn: Any, *args: Any) -> None:
+        future = self._writer.submit(fn, *args)
+        future.add_done_callback(_log_failure)
+
+    def _on_state(self, handle: RunHandle, state: RunState, error: str | None) -> None:
+        try:
+            self.store.set_state(handle.run_id, state, error)
+        except IllegalTransitionError as exc:
+            log.warning("run %s: %s", handle.run_id, exc)
+        if state in TERMINAL_RUN_STATES and self.metrics is not None:
+            self.metrics.forget_run(handle.run_id, handle.live())
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def get(self, run_id: str) -> RunHandle | None:
+        return self.handles.get(run_id)
+
+    def view(self, run_id: str) -> dict[str, Any] | None:
+        """A run as GET /api/runs/{id} shows it: its stored row, and its live state when it runs here."""
+        handle = self.handles.get(run_id)
+        record = self._records.get(run_id) or self.store.get_run(run_id)
+        if record is None:
+            return None
+        out = _record_dict(record)
+        if handle is not None:
+            out["state"] = handle.state.value
+            out["live"] = handle.live()
+            out["policy"] = dict(handle.knobs)
+            if handle.error:
+                out["error"] = handle.error
+        else:
+            account, _ = self.store.ledger(run_id)
+            out["live"] = None
+            out["groups"] = {"admitted": len(account.admitted), "open": len(account.open_groups),
+                             "ended": len(account.ended)}  # fmt: skip
+        return out
+
+    def list(self) -> list[dict[str, Any]]:
+        out = []
+        for record in self.store.list_runs():
+            row = _record_dict(record)
+            handle = self.handles.get(record.id)
+            if handle is not None:
+                row["state"] = handle.state.value
+                live = handle.recorder.view
+                row["batches"] = live.batches
+            out.append(row)
+        return out
+
+    def sample_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        for run_id, handle in list(self.handles.items()):
+            if handle.state not in TERMINAL_RUN_STATES:
+                self.metrics.sample_run(run_id, handle.live())
+
+    # -- shutting down -------------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop every run still executing and wait for each to end and flush its events."""
+        for handle in list(self.handles.values()):
+            with contextlib.suppress(RunNotLiveError, IllegalRunStateError, TimeoutError):
+                handle.submit(handle.stop).result(timeout=5)  # refused: already ending, or not started
+        deadline = time.monotonic() + timeout_s
+        for handle in list(self.handles.values()):
+            if not handle.join(max(0.1, deadline - time.monotonic())):
+                log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
+        self._writer.shutdown(wait=True)
+
+
+def _record_dict(record: RunRecord) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "name": record.name,
+        "state": record.state,
+        "config": record.config,
+        "policy": record.policy,
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "ended_at": record.ended_at,
+        "error": record.error,
+    }
+
+
+def _log_failure(future: Any) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.warning("store mirror write failed: %r", exc)

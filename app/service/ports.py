@@ -1,0 +1,145 @@
+"""The ports a service-run drives, built per run kind (the composition root of a run inside `corral serve`).
+
+- `sim`: the simulator's engines, sandboxes and CPU pools (app.sim) on a `PacedLoop`, whose virtual
+  clock follows the wall clock at `speed`, so API clients see a run unfold in real time;
+- `local`: the embedded default of `corral run` — embedded engine processes, local sandboxes in pinned
+  lanes, the built-in tasks and the shell agent — from the same building blocks as app.runtime.local.
+
+Invariant: whatever `open_ports` starts (engine processes, clients) is stopped when its context exits,
+however the run ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.core.config import LanesConfig, PolicyConfig
+from app.engines.base import Engine
+from app.lanes.inprocess import InProcessLanes
+from app.runtime.ports import AttemptSource
+from app.service.schemas import RunCreate, RunKind
+
+
+@dataclass
+class RunPorts:
+    engines: Sequence[Engine]
+    engine_slots: int
+    lanes: InProcessLanes
+    source: AttemptSource
+    weights_dir: Path | None  # where the built-in trainer writes sentinel weights (local runs)
+
+
+def run_policy(spec: RunCreate) -> PolicyConfig:
+    """The run's policy: the ladder rung, B/G/S/K from the workload or config, then the overrides."""
+    if spec.kind is RunKind.SIM:
+        assert spec.workload is not None
+        base: dict[str, object] = {
+            "groups_per_batch": spec.workload.batch.groups,
+            "group_size": spec.workload.batch.group_size,
+            "surplus_groups": spec.workload.policy.surplus_groups,
+            "max_staleness": spec.workload.policy.max_staleness,
+        }
+    else:
+        config = spec.config
+        assert config is not None
+        base = {
+            "groups_per_batch": config.batch.groups,
+            "group_size": config.batch.group_size,
+            "surplus_groups": config.policy.surplus_groups,
+            "max_staleness": config.policy.max_staleness,
+            "max_updating_engines": config.policy.max_updating_engines,
+        }
+    return PolicyConfig.ladder(spec.policy.value, **{**base, **spec.overrides()})
+
+
+@asynccontextmanager
+async def open_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) -> AsyncIterator[RunPorts]:
+    if spec.kind is RunKind.SIM:
+        yield _sim_ports(spec, policy)
+        return
+    async with _local_ports(spec, policy, work_dir) as ports:
+        yield ports
+
+
+def _sim_ports(spec: RunCreate, policy: PolicyConfig) -> RunPorts:
+    from app.sim.adapters import SimEngine, SimLaneCpus, SimSource, lane_cpu_split
+    from app.sim.cpu import CpuPool, Stream
+    from app.sim.workload import TrajectorySource
+
+    workload = spec.workload
+    assert workload is not None
+    cpus = workload.cpus
+    split = lane_cpu_split(workload)
+    streams: dict[str, Stream]
+    if policy.pinned_lanes:
+        serving = CpuPool("serving", cpus.serving, cpus.thrash)
+        streams = {lane: CpuPool(lane, len(ids), cpus.thrash).stream(lane) for lane, ids in split.items()}
+    else:
+        serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
+        streams = dict.fromkeys(split, serving.stream("sandboxes"))
+    demand = cpus.sandbox_demand.by_lane()
+    lane_cpus = SimLaneCpus(**{lane: (streams[lane], demand[lane]) for lane in split})
+    engines = [
+        SimEngine(f"engine-{i}", serving, workload.engines.update_s, workload.engines.tokens_per_s,
+                  cpus.engine_demand)
+        for i in range(workload.engines.count)
+    ]  # fmt: skip
+    slots = workload.lanes.slots()
+    lane_config = LanesConfig.model_validate(
+        {
+            **{lane: {"slots": slots[lane], "cpus": split[lane]} for lane in slots},
+            "serving_cpus": tuple(range(cpus.serving)),
+        }
+    )
+    return RunPorts(
+        engines=engines,
+        engine_slots=workload.engines.slots,
+        lanes=InProcessLanes.from_config(lane_config, policy.pinned_lanes),
+        source=SimSource(TrajectorySource(workload), lane_cpus),
+        weights_dir=None,
+    )
+
+
+@asynccontextmanager
+async def _local_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) -> AsyncIterator[RunPorts]:
+    from app.agent.loop import ShellAgent, ShellAgentConfig
+    from app.runtime.engine_procs import EngineProcesses
+    from app.runtime.task_source import TaskSource, load_tasks
+    from app.sandboxes.local import LocalSandboxFactory
+
+    config = spec.config
+    assert config is not None
+    tasks = load_tasks(config.tasks)
+    serving_cpus = config.engines.cpus if policy.pinned_lanes else sorted(os.sched_getaffinity(0))
+    sandboxes = Path(config.sandbox.base_dir) if config.sandbox.base_dir else work_dir / "sandboxes"
+    await asyncio.to_thread(_make_work_dirs, work_dir, sandboxes)
+    engines = EngineProcesses(config.engines, serving_cpus, work_dir)
+    clients: list[Engine] = []
+    try:
+        await asyncio.to_thread(engines.start)
+        await engines.wait_healthy()
+        clients = list(engines.clients())
+        factory = LocalSandboxFactory(sandboxes, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
+        agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
+        yield RunPorts(
+            engines=clients,
+            engine_slots=config.engines.slots,
+            lanes=InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes),
+            source=TaskSource(tasks, factory, agent, config.seed),
+            weights_dir=work_dir / "weights",
+        )
+    finally:
+        for client in clients:
+            await client.aclose()
+        await asyncio.to_thread(engines.stop)
+
+
+def _make_work_dirs(work_dir: Path, sandboxes: Path) -> None:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(work_dir, 0o711)  # sandbox uids must traverse it to reach their own work directories
+    sandboxes.mkdir(parents=True, exist_ok=True)

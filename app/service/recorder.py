@@ -1,0 +1,109 @@
+"""A run's event stream as the service records it: the runtime publishes every state change on this
+bus (app.runtime.events); the store's sink, the metrics sink and a live view subscribe.
+
+A resumed run (a later incarnation after a restart) continues its predecessor's stream: sequence
+numbers go on from the store's next one, and its clock starts where the stored stream ended.
+
+Invariants:
+- sequence numbers continue across incarnations, so the stored stream of a run has no gap and no
+  duplicate;
+- publishing never blocks and never raises because of a sink (the sinks are buffered); the live view
+  is updated inline, so a GET sees every event published before it;
+- every group a crashed incarnation left open ends in the stream, discarded with reason `orphaned`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.events import (
+    BatchDelivered,
+    EngineUpdateEnd,
+    Envelope,
+    Event,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    VersionPublished,
+)
+from app.runtime.events import EventBus
+
+
+@dataclass
+class LiveView:
+    """What GET /api/runs/{id} shows without touching the database; updated inline per event."""
+
+    admitted: int = 0
+    delivered: int = 0
+    discarded: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    last_batch_index: int | None = None
+    trainer_version: int = 0
+    engine_versions: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+    last_seq: int = -1
+    staleness: Counter[int] = field(default_factory=Counter)
+
+    def on_envelope(self, env: Envelope) -> None:
+        ev = env.event
+        self.events += 1
+        self.last_seq = env.seq
+        if isinstance(ev, GroupAdmitted):
+            self.admitted += 1
+        elif isinstance(ev, GroupDelivered):
+            self.delivered += 1
+            self.staleness[ev.staleness] += 1
+        elif isinstance(ev, GroupDiscarded):
+            self.discarded[ev.reason] += 1
+        elif isinstance(ev, BatchDelivered):
+            self.batches += 1
+            self.last_batch_index = ev.batch_index
+        elif isinstance(ev, VersionPublished):
+            self.trainer_version = max(self.trainer_version, ev.version)
+        elif isinstance(ev, EngineUpdateEnd) and ev.ok:
+            self.engine_versions[ev.engine] = ev.version
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "groups_admitted": self.admitted,
+            "groups_delivered": self.delivered,
+            "groups_discarded": dict(self.discarded),
+            "batches": self.batches,
+            "last_batch_index": self.last_batch_index,
+            "staleness_delivered": {str(k): v for k, v in sorted(self.staleness.items())},
+            "events": self.events,
+            "last_seq": self.last_seq,
+        }
+
+
+class _ContinuingBus(EventBus):
+    """The project's event bus, numbering from `first_seq` (a resumed run continues its stream)."""
+
+    def __init__(self, run_id: str, first_seq: int, clock: Callable[[], float]) -> None:
+        super().__init__(run_id, clock=clock)
+        self._seq = first_seq
+
+
+class RunRecorder:
+    """One run's bus with its live view; the manager attaches the store and metrics sinks."""
+
+    def __init__(self, run_id: str, clock: Callable[[], float], first_seq: int = 0) -> None:
+        self.run_id = run_id
+        self.bus: EventBus = _ContinuingBus(run_id, first_seq, clock)
+        self.view = LiveView()
+        self.bus.subscribe(self.view.on_envelope)
+
+    def publish(self, event: Event) -> Envelope:
+        return self.bus.publish(event)
+
+    def orphan_open_groups(self, open_groups: set[int], detail: str) -> int:
+        """Close the groups a crashed incarnation left open: discarded with reason `orphaned`."""
+        for gid in sorted(open_groups):
+            self.publish(GroupDiscarded(gid, "orphaned", detail))
+        return len(open_groups)
+
+    def close(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        return self.bus.close(timeout_s)

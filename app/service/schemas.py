@@ -1,0 +1,158 @@
+"""The service's API schemas: what a client sends and gets back. Separate from the ORM models (the
+store's) and from the runtime's own configs, which they embed.
+
+Every input model is strict: unknown fields are refused, numbers are bounded and finite, and a run
+config is validated in full (the workload or local-run config inside it) before anything starts.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from app.core.config import PauseModeName, PolicyName
+from app.runtime.config import LocalRunConfig
+from app.sim.workload import Workload
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunKind(StrEnum):
+    SIM = "sim"  # the production runtime on the simulator's engines and sandboxes, paced to the wall clock
+    LOCAL = "local"  # the embedded default: embedded engines, local sandboxes, the built-in tasks
+
+
+class TrainerKind(StrEnum):
+    EXTERNAL = "external"  # a trainer takes batches through the trainer API
+    SENTINEL = "sentinel"  # the built-in client: acks each batch and publishes a sentinel version
+
+
+def small_workload() -> dict[str, Any]:
+    """The default simulated workload: batches every few seconds of wall time at speed 1."""
+    return {
+        "seed": 0,
+        "batch": {"groups": 2, "group_size": 2},
+        "policy": {"surplus_groups": 2, "max_staleness": 2},
+        "engines": {"count": 2, "slots": 4, "update_s": 0.2},
+        "cpus": {"total": 8, "serving": 2},
+        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
+        "trajectory": {
+            "reset_s": {"uniform": [0.05, 0.2]},
+            "turns": {"uniform": [1, 3]},
+            "llm_s": {"uniform": [0.05, 0.3]},
+            "tool_s": 0.05,
+            "validate_s": 0.05,
+            "cleanup_s": 0.05,
+            "timeout_s": 30,
+        },
+    }
+
+
+class RunCreate(_Input):
+    """A run to create and start. B, G, S and K come from the workload (sim) or config (local), and
+    may be overridden here."""
+
+    name: str = Field("run", min_length=1, max_length=100, pattern=r"^[\w .:-]+$")
+    kind: RunKind = RunKind.SIM
+    policy: PolicyName = Field(PolicyName.FULL, description="rung of the ablation ladder")
+    workload: Workload | None = Field(None, description="sim: workload spec; default: a small one")
+    config: LocalRunConfig | None = Field(None, description="local: run config; default: app/configs")
+    batches: StrictInt | None = Field(
+        None, ge=1, le=1_000_000, description="trainer steps; none: until stopped"
+    )
+    speed: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False, description="sim: virtual s per wall s")
+    trainer: TrainerKind = TrainerKind.EXTERNAL
+    sentinel_step_s: float = Field(
+        0.2, ge=0, le=3600, allow_inf_nan=False, description="built-in trainer step"
+    )
+    groups_per_batch: StrictInt | None = Field(None, ge=1, le=4096, description="B")
+    group_size: StrictInt | None = Field(None, ge=2, le=1024, description="G")
+    surplus_groups: StrictInt | None = Field(None, ge=0, le=100_000, description="S")
+    max_staleness: StrictInt | None = Field(None, ge=0, le=10_000, description="K")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_workload(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kind", "sim") == "sim" and data.get("workload") is None:
+            return {**data, "workload": small_workload()}
+        return data
+
+    @model_validator(mode="after")
+    def _kind_matches(self) -> RunCreate:
+        if self.kind is RunKind.SIM:
+            if self.config is not None:
+                raise ValueError("config is for kind 'local'; a sim run takes a workload")
+            assert self.workload is not None
+            if self.workload.trace is not None:
+                raise ValueError("workload.trace: a run created through the API cannot read server files")
+        elif self.workload is not None:
+            raise ValueError("workload is for kind 'sim'; a local run takes a config")
+        if self.speed != 1.0 and self.kind is not RunKind.SIM:
+            raise ValueError("speed applies to sim runs only")
+        return self
+
+    def overrides(self) -> dict[str, int]:
+        knobs = {
+            "groups_per_batch": self.groups_per_batch,
+            "group_size": self.group_size,
+            "surplus_groups": self.surplus_groups,
+            "max_staleness": self.max_staleness,
+        }
+        return {k: v for k, v in knobs.items() if v is not None}
+
+
+class PolicyPatch(_Input):
+    """Live changes: S and K, and the pace of weight rollouts."""
+
+    max_staleness: StrictInt | None = Field(None, ge=0, le=10_000, description="K")
+    surplus_groups: StrictInt | None = Field(None, ge=0, le=100_000, description="S")
+    max_updating_engines: StrictInt | None = Field(
+        None, ge=1, le=1024, description="engines updating at once"
+    )
+    pause_mode: PauseModeName | None = Field(
+        None, description="how an updating engine treats in-flight turns"
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> PolicyPatch:
+        if all(v is None for v in self.model_dump().values()):
+            raise ValueError(
+                "give at least one of max_staleness, surplus_groups, max_updating_engines, pause_mode"
+            )
+        return self
+
+
+class WeightsPublish(_Input):
+    """A new policy version: weights in the directory `path` (on the engines' hosts), or a sentinel."""
+
+    version: StrictInt = Field(ge=1, le=2**31 - 1)
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    sentinel: bool = False
+
+    @model_validator(mode="after")
+    def _path_or_sentinel(self) -> WeightsPublish:
+        if (self.path is None) == (not self.sentinel):
+            raise ValueError("give exactly one of path or sentinel: true")
+        return self
+
+
+class RunAction(StrEnum):
+    PAUSE = "pause"
+    RESUME = "resume"
+    STOP = "stop"
+
+
+class AckResult(BaseModel):
+    batch_id: str
+    acked: Literal[True] = True
+    already_acked: bool
+
+
+class Problem(BaseModel):
+    """An error: `detail` says what is wrong, naming the field."""
+
+    detail: str

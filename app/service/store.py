@@ -1,0 +1,224 @@
+"""The run service's view of the store (app.store): the few unit-of-work operations the manager and
+the API make, each its own transaction (the store's repositories never commit; these methods do).
+
+Events do not go through here: the event bus hands them to the store's `SqlEventSink`.
+
+Invariants:
+- every method opens and closes its own session, so it can be called from any thread;
+- offers and acks of batches are mirrored into the `batches` table after the sink has stored the
+  batch (a write that finds no row yet is retried briefly: the sink writes in batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from app.core.events import Ledger
+from app.store.db import make_engine, make_sessionmaker
+from app.store.migrate import upgrade_to_head
+from app.store.models import Run, RunState
+from app.store.repos import (
+    BatchRepo,
+    EventRepo,
+    GroupRepo,
+    IllegalTransitionError,
+    RolloutRepo,
+    RunRepo,
+)
+from app.store.sink import SqlEventSink
+
+log = logging.getLogger(__name__)
+
+__all__ = ["IllegalTransitionError", "ResumePoint", "RunRecord", "ServiceStore"]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run row as the service reads it."""
+
+    id: str
+    name: str
+    state: str
+    config: dict[str, Any]
+    policy: dict[str, Any]
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    error: str | None
+
+    @classmethod
+    def of(cls, run: Run) -> RunRecord:
+        return cls(
+            id=run.id,
+            name=run.name,
+            state=run.state,
+            config=dict(run.config or {}),
+            policy=dict(run.policy or {}),
+            created_at=run.created_at.timestamp(),
+            started_at=run.started_at.timestamp() if run.started_at else None,
+            ended_at=run.ended_at.timestamp() if run.ended_at else None,
+            error=run.error,
+        )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: its next event, group and batch numbers and its policy version."""
+
+    next_seq: int
+    group_offset: int
+    batch_offset: int
+    version: int
+    weights_path: str | None
+    open_groups: frozenset[int]
+    last_t: float  # where the run's clock had got to
+
+
+class ServiceStore:
+    def __init__(self, url: str, migrate: bool = True) -> None:
+        self.url = url
+        if migrate:
+            upgrade_to_head(url)
+        self.engine = make_engine(url)
+        self._sessions = make_sessionmaker(self.engine)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def event_sink(self) -> SqlEventSink:
+        return SqlEventSink(self.engine)
+
+    # -- runs ----------------------------------------------------------------------------------------
+
+    def create_run(self, run_id: str, name: str, config: dict[str, Any], policy: dict[str, Any]) -> RunRecord:
+        with self.session() as s:
+            return RunRecord.of(RunRepo(s).create(name, config, policy, run_id=run_id))
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        with self.session() as s:
+            run = RunRepo(s).get(run_id)
+            return None if run is None else RunRecord.of(run)
+
+    def list_runs(self, limit: int = 100) -> list[RunRecord]:
+        with self.session() as s:
+            return [RunRecord.of(r) for r in RunRepo(s).list(limit=limit)]
+
+    def unfinished_runs(self) -> list[RunRecord]:
+        with self.session() as s:
+            return [RunRecord.of(r) for r in RunRepo(s).unfinished()]
+
+    def set_state(self, run_id: str, state: RunState, error: str | None = None) -> None:
+        with self.session() as s:
+            RunRepo(s).set_state(run_id, state, error)
+
+    def set_policy(self, run_id: str, policy: dict[str, Any]) -> None:
+        with self.session() as s:
+            RunRepo(s).require(run_id).policy = dict(policy)
+
+    # -- events and groups ---------------------------------------------------------------------------
+
+    def timeline(self, run_id: str, since: int, limit: int) -> list[dict[str, Any]]:
+        with self.session() as s:
+            rows = EventRepo(s).list(run_id, since=since, limit=limit)
+            return [{"seq": r.seq, "t": r.t, "kind": r.kind, **dict(r.payload)} for r in rows]
+
+    def ledger(self, run_id: str) -> tuple[Ledger, float]:
+        """Every group's account from the stored stream alone (the store's projection aside), and the
+        time of the last event."""
+        ledger = Ledger()
+        last_t = 0.0
+        with self.session() as s:
+            for env in EventRepo(s).load_envelopes(run_id):
+                ledger.on_envelope(env)
+                last_t = max(last_t, env.t)
+        return ledger, last_t
+
+    def resume_point(self, run_id: str) -> ResumePoint:
+        ledger, last_t = self.ledger(run_id)
+        with self.session() as s:
+            next_seq = EventRepo(s).next_seq(run_id)
+            orphans = {g.group_id for g in GroupRepo(s).orphans(run_id)}
+            batches = BatchRepo(s).list(run_id)
+            rollouts = RolloutRepo(s)
+            version = rollouts.latest_version(run_id) or 0
+            latest = rollouts.by_version(run_id, version) if version else None
+            path = latest.path if latest is not None else None
+        seen = ledger.admitted | set(ledger.ended)
+        return ResumePoint(
+            next_seq=next_seq,
+            group_offset=max(seen, default=-1) + 1,
+            batch_offset=max((b.batch_index for b in batches), default=-1) + 1,
+            version=version,
+            weights_path=path,
+            open_groups=frozenset(ledger.open_groups | orphans),
+            last_t=last_t,
+        )
+
+    # -- batches offered to an external trainer ------------------------------------------------------
+
+    def mark_offered(self, run_id: str, batch_index: int) -> None:
+        self._when_batch_stored(run_id, batch_index, lambda repo: repo.mark_offered(run_id, batch_index))
+
+    def mark_acked(self, run_id: str, batch_index: int) -> None:
+        self._when_batch_stored(run_id, batch_index, lambda repo: repo.ack(run_id, batch_index))
+
+    def _when_batch_stored(self, run_id: str, batch_index: int, write: Any, wait_s: float = 10.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.session() as s:
+                repo = BatchRepo(s)
+                batch = repo.get(run_id, batch_index)
+                if batch is not None and batch.delivered_at is not None:
+                    write(repo)
+                    return
+            if time.monotonic() > deadline:
+                log.warning("batch %s/%d never reached the store; its offer/ack is not mirrored", run_id,
+                            batch_index)  # fmt: skip
+                return
+            time.sleep(0.1)
+
+    # -- rollouts ------------------------------------------------------------------------------------
+
+    def rollout(self, run_id: str, version: int) -> dict[str, Any] | None:
+        with self.session() as s:
+            repo = RolloutRepo(s)
+            rollout = repo.by_version(run_id, version)
+            if rollout is None:
+                return None
+            steps = [
+                {"engine": st.engine, "state": st.state, "started_at": st.started_at,
+                 "ended_at": st.ended_at, "error": st.error}
+                for st in repo.steps(rollout.id)
+            ]  # fmt: skip
+            return {
+                "rollout_id": rollout.version,
+                "version": rollout.version,
+                "path": rollout.path,
+                "actor": rollout.actor,
+                "state": rollout.state,
+                "started_at": rollout.started_at,
+                "ended_at": rollout.ended_at,
+                "engines": steps,
+            }
+
+    def ping(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except Exception as exc:  # a health check reports an unreachable database, it does not raise
+            log.warning("database ping failed: %r", exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.engine.dispose()
