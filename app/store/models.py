@@ -186,22 +186,20 @@ class Trajectory(Base):
 
 class Span(Base):
     """The timeline: one interval of one phase. `seq` is the event it was projected from (one event can
-    give two spans: a turn and its engine queue wait), so (run_id, seq, phase) is unique."""
+    give two spans: a turn and its engine queue wait), so (run_id, seq, phase) is the key, and
+    `timeline?since=<seq>` is a range scan of it."""
 
     __tablename__ = "spans"
     __table_args__ = (
         CheckConstraint(_in("phase", SpanPhase), name="phase"),
-        UniqueConstraint("run_id", "seq", "phase"),
         Index("ix_spans_run_id_group_id", "run_id", "group_id"),
-        Index("ix_spans_run_id_start", "run_id", "start"),
     )
 
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    run_id: Mapped[str] = mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
-    seq: Mapped[int] = mapped_column(BigInteger)
+    run_id: Mapped[str] = _run_fk()
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    phase: Mapped[str] = mapped_column(String(16), primary_key=True)
     group_id: Mapped[int | None] = mapped_column(Integer)
     attempt: Mapped[int | None] = mapped_column(Integer)
-    phase: Mapped[str] = mapped_column(String(16))
     engine: Mapped[str | None] = mapped_column(String(64))
     lane: Mapped[str | None] = mapped_column(String(32))
     version: Mapped[int | None] = mapped_column(Integer)
@@ -215,7 +213,6 @@ class EventRow(Base):
     """The raw event log: `payload` is `Envelope.to_dict()` without run_id, seq, t and kind."""
 
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_id_kind", "run_id", "kind"),)
 
     run_id: Mapped[str] = _run_fk()
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)

@@ -275,7 +275,7 @@ class SpanRepo:
         query = select(Span).where(Span.run_id == run_id, Span.seq > since)
         if group_id is not None:
             query = query.where(Span.group_id == group_id)
-        return self.session.scalars(query.order_by(Span.seq, Span.id).limit(limit)).all()
+        return self.session.scalars(query.order_by(Span.seq, Span.phase).limit(limit)).all()
 
 
 class BatchRepo:

@@ -12,12 +12,16 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, inspect
+from run_events import make_run_events
+from sqlalchemy import Engine, inspect, text
+from sqlalchemy.orm import Session
 from store_backends import BACKENDS, POSTGRES_URL
 
 from app.store.db import make_engine, scratch_database
 from app.store.migrate import alembic_config, current_revision, head_revision, upgrade_to_head
 from app.store.models import Base
+from app.store.repos import EventRepo, SpanRepo
+from app.store.sink import SqlEventSink
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,5 +64,28 @@ def test_alembic_command_reads_the_url_from_the_environment(backend: str, tmp_pa
         try:
             assert current_revision(engine) == head_revision()
             assert schema_diff(engine) == []
+        finally:
+            engine.dispose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_downgrade_and_upgrade_keep_the_timeline(backend: str, tmp_path: Path) -> None:
+    run = make_run_events("kept")
+    with scratch_database(backend, POSTGRES_URL, tmp_path) as url:
+        upgrade_to_head(url)
+        engine = make_engine(url)
+        try:
+            SqlEventSink(engine).write_batch(run.envelopes)
+            command.downgrade(alembic_config(url), "0001")
+            with engine.connect() as conn:
+                ids = conn.execute(text("SELECT id FROM spans")).scalars().all()
+            assert len(ids) == len(set(ids)) == run.spans
+            assert None not in ids
+
+            upgrade_to_head(url)
+            assert schema_diff(engine) == []
+            with Session(engine) as s:
+                assert len(SpanRepo(s).list("kept")) == run.spans
+                assert EventRepo(s).load_envelopes("kept") == run.envelopes
         finally:
             engine.dispose()
