@@ -77,8 +77,9 @@ def synthetic_stream(
                     start = t + rng.expovariate(20.0)
                     t = start + rng.expovariate(2.0)
                     if lane == "turns":
+                        tokens = rng.randint(20, 2000)
                         emit(TurnDone(group_id=group, attempt=attempt, engine=f"e{k % 4}", version=batch,
-                                      queued_at=queued, start=start, end=t, tokens=rng.randint(20, 2000)))  # fmt: skip
+                                      queued_at=queued, start=start, end=t, tokens=tokens))  # fmt: skip
                         queued, start = t, t + rng.expovariate(50.0)
                         t = start + rng.expovariate(3.0)
                         emit(SandboxOp(group_id=group, attempt=attempt, lane="exec", queued_at=queued,
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     sample = synthetic_stream("sample", args.events)
     kinds = Counter(e.kind for e in sample)
     timeline = sum(kinds[k] for k in TIMELINE)
-    print(f"stream: {len(sample)} events per run, {timeline / len(sample):.1%} timeline (turns, sandbox ops); "
+    share = timeline / len(sample)
+    print(f"stream: {len(sample)} events per run, {share:.1%} timeline (turns, sandbox ops); "
           f"{kinds['group_admitted']} groups of 8")  # fmt: skip
     backends = ["postgres", "sqlite"] if args.backend == "both" else [args.backend]
     print(f"{'backend':<9} {'batch':>6} {'median ev/s':>12} {'min':>9} {'max':>9}  runs")
