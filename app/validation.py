@@ -7,8 +7,10 @@ prefix or a "(top)" location. No I/O.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -63,8 +65,42 @@ def finite_problem(value: float, *, low: float, high: float) -> str | None:
     return None
 
 
+def describe(err: Mapping[str, Any]) -> str:
+    """pydantic's message for one error, without its "Value error," prefix, with the value it got."""
+    msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    value = err.get("input")
+    if err.get("type") not in _SHOWS_INPUT:
+        return msg
+    if isinstance(value, bool | int | float) or value is None:
+        shown = "NaN" if isinstance(value, float) and math.isnan(value) else json.dumps(value)
+    elif isinstance(value, str) and len(value) <= 40:
+        shown = repr(value)
+    else:
+        return msg
+    return f"{msg}, not {shown}"
+
+
+# Errors about a value's type or range: saying what was given helps (`true`, `2.0`, `.inf`).
+_SHOWS_INPUT = frozenset(
+    {
+        "int_type",
+        "int_from_float",
+        "int_parsing",
+        "float_type",
+        "float_parsing",
+        "finite_number",
+        "bool_type",
+        "string_type",
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+    }
+)
+
+
 def problems(exc: ValidationError, rename: Mapping[str, str] | None = None) -> str:
-    """One line for every problem pydantic found: `field.path: message`.
+    """One line for every problem pydantic found: `field.path: message, not <value>`.
 
     `rename` maps a dotted field path to what the user typed (e.g. `surplus_groups` → `--surplus`).
     """
@@ -72,6 +108,5 @@ def problems(exc: ValidationError, rename: Mapping[str, str] | None = None) -> s
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
         where = (rename or {}).get(where, where)
-        msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        parts.append(f"{where}: {msg}" if where else msg)
+        parts.append(f"{where}: {describe(err)}" if where else describe(err))
     return "; ".join(parts)

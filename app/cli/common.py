@@ -25,7 +25,8 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 def fail(message: str) -> NoReturn:
     """Refuse: one line naming the problem, exit code 2."""
-    err.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split())))
+    lines = [" ".join(line.split()) for line in message.splitlines()]
+    err.print(Text.assemble(("error:", "bold red"), " ", "; ".join(line for line in lines if line)))
     raise typer.Exit(2)
 
 
@@ -91,7 +92,7 @@ def check_finite(value: float | None, flag: str, *, low: float, high: float) -> 
     if not math.isfinite(value):
         fail(f"{flag} must be a finite number of seconds, not {value}")
     if not low < value <= high:
-        fail(f"{flag} must be > {low:g} and ≤ {high:g}, not {value:g}")
+        fail(f"{flag} must be > {low:,.0f} and ≤ {high:,.0f}, not {value:g}")
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -86,7 +86,10 @@ class Dist(BaseModel):
         if self.empirical is not None and (not self.empirical or min(self.empirical) < 0):
             raise ValueError("empirical needs a non-empty list of non-negative samples")
         if self.upper() > MAX_SECONDS:
-            raise ValueError(f"values up to {self.upper():g} exceed the limit of {MAX_SECONDS:g}")
+            raise ValueError(
+                f"draws would reach {self.upper():,.0f} (for an uncapped lognormal: its one-in-a-billion "
+                f"draw), above the limit of {MAX_SECONDS:,.0f}; give a smaller p90 or a max"
+            )
         return self
 
     def upper(self) -> float:

@@ -7,6 +7,8 @@ returned `TaskSpec`:
   `candidate_actions`, when given, is non-empty and holds no empty command.
 - every entry of `files` is a relative POSIX path naming a regular file inside `root`, with no `..`
   component, no absolute path, and no symlink (at any level) resolving outside `root`.
+- every number is finite and bounded: timeouts in (0, MAX_SECONDS], `max_turns` in 1..MAX_TURNS, and a
+  count is a real integer (`true` or `2.0` is refused, not coerced).
 - `task.yaml` holds only known fields. Corral's own fields are parsed; terminal-bench's fields map onto
   them where they mean the same thing (`descriptions`, `max_agent_timeout_sec`, `max_test_timeout_sec`,
   `difficulty`, `category`, `run-tests.sh`); terminal-bench's purely descriptive fields are accepted and
@@ -26,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.tasks.spec import TaskSpec
+from app.validation import MAX_SECONDS, MAX_TURNS, describe
 
 TASK_FILE = "task.yaml"
 
@@ -55,7 +58,7 @@ class TaskError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _Validation(_Strict):
@@ -63,9 +66,9 @@ class _Validation(_Strict):
 
 
 class _Timeouts(_Strict):
-    setup_s: float | None = Field(default=None, gt=0)
-    agent_s: float | None = Field(default=None, gt=0)
-    validation_s: float | None = Field(default=None, gt=0)
+    setup_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
+    agent_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
+    validation_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
 
 
 class _Description(_Strict):
@@ -80,15 +83,15 @@ class _TaskFile(_Strict):
     setup: str = ""
     validation: _Validation | None = None
     timeouts: _Timeouts = _Timeouts()
-    max_turns: int | None = Field(default=None, ge=1)
+    max_turns: int | None = Field(default=None, ge=1, le=MAX_TURNS, strict=True)
     candidate_actions: list[str] | None = Field(default=None, min_length=1)
     files: list[str] | None = None
     tags: list[str] = []
 
     # terminal-bench fields that map onto Corral's.
     descriptions: list[_Description] | None = Field(default=None, min_length=1)
-    max_agent_timeout_sec: float | None = Field(default=None, gt=0)
-    max_test_timeout_sec: float | None = Field(default=None, gt=0)
+    max_agent_timeout_sec: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
+    max_test_timeout_sec: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
     difficulty: Literal["easy", "medium", "hard", "unknown"] | None = None
     category: str | None = None
 
@@ -123,7 +126,9 @@ def load_task(path: str | os.PathLike[str]) -> TaskSpec:
         detail = " ".join(str(exc).split())
         raise TaskError(f"{root}: {TASK_FILE} is not valid YAML: {detail}") from exc
     except UnicodeDecodeError as exc:
-        raise TaskError(f"{root}: {TASK_FILE} is not UTF-8 text: {exc}") from exc
+        raise TaskError(f"{root}: {TASK_FILE} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise TaskError(f"{root}: cannot read {TASK_FILE}: {exc.strerror or exc}") from None
     if not isinstance(raw, dict):
         raise TaskError(f"{root}: {TASK_FILE} must be a mapping of fields, got {type(raw).__name__}")
     try:
@@ -143,7 +148,11 @@ def load_suite(path: str | os.PathLike[str]) -> list[TaskSpec]:
         raise TaskError(f"{suite}: not a suite directory (no such directory)")
     tasks: list[TaskSpec] = []
     problems: list[str] = []
-    for child in sorted(suite.iterdir()):
+    try:
+        children = sorted(suite.iterdir())
+    except OSError as exc:
+        raise TaskError(f"{suite}: cannot list the suite: {exc.strerror or exc}") from None
+    for child in children:
         if not child.is_dir() or child.name.startswith(".") or child.name in _SKIPPED_DIRS:
             continue
         try:
@@ -161,7 +170,7 @@ def _describe(root: Path, err: Any) -> str:
     loc = ".".join(str(part) for part in err["loc"]) or "<root>"
     if err["type"] == "extra_forbidden":
         return f"{root}: unknown field '{loc}' in {TASK_FILE}"
-    return f"{root}: field '{loc}': {err['msg']}"
+    return f"{root}: field '{loc}': {describe(err)}"
 
 
 def _to_spec(root: Path, parsed: _TaskFile) -> TaskSpec:

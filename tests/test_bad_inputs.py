@@ -1,0 +1,446 @@
+"""Every bad input a user would try, refused: exit code 2, one line on stderr naming the field or flag
+as the user typed it, never a traceback; and refused before any work (no engine starts, no file left).
+
+The table runs the real `corral` entry point (`app.cli.main`) in-process, as typer's CliRunner would,
+so it stays fast; `test_refusals_from_the_installed_script` runs a sample through the console script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from factories import make_workload_data
+
+from app.cpulist import CpuListError, parse_cpu_list
+
+CORRAL = Path(sys.executable).with_name("corral")
+VLLM_PRESENT = shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None
+
+GOOD_TRACE_LINE = {"task": "a", "reset_s": 1, "agent_s": 5, "validate_s": 1, "cleanup_s": 1, "reward": 1}
+GOOD_TASK = "instruction: say hi\nvalidation: {command: 'true'}\n"
+
+
+@dataclass
+class Case:
+    """One bad input: files to write (name → text or bytes), the argv, what the message must name."""
+
+    args: list[str]
+    needles: list[str]
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    absent: list[str] = field(default_factory=list)  # must not appear in the message
+
+
+def workload(**overrides: Any) -> str:
+    return json.dumps(make_workload_data(**overrides))
+
+
+def run_config(extra: str = "") -> str:
+    return (
+        "batch: {groups: 1, group_size: 2}\nengines: {count: 1, cpus: [0]}\nlanes: {cpus: [1]}\n"
+        "tasks: {suite: suite}\n" + extra
+    )
+
+
+SUITE = {"suite/hello/task.yaml": GOOD_TASK}
+
+CASES: dict[str, Case] = {
+    # -- non-finite numbers ---------------------------------------------------------------------------
+    "workload step_s .inf": Case(
+        ["sim", "--workload", "w.yaml"], ["trainer.step_s", "finite"], {"w.yaml": "trainer: {step_s: .inf}\n"}
+    ),
+    "workload NaN in a distribution": Case(
+        ["sim", "--workload", "w.json"],
+        ["trajectory.llm_s", "finite"],
+        {"w.json": workload(trajectory={"llm_s": {"uniform": [0, "NaN"]}}).replace('"NaN"', "NaN")},
+    ),
+    "workload NaN count": Case(
+        ["sim", "--workload", "w.yaml"], ["batch.groups"], {"w.yaml": "batch: {groups: .nan}\n"}
+    ),
+    "trace reward NaN": Case(
+        ["sim", "--workload", "w.json"],
+        ["line 1", "reward", "finite"],
+        {
+            "w.json": workload(trace="t.jsonl"),
+            "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "reward": math.nan}) + "\n",
+        },
+    ),
+    "trace agent_s Infinity": Case(
+        ["sim", "--workload", "w.json"],
+        ["line 1", "agent_s", "finite"],
+        {
+            "w.json": workload(trace="t.jsonl"),
+            "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "agent_s": math.inf}) + "\n",
+        },
+    ),
+    "run config step_s .nan": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["trainer.step_s", "finite"],
+        {"c.yaml": run_config("trainer: {step_s: .nan}\n"), **SUITE},
+    ),
+    "task timeout .inf": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["timeouts.agent_s", "finite"],
+        {"c.yaml": run_config(), "suite/hello/task.yaml": GOOD_TASK + "timeouts: {agent_s: .inf}\n"},
+    ),
+    "--duration nan": Case(["run", "--duration", "nan", "--json", "o.json"], ["--duration", "finite"]),
+    "--duration inf": Case(["run", "--duration", "inf", "--json", "o.json"], ["--duration", "finite"]),
+    "--duration -1": Case(["run", "--duration", "-1", "--json", "o.json"], ["--duration"]),
+    # -- sizes ----------------------------------------------------------------------------------------
+    "run engines.count 1e9": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["engines.count", "memory", "limit is 64"],
+        {
+            "c.yaml": run_config("engines: {count: 1000000000, cpus: [0]}\n").replace(
+                "engines: {count: 1, cpus: [0]}\n", ""
+            ),
+            **SUITE,
+        },
+    ),
+    "workload engines.count 1e9": Case(
+        ["sim", "--workload", "w.json"],
+        ["engines.count", "10000"],
+        {"w.json": workload(engines={"count": 10**9})},
+    ),
+    "workload in flight beyond the limit": Case(
+        ["sim", "--workload", "w.json"],
+        ["trajectories in flight", "memory"],
+        {"w.json": workload(batch={"groups": 2, "group_size": 1000}, policy={"surplus_groups": 5000})},
+    ),
+    "workload turns with a huge tail": Case(
+        ["sim", "--workload", "w.json"],
+        ["trajectory.turns"],
+        {"w.json": workload(trajectory={"turns": {"lognormal": {"median": 18, "p90": 5000}}})},
+    ),
+    "--surplus 1e8": Case(
+        ["sim", "--workload", "w.json", "--surplus", "1e8"], ["--surplus"], {"w.json": workload()}
+    ),
+    "--surplus 100000000": Case(
+        ["sim", "--workload", "w.json", "--surplus", "100000000"],
+        ["--surplus", "100000"],
+        {"w.json": workload()},
+    ),
+    "--surplus within range, too many in flight": Case(
+        ["sim", "--workload", "w.json", "--surplus", "100000"],
+        ["--surplus", "trajectories in flight", "memory"],
+        {"w.json": workload(batch={"groups": 2, "group_size": 1000})},
+    ),
+    "sweep of 1e8": Case(
+        ["bench", "--workload", "w.json", "--json", "b.json", "--surplus-sweep", "0,100000000"],
+        ["--surplus-sweep", "100000000"],
+        {"w.json": workload()},
+    ),
+    "engine --cpus 0-99999999999": Case(["engine", "--cpus", "0-99999999999"], ["--cpus", "8191"]),
+    "engine --layers 1e9": Case(["engine", "--layers", "1000000000"], ["--layers"]),
+    # -- tracebacks before --------------------------------------------------------------------------
+    "sim --plot x.foo": Case(
+        ["sim", "--workload", "w.json", "--plot", "x.foo"], ["--plot", "x.foo", "png"], {"w.json": workload()}
+    ),
+    "bench --plot without an extension": Case(
+        ["bench", "--json", "b.json", "--plot", "ladder"], ["--plot", "ladder", "no extension"]
+    ),
+    "run --plot x.foo": Case(["run", "--json", "o.json", "--plot", "x.foo"], ["--plot", "x.foo"]),
+    "workload path with [": Case(["sim", "--workload", "d[red]/w.yaml"], ["d[red]/w.yaml"]),
+    "config path with [ and a bad field": Case(
+        ["run", "--config", "c[bold].yaml", "--json", "o.json"],
+        ["c[bold].yaml", "bogus"],
+        {"c[bold].yaml": run_config("bogus: 1\n"), **SUITE},
+    ),
+    "run config not UTF-8": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["c.yaml", "UTF-8"],
+        {"c.yaml": b"seed: 1\n\xff\xfe\n"},
+    ),
+    "workload not UTF-8": Case(
+        ["sim", "--workload", "w.yaml"], ["w.yaml", "UTF-8"], {"w.yaml": b"seed: 1\n\xff\n"}
+    ),
+    "task.yaml not UTF-8": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["task.yaml", "UTF-8"],
+        {"c.yaml": run_config(), "suite/hello/task.yaml": b"instruction: \xff\n"},
+    ),
+    "unwritable sandbox.base_dir": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["sandbox.base_dir", "/proc/corral-nope"],
+        {"c.yaml": run_config("sandbox: {base_dir: /proc/corral-nope}\n"), **SUITE},
+    ),
+    "sandbox.base_dir is a file": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["sandbox.base_dir", "not a directory"],
+        {"c.yaml": run_config("sandbox: {base_dir: afile}\n"), "afile": "", **SUITE},
+    ),
+    "engine --port 70000": Case(["engine", "--port", "70000"], ["--port", "65535"]),
+    "engine --port 0": Case(["engine", "--port", "0"], ["--port"]),
+    "engine port in use": Case(["engine", "--port", "{busy_port}"], ["--port", "already in use"]),
+    "vllm port in use": Case(
+        ["engine", "--backend", "vllm", "--model", "m", "--port", "{busy_port}"], ["--port", "already in use"]
+    ),
+    # -- output paths, before the work -------------------------------------------------------------
+    "sim --json /proc/x.json": Case(
+        ["sim", "--workload", "w.json", "--json", "/proc/x.json"],
+        ["--json", "/proc/x.json"],
+        {"w.json": workload()},
+    ),
+    "bench --json /proc/x.json": Case(["bench", "--json", "/proc/x.json"], ["--json", "/proc/x.json"]),
+    "run --json /proc/x.json": Case(["run", "--json", "/proc/x.json"], ["--json", "/proc/x.json"]),
+    "run --plot /proc/x.png": Case(
+        ["run", "--json", "o.json", "--plot", "/proc/x.png"], ["--plot", "/proc/x.png"]
+    ),
+    "sim --plot /proc/x.png": Case(
+        ["sim", "--workload", "w.json", "--plot", "/proc/x.png"],
+        ["--plot", "/proc/x.png"],
+        {"w.json": workload()},
+    ),
+    "--json is a directory": Case(
+        ["sim", "--workload", "w.json", "--json", "."], ["--json", "is a directory"], {"w.json": workload()}
+    ),
+    # -- nonsense -------------------------------------------------------------------------------------
+    'engine --cpus ""': Case(["engine", "--cpus", ""], ["--cpus", "empty"]),
+    "empty surplus sweep": Case(
+        ["bench", "--json", "b.json", "--surplus-sweep", ""], ["--surplus-sweep", "empty"]
+    ),
+    "empty staleness sweep": Case(
+        ["bench", "--json", "b.json", "--staleness-sweep", ","], ["--staleness-sweep", "empty"]
+    ),
+    "workload groups: true": Case(
+        ["sim", "--workload", "w.yaml"], ["batch.groups", "integer"], {"w.yaml": "batch: {groups: true}\n"}
+    ),
+    "workload group_size: 2.0": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["batch.group_size", "integer"],
+        {"w.yaml": "batch: {group_size: 2.0}\n"},
+    ),
+    "run config groups: true": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["batch.groups", "integer"],
+        {"c.yaml": run_config().replace("groups: 1", "groups: true"), **SUITE},
+    ),
+    "run config group_size: 2.0": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["batch.group_size", "integer"],
+        {"c.yaml": run_config().replace("group_size: 2", "group_size: 2.0"), **SUITE},
+    ),
+    "task max_turns: true": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["max_turns", "integer"],
+        {"c.yaml": run_config(), "suite/hello/task.yaml": GOOD_TASK + "max_turns: true\n"},
+    ),
+    # -- messages name what the user typed ------------------------------------------------------
+    "--surplus -1 names the flag": Case(
+        ["sim", "--workload", "w.json", "--surplus", "-1"],
+        ["--surplus"],
+        {"w.json": workload()},
+        ["surplus_groups"],
+    ),
+    "engine refusals say corral engine": Case(
+        ["engine", "--cpus", "0-x"], ["corral engine", "--cpus"], absent=["python -m", "app.engines"]
+    ),
+    "model-level config errors have no pydantic prefixes": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["lanes.cpus", "shares CPUs"],
+        {"c.yaml": run_config().replace("lanes: {cpus: [1]}", "lanes: {cpus: [0]}"), **SUITE},
+        ["Value error", "(top)"],
+    ),
+    "workload model-level error has no prefix": Case(
+        ["sim", "--workload", "w.json"],
+        ["serving", "4 cores"],
+        {"w.json": workload(cpus={"total": 4, "serving": 2})},
+        ["Value error", "(top)"],
+    ),
+}
+if not VLLM_PRESENT:
+    CASES["vllm hint"] = Case(["engine", "--backend", "vllm", "--model", "m"], ["pip install 'corral[vllm]'"])
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def write_files(root: Path, files: dict[str, str | bytes]) -> None:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+
+def listing(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def corral_in_process(
+    args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    from app.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["corral", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out = capsys.readouterr()
+    code = exited.value.code
+    return (code if isinstance(code, int) else 1), out.out, out.err
+
+
+def assert_one_line_refusal(code: int, stdout: str, stderr: str, case: Case) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, stderr
+    assert "Traceback" not in stdout + stderr
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), stderr
+    for needle in case.needles:
+        assert needle in lines[0], (needle, stderr)
+    for word in case.absent:
+        assert word not in lines[0], (word, stderr)
+    assert "starting" not in stdout + stderr  # refused before any engine was started
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_refused_in_one_line_naming_the_field(
+    name: str,
+    tmp_path: Path,
+    busy_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    case = CASES[name]
+    write_files(tmp_path, case.files)
+    before = listing(tmp_path)
+    args = [a.replace("{busy_port}", str(busy_port)) for a in case.args]
+    code, out, err = corral_in_process(args, tmp_path, monkeypatch, capsys)
+    assert_one_line_refusal(code, out, err, case)
+    assert listing(tmp_path) == before  # no report, no probe file, no directory left behind
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["workload step_s .inf", "--duration nan", "engine --port 70000", "--surplus 1e8", "sim --plot x.foo"],
+)
+def test_refusals_from_the_installed_script(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    write_files(tmp_path, case.files)
+    proc = subprocess.run(
+        [str(CORRAL), *case.args], capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False
+    )
+    assert_one_line_refusal(proc.returncode, proc.stdout, proc.stderr, case)
+
+
+# -- regression tests, one per mechanism --------------------------------------------------------------
+
+
+def test_cpu_list_bound_refuses_before_building_a_set() -> None:
+    with pytest.raises(CpuListError, match="8191"):
+        parse_cpu_list("0-99999999999")  # would be 10^11 integers; refused from the numbers alone
+    assert parse_cpu_list("8190-8191") == [8190, 8191]
+
+
+def test_report_json_is_strict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli.common import write_json
+
+    out = tmp_path / "r.json"
+    write_json(out, {"a": 1.5, "b": [1, 2]})
+    assert json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}")) == {
+        "a": 1.5,
+        "b": [1, 2],
+    }
+    with pytest.raises(typer.Exit) as exited:
+        write_json(tmp_path / "bad.json", {"x": {"y": [1.0, math.nan]}})
+    assert exited.value.exit_code == 2
+    assert "x.y[1]" in capsys.readouterr().err
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_output_check_leaves_nothing_behind(tmp_path: Path) -> None:
+    from app.cli.common import check_output
+
+    check_output(tmp_path / "new" / "deeper" / "r.json", "--json")
+    assert listing(tmp_path) == set()
+    (tmp_path / "kept.json").write_text("old")
+    check_output(tmp_path / "kept.json", "--json")
+    assert (tmp_path / "kept.json").read_text() == "old"
+    assert listing(tmp_path) == {"kept.json"}
+
+
+def test_run_summary_without_batches_says_so() -> None:
+    from app.cli.common import summary_line
+
+    report = {
+        "policy": "full",
+        "batches": 0,
+        "batch_collection_s": {"mean": 0.0, "p90": 0.0},
+        "trainer_idle_fraction": 1.0,
+    }
+    line = summary_line(report, Path("r.json"), "0 restarted trajectories")
+    assert "no batch delivered" in line
+    assert "mean" not in line
+    report.update(batches=2, batch_collection_s={"mean": 12.345, "p90": 20.0})
+    assert "2 batches, collection mean 12.3 s (p90 20.0 s)" in summary_line(report, Path("r.json"), "x")
+
+
+def test_default_run_config_is_the_packaged_one_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.runtime.config import default_config_path, load_config
+
+    monkeypatch.chdir(tmp_path)
+    path = default_config_path()
+    assert path.is_absolute()
+    assert path.is_file()
+    assert load_config(path).engines.count >= 1
+
+
+def test_help_explains_s_and_k_and_lists_every_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, _ = corral_in_process(["--help"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    assert "surplus" in out
+    assert "staleness bound" in out
+    assert "<bool>" not in out
+    code, out, _ = corral_in_process(["run", "--help"], tmp_path, monkeypatch, capsys)
+    for option in ("--config", "--json", "--policy", "--duration", "--batches", "--plot", "--help"):
+        assert option in out
+    assert "<bool>" not in out
+    code, out, _ = corral_in_process(["sim", "--help"], tmp_path, monkeypatch, capsys)
+    assert "S, the surplus" in out
+    assert "K, the staleness bound" in out
+    code, out, _ = corral_in_process(["--version"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    assert out.startswith("corral ")
+
+
+def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from app.runtime.progress import RunProgress
+
+    console = Console(record=True, width=200)
+    progress = RunProgress(console, batches=3)
+    progress.on_event("batch", {"index": 0, "wait_s": 12.345678, "staleness": [0, 1], "groups": [4, 7]})
+    progress.on_event("group_admitted", {"group": 1, "live": 3})
+    progress.on_event("engine_updated", {"engine": "engine-0", "version": 2})
+    progress.on_event("engine_restarted", {"engine": "engine-[1]", "after_s": 3.14159})
+    text = console.export_text()
+    assert "batch 1/3 delivered: 2 groups after 12.3 s, staleness ≤ 1" in text
+    assert "group_admitted" not in text
+    assert "group admitted" not in text
+    assert "engine-0 now serves policy version 2" in text
+    assert "engine restarted: engine engine-[1], after_s 3.1" in text
+    assert "{" not in text
