@@ -26,7 +26,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from markupsafe import Markup
 from sse_starlette.sse import EventSourceResponse
 from starlette.staticfiles import StaticFiles
 
@@ -121,6 +120,19 @@ class Dashboard:
 # -- contexts ---------------------------------------------------------------------------------------
 
 
+class Lazy:
+    """HTML computed only if a template renders it: a block rendered alone skips the others' SVG."""
+
+    def __init__(self, fn: Callable[[], str]) -> None:
+        self._fn = fn
+
+    def __html__(self) -> str:
+        return self._fn()
+
+    def __str__(self) -> str:
+        return self._fn()
+
+
 def runs_context(dash: Dashboard) -> dict[str, Any]:
     return {"runs": dash.views(), "launch": dash.default_launch}
 
@@ -133,10 +145,10 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     return {
         "view": view,
         "zoom": zoom,
-        "timeline": Markup(render_timeline(view, zoom)),
-        "legend": Markup(legend_svg(None if view.detailed else ("group_running", "group_ready"))),
-        "collection_chart": Markup(
-            charts.bar_chart(
+        "timeline": Lazy(lambda: render_timeline(view, zoom)),
+        "legend": Lazy(lambda: legend_svg(None if view.detailed else ("group_running", "group_ready"))),
+        "collection_chart": Lazy(
+            lambda: charts.bar_chart(
                 "batch collection time per step",
                 [str(x.index) for x in b],
                 [x.wait_s for x in b],
@@ -145,33 +157,35 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 f"lower bound {view.lower_bound_s:.1f} s" if view.lower_bound_s is not None else "",
             )
         ),
-        "tokens_chart": Markup(
-            charts.bar_chart(
-                "tokens/s per step",
-                [str(x.index) for x in b],
-                [x.tokens_per_s for x in b if x.tokens_per_s is not None],
-                "",
+        "tokens_chart": Lazy(
+            lambda: (
+                charts.bar_chart(
+                    "tokens/s per step",
+                    [str(x.index) for x in b],
+                    [x.tokens_per_s for x in b if x.tokens_per_s is not None],
+                    "",
+                )
+                if any(x.tokens_per_s is not None for x in b)
+                else charts.bar_chart("tokens/s per step", [], [])
             )
-            if any(x.tokens_per_s is not None for x in b)
-            else charts.bar_chart("tokens/s per step", [], [])
         ),
-        "idle_chart": Markup(
-            charts.line_chart(
+        "idle_chart": Lazy(
+            lambda: charts.line_chart(
                 "trainer idle fraction over time",
                 [(x.delivered, x.idle_fraction) for x in b if x.idle_fraction is not None],
                 "",
                 top=1.0,
             )
         ),
-        "staleness_chart": Markup(
-            charts.bar_chart(
+        "staleness_chart": Lazy(
+            lambda: charts.bar_chart(
                 "staleness of delivered groups",
                 [str(k) for k in view.staleness],
                 [float(v) for v in view.staleness.values()],
                 "",
             )
         ),
-        "wait_bar": Markup(charts.phase_bar(attribution.phases)) if attribution else Markup(""),
+        "wait_bar": Lazy(lambda: charts.phase_bar(attribution.phases) if attribution else ""),
         "wait_ranked": attribution.ranked() if attribution else [],
         "wait_total": attribution.total_s if attribution else 0.0,
         "wait_summary": attribution.summary() if attribution else "",
