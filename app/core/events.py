@@ -8,6 +8,11 @@ Invariants:
 - sequence numbers start at 0 and increase by one per event of a run, so a gap means a lost event;
 - every admitted group has exactly one terminal event (`GroupDelivered` or `GroupDiscarded`); the
   `Ledger` checks this from the stream alone, independently of the scheduler's own counters;
+- an attempt's tries: `AttemptStarted` opens a try; `AttemptFinished`, `AttemptCancelled` (its group
+  was discarded) or `AttemptRestarted` (a stop-the-world update threw it away; an `AttemptStarted` for
+  the next try follows at once) closes it. Every try that opened is closed by exactly one of them;
+- a `SandboxOp` is published when the op ends (or is cancelled; then `ok` is False), a `TurnDone` when
+  the engine call returns or fails (then `error` is set);
 - `Envelope.to_dict` / `envelope_from_dict` round-trip exactly, and the dict is strict JSON (no NaN).
 
 Pure: no I/O, no clock.
@@ -54,6 +59,7 @@ class GroupDelivered(Event):
     group_id: int
     batch_index: int
     staleness: int
+    rewards: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,16 @@ class AttemptFinished(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptCancelled(Event):
+    """The try was stopped because its group was discarded (`reason`: the group's discard reason)."""
+
+    kind: ClassVar[str] = "attempt_cancelled"
+    group_id: int
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class AttemptRestarted(Event):
     """A stop-the-world update threw the attempt's turns away; it starts over."""
 
@@ -112,7 +128,11 @@ class TurnDone(Event):
 
 @dataclass(frozen=True, slots=True)
 class SandboxOp(Event):
-    """One sandbox operation in a lane: `queued_at` → `start` is the lane queue wait."""
+    """One sandbox operation in a lane: `queued_at` → `start` is the lane queue wait.
+
+    `queue_depth` counts the lane's ops submitted and not yet started when this one was submitted
+    (itself included); `busy` the lane's ops running once this one started (itself included), 0 when
+    it was cancelled before it started (then `start` = `end`, the time it was cancelled)."""
 
     kind: ClassVar[str] = "sandbox_op"
     group_id: int
@@ -123,6 +143,8 @@ class SandboxOp(Event):
     end: float
     ok: bool = True
     detail: str = ""
+    queue_depth: int = 0
+    busy: int = 0
 
 
 # -- engines and weights ----------------------------------------------------------------------------
@@ -198,17 +220,27 @@ class PolicyChanged(Event):
 
 @dataclass(frozen=True, slots=True)
 class RunStarted(Event):
+    """`policy` is the run's PolicyConfig as JSON; `engines` and `lanes` name what the run drives."""
+
     kind: ClassVar[str] = "run_started"
     policy: dict[str, Any] = field(default_factory=dict)
+    engines: tuple[str, ...] = ()
+    lanes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class RunEnded(Event):
-    """`reason`: completed, duration, stopped (operator or signal), or error."""
+    """`reason`: completed, duration, stopped (operator or signal), or error.
+
+    The last event of a run. `collection_ended_at` closes the run's measured span: when the trainer
+    loop stopped (draining cleanups after it is housekeeping). `scheduler_events` is how many events
+    the scheduler processed (the report's `events`)."""
 
     kind: ClassVar[str] = "run_ended"
     reason: str
     detail: str = ""
+    collection_ended_at: float | None = None
+    scheduler_events: int = 0
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
@@ -220,6 +252,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         GroupDiscarded,
         AttemptStarted,
         AttemptFinished,
+        AttemptCancelled,
         AttemptRestarted,
         TurnDone,
         SandboxOp,
@@ -279,19 +312,53 @@ def _check_finite(body: dict[str, Any]) -> None:
             raise ValueError(f"event {body.get('kind')} field {key} is not finite: {value}")
 
 
-@dataclass
+class _Bitmap:
+    """A growable set of small non-negative integers, one bit each (group ids count up from 0)."""
+
+    __slots__ = ("_bits",)
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+
+    def add(self, n: int) -> bool:
+        """Add `n`; False if it was already there."""
+        byte, bit = divmod(n, 8)
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(byte + 1 - len(self._bits)))
+        was = self._bits[byte] >> bit & 1
+        self._bits[byte] |= 1 << bit
+        return not was
+
+    def __contains__(self, n: int) -> bool:
+        byte, bit = divmod(n, 8)
+        return byte < len(self._bits) and bool(self._bits[byte] >> bit & 1)
+
+    def members(self) -> set[int]:
+        return {
+            i * 8 + bit for i, byte in enumerate(self._bits) if byte for bit in range(8) if byte >> bit & 1
+        }
+
+
 class Ledger:
     """An account of groups kept from the event stream alone: which were admitted and which ended.
 
     It is independent of the scheduler's counters on purpose: `lost` counts admitted groups with no
-    terminal event, `ended_twice` groups with more than one, and `gaps` missing sequence numbers.
+    terminal event, terminal events of groups never admitted, and groups that ended more than once;
+    `gaps` counts missing sequence numbers. Memory: the open groups, plus one bit per group id seen.
     """
 
-    admitted: set[int] = field(default_factory=set)
-    ended: dict[int, str] = field(default_factory=dict)
-    ended_twice: set[int] = field(default_factory=set)
-    next_seq: int = 0
-    gaps: int = 0
+    def __init__(self, next_seq: int = 0) -> None:
+        self.open_groups: set[int] = set()  # admitted and not yet ended: in flight or ready
+        self.admitted_count = 0
+        self.delivered_count = 0
+        self.discarded: dict[str, int] = {}  # reason -> groups
+        self.ended_twice: set[int] = set()
+        self.never_admitted: set[int] = set()
+        self.max_open = 0
+        self.next_seq = next_seq  # a run resumed from its store continues its sequence
+        self.gaps = 0
+        self._admitted = _Bitmap()
+        self._ended = _Bitmap()
 
     def on_envelope(self, env: Envelope) -> None:
         if env.seq != self.next_seq:
@@ -301,21 +368,36 @@ class Ledger:
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, GroupAdmitted):
-            self.admitted.add(event.group_id)
+            if self._admitted.add(event.group_id):
+                self.admitted_count += 1
+                self.open_groups.add(event.group_id)
+                self.max_open = max(self.max_open, len(self.open_groups))
         elif isinstance(event, GroupDelivered | GroupDiscarded):
-            outcome = "delivered" if isinstance(event, GroupDelivered) else event.reason
-            if event.group_id in self.ended:
-                self.ended_twice.add(event.group_id)
-            self.ended[event.group_id] = outcome
+            gid = event.group_id
+            if not self._ended.add(gid):
+                self.ended_twice.add(gid)
+                return
+            if gid not in self._admitted:
+                self.never_admitted.add(gid)
+                return
+            self.open_groups.discard(gid)
+            if isinstance(event, GroupDelivered):
+                self.delivered_count += 1
+            else:
+                self.discarded[event.reason] = self.discarded.get(event.reason, 0) + 1
 
     @property
-    def open_groups(self) -> set[int]:
-        """Admitted and not yet ended: in flight or ready."""
-        return self.admitted - set(self.ended)
+    def admitted(self) -> set[int]:
+        """Every group id admitted so far (built on demand: O(groups of the run))."""
+        return self._admitted.members()
+
+    @property
+    def ended(self) -> set[int]:
+        """Every group id with a terminal event so far (built on demand: O(groups of the run))."""
+        return self._ended.members()
 
     @property
     def lost(self) -> int:
         """After the run has ended: admitted groups with no terminal event, plus terminal events for
         groups never admitted, plus double endings."""
-        never_admitted = set(self.ended) - self.admitted
-        return len(self.open_groups) + len(never_admitted) + len(self.ended_twice)
+        return len(self.open_groups) + len(self.never_admitted) + len(self.ended_twice)

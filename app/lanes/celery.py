@@ -92,7 +92,9 @@ class CeleryLanes:
             self._placed[handle.id] = host
         return handle.on(host)
 
-    async def run_op(self, op: LaneOp[T]) -> T:
+    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
+        # `on_start` fires when the broker has the op: its wait in the lane's queue is then counted
+        # as running by the caller (the worker's own start time is in the result, in wall time).
         if op.host is None:
             raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: handle.host is not set")
         stats = self._stats[op.lane]
@@ -107,6 +109,8 @@ class CeleryLanes:
                 queue=lane_queue(op.host, op.lane),
                 task_id=op.op_id,
             )
+            if on_start is not None:
+                on_start()
             envelope = await self._wait(result, op)
         finally:
             stats.busy -= 1

@@ -81,12 +81,18 @@ class InProcessLanes:
         self._live[handle.id] = sandbox
         return handle
 
-    async def run_op(self, op: LaneOp[T]) -> T:
+    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
         sandbox = self._live.get(op.handle.id)
         if sandbox is None:
             raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: not attached to these lanes")
+
+        def start(slot: LaneSlot) -> Awaitable[T]:
+            if on_start is not None:
+                on_start()
+            return execute_op(op, sandbox, slot.cpus)
+
         try:
-            return await self.run(op.lane, lambda slot: execute_op(op, sandbox, slot.cpus))
+            return await self.run(op.lane, start)
         finally:
             if op.name is LaneName.CLEANUP:
                 self._live.pop(op.handle.id, None)

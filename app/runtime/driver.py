@@ -8,32 +8,61 @@ Invariants:
   discarded, or it is restarted by a stop-the-world update (counted by the scheduler's `restarts`);
 - every sandbox that an attempt created is cleaned up in the cleanup lane, whatever ended the attempt;
 - a turn is routed only to an engine that is not updating, and at most `slots` turns run per engine;
-- under rolling updates no trajectory is restarted.
+- under rolling updates no trajectory is restarted;
+- every state change is published on the run's `EventBus` (app.runtime.events) as a typed event; the
+  run report is folded from that stream (`report_acc`), and its `lost_groups` from a `Ledger` over it;
+- a group whose attempts cannot be started (`make_attempt` raised) fails with the error as its
+  reason: it holds no B + S slot and the run goes on;
+- memory is O(groups in flight): what finished leaves the runtime's maps; history lives in the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from app.core.config import PolicyConfig
+from app.core.events import (
+    AttemptCancelled,
+    AttemptFinished,
+    AttemptRestarted,
+    AttemptStarted,
+    BatchDelivered,
+    BatchRequested,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Event,
+    GroupDelivered,
+    GroupDiscarded,
+    PolicyChanged,
+    RunEnded,
+    RunStarted,
+    SandboxOp,
+    TurnDone,
+    VersionPublished,
+)
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
 from app.core.router import choose_engine
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
-from app.lanes.base import Lanes
+from app.lanes.base import LaneName, Lanes
 from app.lanes.ops import LaneOp, SandboxHandle
 from app.runtime.context import Agent, AttemptOutcome
+from app.runtime.events import EventBus
 from app.runtime.ports import AttemptSource, Trainer, TrainingBatch
+from app.runtime.report import ReportAccumulator
 from app.sandboxes.base import ExecResult, Sandbox
 from app.tasks.spec import TaskSpec
 
 log = logging.getLogger(__name__)
 
 AttemptKey = tuple[int, int]
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,8 +93,6 @@ class RunState:
     ended_at: float = 0.0
     batches: list[BatchRecord] = field(default_factory=list)
     engines: dict[str, EngineRecord] = field(default_factory=dict)
-    attempt_time: dict[AttemptKey, float] = field(default_factory=dict)
-    restarted_time: float = 0.0
     max_engines_updating: int = 0
     update_log: list[tuple[float, str, int, str]] = field(default_factory=list)
     trainer_wait_s: float = 0.0
@@ -153,13 +180,13 @@ class _AttemptContext:
         task = self.task
         if task is None:
             raise RuntimeError(f"{self.attempt_id}: this attempt has no task to reset from")
-        return await self._rt.lanes.run_op(LaneOp.reset(self.handle, task))
+        return await self._rt.lane_op(self._key, LaneOp.reset(self.handle, task))
 
     async def exec(self, command: str, timeout_s: float) -> ExecResult:
-        return await self._rt.lanes.run_op(LaneOp.exec(self.handle, command, timeout_s))
+        return await self._rt.lane_op(self._key, LaneOp.exec(self.handle, command, timeout_s))
 
     async def validate(self) -> float:
-        return await self._rt.lanes.run_op(LaneOp.validate(self.handle))
+        return await self._rt.lane_op(self._key, LaneOp.validate(self.handle))
 
 
 class Runtime:
@@ -174,6 +201,8 @@ class Runtime:
         source: AttemptSource,
         trainer: Trainer,
         on_event: Callable[[str, dict[str, object]], None] | None = None,
+        bus: EventBus | None = None,
+        timeline: bool = False,
     ) -> None:
         self.policy = policy
         self.scheduler = Scheduler(policy)
@@ -186,8 +215,14 @@ class Runtime:
         self._on_event = on_event
         self._tg: asyncio.TaskGroup | None = None
         self._attempts: dict[AttemptKey, asyncio.Task[None]] = {}
-        self._attempt_started: dict[AttemptKey, float] = {}
-        self._group_tasks: dict[int, list[AttemptKey]] = {}
+        self._group_tasks: dict[int, int] = {}  # groups with attempt tasks: their size
+        self.bus = bus if bus is not None else EventBus("run")
+        self.report_acc = ReportAccumulator(timeline=timeline)
+        self.bus.subscribe(self.report_acc.on_envelope)
+        self._lane_queued = dict.fromkeys(LaneName, 0)
+        self._lane_busy = dict.fromkeys(LaneName, 0)
+        self._start_failures = 0  # consecutive groups that could not start
+        self._run_target: tuple[int | None, float | None] = (None, None)
         self._batch_waiter: asyncio.Future[DeliverBatch | None] | None = None
         self._stop_requested = False
         self._weights: dict[int, str | None] = {0: None}
@@ -204,14 +239,25 @@ class Runtime:
         if batches is None and duration_s is None:
             raise ValueError("a run needs a number of batches or a duration")
         self.state.started_at = self.now()
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            self._apply(self.scheduler.on_start(self.now()))
-            await self._trainer_loop(batches, duration_s)
-            # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
-            self.state.ended_at = self.now()
-            self._stopping = True
-            self._apply(self.scheduler.on_stop(self.now()))
+        self._run_target = (batches, duration_s)
+        self._publish(
+            RunStarted(
+                self.policy.model_dump(mode="json"),
+                tuple(self.state.engines),
+                tuple(lane.value for lane in LaneName),
+            )
+        )
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._apply(self.scheduler.on_start(self.now()))
+                await self._trainer_loop(batches, duration_s)
+                # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
+                self.state.ended_at = self.now()
+                self._stopping = True
+                self._apply(self.scheduler.on_stop(self.now()))
+        finally:
+            self._publish_run_ended(sys.exc_info()[1])
         return self.state
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:
@@ -221,6 +267,7 @@ class Runtime:
         while (batches is None or n < batches) and not self._stop_requested:
             requested = self.now()
             self._batch_waiter = loop.create_future()
+            self._publish(BatchRequested(self.scheduler.batches_delivered))
             self._apply(self.scheduler.on_batch_requested(requested))
             try:
                 async with asyncio.timeout_at(deadline):
@@ -258,15 +305,13 @@ class Runtime:
         for group in batch.groups:
             finished = self._outcomes.pop(group.group_id)
             attempts[group.group_id] = tuple(finished[i] for i in sorted(finished))
-        # Groups that ended without a CancelGroup (gone stale or filtered while ready) leave here.
-        for gid in [g for g in self._outcomes if not self.scheduler.groups[g].state.is_live]:
-            del self._outcomes[gid]
         return TrainingBatch(batch, attempts)
 
     def _record_batch(self, batch: DeliverBatch, requested: float, delivered: float) -> None:
-        groups = [self.scheduler.group_of(g.group_id) for g in batch.groups]
-        ready = max(g.completed_at or delivered for g in groups)
+        ready = max(g.completed_at for g in batch.groups)
         rewards = [r for g in batch.groups for r in g.rewards]
+        group_ids = tuple(g.group_id for g in batch.groups)
+        self._publish(BatchDelivered(batch.index, group_ids, batch.trainer_version, requested, ready))
         self.state.batches.append(
             BatchRecord(
                 index=batch.index,
@@ -293,59 +338,131 @@ class Runtime:
         """The trainer's latest published policy version."""
         return self._version
 
-    def publish(self, version: int, path: str | None) -> None:
+    def publish(self, version: int, path: str | None, actor: str = "trainer") -> None:
         """Publish policy `version` (weights directory `path`, or None for a sentinel): staleness is
         measured against it from now on and a weight update starts across the engines."""
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the published version {self._version}")
         self._version = version
         self._weights[version] = path
+        self._publish(VersionPublished(version, path, actor))
         self._apply(self.scheduler.on_version_published(version, self.now()))
         self._do_updates(self.plan.on_publish(version))
 
     # -- live changes (operators retune S and K while the run goes on) ---------------------------
 
-    def set_surplus(self, surplus: int) -> None:
-        self._apply(self.scheduler.set_surplus(surplus, self.now()))
+    def set_surplus(self, surplus: int, actor: str = "operator") -> None:
+        old = self.scheduler.surplus
+        decisions = self.scheduler.set_surplus(surplus, self.now())
+        self._publish(PolicyChanged("surplus_groups", old, surplus, actor))
+        self._apply(decisions)
         self._emit("surplus_changed", {"surplus_groups": surplus})
 
-    def set_max_staleness(self, max_staleness: int) -> None:
-        self._apply(self.scheduler.set_max_staleness(max_staleness, self.now()))
+    def set_max_staleness(self, max_staleness: int, actor: str = "operator") -> None:
+        old = self.scheduler.max_staleness
+        decisions = self.scheduler.set_max_staleness(max_staleness, self.now())
+        self._publish(PolicyChanged("max_staleness", old, max_staleness, actor))
+        self._apply(decisions)
         self._emit("max_staleness_changed", {"max_staleness": max_staleness})
 
     # -- decisions -----------------------------------------------------------------------------
 
     def _apply(self, decisions: list[Decision]) -> None:
-        for decision in decisions:
+        """Publish the scheduler's group events, then carry out its decisions, in order."""
+        self._publish_group_events()
+        pending = deque(decisions)
+        while pending:
+            decision = pending.popleft()
             if isinstance(decision, StartGroup):
-                keys = [(decision.group_id, i) for i in range(decision.group_size)]
-                self._group_tasks[decision.group_id] = keys
-                for key in keys:
-                    self._start_attempt(key, decision.task_index)
+                failed = self._start_group(decision)
+                if failed is not None:  # the group fails; the scheduler may admit another
+                    pending.extend(self._fail_start((decision.group_id, failed[0]), failed[1]))
+                    continue
                 self._emit("group_admitted", {"group": decision.group_id, "live": self.scheduler.groups_live})
             elif isinstance(decision, CancelGroup):
                 self._outcomes.pop(decision.group_id, None)
-                for key in self._group_tasks.pop(decision.group_id, []):
+                for i in range(self._group_tasks.pop(decision.group_id, 0)):
+                    key = (decision.group_id, i)
                     task = self._attempts.pop(key, None)
                     if task is not None:
-                        self._close_attempt_time(key)
                         task.cancel()
+                        self._publish(AttemptCancelled(key[0], key[1], decision.reason.value))
                 self._emit("group_discarded", {"group": decision.group_id, "reason": decision.reason.value})
             elif isinstance(decision, DeliverBatch):
                 if self._batch_waiter is None or self._batch_waiter.done():
                     raise RuntimeError("the scheduler delivered a batch nobody asked for")
                 self._batch_waiter.set_result(decision)
 
-    def _start_attempt(self, key: AttemptKey, task_index: int) -> None:
+    def _publish(self, event: Event) -> None:
+        self.bus.publish(event)
+
+    def _publish_group_events(self) -> None:
+        for event in self.scheduler.drain_events():
+            self.bus.publish(event)
+            if isinstance(event, GroupDelivered | GroupDiscarded):
+                gid = event.group_id
+                if isinstance(event, GroupDiscarded):
+                    self._outcomes.pop(gid, None)  # a delivered group's leave with its training batch
+                size = self._group_tasks.get(gid, 0)
+                if not any((gid, i) in self._attempts for i in range(size)):
+                    self._group_tasks.pop(gid, None)  # else its CancelGroup follows and clears it
+
+    def _publish_run_ended(self, exc: BaseException | None) -> None:
+        batches, _ = self._run_target
+        if exc is not None and not isinstance(exc, asyncio.CancelledError):
+            reason, detail = "error", f"{type(exc).__name__}: {exc}"
+        elif self._stop_requested or exc is not None:
+            reason, detail = "stopped", ""
+        elif batches is not None and self.scheduler.batches_delivered >= batches:
+            reason, detail = "completed", ""
+        else:
+            reason, detail = "duration", ""
+        ended = self.state.ended_at if self._stopping else self.now()
+        self._publish(RunEnded(reason, detail, ended, self.scheduler.counters.events))
+
+    def _start_group(self, decision: StartGroup) -> tuple[int, str] | None:
+        """Start every attempt of an admitted group; on failure, (attempt, error) and nothing started."""
+        made = []
+        for i in range(decision.group_size):
+            try:
+                made.append(self.source.make_attempt(decision.group_id, decision.task_index, i))
+            except Exception as exc:  # fault tolerance: a group that cannot start fails, not the run
+                log.warning("group %d: attempt %d could not start: %r", decision.group_id, i, exc)
+                # Sandboxes made so far never ran an op: they hold nothing to clean up.
+                return i, f"could not start attempt {i}: {type(exc).__name__}: {exc}"
+        self._group_tasks[decision.group_id] = decision.group_size
+        for i, (agent, task, sandbox) in enumerate(made):
+            self._launch((decision.group_id, i), decision.task_index, agent, task, sandbox)
+        self._start_failures = 0
+        return None
+
+    def _start_attempt(self, key: AttemptKey, task_index: int) -> str | None:
+        """Start a new try of one attempt; the error if it could not start."""
+        try:
+            agent, task, sandbox = self.source.make_attempt(key[0], task_index, key[1])
+        except Exception as exc:  # fault tolerance: the group fails, not the run
+            log.warning("attempt g%da%d could not start: %r", key[0], key[1], exc)
+            return f"could not start attempt {key[1]}: {type(exc).__name__}: {exc}"
+        self._launch(key, task_index, agent, task, sandbox)
+        return None
+
+    def _launch(
+        self, key: AttemptKey, task_index: int, agent: Agent, task: TaskSpec | None, sandbox: Sandbox
+    ) -> None:
         assert self._tg is not None
-        agent, task, sandbox = self.source.make_attempt(key[0], task_index, key[1])
-        self._attempt_started[key] = self.now()
+        self._publish(AttemptStarted(key[0], key[1]))
         self._attempts[key] = self._tg.create_task(self._run_attempt(key, task_index, agent, task, sandbox))
 
-    def _close_attempt_time(self, key: AttemptKey) -> float:
-        spent = self.now() - self._attempt_started.pop(key, self.now())
-        self.state.attempt_time[key] = self.state.attempt_time.get(key, 0.0) + spent
-        return spent
+    def _fail_start(self, key: AttemptKey, error: str) -> list[Decision]:
+        """The group of `key` fails because that attempt could not start; many in a row end the run
+        (a source that always fails would otherwise admit and fail groups forever)."""
+        self._start_failures += 1
+        if self._start_failures > max(100, 4 * self.scheduler.capacity):
+            raise RuntimeError(f"{self._start_failures} groups in a row could not start; last: {error}")
+        self._publish(AttemptFinished(key[0], key[1], 0.0, error))
+        decisions = self.scheduler.on_attempt_done(key[0], key[1], 0.0, error, self.now())
+        self._publish_group_events()
+        return decisions
 
     async def _run_attempt(
         self, key: AttemptKey, task_index: int, agent: Agent, task: TaskSpec | None, sandbox: Sandbox
@@ -361,7 +478,7 @@ class Runtime:
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
-            cleanup = self._cleanup(ctx.handle)
+            cleanup = self._cleanup(key, ctx.handle)
             try:
                 self._tg.create_task(cleanup)
             except RuntimeError:
@@ -369,28 +486,71 @@ class Runtime:
         if self._attempts.get(key) is not asyncio.current_task():
             return  # this try was superseded (restarted or its group discarded): its finish must not count
         del self._attempts[key]
-        self._close_attempt_time(key)
+        self._publish(AttemptFinished(key[0], key[1], outcome.reward, outcome.error))
         if outcome.error is None:
             self._outcomes.setdefault(key[0], {})[key[1]] = outcome
         self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))
 
-    async def _cleanup(self, handle: SandboxHandle) -> None:
+    async def _cleanup(self, key: AttemptKey, handle: SandboxHandle) -> None:
         try:
-            await self.lanes.run_op(LaneOp.cleanup(handle))
+            await self.lane_op(key, LaneOp.cleanup(handle))
         except Exception as exc:  # a failed cleanup must not end the run; it is logged with context
             log.warning("sandbox cleanup failed: %r", exc)
 
+    async def lane_op(self, key: AttemptKey, op: LaneOp[T]) -> T:
+        """Run `op` in its lane and publish it as a `SandboxOp` (also when it fails or is cancelled)."""
+        lane = op.lane
+        queued = self.now()
+        self._lane_queued[lane] += 1
+        depth = self._lane_queued[lane]
+        started: float | None = None
+        busy = 0
+
+        def on_start() -> None:
+            nonlocal started, busy
+            started = self.now()
+            self._lane_queued[lane] -= 1
+            self._lane_busy[lane] += 1
+            busy = self._lane_busy[lane]
+
+        ok, detail = False, "cancelled"
+        try:
+            result = await self.lanes.run_op(op, on_start)
+            ok, detail = True, ""
+            return result
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if started is None:
+                self._lane_queued[lane] -= 1
+            else:
+                self._lane_busy[lane] -= 1
+            end = self.now()
+            start = end if started is None else started
+            self._publish(SandboxOp(key[0], key[1], lane.value, queued, start, end, ok, detail, depth, busy))
+
     async def generate(self, key: AttemptKey, request: TurnRequest) -> TurnResult:
+        queued = self.now()
         engine = await self.pool.acquire()
         started = self.now()
         try:
             result = await engine.generate(request)
+        except Exception as exc:
+            # version -1: the call failed, so no policy version produced anything
+            error = f"{type(exc).__name__}: {exc}"
+            self._publish(TurnDone(key[0], key[1], engine.name, -1, queued, started, self.now(), 0, error))
+            raise
         finally:
             record = self.state.engines[engine.name]
             record.busy_s += self.now() - started
             self.pool.release(engine)
         record.turns += 1
         record.tokens += result.tokens
+        version = result.weight_version
+        self._publish(
+            TurnDone(key[0], key[1], engine.name, version, queued, started, self.now(), result.tokens)
+        )
         self._apply(self.scheduler.on_turn(key[0], key[1], result.weight_version, self.now()))
         return result
 
@@ -407,15 +567,21 @@ class Runtime:
 
     def _restart_in_flight(self) -> None:
         for key, task in list(self._attempts.items()):
+            if self._attempts.get(key) is not task:
+                continue  # its group failed while this loop restarted a sibling
             task.cancel()
-            self.state.restarted_time += self._close_attempt_time(key)
+            del self._attempts[key]
+            self._publish(AttemptRestarted(key[0], key[1]))
             self._apply(self.scheduler.on_attempt_restarted(key[0], key[1], self.now()))
-            self._start_attempt(key, self.scheduler.group_of(key[0]).task_index)
+            error = self._start_attempt(key, self.scheduler.group_of(key[0]).task_index)
+            if error is not None:
+                self._apply(self._fail_start(key, error))
 
     async def _update_engine(self, action: BeginUpdate) -> None:
         engine = self.pool.by_name[action.engine]
         mode = PauseMode(self.policy.pause_mode.value) if self.plan.rolling else PauseMode.ABORT
         self.state.update_log.append((self.now(), engine.name, action.version, "begin"))
+        self._publish(EngineUpdateBegin(engine.name, action.version))
         await engine.pause(mode)
         if mode is PauseMode.WAIT:
             await self.pool.drained(engine.name)
@@ -425,6 +591,7 @@ class Runtime:
         record.updates += 1
         record.versions.append((self.now(), action.version))
         self.state.update_log.append((self.now(), engine.name, action.version, "end"))
+        self._publish(EngineUpdateEnd(engine.name, action.version))
         self._emit("engine_updated", {"engine": engine.name, "version": action.version})
         if not self._stopping:
             self._do_updates(self.plan.on_updated(engine.name))

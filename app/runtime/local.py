@@ -27,9 +27,8 @@ from app.lanes.inprocess import InProcessLanes
 from app.runtime.config import LocalRunConfig, LocalRunError, load_config
 from app.runtime.driver import Runtime
 from app.runtime.engine_procs import EngineProcesses
-from app.runtime.report import build_report
+from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
-from app.runtime.timeline import batch_marks, group_timeline
 from app.runtime.trainer import SentinelTrainer
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.spec import TaskSpec
@@ -99,6 +98,7 @@ async def _run(
                 source=TaskSource(tasks, factory, agent, config.seed),
                 trainer=trainer,
                 on_event=on_event,
+                timeline=True,
             )
             loop = asyncio.get_running_loop()
 
@@ -126,7 +126,7 @@ async def _run(
                     await client.aclose()
         finally:
             engines.stop()
-    report = build_report(name, runtime.scheduler, state, lanes, None, time.perf_counter() - wall)
+    report = build_report(runtime.report_acc, ReportStatic(name, time.perf_counter() - wall))
     report["policy_config"] = policy.model_dump(mode="json")
     report["engine_versions_at_end"] = versions
     report["update_log"] = [
@@ -134,8 +134,6 @@ async def _run(
         for t, e, v, p in state.update_log
     ]
     report["stopped_early"] = runtime.stop_requested
-    report["groups_timeline"] = group_timeline(runtime.scheduler, state)
-    report["batch_marks"] = batch_marks(state)
     report["cpus"] = {
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,

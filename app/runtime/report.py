@@ -1,21 +1,55 @@
-"""The run report: the same JSON shape for `corral sim` and `corral run` (a contract other tools read).
+"""The run report, built from the run's event stream alone: the same JSON shape for `corral sim` and
+`corral run` (a contract other tools read).
 
 Fields: policy, batches, batch_collection_s {mean, p50, p90, per_batch}, batch_interval_s {mean},
 trainer_idle_fraction, lower_bound_s, max_staleness, max_groups_in_flight,
 discarded_groups {stale, failed, cancelled, zero_variance}, restarted_trajectories, lost_groups,
-tokens_per_s, events, wall_s — plus the extras listed in `build_report`.
+tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.report`.
+
+Invariants:
+- the runtime's report and `report_from_events(envelopes, static)` over the same run's stored
+  envelopes are equal: both fold the same stream with `ReportAccumulator` (what is not in the stream,
+  such as the wall time or the simulator's lower bounds, comes in `ReportStatic`);
+- `lost_groups` comes from the `Ledger` over the stream, independent of the scheduler's counters;
+- wasted trajectory time counts each second of an attempt once: a try thrown away by a restart counts
+  under `restarted` only; a discarded group's tries count under its reason from their (re)start to
+  their finish or cancellation;
+- memory is O(groups in flight), except the per-group timeline, kept only when asked for.
 """
 
 from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.scheduler import DiscardReason, GroupState, Scheduler
-from app.lanes.base import Lanes
-from app.runtime.driver import RunState
+from app.core.events import (
+    AttemptCancelled,
+    AttemptFinished,
+    AttemptRestarted,
+    AttemptStarted,
+    BatchDelivered,
+    BatchRequested,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Envelope,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    GroupReady,
+    Ledger,
+    RunEnded,
+    RunStarted,
+    SandboxOp,
+    TurnDone,
+    VersionPublished,
+)
+from app.core.scheduler import DiscardReason
+
+# Distinct discard details kept per reason; the rest are counted under "(other)".
+MAX_DETAILS_PER_REASON = 20
 
 
 def _r(x: float) -> float:
@@ -33,82 +67,309 @@ def quantile(values: Sequence[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
-def build_report(
-    policy_name: str,
-    scheduler: Scheduler,
-    state: RunState,
-    lanes: Lanes,
-    lower_bound: float | None,
-    wall_s: float,
+@dataclass(frozen=True)
+class ReportStatic:
+    """What a report needs that is not in the event stream."""
+
+    policy: str  # the rung or run name shown in the report
+    wall_s: float = 0.0  # wall-clock seconds the run took to compute
+    lower_bound_s: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # merged into the report as given
+
+
+@dataclass
+class _Engine:
+    turns: int = 0
+    tokens: int = 0
+    updates: int = 0
+    busy_s: float = 0.0
+    final_version: int = 0
+
+
+@dataclass
+class _Lane:
+    completed: int = 0
+    max_busy: int = 0
+    max_queue_depth: int = 0
+    wait_s_total: float = 0.0
+    wait_s_max: float = 0.0
+
+
+@dataclass
+class _Batch:
+    requested_at: float
+    delivered_at: float
+    ready_at: float
+    mean_reward: float
+
+
+class ReportAccumulator:
+    """Folds envelopes, in sequence order, into the figures of the run report.
+
+    Subscribe `on_envelope` to the run's bus, or feed it stored envelopes; then call `report`.
+    """
+
+    def __init__(self, timeline: bool = False) -> None:
+        self.ledger = Ledger()
+        self.timeline = timeline
+        self.stream_events = 0
+        self.started_at: float | None = None
+        self.collection_ended_at: float | None = None
+        self.end: RunEnded | None = None
+        self.policy_config: dict[str, Any] = {}
+        self.engines: dict[str, _Engine] = {}
+        self.lanes: dict[str, _Lane] = {}
+        self.batches: list[_Batch] = []
+        self.trainer_wait_s = 0.0
+        self.max_staleness = 0
+        self.restarts = 0
+        self.turns = 0
+        self.tokens = 0
+        self.refused_turns = 0
+        self.trainer_version = 0
+        self.max_updating = 0
+        self.wasted: dict[str, float] = dict.fromkeys([*(r.value for r in DiscardReason), "restarted"], 0.0)
+        self.details: dict[str, dict[str, int]] = {}
+        self._open_request: float | None = None
+        self._updating: set[str] = set()
+        self._tries: dict[tuple[int, int], float] = {}  # open tries: start time
+        self._group_s: dict[int, float] = {}  # live groups: seconds of their closed current tries
+        self._batch_rewards: dict[int, list[float]] = {}
+        self._rows: dict[int, dict[str, Any]] = {}  # per group, only with `timeline`
+        self._batch_marks: list[tuple[int, float, float]] = []
+        self._updates: list[tuple[float, str, int, str]] = []
+
+    def on_envelope(self, env: Envelope) -> None:
+        self.stream_events += 1
+        self.ledger.on_envelope(env)
+        ev, t = env.event, env.t
+        if isinstance(ev, TurnDone):
+            engine = self.engines.setdefault(ev.engine, _Engine())
+            engine.busy_s += ev.end - ev.start
+            if ev.error is None:
+                engine.turns += 1
+                engine.tokens += ev.tokens
+                self.turns += 1
+                self.tokens += ev.tokens
+                if ev.version > self.trainer_version:
+                    self.refused_turns += 1
+        elif isinstance(ev, SandboxOp):
+            lane = self.lanes.setdefault(ev.lane, _Lane())
+            lane.max_queue_depth = max(lane.max_queue_depth, ev.queue_depth)
+            if ev.busy > 0:
+                lane.completed += 1
+                lane.max_busy = max(lane.max_busy, ev.busy)
+                waited = ev.start - ev.queued_at
+                lane.wait_s_total += waited
+                lane.wait_s_max = max(lane.wait_s_max, waited)
+        elif isinstance(ev, AttemptStarted):
+            self._tries[ev.group_id, ev.attempt] = t
+        elif isinstance(ev, AttemptFinished):
+            start = self._tries.pop((ev.group_id, ev.attempt), None)
+            if start is not None:
+                self._group_s[ev.group_id] = self._group_s.get(ev.group_id, 0.0) + t - start
+        elif isinstance(ev, AttemptRestarted):
+            self.restarts += 1
+            start = self._tries.pop((ev.group_id, ev.attempt), None)
+            if start is not None:
+                self.wasted["restarted"] += t - start
+        elif isinstance(ev, AttemptCancelled):
+            start = self._tries.pop((ev.group_id, ev.attempt), None)
+            if start is not None:
+                self.wasted[ev.reason] = self.wasted.get(ev.reason, 0.0) + t - start
+        else:
+            self._on_group_or_run(ev, t)
+
+    def _on_group_or_run(self, ev: object, t: float) -> None:
+        if isinstance(ev, GroupAdmitted):
+            if self.timeline:
+                self._rows[ev.group_id] = {
+                    "group": ev.group_id,
+                    "task": ev.task_index,
+                    "admitted_s": t,
+                    "completed_s": None,
+                    "ended_s": None,
+                    "outcome": "running",
+                    "batch": None,
+                    "staleness": None,
+                    "detail": "",
+                }
+        elif isinstance(ev, GroupReady):
+            if self.timeline and ev.group_id in self._rows:
+                self._rows[ev.group_id]["completed_s"] = t
+        elif isinstance(ev, GroupDelivered):
+            self._group_s.pop(ev.group_id, None)
+            self.max_staleness = max(self.max_staleness, ev.staleness)
+            self._batch_rewards.setdefault(ev.batch_index, []).extend(ev.rewards)
+            self._end_row(ev.group_id, t, "delivered", ev.batch_index, ev.staleness, "")
+        elif isinstance(ev, GroupDiscarded):
+            self.wasted[ev.reason] = self.wasted.get(ev.reason, 0.0) + self._group_s.pop(ev.group_id, 0.0)
+            details = self.details.setdefault(ev.reason, {})
+            key = ev.detail if ev.detail in details or len(details) < MAX_DETAILS_PER_REASON else "(other)"
+            details[key] = details.get(key, 0) + 1
+            self._end_row(ev.group_id, t, ev.reason, None, None, ev.detail)
+        elif isinstance(ev, BatchRequested):
+            self._open_request = t
+        elif isinstance(ev, BatchDelivered):
+            self._open_request = None
+            self.trainer_wait_s += t - ev.requested_at
+            rewards = self._batch_rewards.pop(ev.batch_index, [])
+            mean = sum(rewards) / len(rewards) if rewards else 0.0
+            self.batches.append(_Batch(ev.requested_at, t, ev.ready_at, mean))
+            self._batch_marks.append((ev.batch_index, ev.requested_at, t))
+        elif isinstance(ev, VersionPublished):
+            self.trainer_version = max(self.trainer_version, ev.version)
+        elif isinstance(ev, EngineUpdateBegin):
+            self._updating.add(ev.engine)
+            self.max_updating = max(self.max_updating, len(self._updating))
+            self._updates.append((t, ev.engine, ev.version, "begin"))
+        elif isinstance(ev, EngineUpdateEnd):
+            self._updating.discard(ev.engine)
+            engine = self.engines.setdefault(ev.engine, _Engine())
+            if ev.ok:
+                engine.updates += 1
+                engine.final_version = ev.version
+            self._updates.append((t, ev.engine, ev.version, "end" if ev.ok else "failed"))
+        elif isinstance(ev, RunStarted):
+            self.started_at = t
+            self.policy_config = dict(ev.policy)
+            for name in ev.engines:
+                self.engines.setdefault(name, _Engine())
+            for name in ev.lanes:
+                self.lanes.setdefault(name, _Lane())
+        elif isinstance(ev, RunEnded):
+            self.end = ev
+            self.collection_ended_at = ev.collection_ended_at if ev.collection_ended_at is not None else t
+            if self._open_request is not None:  # the trainer waited until the run stopped
+                self.trainer_wait_s += self.collection_ended_at - self._open_request
+                self._open_request = None
+
+    def _end_row(
+        self, gid: int, t: float, outcome: str, batch: int | None, staleness: int | None, detail: str
+    ) -> None:
+        row = self._rows.get(gid) if self.timeline else None
+        if row is None:
+            return
+        row.update(ended_s=t, outcome=outcome, batch=batch, staleness=staleness, detail=detail)
+        if outcome == "zero_variance":  # discarded the moment its last attempt finished
+            row["completed_s"] = t
+
+    # -- the report ------------------------------------------------------------------------------
+
+    def report(self, static: ReportStatic) -> dict[str, Any]:
+        t0 = self.started_at or 0.0
+        end = self.collection_ended_at if self.collection_ended_at is not None else t0
+        duration = max(end - t0, 1e-9)
+        waits = [b.delivered_at - b.requested_at for b in self.batches]
+        intervals = [b.ready_at - a.ready_at for a, b in itertools.pairwise(self.batches)]
+        ledger = self.ledger
+        reasons = [r.value for r in DiscardReason] + sorted(
+            set(ledger.discarded) - {r.value for r in DiscardReason}
+        )
+        discarded = {reason: ledger.discarded.get(reason, 0) for reason in reasons}
+        report: dict[str, Any] = {
+            "policy": static.policy,
+            "batches": len(self.batches),
+            "batch_collection_s": {
+                "mean": _r(statistics.fmean(waits)) if waits else 0.0,
+                "p50": _r(quantile(waits, 0.5)),
+                "p90": _r(quantile(waits, 0.9)),
+                "per_batch": [_r(w) for w in waits],
+            },
+            "batch_interval_s": {"mean": _r(statistics.fmean(intervals)) if intervals else 0.0},
+            "trainer_idle_fraction": _r(self.trainer_wait_s / duration),
+            "lower_bound_s": None if static.lower_bound_s is None else _r(static.lower_bound_s),
+            "max_staleness": self.max_staleness,
+            "max_groups_in_flight": ledger.max_open,
+            "discarded_groups": discarded,
+            "restarted_trajectories": self.restarts,
+            "lost_groups": ledger.lost,
+            "tokens_per_s": _r(self.tokens / duration),
+            "events": self.end.scheduler_events if self.end is not None else 0,
+            "wall_s": round(static.wall_s, 3),
+            # extras
+            "admitted_groups": ledger.admitted_count,
+            "delivered_groups": ledger.delivered_count,
+            "run_s": _r(duration),
+            "trainer_wait_s": _r(self.trainer_wait_s),
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "refused_turns": self.refused_turns,
+            "mean_reward": _r(statistics.fmean(b.mean_reward for b in self.batches)) if self.batches else 0.0,
+            "wasted_trajectory_s": {k: _r(v) for k, v in self.wasted.items()},
+            "discard_details": {reason: dict(d) for reason, d in sorted(self.details.items())},
+            "max_engines_updating": self.max_updating,
+            "engines": {
+                name: {
+                    "turns": e.turns,
+                    "tokens": e.tokens,
+                    "updates": e.updates,
+                    "busy_s": _r(e.busy_s),
+                    "final_version": e.final_version,
+                }
+                for name, e in self.engines.items()
+            },
+            "lanes": {
+                name: {
+                    "completed": lane.completed,
+                    "max_busy": lane.max_busy,
+                    "max_queue_depth": lane.max_queue_depth,
+                    "wait_s_mean": _r(lane.wait_s_total / lane.completed) if lane.completed else 0.0,
+                    "wait_s_max": _r(lane.wait_s_max),
+                }
+                for name, lane in self.lanes.items()
+            },
+            "event_stream": {
+                "events": self.stream_events,
+                "gaps": ledger.gaps,
+                "run_ended": None if self.end is None else self.end.reason,
+            },
+            "policy_config": self.policy_config,
+        }
+        if self.timeline:
+            report["groups_timeline"] = self.group_timeline()
+            report["batch_marks"] = [
+                {"batch": n, "requested_s": round(req - t0, 3), "delivered_s": round(dlv - t0, 3)}
+                for n, req, dlv in self._batch_marks
+            ]
+            report["update_log"] = [
+                {"t": round(t - t0, 3), "engine": e, "version": v, "phase": p} for t, e, v, p in self._updates
+            ]
+        report.update(static.extra)
+        return report
+
+    def group_timeline(self) -> list[dict[str, Any]]:
+        """One row per admitted group (with `timeline`), times in seconds from the start of the run."""
+        t0 = self.started_at or 0.0
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else round(t - t0, 3)
+
+        return [
+            {**row, "admitted_s": rel(row["admitted_s"]), "completed_s": rel(row["completed_s"]),
+             "ended_s": rel(row["ended_s"])}
+            for row in self._rows.values()
+        ]  # fmt: skip
+
+
+def build_report(acc: ReportAccumulator, static: ReportStatic) -> dict[str, Any]:
+    """The report of a run whose envelopes `acc` has folded (the runtime's own `report_acc`)."""
+    return acc.report(static)
+
+
+def static_of(report: Mapping[str, Any]) -> ReportStatic:
+    """The parts of a finished report that its event stream does not carry (wall time, bounds and any
+    extras the caller merged in): store them beside the events to rebuild the report later."""
+    from_stream = ReportAccumulator(timeline=True).report(ReportStatic(""))
+    extra = {k: v for k, v in report.items() if k not in from_stream}
+    return ReportStatic(str(report["policy"]), float(report["wall_s"]), report["lower_bound_s"], extra)
+
+
+def report_from_events(
+    envelopes: Iterable[Envelope], static: ReportStatic, timeline: bool = False
 ) -> dict[str, Any]:
-    waits = [b.delivered_at - b.requested_at for b in state.batches]
-    ready = [b.ready_at for b in state.batches]
-    intervals = [b - a for a, b in itertools.pairwise(ready)]
-    duration = max(state.ended_at - state.started_at, 1e-9)
-    turns = sum(rec.turns for rec in state.engines.values())
-    tokens = sum(rec.tokens for rec in state.engines.values())
-    counters = scheduler.counters
-    discarded = {reason.value: counters.discarded[reason] for reason in DiscardReason}
-    ended = sum(
-        1 for g in scheduler.groups.values() if g.state in (GroupState.DELIVERED, GroupState.DISCARDED)
-    )
-    lost = counters.admitted - counters.delivered - sum(discarded.values())
-    lost = max(lost, counters.admitted - ended)
-    wasted = dict.fromkeys([*discarded, "restarted"], 0.0)
-    for group in scheduler.groups.values():
-        if group.state is GroupState.DISCARDED and group.reason is not None:
-            wasted[group.reason.value] += sum(
-                state.attempt_time.get((group.id, a.index), 0.0) for a in group.attempts
-            )
-    wasted["restarted"] = state.restarted_time
-    return {
-        "policy": policy_name,
-        "batches": len(state.batches),
-        "batch_collection_s": {
-            "mean": _r(statistics.fmean(waits)) if waits else 0.0,
-            "p50": _r(quantile(waits, 0.5)),
-            "p90": _r(quantile(waits, 0.9)),
-            "per_batch": [_r(w) for w in waits],
-        },
-        "batch_interval_s": {"mean": _r(statistics.fmean(intervals)) if intervals else 0.0},
-        "trainer_idle_fraction": _r(state.trainer_wait_s / duration),
-        "lower_bound_s": None if lower_bound is None else _r(lower_bound),
-        "max_staleness": counters.max_staleness_delivered,
-        "max_groups_in_flight": counters.max_groups_in_flight,
-        "discarded_groups": discarded,
-        "restarted_trajectories": counters.restarts,
-        "lost_groups": lost,
-        "tokens_per_s": _r(tokens / duration),
-        "events": counters.events,
-        "wall_s": round(wall_s, 3),
-        # extras
-        "admitted_groups": counters.admitted,
-        "delivered_groups": counters.delivered,
-        "run_s": _r(duration),
-        "trainer_wait_s": _r(state.trainer_wait_s),
-        "turns": turns,
-        "tokens": tokens,
-        "mean_reward": _r(statistics.fmean(b.mean_reward for b in state.batches)) if state.batches else 0.0,
-        "wasted_trajectory_s": {k: _r(v) for k, v in wasted.items()},
-        "max_engines_updating": state.max_engines_updating,
-        "engines": {
-            name: {
-                "turns": rec.turns,
-                "tokens": rec.tokens,
-                "updates": rec.updates,
-                "busy_s": _r(rec.busy_s),
-                "final_version": rec.versions[-1][1] if rec.versions else 0,
-            }
-            for name, rec in state.engines.items()
-        },
-        "lanes": {
-            name: {
-                "completed": s.completed,
-                "max_busy": s.max_busy,
-                "max_queue_depth": s.max_queue_depth,
-                "wait_s_mean": _r(s.wait_s_mean),
-                "wait_s_max": _r(s.wait_s_max),
-            }
-            for name, s in lanes.stats().items()
-        },
-    }
+    """Rebuild a run's report from its stored envelopes (any order; they are sorted by sequence)."""
+    acc = ReportAccumulator(timeline=timeline)
+    for env in sorted(envelopes, key=lambda e: e.seq):
+        acc.on_envelope(env)
+    return acc.report(static)

@@ -1,14 +1,18 @@
-"""A clairvoyant lower bound on mean batch collection time, for the same workload and resources.
+"""A clairvoyant lower bound on the mean batch collection time of one run's admitted groups under its B + S.
 
 Let D_n be the time batch n is delivered, s the trainer step and d_g a group's uncontended duration
 (its slowest attempt on an idle machine). By D_n, n·B groups have completed, so:
 - order statistic: D_n ≥ the (n·B)-th smallest d_g among admitted groups;
 - capacity: at most B + S groups are live at once and each delivered group was live for at least d_g,
   so D_n ≥ (sum of the n·B smallest d_g) / (B + S).
-Collection times add up to D_n minus the n − 1 trainer steps between deliveries, so the mean over N
-batches is at least max over n of (max(order, capacity) − (n − 1)·s) / N.
+Collection times add up to at least D_n minus the n − 1 trainer steps between deliveries, so the mean
+over N batches is at least max over n of (max(order, capacity) − (n − 1)·s) / N.
 
-Contention, queueing, restarts and pauses only add time, so no policy can beat this bound.
+What it bounds: the mean over the N batches (not each batch) of any schedule that draws its batches
+from these admitted groups, keeps at most `max_live` = B + S of them live, and runs no group faster
+than uncontended. It depends on the policy through B + S and through which groups it admitted, so it
+is a bound for that policy's run, not for every policy. Contention, queueing, restarts and pauses
+only add time within those assumptions.
 """
 
 from __future__ import annotations

@@ -1,15 +1,20 @@
+import json
 import math
 
 import pytest
 
 from app.core.events import (
     EVENT_TYPES,
+    AttemptCancelled,
     BatchDelivered,
     Envelope,
     GroupAdmitted,
     GroupDelivered,
     GroupDiscarded,
     Ledger,
+    RunEnded,
+    RunStarted,
+    SandboxOp,
     TurnDone,
     envelope_from_dict,
 )
@@ -74,3 +79,30 @@ def test_ledger_sees_double_endings_unknown_groups_and_gaps():
     assert ledger.ended_twice == {0}
     assert ledger.lost == 2
     assert ledger.gaps == 2
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        AttemptCancelled(2, 1, "stale"),
+        GroupDelivered(4, 1, 0, (1.0, 0.0)),
+        RunStarted({"groups_per_batch": 2, "pause_mode": "keep"}, ("engine-0",), ("reset", "exec")),
+        RunEnded("stopped", "", 12.5, 301),
+        SandboxOp(1, 0, "exec", 1.0, 1.5, 2.0, queue_depth=3, busy=2),
+    ],
+)
+def test_new_fields_round_trip_through_strict_json(event):
+    env = make_envelope(event, seq=3)
+    assert envelope_from_dict(json.loads(json.dumps(env.to_dict(), allow_nan=False))) == env
+
+
+def test_ledger_memory_is_the_open_groups_plus_a_bit_per_group():
+    ledger = Ledger(next_seq=10)  # a resumed run continues its sequence
+    for seq, gid in enumerate(range(10_000), start=10):
+        ledger.on_envelope(make_envelope(GroupAdmitted(gid, gid, 2), seq=2 * seq - 10))
+        ledger.on_envelope(make_envelope(GroupDelivered(gid, gid, 0), seq=2 * seq - 9))
+    assert ledger.gaps == 0
+    assert ledger.open_groups == set()
+    assert (ledger.admitted_count, ledger.delivered_count, ledger.max_open) == (10_000, 10_000, 1)
+    assert len(ledger._admitted._bits) == 10_000 // 8
+    assert ledger.admitted == ledger.ended == set(range(10_000))

@@ -6,6 +6,7 @@ import pytest
 
 from app.core.advantages import grpo_advantages
 from app.core.config import PolicyConfig
+from app.core.events import GroupAdmitted, GroupDelivered, GroupDiscarded, GroupReady
 from app.core.scheduler import CancelGroup, DeliverBatch, DiscardReason, GroupState, Scheduler, StartGroup
 
 
@@ -21,6 +22,17 @@ def make_policy(**overrides: object) -> PolicyConfig:
 
 def starts(decisions: list) -> list[int]:
     return [d.group_id for d in decisions if isinstance(d, StartGroup)]
+
+
+def endings(s: Scheduler) -> dict[int, tuple[str, str]]:
+    """Drain the scheduler's outbox: each ended group's outcome ("delivered" or the reason) and detail."""
+    out: dict[int, tuple[str, str]] = {}
+    for event in s.drain_events():
+        if isinstance(event, GroupDelivered):
+            out[event.group_id] = ("delivered", "")
+        elif isinstance(event, GroupDiscarded):
+            out[event.group_id] = (event.reason, event.detail)
+    return out
 
 
 def finish_group(s: Scheduler, gid: int, now: float, version: int = 0, rewards=(1.0, 0.0)) -> list:
@@ -68,7 +80,8 @@ def test_group_that_cannot_meet_k_is_cancelled_early() -> None:
     assert s.group_of(0).state is GroupState.RUNNING
     out = s.on_version_published(2, 3.0)
     assert CancelGroup(0, DiscardReason.STALE) in out
-    assert s.group_of(0).reason is DiscardReason.STALE
+    assert endings(s)[0] == ("stale", "cannot meet K")
+    assert 0 not in s.groups  # an ended group leaves the scheduler
     assert 3 in starts(out)
 
 
@@ -77,8 +90,7 @@ def test_ready_group_going_stale_is_discarded_not_delivered() -> None:
     s.on_start(0.0)
     finish_group(s, 0, 1.0, version=0)
     s.on_version_published(1, 2.0)
-    assert s.group_of(0).state is GroupState.DISCARDED
-    assert s.group_of(0).reason is DiscardReason.STALE
+    assert endings(s)[0] == ("stale", "went stale while ready")
 
 
 def test_infra_error_fails_the_group_and_cancels_siblings() -> None:
@@ -94,7 +106,7 @@ def test_zero_variance_filter() -> None:
     s = Scheduler(make_policy(filter_zero_variance=True))
     s.on_start(0.0)
     finish_group(s, 0, 1.0, rewards=(1.0, 1.0))
-    assert s.group_of(0).reason is DiscardReason.ZERO_VARIANCE
+    assert endings(s)[0] == ("zero_variance", "all rewards equal")
 
 
 def test_lowering_s_never_evicts_and_raising_admits() -> None:
@@ -123,7 +135,8 @@ def test_stop_discards_everything_live_as_cancelled() -> None:
     s.on_start(0.0)
     finish_group(s, 0, 1.0)
     s.on_stop(2.0)
-    assert all(g.state in (GroupState.DELIVERED, GroupState.DISCARDED) for g in s.groups.values())
+    assert s.groups == {}
+    assert set(endings(s).values()) == {("cancelled", "run ended")}
     assert s.counters.discarded[DiscardReason.CANCELLED] == 3
     assert s.on_start(3.0) == []
 
@@ -169,3 +182,62 @@ def test_lanes_must_stay_off_the_serving_cpus() -> None:
         LanesConfig.model_validate(
             {"reset": lane, "exec": {"slots": 1}, "validate": lane, "cleanup": lane, "serving_cpus": (0,)}
         )
+
+
+def test_group_events_tell_each_groups_story_in_order() -> None:
+    s = Scheduler(make_policy(groups_per_batch=1, surplus_groups=0))
+    s.on_start(0.0)
+    s.on_batch_requested(0.0)
+    finish_group(s, 0, 1.0, rewards=(1.0, 0.0))
+    assert s.drain_events() == [
+        GroupAdmitted(0, 0, 2),
+        GroupReady(0),
+        GroupDelivered(0, 0, 0, (1.0, 0.0)),
+        GroupAdmitted(1, 1, 2),
+    ]
+    assert s.drain_events() == []
+
+
+def test_a_turn_newer_than_the_trainer_is_refused_and_fails_its_group() -> None:
+    s = Scheduler(make_policy())
+    s.on_start(0.0)
+    out = s.on_turn(1, 0, 1, 1.0)  # the trainer is at version 0
+    assert CancelGroup(1, DiscardReason.FAILED) in out
+    assert s.counters.refused_turns == 1
+    reason, detail = endings(s)[1]
+    assert reason == "failed"
+    assert "newer than the trainer's 0" in detail
+    assert starts(out) == [3]  # its slot went to a new group
+
+
+def test_a_stale_group_is_never_delivered_even_if_enforcement_was_skipped() -> None:
+    s = Scheduler(make_policy(groups_per_batch=1, surplus_groups=1, max_staleness=0))
+    s.on_start(0.0)
+    finish_group(s, 0, 1.0, version=0)
+    s.trainer_version = 1  # as if a publication had bypassed on_version_published
+    out = s.on_batch_requested(2.0)
+    assert not [d for d in out if isinstance(d, DeliverBatch)]
+    assert s.counters.stale_at_delivery == 1
+    assert endings(s)[0] == ("stale", "stale when chosen for a batch")
+
+
+def test_finished_groups_leave_the_scheduler() -> None:
+    s = Scheduler(make_policy(groups_per_batch=2, surplus_groups=1))
+    s.on_start(0.0)
+    for n in range(50):
+        s.on_batch_requested(float(n))
+        for gid in list(s.groups)[:2]:
+            finish_group(s, gid, float(n))
+        s.drain_events()
+    assert s.batches_delivered == 50
+    assert len(s.groups) == s.capacity  # never more than B + S records, however long the run
+
+
+def test_late_reports_for_ended_groups_are_ignored_and_unknown_groups_refused() -> None:
+    s = Scheduler(make_policy())
+    s.on_start(0.0)
+    s.on_attempt_done(0, 0, 0.0, "boom", 1.0)
+    assert s.on_turn(0, 1, 0, 2.0) == []
+    assert s.on_attempt_restarted(0, 1, 2.0) == []
+    with pytest.raises(KeyError, match="never admitted"):
+        s.on_turn(99, 0, 0, 2.0)

@@ -11,8 +11,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.core.config import PolicyConfig, PolicyName
-from app.core.scheduler import GroupState
+from app.core.events import (
+    AttemptCancelled,
+    AttemptFinished,
+    AttemptRestarted,
+    AttemptStarted,
+    Envelope,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    GroupReady,
+    Ledger,
+    envelope_from_dict,
+)
 from app.runtime.driver import Runtime
+from app.runtime.report import report_from_events, static_of
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 
@@ -98,35 +111,64 @@ def check_run(workload: Workload, policy: PolicyConfig, live: list[tuple[float, 
         captured["rt"] = runtime
         observer(runtime, kind, data)
 
-    report = simulate(workload, policy, "prop", changes=live, observer=observe)
+    envelopes: list[Envelope] = []
+    report = simulate(workload, policy, "prop", changes=live, observer=observe, events=envelopes.append)
     assert observer.violations == []
     assert report["lost_groups"] == 0
     assert report["batches"] == workload.batches
     if policy.rolling_updates:
         assert report["restarted_trajectories"] == 0
     rt = captured["rt"]
-    groups = rt.scheduler.groups
+    # The run's own accounting is independent of the stream: both agree, and nothing is left over.
+    counters = rt.scheduler.counters
+    assert rt.scheduler.groups == {}
     # Every admitted group ended exactly once, with a reason when it was not delivered.
-    assert all(g.state in (GroupState.DELIVERED, GroupState.DISCARDED) for g in groups.values())
-    assert all(g.reason is not None for g in groups.values() if g.state is GroupState.DISCARDED)
-    delivered = sum(1 for g in groups.values() if g.state is GroupState.DELIVERED)
-    assert delivered == report["delivered_groups"] == workload.batches * policy.groups_per_batch
-    assert report["admitted_groups"] == delivered + sum(report["discarded_groups"].values())
+    ledger = Ledger()
+    for env in envelopes:
+        ledger.on_envelope(env)
+    assert (ledger.lost, ledger.gaps, ledger.open_groups) == (0, 0, set())
+    assert ledger.admitted_count == counters.admitted == report["admitted_groups"]
+    discards = [e.event for e in envelopes if isinstance(e.event, GroupDiscarded)]
+    assert all(d.reason for d in discards)
+    delivered = {
+        e.event.group_id: e.event.batch_index for e in envelopes if isinstance(e.event, GroupDelivered)
+    }
+    assert len(delivered) == counters.delivered == report["delivered_groups"]
+    assert len(delivered) == workload.batches * policy.groups_per_batch
+    assert report["admitted_groups"] == len(delivered) + sum(report["discarded_groups"].values())
+    check_tries_close_once(envelopes)
     if policy.completion_order:
         # No group that had completed earlier was passed over for one that completed later.
-        by_batch: dict[int, list[Any]] = {}
-        for g in groups.values():
-            if g.batch_index is not None:
-                by_batch.setdefault(g.batch_index, []).append(g)
-        for n, members in by_batch.items():
-            latest = max(g.completed_at for g in members)
-            for g in groups.values():
-                if g.batch_index is not None and g.batch_index > n:
-                    assert g.completed_at >= latest, (n, g.id)
+        ready = {e.event.group_id: e.t for e in envelopes if isinstance(e.event, GroupReady)}
+        for n in set(delivered.values()):
+            latest = max(ready[g] for g, b in delivered.items() if b == n)
+            for g, b in delivered.items():
+                if b > n:
+                    assert ready[g] >= latest, (n, g)
+    # The report rebuilt from the stored stream (through its JSON form) equals the runtime's.
+    stored = [envelope_from_dict(json.loads(json.dumps(e.to_dict()))) for e in envelopes]
+    assert report_from_events(reversed(stored), static_of(report)) == report
     # The lower bound is a true lower bound.
     assert report["batch_collection_s"]["mean"] >= report["lower_bound_s"] - 1e-6
     assert report["batch_collection_s"]["mean"] >= report["lower_bound_given_admissions_s"] - 1e-5
     return report
+
+
+def check_tries_close_once(envelopes: list[Envelope]) -> None:
+    """Every try of an attempt that opened is closed exactly once: finished, cancelled or restarted."""
+    open_tries: set[tuple[int, int]] = set()
+    for env in envelopes:
+        ev = env.event
+        if isinstance(ev, AttemptStarted):
+            assert (ev.group_id, ev.attempt) not in open_tries
+            open_tries.add((ev.group_id, ev.attempt))
+        elif isinstance(ev, AttemptFinished | AttemptCancelled | AttemptRestarted):
+            key = (ev.group_id, ev.attempt)
+            assert key in open_tries or (isinstance(ev, AttemptFinished) and ev.error), key
+            open_tries.discard(key)
+        elif isinstance(ev, GroupAdmitted):
+            assert not any(g == ev.group_id for g, _ in open_tries)
+    assert open_tries == set()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,175 @@
+"""The event bus: gap-free envelopes on the run's clock, synchronous subscribers, and buffered sinks that
+batch by count and by time and never stop the publisher, however slow or broken they are."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from app.core.events import BatchRequested, Envelope, GroupAdmitted, Ledger
+from app.runtime.events import EventBus
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.batches: list[list[Envelope]] = []
+        self.got = threading.Event()
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        self.batches.append(list(envelopes))
+        self.got.set()
+
+
+class BlockedSink:
+    """Blocks in write_batch until released: a database that hangs."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.written = 0
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        self.written += len(envelopes)
+
+
+class BrokenSink:
+    def __init__(self, fail_first: int) -> None:
+        self.fail_first = fail_first
+        self.calls = 0
+        self.written = 0
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            raise ConnectionError("database went away")
+        self.written += len(envelopes)
+
+
+def make_bus(**overrides: object) -> EventBus:
+    clock = iter(float(t) for t in range(1_000_000))
+    return EventBus(str(overrides.get("run_id", "run-1")), clock=lambda: next(clock))
+
+
+def test_envelopes_are_numbered_without_gaps_and_timed_by_the_clock() -> None:
+    bus = make_bus()
+    seen: list[Envelope] = []
+    ledger = Ledger()
+    bus.subscribe(seen.append)
+    bus.subscribe(ledger.on_envelope)
+    for gid in range(5):
+        bus.publish(GroupAdmitted(gid, gid, 2))
+    assert [(e.run_id, e.seq, e.t) for e in seen] == [("run-1", n, float(n)) for n in range(5)]
+    assert bus.published == 5
+    assert ledger.gaps == 0
+    assert ledger.open_groups == {0, 1, 2, 3, 4}
+
+
+def test_a_sink_gets_batches_by_count_in_order() -> None:
+    bus = make_bus()
+    sink = RecordingSink()
+    bus.add_sink(sink, batch_size=10, flush_interval_s=30.0)
+    for n in range(25):
+        bus.publish(BatchRequested(n))
+    stats = bus.close()
+    seqs = [e.seq for batch in sink.batches for e in batch]
+    assert seqs == list(range(25))
+    assert all(len(batch) <= 10 for batch in sink.batches)
+    assert len(sink.batches[0]) == 10  # the count filled it, long before the 30 s interval
+    assert stats["RecordingSink"]["written"] == 25
+    assert stats["RecordingSink"]["dropped"] == stats["RecordingSink"]["failed"] == 0
+
+
+def test_a_sink_gets_a_partial_batch_after_the_flush_interval() -> None:
+    bus = make_bus()
+    sink = RecordingSink()
+    bus.add_sink(sink, batch_size=1000, flush_interval_s=0.05)
+    for n in range(3):
+        bus.publish(BatchRequested(n))
+    assert sink.got.wait(5.0)  # time, not count, flushed it
+    assert [e.seq for e in sink.batches[0]] == [0, 1, 2]
+    bus.close()
+
+
+def test_a_hung_sink_never_blocks_the_publisher_and_what_it_missed_is_counted() -> None:
+    bus = make_bus()
+    sink = BlockedSink()
+    bus.add_sink(sink, batch_size=2, flush_interval_s=0.01, capacity=4)
+    bus.publish(BatchRequested(0))
+    assert sink.entered.wait(5.0)  # the worker is now stuck inside write_batch
+    started = time.monotonic()
+    for n in range(1, 101):
+        bus.publish(BatchRequested(n))
+    publish_s = time.monotonic() - started
+    stats = bus.stats()["BlockedSink"]
+    assert stats["dropped"] == 100 - 4  # the buffer holds 4; the rest are counted, not queued
+    sink.release.set()
+    final = bus.close()["BlockedSink"]
+    assert final["written"] + final["dropped"] + final["failed"] + final["unflushed"] == 101
+    assert final["written"] == sink.written == 5
+    print(f"100 publishes past a hung sink took {publish_s * 1e3:.2f} ms")
+
+
+def test_a_failing_sink_is_counted_and_the_next_batches_still_go_through() -> None:
+    bus = make_bus()
+    sink = BrokenSink(fail_first=1)
+    bus.add_sink(sink, name="store", batch_size=5, flush_interval_s=0.01)
+    for n in range(5):
+        bus.publish(BatchRequested(n))
+    deadline = time.monotonic() + 5.0
+    while bus.stats()["store"]["errors"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for n in range(5, 12):
+        bus.publish(BatchRequested(n))
+    stats = bus.close()["store"]
+    assert stats["errors"] == 1
+    assert stats["failed"] == 5
+    assert stats["written"] == sink.written == 7
+    assert stats["last_error"] == "ConnectionError: database went away"
+
+
+def test_a_sink_stuck_at_close_leaves_its_backlog_counted_as_unflushed() -> None:
+    bus = make_bus()
+    sink = BlockedSink()
+    bus.add_sink(sink, batch_size=1, flush_interval_s=0.01, capacity=100)
+    for n in range(10):
+        bus.publish(BatchRequested(n))
+    assert sink.entered.wait(5.0)
+    stats = bus.close(timeout_s=0.05)["BlockedSink"]
+    assert stats["unflushed"] == 9  # one envelope is inside the hung write_batch
+    sink.release.set()
+
+
+def test_a_subscriber_error_is_a_bug_and_propagates() -> None:
+    bus = make_bus()
+
+    def broken(env: Envelope) -> None:
+        raise ValueError("accounting bug")
+
+    bus.subscribe(broken)
+    with pytest.raises(ValueError, match="accounting bug"):
+        bus.publish(BatchRequested(0))
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "flush_interval_s", "capacity"),
+    [(0, 1.0, 10), (5, 1.0, 4), (5, 0.0, 10), (5, float("nan"), 10)],
+)
+def test_bad_sink_settings_are_refused(batch_size: int, flush_interval_s: float, capacity: int) -> None:
+    bus = make_bus()
+    with pytest.raises(ValueError, match="batch_size"):
+        bus.add_sink(
+            RecordingSink(), batch_size=batch_size, flush_interval_s=flush_interval_s, capacity=capacity
+        )
+
+
+def test_two_sinks_need_two_names() -> None:
+    bus = make_bus()
+    bus.add_sink(RecordingSink(), name="sse")
+    with pytest.raises(ValueError, match="already attached"):
+        bus.add_sink(RecordingSink(), name="sse")
+    bus.close()
