@@ -17,6 +17,7 @@ from app.cli.common import err, fail
 from app.cli.engine import engine
 from app.cli.run import run
 from app.cli.sim import bench, sim
+from app.cli.worker import worker
 
 HELP = """Corral: keep the GRPO trainer fed with fresh, valid, trainable batches.
 
@@ -31,6 +32,7 @@ app.command()(sim)
 app.command()(bench)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(engine)
 app.command()(run)
+app.command()(worker)
 
 
 def _version() -> str:
