@@ -54,12 +54,13 @@ def test_embedded_engine_serves_pinned_to_its_cpus(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+    assert f"serving on http://127.0.0.1:{port}" in (tmp_path / "engine.log").read_text()
 
 
 def test_bad_cpu_list_is_refused_without_traceback() -> None:
     proc = corral("engine", "--port", str(free_port()), "--cpus", "0-x")
     assert proc.returncode == 2
-    assert "--cpus" in proc.stderr
+    assert proc.stderr.startswith("error: corral engine: --cpus:")
     assert "Traceback" not in proc.stderr
 
 
@@ -71,6 +72,7 @@ def test_vllm_backend_needs_vllm_installed_and_says_so() -> None:
     proc = corral("engine", "--backend", "vllm", "--model", "Qwen/Qwen2.5-0.5B", "--port", "8000")
     assert proc.returncode == 2
     assert "vLLM is not installed" in proc.stderr
+    assert "pip install 'corral[vllm]'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
