@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from app.lanes.base import LaneName
-from workers import lane_tasks
+from workers import lane_tasks, orchestrator
 from workers.celery_app import ORCHESTRATOR_QUEUE, BrokerSettings, make_celery, queue_name
 from workers.sandboxes import HostSandboxes
 
@@ -37,9 +37,15 @@ def run_lane_worker(
     )
 
 
-def run_orchestrator_worker(settings: BrokerSettings, concurrency: int, loglevel: str = "INFO") -> None:
+def run_orchestrator_worker(
+    settings: BrokerSettings,
+    concurrency: int,
+    entry: str = orchestrator.DEFAULT_ENTRY,
+    loglevel: str = "INFO",
+) -> None:
     """Consume the `orchestrator` queue: each task runs one run's orchestrator to its end."""
     broker, backend = settings.urls()
+    orchestrator.configure(entry)
     app = make_celery(broker, backend)
     name = f"orchestrator-{os.getpid()}@%h"
     argv = ["worker", "-Q", ORCHESTRATOR_QUEUE, "-c", str(concurrency), "-P", "prefork", "-n", name]

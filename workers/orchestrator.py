@@ -1,8 +1,9 @@
 """The orchestrator task: one run's orchestrator, executed by a worker of the `orchestrator` queue.
 
-The task is thin: it holds the run's lease and calls the run manager's entry point
-`app.service.runner.run_orchestrator(run_id, settings)`, which loads the run from the database, drives
-it to its end and persists it (resuming a run that was live before, as after a restart).
+The task is thin: it holds the run's lease and calls the run manager's entry point, by default
+`app.service.runner:run_orchestrator(run_id, settings)`, which loads the run from the database, drives
+it to its end and persists it (resuming a run that was live before, as after a restart). A worker may
+name another entry point (`corral worker --orchestrator --entry module:function`).
 
 Invariants:
 - at most one orchestrator drives a run at a time: the task holds a lease in Redis
@@ -17,9 +18,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -31,6 +33,24 @@ from workers.celery_app import ORCHESTRATOR_TASK
 log = logging.getLogger(__name__)
 
 LEASE_S = 30.0
+DEFAULT_ENTRY = "app.service.runner:run_orchestrator"
+
+_entry = DEFAULT_ENTRY
+
+
+def configure(entry: str) -> None:
+    """Set the run manager's entry point, `module:function`, before the worker starts."""
+    global _entry
+    module, sep, function = entry.partition(":")
+    if not sep or not module or not function.isidentifier():
+        raise ValueError(f"entry point {entry!r}: expected module:function")
+    _entry = entry
+
+
+def _entry_point() -> Callable[[str, Any], Any]:
+    module, _, function = _entry.partition(":")
+    found: Callable[[str, Any], Any] = getattr(importlib.import_module(module), function)
+    return found
 
 
 class LeaseHeld(RuntimeError):
@@ -63,8 +83,7 @@ def run_lease(client: redis.Redis, run_id: str, lease_s: float = LEASE_S) -> Ite
 
 @shared_task(name=ORCHESTRATOR_TASK, bind=True)  # type: ignore[untyped-decorator]
 def run_orchestrator(self: Task, run_id: str) -> Any:
-    from app.service.runner import run_orchestrator as drive_run  # the run manager's entry point
-
+    drive_run = _entry_point()
     client = redis.Redis.from_url(self.app.conf.result_backend)
     try:
         with run_lease(client, run_id):

@@ -36,6 +36,10 @@ def worker(
         bool, typer.Option("--orchestrator", help="serve the orchestrator queue instead of a lane")
     ] = False,
     isolation: Annotated[str, typer.Option(help="sandbox isolation: auto, bwrap or none")] = "auto",
+    entry: Annotated[
+        str | None,
+        typer.Option(help="with --orchestrator: the run manager's entry point, module:function"),
+    ] = None,
     loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO",
 ) -> None:
     """Run a Celery worker: `--lane exec --cpus 2-3` for a lane, or `--orchestrator`.
@@ -58,9 +62,16 @@ def worker(
         if lane is not None or cpus is not None:
             fail("--orchestrator: serves the orchestrator queue; drop --lane and --cpus")
         from workers.main import run_orchestrator_worker
+        from workers.orchestrator import DEFAULT_ENTRY, configure
 
-        run_orchestrator_worker(settings, concurrency or 1, loglevel.upper())
+        try:
+            configure(entry or DEFAULT_ENTRY)
+        except ValueError as exc:
+            fail(f"--entry: {exc}")
+        run_orchestrator_worker(settings, concurrency or 1, entry or DEFAULT_ENTRY, loglevel.upper())
         return
+    if entry is not None:
+        fail("--entry: only with --orchestrator")
     if lane is None or cpus is None:
         fail("--lane and --cpus are required (or pass --orchestrator)")
     try:

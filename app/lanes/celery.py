@@ -8,7 +8,9 @@ Invariants:
 - every op of one sandbox lands on the host its handle names; an op whose handle has no host is refused;
 - waiting for a result never blocks the event loop: publishing and each poll of the result backend run
   in a thread, polls back off from `poll_min_s` to `poll_max_s`;
-- an op cancelled before a worker took it is revoked, so a discarded group's queued ops do not run;
+- a cancelled op is revoked (a queued op then never runs) and the cancellation waits, up to
+  `cancel_grace_s`, for the op to settle: a sandbox's cleanup, sent after the cancellation, never
+  overtakes its own reset still running in another lane;
 - a worker's error is raised here (its type when importable, else celery's), never swallowed.
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
@@ -19,7 +21,7 @@ publish to the worker's start (wall clocks: same host or NTP-synchronised hosts)
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, decode_result, han
 from app.sandboxes.base import Sandbox
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 LANE_OP_TASK = "corral.lane_op"  # workers.celery_app registers the task under this name
 
@@ -63,6 +66,7 @@ class CeleryLanes:
         *,
         poll_min_s: float = 0.005,
         poll_max_s: float = 0.2,
+        cancel_grace_s: float = 60.0,
         on_done: Callable[[OpRecord], None] | None = None,
     ) -> None:
         if not hosts:
@@ -72,6 +76,7 @@ class CeleryLanes:
         self._celery = celery
         self.hosts = tuple(hosts)
         self._poll = (poll_min_s, poll_max_s)
+        self._cancel_grace_s = cancel_grace_s
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
@@ -152,15 +157,29 @@ class CeleryLanes:
                 return 0
             return int(ok.message_count)
 
-    async def _wait(self, result: AsyncResult, op: LaneOp[Any]) -> dict[str, Any]:
+    async def _settled(self, result: AsyncResult, deadline: float | None = None) -> bool:
         delay, most = self._poll
+        loop = asyncio.get_running_loop()
+        while (await asyncio.to_thread(lambda: result.state)) not in states.READY_STATES:
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, most)
+        return True
+
+    async def _wait(self, result: AsyncResult, op: LaneOp[Any]) -> dict[str, Any]:
         try:
-            while (await asyncio.to_thread(lambda: result.state)) not in states.READY_STATES:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, most)
+            await self._settled(result)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):  # best effort: the op may already be running
-                self._celery.control.revoke(op.op_id)
+            await asyncio.to_thread(self._celery.control.revoke, op.op_id)
+            deadline = asyncio.get_running_loop().time() + self._cancel_grace_s
+            if not await self._settled(result, deadline):
+                log.warning(
+                    "op %s (%s) still running %.0f s after its cancellation",
+                    op.op_id,
+                    op.name.value,
+                    self._cancel_grace_s,
+                )
             raise
         envelope = await asyncio.to_thread(result.get, propagate=True, disable_sync_subtasks=False)
         if not isinstance(envelope, dict) or "result" not in envelope:

@@ -4,6 +4,8 @@ idempotent redelivery, refusal of misrouted ops, and host affinity through Celer
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -160,3 +162,27 @@ async def test_lane_stats_count_the_messages_waiting_in_a_hosts_queue(
     with lane_cluster.app.connection_for_write() as conn:
         conn.default_channel.queue_purge(queue_name(idle_host, LaneName.EXEC))
     assert lanes.stats()["exec"].queue_depth == 0
+
+
+def test_a_pool_process_killed_mid_op_gets_its_op_redelivered_to_a_pinned_replacement(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    host = lane_cluster.hosts[1]
+    handle = handle_of(LocalSandboxFactory(base_dir).create("killed"), host)
+    send(lane_cluster, LaneOp.reset(handle, make_echo_task(task_root))).get(timeout=RESULT_TIMEOUT_S)
+    slow = LaneOp.exec(handle, "echo run >> runs.txt; sleep 2; wc -l < runs.txt", 30)
+    pending = send(lane_cluster, slow)
+    runs = base_dir / "killed" / "runs.txt"
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while not runs.exists():
+        assert time.monotonic() < deadline, "the op never started"
+        time.sleep(0.02)
+    main = lane_cluster.by_lane[host, LaneName.EXEC]
+    [victim] = children(main.pid)
+    os.kill(victim, signal.SIGKILL)  # the pool process running the op, as the OOM killer would
+
+    envelope = pending.get(timeout=RESULT_TIMEOUT_S)
+    send(lane_cluster, LaneOp.cleanup(handle)).get(timeout=RESULT_TIMEOUT_S)
+    assert envelope["pid"] != victim
+    assert envelope["affinity"] == [1]  # the replacement pool process is pinned too
+    assert decode_result(slow, envelope["result"]).output.strip() == "2"  # ran again: at least once

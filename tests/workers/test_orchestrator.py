@@ -1,0 +1,75 @@
+"""The orchestrator task: the run lease on the real Redis, and a real `corral worker --orchestrator`
+running a run's entry point from the `orchestrator` queue (a stand-in entry point: the run manager's is
+tested with the service)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import Workers, broker_env, redis_answers
+
+from workers.celery_app import ORCHESTRATOR_TASK, make_celery
+from workers.orchestrator import LeaseHeld, run_lease
+
+# A database of its own: no other test's orchestrator worker may take these messages.
+ORCH_REDIS_URL = "redis://127.0.0.1:6379/11"
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379 (the Celery tests need a real broker)")
+    conn = redis.Redis.from_url(ORCH_REDIS_URL)
+    yield conn
+    conn.close()
+
+
+def test_a_live_holder_keeps_its_run_and_a_dead_holders_lease_lapses(client: redis.Redis) -> None:
+    run_id = uuid.uuid4().hex
+    with run_lease(client, run_id, lease_s=0.6):
+        started = time.monotonic()
+        with pytest.raises(LeaseHeld, match=run_id), run_lease(client, run_id, lease_s=0.6):
+            pass
+        assert time.monotonic() - started >= 1.5  # it waited a whole lease period: the holder renews
+    with run_lease(client, run_id, lease_s=0.6):  # released on exit: taken at once
+        pass
+
+    dead = client.lock(f"corral:orchestrator:{run_id}", timeout=0.6)
+    assert dead.acquire(blocking=False)  # a holder that dies right after: nobody renews its lease
+    started = time.monotonic()
+    with run_lease(client, run_id, lease_s=0.6):
+        assert time.monotonic() - started < 1.5
+
+
+def test_an_orchestrator_worker_runs_the_runs_entry_point(
+    client: redis.Redis, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    entry_dir = tmp_path / "entry"
+    entry_dir.mkdir()
+    (entry_dir / "stub_runner.py").write_text(
+        "import os\n"
+        "def run(run_id, settings):\n"
+        "    return {'run_id': run_id, 'pid': os.getpid(), 'database_url': settings.database_url}\n"
+    )
+    env = broker_env(ORCH_REDIS_URL, ORCH_REDIS_URL)
+    env["PYTHONPATH"] = str(entry_dir)
+    env["CORRAL_DATABASE_URL"] = f"sqlite:///{tmp_path / 'corral.db'}"
+    workers = Workers(tmp_path_factory.mktemp("orch"))
+    try:
+        worker = workers.start("--orchestrator", "--entry", "stub_runner:run", env=env)
+        app = make_celery(ORCH_REDIS_URL, ORCH_REDIS_URL)
+        run_id = uuid.uuid4().hex
+        result = app.send_task(ORCHESTRATOR_TASK, args=[run_id])  # routed by name to `orchestrator`
+        done = result.get(timeout=60)
+        app.close()
+    finally:
+        workers.stop()
+    assert done["run_id"] == run_id
+    assert done["database_url"] == env["CORRAL_DATABASE_URL"]  # the worker's own settings
+    assert done["pid"] != worker.pid  # a pool process of the worker ran it
+    assert client.get(f"corral:orchestrator:{run_id}") is None  # the lease went with the run
