@@ -150,6 +150,9 @@ class LanePool(CpuPool):
         if self.borrow and self.demand <= self.cores and old_total <= self.cores:
             # Every lane gets all it wants before and after: no rate changes.
             self.allocation[stream.name] = stream.demand
+            borrowed = stream.demand - self.guarantees[stream.name]
+            if borrowed > self.max_borrowed:
+                self.max_borrowed = borrowed
             return
         if not self.borrow and stream.demand <= self.guarantees[stream.name] and stream.rate == 1.0:
             self.allocation[stream.name] = stream.demand

@@ -11,17 +11,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from app.core.config import LanesConfig, PolicyConfig, PolicyName
-from app.core.events import Envelope
-from app.lanes.inprocess import InProcessLanes
+from app.core.config import PolicyConfig, PolicyName
 from app.runtime.driver import RunState, Runtime
 from app.runtime.ports import Trainer
-from app.runtime.report import ReportStatic, build_report
-from app.runtime.timeline import GroupSpans
-from app.sim.adapters import SimEngine, SimLaneCpus, SimSource, SimTrainer, lane_cpu_split
+from app.runtime.report import build_report
+from app.runtime.timeline import batch_marks, group_timeline
+from app.sim.adapters import SimSource, SimTrainer
 from app.sim.bound import admission_bound_s, lower_bound_s
 from app.sim.clock import run_virtual
-from app.sim.cpu import CpuPool, Stream
+from app.sim.ports import build_ports, run_adapting
 from app.sim.workload import TrajectorySource, Workload
 
 Progress = Callable[[int], None]
@@ -47,47 +45,16 @@ def simulate(
     observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
     timeline: bool = False,
     trainer: Trainer | None = None,
-    events: Callable[[Envelope], None] | None = None,
 ) -> dict[str, Any]:
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
     `changes` are live retunes at virtual times: (t, "surplus_groups" | "max_staleness", value).
-    `observer` sees every runtime event with the runtime, for invariant checks; `events` gets every
-    envelope of the run's typed event stream, as published.
+    `observer` sees every runtime event with the runtime, for invariant checks.
     """
     wall = time.perf_counter()
     source = trajectories or TrajectorySource(workload)
-    cpus = workload.cpus
-    split = lane_cpu_split(workload)
-    streams: dict[str, Stream] = {}
-    if policy.pinned_lanes:
-        serving = CpuPool("serving", cpus.serving, cpus.thrash)
-        for lane, ids in split.items():
-            streams[lane] = CpuPool(lane, len(ids), cpus.thrash).stream(lane)
-    else:
-        serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
-        shared = serving.stream("sandboxes")
-        streams = dict.fromkeys(split, shared)
-    demand = cpus.sandbox_demand.by_lane()
-    lane_cpus = SimLaneCpus(**{lane: (streams[lane], demand[lane]) for lane in split})
-    engines = [
-        SimEngine(
-            f"engine-{i}",
-            serving,
-            workload.engines.update_s,
-            workload.engines.tokens_per_s,
-            cpus.engine_demand,
-        )
-        for i in range(workload.engines.count)
-    ]
-    slots = workload.lanes.slots()
-    lane_config = LanesConfig.model_validate(
-        {
-            **{lane: {"slots": slots[lane], "cpus": split[lane]} for lane in slots},
-            "serving_cpus": tuple(range(cpus.serving)),
-        }
-    )
-    lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes)
+    ports = build_ports(workload, policy)
+    engines, lanes, lane_cpus = ports.engines, ports.lanes, ports.lane_cpus
 
     def on_event(kind: str, data: dict[str, object]) -> None:
         if observer is not None:
@@ -103,12 +70,7 @@ def simulate(
         source=SimSource(source, lane_cpus),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
         on_event=on_event,
-        timeline=timeline,
     )
-    spans = GroupSpans()
-    runtime.bus.subscribe(spans.on_envelope)
-    if events is not None:
-        runtime.bus.subscribe(events)
 
     async def main() -> RunState:
         loop = asyncio.get_running_loop()
@@ -117,26 +79,40 @@ def simulate(
             if knob not in setters:
                 raise ValueError(f"unknown live change {knob!r}; use surplus_groups or max_staleness")
             loop.call_at(at, setters[knob], value)
-        return await runtime.run(batches=workload.batches)
+        return await run_adapting(runtime, ports, workload.batches)
 
     state = run_virtual(main())
+    admitted = [g.task_index for g in runtime.scheduler.groups.values()]
     bound = lower_bound_s(
-        [source.group_duration(task) for task, _, _, _ in spans],
+        [source.group_duration(t) for t in admitted],
         len(state.batches),
         policy.groups_per_batch,
         policy.groups_per_batch
         + max([policy.surplus_groups] + [v for _, k, v in changes if k == "surplus_groups"]),
         workload.trainer.step_s,
     )
-    given = admission_bound_s(
-        [b.requested_at for b in state.batches],
-        [(admitted, source.group_duration(task), ended, batch) for task, admitted, ended, batch in spans],
-        policy.groups_per_batch,
+    report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)
+    report["lower_bound_given_admissions_s"] = round(
+        admission_bound_s(
+            [b.requested_at for b in state.batches],
+            [
+                (g.admitted_at, source.group_duration(g.task_index), g.ended_at, g.batch_index)
+                for g in runtime.scheduler.groups.values()
+            ],
+            policy.groups_per_batch,
+        ),
+        6,
     )
-    static = ReportStatic(
-        name, time.perf_counter() - wall, bound, {"lower_bound_given_admissions_s": round(given, 6)}
-    )
-    return build_report(runtime.report_acc, static)
+    report["policy_config"] = policy.model_dump(mode="json")
+    report.update(ports.lane_report())
+    if timeline:
+        report["groups_timeline"] = group_timeline(runtime.scheduler, state)
+        report["batch_marks"] = batch_marks(state)
+        report["update_log"] = [
+            {"t": round(t - state.started_at, 3), "engine": e, "version": v, "phase": p}
+            for t, e, v, p in state.update_log
+        ]
+    return report
 
 
 LADDER = [PolicyName.SYNC, PolicyName.COMPLETION, PolicyName.LANES, PolicyName.FULL]

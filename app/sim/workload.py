@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.sim.lanes import AdaptiveLanesSpec, LaneSharing, LaneWeights
 from app.validation import (
     MAX_BATCHES,
     MAX_CORES,
@@ -232,7 +233,7 @@ class CpusSpec(Strict):
 
 
 class LanesSpec(Strict):
-    """Concurrent slots per lane. Each lane gets cores in proportion to its slots."""
+    """Concurrent slots per lane, and how the lanes share the sandbox cores (see app.sim.lanes)."""
 
     reset: int = Field(192, ge=1, le=MAX_SLOTS, strict=True)
     exec: int = Field(192, ge=1, le=MAX_SLOTS, strict=True)
@@ -240,6 +241,15 @@ class LanesSpec(Strict):
     cleanup: int = Field(48, ge=1, le=MAX_SLOTS, strict=True)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    sharing: LaneSharing = Field(
+        LaneSharing.WORK_CONSERVING,
+        description="work_conserving: lanes borrow idle sandbox cores; partitioned: each lane owns its cores",
+    )
+    weights: LaneWeights | None = Field(
+        None, description="guaranteed share per lane; default: slots × per-operation demand"
+    )
+    adaptive: AdaptiveLanesSpec | None = Field(None, description="lane slots that follow measured demand")
 
     def slots(self) -> dict[str, int]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
@@ -511,6 +521,10 @@ def load_workload(path: Path | None) -> Workload:
     """Read a YAML or JSON workload file; `None` gives the built-in terminal-bench-style default."""
     if path is None:
         return default_workload()
+    from app.sim.family import FAMILY, builtin_workload
+
+    if str(path) in FAMILY and not Path(path).exists():
+        return builtin_workload(str(path))  # a built-in workload of the bench family, by name
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -530,8 +544,7 @@ def load_workload(path: Path | None) -> Workload:
 
 
 def default_workload() -> Workload:
-    """Terminal-bench-style work, 32 groups × 8 attempts a batch, calibrated (not derived): its agent cap,
-    task spread, reset and validate tails and engine slots were chosen to land `sync` at 591.8 s."""
+    """Terminal-bench-style work, 32 groups × 8 attempts a batch, derived from DESIGN.md's figures."""
     return Workload()
 
 

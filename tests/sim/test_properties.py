@@ -216,3 +216,32 @@ def test_sync_restarts_and_full_does_not() -> None:
     assert full["restarted_trajectories"] == 0
     assert sync["max_groups_in_flight"] <= 2
     assert full["max_groups_in_flight"] <= 5
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workload=workloads,
+    rung=st.sampled_from([PolicyName.LANES, PolicyName.FULL]),
+    sharing=st.sampled_from(["work_conserving", "partitioned"]),
+    adaptive=st.sampled_from([None, {"interval_s": 1.0}, {"interval_s": 3.0, "step": 1.0}]),
+    demand=st.sampled_from([0.25, 1.0, 3.0]),
+    live=changes,
+)
+def test_invariants_hold_under_every_lane_mode(
+    workload: Workload,
+    rung: PolicyName,
+    sharing: str,
+    adaptive: dict[str, float] | None,
+    demand: float,
+    live: list[tuple[float, str, int]],
+) -> None:
+    data = workload.model_dump(by_alias=True)
+    data["lanes"] = {**data["lanes"], "sharing": sharing, "adaptive": adaptive}
+    data["cpus"] = {**data["cpus"], "sandbox_demand": demand}
+    moded = Workload.model_validate(data)
+    report = check_run(moded, policy_for(moded, rung.value), live)
+    assert report["lane_sharing"] == sharing
+    if adaptive is not None:
+        for lane, slots in report["lane_slots"].items():
+            assert slots["configured"] <= slots["final"] <= slots["max"], lane
+            assert slots["max"] <= 4 * slots["configured"], lane

@@ -1,0 +1,169 @@
+"""Lane modes of the simulator: how lanes share the sandbox cores, and lane slots that follow demand.
+
+Sharing (`lanes.sharing` in a workload):
+- `work_conserving` (default): one pool of sandbox cores, disjoint from serving (the hard boundary).
+  Each lane has a guaranteed share (`lanes.weights`, default slots × per-op demand, the proportions the
+  partition uses) and may use sandbox cores the others leave idle (see `app.sim.cpu.LanePool`);
+- `partitioned`: each lane owns whole cores and never borrows (the strict per-lane partition).
+
+Adaptive slots (`lanes.adaptive`). Every `interval_s` of virtual time `AdaptiveSlots.decide` looks at
+each lane: if operations are queued and the lane's cores have headroom (the sandbox pool, or the lane's
+own partition, has at least one operation's demand idle), its slots grow by `step` × its configured
+slots (at least 1), up to `max_factor` × configured; if nothing is queued and at most half the slots
+are busy, they shrink by the same step, never below the configured slots. Growing only into idle cores
+keeps the controller from oversubscribing the CPUs to clear a queue; shrinking back keeps a burst from
+leaving the lane oversized. The decision is pure (no clock, no I/O); `ResizableLimiter` carries it out.
+
+Invariants: a lane runs at most its current slots at once (after a shrink, running operations finish
+and no new one starts until the lane is under its slots again); waiters are served in FIFO order;
+slots stay within [configured, max_factor × configured].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.core.config import LanesConfig
+from app.lanes.base import LaneName
+from app.lanes.inprocess import InProcessLanes
+
+
+class LaneSharing(StrEnum):
+    WORK_CONSERVING = "work_conserving"
+    PARTITIONED = "partitioned"
+
+
+class LaneWeights(BaseModel):
+    """Guaranteed share of the sandbox cores per lane (relative weights, like cgroup `cpu.weight`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+    reset: float = Field(gt=0, le=1e6, description="weight of the reset lane")
+    exec: float = Field(gt=0, le=1e6, description="weight of the exec lane")
+    validate_: float = Field(gt=0, le=1e6, alias="validate", description="weight of the validate lane")
+    cleanup: float = Field(gt=0, le=1e6, description="weight of the cleanup lane")
+
+    def by_lane(self) -> dict[str, float]:
+        return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
+
+
+class AdaptiveLanesSpec(BaseModel):
+    """Lane slots that grow while operations queue beside idle cores, and shrink back when idle."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
+    step: float = Field(0.25, gt=0, le=4, description="growth or shrink per decision, × configured slots")
+    max_factor: float = Field(4.0, ge=1, le=64, description="largest slots, × configured slots")
+
+
+@dataclass(frozen=True)
+class LaneSample:
+    """What the controller sees of one lane at a decision."""
+
+    slots: int
+    busy: int
+    queued: int
+    idle_cores: float  # cores the lane could still use without oversubscribing its CPUs
+    op_demand: float  # cores one more running operation would use
+
+
+class AdaptiveSlots:
+    """The pure controller: configured slots in, new slots per lane out."""
+
+    def __init__(self, configured: Mapping[str, int], spec: AdaptiveLanesSpec) -> None:
+        self.configured = dict(configured)
+        self.spec = spec
+
+    def bounds(self, lane: str) -> tuple[int, int]:
+        base = self.configured[lane]
+        return base, max(base, math.floor(base * self.spec.max_factor))
+
+    def decide(self, samples: Mapping[str, LaneSample]) -> dict[str, int]:
+        decided: dict[str, int] = {}
+        for lane, s in samples.items():
+            low, high = self.bounds(lane)
+            step = max(1, round(self.configured[lane] * self.spec.step))
+            slots = s.slots
+            if s.queued > 0 and s.idle_cores >= s.op_demand:
+                # Room for at least one more operation; never grow past what the idle cores can run.
+                room = step if s.op_demand * step <= s.idle_cores else math.floor(s.idle_cores / s.op_demand)
+                slots = min(high, slots + min(step, max(1, room), s.queued))
+            elif s.queued == 0 and s.busy * 2 <= s.slots:
+                slots = max(low, slots - step)
+            decided[lane] = min(high, max(low, slots))
+        return decided
+
+
+class ResizableLimiter:
+    """An asyncio semaphore whose number of slots can change while operations hold and wait for them."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a lane needs at least one slot, got {slots}")
+        self.slots = slots
+        self.busy = 0
+        self.max_slots = slots
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def locked(self) -> bool:
+        return self.busy >= self.slots
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self) -> bool:
+        if self.busy < self.slots and not self._waiters:
+            self.busy += 1
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # the slot is ours when this resolves: `_wake` counted it as busy
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # woken and cancelled at once: pass the slot on
+            elif fut in self._waiters:  # `_wake` drops cancelled waiters it meets first
+                self._waiters.remove(fut)
+            raise
+        return True
+
+    def release(self) -> None:
+        self.busy -= 1
+        self._wake()
+
+    def resize(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a lane needs at least one slot, got {slots}")
+        self.slots = slots
+        self.max_slots = max(self.max_slots, slots)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.busy < self.slots:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.busy += 1
+                fut.set_result(None)
+
+
+class SimLanes(InProcessLanes):
+    """In-process lanes (the production code) whose per-lane slot limit is a `ResizableLimiter`, so the
+    simulator can resize it; the run, attach, run_op and stats logic stays `InProcessLanes`'."""
+
+    def __init__(self, config: LanesConfig, pinned: bool) -> None:
+        by_name = {LaneName(name): lane for name, lane in config.by_name().items()}
+        super().__init__(
+            concurrency={name: lane.slots for name, lane in by_name.items()},
+            cpus={name: lane.cpus for name, lane in by_name.items()},
+            pinned=pinned,
+        )
+        self.limiters = {name: ResizableLimiter(max(1, lane.slots)) for name, lane in by_name.items()}
+        # InProcessLanes takes and returns slots through `acquire()` / `release()` on these objects.
+        self._sems = self.limiters  # type: ignore[assignment]

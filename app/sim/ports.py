@@ -1,0 +1,152 @@
+"""The simulated ports of one run: CPU pools, engines, lanes and attempt source, wired for a policy.
+
+CPU pools by policy and `lanes.sharing` (the model is in app.sim.cpu):
+- shared CPUs (`pinned_lanes` off): one pool of `cpus.total` cores for serving and every sandbox
+  operation, with serving interference; lanes have no slot limit;
+- pinned lanes: serving gets `cpus.serving` cores of its own (the hard boundary) and the rest form
+  the sandbox pool. `work_conserving`: one `LanePool` whose lanes are guaranteed their weight's share
+  and borrow idle cores; `partitioned`: each lane owns whole cores (`lane_cpu_split`) and never borrows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.config import LanesConfig, PolicyConfig
+from app.lanes.base import LaneName
+from app.runtime.driver import RunState, Runtime
+from app.sim.adapters import SimEngine, SimLaneCpus, lane_cpu_split
+from app.sim.cpu import CpuPool, LanePool, Stream
+from app.sim.lanes import AdaptiveSlots, LaneSample, LaneSharing, SimLanes
+from app.sim.workload import Workload
+
+
+@dataclass
+class SimPorts:
+    serving: CpuPool
+    sandbox: LanePool | None
+    engines: list[SimEngine]
+    lanes: SimLanes
+    lane_cpus: SimLaneCpus
+    controller: AdaptiveSlots | None
+    interval_s: float
+    slot_log: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+
+    def lane_report(self) -> dict[str, Any]:
+        """Extras for the run report: the sharing mode, and the lanes' slots as adapted."""
+        out: dict[str, Any] = {}
+        if self.sandbox is not None:
+            out["lane_sharing"] = "work_conserving" if self.sandbox.borrow else "partitioned"
+            out["lane_guaranteed_cores"] = {k: round(v, 3) for k, v in self.sandbox.guarantees.items()}
+            out["lane_max_borrowed_cores"] = round(self.sandbox.max_borrowed, 3)
+        else:
+            out["lane_sharing"] = "shared"
+        if self.controller is not None:
+            out["lane_slots"] = {
+                lane.value: {
+                    "configured": self.controller.configured[lane.value],
+                    "final": limiter.slots,
+                    "max": limiter.max_slots,
+                }
+                for lane, limiter in self.lanes.limiters.items()
+            }
+            out["lane_slot_changes"] = len(self.slot_log)
+        return out
+
+
+def lane_guarantees(workload: Workload) -> dict[str, float]:
+    """Guaranteed cores per lane in the work-conserving pool: the sandbox cores split by weight."""
+    free = workload.cpus.total - workload.cpus.serving
+    if workload.lanes.weights is not None:
+        weights = workload.lanes.weights.by_lane()
+    else:
+        demand = workload.cpus.sandbox_demand.by_lane()
+        weights = {lane: n * max(demand[lane], 1e-3) for lane, n in workload.lanes.slots().items()}
+    total = sum(weights.values())
+    return {lane: free * w / total for lane, w in weights.items()}
+
+
+def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
+    cpus = workload.cpus
+    split = lane_cpu_split(workload)
+    streams: dict[str, Stream] = {}
+    sandbox: LanePool | None = None
+    if policy.pinned_lanes:
+        serving = CpuPool("serving", cpus.serving, cpus.thrash)
+        if workload.lanes.sharing is LaneSharing.PARTITIONED:
+            guarantees = {lane: float(len(ids)) for lane, ids in split.items()}
+            sandbox = LanePool("sandbox", sum(guarantees.values()), guarantees, False, cpus.thrash)
+        else:
+            sandbox = LanePool(
+                "sandbox", cpus.total - cpus.serving, lane_guarantees(workload), True, cpus.thrash
+            )
+        streams = {lane: sandbox.stream(lane) for lane in split}
+    else:
+        serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
+        shared = serving.stream("sandboxes")
+        streams = dict.fromkeys(split, shared)
+    demand = cpus.sandbox_demand.by_lane()
+    lane_cpus = SimLaneCpus(**{lane: (streams[lane], demand[lane]) for lane in split})
+    engines = [
+        SimEngine(
+            f"engine-{i}",
+            serving,
+            workload.engines.update_s,
+            workload.engines.tokens_per_s,
+            cpus.engine_demand,
+        )
+        for i in range(workload.engines.count)
+    ]
+    slots = workload.lanes.slots()
+    lane_config = LanesConfig.model_validate(
+        {
+            **{lane: {"slots": slots[lane], "cpus": split[lane]} for lane in slots},
+            "serving_cpus": tuple(range(cpus.serving)),
+        }
+    )
+    lanes = SimLanes(lane_config, policy.pinned_lanes)
+    adaptive = workload.lanes.adaptive
+    controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
+    interval = adaptive.interval_s if adaptive is not None else 0.0
+    return SimPorts(serving, sandbox, engines, lanes, lane_cpus, controller, interval)
+
+
+async def run_adapting(runtime: Runtime, ports: SimPorts, batches: int) -> RunState:
+    """Run the runtime; with adaptive lanes, resize lane slots every interval beside it."""
+    if ports.controller is None:
+        return await runtime.run(batches=batches)
+
+    async def adapt() -> None:
+        assert ports.controller is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(ports.interval_s)
+            decided = ports.controller.decide(_samples(ports))
+            changed = {
+                lane: n for lane, n in decided.items() if ports.lanes.limiters[LaneName(lane)].slots != n
+            }
+            for lane, n in changed.items():
+                ports.lanes.limiters[LaneName(lane)].resize(n)
+            if changed:
+                ports.slot_log.append((loop.time(), changed))
+
+    async with asyncio.TaskGroup() as tg:
+        ticker = tg.create_task(adapt())
+        try:
+            return await runtime.run(batches=batches)
+        finally:
+            ticker.cancel()
+
+
+def _samples(ports: SimPorts) -> dict[str, LaneSample]:
+    pool = ports.sandbox
+    assert pool is not None
+    samples = {}
+    for lane, limiter in ports.lanes.limiters.items():
+        stream, demand = getattr(ports.lane_cpus, lane.value)
+        # Headroom: idle sandbox cores, or with partitions the lane's own idle cores.
+        idle = pool.cores - pool.demand if pool.borrow else pool.guarantees[lane.value] - stream.demand
+        samples[lane.value] = LaneSample(limiter.slots, limiter.busy, limiter.queued, idle, demand)
+    return samples

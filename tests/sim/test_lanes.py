@@ -1,0 +1,160 @@
+"""Lane modes of the simulator: work-conserving sharing with guarantees, hard partitions, and lane
+slots that adapt (app.sim.lanes, app.sim.cpu.LanePool)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.sim.clock import run_virtual
+from app.sim.cpu import LanePool, water_fill
+from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, ResizableLimiter
+
+LANES = ("reset", "exec", "validate", "cleanup")
+
+
+def make_pool(borrow: bool = True, **overrides: Any) -> LanePool:
+    guarantees = overrides.pop("guarantees", {"reset": 1.0, "exec": 2.0, "validate": 0.5, "cleanup": 0.5})
+    return LanePool("sandbox", overrides.pop("cores", 4.0), guarantees, borrow, overrides.pop("thrash", 0.0))
+
+
+def finish_times(pool: LanePool, jobs: list[tuple[str, float, float]]) -> list[float]:
+    """Run (lane, work, demand) jobs from t=0 on the pool; return their finish times."""
+    streams = {lane: pool.stream(lane) for lane in pool.guarantees}
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        done = [0.0] * len(jobs)
+
+        async def job(i: int, lane: str, work: float, demand: float) -> None:
+            await streams[lane].run(work, demand)
+            done[i] = loop.time()
+
+        async with asyncio.TaskGroup() as tg:
+            for i, (lane, work, demand) in enumerate(jobs):
+                tg.create_task(job(i, lane, work, demand))
+        return done
+
+    return run_virtual(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    demand=st.fixed_dictionaries({lane: st.floats(0, 50) for lane in LANES}),
+    weights=st.fixed_dictionaries({lane: st.floats(0.1, 10) for lane in LANES}),
+    cores=st.floats(1, 64),
+)
+def test_water_fill_guarantees_shares_and_conserves_work(
+    demand: dict[str, float], weights: dict[str, float], cores: float
+) -> None:
+    alloc = water_fill(demand, weights, cores)
+    total_w = sum(weights.values())
+    assert sum(alloc.values()) <= cores + 1e-6
+    for lane in LANES:
+        assert alloc[lane] <= demand[lane] + 1e-6  # nobody gets more than it asks
+        guaranteed = min(demand[lane], cores * weights[lane] / total_w)
+        assert alloc[lane] >= guaranteed - 1e-6  # nobody gets less than its share
+    # Work-conserving: cores stay idle only when every lane has all it asked for.
+    if sum(alloc.values()) < cores - 1e-6:
+        assert all(alloc[lane] >= demand[lane] - 1e-6 for lane in LANES)
+
+
+def test_a_flooded_lane_cannot_push_another_below_its_share() -> None:
+    # exec is guaranteed 2 of 4 cores. A cleanup storm of 40 cores' demand arrives with one exec job.
+    alone = finish_times(make_pool(), [("exec", 10, 2)])
+    storm = finish_times(make_pool(), [("exec", 10, 2)] + [("cleanup", 10, 1)] * 40)
+    assert alone[0] == pytest.approx(10)
+    assert storm[0] == pytest.approx(10)  # exec keeps its 2 cores, so its job is not slowed
+
+
+def test_work_conserving_lanes_use_idle_cores_and_partitions_do_not() -> None:
+    # One reset job wanting 4 cores; reset is guaranteed 1 core and the other lanes are idle.
+    shared = finish_times(make_pool(borrow=True), [("reset", 10, 4)])
+    walled = finish_times(make_pool(borrow=False), [("reset", 10, 4)])
+    assert shared[0] == pytest.approx(10)
+    assert walled[0] == pytest.approx(40)
+
+
+def test_lane_pool_refuses_guarantees_beyond_its_cores() -> None:
+    with pytest.raises(ValueError, match="exceed"):
+        make_pool(guarantees={"reset": 3.0, "exec": 3.0})
+    with pytest.raises(ValueError, match="positive"):
+        make_pool(guarantees={"reset": 0.0})
+
+
+def test_resizable_limiter_bounds_running_ops_and_serves_fifo() -> None:
+    limiter = ResizableLimiter(2)
+    order: list[int] = []
+    peak = {"running": 0, "max": 0}
+
+    async def op(i: int) -> None:
+        await limiter.acquire()
+        peak["running"] += 1
+        peak["max"] = max(peak["max"], peak["running"])
+        order.append(i)
+        await asyncio.sleep(1.0)
+        peak["running"] -= 1
+        limiter.release()
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(6):
+                tg.create_task(op(i))
+            await asyncio.sleep(0.5)
+            assert peak["max"] == 2
+            limiter.resize(3)  # grows at once: one more waiter starts
+            await asyncio.sleep(0)
+            assert peak["running"] == 3
+            limiter.resize(1)  # shrinks as running ops finish
+
+    run_virtual(main())
+    assert order == list(range(6))
+    assert limiter.busy == 0
+    assert limiter.max_slots == 3
+
+
+def test_cancelled_waiter_leaves_the_queue_and_keeps_no_slot() -> None:
+    limiter = ResizableLimiter(1)
+
+    async def main() -> None:
+        await limiter.acquire()
+        waiter = asyncio.get_running_loop().create_task(limiter.acquire())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        limiter.release()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert limiter.busy == 0
+        assert limiter.queued == 0
+
+    run_virtual(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    configured=st.integers(1, 64),
+    slots_factor=st.floats(1, 4),
+    busy=st.integers(0, 256),
+    queued=st.integers(0, 500),
+    idle=st.floats(-10, 100),
+    op_demand=st.floats(0, 2),
+)
+def test_adaptive_slots_stay_in_bounds_and_grow_only_into_idle_cores(
+    configured: int, slots_factor: float, busy: int, queued: int, idle: float, op_demand: float
+) -> None:
+    spec = AdaptiveLanesSpec()
+    controller = AdaptiveSlots({"reset": configured}, spec)
+    slots = max(configured, int(configured * slots_factor))
+    sample = LaneSample(slots, min(busy, slots), queued, idle, op_demand)
+    new = controller.decide({"reset": sample})["reset"]
+    low, high = controller.bounds("reset")
+    assert low <= new <= high
+    if new > slots:
+        assert queued > 0
+        assert idle >= op_demand
+    if queued > 0 and idle >= op_demand and slots < high:
+        assert new > slots
