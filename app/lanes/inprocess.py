@@ -33,9 +33,14 @@ class InProcessLanes:
         self._pinned = pinned
         self._cpus = dict(cpus)
         self._sems = {lane: asyncio.Semaphore(max(1, concurrency[lane])) for lane in LaneName}
+        self._slots = {lane: max(1, concurrency[lane]) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._host = local_host()
         self._live: dict[str, Sandbox] = {}
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Each lane's slots and CPU set (None: unpinned), for the dashboard's lanes panel."""
+        return {lane.value: {"slots": self._slots[lane], "cpus": self._cpus.get(lane)} for lane in LaneName}
 
     @classmethod
     def from_config(cls, config: LanesConfig, pinned: bool) -> InProcessLanes:

@@ -448,6 +448,14 @@ async def _changes(
         await asyncio.sleep(dash.stream_interval_s)
 
 
+def dashboard_for(settings: Any, get_manager: Callable[[], Any]) -> Dashboard:
+    """The dashboard of `corral serve`: the settings' tokens, live runs from the run manager."""
+    from app.web.live import ManagerRuns
+
+    access = AccessConfig(settings.operator_token, settings.view_token)
+    return Dashboard(access, live=ManagerRuns(get_manager))
+
+
 def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:
     """Add the dashboard's routes, its static files and the npm-installed vendor scripts to `app`."""
     app.include_router(make_router(dash))

@@ -1,0 +1,237 @@
+"""The dashboard's live backend: `ManagerRuns` adapts the service's run manager (app.service.manager)
+to `RunsBackend`.
+
+- Events come from the store (`store.timeline(run_id, since, limit)`), fetched incrementally and kept
+  per run, so a page shows the same account as the API and the view of an ended or resumed run is the
+  same as a live one. The store's sink is batched, so the view trails the run by one flush interval.
+- What the stream does not carry comes from the run's handle when it executes here: its state and
+  knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
+  busy slots, queue depth, slots and CPU set.
+- Actions call the handle's commands on the run's loop (`handle.call`), as the API does; refusals
+  (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
+  with the handle's message.
+
+Views are cached per (run, last sequence number, live snapshot), so many open pages cost one build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.events import Envelope, envelope_from_dict
+from app.web.backend import ActionRefused
+from app.web.readmodel import RunMeta, RunView, view_from_events
+
+FETCH_LIMIT = 5000
+LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
+
+
+@dataclass
+class _RunCache:
+    envelopes: list[Envelope] = field(default_factory=list)
+    last_seq: int = -1
+    key: object = None
+    view: RunView | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ManagerRuns:
+    """`RunsBackend` over a RunManager, found through `get_manager` (the app builds it at start-up)."""
+
+    def __init__(
+        self, get_manager: Callable[[], Any], launch_defaults: Mapping[str, Any] | None = None
+    ) -> None:
+        self._get_manager = get_manager
+        self._cache: dict[str, _RunCache] = {}
+        self._lock = threading.Lock()
+        self.launch_defaults = dict(launch_defaults or {"kind": "sim", "trainer": "sentinel"})
+
+    @property
+    def manager(self) -> Any:
+        return self._get_manager()
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def run_ids(self) -> list[str]:
+        return [str(row["id"]) for row in self.manager.list()]
+
+    def version(self, run_id: str) -> int:
+        handle = self.manager.get(run_id)
+        if handle is not None:
+            return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
+        return self._fetch(run_id)
+
+    def _entry(self, run_id: str) -> _RunCache:
+        with self._lock:
+            return self._cache.setdefault(run_id, _RunCache())
+
+    def _fetch(self, run_id: str) -> int:
+        """Append the stored events after the cached ones; the last sequence number."""
+        entry = self._entry(run_id)
+        with entry.lock:
+            while True:
+                rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
+                for row in rows:
+                    entry.envelopes.append(envelope_from_dict({"run_id": run_id, **row}))
+                if rows:
+                    entry.last_seq = entry.envelopes[-1].seq
+                if len(rows) < FETCH_LIMIT:
+                    return entry.last_seq
+
+    def view(self, run_id: str) -> RunView | None:
+        manager = self.manager
+        record = manager.view(run_id)
+        if record is None:
+            return None
+        self._fetch(run_id)
+        entry = self._entry(run_id)
+        handle = manager.get(run_id)
+        meta = self._meta(record, handle)
+        key = (entry.last_seq, meta.state, repr(meta.engines), repr(meta.lanes), repr(meta.policy))
+        with entry.lock:
+            if entry.view is not None and entry.key == key and handle is None:
+                return entry.view
+            view = view_from_events(run_id, list(entry.envelopes), meta, source="live")
+            entry.key, entry.view = key, view
+            return view
+
+    def _meta(self, record: Mapping[str, Any], handle: Any) -> RunMeta:
+        state = str(record.get("state", "unknown"))
+        policy = dict(record.get("policy") or {})
+        policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
+        if handle is None:
+            return RunMeta(state=state, policy=policy, label=str(record.get("name", "")))
+        runtime = handle.runtime
+        engines: list[dict[str, Any]] = []
+        lanes: list[dict[str, Any]] = []
+        now = None
+        if runtime is not None:
+            now = handle.loop.time()
+            updating = dict(getattr(runtime.plan, "updating", {}))
+            active = dict(getattr(runtime.pool, "active", {}))
+            for name, version in dict(runtime.plan.versions).items():
+                engines.append(
+                    {
+                        "name": name,
+                        "version": version,
+                        "in_flight": active.get(name),
+                        "state": "updating" if name in updating else "serving",
+                        "target_version": updating.get(name),
+                    }
+                )
+            config = _lanes_config(handle)
+            for name, stats in runtime.lanes.stats().items():
+                lane = config.get(name, {})
+                lanes.append(
+                    {
+                        "name": name,
+                        "busy": stats.busy,
+                        "queue_depth": stats.queue_depth,
+                        "slots": lane.get("slots"),
+                        "cpus": lane.get("cpus", ""),
+                    }
+                )
+        return RunMeta(
+            state=state,
+            policy={**policy, **dict(handle.knobs)},
+            engines=engines,
+            lanes=lanes,
+            now=now,
+            label=str(record.get("name", "")),
+        )
+
+    # -- acting ---------------------------------------------------------------------------------
+
+    def _handle(self, run_id: str) -> Any:
+        handle = self.manager.get(run_id)
+        if handle is None or handle.runtime is None:
+            raise ActionRefused(f"run {run_id} is not executing in this server")
+        return handle
+
+    async def _call(self, handle: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        from app.service.handle import IllegalRunStateError, RunNotLiveError
+
+        try:
+            return await handle.call(fn, *args)
+        except (RunNotLiveError, IllegalRunStateError) as exc:
+            raise ActionRefused(str(exc)) from None
+
+    async def launch(self, form: Mapping[str, str], actor: str) -> str:
+        from pydantic import ValidationError
+
+        from app.service.schemas import RunCreate
+
+        data: dict[str, Any] = dict(self.launch_defaults)
+        if form.get("policy"):
+            data["policy"] = form["policy"]
+        if form.get("name"):
+            data["name"] = form["name"]
+        for name in LAUNCH_INTS:
+            raw = form.get(name, "").strip()
+            if raw:
+                try:
+                    data[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{name}: expected a whole number, got {raw!r}") from None
+        try:
+            spec = RunCreate.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ())) or "run"
+            raise ValueError(f"{where}: {err.get('msg', 'invalid')}") from None
+        handle = await asyncio.to_thread(self.manager.create, spec)
+        return str(handle.run_id)
+
+    async def publish(self, run_id: str, actor: str) -> None:
+        handle = self._handle(run_id)
+
+        def next_version() -> int:
+            return int(handle.runtime.version) + 1
+
+        version = await self._call(handle, next_version)
+        await self._call(handle, handle.publish, version, None, actor)
+
+    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
+        from pydantic import ValidationError
+
+        from app.service.schemas import PolicyPatch
+
+        handle = self._handle(run_id)
+        try:
+            patch = PolicyPatch(**changes)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
+        knobs = await self._call(handle, handle.set_policy, patch, actor)
+        await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
+
+    async def stop(self, run_id: str, actor: str) -> None:
+        handle = self._handle(run_id)
+        await self._call(handle, handle.stop)
+
+
+def _live_key(handle: Any) -> object:
+    runtime = handle.runtime
+    if runtime is None:
+        return None
+    return (
+        tuple(sorted(dict(runtime.plan.versions).items())),
+        tuple(sorted(dict(runtime.plan.updating).items())),
+        tuple(sorted(dict(getattr(runtime.pool, "active", {})).items())),
+        tuple(sorted(handle.knobs.items())),
+    )
+
+
+def _lanes_config(handle: Any) -> dict[str, dict[str, Any]]:
+    """Each lane's slots and CPU set, when the run's lanes describe themselves (in-process lanes do)."""
+    describe = getattr(handle.runtime.lanes, "describe", None)
+    if describe is None:
+        return {}
+    return {
+        name: {"slots": lane["slots"], "cpus": ",".join(str(c) for c in lane["cpus"] or ()) or "unpinned"}
+        for name, lane in describe().items()
+    }
