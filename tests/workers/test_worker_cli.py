@@ -59,4 +59,5 @@ def test_bad_worker_input_is_refused_in_one_line(
     assert exited.value.code == 2, out.err
     assert "Traceback" not in out.out + out.err
     assert len(lines) == 1, out.err
-    assert lines[0].startswith("error: ") and needle in lines[0], out.err
+    assert lines[0].startswith("error: "), out.err
+    assert needle in lines[0], out.err
