@@ -78,8 +78,9 @@ class RunProgress:
         """`engines.wait_healthy()`, printing each engine as it first answers /health."""
         urls = {name: f"http://127.0.0.1:{engine.port}" for name, engine in engines.engines.items()}
         failure: list[Exception] = []
+        waiting = dict(urls)
         async with asyncio.TaskGroup() as tg:
-            watcher = tg.create_task(self._watch(urls, every_s))
+            watcher = tg.create_task(self._watch(waiting, every_s))
             try:
                 await engines.wait_healthy()
             except Exception as exc:  # re-raised below, outside the group, as itself
@@ -87,10 +88,12 @@ class RunProgress:
             watcher.cancel()
         if failure:
             raise failure[0]
+        for name, url in waiting.items():  # healthy before the watcher's next look
+            self.line(f"{name} ready on {url}")
         self.line(f"all {len(urls)} engines ready")
 
-    async def _watch(self, urls: dict[str, str], every_s: float) -> None:
-        waiting = dict(urls)
+    async def _watch(self, waiting: dict[str, str], every_s: float) -> None:
+        """Report each engine of `waiting` as it first answers /health, removing it from `waiting`."""
         last_note = time.perf_counter()
         async with httpx.AsyncClient(timeout=1.0) as client:
             while waiting:

@@ -1,0 +1,86 @@
+"""`corral run`'s progress lines: each engine reported as it answers /health, start-up failures raised as
+themselves (not wrapped in an exception group), and plain text even for names holding `[`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from rich.console import Console
+
+from app.runtime.config import LocalRunConfig, LocalRunError
+from app.runtime.progress import RunProgress
+
+
+@dataclass
+class FakeEngine:
+    port: int
+
+
+@dataclass
+class FakeEngines:
+    """The two things RunProgress reads from EngineProcesses: the engines' ports and wait_healthy."""
+
+    engines: dict[str, FakeEngine]
+    wait_s: float = 0.3
+    error: Exception | None = None
+    waited: list[bool] = field(default_factory=list)
+
+    async def wait_healthy(self) -> None:
+        await asyncio.sleep(self.wait_s)
+        self.waited.append(True)
+        if self.error is not None:
+            raise self.error
+
+
+async def answer_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+@pytest.fixture
+async def health_port() -> AsyncIterator[int]:
+    server = await asyncio.start_server(answer_health, "127.0.0.1", 0)
+    async with server:
+        yield int(server.sockets[0].getsockname()[1])
+
+
+def make_progress() -> tuple[RunProgress, Console]:
+    console = Console(record=True, width=200)
+    return RunProgress(console, batches=2), console
+
+
+async def test_each_engine_is_reported_ready_with_its_url(health_port: int) -> None:
+    progress, console = make_progress()
+    engines = FakeEngines({"engine-0": FakeEngine(health_port)})
+    await progress.wait_for_engines(engines, every_s=0.05)
+    text = console.export_text()
+    assert f"engine-0 ready on http://127.0.0.1:{health_port}" in text
+    assert "all 1 engines ready" in text
+    assert engines.waited == [True]
+
+
+async def test_a_start_up_failure_is_raised_as_itself(health_port: int) -> None:
+    progress, console = make_progress()
+    engines = FakeEngines(
+        {"engine-0": FakeEngine(health_port)}, error=LocalRunError("engine-0 exited with 1")
+    )
+    with pytest.raises(LocalRunError, match="exited with 1"):
+        await progress.wait_for_engines(engines, every_s=0.05)
+    assert "all 1 engines ready" not in console.export_text()
+
+
+def test_starting_lines_name_cpus_and_lanes() -> None:
+    progress, console = make_progress()
+    config = LocalRunConfig.model_validate({"engines": {"count": 2, "cpus": [0]}, "lanes": {"cpus": [1]}})
+    progress.starting(config, [0], pinned_lanes=True)
+    progress.starting(config, [0, 1], pinned_lanes=False)
+    text = console.export_text()
+    assert "starting 2 embedded engines on CPUs 0 (8 turns each at once" in text
+    assert "sandbox lanes (slots: reset 2, exec 2, validate 1, cleanup 1) on CPUs 1" in text
+    assert "starting 2 embedded engines on CPUs 0-1" in text
+    assert "sharing every CPU with serving" in text
