@@ -23,13 +23,20 @@ from fastapi.responses import JSONResponse
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
 from app.service.manager import RunManager
+from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
+from app.web.views import dashboard_for, mount_dashboard
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, metrics: CorralMetrics | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    metrics: CorralMetrics | None = None,
+    demo: RunCreate | None = None,
+) -> FastAPI:
+    """The app. `demo`: a run to create at start-up when no run is executing (`corral serve --demo`)."""
     settings = settings or load_settings()
 
     @asynccontextmanager
@@ -41,6 +48,8 @@ def create_app(settings: Settings | None = None, metrics: CorralMetrics | None =
             resumed = await asyncio.to_thread(manager.resume_unfinished)
             if resumed:
                 log.warning("resumed runs %s", ", ".join(resumed))
+        if demo is not None and not manager.handles:
+            app.state.demo_run = (await asyncio.to_thread(manager.create, demo)).run_id
         try:
             yield
         finally:
@@ -56,6 +65,7 @@ def create_app(settings: Settings | None = None, metrics: CorralMetrics | None =
     app.state.metrics = metrics or CorralMetrics()
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
+    mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
     return app

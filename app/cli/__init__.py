@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from typer.exceptions import TyperException
 
+from app.api.serve import serve
 from app.cli.common import err, fail
 from app.cli.engine import engine
 from app.cli.run import run
@@ -32,6 +33,7 @@ app.command()(sim)
 app.command()(bench)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(engine)
 app.command()(run)
+app.command()(serve)
 app.command()(worker)
 
 

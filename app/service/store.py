@@ -4,21 +4,23 @@ the API make, each its own transaction (the store's repositories never commit; t
 Events do not go through here: the event bus hands them to the store's `SqlEventSink`.
 
 Invariants:
-- every method opens and closes its own session, so it can be called from any thread;
+- every method opens and closes its own session, so it can be called from any thread; writes that
+  find SQLite locked by another writer are tried again;
 - offers and acks of batches are mirrored into the `batches` table after the sink has stored the
-  batch (a write that finds no row yet is retried briefly: the sink writes in batches).
+  batch (a write that finds no row yet, or a locked SQLite file, is retried briefly).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from app.core.events import Ledger
@@ -36,6 +38,8 @@ from app.store.repos import (
 from app.store.sink import SqlEventSink
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["IllegalTransitionError", "ResumePoint", "RunRecord", "ServiceStore"]
 
@@ -95,14 +99,26 @@ class ServiceStore:
         with self._sessions() as session, session.begin():
             yield session
 
+    def _write(self, fn: Callable[[Session], T], wait_s: float = 30.0) -> T:
+        """Run `fn` in its own transaction. On SQLite, a transaction that read before writing can find
+        the file locked by another writer (the event sink) and gets no busy wait: it is tried again."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with self.session() as s:
+                    return fn(s)
+            except OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.02)
+
     def event_sink(self) -> SqlEventSink:
         return SqlEventSink(self.engine)
 
     # -- runs ----------------------------------------------------------------------------------------
 
     def create_run(self, run_id: str, name: str, config: dict[str, Any], policy: dict[str, Any]) -> RunRecord:
-        with self.session() as s:
-            return RunRecord.of(RunRepo(s).create(name, config, policy, run_id=run_id))
+        return self._write(lambda s: RunRecord.of(RunRepo(s).create(name, config, policy, run_id=run_id)))
 
     def get_run(self, run_id: str) -> RunRecord | None:
         with self.session() as s:
@@ -118,12 +134,13 @@ class ServiceStore:
             return [RunRecord.of(r) for r in RunRepo(s).unfinished()]
 
     def set_state(self, run_id: str, state: RunState, error: str | None = None) -> None:
-        with self.session() as s:
-            RunRepo(s).set_state(run_id, state, error)
+        self._write(lambda s: RunRepo(s).set_state(run_id, state, error))
 
     def set_policy(self, run_id: str, policy: dict[str, Any]) -> None:
-        with self.session() as s:
+        def write(s: Session) -> None:
             RunRepo(s).require(run_id).policy = dict(policy)
+
+        self._write(write)
 
     # -- events and groups ---------------------------------------------------------------------------
 
@@ -174,13 +191,18 @@ class ServiceStore:
 
     def _when_batch_stored(self, run_id: str, batch_index: int, write: Any, wait_s: float = 10.0) -> None:
         deadline = time.monotonic() + wait_s
+
+        def attempt(s: Session) -> bool:
+            repo = BatchRepo(s)
+            batch = repo.get(run_id, batch_index)
+            if batch is None or batch.delivered_at is None:
+                return False
+            write(repo)
+            return True
+
         while True:
-            with self.session() as s:
-                repo = BatchRepo(s)
-                batch = repo.get(run_id, batch_index)
-                if batch is not None and batch.delivered_at is not None:
-                    write(repo)
-                    return
+            if self._write(attempt):
+                return
             if time.monotonic() > deadline:
                 log.warning("batch %s/%d never reached the store; its offer/ack is not mirrored", run_id,
                             batch_index)  # fmt: skip

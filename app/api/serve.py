@@ -1,0 +1,75 @@
+"""`corral serve`: the API on http://HOST:PORT with the embedded default (SQLite, in-process lanes).
+
+`--demo` also starts a demo run collecting batches with the built-in sentinel trainer: embedded engines,
+local sandboxes and the built-in tasks (`--demo-kind local`, the default), or a simulated workload
+(`--demo-kind sim`). The URL and the operator token are printed at start; a token generated here
+(CORRAL_OPERATOR_TOKEN unset) lasts as long as the process.
+
+Ctrl-C (or SIGTERM) stops every run and flushes its events; after a crash (kill -9), the next start
+resumes the runs that were executing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from pydantic import ValidationError
+
+from app.cli.common import fail, say
+
+if TYPE_CHECKING:
+    from app.service.schemas import RunCreate
+
+
+def serve(
+    host: Annotated[
+        str | None, typer.Option(help="address to listen on; default CORRAL_HOST or 127.0.0.1")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(min=1, max=65535, help="port; default CORRAL_PORT or 8000")
+    ] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="start a demo run collecting batches")] = False,
+    demo_kind: Annotated[str, typer.Option(help="demo run: local (embedded engines) or sim")] = "local",
+) -> None:
+    """Serve the control plane: runs, the trainer API, /metrics, /healthz and the docs at /docs."""
+    import uvicorn
+
+    from app.api.app import create_app
+    from app.settings import load_settings
+
+    overrides: dict[str, object] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    try:
+        settings = load_settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        fail(f"CORRAL_{str(first['loc'][0]).upper()}: {first['msg']}")
+    if demo_kind not in ("local", "sim"):
+        fail(f"--demo-kind: {demo_kind!r} is not one of local, sim")
+    spec = None
+    if demo:
+        spec = demo_run(demo_kind)
+    url = f"http://{settings.host}:{settings.port}"
+    say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
+    say(f"database: {settings.database_url}; lanes: {settings.broker_url or 'in-process'}")
+    if settings.operator_token_generated:
+        say(f"operator token (generated for this process): {settings.operator_token}")
+    else:
+        say("operator token: from CORRAL_OPERATOR_TOKEN")
+    if spec is not None:
+        say(f"demo run: {spec.kind.value}, {spec.trainer.value} trainer; see GET {url}/api/runs")
+    app = create_app(settings, demo=spec)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+
+
+def demo_run(kind: str) -> RunCreate:
+    from app.runtime.config import LocalRunError, default_config_path, load_config
+    from app.service.schemas import RunCreate, RunKind, TrainerKind
+
+    if kind == "sim":
+        return RunCreate(name="demo", kind=RunKind.SIM, trainer=TrainerKind.SENTINEL)
+    try:
+        config = load_config(default_config_path())
+    except LocalRunError as exc:
+        fail(str(exc))
+    return RunCreate(name="demo", kind=RunKind.LOCAL, config=config, trainer=TrainerKind.SENTINEL)

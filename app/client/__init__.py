@@ -1,0 +1,283 @@
+"""Python client for Corral's trainer and run API (`corral serve`), sync and async, over httpx.
+
+A trainer loop::
+
+    from app.client import CorralClient
+
+    with CorralClient("http://127.0.0.1:8000", token=TOKEN) as corral:
+        while (batch := corral.next_batch(run_id, timeout=30)) is not None or corral.live(run_id):
+            if batch is None:
+                continue
+            ...train on batch.groups...
+            corral.publish(run_id, batch.publish_version, sentinel=True)
+            corral.ack(run_id, batch.batch_id)
+
+Errors: an answer that is not a success raises `CorralError` with the status and the server's one-line
+`detail`. `next_batch` returns None when no batch arrived within the timeout (204), and raises
+`RunEnded` once the run has ended and has nothing left to hand out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["AsyncCorralClient", "Batch", "CorralClient", "CorralError", "RunEnded"]
+
+TERMINAL_STATES = frozenset({"stopped", "failed", "completed"})
+
+
+class CorralError(RuntimeError):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class RunEnded(CorralError):
+    """The run ended and has no batch left to hand out."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A trainable batch: its groups, each with its trajectories (turns, reward, GRPO advantage, policy
+    versions) and its staleness. Publish `publish_version` after training on it, then ack it."""
+
+    batch_id: str
+    index: int
+    trainer_version: int
+    publish_version: int
+    groups: list[dict[str, Any]]
+    delivery: int  # 1 the first time; more when it was offered again after a missed ack
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Batch:
+        return cls(
+            batch_id=body["batch_id"],
+            index=int(body["index"]),
+            trainer_version=int(body["trainer_version"]),
+            publish_version=int(body["publish_version"]),
+            groups=list(body["groups"]),
+            delivery=int(body.get("delivery", 1)),
+        )
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t["reward"] for g in self.groups for t in g["trajectories"]]
+
+
+def _headers(token: str | None, actor: str | None) -> dict[str, str]:
+    headers = {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if actor:
+        headers["X-Corral-Actor"] = actor
+    return headers
+
+
+def _answer(response: httpx.Response) -> Any:
+    if response.status_code == 204:
+        return None
+    if response.is_success:
+        return response.json()
+    try:
+        detail = str(response.json().get("detail", response.text))
+    except ValueError:
+        detail = response.text
+    if response.status_code == 409 and "has ended" in detail:
+        raise RunEnded(409, detail)
+    raise CorralError(response.status_code, detail)
+
+
+def _publish_body(version: int, path: str | None, sentinel: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"version": version}
+    if path is not None:
+        body["path"] = path
+    if sentinel:
+        body["sentinel"] = True
+    return body
+
+
+def _policy_body(knobs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
+class CorralClient:
+    """Blocking client. `token` is the operator token (needed to create runs, ack, publish, retune)."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        actor: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._http = httpx.Client(base_url=base_url, headers=_headers(token, actor), timeout=timeout_s)
+
+    def __enter__(self) -> CorralClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        return _answer(self._http.request(method, url, **kwargs))
+
+    def runs(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/api/runs"))
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/api/runs/{run_id}"))
+
+    def live(self, run_id: str) -> bool:
+        """Whether the run has not ended yet."""
+        return self.run(run_id)["state"] not in TERMINAL_STATES
+
+    def create_run(self, **spec: Any) -> dict[str, Any]:
+        return dict(self._call("POST", "/api/runs", json=spec))
+
+    def next_batch(self, run_id: str, timeout: float = 30.0) -> Batch | None:
+        body = self._call(
+            "GET",
+            f"/api/runs/{run_id}/batches/next",
+            params={"timeout": timeout},
+            timeout=timeout + self._timeout_s,
+        )
+        return None if body is None else Batch.of(body)
+
+    def ack(self, run_id: str, batch_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/api/runs/{run_id}/batches/{batch_id}/ack"))
+
+    def publish(
+        self, run_id: str, version: int, path: str | None = None, sentinel: bool = False
+    ) -> dict[str, Any]:
+        body = _publish_body(version, path, sentinel)
+        return dict(self._call("POST", f"/api/runs/{run_id}/weights", json=body))
+
+    def rollout(self, run_id: str, version: int) -> dict[str, Any]:
+        return dict(self._call("GET", f"/api/runs/{run_id}/rollouts/{version}"))
+
+    def set_policy(
+        self,
+        run_id: str,
+        max_staleness: int | None = None,
+        surplus_groups: int | None = None,
+        max_updating_engines: int | None = None,
+        pause_mode: str | None = None,
+    ) -> dict[str, Any]:
+        body = _policy_body(
+            {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
+             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode}
+        )  # fmt: skip
+        return dict(self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
+
+    def timeline(self, run_id: str, since: int = -1, limit: int = 1000) -> dict[str, Any]:
+        params = {"since": since, "limit": limit}
+        return dict(self._call("GET", f"/api/runs/{run_id}/timeline", params=params))
+
+    def metrics(self, run_id: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/api/runs/{run_id}/metrics"))
+
+    def pause(self, run_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/api/runs/{run_id}/pause"))
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/api/runs/{run_id}/resume"))
+
+    def stop(self, run_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/api/runs/{run_id}/stop"))
+
+
+class AsyncCorralClient:
+    """The same calls as `CorralClient`, awaitable."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        actor: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._timeout_s = timeout_s
+        self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(token, actor), timeout=timeout_s)
+
+    async def __aenter__(self) -> AsyncCorralClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        return _answer(await self._http.request(method, url, **kwargs))
+
+    async def runs(self) -> list[dict[str, Any]]:
+        return list(await self._call("GET", "/api/runs"))
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        return dict(await self._call("GET", f"/api/runs/{run_id}"))
+
+    async def live(self, run_id: str) -> bool:
+        return (await self.run(run_id))["state"] not in TERMINAL_STATES
+
+    async def create_run(self, **spec: Any) -> dict[str, Any]:
+        return dict(await self._call("POST", "/api/runs", json=spec))
+
+    async def next_batch(self, run_id: str, timeout: float = 30.0) -> Batch | None:  # noqa: ASYNC109
+        body = await self._call(
+            "GET",
+            f"/api/runs/{run_id}/batches/next",
+            params={"timeout": timeout},
+            timeout=timeout + self._timeout_s,
+        )
+        return None if body is None else Batch.of(body)
+
+    async def ack(self, run_id: str, batch_id: str) -> dict[str, Any]:
+        return dict(await self._call("POST", f"/api/runs/{run_id}/batches/{batch_id}/ack"))
+
+    async def publish(
+        self, run_id: str, version: int, path: str | None = None, sentinel: bool = False
+    ) -> dict[str, Any]:
+        body = _publish_body(version, path, sentinel)
+        return dict(await self._call("POST", f"/api/runs/{run_id}/weights", json=body))
+
+    async def rollout(self, run_id: str, version: int) -> dict[str, Any]:
+        return dict(await self._call("GET", f"/api/runs/{run_id}/rollouts/{version}"))
+
+    async def set_policy(
+        self,
+        run_id: str,
+        max_staleness: int | None = None,
+        surplus_groups: int | None = None,
+        max_updating_engines: int | None = None,
+        pause_mode: str | None = None,
+    ) -> dict[str, Any]:
+        body = _policy_body(
+            {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
+             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode}
+        )  # fmt: skip
+        return dict(await self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
+
+    async def timeline(self, run_id: str, since: int = -1, limit: int = 1000) -> dict[str, Any]:
+        params = {"since": since, "limit": limit}
+        return dict(await self._call("GET", f"/api/runs/{run_id}/timeline", params=params))
+
+    async def metrics(self, run_id: str) -> dict[str, Any]:
+        return dict(await self._call("GET", f"/api/runs/{run_id}/metrics"))
+
+    async def pause(self, run_id: str) -> dict[str, Any]:
+        return dict(await self._call("POST", f"/api/runs/{run_id}/pause"))
+
+    async def resume(self, run_id: str) -> dict[str, Any]:
+        return dict(await self._call("POST", f"/api/runs/{run_id}/resume"))
+
+    async def stop(self, run_id: str) -> dict[str, Any]:
+        return dict(await self._call("POST", f"/api/runs/{run_id}/stop"))

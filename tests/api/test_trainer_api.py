@@ -1,0 +1,121 @@
+"""A run end to end through the API, on SQLite and on Postgres with in-process lanes: batches fetched
+and acked by the client, the policy changed live, weights published, and the database holding every
+group's account."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from conftest import TOKEN, make_run, make_settings, serving, wait_for
+
+from app.client import AsyncCorralClient, CorralClient, RunEnded
+from app.core.events import Ledger
+from app.service.store import ServiceStore
+from app.store.repos import GroupRepo, PolicyRepo
+
+
+def test_run_end_to_end_through_the_client(server: str, backend_url: str) -> None:
+    with CorralClient(server, token=TOKEN, actor="trainer-1") as corral:
+        run = corral.create_run(**make_run(batches=4))
+        run_id = run["id"]
+        assert run["state"] in ("created", "running")
+        seen = []
+        for step in range(4):
+            batch = corral.next_batch(run_id, timeout=30)
+            assert batch is not None
+            assert batch.index == step
+            assert batch.publish_version == step + 1
+            assert len(batch.groups) == 2  # B
+            for group in batch.groups:
+                assert group["staleness"] >= 0
+                assert len(group["trajectories"]) == 2  # G
+                for trajectory in group["trajectories"]:
+                    assert set(trajectory) >= {"reward", "advantage", "turns", "policy_versions"}
+                assert pytest.approx(sum(group["advantages"])) == 0.0
+            if step == 1:
+                changed = corral.set_policy(run_id, max_staleness=3, surplus_groups=3)
+                assert changed["policy"]["max_staleness"] == 3
+                assert changed["policy"]["surplus_groups"] == 3
+            rollout = corral.publish(run_id, batch.publish_version, sentinel=True)
+            assert rollout["version"] == batch.publish_version
+            assert {e["engine"] for e in rollout["engines"]} == {"engine-0", "engine-1"}
+            assert corral.ack(run_id, batch.batch_id)["already_acked"] is False
+            assert corral.ack(run_id, batch.batch_id)["already_acked"] is True  # idempotent
+            seen.append(batch.batch_id)
+        assert len(set(seen)) == 4
+        done = wait_for(lambda: corral.run(run_id)["state"] == "completed", what="the run to complete")
+        assert done
+        final = corral.rollout(run_id, 4)
+        assert final["version"] == 4
+        with pytest.raises(RunEnded):
+            corral.next_batch(run_id, timeout=1)
+        view = corral.run(run_id)
+        assert view["live"]["batches"] == 4
+        assert view["policy"]["max_staleness"] == 3
+        kinds = {e["kind"] for e in corral.timeline(run_id, limit=10_000)["events"]}
+        assert {"run_started", "group_admitted", "batch_delivered", "policy_changed", "run_ended"} <= kinds
+
+    store = ServiceStore(backend_url, migrate=False)
+    try:
+        # The sinks flush when the run ends; the stored stream alone accounts for every group.
+        ledger, _ = wait_for(lambda: _ended_ledger(store, run_id), what="the stored run_ended")
+        assert ledger.lost == 0
+        assert ledger.gaps == 0
+        assert ledger.delivered_count == 8
+        with store.session() as s:
+            account = GroupRepo(s).account(run_id)
+            assert account.open == 0
+            assert account.delivered == 8
+            assert account.admitted == account.delivered + sum(account.discarded.values())
+            changes = [(c.field, c.old, c.new, c.actor) for c in PolicyRepo(s).history(run_id)]
+        assert ("max_staleness", 2, 3, "trainer-1") in changes
+        assert ("surplus_groups", 2, 3, "trainer-1") in changes
+    finally:
+        store.close()
+
+
+def _ended_ledger(store: ServiceStore, run_id: str) -> tuple[Ledger, float] | None:
+    ledger, last_t = store.ledger(run_id)
+    events = store.timeline(run_id, -1, 100_000)
+    return (ledger, last_t) if events and events[-1]["kind"] == "run_ended" else None
+
+
+def test_async_client_takes_publishes_and_acks(server: str) -> None:
+    async def main() -> list[int]:
+        async with AsyncCorralClient(server, token=TOKEN) as corral:
+            run_id = (await corral.create_run(**make_run(batches=2)))["id"]
+            versions = []
+            while True:
+                try:
+                    batch = await corral.next_batch(run_id, timeout=30)
+                except RunEnded:
+                    return versions
+                if batch is None:
+                    continue
+                await corral.publish(run_id, batch.publish_version, sentinel=True)
+                await corral.ack(run_id, batch.batch_id)
+                versions.append(batch.publish_version)
+
+    assert asyncio.run(main()) == [1, 2]
+
+
+def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> None:
+    with (
+        serving(make_settings(tmp_path, backend_url, ack_timeout_s=0.5)) as url,
+        CorralClient(url, token=TOKEN) as corral,
+    ):
+        run_id = corral.create_run(**make_run(batches=2))["id"]
+        first = corral.next_batch(run_id, timeout=30)
+        assert first is not None
+        assert first.delivery == 1
+        assert corral.next_batch(run_id, timeout=0.1) is None  # leased to us, nothing else to take
+        again = corral.next_batch(run_id, timeout=5)  # the lease ran out without an ack
+        assert again is not None
+        assert again.batch_id == first.batch_id
+        assert again.delivery == 2
+        corral.publish(run_id, again.publish_version, sentinel=True)
+        assert corral.ack(run_id, again.batch_id)["already_acked"] is False
+        assert corral.metrics(run_id)["trainer"]["redelivered"] == 1
+        corral.stop(run_id)
