@@ -4,7 +4,10 @@ Invariants:
 - rolling: at most `max_updating` engines are updating at once; an updating engine takes no new turns
   and its in-flight turns are kept (or drained), never restarted;
 - stop-the-world: every engine updates together and the runtime restarts the in-flight trajectories;
-- an engine always moves to the newest published version; versions it never served are skipped.
+- an engine always moves to the newest published version; versions it never served are skipped;
+- an engine that is down (died, or its update failed or timed out) takes no turns and no updates; an
+  update it was running is abandoned and the rolling update goes on to the other engines. It comes back
+  (`on_engine_up`) only at a version the runtime has brought it to.
 """
 
 from __future__ import annotations
@@ -37,11 +40,36 @@ class UpdatePlan:
         self.target = version
         self.versions = dict.fromkeys(engines, version)
         self.updating: dict[str, int] = {}
+        self.down: set[str] = set()
         self.max_seen_updating = 0
         self.updates_done = 0
 
     def routable(self, engine: str) -> bool:
-        return engine not in self.updating
+        return engine not in self.updating and engine not in self.down
+
+    @property
+    def all_down(self) -> bool:
+        return len(self.down) == len(self.versions)
+
+    def on_engine_down(self, engine: str) -> list[UpdateAction]:
+        """`engine` left rotation; an update it was running is abandoned and the next engine goes."""
+        if engine not in self.versions:
+            raise ValueError(f"unknown engine {engine!r}")
+        self.down.add(engine)
+        self.updating.pop(engine, None)
+        if self.rolling:
+            return self._next()
+        return self._stop_world_if_behind()
+
+    def on_engine_up(self, engine: str, version: int) -> list[UpdateAction]:
+        """`engine` serves again, at `version` (the runtime brings it to the newest version first)."""
+        if engine not in self.down:
+            raise ValueError(f"engine {engine!r} is not down")
+        self.down.discard(engine)
+        self.versions[engine] = version
+        if self.rolling:
+            return self._next()
+        return self._stop_world_if_behind()
 
     def on_publish(self, version: int) -> list[UpdateAction]:
         if version <= self.target:
@@ -58,13 +86,19 @@ class UpdatePlan:
         self.updates_done += 1
         if self.rolling:
             return self._next()
-        if self.updating or all(v >= self.target for v in self.versions.values()):
+        return self._stop_world_if_behind()
+
+    def _stop_world_if_behind(self) -> list[UpdateAction]:
+        if self.updating or all(v >= self.target for e, v in self.versions.items() if e not in self.down):
             return []
         return self._stop_world()
 
     def _stop_world(self) -> list[UpdateAction]:
+        up = [e for e in self.versions if e not in self.down]
+        if not up:
+            return []  # nobody to update: engines come back at the newest version
         actions: list[UpdateAction] = [RestartInFlight()]
-        for engine in self.versions:
+        for engine in up:
             self.updating[engine] = self.target
             actions.append(BeginUpdate(engine, self.target))
         self.max_seen_updating = max(self.max_seen_updating, len(self.updating))
@@ -75,7 +109,7 @@ class UpdatePlan:
         for engine, version in self.versions.items():
             if len(self.updating) >= self.max_updating:
                 break
-            if version < self.target and engine not in self.updating:
+            if version < self.target and engine not in self.updating and engine not in self.down:
                 self.updating[engine] = self.target
                 actions.append(BeginUpdate(engine, self.target))
         self.max_seen_updating = max(self.max_seen_updating, len(self.updating))

@@ -77,6 +77,14 @@ class EnginesConfig(_Strict):
     max_tokens: int = _count(32, 1, MAX_TOKENS, "tokens generated per turn (real CPU work)")
     sentinel: bool = Field(True, strict=True, description="weight updates swap only a marker tensor")
     startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", positive=True)
+    # Engine faults (docs/faults.md): a failed or hung engine leaves rotation and is restarted.
+    update_timeout_s: float = _seconds(
+        120.0, "seconds one engine's weight update (pause, load, resume) may take", positive=True
+    )
+    health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", positive=True)
+    restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
+    restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
+    turn_retries: int = _count(3, 0, 100, "engine failures one turn may meet before its attempt fails")
 
     @field_validator("count")
     @classmethod

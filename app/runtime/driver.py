@@ -34,6 +34,7 @@ from app.core.events import (
     AttemptStarted,
     BatchDelivered,
     BatchRequested,
+    EngineStateChanged,
     EngineUpdateBegin,
     EngineUpdateEnd,
     Event,
@@ -47,12 +48,19 @@ from app.core.events import (
     VersionPublished,
 )
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
-from app.core.router import choose_engine
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
+from app.engines.errors import EngineError
 from app.lanes.base import LaneName, Lanes
 from app.lanes.ops import LaneOp, SandboxHandle
 from app.runtime.context import Agent, AttemptOutcome
+from app.runtime.engine_pool import (
+    EngineFaultConfig,
+    EnginePool,
+    EngineSupervisor,
+    is_engine_fault,
+    is_unreachable,
+)
 from app.runtime.events import EventBus
 from app.runtime.ports import AttemptSource, Trainer, TrainingBatch
 from app.runtime.report import ReportAccumulator
@@ -83,6 +91,9 @@ class EngineRecord:
     updates: int = 0
     busy_s: float = 0.0
     versions: list[tuple[float, int]] = field(default_factory=list)
+    restarts: int = 0
+    up_since: float = 0.0  # when it last came back; a failure soon after continues the backoff
+    backoff_s: float = 0.0  # wait before its next restart
 
 
 @dataclass
@@ -94,69 +105,16 @@ class RunState:
     batches: list[BatchRecord] = field(default_factory=list)
     engines: dict[str, EngineRecord] = field(default_factory=dict)
     max_engines_updating: int = 0
-    update_log: list[tuple[float, str, int, str]] = field(default_factory=list)
+    update_log: list[tuple[float, str, int, str]] = field(default_factory=list)  # phase begin/end/failed
+    update_failures: list[tuple[float, str, int, str]] = field(default_factory=list)  # why, per failed
+    engine_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # t, engine, state, detail
+    turn_retries: int = 0  # turns sent again after an engine failed under them
+    all_down_s: float = 0.0  # time with every engine down (turns waited for a restart)
     trainer_wait_s: float = 0.0
 
 
-class _EnginePool:
-    """Engines with a fixed number of slots each; turns wait in FIFO order for a routable slot."""
-
-    def __init__(self, engines: Sequence[Engine], slots: int, plan: UpdatePlan) -> None:
-        self.by_name = {e.name: e for e in engines}
-        self.slots = slots
-        self.plan = plan
-        self.active = dict.fromkeys(self.by_name, 0)
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._drain: dict[str, list[asyncio.Future[None]]] = {name: [] for name in self.by_name}
-
-    async def acquire(self) -> Engine:
-        loop = asyncio.get_running_loop()
-        while True:
-            name = choose_engine(self.active, self.slots, self.plan.routable)
-            if name is not None and not self._waiters:
-                self.active[name] += 1
-                return self.by_name[name]
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled():
-                    self.wake()  # pass the wake-up we were given on to the next waiter
-                elif waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                raise
-            # Woken: our turn at the head. Take a slot directly if one is routable.
-            name = choose_engine(self.active, self.slots, self.plan.routable)
-            if name is not None:
-                self.active[name] += 1
-                self.wake()
-                return self.by_name[name]
-
-    def release(self, engine: Engine) -> None:
-        self.active[engine.name] -= 1
-        if self.active[engine.name] == 0:
-            for fut in self._drain[engine.name]:
-                if not fut.done():
-                    fut.set_result(None)
-            self._drain[engine.name].clear()
-        self.wake()
-
-    def wake(self) -> None:
-        if choose_engine(self.active, self.slots, self.plan.routable) is None:
-            return
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    async def drained(self, name: str) -> None:
-        if self.active[name] == 0:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._drain[name].append(fut)
-        await fut
+class EngineTurnFailed(RuntimeError):
+    """A turn met more engine failures than `EngineFaultConfig.turn_retries` allows."""
 
 
 class _AttemptContext:
@@ -201,13 +159,17 @@ class Runtime:
         source: AttemptSource,
         trainer: Trainer,
         on_event: Callable[[str, dict[str, object]], None] | None = None,
+        faults: EngineFaultConfig | None = None,
+        supervisor: EngineSupervisor | None = None,
         bus: EventBus | None = None,
         timeline: bool = False,
     ) -> None:
         self.policy = policy
+        self.faults = faults or EngineFaultConfig()
+        self.supervisor = supervisor
         self.scheduler = Scheduler(policy)
         self.plan = UpdatePlan([e.name for e in engines], policy.rolling_updates, policy.max_updating_engines)
-        self.pool = _EnginePool(engines, engine_slots, self.plan)
+        self.pool = EnginePool(engines, engine_slots, self.plan)
         self.lanes = lanes
         self.source = source
         self.trainer = trainer
@@ -229,6 +191,10 @@ class Runtime:
         self._outcomes: dict[int, dict[int, AttemptOutcome]] = {}  # live groups' finished attempts
         self._version = 0
         self._stopping = False
+        self._update_tasks: dict[str, asyncio.Task[None]] = {}
+        self._recoveries: dict[str, asyncio.Task[None]] = {}
+        self._all_down_since: float | None = None
+        self.phase = "starting"  # starting, collecting, trainer_step, stopping: where a stop landed
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -250,15 +216,29 @@ class Runtime:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                self.phase = "collecting"
                 self._apply(self.scheduler.on_start(self.now()))
                 await self._trainer_loop(batches, duration_s)
-                # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
-                self.state.ended_at = self.now()
-                self._stopping = True
-                self._apply(self.scheduler.on_stop(self.now()))
+                self._begin_shutdown()
+        except asyncio.CancelledError:
+            # Stopped at once (a second Ctrl-C): the TaskGroup has cancelled every task and each
+            # attempt cleaned up its sandbox; the account still closes so the report covers the run.
+            if not self._stopping:
+                self._begin_shutdown()
+            raise
         finally:
             self._publish_run_ended(sys.exc_info()[1])
         return self.state
+
+    def _begin_shutdown(self) -> None:
+        # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
+        self.state.ended_at = self.now()
+        self._stopping = True
+        self.phase = "stopping"
+        self._all_down_ended()
+        for task in self._recoveries.values():
+            task.cancel()  # a restart in progress is abandoned; the engines are stopped by their owner
+        self._apply(self.scheduler.on_stop(self.now()))
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:
         loop = asyncio.get_running_loop()
@@ -269,11 +249,14 @@ class Runtime:
             self._batch_waiter = loop.create_future()
             self._publish(BatchRequested(self.scheduler.batches_delivered))
             self._apply(self.scheduler.on_batch_requested(requested))
+            self.phase = "collecting"
+            # The deadline ends the wait as a stop does: in one step, with the request withdrawn.
+            timer = None if deadline is None else loop.call_at(deadline, self._end_batch_wait)
             try:
-                async with asyncio.timeout_at(deadline):
-                    batch = await self._batch_waiter
-            except TimeoutError:
-                batch = None
+                batch = await self._batch_waiter
+            finally:
+                if timer is not None:
+                    timer.cancel()
             if batch is None:  # the deadline passed or an operator asked the run to stop
                 self.state.trainer_wait_s += self.now() - requested
                 return
@@ -281,8 +264,10 @@ class Runtime:
             self.state.trainer_wait_s += delivered - requested
             self._record_batch(batch, requested, delivered)
             version = self._version + 1
+            self.phase = "trainer_step"
             path = await self.trainer.step(self._training_batch(batch), version)
-            if self._version < version:  # an external trainer publishes through `publish` itself
+            # An external trainer publishes through `publish` itself; a stopping run publishes nothing.
+            if self._version < version and not self._stop_requested:
                 self.publish(version, path)
             n += 1
             if self._stop_requested or (deadline is not None and self.now() >= deadline):
@@ -296,9 +281,16 @@ class Runtime:
         """End the run after the current trainer step: live groups are discarded as cancelled, every
         sandbox is cleaned up, and the report covers the batches delivered so far."""
         self._stop_requested = True
+        self._end_batch_wait()
+        self._emit("stop_requested", {})
+
+    def _end_batch_wait(self) -> None:
+        """End the trainer's wait without a batch (a stop or the deadline), withdrawing the request in
+        the same step: a group completing before the trainer loop resumes must not be delivered into
+        the void ("a batch nobody asked for")."""
         if self._batch_waiter is not None and not self._batch_waiter.done():
             self._batch_waiter.set_result(None)
-        self._emit("stop_requested", {})
+            self._apply(self.scheduler.on_batch_withdrawn(self.now()))
 
     def _training_batch(self, batch: DeliverBatch) -> TrainingBatch:
         attempts = {}
@@ -531,20 +523,40 @@ class Runtime:
             self._publish(SandboxOp(key[0], key[1], lane.value, queued, start, end, ok, detail, depth, busy))
 
     async def generate(self, key: AttemptKey, request: TurnRequest) -> TurnResult:
-        queued = self.now()
-        engine = await self.pool.acquire()
-        started = self.now()
-        try:
-            result = await engine.generate(request)
-        except Exception as exc:
+        failures = 0
+        while True:
+            queued = self.now()
+            engine = await self.pool.acquire()
+            epoch = self.pool.epoch[engine.name]
+            started = self.now()
+            error: EngineError | TimeoutError | None = None
+            try:
+                async with self.pool.call(engine.name):
+                    result = await engine.generate(request)
+            except (EngineError, TimeoutError) as exc:
+                error = exc
+            finally:
+                record = self.state.engines[engine.name]
+                record.busy_s += self.now() - started
+                self.pool.release(engine)
+            if error is None:
+                break
             # version -1: the call failed, so no policy version produced anything
-            error = f"{type(exc).__name__}: {exc}"
-            self._publish(TurnDone(key[0], key[1], engine.name, -1, queued, started, self.now(), 0, error))
-            raise
-        finally:
-            record = self.state.engines[engine.name]
-            record.busy_s += self.now() - started
-            self.pool.release(engine)
+            self._publish(
+                TurnDone(
+                    key[0],
+                    key[1],
+                    engine.name,
+                    -1,
+                    queued,
+                    started,
+                    self.now(),
+                    0,
+                    f"{type(error).__name__}: {error}",
+                )
+            )
+            failures += 1
+            await self._turn_failed(engine, epoch, error, failures)
         record.turns += 1
         record.tokens += result.tokens
         version = result.weight_version
@@ -554,6 +566,126 @@ class Runtime:
         self._apply(self.scheduler.on_turn(key[0], key[1], result.weight_version, self.now()))
         return result
 
+    # -- engine faults -------------------------------------------------------------------------
+
+    async def _turn_failed(self, engine: Engine, epoch: int, error: Exception, failures: int) -> None:
+        """A turn's engine call failed: return to retry it (elsewhere if the engine is down), or raise
+        to fail the attempt. Fault tolerance is the point here, so engine failures are caught."""
+        name = engine.name
+        interrupted = isinstance(error, TimeoutError)
+        if interrupted and self.pool.epoch[name] == epoch:
+            raise error  # not an interruption by `_engine_down`: someone else's timeout
+        if not interrupted and not is_engine_fault(error):
+            raise error  # the engine refused the turn; any engine would
+        if not interrupted and self.pool.epoch[name] == epoch:
+            down = is_unreachable(error) or not await self._probe(engine)
+            if down and self.pool.epoch[name] == epoch:  # nobody took it down while we probed
+                self._engine_down(name, f"a turn failed: {error}")
+        what = f"engine {name} went down during the turn" if interrupted else str(error)
+        if failures > self.faults.turn_retries:
+            raise EngineTurnFailed(f"{what} (gave up after {failures} tries)") from error
+        self.state.turn_retries += 1
+        log.info("turn retried after an engine failure (%d/%d): %s", failures, self.faults.turn_retries, what)
+
+    async def _probe(self, engine: Engine) -> bool:
+        try:
+            async with asyncio.timeout(self.faults.health_timeout_s):
+                return await engine.health()
+        except TimeoutError:
+            return False
+
+    def _engine_state(self, name: str, state: str, detail: str = "") -> None:
+        self.state.engine_events.append((self.now(), name, state, detail))
+        self._publish(EngineStateChanged(name, state, detail))
+        self._emit("engine_state", {"engine": name, "state": state, "detail": detail})
+
+    def _engine_down(self, name: str, detail: str) -> None:
+        """`name` leaves rotation: its in-flight turns retry elsewhere, an update it runs is abandoned
+        (the rolling update goes on to the next engine), and a restart with backoff begins."""
+        if name in self.plan.down:
+            return
+        assert self._tg is not None
+        log.warning("engine %s is down: %s", name, detail)
+        self.pool.mark_down(name)
+        update = self._update_tasks.pop(name, None)
+        if update is not None and update is not asyncio.current_task():
+            update.cancel()
+        self._engine_state(name, "unhealthy", detail)
+        actions = self.plan.on_engine_down(name)
+        if not self._stopping:
+            self._do_updates(actions)
+        if self.plan.all_down and self._all_down_since is None:
+            self._all_down_since = self.now()
+            log.warning("every engine is down: turns wait for a restart")
+            self._engine_state("*", "all_down", "every engine is down; turns wait for a restart")
+        if not self._stopping:
+            self._recoveries[name] = self._tg.create_task(self._recover_engine(name))
+
+    def _all_down_ended(self) -> None:
+        if self._all_down_since is None:
+            return
+        self.state.all_down_s += self.now() - self._all_down_since
+        self._all_down_since = None
+        self._engine_state("*", "serving", "an engine is back; turns flow again")
+
+    async def _recover_engine(self, name: str) -> None:
+        """Restart `name` (or wait until it answers again), bring it to the newest version, and only
+        then route turns to it. Failed tries back off exponentially; a run stopping cancels this."""
+        record = self.state.engines[name]
+        if self.now() - record.up_since > self.faults.restart_backoff_max_s:
+            record.backoff_s = 0.0  # it served for a while: this is a new failure, not a crash loop
+        tries = 0
+        while True:
+            if record.backoff_s > 0:
+                self._engine_state(name, "unhealthy", f"next restart in {record.backoff_s:g}s")
+                await asyncio.sleep(record.backoff_s)
+            record.backoff_s = min(
+                max(record.backoff_s * 2, self.faults.restart_backoff_s), self.faults.restart_backoff_max_s
+            )
+            tries += 1
+            try:
+                engine = await self._bring_back(name, tries)
+                version = await self._catch_up(engine)
+            except Exception as exc:  # fault tolerance: a failed restart is retried after a backoff
+                log.warning("engine %s: restart %d failed: %s", name, tries, exc)
+                self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
+                continue
+            break
+        del self._recoveries[name]
+        record.up_since = self.now()
+        record.restarts += 1 if self.supervisor is not None else 0
+        self._engine_state(name, "serving", f"back at version {version}")
+        actions = self.plan.on_engine_up(name, version)
+        self._do_updates(actions)
+        self._all_down_ended()
+        self.pool.wake()
+
+    async def _bring_back(self, name: str, tries: int) -> Engine:
+        if self.supervisor is None:
+            engine = self.pool.by_name[name]
+            if not await self._probe(engine):
+                raise EngineTurnFailed("health check failed")
+            return engine
+        self._engine_state(name, "restarting", f"try {tries}")
+        engine = await self.supervisor.restart(name)
+        old = self.pool.replace(engine)
+        if old is not engine:
+            await old.aclose()
+        return engine
+
+    async def _catch_up(self, engine: Engine) -> int:
+        """Bring `engine` to the newest published version (again, if one is published meanwhile)."""
+        async with asyncio.timeout(self.faults.update_timeout_s):
+            if self.supervisor is None:
+                await engine.resume()  # it may have gone down paused, in the middle of an update
+            while True:
+                target = self.plan.target
+                if await engine.weight_version() != target:
+                    await engine.publish_weights(target, self._weights.get(target))
+                    self.state.engines[engine.name].versions.append((self.now(), target))
+                if self.plan.target == target:
+                    return target
+
     # -- weight publication --------------------------------------------------------------------
 
     def _do_updates(self, actions: list[UpdateAction]) -> None:
@@ -562,7 +694,7 @@ class Runtime:
             if isinstance(action, RestartInFlight):
                 self._restart_in_flight()
             elif isinstance(action, BeginUpdate):
-                self._tg.create_task(self._update_engine(action))
+                self._update_tasks[action.engine] = self._tg.create_task(self._update_engine(action))
         self.state.max_engines_updating = max(self.state.max_engines_updating, len(self.plan.updating))
 
     def _restart_in_flight(self) -> None:
@@ -579,14 +711,33 @@ class Runtime:
 
     async def _update_engine(self, action: BeginUpdate) -> None:
         engine = self.pool.by_name[action.engine]
+        epoch = self.pool.epoch[engine.name]
         mode = PauseMode(self.policy.pause_mode.value) if self.plan.rolling else PauseMode.ABORT
         self.state.update_log.append((self.now(), engine.name, action.version, "begin"))
         self._publish(EngineUpdateBegin(engine.name, action.version))
-        await engine.pause(mode)
-        if mode is PauseMode.WAIT:
-            await self.pool.drained(engine.name)
-        await engine.publish_weights(action.version, self._weights.get(action.version))
-        await engine.resume()
+        try:
+            async with asyncio.timeout(self.faults.update_timeout_s):
+                await engine.pause(mode)
+                if mode is PauseMode.WAIT:
+                    await self.pool.drained(engine.name)
+                await engine.publish_weights(action.version, self._weights.get(action.version))
+                await engine.resume()
+        except (EngineError, TimeoutError) as exc:  # fault tolerance: the engine leaves rotation
+            timed_out = isinstance(exc, TimeoutError)
+            reason = f"timed out after {self.faults.update_timeout_s:g}s" if timed_out else str(exc)
+            now = self.now()
+            self.state.update_log.append((now, engine.name, action.version, "failed"))
+            self.state.update_failures.append((now, engine.name, action.version, reason))
+            self._publish(EngineUpdateEnd(engine.name, action.version, ok=False, error=reason))
+            self._emit(
+                "engine_update_failed", {"engine": engine.name, "version": action.version, "error": reason}
+            )
+            if self.pool.epoch[engine.name] == epoch:
+                self._engine_down(engine.name, f"update to version {action.version} failed: {reason}")
+            return
+        finally:
+            if self._update_tasks.get(engine.name) is asyncio.current_task():
+                del self._update_tasks[engine.name]
         record = self.state.engines[engine.name]
         record.updates += 1
         record.versions.append((self.now(), action.version))

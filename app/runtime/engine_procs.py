@@ -1,24 +1,37 @@
-"""Embedded engine servers as child processes of `corral run`.
+"""Embedded engine servers as child processes of `corral run`, and their restarts.
 
-Invariant: every engine process started here is stopped (by PID) when the run ends, however it ends.
+Invariants:
+- every engine process runs in its own session (so a terminal's Ctrl-C, sent to the run's process
+  group, does not reach it: the run owns its shutdown) and gets SIGTERM if the run dies, even by
+  SIGKILL (PR_SET_PDEATHSIG);
+- every engine process started here, and every process in its process group, is stopped (by process
+  group id) when the run ends, however it ends, and before a restart replaces it;
+- `restart` is the runtime's `EngineSupervisor`: it starts a fresh process on a fresh port and returns
+  a fresh client only once the engine answers its health check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from app.engines.vllm import VLLMEngine
 from app.runtime.config import EnginesConfig, LocalRunError
+
+_STOP_GRACE_S = 10.0
+TURN_TIMEOUT_S = 300.0
 
 
 def _free_port() -> int:
@@ -29,72 +42,144 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL, so no engine is
-    orphaned (Linux prctl PR_SET_PDEATHSIG)."""
+    orphaned (Linux prctl PR_SET_PDEATHSIG). The parent is the thread that forked: always the run's
+    main thread here, never a worker thread that may exit first."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+@dataclass
+class EngineProcess:
+    name: str
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes]
+    starts: int = 1
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
 class EngineProcesses:
-    """Embedded engine servers as child processes; always stopped by PID on exit."""
+    """Embedded engine servers as child processes; each in its own session, stopped by process group."""
 
     def __init__(self, config: EnginesConfig, cpus: Sequence[int], log_dir: Path) -> None:
         self.config = config
         self.cpus = list(cpus)
         self.log_dir = log_dir
-        self.procs: list[tuple[subprocess.Popen[bytes], int, Path]] = []
+        self.engines: dict[str, EngineProcess] = {}
+
+    def _spawn(self, name: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+        argv = [
+            sys.executable, "-m", "app.engines.embedded",
+            "--port", str(port),
+            "--cpus", ",".join(str(c) for c in self.cpus),
+            "--layers", str(self.config.layers),
+            "--hidden", str(self.config.hidden),
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.config.sentinel:
+            argv.append("--sentinel")
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def start(self) -> None:
+        """Start every engine (returns at once; `wait_healthy` waits for them)."""
         for i in range(self.config.count):
+            name = f"engine-{i}"
             port = _free_port()
-            log = self.log_dir / f"engine-{i}.log"
-            argv = [
-                sys.executable, "-m", "app.engines.embedded",
-                "--port", str(port),
-                "--cpus", ",".join(str(c) for c in self.cpus),
-                "--layers", str(self.config.layers),
-                "--hidden", str(self.config.hidden),
-                "--seed", "0",
-            ]  # fmt: skip
-            if self.config.sentinel:
-                argv.append("--sentinel")
-            with log.open("wb") as out:
-                proc = subprocess.Popen(
-                    argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            log = self.log_dir / f"{name}.log"
+            self.engines[name] = EngineProcess(name, port, log, self._spawn(name, port, log))
+
+    async def _wait_one(self, engine: EngineProcess, client: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if engine.proc.poll() is not None:
+                tail = engine.log.read_text(errors="replace")[-800:]
+                raise LocalRunError(
+                    f"{engine.name} (port {engine.port}) exited with {engine.proc.returncode}:\n{tail}"
                 )
-            self.procs.append((proc, port, log))
+            try:
+                if (await client.get(f"http://127.0.0.1:{engine.port}/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise LocalRunError(
+                    f"{engine.name} (port {engine.port}) not healthy after {self.config.startup_timeout_s}s"
+                )
+            await asyncio.sleep(0.2)
 
     async def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            for proc, port, log in self.procs:
-                while True:
-                    if proc.poll() is not None:
-                        tail = log.read_text(errors="replace")[-800:]
-                        raise LocalRunError(f"engine on port {port} exited with {proc.returncode}:\n{tail}")
-                    try:
-                        if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise LocalRunError(
-                            f"engine on port {port} not healthy after {self.config.startup_timeout_s}s"
-                        )
-                    await asyncio.sleep(0.2)
+        """Wait for every engine to answer /health; `LocalRunError` names the first that did not."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client, asyncio.TaskGroup() as tg:
+                for engine in self.engines.values():
+                    tg.create_task(self._wait_one(engine, client))
+        except* LocalRunError as group:
+            raise group.exceptions[0] from None
+
+    def client(self, name: str) -> VLLMEngine:
+        engine = self.engines[name]
+        url = f"http://127.0.0.1:{engine.port}"
+        return VLLMEngine(name, url, "corral-embedded", timeout_s=TURN_TIMEOUT_S)
 
     def clients(self) -> list[VLLMEngine]:
-        return [
-            VLLMEngine(f"engine-{i}", f"http://127.0.0.1:{port}", "corral-embedded", timeout_s=300.0)
-            for i, (_, port, _) in enumerate(self.procs)
-        ]
+        return [self.client(name) for name in self.engines]
+
+    async def restart(self, name: str) -> VLLMEngine:
+        """Kill what is left of `name` (its whole process group), start it again on a fresh port and
+        return a client once it is healthy. Raises `LocalRunError` if it does not come up."""
+        engine = self.engines[name]
+        await self._kill(engine)
+        port = _free_port()
+        with engine.log.open("ab") as out:
+            out.write(f"\n--- corral run: restart {engine.starts} of {name} on port {port} ---\n".encode())
+        # Popen runs here, on the run's main thread, so that PDEATHSIG follows the run itself.
+        fresh = EngineProcess(name, port, engine.log, self._spawn(name, port, engine.log), engine.starts + 1)
+        self.engines[name] = fresh
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                await self._wait_one(fresh, client)
+        except BaseException:
+            await self._kill(fresh)
+            raise
+        return self.client(name)
+
+    async def _kill(self, engine: EngineProcess) -> None:
+        _signal_group(engine.pid, signal.SIGKILL)
+        await asyncio.to_thread(engine.proc.wait)  # SIGKILL cannot be ignored: this returns promptly
+
+    def pids(self) -> dict[str, int]:
+        return {name: e.pid for name, e in self.engines.items()}
 
     def stop(self) -> None:
-        for proc, _, _ in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, _ in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop every engine and its process group: SIGTERM, then SIGKILL after a grace period."""
+        for engine in self.engines.values():
+            if engine.proc.poll() is None:
+                _signal_group(engine.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for engine in self.engines.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                engine.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            # Whatever is left in the group (the engine's own children) goes too.
+            _signal_group(engine.pid, signal.SIGKILL)
+            engine.proc.wait()
+
+    @property
+    def procs(self) -> list[tuple[subprocess.Popen[bytes], int, Path]]:
+        """(process, port, log) per engine, in engine order (what start-up progress reads)."""
+        return [(e.proc, e.port, e.log) for e in self.engines.values()]

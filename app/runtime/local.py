@@ -5,18 +5,27 @@ CPUs when lanes are pinned), local sandboxes whose lanes are pinned to the other
 task suite and the shell agent. The trainer here publishes a new sentinel-weights version every step,
 so rolling publication is exercised for real; the GRPO training loop replaces it later.
 
-Invariants: every engine process this module starts is stopped (by PID) when the run ends, however it
-ends; every sandbox is cleaned up by the runtime.
+Stopping (SIGINT from a terminal's Ctrl-C, or SIGTERM): the first signal ends the run after the current
+trainer step (during start-up: at once); a second one stops at once. Either way the report is written
+and says where the stop landed (`stop`). Engines and sandbox commands run in their own sessions, so a
+Ctrl-C sent to the terminal's process group reaches only this process, which owns their shutdown.
+
+Invariants: every engine process this module starts is stopped (by process group) when the run ends,
+however it ends; every sandbox is cleaned up by the runtime; a run that is stopped still returns a
+report, with `lost_groups` 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from rich.console import Console
@@ -24,16 +33,85 @@ from rich.console import Console
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
 from app.lanes.inprocess import InProcessLanes
-from app.runtime.config import LocalRunConfig, LocalRunError, load_config
-from app.runtime.driver import Runtime
+from app.runtime.config import EnginesConfig, LocalRunConfig, LocalRunError, load_config
+from app.runtime.driver import RunState, Runtime
+from app.runtime.engine_pool import EngineFaultConfig
 from app.runtime.engine_procs import EngineProcesses
+from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
 from app.runtime.trainer import SentinelTrainer
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.spec import TaskSpec
 
-__all__ = ["LocalRunError", "load_config", "run_local"]
+__all__ = ["LocalRunError", "fault_config", "load_config", "run_local"]
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_VERSION_QUERY_S = 5.0
+_PRINTED = {"batch", "engine_updated", "group_discarded", "engine_state", "engine_update_failed"}
+
+
+def fault_config(engines: EnginesConfig) -> EngineFaultConfig:
+    return EngineFaultConfig(
+        update_timeout_s=engines.update_timeout_s,
+        health_timeout_s=engines.health_timeout_s,
+        restart_backoff_s=engines.restart_backoff_s,
+        restart_backoff_max_s=engines.restart_backoff_max_s,
+        turn_retries=engines.turn_retries,
+    )
+
+
+class _StopSignals:
+    """Counts stop signals and acts on them: the first asks for a stop after the current step (or
+    cancels start-up), the second cancels the run at once. Later ones are only acknowledged."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.count = 0
+        self.first_at: float | None = None
+        self.phase_at_first = "startup"
+        self.updating_at_first: list[str] = []
+        self.runtime: Runtime | None = None
+        self.task: asyncio.Future[Any] | None = None  # what a stop cancels: start-up, then the run
+
+    def early(self, signum: int, frame: FrameType | None) -> None:
+        """Before the event loop runs: remember the signal; start-up then ends at once."""
+        self.fire()
+
+    def fire(self) -> None:
+        self.count += 1
+        runtime = self.runtime
+        if self.count == 1:
+            self.first_at = time.monotonic()
+            if runtime is not None:
+                self.phase_at_first = runtime.phase
+                self.updating_at_first = sorted(runtime.plan.updating)
+        if runtime is None or runtime.phase == "starting":
+            self.say("stopping: start-up abandoned, stopping the engines, writing the report")
+            if self.task is not None:
+                self.task.cancel()
+        elif self.count == 1:
+            self.say(
+                "stopping: finishing the current step, cleaning up, writing the report "
+                "(Ctrl-C again to stop at once)"
+            )
+            runtime.request_stop()
+        elif self.count == 2:
+            self.say("stopping at once: cancelling every attempt, cleaning up, writing the report")
+            if self.task is not None:
+                self.task.cancel()
+        else:
+            self.say("already stopping; the report is on its way")
+
+    def report(self) -> dict[str, Any] | None:
+        if self.count == 0:
+            return None
+        return {
+            "signals": self.count,
+            "phase": self.phase_at_first,
+            "engines_updating": self.updating_at_first,
+            "forced": self.count >= 2,
+        }
 
 
 def run_local(
@@ -43,19 +121,29 @@ def run_local(
     batches: int | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    config = load_config(config_path)
-    policy = PolicyConfig.ladder(
-        policy_name,
-        groups_per_batch=config.batch.groups,
-        group_size=config.batch.group_size,
-        surplus_groups=config.policy.surplus_groups,
-        max_staleness=config.policy.max_staleness,
-        max_updating_engines=config.policy.max_updating_engines,
-    )
-    if duration_s is None and batches is None:
-        batches = config.batches
-    tasks = load_tasks(config.tasks)
-    return asyncio.run(_run(config, policy, policy_name, tasks, duration_s, batches, console))
+    def say(text: str) -> None:
+        if console is not None:
+            console.print(text, highlight=False, markup=False)
+
+    stop = _StopSignals(say)
+    previous = {sig: signal.signal(sig, stop.early) for sig in _STOP_SIGNALS}
+    try:
+        config = load_config(config_path)
+        policy = PolicyConfig.ladder(
+            policy_name,
+            groups_per_batch=config.batch.groups,
+            group_size=config.batch.group_size,
+            surplus_groups=config.policy.surplus_groups,
+            max_staleness=config.policy.max_staleness,
+            max_updating_engines=config.policy.max_updating_engines,
+        )
+        if duration_s is None and batches is None:
+            batches = config.batches
+        tasks = load_tasks(config.tasks)
+        return asyncio.run(_run(config, policy, policy_name, tasks, duration_s, batches, console, stop))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def _run(
@@ -66,74 +154,70 @@ async def _run(
     duration_s: float | None,
     batches: int | None,
     console: Console | None,
+    stop: _StopSignals,
 ) -> dict[str, Any]:
     wall = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.fire)
     all_cpus = sorted(os.sched_getaffinity(0))
     serving_cpus = config.engines.cpus if policy.pinned_lanes else all_cpus
     lane_cpus = tuple(config.lanes.cpus)
-    with tempfile.TemporaryDirectory(prefix="corral-run-") as tmp:
-        os.chmod(tmp, 0o711)  # sandbox uids must traverse it to reach their own work directories
-        work = Path(config.sandbox.base_dir) if config.sandbox.base_dir else Path(tmp) / "sandboxes"
-        work.mkdir(parents=True, exist_ok=True)
-        weights = Path(tmp) / "weights"
-        engines = EngineProcesses(config.engines, serving_cpus, Path(tmp))
-        try:
-            engines.start()
-            await engines.wait_healthy()
-            clients = engines.clients()
+    try:
+        with tempfile.TemporaryDirectory(prefix="corral-run-") as tmp:
+            os.chmod(tmp, 0o711)  # sandbox uids must traverse it to reach their own work directories
+            work = Path(config.sandbox.base_dir) if config.sandbox.base_dir else Path(tmp) / "sandboxes"
+            work.mkdir(parents=True, exist_ok=True)
+            weights = Path(tmp) / "weights"
+            engines = EngineProcesses(config.engines, serving_cpus, Path(tmp))
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
             factory = LocalSandboxFactory(work, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
 
-            def on_event(kind: str, data: dict[str, object]) -> None:
-                if console is not None and kind in {"batch", "engine_updated", "group_discarded"}:
-                    console.print(f"[{time.perf_counter() - wall:7.1f}s] {kind} {data}", highlight=False)
+            progress = RunProgress(console, batches)
+            on_event = progress.on_event
 
-            runtime = Runtime(
-                policy=policy,
-                engines=clients,
-                engine_slots=config.engines.slots,
-                lanes=lanes,
-                source=TaskSource(tasks, factory, agent, config.seed),
-                trainer=trainer,
-                on_event=on_event,
-                timeline=True,
-            )
-            loop = asyncio.get_running_loop()
-
-            def stop_on_signal() -> None:
-                if console is not None:
-                    console.print("stopping: finishing the current step, cleaning up, writing the report")
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)  # a second signal stops at once
-                runtime.request_stop()
-
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop_on_signal)
-            # The control plane (this thread: routing turns, forking sandbox commands that pin
-            # themselves to the lanes) stays on the serving CPUs, off the lanes' CPUs, as in
-            # benchmarks/lane_isolation.py.
-            os.sched_setaffinity(0, serving_cpus)
+            runtime: Runtime | None = None
             try:
-                state = await runtime.run(batches=batches, duration_s=duration_s)
-                versions = {c.name: await c.weight_version() for c in clients}
+                progress.starting(config, serving_cpus, pinned_lanes=policy.pinned_lanes)
+                engines.start()  # returns at once; a stop during start-up stops them again
+                runtime = Runtime(
+                    policy=policy,
+                    engines=engines.clients(),
+                    engine_slots=config.engines.slots,
+                    lanes=lanes,
+                    source=TaskSource(tasks, factory, agent, config.seed),
+                    trainer=trainer,
+                    on_event=on_event,
+                    faults=fault_config(config.engines),
+                    supervisor=engines,
+                    timeline=True,
+                )
+                stop.runtime = runtime
+                state = await _start_and_collect(
+                    runtime, engines, stop, serving_cpus, all_cpus, batches, duration_s, progress
+                )
+                versions = await _engine_versions(runtime)
             finally:
-                os.sched_setaffinity(0, all_cpus)
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-                for client in clients:
-                    await client.aclose()
-        finally:
-            engines.stop()
+                if runtime is not None:
+                    for client in runtime.pool.by_name.values():
+                        await client.aclose()
+                engines.stop()
+    finally:
+        for sig in _STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            # Until run_local returns, a late signal is acknowledged, never a KeyboardInterrupt that
+            # would lose the report (asyncio's removal put the default handler back).
+            signal.signal(sig, stop.early)
+    assert runtime is not None
     report = build_report(runtime.report_acc, ReportStatic(name, time.perf_counter() - wall))
     report["policy_config"] = policy.model_dump(mode="json")
     report["engine_versions_at_end"] = versions
-    report["update_log"] = [
-        {"t": round(t - state.started_at, 3), "engine": e, "version": v, "phase": p}
-        for t, e, v, p in state.update_log
-    ]
-    report["stopped_early"] = runtime.stop_requested
+    report["published_version"] = runtime.plan.target
+    report.update(fault_report(state, runtime))
+    report["stopped_early"] = stop.count > 0 or runtime.stop_requested
+    report["stop"] = stop.report()
     report["cpus"] = {
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,
@@ -141,6 +225,79 @@ async def _run(
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
     report["turn_latency_s"] = _turn_latency(state)
     return report
+
+
+async def _start_and_collect(
+    runtime: Runtime,
+    engines: EngineProcesses,
+    stop: _StopSignals,
+    serving_cpus: list[int],
+    all_cpus: list[int],
+    batches: int | None,
+    duration_s: float | None,
+    progress: RunProgress,
+) -> RunState:
+    """Wait for the engines, then run; a stop during start-up returns the empty state at once."""
+    if stop.count:
+        return runtime.state
+    stop.task = startup = asyncio.ensure_future(progress.wait_for_engines(engines))
+    try:
+        await startup
+    except asyncio.CancelledError:
+        if stop.count == 0:
+            raise  # not ours: the caller is being cancelled
+        return runtime.state
+    # The control plane (this thread: routing turns, forking sandbox commands that pin themselves to
+    # the lanes) stays on the serving CPUs, off the lanes' CPUs, as in benchmarks/lane_isolation.py.
+    os.sched_setaffinity(0, serving_cpus)
+    try:
+        stop.task = collecting = asyncio.ensure_future(runtime.run(batches=batches, duration_s=duration_s))
+        if stop.count:  # a signal landed between start-up and here
+            collecting.cancel()
+        try:
+            return await collecting
+        except asyncio.CancelledError:
+            if stop.count == 0:
+                raise
+            return runtime.state
+    finally:
+        os.sched_setaffinity(0, all_cpus)
+
+
+async def _engine_versions(runtime: Runtime) -> dict[str, int | None]:
+    """Each engine's committed version at the end; None for one that does not answer."""
+    versions: dict[str, int | None] = {}
+    for name, client in runtime.pool.by_name.items():
+        versions[name] = None
+        if name in runtime.plan.down:
+            continue
+        with contextlib.suppress(Exception):  # a report must not fail on a dying engine
+            async with asyncio.timeout(_VERSION_QUERY_S):
+                versions[name] = await client.weight_version()
+    return versions
+
+
+def fault_report(state: RunState, runtime: Runtime) -> dict[str, Any]:
+    """What engine faults did to the run, times in seconds from its start."""
+    t0 = state.started_at
+    failures = iter(state.update_failures)
+    log = []
+    for t, engine, version, phase in state.update_log:
+        entry: dict[str, Any] = {"t": round(t - t0, 3), "engine": engine, "version": version, "phase": phase}
+        if phase == "failed":
+            entry["error"] = next(failures)[3]
+        log.append(entry)
+    return {
+        "update_log": log,
+        "engine_events": [
+            {"t": round(t - t0, 3), "engine": engine, "state": s, "detail": detail}
+            for t, engine, s, detail in state.engine_events
+        ],
+        "engine_restarts": {name: rec.restarts for name, rec in state.engines.items()},
+        "engines_down_at_end": sorted(runtime.plan.down),
+        "turn_retries": state.turn_retries,
+        "all_engines_down_s": round(state.all_down_s, 3),
+    }
 
 
 def _turn_latency(state: Any) -> dict[str, float]:

@@ -46,3 +46,40 @@ def test_router_picks_least_loaded_routable_engine_with_a_free_slot() -> None:
     assert choose_engine({"a": 2, "b": 1, "c": 1}, 3, lambda e: e != "b") == "c"
     assert choose_engine({"a": 3, "b": 3}, 3, lambda e: True) is None
     assert choose_engine({"a": 0}, 3, lambda e: False) is None
+
+
+def test_an_engine_that_goes_down_mid_update_hands_the_rolling_update_on() -> None:
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=1)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1)]
+    assert plan.on_engine_down("a") == [BeginUpdate("b", 1)]  # a's update is abandoned, b goes
+    assert not plan.routable("a")
+    assert plan.on_updated("b") == [BeginUpdate("c", 1)]
+    assert plan.on_publish(2) == []
+    assert plan.on_updated("c") == [BeginUpdate("b", 2)]  # a, down, is skipped
+    assert plan.on_updated("b") == [BeginUpdate("c", 2)]
+    assert plan.on_updated("c") == []
+    # a comes back at the newest version: routable at once, nothing to update.
+    assert plan.on_engine_up("a", 2) == []
+    assert plan.routable("a")
+    assert plan.versions == {"a": 2, "b": 2, "c": 2}
+
+
+def test_an_engine_back_at_an_older_version_is_updated_in_turn() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=True)
+    plan.on_engine_down("a")
+    assert plan.on_publish(1) == [BeginUpdate("b", 1)]
+    assert plan.on_engine_up("a", 0) == []  # b holds the one updating slot
+    assert plan.on_updated("b") == [BeginUpdate("a", 1)]
+
+
+def test_all_down_and_stop_the_world_skip_down_engines() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=False)
+    plan.on_engine_down("a")
+    assert plan.on_publish(1) == [RestartInFlight(), BeginUpdate("b", 1)]
+    plan.on_engine_down("b")
+    assert plan.all_down
+    assert plan.on_publish(2) == []  # nobody to update; engines come back at the newest version
+    assert plan.on_engine_up("b", 2) == []
+    assert plan.on_engine_up("a", 1) == [RestartInFlight(), BeginUpdate("a", 2), BeginUpdate("b", 2)]
+    with pytest.raises(ValueError, match="not down"):
+        plan.on_engine_up("a", 2)

@@ -37,6 +37,8 @@ from app.engines.embedded.batching import (
     PauseMode,
 )
 from app.engines.embedded.cpus import format_cpu_list, pin_cpus
+from app.engines.embedded.faults import ENV_FLAG as FAULTS_FLAG
+from app.engines.embedded.faults import install_faults
 from app.engines.embedded.model import SENTINEL, PolicyConfig, PolicyModel
 from app.engines.embedded.weights import WeightsError, load_checkpoint
 
@@ -185,6 +187,8 @@ def create_app(config: EmbeddedConfig) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="corral embedded engine", lifespan=lifespan)
+    if os.environ.get(FAULTS_FLAG) == "1":  # test-only fault injection: app/engines/embedded/faults.py
+        install_faults(app)
     app.state.engine = engine
     app.state.config = config
 

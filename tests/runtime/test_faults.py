@@ -1,0 +1,238 @@
+"""Engine faults keep a run going: the production runtime with Protocol-fake engines on virtual time
+(instant timeouts and backoffs), then `corral run` with real engine processes killed by real signals.
+
+What is checked each time: batches keep coming, every admitted group ends (delivered or discarded with a
+reason), a dead engine leaves routing, is restarted with backoff and serves again only at the newest
+version, a hung or failing update times out and the rolling update goes on to the other engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corral_proc import BATCH_LINE, CorralRun, engine_events
+from runtime_fakes import (
+    FakeEngine,
+    FakeSupervisor,
+    FakeTrainer,
+    accounted,
+    kill_at,
+    make_runtime,
+    run_with,
+    states,
+)
+
+from app.runtime.engine_pool import EngineFaultConfig
+from app.sim.clock import run_virtual
+
+# -- the runtime with fakes ---------------------------------------------------------------------------
+
+
+def test_engine_dying_mid_turn_retries_turns_elsewhere_restarts_it_and_catches_it_up() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    supervisor = FakeSupervisor()
+    trainer = FakeTrainer()
+    runtime = make_runtime([a, b], supervisor, trainer=trainer)
+    run_virtual(run_with(runtime, 6, kill_at(a, 8.5)))
+    assert len(runtime.state.batches) == 6
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["failed"] == 0  # retried, not failed
+    assert runtime.state.turn_retries >= 1  # a's in-flight turns went to b
+    assert [name for _, name in supervisor.restarts] == ["a"]
+    assert states(runtime, "a") == ["unhealthy", "restarting", "serving"]
+    # Back only at the newest version: the fresh engine got it before it served a turn.
+    fresh = supervisor.engines["a"]
+    t_back, detail = next((t, d) for t, e, s, d in runtime.state.engine_events if e == "a" and s == "serving")
+    current = trainer.version_at(t_back)
+    assert current >= 1
+    assert detail == f"back at version {current}"
+    assert fresh.published[0] == current
+    assert fresh.turns > 0
+    assert runtime.plan.down == set()
+
+
+def test_update_that_hangs_times_out_and_the_rolling_update_goes_on() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    a.update = "hang"
+    runtime = make_runtime([a, b], FakeSupervisor())
+    run_virtual(run_with(runtime, 4))
+    assert len(runtime.state.batches) == 4
+    accounted(runtime)
+    (failure,) = runtime.state.update_failures
+    _, engine, version, reason = failure
+    assert (engine, version) == ("a", 1)
+    assert "timed out after 5s" in reason
+    # b's update began the moment a's failed (to the newest version), without waiting for a.
+    log = runtime.state.update_log
+    failed_at = next(t for t, e, v, p in log if p == "failed")
+    assert (failed_at, "b", runtime.state.batches[1].trainer_version + 1, "begin") in log
+    assert states(runtime, "a")[:3] == ["unhealthy", "restarting", "serving"]
+
+
+def test_update_that_errors_leaves_rotation_with_the_reason_recorded() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    b.update = "error"
+    runtime = make_runtime([a, b], FakeSupervisor())
+    run_virtual(run_with(runtime, 3))
+    assert len(runtime.state.batches) == 3
+    accounted(runtime)
+    (failure,) = runtime.state.update_failures
+    assert failure[1] == "b"
+    assert "HTTP 500" in failure[3]
+
+
+def test_every_engine_down_waits_with_backoff_then_recovers() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    supervisor = FakeSupervisor(start_s=2.0, failing=3)  # restarts fail for a while
+    runtime = make_runtime([a, b], supervisor)
+    run_virtual(run_with(runtime, 5, kill_at(a, 2.5), kill_at(b, 2.5)))
+    assert len(runtime.state.batches) == 5
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["failed"] == 0
+    assert [s for _, e, s, _ in runtime.state.engine_events if e == "*"] == ["all_down", "serving"]
+    assert runtime.state.all_down_s > 2.0
+    # Backoff: the gaps between one engine's restart tries grow, and nothing spins.
+    times = [t for t, name in supervisor.restarts if name == "a"]
+    gaps = [t2 - t1 for t1, t2 in itertools.pairwise(times)]
+    assert len(times) <= 4
+    assert gaps == sorted(gaps)
+
+
+def test_without_a_supervisor_the_engine_rejoins_when_it_answers_again() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+
+    async def flap() -> None:
+        await kill_at(a, 2.5)
+        await asyncio.sleep(5.0)
+        a.down = False
+
+    runtime = make_runtime([a, b])
+    run_virtual(run_with(runtime, 5, flap()))
+    assert len(runtime.state.batches) == 5
+    accounted(runtime)
+    assert states(runtime, "a")[0] == "unhealthy"
+    assert states(runtime, "a")[-1] == "serving"
+    assert a.version == runtime.plan.versions["a"]
+
+
+def test_a_turn_that_keeps_failing_fails_its_attempt_not_the_run() -> None:
+    a = FakeEngine("a")
+    runtime = make_runtime([a], FakeSupervisor(start_s=0.5), EngineFaultConfig(turn_retries=0))
+    run_virtual(run_with(runtime, 2, kill_at(a, 0.5)))
+    assert len(runtime.state.batches) == 2
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["failed"] >= 1
+
+
+# -- `corral run` with real engine processes and real signals -----------------------------------------
+
+
+def back_at(report: dict[str, Any], engine: str) -> tuple[float, int]:
+    """When `engine` served again after its restart, and at which version."""
+    event = next(e for e in report["engine_events"] if e["engine"] == engine and e["state"] == "serving")
+    match = re.fullmatch(r"back at version (\d+)", event["detail"])
+    assert match is not None, event
+    return event["t"], int(match.group(1))
+
+
+def assert_recovered(report: dict[str, Any], engine: str, batches: int) -> None:
+    """Every batch came, nothing was lost, `engine` was restarted once and batches came after it."""
+    assert report["batches"] == batches
+    assert report["lost_groups"] == 0
+    assert report["engine_restarts"][engine] == 1
+    assert engine_events(report, engine)[:3] == ["unhealthy", "restarting", "serving"]
+    t_back, version = back_at(report, engine)
+    # It came back at the version published when it came back: the trainer publishes version n
+    # after the n-th batch, so n is between the batches requested and delivered before t_back.
+    delivered = sum(1 for m in report["batch_marks"] if m["delivered_s"] <= t_back)
+    assert delivered - 1 <= version <= delivered
+    assert any(m["delivered_s"] > t_back for m in report["batch_marks"])  # the run went on
+    assert report["engines_down_at_end"] == []
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_engine_mid_turn_during_corral_run(tmp_path: Path) -> None:
+    run = CorralRun(tmp_path, ["--batches", "4"])
+    try:
+        victim, _ = run.wait_engines_ready()
+        os.kill(victim, signal.SIGSTOP)  # its turns stay in flight...
+        time.sleep(2.0)
+        os.kill(victim, signal.SIGKILL)  # ...and are cut off mid-turn
+        report = run.finish()
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert_recovered(report, "engine-0", 4)
+    assert report["turn_retries"] >= 1  # the cut-off turns ran again on the other engine
+    assert report["discarded_groups"]["failed"] == 0
+    assert "turn failed" in report["engine_events"][0]["detail"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_engines_child_process_during_corral_run(tmp_path: Path) -> None:
+    """The engine lives on, answering 500 to turns and 503 to /health, as vLLM's API server does
+    when its engine-core child dies; the run restarts the engine's whole process group."""
+    run = CorralRun(tmp_path, ["--batches", "4"], env={"CORRAL_ENGINE_DEBUG": "1"})
+    try:
+        run.wait_line(BATCH_LINE)
+        _, engine = run.wait_engines_ready()
+        port = run.engine_port(engine)
+        child = httpx.get(f"http://127.0.0.1:{port}/debug/fault", timeout=5).json()["child_pid"]
+        os.kill(child, signal.SIGKILL)
+        report = run.finish()
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert_recovered(report, "engine-1", 4)
+    first = next(e for e in report["engine_events"] if e["engine"] == "engine-1")
+    assert "HTTP 500" in first["detail"] or "HTTP 503" in first["detail"]
+
+
+@pytest.mark.slow
+def test_update_that_hangs_times_out_during_corral_run(tmp_path: Path) -> None:
+    run = CorralRun(tmp_path, ["--batches", "4"], env={"CORRAL_ENGINE_DEBUG": "1"})
+    try:
+        _, second = run.wait_engines_ready()
+        httpx.post(
+            f"http://127.0.0.1:{run.engine_port(second)}/debug/fault", json={"update": "hang"}, timeout=5
+        )
+        report = run.finish()
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    failed = [u for u in report["update_log"] if u["phase"] == "failed"]
+    assert [(u["engine"], u["version"]) for u in failed] == [("engine-1", 1)]
+    assert failed[0]["error"] == "timed out after 3s"
+    begun = next(u for u in report["update_log"] if u["engine"] == "engine-1" and u["phase"] == "begin")
+    assert failed[0]["t"] - begun["t"] == pytest.approx(3.0, abs=0.5)
+    assert_recovered(report, "engine-1", 4)
+
+
+@pytest.mark.slow
+def test_every_engine_down_waits_then_recovers_during_corral_run(tmp_path: Path) -> None:
+    run = CorralRun(tmp_path, ["--batches", "4"])
+    try:
+        run.wait_line(BATCH_LINE)
+        engines = run.wait_engines_ready()
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        report = run.finish()
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["batches"] == 4
+    assert report["lost_groups"] == 0
+    assert report["discarded_groups"]["failed"] == 0
+    assert [e["state"] for e in report["engine_events"] if e["engine"] == "*"] == ["all_down", "serving"]
+    assert report["all_engines_down_s"] > 0
+    assert report["engine_restarts"] == {"engine-0": 1, "engine-1": 1}
+    assert "every engine is down" in run.text()

@@ -1,0 +1,215 @@
+"""Stopping always leaves a report.
+
+First the stop race, deterministically on virtual time: a stop (or the duration deadline) that lands
+in the same instant as the completion of the B-th group must end the run cleanly, not with "the
+scheduler delivered a batch nobody asked for". Then Ctrl-C for real: SIGINT to the whole process group
+of a real `corral run`, at ten different moments; every time the run exits 0 with a valid report and
+leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corral_proc import BATCH_LINE, CorralRun
+from runtime_fakes import FakeEngine, FakeSandbox, accounted, make_runtime
+
+from app.engines.base import TurnRequest
+from app.runtime.context import AttemptContext, AttemptOutcome
+from app.runtime.driver import Runtime
+from app.sim.clock import run_virtual
+
+# -- the stop race ------------------------------------------------------------------------------------
+
+GateKey = tuple[int, int]
+
+
+@dataclass
+class GatedAgent:
+    """One turn, then waits for its gate: the test decides when each attempt finishes."""
+
+    source: GatedSource
+    key: GateKey
+
+    async def run(self, ctx: AttemptContext) -> AttemptOutcome:
+        await ctx.generate(TurnRequest(prompt="p"))
+        gate = self.source.gates.setdefault(self.key, asyncio.get_running_loop().create_future())
+        if len(self.source.gates) == 2:
+            self.source.both_waiting.set()
+        await gate
+        return AttemptOutcome(reward=float(self.key[1]), turns=1)
+
+
+@dataclass
+class GatedSource:
+    gates: dict[GateKey, asyncio.Future[None]] = field(default_factory=dict)
+    both_waiting: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Any, None, Any]:
+        return GatedAgent(self, (group_id, attempt)), None, FakeSandbox()
+
+
+def make_gated_runtime(source: GatedSource) -> Runtime:
+    """B = 1 group of G = 2, no surplus: group 0 is the one the first batch waits for."""
+    engine = FakeEngine("a", turn_s=0.1)
+    return make_runtime([engine], source=source, groups_per_batch=1, group_size=2, surplus_groups=0)
+
+
+def test_stop_in_the_same_step_as_the_last_group_completing_ends_cleanly() -> None:
+    source = GatedSource()
+    runtime = make_gated_runtime(source)
+
+    async def scenario() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(runtime.run(batches=3))
+            await source.both_waiting.wait()
+            source.gates[0, 0].set_result(None)
+            await asyncio.sleep(0.01)
+            # The B-th group completes and the operator stops, in the same step: the attempt task
+            # runs before the trainer loop resumes.
+            source.gates[0, 1].set_result(None)
+            runtime.request_stop()
+
+    run_virtual(scenario())
+    assert runtime.state.batches == []
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["cancelled"] >= 1  # group 0: ready, never delivered
+
+
+def test_deadline_in_the_same_instant_as_the_last_group_completing_ends_cleanly() -> None:
+    source = GatedSource()
+    runtime = make_gated_runtime(source)
+    deadline = 5.0
+    # Closer to the deadline than the loop's clock resolution: asyncio runs both timers in the same
+    # iteration, the gates first, so the attempts finish before the trainer loop sees the deadline.
+    release_at = deadline - time.get_clock_info("monotonic").resolution / 2
+
+    def release() -> None:
+        source.gates[0, 0].set_result(None)
+        source.gates[0, 1].set_result(None)
+
+    async def scenario() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(runtime.run(duration_s=deadline))
+            await source.both_waiting.wait()
+            asyncio.get_running_loop().call_at(release_at, release)
+
+    run_virtual(scenario())
+    assert runtime.state.batches == []
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["cancelled"] >= 1
+
+
+# -- Ctrl-C to the process group of a real `corral run`, at ten moments ---------------------------------
+
+
+def after_engines_appear(run: CorralRun) -> None:
+    run.engine_pids()
+
+
+def while_torch_loads(run: CorralRun) -> None:
+    run.engine_pids()
+    time.sleep(1.0)
+
+
+def once_engines_answer(run: CorralRun) -> None:
+    run.wait_engines_ready()
+
+
+def mid_first_batch(run: CorralRun) -> None:
+    run.wait_engines_ready()
+    time.sleep(0.7)
+
+
+def during_trainer_step(run: CorralRun) -> None:
+    run.wait_line(BATCH_LINE)
+
+
+def mid_later_batch(run: CorralRun) -> None:
+    run.wait_line(BATCH_LINE, count=2)
+    time.sleep(0.3)
+
+
+def during_weight_update(run: CorralRun) -> None:
+    _, second = run.wait_engines_ready()
+    url = f"http://127.0.0.1:{run.engine_port(second)}/debug/fault"
+    httpx.post(url, json={"update": "hang"}, timeout=5)
+    run.wait_line(r"engine-0.*version'?:? 1\b")  # engine-0 is done; engine-1 now hangs
+    time.sleep(0.5)
+
+
+def during_engine_restart(run: CorralRun) -> None:
+    victim, _ = run.wait_engines_ready()
+    run.wait_line(BATCH_LINE)
+    os.kill(victim, signal.SIGKILL)
+    run.wait_line("restarting")
+
+
+def twice_mid_batch(run: CorralRun) -> None:
+    run.wait_line(BATCH_LINE)
+    time.sleep(0.7)
+    run.ctrl_c()
+    time.sleep(0.2)
+
+
+def during_shutdown(run: CorralRun) -> None:
+    run.wait_line(BATCH_LINE, count=2)  # the last batch: cleanup and engine shutdown follow
+
+
+@dataclass(frozen=True)
+class Moment:
+    name: str
+    args: tuple[str, ...]
+    before: Callable[[CorralRun], None]
+    startup: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+
+
+MOMENTS = [
+    Moment("engines-appear", ("--batches", "3"), after_engines_appear, startup=True),
+    Moment("torch-loading", ("--batches", "3"), while_torch_loads, startup=True),
+    Moment("engines-answer", ("--batches", "3"), once_engines_answer),
+    Moment("mid-first-batch", ("--batches", "3"), mid_first_batch),
+    Moment("trainer-step", ("--batches", "3"), during_trainer_step),
+    Moment("mid-later-batch", ("--batches", "4"), mid_later_batch),
+    Moment("weight-update", ("--batches", "3"), during_weight_update, env=(("CORRAL_ENGINE_DEBUG", "1"),)),
+    Moment("engine-restart", ("--batches", "3"), during_engine_restart),
+    Moment("twice", ("--batches", "4"), twice_mid_batch),
+    Moment("shutdown", ("--batches", "2"), during_shutdown),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", MOMENTS, ids=[m.name for m in MOMENTS])
+def test_ctrl_c_to_the_process_group_always_leaves_a_report(tmp_path: Path, moment: Moment) -> None:
+    run = CorralRun(tmp_path, list(moment.args), env=dict(moment.env))
+    try:
+        moment.before(run)
+        signalled = time.monotonic()
+        run.ctrl_c()
+        report = run.finish(timeout_s=60)
+        took = time.monotonic() - signalled
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["stopped_early"] is True
+    assert report["stop"]["signals"] >= 1
+    if moment.startup:
+        assert report["stop"]["phase"] == "startup"
+        assert report["batches"] == 0
+        assert took < 15, took  # prompt: start-up is abandoned, not waited out
+    if moment.name == "weight-update":
+        assert report["stop"]["engines_updating"] == ["engine-1"]
+    if moment.name == "twice":
+        assert report["stop"]["forced"] is True
+    if moment.name == "shutdown":
+        assert report["batches"] == 2
