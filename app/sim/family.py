@@ -21,10 +21,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.sim.workload import Workload
+from app.sim.workload import TrajectorySource, Workload
 
 TRACE_PATH = Path(__file__).resolve().parents[2] / "examples" / "tb-trace.jsonl"
 
@@ -84,3 +85,90 @@ def builtin_workload(name: str, **overrides: Any) -> Workload:
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return Workload.model_validate(data)
+
+
+OnRun = Callable[[str, int, int], None]
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full (partitioned lanes)": {"lanes": {"sharing": "partitioned"}},
+    "full (adaptive lanes)": {"lanes": {"adaptive": {}}},
+}
+
+
+def run_family(
+    names: Sequence[str] | None = None, peers: bool = True, on_run: OnRun | None = None
+) -> dict[str, Any]:
+    """Every rung (the ladder, two lane variants of `full`, and the peers) on every named workload, each
+    workload's rungs on the same seeded draws. Returns per-workload summaries and the checks."""
+    from app.sim.peers import PEERS, peer_policy
+    from app.sim.run import LADDER, policy_for, simulate
+
+    chosen = list(names or FAMILY)
+    plan: list[tuple[str, str]] = []
+    for name in chosen:
+        plan += [(name, rung.value) for rung in LADDER]
+        plan += [(name, variant) for variant in VARIANTS]
+        if peers:
+            plan += [(name, f"peer:{peer}") for peer in PEERS]
+    results: dict[str, Any] = {name: {"rungs": {}} for name in chosen}
+    draws: dict[str, TrajectorySource] = {}
+    for i, (name, rung) in enumerate(plan):
+        if on_run is not None:
+            on_run(f"{name}: {rung}", i, len(plan))
+        if rung in VARIANTS:
+            workload = builtin_workload(name, **VARIANTS[rung])
+            policy = policy_for(workload, "full")
+        else:
+            workload = builtin_workload(name)
+            if rung.startswith("peer:"):
+                policy = peer_policy(workload, rung.removeprefix("peer:"))
+            else:
+                policy = policy_for(workload, rung)
+        source = draws.setdefault(name, TrajectorySource(workload))
+        report = simulate(workload, policy, rung, trajectories=source)
+        results[name]["rungs"][rung.removeprefix("peer:")] = summarise(report)
+    if on_run is not None:
+        on_run("done", len(plan), len(plan))
+    for name in chosen:
+        results[name]["findings"] = findings(results[name]["rungs"])
+    return {"workloads": results, "policies": {n: FAMILY[n] for n in chosen}}
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    lanes = report.get("lanes", {})
+    return {
+        "mean_s": report["batch_collection_s"]["mean"],
+        "p90_s": report["batch_collection_s"]["p90"],
+        "lower_bound_s": report["lower_bound_s"],
+        "lower_bound_given_admissions_s": report.get("lower_bound_given_admissions_s"),
+        "stale_groups": report["discarded_groups"]["stale"],
+        "restarted_trajectories": report["restarted_trajectories"],
+        "wasted_trajectory_s": round(sum(report["wasted_trajectory_s"].values()), 1),
+        "lost_groups": report["lost_groups"],
+        "reset_lane": {
+            "max_queue": lanes.get("reset", {}).get("max_queue_depth"),
+            "mean_wait_s": lanes.get("reset", {}).get("wait_s_mean"),
+        },
+        "lane_sharing": report.get("lane_sharing"),
+        "lane_slots": report.get("lane_slots"),
+        "policy_config": report.get("policy_config"),
+        "wall_s": report["wall_s"],
+    }
+
+
+def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Where the ladder is out of order (`full` ≤ `completion` ≤ `sync` must hold) and where any other
+    rung beats `full`, each as one line."""
+    out: list[str] = []
+    mean = {name: row["mean_s"] for name, row in rungs.items()}
+    for better, worse in (("full", "completion"), ("completion", "sync")):
+        if better in mean and worse in mean and mean[better] > mean[worse]:
+            out.append(
+                f"LADDER OUT OF ORDER: {better} {mean[better]:.1f} s is worse than "
+                f"{worse} {mean[worse]:.1f} s"
+            )
+    if "full" in mean:
+        for name, value in mean.items():
+            if name != "full" and value < mean["full"]:
+                out.append(f"{name} {value:.1f} s beats full {mean['full']:.1f} s")
+    return out

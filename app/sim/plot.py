@@ -56,3 +56,51 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def plot_family(result: dict[str, Any], out: Path) -> None:
+    """One panel per workload: mean batch collection time of every rung, `full` highlighted, with the
+    clairvoyant lower bound of `full` as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = result["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 5), squeeze=False)
+    for ax, (name, data) in zip(axes[0], workloads.items(), strict=True):
+        rungs = data["rungs"]
+        labels = list(rungs)
+        values = [rungs[r]["mean_s"] for r in labels]
+        colors = [
+            "tab:green" if r == "full" else "tab:gray" if r in LADDER_NAMES else "tab:blue" for r in labels
+        ]
+        bars = ax.bar(range(len(labels)), values, color=colors)
+        for bar, value in zip(bars, values, strict=True):
+            ax.annotate(
+                f"{value:.0f}",
+                (bar.get_x() + bar.get_width() / 2, value),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+        if "full" in rungs:
+            ax.axhline(
+                rungs["full"]["lower_bound_s"],
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label="bound (full)",
+            )
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_ylabel("mean batch collection time (s, log)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+LADDER_NAMES = {"sync", "completion", "lanes", "full (partitioned lanes)", "full (adaptive lanes)"}

@@ -26,6 +26,7 @@ from app.core.events import (
 )
 from app.runtime.driver import Runtime
 from app.runtime.report import report_from_events, static_of
+from app.sim.peers import PEERS, peer_policy
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 
@@ -245,3 +246,13 @@ def test_invariants_hold_under_every_lane_mode(
         for lane, slots in report["lane_slots"].items():
             assert slots["configured"] <= slots["final"] <= slots["max"], lane
             assert slots["max"] <= 4 * slots["configured"], lane
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads, peer=st.sampled_from(sorted(PEERS)), live=changes)
+def test_invariants_hold_for_every_peer_rung(
+    workload: Workload, peer: str, live: list[tuple[float, str, int]]
+) -> None:
+    policy = peer_policy(workload, peer)
+    report = check_run(workload, policy, live)
+    assert report["max_engines_updating"] <= workload.engines.count

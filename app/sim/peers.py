@@ -1,0 +1,67 @@
+"""Rungs that emulate how other systems collect batches, as policies the production scheduler and
+driver already express. Every rung runs on the same seeded draws as the ladder. Sources and
+simplifications are in docs/peers.md.
+
+None of the peers pins sandbox CPUs into lanes, so every peer rung runs on shared CPUs; each differs
+from the others only in knobs of `PolicyConfig`:
+- `areal`: completion order; admission capped by staleness, AReaL's (K + 1)·B rule in steady state
+  (S = K·B); all engines update together (`max_updating_engines` = engine count); in-flight turns
+  kept across the update (AReaL interrupts and resubmits them under the new weights, keeping the
+  partial trajectory; `keep` keeps the trajectory too, without the re-prefill);
+- `prime-rl`: batches in start order (the orchestrator collects the rollouts it launched for a step),
+  async level 2 (S = 2·B, K = 2), all engines update together, in-flight turns kept;
+- `pipelinerl`: in-flight updates: every engine loads the new weights together while sequences
+  continue (`keep` for `update_s`), completion order, the workload's S and K;
+- `slime`: over-sampling by half a batch (S = B / 2), completion order, and once B groups are done the
+  rest are aborted and regenerated: a stop-the-world update restarts every in-flight trajectory;
+- `skyrl`: fully asynchronous, finish-time FIFO (completion order), pause-all during weight sync
+  (every engine drains its running turns, `wait`, then loads), staleness bounded at admission
+  (S = K·B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from app.core.config import PauseModeName, PolicyConfig
+from app.sim.workload import Workload
+
+PeerPolicy = Callable[[Workload], dict[str, Any]]
+
+
+def _common(workload: Workload) -> dict[str, Any]:
+    return {
+        "groups_per_batch": workload.batch.groups,
+        "group_size": workload.batch.group_size,
+        "surplus_groups": workload.policy.surplus_groups,
+        "max_staleness": workload.policy.max_staleness,
+        "pinned_lanes": False,
+        "completion_order": True,
+        "rolling_updates": True,
+        "max_updating_engines": workload.engines.count,
+        "pause_mode": PauseModeName.KEEP,
+    }
+
+
+def _staleness_admission(workload: Workload) -> int:
+    return workload.policy.max_staleness * workload.batch.groups
+
+
+PEERS: dict[str, PeerPolicy] = {
+    "areal": lambda w: {"surplus_groups": _staleness_admission(w)},
+    "prime-rl": lambda w: {
+        "completion_order": False,
+        "surplus_groups": 2 * w.batch.groups,
+        "max_staleness": 2,
+    },
+    "pipelinerl": lambda w: {},
+    "slime": lambda w: {"surplus_groups": max(1, w.batch.groups // 2), "rolling_updates": False},
+    "skyrl": lambda w: {"surplus_groups": _staleness_admission(w), "pause_mode": PauseModeName.WAIT},
+}
+
+
+def peer_policy(workload: Workload, name: str) -> PolicyConfig:
+    if name not in PEERS:
+        raise KeyError(f"no peer rung {name!r}; choose one of {', '.join(PEERS)}")
+    return PolicyConfig.model_validate({**_common(workload), **PEERS[name](workload)})

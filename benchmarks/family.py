@@ -1,0 +1,78 @@
+"""The workload family × every rung, peers included: one table, one JSON, one plot.
+
+For each built-in workload of `app.sim.family` (default, design, cpu-scarce, ample-cpu, trace) it runs
+the ablation ladder (sync, completion, lanes, full), `full` with partitioned lanes and with adaptive
+lanes, and the peer rungs of `app.sim.peers` (areal, prime-rl, pipelinerl, slime, skyrl), all of one
+workload on the same seeded draws. It prints a table of mean batch collection times and, loudly, every
+place where the ladder is out of order (`full` ≤ `completion` ≤ `sync` must hold) or another rung
+beats `full`. Exit code 0 either way: the findings are results, not failures.
+
+Run: `.venv/bin/python -m benchmarks.family --json docs/family.json --plot docs/family.png
+[--workloads default,design] [--no-peers]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.sim.family import FAMILY, run_family
+
+
+def table(result: dict[str, Any]) -> str:
+    workloads = result["workloads"]
+    rungs: list[str] = []
+    for data in workloads.values():
+        rungs += [r for r in data["rungs"] if r not in rungs]
+    rows = ["| rung | " + " | ".join(workloads) + " |", "| --- |" + " --- |" * len(workloads)]
+    for rung in rungs:
+        cells = []
+        for data in workloads.values():
+            row = data["rungs"].get(rung)
+            cells.append("" if row is None else f"{row['mean_s']:.1f}")
+        rows.append(f"| {rung} | " + " | ".join(cells) + " |")
+    bounds = [f"{data['rungs']['full']['lower_bound_s']:.1f}" for data in workloads.values()]
+    rows.append("| lower bound (full) | " + " | ".join(bounds) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--workloads", default=",".join(FAMILY), help="comma-separated built-in names")
+    parser.add_argument("--no-peers", action="store_true", help="leave out the peer rungs")
+    parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of every workload's rungs here")
+    args = parser.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = [n for n in names if n not in FAMILY]
+    if unknown:
+        print(f"error: --workloads: unknown {unknown}; choose from {', '.join(FAMILY)}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def on_run(label: str, done: int, total: int) -> None:
+        print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
+
+    result = run_family(names, peers=not args.no_peers, on_run=on_run)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(table(result))
+    for name, data in result["workloads"].items():
+        for line in data["findings"]:
+            print(f"!!! {name}: {line}")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        from app.sim.plot import plot_family
+
+        plot_family(result, args.plot)
+    print(f"{len(names)} workloads in {result['wall_s']} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The bench's workload family and peer rungs: every built-in workload validates and loads by name,
+peer rungs are the documented policies, and the family's checks say where the ladder is out of order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.core.config import PauseModeName
+from app.sim.family import FAMILY, builtin_workload, findings, run_family
+from app.sim.peers import PEERS, peer_policy
+from app.sim.workload import load_workload
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_every_builtin_workload_validates_and_loads_by_name(name: str) -> None:
+    assert load_workload(Path(name)) == builtin_workload(name)
+
+
+def test_unknown_builtin_is_refused_with_the_choices() -> None:
+    with pytest.raises(KeyError, match="cpu-scarce"):
+        builtin_workload("nope")
+
+
+def test_design_workload_takes_designs_figures_as_they_are() -> None:
+    spec = builtin_workload("design").trajectory
+    assert spec.timeout_s == 660.0
+    assert spec.reset_s.lognormal is not None
+    assert (spec.reset_s.lognormal.median, spec.reset_s.lognormal.p90) == (7, 76)
+    assert spec.task_spread == 0.6
+
+
+def test_cpu_scarce_workload_starves_a_partitioned_reset_lane() -> None:
+    w = builtin_workload("cpu-scarce")
+    live_trajectories = (w.batch.groups + w.policy.surplus_groups) * w.batch.group_size
+    assert w.cpus.total - w.cpus.serving < live_trajectories / 10
+    assert w.trajectory.reset_s.lognormal is not None
+    assert w.trajectory.reset_s.lognormal.max is not None
+    assert w.trajectory.reset_s.lognormal.max > 3600
+
+
+def test_peer_rungs_are_the_documented_policies() -> None:
+    w = builtin_workload("default")
+    b, k, engines = w.batch.groups, w.policy.max_staleness, w.engines.count
+    areal, prime, pipeline, slime, skyrl = (peer_policy(w, p) for p in PEERS)
+    assert all(not peer_policy(w, p).pinned_lanes for p in PEERS)
+    assert (areal.surplus_groups, areal.max_updating_engines, areal.pause_mode) == (
+        k * b,
+        engines,
+        PauseModeName.KEEP,
+    )
+    assert (prime.completion_order, prime.surplus_groups, prime.max_staleness) == (False, 2 * b, 2)
+    assert (pipeline.rolling_updates, pipeline.max_updating_engines) == (True, engines)
+    assert (slime.rolling_updates, slime.surplus_groups) == (False, b // 2)
+    assert skyrl.pause_mode is PauseModeName.WAIT
+
+
+def make_rungs(**means: float) -> dict[str, dict[str, Any]]:
+    return {name.replace("_", "-"): {"mean_s": value} for name, value in means.items()}
+
+
+@pytest.mark.parametrize(
+    ("means", "expected"),
+    [
+        ({"sync": 3, "completion": 2, "full": 1}, []),
+        (
+            {"sync": 3, "completion": 2, "full": 2.5},
+            ["LADDER OUT OF ORDER: full", "completion 2.0 s beats full"],
+        ),
+        ({"sync": 1, "completion": 2, "full": 0.5}, ["LADDER OUT OF ORDER: completion"]),
+        ({"sync": 3, "completion": 2, "full": 1, "areal": 0.9}, ["areal 0.9 s beats full"]),
+    ],
+)
+def test_findings_name_every_out_of_order_rung(means: dict[str, float], expected: list[str]) -> None:
+    lines = findings(make_rungs(**means))
+    assert len(lines) == len(expected)
+    for line, start in zip(lines, expected, strict=True):
+        assert line.startswith(start)
+
+
+def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.sim.family as family
+
+    small = {
+        "batches": 2,
+        "batch": {"groups": 2, "group_size": 2},
+        "policy": {"surplus_groups": 2, "max_staleness": 1},
+        "engines": {"count": 2, "slots": 4, "update_s": 1.0},
+        "cpus": {"total": 12, "serving": 4},
+        "lanes": {"reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "trajectory": {"turns": {"uniform": [1, 3]}, "timeout_s": 60.0, "reset_s": 2.0},
+    }
+    monkeypatch.setitem(family.FAMILY, "tiny", small)
+    result = run_family(["tiny"])
+    rungs = result["workloads"]["tiny"]["rungs"]
+    assert set(rungs) == {"sync", "completion", "lanes", "full", *family.VARIANTS, *PEERS}
+    assert all(row["lost_groups"] == 0 for row in rungs.values())
+    assert rungs["full (partitioned lanes)"]["lane_sharing"] == "partitioned"
+    assert rungs["full"]["lane_sharing"] == "work_conserving"
+    assert rungs["full (adaptive lanes)"]["lane_slots"] is not None
+    assert isinstance(result["workloads"]["tiny"]["findings"], list)
