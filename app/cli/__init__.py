@@ -14,6 +14,7 @@ import typer
 from typer.exceptions import TyperException
 
 from app.api.serve import serve
+from app.cli.advise import advise, trace_app
 from app.cli.common import err, fail
 from app.cli.engine import engine
 from app.cli.run import run
@@ -35,6 +36,8 @@ app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options"
 app.command()(run)
 app.command()(serve)
 app.command()(worker)
+app.command()(advise)
+app.add_typer(trace_app, name="trace")
 
 
 def _version() -> str:

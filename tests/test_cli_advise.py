@@ -1,0 +1,64 @@
+"""`corral trace import` and `corral advise` through the installed script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CORRAL = Path(sys.executable).with_name("corral")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def corral(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(CORRAL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> None:
+    trial = tmp_path / "run" / "hello" / "hello.1-of-1"
+    trial.mkdir(parents=True)
+    (trial / "results.json").write_text(
+        json.dumps(
+            {
+                "task_id": "hello",
+                "trial_name": "hello.1-of-1",
+                "is_resolved": True,
+                "trial_started_at": "2025-01-01T00:00:00Z",
+                "agent_started_at": "2025-01-01T00:00:05Z",
+                "agent_ended_at": "2025-01-01T00:03:05Z",
+                "test_started_at": "2025-01-01T00:03:06Z",
+                "test_ended_at": "2025-01-01T00:03:10Z",
+                "trial_ended_at": "2025-01-01T00:03:20Z",
+            }
+        )
+    )
+    done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "1 attempts of 1 tasks" in done.stderr
+    line = json.loads((tmp_path / "t.jsonl").read_text())
+    assert line["agent_s"] == 180.0
+    assert line["reward"] == 1.0
+
+
+def test_bad_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
+    missing = corral("trace", "import", "--format", "terminal-bench", "nope", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "nope: not a directory" in missing.stderr
+    unwritable = corral("advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--json", "/proc/x.json",
+                        cwd=tmp_path)  # fmt: skip
+    assert unwritable.returncode == 2
+    assert "--json /proc/x.json" in unwritable.stderr
+    for result in (missing, unwritable):
+        assert "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_advise_writes_its_advice(tmp_path: Path) -> None:
+    done = corral(
+        "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1", "--workers", "2",
+        "--json", "advice.json", "--plot", "advice.png", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    advice = json.loads((tmp_path / "advice.json").read_text())
+    assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
+    assert (tmp_path / "advice.png").stat().st_size > 0
+    assert "settings simulated" in done.stderr
