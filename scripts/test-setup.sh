@@ -8,6 +8,8 @@ command -v bwrap >/dev/null || need+=(bubblewrap)
 command -v dockerd >/dev/null || need+=(docker.io)
 dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 command -v setpriv >/dev/null || need+=(util-linux)
+# docker-compose: tests/test_compose.py runs `config` on docker-compose.yml (the plugin does too, if present).
+docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || need+=(docker-compose)
 # chromium: the dashboard's browser tests (Playwright drives Debian's build at /usr/bin/chromium).
 [ -x /usr/bin/chromium ] || need+=(chromium)
 if ((${#need[@]})); then

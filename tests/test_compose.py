@@ -1,0 +1,98 @@
+"""docker-compose.yml: `docker compose config` accepts it, with and without the `gpu` profile, and the
+services keep the deployment's rules: one lane worker per lane, each pinned (`cpuset`) to the CPUs its
+`--cpus` names, lane CPUs disjoint from each other and from the engine's, every Corral service on the
+same broker and database."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.cpulist import parse_cpu_list
+from app.lanes.base import LaneName
+
+REPO = Path(__file__).resolve().parents[1]
+CORRAL_SERVICES = {"api", "orchestrator", "engine", *(f"worker-{lane.value}" for lane in LaneName)}
+
+
+def compose_command() -> list[str]:
+    docker = shutil.which("docker")
+    if docker is not None:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    if legacy is not None:
+        return [legacy]
+    pytest.skip("neither `docker compose` nor `docker-compose` is installed (scripts/test-setup.sh adds it)")
+
+
+@functools.cache
+def compose_config(*profile: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [*compose_command(), "-f", str(REPO / "docker-compose.yml"), *profile, "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin"},  # no CORRAL_* or VLLM_* from the test's env
+    )
+    assert done.returncode == 0, done.stderr
+    config: dict[str, Any] = yaml.safe_load(done.stdout)
+    return config
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_every_service_but_vllm_runs_without_a_gpu_profile() -> None:
+    services = compose_config()["services"]
+    # `docker compose config` leaves out inactive profiles; docker-compose 1.x lists them all.
+    assert set(services) - {"vllm"} == {"postgres", "redis", *CORRAL_SERVICES}
+    assert {name for name, service in services.items() if service.get("profiles")} <= {"vllm"}
+
+
+def test_compose_config_with_the_gpu_profile_adds_vllm_with_a_gpu() -> None:
+    services = compose_config("--profile", "gpu")["services"]
+    assert set(services) == {"postgres", "redis", "vllm", *CORRAL_SERVICES}
+    vllm = services["vllm"]
+    assert vllm["profiles"] == ["gpu"]
+    [device] = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_lane_workers_are_pinned_to_disjoint_cpus_apart_from_the_engine() -> None:
+    services = compose_config()["services"]
+    engine = services["engine"]
+    engine_cpus = set(parse_cpu_list(engine["cpuset"]))
+    assert engine_cpus == set(parse_cpu_list(flag(engine["command"], "--cpus")))
+    taken = set(engine_cpus)
+    for lane in LaneName:
+        worker = services[f"worker-{lane.value}"]
+        command = worker["command"]
+        assert command[:2] == ["corral", "worker"]
+        assert flag(command, "--lane") == lane.value
+        cpus = set(parse_cpu_list(worker["cpuset"]))
+        assert cpus == set(parse_cpu_list(flag(command, "--cpus")))  # the container and the pool agree
+        assert not cpus & taken, f"{lane.value} shares CPUs"
+        taken |= cpus
+        assert flag(command, "--host") == services["api"]["environment"]["CORRAL_LANE_HOSTS"]
+    assert services["orchestrator"]["command"][:3] == ["corral", "worker", "--orchestrator"]
+    assert services["api"]["command"][:2] == ["corral", "serve"]
+
+
+def test_every_corral_service_shares_one_broker_and_database() -> None:
+    services = compose_config()["services"]
+    envs = [services[name]["environment"] for name in CORRAL_SERVICES]
+    for key in ("CORRAL_BROKER_URL", "CORRAL_RESULT_BACKEND", "CORRAL_DATABASE_URL"):
+        assert len({env[key] for env in envs}) == 1, key
+    assert envs[0]["CORRAL_BROKER_URL"].startswith("redis://redis:")
+    assert envs[0]["CORRAL_DATABASE_URL"].startswith("postgresql+psycopg://")
