@@ -9,6 +9,7 @@ each test back through a savepoint on both backends).
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,13 @@ from sqlalchemy.pool import StaticPool
 
 DEFAULT_DATABASE_URL = "sqlite:///./corral.db"
 
+# JSON columns hold strict JSON on both backends (Postgres refuses NaN; SQLite would store it)
+_strict_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
+
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An Engine for `url`; `postgresql://` is read as psycopg 3 (`postgresql+psycopg://`)."""
+    kwargs.setdefault("json_serializer", _strict_json)
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")

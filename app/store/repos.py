@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.core.events import Envelope, envelope_from_dict
@@ -106,6 +106,15 @@ class RunRepo:
         if state is not None:
             query = query.where(Run.state == state.value)
         return self.session.scalars(query.limit(limit).offset(offset)).all()
+
+    def delete(self, run_id: str) -> bool:
+        """Remove a run and everything stored for it; False if there was no such run. `events` and
+        `spans` have no foreign key to cascade along (see app.store.models), so they go explicitly."""
+        self.session.execute(delete(EventRow).where(EventRow.run_id == run_id))
+        self.session.execute(delete(Span).where(Span.run_id == run_id))
+        deleted = self.session.execute(delete(Run).where(Run.id == run_id))
+        self.session.expire_all()
+        return bool(getattr(deleted, "rowcount", 0))
 
     def unfinished(self) -> Sequence[Run]:
         """Runs a control plane was driving when it stopped: the candidates to resume at start-up."""

@@ -121,6 +121,7 @@ def insert_for(conn: Connection, table: Any) -> Any:
 
 
 _FIELDS: dict[type[Event], tuple[str, ...]] = {}
+to_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # strict JSON, as to_dict
 
 
 def event_payload(event: Event) -> dict[str, Any]:
@@ -135,6 +136,14 @@ def event_payload(event: Event) -> dict[str, Any]:
         value = getattr(event, name)
         payload[name] = list(value) if isinstance(value, tuple) else value
     return payload
+
+
+def payload_json(env: Envelope, payload: dict[str, Any]) -> str:
+    try:
+        return to_json(payload)
+    except ValueError:
+        env.to_dict()  # raises naming the event and the non-finite field
+        raise
 
 
 def event_row(env: Envelope) -> dict[str, Any]:
@@ -292,8 +301,8 @@ def ingest(conn: Connection, envelopes: Sequence[Envelope]) -> int:
         new = _pg_insert_events(conn, unique)
     else:
         rows = [event_row(env) for env in unique.values()]
-        for row in rows:
-            json.dumps(row["payload"], allow_nan=False)  # refuse NaN as Postgres would
+        for env, row in zip(unique.values(), rows, strict=True):
+            payload_json(env, row["payload"])  # refuse NaN here, with the field's name
         stmt = insert_for(conn, events_t).on_conflict_do_nothing(index_elements=["run_id", "seq"])
         inserted = conn.execute(stmt.returning(events_t.c.run_id, events_t.c.seq), rows).all()
         new = {(r.run_id, r.seq) for r in inserted}
@@ -331,7 +340,7 @@ def _pg_insert_events(conn: Connection, unique: dict[tuple[str, int], Envelope])
         conn,
         "events",
         ("run_id", "seq", "t", "kind", "payload"),
-        ((e.run_id, e.seq, e.t, e.kind, json.dumps(event_payload(e.event), allow_nan=False)) for e in new),
+        ((e.run_id, e.seq, e.t, e.kind, payload_json(e, event_payload(e.event))) for e in new),
     )
     return {(e.run_id, e.seq) for e in new}
 

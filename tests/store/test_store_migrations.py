@@ -76,7 +76,7 @@ def test_downgrade_and_upgrade_keep_the_timeline(backend: str, tmp_path: Path) -
         engine = make_engine(url)
         try:
             SqlEventSink(engine).write_batch(run.envelopes)
-            command.downgrade(alembic_config(url), "0001")
+            command.downgrade(alembic_config(url), "0001")  # through 0003 and 0002
             with engine.connect() as conn:
                 ids = conn.execute(text("SELECT id FROM spans")).scalars().all()
             assert len(ids) == len(set(ids)) == run.spans

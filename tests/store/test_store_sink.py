@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 from run_events import batches_of, make_run_events
-from sqlalchemy import Connection, Engine, delete, func, select
+from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.orm import Session
 
 from app.core.events import (
     EVENT_TYPES,
+    AttemptFinished,
     AttemptRestarted,
     Envelope,
     GroupDelivered,
@@ -31,7 +32,7 @@ from app.store.models import (
 from app.store.models import (
     Engine as EngineRow,
 )
-from app.store.repos import EventRepo, GroupRepo
+from app.store.repos import EventRepo, GroupRepo, RunRepo, SpanRepo
 from app.store.sink import SqlEventSink
 
 TABLES = (EventRow, Group, Trajectory, Span, Batch, EngineRow, WeightRollout, PolicyChange)
@@ -240,7 +241,19 @@ def test_sink_on_an_engine_commits_each_batch(db_engine: Engine) -> None:
             assert EventRepo(other).count("committed") == len(run.envelopes)
             assert GroupRepo(other).account("committed").delivered == len(run.delivered)
     finally:
-        with db_engine.begin() as c:
-            c.execute(delete(Run).where(Run.id == "committed"))
+        with Session(db_engine) as s, s.begin():
+            assert RunRepo(s).delete("committed")
         with Session(db_engine) as other:
-            assert EventRepo(other).count("committed") == 0  # cascaded
+            assert EventRepo(other).count("committed") == 0
+            assert SpanRepo(other).list("committed") == []
+            assert GroupRepo(other).list("committed") == []
+
+
+def test_a_non_finite_number_is_refused_naming_the_field(conn: Connection, session: Session) -> None:
+    sink = SqlEventSink(conn)
+    bad = Envelope("nan", 0, 1.0, AttemptFinished(group_id=0, attempt=0, reward=float("nan")))
+
+    with pytest.raises(ValueError, match="attempt_finished field reward is not finite"):
+        sink.write_batch([bad])
+
+    assert EventRepo(session).count("nan") == 0
