@@ -18,6 +18,7 @@ Run: `.venv/bin/python -m benchmarks.ingest [--events 60000 --batch 500 1000 200
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -25,7 +26,10 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+from sqlalchemy import text
 
 from app.core.events import (
     AttemptFinished,
@@ -102,25 +106,60 @@ def synthetic_stream(
     return out
 
 
-def measure(url: str, envelopes_for: list[list[Envelope]], batch: int) -> list[float]:
-    """Events per second for each stream (one run id each) written through one sink on `url`."""
-    engine = make_engine(url)
-    sink = SqlEventSink(engine)
-    rates = []
+@dataclass
+class Sample:
+    events: int
+    wall_s: float
+    client_cpu_s: float
+    server_cpu_s: float | None  # the Postgres backend's CPU, when its /proc entry is readable
+
+    @property
+    def per_s(self) -> float:
+        return self.events / self.wall_s
+
+    @property
+    def per_cpu_s(self) -> float | None:
+        if self.server_cpu_s is None:
+            return None
+        return self.events / (self.client_cpu_s + self.server_cpu_s)
+
+
+def backend_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a local process, from /proc (None when it is not readable: a remote server)."""
+    if pid is None:
+        return None
     try:
-        for envelopes in envelopes_for:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, streams: list[list[Envelope]], batch: int) -> list[Sample]:
+    """One sample per stream (one run id each), written through one sink on one connection to `url`."""
+    engine = make_engine(url, pool_size=1, max_overflow=0) if url.startswith("postgres") else make_engine(url)
+    sink = SqlEventSink(engine)
+    samples = []
+    try:
+        pid = None
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as conn:
+                pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        for envelopes in streams:
             chunks = [envelopes[i : i + batch] for i in range(0, len(envelopes), batch)]
-            t0 = time.perf_counter()
+            server0, cpu0, t0 = backend_cpu_s(pid), time.process_time(), time.perf_counter()
             for chunk in chunks:
                 sink.write_batch(chunk)
-            rates.append(len(envelopes) / (time.perf_counter() - t0))
+            wall, cpu, server1 = time.perf_counter() - t0, time.process_time() - cpu0, backend_cpu_s(pid)
+            server = None if server0 is None or server1 is None else server1 - server0
+            if pid is None:
+                server = 0.0  # SQLite works inside this process: its CPU is the client's
+            samples.append(Sample(len(envelopes), wall, cpu, server))
     finally:
         engine.dispose()
-    if sink.written != sum(len(e) for e in envelopes_for):
-        raise RuntimeError(
-            f"sink stored {sink.written} events, expected {sum(len(e) for e in envelopes_for)}"
-        )
-    return rates
+    if sink.written != sum(len(e) for e in streams):
+        raise RuntimeError(f"sink stored {sink.written} events, expected {sum(len(e) for e in streams)}")
+    return samples
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stream: {len(sample)} events per run, {share:.1%} timeline (turns, sandbox ops); "
           f"{kinds['group_admitted']} groups of 8")  # fmt: skip
     backends = ["postgres", "sqlite"] if args.backend == "both" else [args.backend]
-    print(f"{'backend':<9} {'batch':>6} {'median ev/s':>12} {'min':>9} {'max':>9}  runs")
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'backend':<9} {'batch':>6} {'median ev/s':>12} {'min':>9} {'max':>9} {'ev/CPU-s':>9}  runs")
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             for batch in args.batch:
@@ -157,9 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                     streams = [
                         synthetic_stream(uuid.uuid4().hex, args.events, seed=i) for i in range(args.repeats)
                     ]
-                    rates = measure(url, streams, batch)
+                    samples = measure(url, streams, batch)
+                rates = [x.per_s for x in samples]
+                per_cpu = [x.per_cpu_s for x in samples if x.per_cpu_s is not None]
+                cpu_col = f"{statistics.median(per_cpu):>9,.0f}" if per_cpu else f"{'n/a':>9}"
                 print(f"{backend:<9} {batch:>6} {statistics.median(rates):>12,.0f} {min(rates):>9,.0f} "
-                      f"{max(rates):>9,.0f}  {args.repeats}")  # fmt: skip
+                      f"{max(rates):>9,.0f} {cpu_col}  {args.repeats}")  # fmt: skip
+    print(f"load average after: {os.getloadavg()[0]:.1f}. ev/CPU-s: events per CPU-second of this process "
+          "plus the Postgres backend serving it (what the rate would be with no CPU contention and no "
+          "overlap between them)")  # fmt: skip
     return 0
 
 

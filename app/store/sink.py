@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -72,6 +73,13 @@ from app.store.models import (
 )
 
 HEADER = ("run_id", "seq", "t", "kind")
+SPAN_COLUMNS = ("run_id", "seq", "group_id", "attempt", "phase", "engine", "lane", "version", "start", "end",
+                "tokens", "ok")  # fmt: skip
+_TURN, _ENGINE_QUEUE, _LANE_QUEUE = (
+    SpanPhase.TURN.value,
+    SpanPhase.ENGINE_QUEUE.value,
+    SpanPhase.LANE_QUEUE.value,
+)
 LANE_PHASE = {
     "reset": SpanPhase.RESET,
     "exec": SpanPhase.TOOL,
@@ -139,7 +147,10 @@ def event_payload(event: Event) -> dict[str, Any]:
 
 
 def payload_json(env: Envelope, payload: dict[str, Any]) -> str:
+    """The payload as strict JSON; a non-finite number (or time) raises naming its field."""
     try:
+        if not math.isfinite(env.t):
+            raise ValueError
         return to_json(payload)
     except ValueError:
         env.to_dict()  # raises naming the event and the non-finite field
@@ -167,7 +178,7 @@ class Projection:
     tasks: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     groups: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     trajectories: dict[tuple[str, int, int], dict[str, Any]] = field(default_factory=dict)
-    spans: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[tuple[Any, ...]] = field(default_factory=list)  # in SPAN_COLUMNS order
     batches: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     engine_states: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     rare: list[Envelope] = field(default_factory=list)  # rollouts, policy and run lifecycle: in order
@@ -224,15 +235,16 @@ class Projection:
         ):
             self.rare.append(env)
 
+    # spans are tuples in SPAN_COLUMNS order: run_id, seq, group_id, attempt, phase, engine, lane,
+    # version, start, end, tokens, ok (the COPY row as is)
     def _turn(self, env: Envelope, ev: TurnDone) -> None:
-        common = {"run_id": env.run_id, "seq": env.seq, "group_id": ev.group_id, "attempt": ev.attempt,
-                  "engine": ev.engine, "lane": None, "version": ev.version}  # fmt: skip
+        run, seq, g, a = env.run_id, env.seq, ev.group_id, ev.attempt
         if ev.start > ev.queued_at:
-            self.spans.append({**common, "phase": SpanPhase.ENGINE_QUEUE.value, "start": ev.queued_at,
-                               "end": ev.start, "tokens": None, "ok": True})  # fmt: skip
-        self.spans.append({**common, "phase": SpanPhase.TURN.value, "start": ev.start, "end": ev.end,
-                           "tokens": ev.tokens, "ok": ev.error is None})  # fmt: skip
-        row = self._trajectory(env.run_id, ev.group_id, ev.attempt)
+            self.spans.append((run, seq, g, a, _ENGINE_QUEUE, ev.engine, None, ev.version, ev.queued_at,
+                               ev.start, None, True))  # fmt: skip
+        self.spans.append((run, seq, g, a, _TURN, ev.engine, None, ev.version, ev.start, ev.end, ev.tokens,
+                           ev.error is None))  # fmt: skip
+        row = self._trajectory(run, g, a)
         row["turns"] += 1
         row["tokens"] += ev.tokens
 
@@ -240,12 +252,11 @@ class Projection:
         phase = LANE_PHASE.get(ev.lane)
         if phase is None:
             raise ValueError(f"sandbox_op seq {env.seq}: unknown lane {ev.lane!r}")
-        common = {"run_id": env.run_id, "seq": env.seq, "group_id": ev.group_id, "attempt": ev.attempt,
-                  "engine": None, "lane": ev.lane, "version": None, "tokens": None}  # fmt: skip
+        run, seq, g, a = env.run_id, env.seq, ev.group_id, ev.attempt
         if ev.start > ev.queued_at:
-            self.spans.append({**common, "phase": SpanPhase.LANE_QUEUE.value, "start": ev.queued_at,
-                               "end": ev.start, "ok": True})  # fmt: skip
-        self.spans.append({**common, "phase": phase.value, "start": ev.start, "end": ev.end, "ok": ev.ok})
+            self.spans.append((run, seq, g, a, _LANE_QUEUE, None, ev.lane, None, ev.queued_at, ev.start, None,
+                               True))  # fmt: skip
+        self.spans.append((run, seq, g, a, phase.value, None, ev.lane, None, ev.start, ev.end, None, ev.ok))
 
     def _group(self, run: str, group_id: int) -> dict[str, Any]:
         key = (run, group_id)
@@ -318,8 +329,6 @@ def ingest(conn: Connection, envelopes: Sequence[Envelope]) -> int:
 # parsing or planning per row and the client no per-row SQL. COPY has no ON CONFLICT, so the batch first
 # takes the run's advisory lock (two sinks writing one run take turns) and reads which of its seqs are
 # stored; only the others are copied, and spans are projected only from those.
-SPAN_COLUMNS = ("run_id", "seq", "group_id", "attempt", "phase", "engine", "lane", "version", "start", "end",
-                "tokens", "ok")  # fmt: skip
 
 
 def _pg_insert_events(conn: Connection, unique: dict[tuple[str, int], Envelope]) -> set[tuple[str, int]]:
@@ -369,10 +378,10 @@ def write_projection(conn: Connection, p: Projection) -> None:
     if p.trajectories:
         _upsert_trajectories(conn, list(p.trajectories.values()))
     if p.spans and conn.dialect.name == "postgresql":  # spans of new events only: no conflicts
-        _pg_copy(conn, "spans", SPAN_COLUMNS, ([span[c] for c in SPAN_COLUMNS] for span in p.spans))
+        _pg_copy(conn, "spans", SPAN_COLUMNS, p.spans)
     elif p.spans:
         stmt = insert_for(conn, spans_t).on_conflict_do_nothing(index_elements=["run_id", "seq", "phase"])
-        conn.execute(stmt, p.spans)
+        conn.execute(stmt, [dict(zip(SPAN_COLUMNS, span, strict=True)) for span in p.spans])
     if p.batches:
         _upsert_batches(conn, list(p.batches.values()))
     if p.engine_states:

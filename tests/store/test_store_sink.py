@@ -249,11 +249,14 @@ def test_sink_on_an_engine_commits_each_batch(db_engine: Engine) -> None:
             assert GroupRepo(other).list("committed") == []
 
 
-def test_a_non_finite_number_is_refused_naming_the_field(conn: Connection, session: Session) -> None:
+@pytest.mark.parametrize(("t", "reward", "field"), [(1.0, float("nan"), "reward"), (float("inf"), 1.0, "t")])
+def test_a_non_finite_number_is_refused_naming_the_field(
+    conn: Connection, session: Session, t: float, reward: float, field: str
+) -> None:
     sink = SqlEventSink(conn)
-    bad = Envelope("nan", 0, 1.0, AttemptFinished(group_id=0, attempt=0, reward=float("nan")))
+    bad = Envelope("nan", 0, t, AttemptFinished(group_id=0, attempt=0, reward=reward))
 
-    with pytest.raises(ValueError, match="attempt_finished field reward is not finite"):
+    with pytest.raises(ValueError, match=f"attempt_finished field {field} is not finite"):
         sink.write_batch([bad])
 
     assert EventRepo(session).count("nan") == 0
