@@ -1,8 +1,8 @@
 """Real Celery workers against the real Redis on this machine.
 
 `lane_cluster` starts `corral worker` processes for two logical hosts (four lanes each, every worker
-pinned to CPU 1), once per module; host names are unique to the module, so tests never share a queue
-with anyone. Each worker runs in its own session and is stopped by its own pid at the end (SIGTERM,
+pinned to CPU 1), once per session; host names are unique to the session, so tests never share a queue
+with anyone else's. Each worker runs in its own session and is stopped by its own pid at the end (SIGTERM,
 then SIGKILL to its session if it hangs).
 """
 
@@ -87,7 +87,7 @@ class LaneCluster:
     by_lane: dict[tuple[str, LaneName], subprocess.Popen[bytes]]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaneCluster]:
     if not redis_answers():
         pytest.skip("no Redis answering on 127.0.0.1:6379 (the Celery tests need a real broker)")
