@@ -437,10 +437,16 @@ def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     progress.on_event("group_admitted", {"group": 1, "live": 3})
     progress.on_event("engine_updated", {"engine": "engine-0", "version": 2})
     progress.on_event("engine_restarted", {"engine": "engine-[1]", "after_s": 3.14159})
+    progress.on_event("group_discarded", {"group": 5, "reason": "cancelled"})
+    progress.on_event("group_discarded", {"group": 6, "reason": "stale"})
+    progress.on_event("engine_state", {"engine": "engine-1", "state": "down", "detail": "exited with -9"})
     text = console.export_text()
     assert "batch 1/3 delivered: 2 groups after 12.3 s, staleness ≤ 1" in text
     assert "group_admitted" not in text
     assert "group admitted" not in text
     assert "engine-0 now serves policy version 2" in text
     assert "engine restarted: engine engine-[1], after_s 3.1" in text
+    assert "group 5" not in text  # cancelled at the end of a run: counted in the report, not printed
+    assert "group 6 discarded (stale); 1 so far" in text
+    assert "engine-1 is down: exited with -9" in text
     assert "{" not in text

@@ -114,6 +114,8 @@ class RunProgress:
         """The runtime's event callback: one readable line for the events worth a line."""
         if kind in _QUIET:
             return
+        if kind == "group_discarded" and data.get("reason") == "cancelled":
+            return  # the live groups a finished run leaves behind; the report counts them
         formatter = _FORMATS.get(kind)
         if formatter is not None:
             self.line(formatter(self, data))
@@ -134,6 +136,16 @@ class RunProgress:
     def _updated(self, data: dict[str, object]) -> str:
         return f"{data.get('engine')} now serves policy version {data.get('version')}"
 
+    def _engine_state(self, data: dict[str, object]) -> str:
+        detail = data.get("detail")
+        return f"{data.get('engine')} is {data.get('state')}" + (f": {detail}" if detail else "")
+
+    def _update_failed(self, data: dict[str, object]) -> str:
+        return (
+            f"{data.get('engine')} failed to load policy version {data.get('version')} "
+            f"and left rotation: {data.get('error')}"
+        )
+
     def _discarded(self, data: dict[str, object]) -> str:
         self.discarded += 1
         return f"group {data.get('group')} discarded ({data.get('reason')}); {self.discarded} so far"
@@ -143,4 +155,6 @@ _FORMATS: dict[str, Callable[[RunProgress, dict[str, object]], str]] = {
     "batch": RunProgress._batch,
     "engine_updated": RunProgress._updated,
     "group_discarded": RunProgress._discarded,
+    "engine_state": RunProgress._engine_state,
+    "engine_update_failed": RunProgress._update_failed,
 }
