@@ -12,11 +12,13 @@ from the others only in knobs of `PolicyConfig`:
   async level 2 (S = 2·B, K = 2), all engines update together, in-flight turns kept;
 - `pipelinerl`: in-flight updates: every engine loads the new weights together while sequences
   continue (`keep` for `update_s`), completion order, the workload's S and K;
-- `slime`: over-sampling by half a batch (S = B / 2), completion order, and once B groups are done the
-  rest are aborted and regenerated: a stop-the-world update restarts every in-flight trajectory;
-- `skyrl`: fully asynchronous, finish-time FIFO (completion order), pause-all during weight sync
-  (every engine drains its running turns, `wait`, then loads), staleness bounded at admission
-  (S = K·B).
+- `slime`: over-sampling (`--over-sampling-batch-size` 2·B as in slime's own example, so S = B),
+  completion order, and once B groups are done the rest are aborted and regenerated: a
+  stop-the-world update restarts every in-flight trajectory;
+- `skyrl`: fully asynchronous, finish-time FIFO (completion order), pause-all during weight sync with
+  in-flight requests continued afterwards (all engines at once, `keep`), staleness bounded at
+  admission the way AReaL does it (S = K·B). With the mechanisms its documentation names, this rung
+  coincides with `areal` in the simulator; both are kept so the table shows each peer.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ PEERS: dict[str, PeerPolicy] = {
         "max_staleness": 2,
     },
     "pipelinerl": lambda w: {},
-    "slime": lambda w: {"surplus_groups": max(1, w.batch.groups // 2), "rolling_updates": False},
-    "skyrl": lambda w: {"surplus_groups": _staleness_admission(w), "pause_mode": PauseModeName.WAIT},
+    "slime": lambda w: {"surplus_groups": w.batch.groups, "rolling_updates": False},
+    "skyrl": lambda w: {"surplus_groups": _staleness_admission(w)},
 }
 
 

@@ -53,8 +53,8 @@ def test_peer_rungs_are_the_documented_policies() -> None:
     )
     assert (prime.completion_order, prime.surplus_groups, prime.max_staleness) == (False, 2 * b, 2)
     assert (pipeline.rolling_updates, pipeline.max_updating_engines) == (True, engines)
-    assert (slime.rolling_updates, slime.surplus_groups) == (False, b // 2)
-    assert skyrl.pause_mode is PauseModeName.WAIT
+    assert (slime.rolling_updates, slime.surplus_groups) == (False, b)
+    assert (skyrl.surplus_groups, skyrl.pause_mode) == (k * b, PauseModeName.KEEP)
 
 
 def make_rungs(**means: float) -> dict[str, dict[str, Any]]:
