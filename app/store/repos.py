@@ -280,11 +280,19 @@ class SpanRepo:
     def list(
         self, run_id: str, since: int = -1, group_id: int | None = None, limit: int = 5000
     ) -> Sequence[Span]:
-        """Spans projected from events with seq > `since`, in seq order."""
-        query = select(Span).where(Span.run_id == run_id, Span.seq > since)
+        """Spans projected from events with seq > `since`, in seq order, about `limit` of them: a page
+        always holds every span of its last event, so the next page resumes at `since=<its last seq>`."""
+        query = select(Span).where(Span.run_id == run_id)
         if group_id is not None:
             query = query.where(Span.group_id == group_id)
-        return self.session.scalars(query.order_by(Span.seq, Span.phase).limit(limit)).all()
+        page = list(
+            self.session.scalars(query.where(Span.seq > since).order_by(Span.seq, Span.phase).limit(limit))
+        )
+        if len(page) == limit and page:
+            last = page[-1]
+            rest = query.where(Span.seq == last.seq, Span.phase > last.phase).order_by(Span.phase)
+            page.extend(self.session.scalars(rest))
+        return page
 
 
 class BatchRepo:
