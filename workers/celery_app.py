@@ -9,8 +9,8 @@ never loses an op; tasks are idempotent by op id (the op id is the Celery task i
 whose result is already stored returns that result). On Redis a message not acked within the
 visibility timeout is delivered again, so the timeout is set above the longest op.
 
-The app is built by `make_celery` from explicit URLs, in each entry point; nothing reads the
-environment at import time.
+The app is built by `make_celery` from explicit URLs, in each entry point, with the configuration
+clients use too (`app.lanes.celery.make_celery`); nothing reads the environment at import time.
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.lanes.base import LaneName
-from app.lanes.celery import LANE_OP_TASK, lane_queue
+from app.lanes.celery import LANE_OP_TASK, ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK, lane_queue
+from app.lanes.celery import make_celery as make_client
 
-ORCHESTRATOR_QUEUE = "orchestrator"
-ORCHESTRATOR_TASK = "corral.run_orchestrator"
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-# Above the longest sandbox op we expect (p99 setup 860 s, agent timeouts up to ~2,300 s).
-VISIBILITY_TIMEOUT_S = 4 * 3600
-RESULT_TTL_S = 24 * 3600
 
 __all__ = [
     "LANE_OP_TASK",
@@ -87,28 +83,5 @@ def check_host(host: str) -> str:
 
 
 def make_celery(broker_url: str, result_backend: str) -> Celery:
-    app = Celery(
-        "corral",
-        broker=broker_url,
-        backend=result_backend,
-        include=["workers.lane_tasks", "workers.orchestrator"],
-    )
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
-        result_expires=RESULT_TTL_S,
-        result_extended=True,
-        task_default_queue=ORCHESTRATOR_QUEUE,
-        task_routes={ORCHESTRATOR_TASK: {"queue": ORCHESTRATOR_QUEUE}},
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
-        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        worker_send_task_events=False,
-    )
-    return app
+    """The workers' app: the clients' configuration plus the task modules."""
+    return make_client(broker_url, result_backend, include=["workers.lane_tasks", "workers.orchestrator"])

@@ -37,7 +37,38 @@ from app.sandboxes.base import Sandbox
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-LANE_OP_TASK = "corral.lane_op"  # workers.celery_app registers the task under this name
+LANE_OP_TASK = "corral.lane_op"  # workers.lane_tasks registers the task under this name
+ORCHESTRATOR_QUEUE = "orchestrator"
+ORCHESTRATOR_TASK = "corral.run_orchestrator"
+# Above the longest sandbox op we expect (p99 setup 860 s, agent timeouts up to ~2,300 s): on Redis a
+# message not acked within this time is delivered again.
+VISIBILITY_TIMEOUT_S = 4 * 3600
+RESULT_TTL_S = 24 * 3600
+
+
+def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = ()) -> Celery:
+    """A Celery app as Corral's clients and workers both configure it: JSON only, late acks with a
+    prefetch of 1, redelivery when a pool process dies, results kept `RESULT_TTL_S`."""
+    app = Celery("corral", broker=broker_url, backend=result_backend, include=list(include))
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        result_expires=RESULT_TTL_S,
+        result_extended=True,
+        task_default_queue=ORCHESTRATOR_QUEUE,
+        task_routes={ORCHESTRATOR_TASK: {"queue": ORCHESTRATOR_QUEUE}},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+    )
+    return app
 
 
 def lane_queue(host: str, lane: LaneName) -> str:
@@ -73,13 +104,23 @@ class CeleryLanes:
             raise LaneOpError("hosts: CeleryLanes needs at least one lane host")
         if len(set(hosts)) != len(hosts):
             raise LaneOpError(f"hosts: duplicates in {list(hosts)}")
-        self._celery = celery
+        self.celery = celery
         self.hosts = tuple(hosts)
         self._poll = (poll_min_s, poll_max_s)
         self._cancel_grace_s = cancel_grace_s
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
+
+    @classmethod
+    def connect(
+        cls, broker_url: str, result_backend: str, hosts: Sequence[str], **options: Any
+    ) -> CeleryLanes:
+        """Lanes on the workers behind `broker_url`, placing sandboxes on `hosts`."""
+        return cls(make_celery(broker_url, result_backend), hosts, **options)
+
+    def close(self) -> None:
+        self.celery.close()
 
     # -- the Lanes port ---------------------------------------------------------------------------
 
@@ -108,7 +149,7 @@ class CeleryLanes:
         sent_at = time.time()
         try:
             result = await asyncio.to_thread(
-                self._celery.send_task,
+                self.celery.send_task,
                 LANE_OP_TASK,
                 args=[op.to_dict()],
                 queue=lane_queue(op.host, op.lane),
@@ -150,7 +191,7 @@ class CeleryLanes:
 
     def queue_depth(self, host: str, lane: LaneName) -> int:
         """Messages waiting in one queue, as the broker counts them (0 for a queue never declared)."""
-        with self._celery.connection_for_read() as conn:
+        with self.celery.connection_for_read() as conn:
             try:
                 ok = conn.default_channel.queue_declare(queue=lane_queue(host, lane), passive=True)
             except conn.channel_errors:
@@ -171,7 +212,7 @@ class CeleryLanes:
         try:
             await self._settled(result)
         except asyncio.CancelledError:
-            await asyncio.to_thread(self._celery.control.revoke, op.op_id)
+            await asyncio.to_thread(self.celery.control.revoke, op.op_id)
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s
             if not await self._settled(result, deadline):
                 log.warning(

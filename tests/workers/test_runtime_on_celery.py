@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import LaneCluster
+from conftest import REDIS_URL, LaneCluster
 from factories import make_echo_task
 
 from app.core.config import PolicyConfig
@@ -78,7 +78,8 @@ async def test_the_runtime_collects_batches_through_celery_lane_workers(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
 ) -> None:
     records: list[OpRecord] = []
-    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts, on_done=records.append)
+    # Connected as the service connects: its own client app, from the URLs alone.
+    lanes = CeleryLanes.connect(REDIS_URL, REDIS_URL, lane_cluster.hosts, on_done=records.append)
     task = make_echo_task(task_root, validation="grep -q again greeting.txt")
     trainer = InstantTrainer()
     policy = PolicyConfig(groups_per_batch=2, group_size=2, surplus_groups=1, max_staleness=2)
@@ -90,7 +91,10 @@ async def test_the_runtime_collects_batches_through_celery_lane_workers(
         source=TaskSource([task], LocalSandboxFactory(base_dir), OneTurnAgent(), seed=1),
         trainer=trainer,
     )
-    state = await runtime.run(batches=2)
+    try:
+        state = await runtime.run(batches=2)
+    finally:
+        lanes.close()
 
     assert len(state.batches) == len(trainer.batches) == 2
     for training in trainer.batches:

@@ -1,0 +1,82 @@
+"""The same lanes on RabbitMQ: an amqp:// broker with Redis keeping results, real workers, real ops,
+and the queue depth as RabbitMQ counts it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REDIS_URL, Workers, broker_env, redis_answers
+from factories import make_echo_task
+
+from app.lanes.base import LaneName
+from app.lanes.celery import CeleryLanes, OpRecord
+from app.lanes.ops import LaneOp
+from app.sandboxes.local import LocalSandboxFactory
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def rabbitmq_answers() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def amqp_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not (rabbitmq_answers() and redis_answers()):
+        pytest.skip("needs RabbitMQ on 127.0.0.1:5672 and Redis on 127.0.0.1:6379")
+    host = f"q{uuid.uuid4().hex[:8]}"
+    workers = Workers(tmp_path_factory.mktemp("amqp"))
+    try:
+        for lane in (LaneName.RESET, LaneName.EXEC, LaneName.VALIDATE, LaneName.CLEANUP):
+            workers.start(
+                "--lane", lane.value, "--cpus", "1", "--host", host, "--concurrency", "1",
+                env=broker_env(AMQP_URL, REDIS_URL),
+            )  # fmt: skip
+        yield host
+    finally:
+        workers.stop()
+
+
+async def test_lane_ops_run_over_rabbitmq(amqp_host: str, base_dir: Path, task_root: Path) -> None:
+    records: list[OpRecord] = []
+    lanes = CeleryLanes.connect(AMQP_URL, REDIS_URL, [amqp_host], on_done=records.append)
+    try:
+        handle = lanes.attach(LocalSandboxFactory(base_dir).create("rabbit"))
+        async with asyncio.timeout(60):
+            reset = await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+            ran = await lanes.run_op(LaneOp.exec(handle, "echo hello rabbit > greeting.txt", 10))
+            reward = await lanes.run_op(LaneOp.validate(handle))
+            await lanes.run_op(LaneOp.cleanup(handle))
+        assert (reset.exit_code, ran.exit_code, reward) == (0, 0, 1.0)
+        assert [(r.op.lane.value, r.host, r.affinity) for r in records] == [
+            (lane, amqp_host, (1,)) for lane in ("reset", "exec", "validate", "cleanup")
+        ]
+        assert lanes.stats()["exec"].queue_depth == 0
+    finally:
+        lanes.close()
+
+
+def test_queue_depth_is_rabbitmqs_count_of_waiting_messages(amqp_host: str, base_dir: Path) -> None:
+    idle = f"idle{amqp_host}"  # no worker consumes this host's queues
+    lanes = CeleryLanes.connect(AMQP_URL, REDIS_URL, [idle])
+    queue = f"lane.{idle}.exec"
+    try:
+        handle = lanes.attach(LocalSandboxFactory(base_dir).create("waiting"))
+        for _ in range(3):
+            op = LaneOp.exec(handle, "true", 5)
+            lanes.celery.send_task("corral.lane_op", args=[op.to_dict()], queue=queue, task_id=op.op_id)
+        assert lanes.stats()["exec"].queue_depth == 3
+        assert lanes.stats()["reset"].queue_depth == 0  # never declared: counted as empty
+    finally:
+        with lanes.celery.connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
+        lanes.close()
