@@ -55,7 +55,8 @@ def run(
         tasks = load_tasks(cfg.tasks)
     except LocalRunError as exc:
         fail(str(exc))
-    steps = f"{batches} batches" if batches else (f"{duration:g} s" if duration else f"{cfg.batches} batches")
+    count = batches or cfg.batches
+    steps = f"{duration:g} s" if duration and not batches else f"{count} batch{'es' if count != 1 else ''}"
     say(
         f"corral run: policy {policy.value}, {steps}, B = {cfg.batch.groups} groups of "
         f"G = {cfg.batch.group_size}, S = {cfg.policy.surplus_groups}, K = {cfg.policy.max_staleness}, "
