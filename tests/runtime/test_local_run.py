@@ -116,7 +116,7 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if "batch {" in line:
+        if " delivered: " in line:
             break
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
@@ -141,7 +141,7 @@ def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     for line in proc.stderr:
-        if "batch {" in line:
+        if " delivered: " in line:
             break
     started = embedded_engine_pids() - before
     assert len(started) == 2
