@@ -113,16 +113,24 @@ class RunManager:
         log.warning("run %s not resumed: %s", record.id, detail)
 
     def _mirror(self, fn: Any, *args: Any) -> None:
-        future = self._writer.submit(fn, *args)
+        try:
+            future = self._writer.submit(fn, *args)
+        except RuntimeError:  # the writer has shut down (a run outlived `shutdown`): write here
+            fn(*args)
+            return
         future.add_done_callback(_log_failure)
 
     def _on_state(self, handle: RunHandle, state: RunState, error: str | None) -> None:
-        try:
-            self.store.set_state(handle.run_id, state, error)
-        except IllegalTransitionError as exc:
-            log.warning("run %s: %s", handle.run_id, exc)
+        # Called on the run's loop: the row is written by the store writer, in order, off the loop.
+        self._mirror(self._write_state, handle.run_id, state, error)
         if state in TERMINAL_RUN_STATES and self.metrics is not None:
             self.metrics.forget_run(handle.run_id, handle.live())
+
+    def _write_state(self, run_id: str, state: RunState, error: str | None) -> None:
+        try:
+            self.store.set_state(run_id, state, error)
+        except IllegalTransitionError as exc:
+            log.warning("run %s: %s", run_id, exc)
 
     # -- reading -------------------------------------------------------------------------------------
 

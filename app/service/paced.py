@@ -55,7 +55,7 @@ class PacedLoop(VirtualTimeLoop):
         # the simulator loop's: (when, seq, TimerHandle) or (when, seq, call_fast callback).
         ready: Any = self._ready  # type: ignore[attr-defined]
         timers = self._timers
-        while timers and type(timers[0][2]) is asyncio.TimerHandle and timers[0][2]._cancelled:  # type: ignore[attr-defined]
+        while timers and type(timers[0][2]) is asyncio.TimerHandle and timers[0][2]._cancelled:
             heapq.heappop(timers)
         if ready or self._stopping:  # type: ignore[attr-defined]
             timeout: float | None = 0.0
@@ -71,7 +71,7 @@ class PacedLoop(VirtualTimeLoop):
         while timers and timers[0][0] <= end:
             _, seq, handle = heapq.heappop(timers)
             if type(handle) is asyncio.TimerHandle:
-                if not handle._cancelled:  # type: ignore[attr-defined]
+                if not handle._cancelled:
                     handle._scheduled = False  # type: ignore[attr-defined]
                     ready.append(handle)
             else:

@@ -71,9 +71,10 @@ def serving(settings: Settings) -> Iterator[str]:
         thread.join(60)
 
 
-@pytest.fixture
-def server(tmp_path: Path, backend_url: str) -> Iterator[str]:
-    with serving(make_settings(tmp_path, backend_url)) as url:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, backend_url: str) -> Iterator[str]:
+    """One server per test module and backend; tests share it through runs of their own."""
+    with serving(make_settings(tmp_path_factory.mktemp("serve"), backend_url)) as url:
         yield url
 
 
