@@ -195,6 +195,7 @@ async def _run(
                     timeline=True,
                 )
                 stop.runtime = runtime
+                runtime.bus.subscribe(progress.on_envelope)
                 state = await _start_and_collect(
                     runtime, engines, stop, serving_cpus, all_cpus, batches, duration_s, progress
                 )

@@ -20,8 +20,12 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
+from app.core.events import AttemptFinished, Envelope, GroupReady, TurnDone
 from app.cpulist import format_cpu_list
 from app.runtime.config import LocalRunConfig
+
+# Between lines, a status line at most this often while work goes on (turns, attempts, groups ready).
+STATUS_EVERY_S = 15.0
 
 # Events that are frequent and dull; the per-batch line sums them up.
 _QUIET = frozenset({"group_admitted", "group_ready", "turn", "attempt_done", "stop_requested"})
@@ -54,16 +58,43 @@ class RunProgress:
         self.console = console
         self.batches = batches
         self.started = time.perf_counter()
+        self.last_line = self.started
         self.discarded = 0
+        self.groups_per_batch: int | None = None
+        self.delivered = 0
+        self.ready: set[int] = set()
+        self.attempts = 0
+        self.turns = 0
 
     def line(self, text: str) -> None:
+        self.last_line = time.perf_counter()
         if self.console is not None:
-            stamp = f"[{time.perf_counter() - self.started:6.1f}s] "
+            stamp = f"[{self.last_line - self.started:6.1f}s] "
             self.console.print(Text(stamp + text), highlight=False, soft_wrap=True)
+
+    def on_envelope(self, envelope: Envelope) -> None:
+        """A subscriber of the run's event bus: counts turns, attempts and ready groups, and says where
+        the next batch stands when nothing else was printed for `STATUS_EVERY_S`."""
+        event = envelope.event
+        if isinstance(event, TurnDone):
+            self.turns += 1
+        elif isinstance(event, AttemptFinished):
+            self.attempts += 1
+        elif isinstance(event, GroupReady):
+            self.ready.add(event.group_id)
+        else:
+            return
+        if time.perf_counter() - self.last_line >= STATUS_EVERY_S:
+            of = f" of {self.groups_per_batch}" if self.groups_per_batch else ""
+            self.line(
+                f"collecting batch {self.delivered + 1}: {len(self.ready)}{of} groups ready, "
+                f"{self.attempts} attempts finished, {self.turns} turns so far"
+            )
 
     def starting(self, config: LocalRunConfig, serving_cpus: Sequence[int], *, pinned_lanes: bool) -> None:
         """Where things run: the engines on the serving CPUs, the lanes on theirs (or shared)."""
         count = config.engines.count
+        self.groups_per_batch = config.batch.groups
         self.line(
             f"starting {count} embedded engine{'s' if count != 1 else ''} on CPUs "
             f"{format_cpu_list(serving_cpus)} ({config.engines.slots} turns each at once; "
@@ -131,6 +162,9 @@ class RunProgress:
         groups = data.get("groups") or []
         worst = max(int(str(s)) for s in staleness) if isinstance(staleness, list) else staleness
         count = len(groups) if isinstance(groups, list) else groups
+        self.delivered = index
+        if isinstance(groups, list):
+            self.ready.difference_update(int(str(g)) for g in groups)
         return f"batch {index}{of} delivered: {count} groups after {wait:.1f} s, staleness ≤ {worst}"
 
     def _updated(self, data: dict[str, object]) -> str:
@@ -148,6 +182,7 @@ class RunProgress:
 
     def _discarded(self, data: dict[str, object]) -> str:
         self.discarded += 1
+        self.ready.discard(int(str(data.get("group", -1))))
         return f"group {data.get('group')} discarded ({data.get('reason')}); {self.discarded} so far"
 
 

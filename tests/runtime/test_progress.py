@@ -84,3 +84,32 @@ def test_starting_lines_name_cpus_and_lanes() -> None:
     assert "sandbox lanes (slots: reset 2, exec 2, validate 1, cleanup 1) on CPUs 1" in text
     assert "starting 2 embedded engines on CPUs 0-1" in text
     assert "sharing every CPU with serving" in text
+
+
+def test_status_line_between_batches_counts_turns_attempts_and_ready_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.core.events import AttemptFinished, Envelope, GroupReady, TurnDone
+    from app.runtime import progress as progress_module
+
+    progress, console = make_progress()
+    progress.starting(LocalRunConfig.model_validate({}), [0], pinned_lanes=True)
+    monkeypatch.setattr(progress_module, "STATUS_EVERY_S", 3600.0)
+    turn = TurnDone(
+        group_id=1, attempt=0, engine="engine-0", version=0, queued_at=0, start=0, end=1, tokens=4
+    )
+    for seq, event in enumerate([turn, turn, AttemptFinished(group_id=1, attempt=0, reward=1.0)]):
+        progress.on_envelope(Envelope("run", seq, 0.0, event))
+    assert "collecting" not in console.export_text(clear=False)  # nothing printed within the interval
+    monkeypatch.setattr(progress_module, "STATUS_EVERY_S", 0.0)
+    progress.on_envelope(Envelope("run", 3, 0.0, GroupReady(group_id=1)))
+    assert (
+        "collecting batch 1: 1 of 4 groups ready, 1 attempts finished, 2 turns so far"
+        in console.export_text(clear=False)
+    )
+    progress.on_event("batch", {"index": 0, "wait_s": 3.0, "staleness": [0], "groups": [1]})
+    progress.on_envelope(Envelope("run", 4, 0.0, turn))
+    assert (
+        "collecting batch 2: 0 of 4 groups ready, 1 attempts finished, 3 turns so far"
+        in console.export_text()
+    )
