@@ -130,9 +130,22 @@ def bench(
             f"each 0..{MAX_STALENESS}"
         ),
     ] = "4,8",
+    peers: Annotated[
+        bool, typer.Option("--peers", help="add rungs that emulate AReaL, prime-rl, PipelineRL, slime, SkyRL")
+    ] = False,
+    family: Annotated[
+        bool,
+        typer.Option(
+            "--family", help="every built-in workload × every rung instead (default, design, cpu-scarce, ...)"
+        ),
+    ] = False,
 ) -> None:
     """Run the ablation ladder (sync, completion, lanes, full) and the S and K sweeps on the same draws."""
     from app.sim.bench import run_bench
+
+    if family:
+        _bench_family(json_out, plot, peers)
+        return
 
     s_values = parse_sweep(surplus_sweep, "--surplus-sweep", MAX_SURPLUS)
     k_values = parse_sweep(staleness_sweep, "--staleness-sweep", MAX_STALENESS)
@@ -147,7 +160,7 @@ def bench(
         def on_run(label: str, done: int, total: int) -> None:
             progress.update(task, description=f"bench: {label}", completed=done, total=total)
 
-        result = run_bench(spec, s_values, k_values, on_run=on_run)
+        result = run_bench(spec, s_values, k_values, on_run=on_run, peers=peers)
     write_json(json_out, result)
     if plot is not None:
         from app.sim.plot import plot_bench
@@ -157,6 +170,36 @@ def bench(
         except (OSError, ValueError) as exc:
             fail(f"--plot {plot}: {exc}")
     err.print(ladder_table(result), markup=False)
+    for line in result["findings"]:
+        err.print(f"!!! {line}", markup=False)
+
+
+def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
+    """`corral bench --family`: the table of benchmarks/family.py, as a command."""
+    from app.sim.family import run_family
+
+    check_output(json_out, "--json")
+    check_plot(plot)
+    with progress_bar() as progress:
+        task = progress.add_task("bench --family", total=None)
+
+        def on_run(label: str, done: int, total: int) -> None:
+            progress.update(task, description=f"bench: {label}", completed=done, total=total)
+
+        result = run_family(peers=peers, on_run=on_run)
+    write_json(json_out, result)
+    if plot is not None:
+        from app.sim.plot import plot_family
+
+        try:
+            plot_family(result, plot)
+        except (OSError, ValueError) as exc:
+            fail(f"--plot {plot}: {exc}")
+    for name, data in result["workloads"].items():
+        means = ", ".join(f"{rung} {row['mean_s']:.1f}" for rung, row in data["rungs"].items())
+        err.print(f"{name}: {means}", markup=False)
+        for line in data["findings"]:
+            err.print(f"!!! {name}: {line}", markup=False)
 
 
 def ladder_table(result: dict[str, Any]) -> str:

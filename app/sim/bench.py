@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from app.sim.family import findings
+from app.sim.peers import PEERS, peer_policy
 from app.sim.run import LADDER, policy_for, simulate
 from app.sim.workload import TrajectorySource, Workload
 
@@ -29,7 +31,11 @@ def run_bench(
     surplus_values: Sequence[int],
     staleness_values: Sequence[int],
     on_run: OnRun | None = None,
+    peers: bool = False,
 ) -> dict[str, Any]:
+    """The ladder, the S and K sweeps and the ablations; with `peers`, the peer rungs of
+    app.sim.peers too (reported beside the ladder under `policies`). `findings` lists, one line each,
+    where the ladder is out of order and where any rung beats `full`."""
     draws = TrajectorySource(workload)
     plan: list[tuple[str, str, dict[str, Any]]] = [(p.value, p.value, {}) for p in LADDER]
     plan += [(f"S={s}", "full", {"surplus_groups": s}) for s in surplus_values]
@@ -46,6 +52,8 @@ def run_bench(
         ("full without rolling", "full", {"rolling_updates": False}),
         ("full without completion order", "full", {"completion_order": False}),
     ]
+    if peers:
+        plan += [(peer, f"peer:{peer}", {}) for peer in PEERS]
     policies: dict[str, Any] = {}
     surplus: list[dict[str, Any]] = []
     staleness: list[dict[str, Any]] = []
@@ -58,11 +66,14 @@ def run_bench(
             for k in ("pinned_lanes", "rolling_updates", "completion_order")
             if k in overrides
         }
-        policy = policy_for(workload, rung, **overrides)
+        if rung.startswith("peer:"):
+            policy = peer_policy(workload, label)
+        else:
+            policy = policy_for(workload, rung, **overrides)
         if switches:
             policy = policy.with_changes(**switches)
         report = simulate(workload, policy, label, trajectories=draws)
-        if label in {p.value for p in LADDER}:
+        if label in {p.value for p in LADDER} or rung.startswith("peer:"):
             policies[label] = report
         elif label.startswith("S="):
             surplus.append({"surplus_groups": policy.surplus_groups, **_summary(report)})
@@ -78,8 +89,10 @@ def run_bench(
             ablations[label] = _summary(report)
     if on_run is not None:
         on_run("done", len(plan), len(plan))
+    means = {name: {"mean_s": rep["batch_collection_s"]["mean"]} for name, rep in policies.items()}
     return {
         "workload": workload.model_dump(mode="json", by_alias=True),
         "policies": policies,
+        "findings": findings(means),
         "sweeps": {"surplus": surplus, "max_staleness": staleness, "ablations": ablations},
     }

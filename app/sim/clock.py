@@ -19,7 +19,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Callable, Coroutine
-from contextvars import Context
+from contextvars import Context, copy_context
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,6 +27,28 @@ T = TypeVar("T")
 
 class SimulationDeadlock(RuntimeError):
     """Every task is blocked and no timer is pending: the simulated system can make no progress."""
+
+
+class _SimHandle(asyncio.Handle):
+    """A ready-queue handle built without asyncio's debug-mode check (the virtual loop never runs in
+    debug mode); otherwise the same object."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        callback: Callable[..., object],
+        args: tuple[Any, ...],
+        loop: asyncio.AbstractEventLoop,
+        context: Context | None = None,
+    ) -> None:
+        self._context = context if context is not None else copy_context()
+        self._loop = loop
+        self._callback = callback
+        self._args = args
+        self._cancelled = False
+        self._repr = None
+        self._source_traceback = None
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -54,7 +76,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self, callback: Callable[..., object], *args: Any, context: Context | None = None
     ) -> asyncio.Handle:
         # Every task wake-up comes through here; asyncio's version adds closed and debug checks.
-        handle = asyncio.Handle(callback, args, self, context)
+        handle = _SimHandle(callback, args, self, context)
         self._ready.append(handle)  # type: ignore[attr-defined]
         return handle
 
@@ -100,8 +122,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                     handle(seq)  # a `call_fast` timer: the simulator's own, which raises nothing
             for _ in range(len(ready)):
                 handle = ready.popleft()
-                if not handle._cancelled:
-                    handle._run()
+                if handle._cancelled:
+                    continue
+                try:  # Handle._run without its frame; errors go to the handler as asyncio's do
+                    handle._context.run(handle._callback, *handle._args)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    self.call_exception_handler(
+                        {"message": f"Exception in callback {handle!r}", "exception": exc, "handle": handle}
+                    )
             if self._stopping:  # type: ignore[attr-defined]
                 return
 

@@ -101,3 +101,25 @@ def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.Monkey
     assert rungs["full"]["lane_sharing"] == "work_conserving"
     assert rungs["full (adaptive lanes)"]["lane_slots"] is not None
     assert isinstance(result["workloads"]["tiny"]["findings"], list)
+
+
+def test_bench_with_peers_reports_every_peer_beside_the_ladder_and_its_findings() -> None:
+    from app.sim.bench import run_bench
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(
+        {
+            "batches": 2,
+            "batch": {"groups": 2, "group_size": 2},
+            "policy": {"surplus_groups": 2, "max_staleness": 1},
+            "engines": {"count": 2, "slots": 4, "update_s": 1.0},
+            "cpus": {"total": 12, "serving": 4},
+            "lanes": {"reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+            "trajectory": {"turns": {"uniform": [1, 3]}, "timeout_s": 60.0, "reset_s": 2.0},
+        }
+    )
+    result = run_bench(workload, [0], [1], peers=True)
+    assert set(result["policies"]) == {"sync", "completion", "lanes", "full", *PEERS}
+    means = {name: {"mean_s": rep["batch_collection_s"]["mean"]} for name, rep in result["policies"].items()}
+    assert result["findings"] == findings(means)
+    assert "areal" not in run_bench(workload, [0], [1])["policies"]
