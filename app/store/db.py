@@ -3,7 +3,10 @@
 The URL is always a parameter; process settings are read elsewhere (the app factory) and passed in.
 SQLite connections get foreign keys, WAL and a busy timeout, and real transactions: pysqlite's own
 transaction handling is turned off so that `BEGIN` and SAVEPOINT behave as on Postgres (the tests roll
-each test back through a savepoint on both backends).
+each test back through a savepoint on both backends). Transactions begin IMMEDIATE: a deferred one that
+reads and then writes while the event sink commits fails at once with "database is locked" (SQLite
+cannot upgrade a stale read snapshot), whereas an immediate one waits its turn (busy timeout). An engine
+that only reads may pass `sqlite_begin="DEFERRED"` so its readers never wait for a writer.
 """
 
 from __future__ import annotations
@@ -26,19 +29,22 @@ DEFAULT_DATABASE_URL = "sqlite:///./corral.db"
 _strict_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An Engine for `url`; `postgresql://` is read as psycopg 3 (`postgresql+psycopg://`)."""
+def make_engine(url: str, sqlite_begin: str = "IMMEDIATE", **kwargs: Any) -> Engine:
+    """An Engine for `url`; `postgresql://` is read as psycopg 3 (`postgresql+psycopg://`).
+    `sqlite_begin` (IMMEDIATE or DEFERRED) is how SQLite transactions begin; see the module doc."""
     kwargs.setdefault("json_serializer", _strict_json)
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() == "sqlite":
-        return _sqlite_engine(parsed, **kwargs)
+        if sqlite_begin not in ("IMMEDIATE", "DEFERRED"):
+            raise ValueError(f"sqlite_begin must be IMMEDIATE or DEFERRED, not {sqlite_begin!r}")
+        return _sqlite_engine(parsed, sqlite_begin, **kwargs)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(parsed, **kwargs)
 
 
-def _sqlite_engine(url: Any, **kwargs: Any) -> Engine:
+def _sqlite_engine(url: Any, begin: str, **kwargs: Any) -> Engine:
     memory = url.database in (None, "", ":memory:")
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("check_same_thread", False)
@@ -59,7 +65,7 @@ def _sqlite_engine(url: Any, **kwargs: Any) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql(f"BEGIN {begin}")
 
     return engine
 
