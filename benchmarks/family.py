@@ -8,7 +8,7 @@ place where the ladder is out of order (`full` ≤ `completion` ≤ `sync` must 
 beats `full`. Exit code 0 either way: the findings are results, not failures.
 
 Run: `.venv/bin/python -m benchmarks.family --json docs/family.json --plot docs/family.png
-[--workloads default,design] [--no-peers]`.
+[--workloads default,design] [--no-peers] [--processes 2]`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="leave out the peer rungs")
     parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of every workload's rungs here")
+    parser.add_argument("--processes", type=int, default=1, help="simulations run in this many processes")
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in FAMILY]
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_run(label: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
 
-    result = run_family(names, peers=not args.no_peers, on_run=on_run)
+    result = run_family(names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes))
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print(table(result))
     for name, data in result["workloads"].items():

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.core.config import PolicyConfig, PolicyName
 from app.sim.workload import TrajectorySource, Workload
 
 TRACE_PATH = Path(__file__).resolve().parents[2] / "examples" / "tb-trace.jsonl"
@@ -89,6 +90,8 @@ def builtin_workload(name: str, **overrides: Any) -> Workload:
 
 OnRun = Callable[[str, int, int], None]
 
+LADDER_RUNGS = [PolicyName.SYNC, PolicyName.COMPLETION, PolicyName.LANES, PolicyName.FULL]
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "full (partitioned lanes)": {"lanes": {"sharing": "partitioned"}},
     "full (adaptive lanes)": {"lanes": {"adaptive": {}}},
@@ -96,42 +99,85 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def run_family(
-    names: Sequence[str] | None = None, peers: bool = True, on_run: OnRun | None = None
+    names: Sequence[str] | None = None,
+    peers: bool = True,
+    on_run: OnRun | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Every rung (the ladder, two lane variants of `full`, and the peers) on every named workload, each
-    workload's rungs on the same seeded draws. Returns per-workload summaries and the checks."""
-    from app.sim.peers import PEERS, peer_policy
-    from app.sim.run import LADDER, policy_for, simulate
+    workload's rungs on the same seeded draws. Returns per-workload summaries and the checks.
+
+    A rung whose workload and policy equal an earlier rung's is not simulated again (`skyrl` and
+    `areal` are the same policy). With `processes` > 1 the simulations run in that many processes;
+    every simulation is seeded, so the results do not depend on it."""
+    from app.sim.peers import PEERS
 
     chosen = list(names or FAMILY)
     plan: list[tuple[str, str]] = []
     for name in chosen:
-        plan += [(name, rung.value) for rung in LADDER]
+        plan += [(name, rung.value) for rung in LADDER_RUNGS]
         plan += [(name, variant) for variant in VARIANTS]
         if peers:
             plan += [(name, f"peer:{peer}") for peer in PEERS]
-    results: dict[str, Any] = {name: {"rungs": {}} for name in chosen}
-    draws: dict[str, TrajectorySource] = {}
-    for i, (name, rung) in enumerate(plan):
-        if on_run is not None:
-            on_run(f"{name}: {rung}", i, len(plan))
-        if rung in VARIANTS:
-            workload = builtin_workload(name, **VARIANTS[rung])
-            policy = policy_for(workload, "full")
-        else:
-            workload = builtin_workload(name)
-            if rung.startswith("peer:"):
-                policy = peer_policy(workload, rung.removeprefix("peer:"))
-            else:
-                policy = policy_for(workload, rung)
-        source = draws.setdefault(name, TrajectorySource(workload))
-        report = simulate(workload, policy, rung, trajectories=source)
-        results[name]["rungs"][rung.removeprefix("peer:")] = summarise(report)
+    keys = {task: _key(*task) for task in plan}
+    unique: dict[str, tuple[str, str]] = {}
+    for task in plan:
+        unique.setdefault(keys[task], task)
+    summaries: dict[str, dict[str, Any]] = {}
+    todo = list(unique.items())
+    if processes > 1:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(processes) as pool:
+            futures = {pool.submit(_simulate_rung, *task): key for key, task in todo}
+            for done, future in enumerate(as_completed(futures)):
+                summaries[futures[future]] = future.result()
+                if on_run is not None:
+                    on_run(" ".join(unique[futures[future]]), done + 1, len(todo))
+    else:
+        for done, (key, task) in enumerate(todo):
+            if on_run is not None:
+                on_run(" ".join(task), done, len(todo))
+            summaries[key] = _simulate_rung(*task)
     if on_run is not None:
-        on_run("done", len(plan), len(plan))
+        on_run("done", len(todo), len(todo))
+    results: dict[str, Any] = {name: {"rungs": {}} for name in chosen}
+    for task in plan:
+        name, rung = task
+        results[name]["rungs"][rung.removeprefix("peer:")] = summaries[keys[task]]
     for name in chosen:
         results[name]["findings"] = findings(results[name]["rungs"])
-    return {"workloads": results, "policies": {n: FAMILY[n] for n in chosen}}
+    return {"workloads": results, "specs": {n: FAMILY[n] for n in chosen}}
+
+
+def _workload_and_policy(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
+    from app.sim.peers import peer_policy
+    from app.sim.run import policy_for
+
+    if rung in VARIANTS:
+        workload = builtin_workload(name, **VARIANTS[rung])
+        return workload, policy_for(workload, "full")
+    workload = builtin_workload(name)
+    if rung.startswith("peer:"):
+        return workload, peer_policy(workload, rung.removeprefix("peer:"))
+    return workload, policy_for(workload, rung)
+
+
+def _key(name: str, rung: str) -> str:
+    workload, policy = _workload_and_policy(name, rung)
+    return workload.model_dump_json() + policy.model_dump_json()
+
+
+_DRAWS: dict[str, TrajectorySource] = {}
+
+
+def _simulate_rung(name: str, rung: str) -> dict[str, Any]:
+    from app.sim.run import simulate
+
+    workload, policy = _workload_and_policy(name, rung)
+    # One workload's rungs share their draws (lane settings do not change what is drawn).
+    source = _DRAWS.setdefault(name, TrajectorySource(builtin_workload(name)))
+    return summarise(simulate(workload, policy, rung, trajectories=source))
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
