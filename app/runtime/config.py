@@ -82,6 +82,7 @@ class EnginesConfig(_Strict):
         120.0, "seconds one engine's weight update (pause, load, resume) may take", positive=True
     )
     health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", positive=True)
+    health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", positive=True)
     restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
     restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
     turn_retries: int = _count(3, 0, 100, "engine failures one turn may meet before its attempt fails")

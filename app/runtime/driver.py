@@ -194,6 +194,7 @@ class Runtime:
         self._update_tasks: dict[str, asyncio.Task[None]] = {}
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._all_down_since: float | None = None
+        self._health_watch: asyncio.Task[None] | None = None
         self.phase = "starting"  # starting, collecting, trainer_step, stopping: where a stop landed
 
     def now(self) -> float:
@@ -217,6 +218,8 @@ class Runtime:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self.phase = "collecting"
+                if self.faults.health_interval_s is not None:
+                    self._health_watch = tg.create_task(self._watch_health(self.faults.health_interval_s))
                 self._apply(self.scheduler.on_start(self.now()))
                 await self._trainer_loop(batches, duration_s)
                 self._begin_shutdown()
@@ -238,6 +241,8 @@ class Runtime:
         self._all_down_ended()
         for task in self._recoveries.values():
             task.cancel()  # a restart in progress is abandoned; the engines are stopped by their owner
+        if self._health_watch is not None:
+            self._health_watch.cancel()
         self._apply(self.scheduler.on_stop(self.now()))
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:
@@ -586,6 +591,19 @@ class Runtime:
             raise EngineTurnFailed(f"{what} (gave up after {failures} tries)") from error
         self.state.turn_retries += 1
         log.info("turn retried after an engine failure (%d/%d): %s", failures, self.faults.turn_retries, what)
+
+    async def _watch_health(self, interval_s: float) -> None:
+        """Probe each serving engine every `interval_s`: one that dies while it takes no turns (the
+        router prefers the least loaded, so an engine can sit idle) leaves rotation all the same."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for name, engine in list(self.pool.by_name.items()):
+                if not self.plan.routable(name):
+                    continue  # down (being restarted) or updating (its update has its own timeout)
+                epoch = self.pool.epoch[name]
+                healthy = await self._probe(engine)
+                if not healthy and self.pool.epoch[name] == epoch and self.plan.routable(name):
+                    self._engine_down(name, "health check failed")
 
     async def _probe(self, engine: Engine) -> bool:
         try:

@@ -26,7 +26,7 @@ seed: 3
 batch: {groups: 2, group_size: 2}
 policy: {surplus_groups: 2, max_staleness: 2}
 engines: {count: 2, cpus: [0], slots: 4, max_tokens: 16, update_timeout_s: 3, restart_backoff_s: 0.5,
-          restart_backoff_max_s: 4}
+          restart_backoff_max_s: 4, health_interval_s: 1}
 lanes: {cpus: [1], reset: 2, exec: 2, validate: 1, cleanup: 1}
 trainer: {step_s: 0.5}
 tasks: {include: [fix-off-by-one, json-transform, patch-config-sed, sort-uniq-log]}
@@ -109,8 +109,9 @@ class CorralRun:
     def _read(self) -> None:
         assert self.proc is not None
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        with self.proc.stderr:
+            for line in self.proc.stderr:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def _watch(self) -> None:
         while not self._done.is_set():
@@ -124,8 +125,9 @@ class CorralRun:
         while todo:
             pid = todo.pop()
             stat = _stat(pid)
-            if stat is not None and pid not in self.seen:
-                self.seen[pid] = (stat[1], _cmdline(pid))
+            if stat is not None and self.seen.get(pid, (stat[1], ""))[0] == stat[1]:
+                # Read again each time: a child seen between fork and exec shows its parent's cmdline.
+                self.seen[pid] = (stat[1], _cmdline(pid) or self.seen.get(pid, (0, ""))[1])
             todo.extend(kids.get(pid, []))
 
     # -- waiting ----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ class FakeEngine:
     turn_s: float = 1.0
     version: int = 0
     down: bool = False
+    healthy: bool = True  # False: turns still work, /health fails (a degraded engine)
     update: str | None = None  # "hang" or "error" for the next publication
     turns: int = 0
     published: list[int] = field(default_factory=list)
@@ -70,7 +71,7 @@ class FakeEngine:
         return self.version
 
     async def health(self) -> bool:
-        return not self.down
+        return self.healthy and not self.down
 
     async def aclose(self) -> None:
         return None
