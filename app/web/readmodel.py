@@ -160,6 +160,7 @@ class RunView:
     label: str = ""
     last_seq: int = -1
     detailed: bool = True  # False: group-level rows only (a report without its event log)
+    pending_request: float | None = None  # when the trainer asked for a batch it has not got yet
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -172,11 +173,17 @@ class RunView:
         return statistics.fmean(b.wait_s for b in self.batches) if self.batches else None
 
     @property
+    def waiting_s(self) -> float | None:
+        """How long the trainer has been waiting for the batch it asked for, if it is waiting."""
+        return None if self.pending_request is None else max(self.now - self.pending_request, 0.0)
+
+    @property
     def idle_fraction(self) -> float | None:
+        """Trainer wait so far (the open request included) ÷ time since the run started."""
         elapsed = self.now - self.t0
         if elapsed <= 0:
             return None
-        return sum(b.wait_s for b in self.batches) / elapsed
+        return (sum(b.wait_s for b in self.batches) + (self.waiting_s or 0.0)) / elapsed
 
     @property
     def span_count(self) -> int:
@@ -224,6 +231,7 @@ def view_from_events(
     lane_waits: dict[str, list[float]] = defaultdict(list)
     lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
     tokens_at: list[tuple[float, int]] = []
+    pending: float | None = None
 
     def traj(gid: int, attempt: int) -> Trajectory:
         key = (gid, attempt)
@@ -308,8 +316,9 @@ def view_from_events(
         elif isinstance(ev, EngineStateChanged):
             engine(ev.engine).state = ev.state
         elif isinstance(ev, BatchRequested):
-            pass
+            pending = t
         elif isinstance(ev, BatchDelivered):
+            pending = None
             batches.append(
                 BatchRow(ev.batch_index, ev.requested_at - t0, t, t - (ev.requested_at - t0), ev.group_ids)
             )
@@ -345,6 +354,7 @@ def view_from_events(
         lower_bound_s=meta.lower_bound_s,
         label=meta.label,
         last_seq=envs[-1].seq if envs else -1,
+        pending_request=pending if state in ("running", "paused", "stopping") else None,
     )
 
 

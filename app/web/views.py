@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ VENDOR = {  # served path -> file installed by `npm ci` (package.json)
 RUN_BLOCKS = ("summary", "wait", "timeline", "trainer", "engines", "lanes", "policy")
 LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
-Action = Callable[["RunsBackend", dict[str, str]], Awaitable[None]]
+Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 
 
 def make_env() -> Environment:
@@ -199,7 +200,15 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
 # -- the router -----------------------------------------------------------------------------------------
 
 
+def _note(message: str, status: int) -> HTMLResponse:
+    """An action's answer to htmx: one line for the form's message area (errors as alerts)."""
+    level, role = ("error", "alert") if status >= 400 else ("info", "status")
+    return HTMLResponse(f'<p class="flash {level}" role="{role}">{escape(message)}</p>', status_code=status)
+
+
 def _error(dash: Dashboard, request: Request, message: str, status: int) -> HTMLResponse:
+    if _is_htmx(request):
+        return _note(message, status)
     return dash.page(request, "message.html", {"message": message, "level": "error"}, status=status)
 
 
@@ -371,9 +380,9 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
-        message, status = "", 200
+        status = 200
         try:
-            await do(backend, form)
+            message = await do(backend, form)
         except ActionRefused as exc:
             message, status = f"refused: {exc}", 409
         except ValueError as exc:
@@ -382,24 +391,30 @@ def make_router(dash: Dashboard) -> APIRouter:
             if status != 200:
                 return _error(dash, request, message, status)
             return RedirectResponse(f"/runs/{run_id}", 303)
-        view = backend.view(run_id)
-        assert view is not None
-        block = form.get("block", "engines")
-        block = block if block in RUN_BLOCKS else "engines"
-        return dash.page(request, "run.html", {**run_context(view), "flash": message}, block, status=status)
+        return _note(message, status)
 
     @router.post("/runs/{run_id}/publish")
     async def publish(request: Request, run_id: str) -> Response:
-        return await act(request, run_id, lambda b, f: b.publish(run_id, "operator"))
+        async def start(backend: RunsBackend, form: dict[str, str]) -> str:
+            await backend.publish(run_id, "operator")
+            return "Publishing new weights: the engines load them one at a time."
+
+        return await act(request, run_id, start)
 
     @router.post("/runs/{run_id}/stop")
     async def stop(request: Request, run_id: str) -> Response:
-        return await act(request, run_id, lambda b, f: b.stop(run_id, "operator"))
+        async def end(backend: RunsBackend, form: dict[str, str]) -> str:
+            await backend.stop(run_id, "operator")
+            return "Stopping after the current trainer step."
+
+        return await act(request, run_id, end)
 
     @router.post("/runs/{run_id}/policy")
     async def policy(request: Request, run_id: str) -> Response:
-        async def change(backend: RunsBackend, form: dict[str, str]) -> None:
-            await backend.set_policy(run_id, parse_policy_form(form), form.get("actor") or "operator")
+        async def change(backend: RunsBackend, form: dict[str, str]) -> str:
+            changes = parse_policy_form(form)
+            await backend.set_policy(run_id, changes, "operator")
+            return "Applied " + ", ".join(f"{POLICY_FIELDS[k]} = {v}" for k, v in changes.items()) + "."
 
         return await act(request, run_id, change)
 

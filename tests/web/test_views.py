@@ -124,9 +124,10 @@ async def test_actions_need_csrf_and_the_operator_token():
         await sign_in(client)
         ok = await client.post(
             "/runs/live-1/policy",
-            data={"csrf_token": token, "max_staleness": "5", "block": "policy"},
+            data={"csrf_token": token, "max_staleness": "5"},
             headers={"HX-Request": "true"},
         )
+        after = await client.get("/runs/live-1/block/policy")
     assert no_csrf.status_code == 403
     assert "CSRF" in no_csrf.text
     assert no_operator.status_code == 403
@@ -134,8 +135,9 @@ async def test_actions_need_csrf_and_the_operator_token():
     assert bearer_no_csrf.status_code == 403
     assert ok.status_code == 200
     assert live.calls == [("policy", {"max_staleness": 5})]
-    assert 'id="current-k">5<' in ok.text
-    assert "set max_staleness" in ok.text
+    assert ok.text == '<p class="flash info" role="status">Applied K = 5.</p>'
+    assert 'id="current-k">5<' in after.text
+    assert "set max_staleness from None to 5" in after.text
 
 
 async def test_bad_policy_values_and_refused_actions_say_why():

@@ -1,0 +1,290 @@
+"""The dashboard in a real browser (Debian's Chromium, driven by Playwright) against a live
+`corral serve` (uvicorn in a subprocess) with a simulated run in progress, paced to the wall clock.
+
+The run: 3 engines that take 1.5 s to load weights, trajectories of a few seconds, and the built-in
+sentinel trainer with a 30 s step, so after its first batch no version is published but ours while
+collection goes on. Screenshots of the runs page and the run page go to docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TOKEN = "browser-operator-token"
+ROOT = Path(__file__).resolve().parents[2]
+SHOTS = ROOT / "docs" / "screenshots"
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip("no /usr/bin/chromium (scripts/test-setup.sh installs it)", allow_module_level=True)
+if not (ROOT / "node_modules" / "htmx.org").is_dir():
+    pytest.skip("no node_modules/htmx.org (make install runs npm ci)", allow_module_level=True)
+
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def make_run_spec(update_s: float = 1.5, llm_s: float = 0.8, **overrides: object) -> dict[str, object]:
+    workload = {
+        "seed": 1,
+        "batches": 1000,
+        "batch": {"groups": 2, "group_size": 2},
+        "policy": {"surplus_groups": 4, "max_staleness": 2},
+        "engines": {"count": 3, "slots": 4, "update_s": update_s},
+        "cpus": {"total": 8, "serving": 2},
+        "lanes": {"reset": 4, "exec": 4, "validate": 2, "cleanup": 2},
+        "trajectory": {
+            "reset_s": {"uniform": [0.1, 0.4]},
+            "turns": {"uniform": [3, 6]},
+            "llm_s": {"uniform": [0.2, llm_s]},
+            "tool_s": 0.2,
+            "validate_s": 0.2,
+            "cleanup_s": 0.1,
+            "timeout_s": 120,
+        },
+    }
+    spec: dict[str, object] = {
+        "name": "browser-demo",
+        "kind": "sim",
+        "trainer": "sentinel",
+        "sentinel_step_s": 30.0,
+        "workload": workload,
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`corral serve`'s app on uvicorn in a subprocess, on a fresh SQLite database."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp / 'corral.db'}",
+        "CORRAL_DATA_DIR": str(tmp / "data"),
+        "CORRAL_OPERATOR_TOKEN": TOKEN,
+        "CORRAL_RESUME_RUNS": "false",
+    }
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", "app.api.app:create_app",
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    log = (tmp / "server.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {(tmp / 'server.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code in (200, 503):
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start within 60 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def api(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def run_id(api: httpx.Client) -> str:
+    created = api.post("/api/runs", json=make_run_spec())
+    assert created.status_code == 201, created.text
+    return str(created.json()["id"])
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+def new_page(browser: object, server: str, signed_in: bool) -> object:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})  # type: ignore[attr-defined]
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    page.goto(server + "/")
+    if signed_in:
+        page.get_by_label("Operator token").fill(TOKEN)
+        page.get_by_role("button", name="Sign in").click()
+        page.wait_for_load_state()
+    return page
+
+
+def span_count(page: object) -> int:
+    return int(page.locator("#timeline-svg").get_attribute("data-spans") or 0)  # type: ignore[attr-defined]
+
+
+def engine_versions(page: object) -> dict[str, tuple[int, str]]:
+    """Each engine row's version and state, read in one go (a live update may swap the rows)."""
+    rows = page.evaluate(  # type: ignore[attr-defined]
+        """() => Array.from(document.querySelectorAll('#engines tr[data-engine]')).map(r => [
+            r.dataset.engine,
+            r.querySelector('.engine-version').innerText,
+            r.querySelector('.state').innerText])"""
+    )
+    return {name: (int(version.lstrip("v")), state) for name, version, state in rows}
+
+
+def test_runs_page_lists_the_run(browser: object, server: str, run_id: str) -> None:
+    page = new_page(browser, server, signed_in=True)
+    row = page.locator(f'tr[data-run="{run_id}"]')
+    sync_api.expect(row).to_contain_text("running")
+    assert page.title() == "Corral — runs"
+    sync_api.expect(page.locator("#runs")).to_contain_text("browser-demo")
+    page.context.close()
+
+
+def test_timeline_bars_grow_without_a_reload(browser: object, server: str, run_id: str) -> None:
+    page = new_page(browser, server, signed_in=False)
+    page.goto(f"{server}/runs/{run_id}")
+    assert page.title() == f"Corral — run {run_id}"
+    page.evaluate("window.__loadedOnce = true")  # gone if the page reloads
+    sync_api.expect(page.locator("#timeline-svg rect.sp").first).to_be_visible()
+    first = span_count(page)
+    deadline = time.monotonic() + 20
+    while span_count(page) <= first and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    assert span_count(page) > first
+    assert page.locator("#timeline-svg rect.sp").count() > first
+    assert page.evaluate("window.__loadedOnce") is True
+    page.context.close()
+
+
+def test_publish_weights_moves_engines_one_by_one(
+    browser: object, server: str, run_id: str, api: httpx.Client
+) -> None:
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run_id}")
+    sync_api.expect(page.locator("#engines tr[data-engine]")).to_have_count(3)
+    # Wait for the sentinel trainer's first step to settle: every engine on the same version.
+    deadline = time.monotonic() + 30
+    while len({v for v, _ in engine_versions(page).values()}) != 1 and time.monotonic() < deadline:
+        page.wait_for_timeout(200)
+    before = max(v for v, _ in engine_versions(page).values())
+    page.get_by_role("button", name="Publish weights").click()
+    target = before + 1
+    seen: list[tuple[int, ...]] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        versions = engine_versions(page)
+        state = tuple(sorted(v for v, _ in versions.values()))
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        assert sum("updating" in s for _, s in versions.values()) <= 1, versions  # one at a time
+        if all(v >= target for v, _ in versions.values()):
+            break
+        page.wait_for_timeout(100)
+    done = [sum(v >= target for v in state) for state in seen]
+    assert done[-1] == 3, seen
+    assert {1, 2} <= set(done), seen  # the page showed one, then two engines on the new version
+    assert done == sorted(done), seen
+    live = api.get(f"/api/runs/{run_id}").json()["live"]
+    assert all(v >= target for v in live["engine_versions"].values())
+    page.context.close()
+
+
+def test_changing_k_in_the_form_changes_it_in_the_api(
+    browser: object, server: str, run_id: str, api: httpx.Client
+) -> None:
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run_id}")
+    current = api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"]
+    new = current + 3
+    page.get_by_label("K (staleness bound)").fill(str(new))
+    page.get_by_role("button", name="Apply live").click()
+    sync_api.expect(page.locator("#current-k")).to_have_text(str(new))
+    sync_api.expect(page.locator("#audit")).to_contain_text(f"set max_staleness from {current} to {new}")
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] == new
+    page.context.close()
+
+
+def test_an_action_without_the_operator_token_is_refused(
+    browser: object, server: str, run_id: str, api: httpx.Client
+) -> None:
+    page = new_page(browser, server, signed_in=False)
+    page.goto(f"{server}/runs/{run_id}")
+    before = api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"]
+    page.get_by_label("K (staleness bound)").fill(str(before + 7))
+    page.get_by_role("button", name="Apply live").click()
+    sync_api.expect(page.locator("#policy-msg")).to_contain_text("refused: acting needs the operator token")
+    page.get_by_role("button", name="Publish weights").click()
+    sync_api.expect(page.locator("#publish-msg")).to_contain_text("refused: acting needs the operator token")
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] == before
+    page.context.close()
+
+
+def test_actions_are_reachable_from_the_keyboard(browser: object, server: str, run_id: str) -> None:
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run_id}")
+    reached = set()
+    for _ in range(60):
+        page.keyboard.press("Tab")
+        label = page.evaluate("document.activeElement && (document.activeElement.innerText || '')")
+        reached.add(label.strip())
+    assert {"Publish weights", "Apply live", "Zoom in", "Zoom out"} <= reached
+    page.context.close()
+
+
+def test_screenshots_of_a_run_in_full_swing(browser: object, server: str, api: httpx.Client) -> None:
+    """A second run with a quick trainer, screenshotted once it has delivered batches (for the README)."""
+    spec = make_run_spec(update_s=0.4, llm_s=0.5, name="screenshot-demo", sentinel_step_s=0.5)
+    created = api.post("/api/runs", json=spec)
+    assert created.status_code == 201, created.text
+    run = str(created.json()["id"])
+    deadline = time.monotonic() + 60
+    while api.get(f"/api/runs/{run}").json()["live"]["batches"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    page = new_page(browser, server, signed_in=True)
+    sync_api.expect(page.locator(f'tr[data-run="{run}"]')).to_contain_text("running")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
+    page.goto(f"{server}/runs/{run}")
+    sync_api.expect(page.locator("#timeline-svg rect.sp").first).to_be_visible()
+    page.get_by_label("K (staleness bound)").fill("3")
+    page.get_by_role("button", name="Apply live").click()
+    sync_api.expect(page.locator("#audit")).to_contain_text("set max_staleness")
+    page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+    page.context.close()
