@@ -440,6 +440,7 @@ def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     progress.on_event("group_discarded", {"group": 5, "reason": "cancelled"})
     progress.on_event("group_discarded", {"group": 6, "reason": "stale"})
     progress.on_event("engine_state", {"engine": "engine-1", "state": "down", "detail": "exited with -9"})
+    progress.on_event("engine_state", {"engine": "*", "state": "all_down", "detail": "every engine is down"})
     text = console.export_text()
     assert "batch 1/3 delivered: 2 groups after 12.3 s, staleness ≤ 1" in text
     assert "group_admitted" not in text
@@ -449,4 +450,5 @@ def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     assert "group 5" not in text  # cancelled at the end of a run: counted in the report, not printed
     assert "group 6 discarded (stale); 1 so far" in text
     assert "engine-1 is down: exited with -9" in text
+    assert "] every engine is down" in text
     assert "{" not in text

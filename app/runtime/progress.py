@@ -172,6 +172,8 @@ class RunProgress:
 
     def _engine_state(self, data: dict[str, object]) -> str:
         detail = data.get("detail")
+        if data.get("engine") == "*":  # the state of the whole pool, e.g. every engine down
+            return str(detail or data.get("state"))
         return f"{data.get('engine')} is {data.get('state')}" + (f": {detail}" if detail else "")
 
     def _update_failed(self, data: dict[str, object]) -> str:
