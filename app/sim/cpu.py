@@ -166,6 +166,22 @@ class LanePool(CpuPool):
         for s in self.streams:
             s.rate_changed(now)
 
+    def set_guarantees(self, weights: Mapping[str, float]) -> None:
+        """New guaranteed shares: the sandbox cores split in proportion to `weights` (work-conserving
+        pools only; a partition's cores are fixed)."""
+        if not self.borrow:
+            raise ValueError(f"CPU pool {self.name!r}: partitioned lanes have fixed cores")
+        total = sum(weights.values())
+        if set(weights) != set(self.guarantees) or not total > 0 or not math.isfinite(total):
+            raise ValueError(f"CPU pool {self.name!r}: weights {dict(weights)} must be positive per lane")
+        now = _now()
+        for s in self.streams:
+            s.settle(now)
+        self.guarantees = {lane: self.cores * w / total for lane, w in weights.items()}
+        self.allocation = self._allocate()
+        for s in self.streams:
+            s.rate_changed(now)
+
     def _allocate(self) -> dict[str, float]:
         demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
         if not self.borrow:

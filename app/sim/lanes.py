@@ -6,13 +6,18 @@ Sharing (`lanes.sharing` in a workload):
   partition uses) and may use sandbox cores the others leave idle (see `app.sim.cpu.LanePool`);
 - `partitioned`: each lane owns whole cores and never borrows (the strict per-lane partition).
 
-Adaptive slots (`lanes.adaptive`). Every `interval_s` of virtual time `AdaptiveSlots.decide` looks at
+Adaptive lanes (`lanes.adaptive`). Every `interval_s` of virtual time `AdaptiveSlots.decide` looks at
 each lane: if operations are queued and the lane's cores have headroom (the sandbox pool, or the lane's
 own partition, has at least one operation's demand idle), its slots grow by `step` × its configured
 slots (at least 1), up to `max_factor` × configured; if nothing is queued and at most half the slots
 are busy, they shrink by the same step, never below the configured slots. Growing only into idle cores
 keeps the controller from oversubscribing the CPUs to clear a queue; shrinking back keeps a burst from
-leaving the lane oversized. The decision is pure (no clock, no I/O); `ResizableLimiter` carries it out.
+leaving the lane oversized. With `reweight` (work-conserving lanes only) the guaranteed shares follow
+measured demand too (`AdaptiveSlots.shares`): each lane's weight becomes the cores its running and
+queued operations would use, at least `min_share` of its configured share, so a lane whose queue
+grows because it is short of CPU, not of slots (a reset lane starved by a saturated pool), gets a
+larger share instead of more slots. The decisions are pure (no clock, no I/O); `ResizableLimiter` and
+`LanePool.set_guarantees` carry them out.
 
 Invariants: a lane runs at most its current slots at once (after a shrink, running operations finish
 and no new one starts until the lane is under its slots again); waiters are served in FIFO order;
@@ -60,6 +65,12 @@ class AdaptiveLanesSpec(BaseModel):
     interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
     step: float = Field(0.25, gt=0, le=4, description="growth or shrink per decision, × configured slots")
     max_factor: float = Field(4.0, ge=1, le=64, description="largest slots, × configured slots")
+    reweight: bool = Field(
+        True, description="work-conserving lanes: guaranteed shares follow running + queued demand"
+    )
+    min_share: float = Field(
+        0.25, gt=0, le=1, description="a reweighted lane keeps at least this fraction of its configured share"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,14 @@ class AdaptiveSlots:
                 slots = max(low, slots - step)
             decided[lane] = min(high, max(low, slots))
         return decided
+
+    def shares(self, samples: Mapping[str, LaneSample], configured: Mapping[str, float]) -> dict[str, float]:
+        """Guaranteed cores by measured demand: a lane's weight is the cores its running and queued
+        operations would use, and never below `min_share` of its configured guarantee."""
+        return {
+            lane: max(self.spec.min_share * configured[lane], (s.busy + s.queued) * s.op_demand)
+            for lane, s in samples.items()
+        }
 
 
 class ResizableLimiter:

@@ -32,6 +32,7 @@ class SimPorts:
     lane_cpus: SimLaneCpus
     controller: AdaptiveSlots | None
     interval_s: float
+    configured_guarantees: dict[str, float] = field(default_factory=dict)
     slot_log: list[tuple[float, dict[str, int]]] = field(default_factory=list)
 
     def lane_report(self) -> dict[str, Any]:
@@ -39,7 +40,7 @@ class SimPorts:
         out: dict[str, Any] = {}
         if self.sandbox is not None:
             out["lane_sharing"] = "work_conserving" if self.sandbox.borrow else "partitioned"
-            out["lane_guaranteed_cores"] = {k: round(v, 3) for k, v in self.sandbox.guarantees.items()}
+            out["lane_guaranteed_cores"] = {k: round(v, 3) for k, v in self.configured_guarantees.items()}
             out["lane_max_borrowed_cores"] = round(self.sandbox.max_borrowed, 3)
         else:
             out["lane_sharing"] = "shared"
@@ -53,6 +54,8 @@ class SimPorts:
                 for lane, limiter in self.lanes.limiters.items()
             }
             out["lane_slot_changes"] = len(self.slot_log)
+            if self.sandbox is not None and self.controller.spec.reweight and self.sandbox.borrow:
+                out["lane_final_guarantees"] = {k: round(v, 3) for k, v in self.sandbox.guarantees.items()}
         return out
 
 
@@ -110,7 +113,8 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
     adaptive = workload.lanes.adaptive
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
-    return SimPorts(serving, sandbox, engines, lanes, lane_cpus, controller, interval)
+    configured = dict(sandbox.guarantees) if sandbox is not None else {}
+    return SimPorts(serving, sandbox, engines, lanes, lane_cpus, controller, interval, configured)
 
 
 async def run_adapting(runtime: Runtime, ports: SimPorts, batches: int) -> RunState:
@@ -123,7 +127,11 @@ async def run_adapting(runtime: Runtime, ports: SimPorts, batches: int) -> RunSt
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(ports.interval_s)
-            decided = ports.controller.decide(_samples(ports))
+            samples = _samples(ports)
+            decided = ports.controller.decide(samples)
+            pool = ports.sandbox
+            if ports.controller.spec.reweight and pool is not None and pool.borrow:
+                pool.set_guarantees(ports.controller.shares(samples, ports.configured_guarantees))
             changed = {
                 lane: n for lane, n in decided.items() if ports.lanes.limiters[LaneName(lane)].slots != n
             }

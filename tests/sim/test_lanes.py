@@ -158,3 +158,34 @@ def test_adaptive_slots_stay_in_bounds_and_grow_only_into_idle_cores(
         assert idle >= op_demand
     if queued > 0 and idle >= op_demand and slots < high:
         assert new > slots
+
+
+def test_reweighting_moves_the_guarantee_to_the_lane_with_queued_work() -> None:
+    controller = AdaptiveSlots({"reset": 4, "exec": 8}, AdaptiveLanesSpec())
+    samples = {
+        "reset": LaneSample(slots=4, busy=4, queued=40, idle_cores=0.0, op_demand=0.5),
+        "exec": LaneSample(slots=8, busy=8, queued=0, idle_cores=0.0, op_demand=1.0),
+    }
+    shares = controller.shares(samples, {"reset": 1.0, "exec": 7.0})
+    assert shares == {"reset": 22.0, "exec": 8.0}
+    idle = {lane: LaneSample(s.slots, 0, 0, 8.0, s.op_demand) for lane, s in samples.items()}
+    assert controller.shares(idle, {"reset": 1.0, "exec": 7.0}) == {"reset": 0.25, "exec": 1.75}
+
+
+def test_new_guarantees_take_effect_at_once_and_partitions_refuse_them() -> None:
+    pool = make_pool(cores=4.0, guarantees={"reset": 1.0, "exec": 3.0})
+    streams = {lane: pool.stream(lane) for lane in pool.guarantees}
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(streams["exec"].run(100, 8))  # exec floods the pool
+            job = tg.create_task(streams["reset"].run(10, 4))
+            await asyncio.sleep(5)  # reset has 1 core of the 4 it wants: 1.25 s of work done
+            pool.set_guarantees({"reset": 1.0, "exec": 1.0})  # now 2 cores: half speed
+            await job
+            return loop.time()
+
+    assert run_virtual(main()) == pytest.approx(5 + (10 - 1.25) / 0.5)
+    with pytest.raises(ValueError, match="fixed"):
+        make_pool(borrow=False).set_guarantees({"reset": 1, "exec": 1, "validate": 1, "cleanup": 1})
