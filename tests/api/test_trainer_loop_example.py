@@ -1,0 +1,31 @@
+"""examples/trainer_loop.py (the README's trainer loop) against a live server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from conftest import TOKEN, make_run
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
+
+
+def test_the_readme_trainer_loop_trains_on_three_batches(server: str, api: httpx.Client) -> None:
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--url", server, "--run", run_id, "--token", TOKEN, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=EXAMPLE.parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["batch 0", "batch 1", "batch 2"]
+    assert lines[-1].endswith("published v3")
+    view = api.get(f"/api/runs/{run_id}").json()
+    assert view["live"]["trainer_version"] == 3
+    assert view["live"]["batches_unacked"] == 0
+    api.post(f"/api/runs/{run_id}/stop")
