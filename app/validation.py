@@ -19,6 +19,8 @@ from pydantic import ValidationError
 MAX_SECONDS = 1e6
 # Most agent turns one attempt may take (the simulator holds every turn of a live attempt).
 MAX_TURNS = 100_000
+# Seeds key every random draw; any 64-bit value will do.
+MAX_SEED = 2**63 - 1
 # Simulator sizes.
 MAX_BATCHES = 100_000
 MAX_GROUPS_PER_BATCH = 10_000
@@ -110,3 +112,68 @@ def problems(exc: ValidationError, rename: Mapping[str, str] | None = None) -> s
         where = (rename or {}).get(where, where)
         parts.append(f"{where}: {describe(err)}" if where else describe(err))
     return "; ".join(parts)
+
+
+def _number(x: float) -> str:
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.0f}" if x.is_integer() else f"{x:g}"
+
+
+def _range(p: Mapping[str, Any]) -> str | None:
+    if "maximum" not in p:
+        return None
+    high = _number(p["maximum"])
+    if "exclusiveMinimum" in p:
+        return f"> {_number(p['exclusiveMinimum'])}, ≤ {high}"
+    if "minimum" in p:
+        return f"{_number(p['minimum'])} … {high}"
+    return f"≤ {high}"
+
+
+def limit_rows(schema: Mapping[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """Markdown rows `| field | range |` for every bounded number of a pydantic JSON schema.
+
+    docs/limits.md holds these rows for the workload and the run config; `python -m app.validation`
+    prints them again after a bound changes."""
+    defs = schema.get("$defs", {})
+    rows: list[str] = []
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for name, prop in node.get("properties", {}).items():
+            key = prefix + name
+            if skip and key.startswith(skip):
+                continue
+            options = prop.get("anyOf", [prop])
+            ref = next((o["$ref"] for o in options if "$ref" in o), None)
+            if ref is not None:
+                walk(defs[ref.split("/")[-1]], key + ".")
+                continue
+            merged: dict[str, Any] = {}
+            for option in options:
+                merged.update(option)
+            bounds = _range(merged)
+            if bounds is not None:
+                rows.append(f"| `{key}` | {bounds} |")
+
+    walk(schema, "")
+    return rows
+
+
+DISTRIBUTIONS = tuple(
+    f"trajectory.{f}" for f in ("reset_s", "turns", "llm_s", "tool_s", "validate_s", "cleanup_s")
+)
+
+
+def _print_tables() -> None:  # pragma: no cover - a documentation helper
+    from app.runtime.config import LocalRunConfig
+    from app.sim.workload import Workload
+
+    print("Workload (`corral sim`, `corral bench`):\n")
+    print("\n".join(limit_rows(Workload.model_json_schema(), DISTRIBUTIONS)))
+    print("\nRun config (`corral run`):\n")
+    print("\n".join(limit_rows(LocalRunConfig.model_json_schema())))
+
+
+if __name__ == "__main__":
+    _print_tables()

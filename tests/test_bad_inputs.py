@@ -22,8 +22,12 @@ from typing import Any
 import pytest
 import typer
 from factories import make_workload_data
+from pydantic import BaseModel
 
 from app.cpulist import CpuListError, parse_cpu_list
+from app.runtime.config import LocalRunConfig
+from app.sim.workload import Workload
+from app.validation import DISTRIBUTIONS, limit_rows
 
 CORRAL = Path(sys.executable).with_name("corral")
 VLLM_PRESENT = shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None
@@ -452,3 +456,42 @@ def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     assert "engine-1 is down: exited with -9" in text
     assert "] every engine is down" in text
     assert "{" not in text
+
+
+# -- every size bounded, and documented -----------------------------------------------------------------
+
+# Bounded by a validator instead of the schema: the distributions by their largest draw (Dist.upper),
+# engines.count with a memory estimate.
+BOUNDED_BY_VALIDATORS = (*DISTRIBUTIONS, "engines.count")
+
+
+def unbounded_numbers(schema: dict[str, Any]) -> list[str]:
+    defs = schema.get("$defs", {})
+    found: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for name, prop in node.get("properties", {}).items():
+            key = prefix + name
+            if key.startswith(BOUNDED_BY_VALIDATORS):
+                continue
+            options = prop.get("anyOf", [prop])
+            ref = next((o["$ref"] for o in options if "$ref" in o), None)
+            if ref is not None:
+                walk(defs[ref.split("/")[-1]], key + ".")
+                continue
+            for option in options:
+                items = [option, option.get("items", {}), *option.get("prefixItems", [])]
+                if any(i.get("type") in ("integer", "number") and "maximum" not in i for i in items):
+                    found.append(key)
+
+    walk(schema, "")
+    return found
+
+
+@pytest.mark.parametrize("model", [Workload, LocalRunConfig])
+def test_every_number_has_an_upper_bound_and_a_row_in_docs_limits(model: type[BaseModel]) -> None:
+    schema = model.model_json_schema()
+    assert unbounded_numbers(schema) == []
+    doc = (Path(__file__).parent.parent / "docs" / "limits.md").read_text()
+    missing = [row for row in limit_rows(schema, DISTRIBUTIONS) if row not in doc]
+    assert missing == [], "docs/limits.md lacks these rows (`python -m app.validation` prints them)"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.core.config import LanesConfig
 from app.cpulist import MAX_CPU
-from app.validation import MAX_SECONDS, human_bytes, problems
+from app.validation import MAX_SECONDS, MAX_SEED, human_bytes, problems
 
 # Sizes of a run on one machine. An embedded engine at the default size is a torch process of about
 # 250 MB resident (VmRSS of `corral engine --cpus 0 --sentinel`, measured idle).
@@ -123,7 +123,7 @@ class SandboxConfig(_Strict):
 
 
 class LocalRunConfig(_Strict):
-    seed: int = Field(0, strict=True)
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="keys every random draw")
     batches: int = _count(
         3, 1, MAX_RUN_BATCHES, "trainer steps when neither --batches nor --duration is given"
     )

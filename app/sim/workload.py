@@ -28,6 +28,7 @@ from app.validation import (
     MAX_GROUP_SIZE,
     MAX_GROUPS_PER_BATCH,
     MAX_SECONDS,
+    MAX_SEED,
     MAX_SIM_ENGINES,
     MAX_SLOTS,
     MAX_STALENESS,
@@ -297,7 +298,7 @@ class TraceSpec(Strict):
 
 
 class Workload(Strict):
-    seed: int = Field(0, strict=True)
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True)
     batches: int = Field(12, ge=1, le=MAX_BATCHES, strict=True, description="trainer steps")
     batch: BatchSpec = Field(default_factory=BatchSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
