@@ -7,8 +7,9 @@ counters (the client library appends it), no unit suffix on unitless gauges.
 Multiprocess mode: when `PROMETHEUS_MULTIPROC_DIR` is set (before the metrics are built), every process
 that builds `CorralMetrics` (the API, the orchestrator, Celery lane workers) writes its values to files
 in that directory, and `/metrics` aggregates them with `MultiProcessCollector`: counters and histograms
-are summed, `corral_groups_in_flight` and `corral_lane_queue_depth` are summed over live processes, and
-`corral_engine_weight_version` takes the maximum.
+are summed, `corral_groups_in_flight` and `corral_lane_queue_depth` are summed over live processes (a
+process's parent calls `mark_process_dead(pid)` when it exits), and `corral_engine_weight_version`
+takes the maximum.
 
 Each `CorralMetrics` has its own registry (an app factory builds one per app, so tests can build
 several); in multiprocess mode all of them write to the shared directory.
@@ -149,3 +150,11 @@ class MetricsSink:
                 m.engine_weight_version.labels(run, ev.engine).set(ev.version)
             elif isinstance(ev, GroupAdmitted):
                 pass  # in flight is sampled from the scheduler (ready groups leave without an event)
+
+
+def mark_process_dead(pid: int) -> None:
+    """A process that contributed in multiprocess mode exited (a Celery pool process, a worker): its
+    live gauges stop counting. Call it from the parent's child-exit hook; no-op outside that mode."""
+    path = multiprocess_dir()
+    if path is not None:
+        prom_multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]

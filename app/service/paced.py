@@ -36,7 +36,7 @@ class PacedLoop(VirtualTimeLoop):
     def pause(self) -> None:
         """Freeze virtual time (call on the loop, e.g. through `call_soon_threadsafe`)."""
         if not self._paused:
-            self._anchor_virtual = self._paced_now()
+            self._anchor_virtual = self._virtual_now  # frozen at the time callbacks see now
             self._paused = True
 
     def resume(self) -> None:

@@ -1,0 +1,130 @@
+"""GET /metrics (Prometheus, also in multiprocess mode), GET /healthz and the OpenAPI docs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from conftest import make_run, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def test_metrics_follow_prometheus_names_and_count_a_run(api: httpx.Client) -> None:
+    run_id = api.post("/api/runs", json=make_run(batches=2, trainer="sentinel", sentinel_step_s=0)).json()[
+        "id"
+    ]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed", what="completed")
+    text = api.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["corral_trainer_idle_seconds"].type == "counter"
+    assert families["corral_batch_collection_seconds"].type == "histogram"
+    assert families["corral_group_staleness"].type == "histogram"
+    assert families["corral_groups_in_flight"].type == "gauge"
+    assert families["corral_discarded_groups"].type == "counter"
+
+    def sample(name: str, **labels: str) -> float:
+        for family in families.values():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return float(s.value)
+        raise AssertionError(f"no sample {name} {labels}")
+
+    assert sample("corral_batch_collection_seconds_count", run=run_id) == 2
+    assert sample("corral_group_staleness_count", run=run_id) == 4  # B = 2 groups x 2 batches
+    assert sample("corral_trainer_idle_seconds_total", run=run_id) > 0
+    assert sample("corral_engine_weight_version", run=run_id, engine="engine-0") >= 1
+    assert sample("corral_lane_queue_depth", run=run_id, lane="exec") == 0  # ended: nothing queued
+    assert sample("corral_discarded_groups_total", run=run_id, reason="cancelled") >= 1  # at the end
+    assert sample("corral_groups_in_flight", run=run_id) == 0
+
+
+WRITER = """
+from app.metrics import CorralMetrics
+m = CorralMetrics()
+m.discarded_groups.labels("r1", "stale").inc({n})
+m.lane_queue_depth.labels("r1", "exec").set({n})
+m.engine_weight_version.labels("r1", "engine-0").set({n})
+import os; print(os.getpid())
+"""
+
+
+def test_several_processes_contribute_in_multiprocess_mode(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    pids = [
+        subprocess.run(
+            [sys.executable, "-c", WRITER.format(n=n)], env=env, check=True, timeout=60, capture_output=True,
+            text=True,
+        ).stdout.strip()
+        for n in (2, 5)
+    ]  # fmt: skip
+
+    def scrape(dead: str = "") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        reader = (
+            "from app.metrics import CorralMetrics, mark_process_dead\n"
+            f"{'mark_process_dead(' + dead + ')' if dead else ''}\n"
+            "print(CorralMetrics().exposition()[0].decode())"
+        )
+        text = subprocess.run(
+            [sys.executable, "-c", reader], env=env, check=True, timeout=60, capture_output=True, text=True
+        ).stdout
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    samples = scrape()
+    assert samples[("corral_discarded_groups_total", (("reason", "stale"), ("run", "r1")))] == 7  # summed
+    assert samples[("corral_engine_weight_version", (("engine", "engine-0"), ("run", "r1")))] == 5  # max
+    assert samples[("corral_lane_queue_depth", (("lane", "exec"), ("run", "r1")))] == 7  # summed
+    # A worker that exits is marked dead: its queue depth no longer counts, its counters still do.
+    after = scrape(dead=pids[0])
+    assert after[("corral_lane_queue_depth", (("lane", "exec"), ("run", "r1")))] == 5
+    assert after[("corral_discarded_groups_total", (("reason", "stale"), ("run", "r1")))] == 7
+
+
+def test_healthz_reports_database_broker_and_engines(api: httpx.Client) -> None:
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    health = api.get("/healthz")
+    assert health.status_code == 200
+    body = health.json()
+    assert body["ok"] is True
+    assert body["database"] == {"ok": True}
+    assert body["broker"] == {"mode": "in-process", "ok": True}
+    assert body["engines"][run_id] == {"engine-0": True, "engine-1": True}
+    api.post(f"/api/runs/{run_id}/stop")
+
+
+def test_healthz_is_503_when_the_broker_is_unreachable(tmp_path: Path, backend_url: str) -> None:
+    from conftest import make_settings, serving
+
+    settings = make_settings(tmp_path, backend_url, broker_url="redis://127.0.0.1:1/0")
+    with serving(settings) as url:
+        health = httpx.get(f"{url}/healthz", timeout=10)
+    assert health.status_code == 503
+    assert health.json()["broker"] == {"mode": "celery", "ok": False}
+
+
+def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:
+    assert api.get("/docs").status_code == 200
+    paths = set(api.get("/openapi.json").json()["paths"])
+    assert {
+        "/api/runs",
+        "/api/runs/{run_id}",
+        "/api/runs/{run_id}/batches/next",
+        "/api/runs/{run_id}/batches/{batch_id}/ack",
+        "/api/runs/{run_id}/weights",
+        "/api/runs/{run_id}/rollouts/{rid}",
+        "/api/runs/{run_id}/policy",
+        "/api/runs/{run_id}/timeline",
+        "/api/runs/{run_id}/metrics",
+        "/api/runs/{run_id}/pause",
+        "/api/runs/{run_id}/resume",
+        "/api/runs/{run_id}/stop",
+        "/healthz",
+        "/metrics",
+    } <= paths

@@ -1,0 +1,106 @@
+"""The trainer gateway: at-least-once offers with leases, idempotent acks, the step's wait, closing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_gateway(**overrides: Any) -> tuple[TrainerGateway, Clock, dict[str, int]]:
+    clock = Clock()
+    published = {"version": 0}
+    fields: dict[str, Any] = {"run_id": "r", "ack_timeout_s": 10.0, "clock": clock}
+    fields.update(overrides)
+    return TrainerGateway(published_version=lambda: published["version"], **fields), clock, published
+
+
+def make_payload(index: int = 0, **overrides: Any) -> dict[str, Any]:
+    payload: dict[str, Any] = {"batch_id": f"r-b{index}", "index": index, "publish_version": index + 1,
+                               "trainer_version": index, "groups": []}  # fmt: skip
+    payload.update(overrides)
+    return payload
+
+
+async def test_an_unacked_batch_is_offered_again_after_its_lease() -> None:
+    gateway, clock, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    first = await gateway.next_batch(0)
+    assert first is not None
+    assert first.deliveries == 1
+    assert await gateway.next_batch(0) is None  # leased: nobody else gets it
+    clock.now += 10.5
+    again = await gateway.next_batch(0)
+    assert again is first
+    assert again.deliveries == 2
+    assert gateway.stats.redelivered == 1
+
+
+async def test_acks_are_idempotent_and_unknown_batches_refused() -> None:
+    gateway, _, _ = make_gateway()
+    acked: list[Offer] = []
+    gateway.on_ack = acked.append
+    gateway.offer(make_payload(0))
+    assert gateway.ack("r-b0")[1] is False
+    assert gateway.ack("r-b0")[1] is True
+    assert len(acked) == 1  # the store hears of the first ack only
+    assert await gateway.next_batch(0) is None
+    with pytest.raises(UnknownBatchError):
+        gateway.ack("r-b9")
+
+
+async def test_batches_are_handed_out_oldest_first() -> None:
+    gateway, _, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    gateway.offer(make_payload(1))
+    assert gateway.offer(make_payload(0)).index == 0  # offering again changes nothing
+    taken = [await gateway.next_batch(0), await gateway.next_batch(0)]
+    assert [o.index for o in taken if o is not None] == [0, 1]
+
+
+async def test_a_waiting_trainer_is_woken_by_an_offer() -> None:
+    gateway, _, _ = make_gateway()
+    waiting = asyncio.create_task(gateway.next_batch(30))
+    await asyncio.sleep(0)
+    gateway.offer(make_payload(0))
+    offer = await asyncio.wait_for(waiting, 5)
+    assert offer is not None
+    assert offer.batch_id == "r-b0"
+
+
+async def test_the_step_ends_once_acked_and_published() -> None:
+    from app.core.scheduler import DeliverBatch
+    from app.runtime.ports import TrainingBatch
+
+    gateway, _, published = make_gateway()
+    step = asyncio.create_task(gateway.step(TrainingBatch(DeliverBatch(0, (), 0), {}), 1))
+    offer = await gateway.next_batch(5)
+    assert offer is not None
+    gateway.ack(offer.batch_id)
+    await asyncio.sleep(0.01)
+    assert not step.done()  # acked, but version 1 is not published yet
+    published["version"] = 1
+    gateway.notify()
+    assert await asyncio.wait_for(step, 5) is None
+
+
+async def test_a_closed_gateway_still_hands_out_what_is_left_then_refuses() -> None:
+    gateway, _, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    gateway.close("stopped")
+    offer = await gateway.next_batch(0)
+    assert offer is not None
+    gateway.ack(offer.batch_id)
+    with pytest.raises(RunClosedError):
+        await gateway.next_batch(5)
