@@ -515,6 +515,7 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
             outcome=outcome,
             batch=r.get("batch"),
             staleness=r.get("staleness"),
+            detail=str(r.get("detail") or ""),
         )
         groups.append(g)
         if outcome == "delivered" and g.staleness is not None:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -75,6 +75,7 @@ class Dashboard:
     replays: ReplayStore = field(default_factory=ReplayStore)
     env: Environment = field(default_factory=make_env)
     stream_interval_s: float = 0.5
+    timeline_interval_s: float = 2.0
     default_launch: Mapping[str, Any] = field(default_factory=dict)
 
     def backends(self) -> list[RunsBackend]:
@@ -290,11 +291,18 @@ def make_router(dash: Dashboard) -> APIRouter:
                 return []
             ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             ctx["operator"] = is_operator(request, dash.access)
-            out = [(b, dash.render("run.html", ctx, b)) for b in LIVE_BLOCKS]
-            out.append(("timeline", str(view.last_seq)))  # a trigger: the page fetches it at its zoom
-            return out
+            return [(b, dash.render("run.html", ctx, b)) for b in LIVE_BLOCKS]
 
-        return EventSourceResponse(_changes(request, lambda: backend.version(run_id), blocks, dash))
+        def version() -> object:
+            return backend.version(run_id)
+
+        feeds = [
+            Feed(version, blocks),
+            # A trigger only: the page fetches the timeline at its own zoom. The timeline is the
+            # heaviest block, so it follows the run at most every `timeline_interval_s`.
+            Feed(version, lambda: [("timeline", "")], dash.timeline_interval_s),
+        ]
+        return EventSourceResponse(_changes(request, feeds, dash.stream_interval_s))
 
     @router.get("/stream")
     async def runs_stream(request: Request) -> Response:
@@ -308,7 +316,7 @@ def make_router(dash: Dashboard) -> APIRouter:
             ctx = {**runs_context(dash), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             return [("runs", dash.render("runs.html", ctx, "runs"))]
 
-        return EventSourceResponse(_changes(request, key, blocks, dash))
+        return EventSourceResponse(_changes(request, [Feed(key, blocks)], dash.stream_interval_s))
 
     @router.post("/login")
     async def login(request: Request) -> Response:
@@ -446,21 +454,33 @@ def parse_policy_form(form: Mapping[str, str]) -> dict[str, int]:
     return changes
 
 
-async def _changes(
-    request: Request,
-    key: Callable[[], object],
-    blocks: Callable[[], list[tuple[str, str]]],
-    dash: Dashboard,
-) -> AsyncIterator[dict[str, str]]:
-    """Named blocks whenever `key()` changes, checked every `stream_interval_s`, until the client goes."""
+@dataclass
+class Feed:
+    """Named blocks sent when `key()` has changed, at most every `min_interval_s` (the last change is
+    always sent: a change held back by the interval goes out once the interval has passed)."""
+
+    key: Callable[[], object]
+    blocks: Callable[[], list[tuple[str, str]]]
+    min_interval_s: float = 0.0
     last: object = None
+    sent_at: float = float("-inf")
+
+
+class _Client(Protocol):
+    async def is_disconnected(self) -> bool: ...
+
+
+async def _changes(request: _Client, feeds: list[Feed], interval_s: float) -> AsyncIterator[dict[str, str]]:
+    """The live stream: every `interval_s`, each feed's blocks if due; until the client goes."""
+    loop = asyncio.get_running_loop()
     while not await request.is_disconnected():
-        current = key()
-        if current != last:
-            last = current
-            for name, html in blocks():
-                yield {"event": name, "data": html}
-        await asyncio.sleep(dash.stream_interval_s)
+        for feed in feeds:
+            current = feed.key()
+            if current != feed.last and loop.time() - feed.sent_at >= feed.min_interval_s:
+                feed.last, feed.sent_at = current, loop.time()
+                for name, html in feed.blocks():
+                    yield {"event": name, "data": html}
+        await asyncio.sleep(interval_s)
 
 
 def dashboard_for(settings: Any, get_manager: Callable[[], Any]) -> Dashboard:

@@ -118,3 +118,25 @@ def test_policy_changes_in_the_stream_update_the_policy():
     view = view_from_events("r", events, RunMeta(policy={"surplus_groups": 4}))
     assert view.policy["surplus_groups"] == 9
     assert view.audit[0].actor == "alice"
+
+
+def test_a_simulated_report_replays_group_by_group():
+    from factories import make_workload_data
+
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+    from app.web.timeline import render_timeline
+
+    workload = Workload.model_validate(make_workload_data())
+    report = simulate(workload, policy_for(workload, "full"), "full", timeline=True)
+    view = view_from_report("replay-1", report)
+    assert len(view.groups) == report["admitted_groups"]
+    assert len(view.batches) == report["batches"]
+    assert [b.wait_s for b in view.batches] == pytest.approx(
+        report["batch_collection_s"]["per_batch"], abs=1e-3
+    )
+    assert sum(view.staleness.values()) == report["delivered_groups"]
+    assert view.mean_collection_s == pytest.approx(report["batch_collection_s"]["mean"], abs=1e-3)
+    done = [g.ready for g in view.ordered_groups() if g.ready is not None]
+    assert done == sorted(done)
+    assert 'class="sp"' in render_timeline(view)

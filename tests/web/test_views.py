@@ -10,7 +10,7 @@ from app.web.backend import ActionRefused
 from app.web.readmodel import RunMeta, view_from_events
 from app.web.security import AccessConfig
 from app.web.synthetic import synthetic_run
-from app.web.views import Dashboard, _changes, mount_dashboard, parse_policy_form
+from app.web.views import Dashboard, Feed, _changes, mount_dashboard, parse_policy_form
 
 OPERATOR = "operator-token-123"
 
@@ -232,12 +232,21 @@ class FakeRequest:
 
 
 async def test_the_live_stream_sends_blocks_only_when_the_run_changes():
-    client, dash = make_client()
-    dash.stream_interval_s = 0.0
     keys = iter([1, 1, 2, 2])
-    sent = [
-        msg
-        async for msg in _changes(FakeRequest(4), lambda: next(keys), lambda: [("engines", "<p>x</p>")], dash)
-    ]
-    await client.aclose()
+    feed = Feed(lambda: next(keys), lambda: [("engines", "<p>x</p>")])
+    sent = [msg async for msg in _changes(FakeRequest(4), [feed], 0.0)]
     assert sent == [{"event": "engines", "data": "<p>x</p>"}] * 2
+
+
+async def test_a_slow_feed_sends_its_last_change_once_its_interval_has_passed():
+    version = [0]
+
+    def key():
+        version[0] += 1  # the run changes at every poll
+        return version[0]
+
+    fast = Feed(key, lambda: [("engines", "")])
+    slow = Feed(key, lambda: [("timeline", "")], min_interval_s=0.05)
+    sent = [m["event"] async for m in _changes(FakeRequest(10), [fast, slow], 0.02)]
+    assert sent.count("engines") == 10
+    assert 2 <= sent.count("timeline") <= 5  # held back to one per 50 ms, never dropped for good
