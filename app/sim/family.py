@@ -8,11 +8,12 @@
   120 s, cleanup 13 / 17 s capped at 38 s, task log-sd 0.6, attempt log-sd 0.15 (within-group max/mean
   ≈ 1.24). DESIGN.md gives no split of a turn into engine and tool time: engine time per turn is
   median 10 s / p90 20 s and tool time the default 2.5 / 10 s, so 18 turns make about the 270 s median
-  agent phase. Resources are the default's.
+  agent phase. Resources are the default's; 8 batches.
 - `cpu-scarce`: the held-out case: 32 sandbox cores for 384 live trajectories, resets that need half
   a core with a tail beyond an hour (median 20 s, p90 300 s, cap 5,400 s), and a static proportional
   split that gives the reset lane 4 cores for its 64 slots.
-- `ample-cpu`: the default with 2,048 cores and 1,024 slots a lane: CPUs never limit anything.
+- `ample-cpu`: the default with 2,048 cores and 1,024 slots a lane: CPUs never limit anything; 8
+  batches.
 - `trace`: replays examples/tb-trace.jsonl (240 attempts of 40 tasks; synthetic, drawn to DESIGN.md's
   quantiles with a few setups beyond an hour, see benchmarks/make_trace.py), 8 batches.
 
@@ -41,6 +42,7 @@ def _ln(median: float, p90: float, cap: float | None = None) -> dict[str, Any]:
 FAMILY: dict[str, dict[str, Any]] = {
     "default": {},
     "design": {
+        "batches": 8,
         "trajectory": {
             "reset_s": _ln(7, 76),
             "turns": _ln(18, 36),
@@ -67,6 +69,7 @@ FAMILY: dict[str, dict[str, Any]] = {
         "trajectory": {"reset_s": _ln(20, 300, 5400)},
     },
     "ample-cpu": {
+        "batches": 8,
         "cpus": {"total": 2048, "serving": 64},
         "lanes": {"reset": 1024, "exec": 1024, "validate": 1024, "cleanup": 1024},
     },
