@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import typer
 from factories import make_workload_data
 from pydantic import BaseModel
 
@@ -364,11 +363,14 @@ def test_report_json_is_strict(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "a": 1.5,
         "b": [1, 2],
     }
-    with pytest.raises(typer.Exit) as exited:
-        write_json(tmp_path / "bad.json", {"x": {"y": [1.0, math.nan]}})
-    assert exited.value.exit_code == 2
-    assert "x.y[1]" in capsys.readouterr().err
-    assert not (tmp_path / "bad.json").exists()
+    write_json(tmp_path / "nan.json", {"x": {"y": [1.0, math.nan]}, "z": math.inf})
+    assert json.loads((tmp_path / "nan.json").read_text(), parse_constant=pytest.fail) == {
+        "x": {"y": [1.0, None]},
+        "z": None,
+    }
+    warning = capsys.readouterr().err
+    assert "warning:" in warning
+    assert "x.y[1], z" in warning
 
 
 def test_output_check_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -96,12 +96,15 @@ def check_finite(value: float | None, flag: str, *, low: float, high: float) -> 
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Strict JSON, atomically (a reader never sees a half-written report)."""
-    try:
-        text = json.dumps(data, indent=2, allow_nan=False)
-    except ValueError:
-        bad = ", ".join(_non_finite(data)) or "?"
-        fail(f"the report for {path} holds non-finite numbers at {bad}; nothing was written")
+    """Strict JSON, atomically (a reader never sees a half-written report).
+
+    A non-finite number (a bug upstream: every input is finite) is written as null, never as NaN, and
+    named in a warning line, so the work of a long run is not lost to it."""
+    bad = list(_non_finite(data))
+    if bad:
+        say(f"warning: {path}: no finite value at {', '.join(bad)}; written as null")
+        data = _finite_or_none(data)
+    text = json.dumps(data, indent=2, allow_nan=False)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -109,6 +112,16 @@ def write_json(path: Path, data: Any) -> None:
         tmp.replace(path)
     except OSError as exc:
         fail(f"cannot write {path}: {exc.strerror or exc}")
+
+
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite_or_none(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite_or_none(value) for value in data]
+    return data
 
 
 def _non_finite(data: Any, where: str = "") -> Iterator[str]:
