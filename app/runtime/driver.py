@@ -195,7 +195,7 @@ class Runtime:
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._all_down_since: float | None = None
         self._health_watch: asyncio.Task[None] | None = None
-        self.phase = "starting"  # starting, collecting, trainer_step, stopping: where a stop landed
+        self.phase = "startup"  # startup, collecting, trainer_step, stopping: where a stop landed
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()

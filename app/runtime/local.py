@@ -87,7 +87,7 @@ class _StopSignals:
             if runtime is not None:
                 self.phase_at_first = runtime.phase
                 self.updating_at_first = sorted(runtime.plan.updating)
-        if runtime is None or runtime.phase == "starting":
+        if runtime is None or runtime.phase == "startup":
             self.say("stopping: start-up abandoned, stopping the engines, writing the report")
             if self.task is not None:
                 self.task.cancel()
