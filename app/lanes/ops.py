@@ -16,7 +16,9 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import socket
 import uuid
 from collections.abc import Mapping, Sequence
@@ -29,6 +31,17 @@ from app.sandboxes.base import ExecResult, Sandbox
 from app.tasks.spec import TaskSpec
 
 R = TypeVar("R")
+
+
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def new_op_id() -> str:
+    """A fresh op id, unique across processes and hosts: a random prefix drawn once per process, the pid
+    (forked children share the prefix), and a counter (a uuid4 per op costs several µs in the
+    simulator's hot path)."""
+    return f"{_ID_PREFIX}-{os.getpid():x}-{next(_ID_COUNTER):x}"
 
 
 class LaneOpError(ValueError):
@@ -100,7 +113,7 @@ class LaneOp(Generic[R]):
     name: LaneName
     handle: SandboxHandle
     args: Mapping[str, Any] = field(default_factory=dict)
-    op_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    op_id: str = field(default_factory=lambda: new_op_id())
 
     @property
     def lane(self) -> LaneName:
