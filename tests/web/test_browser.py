@@ -270,7 +270,7 @@ def test_actions_are_reachable_from_the_keyboard(browser: object, server: str, r
 
 def test_screenshots_of_a_run_in_full_swing(browser: object, server: str, api: httpx.Client) -> None:
     """A second run with a quick trainer, screenshotted once it has delivered batches (for the README)."""
-    spec = make_run_spec(update_s=0.4, llm_s=0.5, name="screenshot-demo", sentinel_step_s=0.5)
+    spec = make_run_spec(update_s=0.4, llm_s=0.5, name="screenshot-demo", sentinel_step_s=0.5, speed=4.0)
     created = api.post("/api/runs", json=spec)
     assert created.status_code == 201, created.text
     run = str(created.json()["id"])
