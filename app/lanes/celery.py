@@ -15,7 +15,9 @@ Invariants:
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
 of the queue), `busy` the ops this client has sent and not yet seen finish, waits are measured from the
-publish to the worker's start (wall clocks: same host or NTP-synchronised hosts).
+publish to the worker's start (wall clocks: same host or NTP-synchronised hosts). `stats` may be called
+from any thread, often (run views); it asks the broker at most once per `depth_ttl_s` and answers
+from that count in between.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class CeleryLanes:
         poll_min_s: float = 0.005,
         poll_max_s: float = 0.2,
         cancel_grace_s: float = 60.0,
+        depth_ttl_s: float = 1.0,
         on_done: Callable[[OpRecord], None] | None = None,
     ) -> None:
         if not hosts:
@@ -108,6 +111,8 @@ class CeleryLanes:
         self.hosts = tuple(hosts)
         self._poll = (poll_min_s, poll_max_s)
         self._cancel_grace_s = cancel_grace_s
+        self._depth_ttl_s = depth_ttl_s
+        self._depth_at: float | None = None
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
@@ -182,9 +187,12 @@ class CeleryLanes:
         return decode_result(op, envelope["result"])
 
     def stats(self) -> dict[str, LaneStats]:
-        for lane, stats in self._stats.items():
-            stats.queue_depth = sum(self.queue_depth(host, lane) for host in self.hosts)
-            stats.max_queue_depth = max(stats.max_queue_depth, stats.queue_depth)
+        now = time.monotonic()
+        if self._depth_at is None or now - self._depth_at >= self._depth_ttl_s:
+            self._depth_at = now
+            for lane, stats in self._stats.items():
+                stats.queue_depth = sum(self.queue_depth(host, lane) for host in self.hosts)
+                stats.max_queue_depth = max(stats.max_queue_depth, stats.queue_depth)
         return {lane.value: s for lane, s in self._stats.items()}
 
     # -- internals ----------------------------------------------------------------------------------

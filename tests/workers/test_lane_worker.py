@@ -18,7 +18,7 @@ from factories import make_echo_task
 from app.lanes.base import LaneName
 from app.lanes.celery import CeleryLanes, OpRecord
 from app.lanes.ops import LaneOp, LaneOpError, decode_result, handle_of
-from app.sandboxes.local import LocalSandboxFactory
+from app.sandboxes.local import LocalSandboxFactory, SandboxError
 from workers.celery_app import LANE_OP_TASK, queue_name
 
 RESULT_TIMEOUT_S = 60
@@ -149,15 +149,18 @@ async def test_every_op_of_a_sandbox_lands_on_the_host_it_was_placed_on(
     assert not any((base_dir / f"aff{i}").exists() for i in range(4))
 
 
-async def test_lane_stats_count_the_messages_waiting_in_a_hosts_queue(
+def test_lane_stats_count_the_messages_waiting_in_a_hosts_queue(
     lane_cluster: LaneCluster, base_dir: Path
 ) -> None:
     idle_host = f"idle{lane_cluster.hosts[0]}"  # no worker consumes this host's queues
-    lanes = CeleryLanes(lane_cluster.app, [idle_host])
+    lanes = CeleryLanes(lane_cluster.app, [idle_host], depth_ttl_s=0.0)
+    cached = CeleryLanes(lane_cluster.app, [idle_host], depth_ttl_s=3600.0)
+    assert cached.stats()["exec"].queue_depth == 0
     handle = lanes.attach(LocalSandboxFactory(base_dir).create("queued"))
     for _ in range(3):
         send(lane_cluster, LaneOp.exec(handle, "true", 5))
     assert lanes.stats()["exec"].queue_depth == 3
+    assert cached.stats()["exec"].queue_depth == 0  # within its TTL: no broker round trip
     assert lanes.stats()["validate"].queue_depth == 0
     with lane_cluster.app.connection_for_write() as conn:
         conn.default_channel.queue_purge(queue_name(idle_host, LaneName.EXEC))
@@ -186,3 +189,14 @@ def test_a_pool_process_killed_mid_op_gets_its_op_redelivered_to_a_pinned_replac
     assert envelope["pid"] != victim
     assert envelope["affinity"] == [1]  # the replacement pool process is pinned too
     assert decode_result(slow, envelope["result"]).output.strip() == "2"  # ran again: at least once
+
+
+async def test_a_workers_error_is_raised_to_the_caller_with_its_type(
+    lane_cluster: LaneCluster, base_dir: Path
+) -> None:
+    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts[:1])
+    handle = lanes.attach(LocalSandboxFactory(base_dir).create("unset"))
+    with pytest.raises(SandboxError, match="used before reset"):
+        await lanes.run_op(LaneOp.exec(handle, "true", 5))
+    await lanes.run_op(LaneOp.cleanup(handle))
+    assert lanes.stats()["exec"].busy == 0

@@ -67,7 +67,7 @@ async def test_lane_ops_run_over_rabbitmq(amqp_host: str, base_dir: Path, task_r
 
 def test_queue_depth_is_rabbitmqs_count_of_waiting_messages(amqp_host: str, base_dir: Path) -> None:
     idle = f"idle{amqp_host}"  # no worker consumes this host's queues
-    lanes = CeleryLanes.connect(AMQP_URL, REDIS_URL, [idle])
+    lanes = CeleryLanes.connect(AMQP_URL, REDIS_URL, [idle], depth_ttl_s=0.0)
     queue = f"lane.{idle}.exec"
     try:
         handle = lanes.attach(LocalSandboxFactory(base_dir).create("waiting"))
