@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{kinds['group_admitted']} groups of 8")  # fmt: skip
     backends = ["postgres", "sqlite"] if args.backend == "both" else [args.backend]
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'backend':<9} {'batch':>6} {'median ev/s':>12} {'min':>9} {'max':>9} {'ev/CPU-s':>9}  runs")
+    print(f"{'backend':<9} {'batch':>6} {'median ev/s':>12} {'min':>9} {'max':>9} {'ev/CPU-s':>9} "
+          f"{'client µs/ev':>12} {'server µs/ev':>12}  runs")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             for batch in args.batch:
@@ -201,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                 rates = [x.per_s for x in samples]
                 per_cpu = [x.per_cpu_s for x in samples if x.per_cpu_s is not None]
                 cpu_col = f"{statistics.median(per_cpu):>9,.0f}" if per_cpu else f"{'n/a':>9}"
+                client = statistics.median(1e6 * x.client_cpu_s / x.events for x in samples)
+                servers = [1e6 * x.server_cpu_s / x.events for x in samples if x.server_cpu_s is not None]
+                server_col = f"{statistics.median(servers):>12.1f}" if servers else f"{'n/a':>12}"
                 print(f"{backend:<9} {batch:>6} {statistics.median(rates):>12,.0f} {min(rates):>9,.0f} "
-                      f"{max(rates):>9,.0f} {cpu_col}  {args.repeats}")  # fmt: skip
+                      f"{max(rates):>9,.0f} {cpu_col} {client:>12.1f} {server_col}  "
+                      f"{args.repeats}")  # fmt: skip
     print(f"load average after: {os.getloadavg()[0]:.1f}. ev/CPU-s: events per CPU-second of this process "
           "plus the Postgres backend serving it (what the rate would be with no CPU contention and no "
           "overlap between them)")  # fmt: skip
