@@ -11,13 +11,15 @@ to `RunsBackend`.
   (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
   with the handle's message.
 
-Views are cached per (run, last sequence number, live snapshot), so many open pages cost one build.
+Views are cached per (run, last sequence number, live snapshot) for `VIEW_TTL_S`, so many open pages
+cost one build; a run not executing here is re-read from the store at most every `IDLE_REFETCH_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,8 @@ from app.web.backend import ActionRefused
 from app.web.readmodel import RunMeta, RunView, view_from_events
 
 FETCH_LIMIT = 5000
+VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
+IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
 
 
@@ -36,6 +40,8 @@ class _RunCache:
     last_seq: int = -1
     key: object = None
     view: RunView | None = None
+    built_at: float = float("-inf")
+    fetched_at: float = float("-inf")
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -63,6 +69,9 @@ class ManagerRuns:
         handle = self.manager.get(run_id)
         if handle is not None:
             return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
+        entry = self._entry(run_id)
+        if time.monotonic() - entry.fetched_at < IDLE_REFETCH_S:
+            return entry.last_seq
         return self._fetch(run_id)
 
     def _entry(self, run_id: str) -> _RunCache:
@@ -73,6 +82,7 @@ class ManagerRuns:
         """Append the stored events after the cached ones; the last sequence number."""
         entry = self._entry(run_id)
         with entry.lock:
+            entry.fetched_at = time.monotonic()
             while True:
                 rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
                 for row in rows:
@@ -87,16 +97,18 @@ class ManagerRuns:
         record = manager.view(run_id)
         if record is None:
             return None
-        self._fetch(run_id)
         entry = self._entry(run_id)
         handle = manager.get(run_id)
+        if time.monotonic() - entry.fetched_at >= (VIEW_TTL_S if handle is not None else IDLE_REFETCH_S):
+            self._fetch(run_id)
         meta = self._meta(record, handle)
         key = (entry.last_seq, meta.state, repr(meta.engines), repr(meta.lanes), repr(meta.policy))
         with entry.lock:
-            if entry.view is not None and entry.key == key and handle is None:
+            fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
+            if entry.view is not None and entry.key == key and fresh:
                 return entry.view
             view = view_from_events(run_id, list(entry.envelopes), meta, source="live")
-            entry.key, entry.view = key, view
+            entry.key, entry.view, entry.built_at = key, view, time.monotonic()
             return view
 
     def _meta(self, record: Mapping[str, Any], handle: Any) -> RunMeta:

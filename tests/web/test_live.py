@@ -1,0 +1,70 @@
+"""ManagerRuns against the service's real run manager (SQLite store, a paced simulated run)."""
+
+import asyncio
+import time
+
+import pytest
+
+from app.service.manager import RunManager
+from app.service.store import ServiceStore
+from app.web.backend import ActionRefused
+from app.web.live import ManagerRuns
+
+
+@pytest.fixture
+def runs(tmp_path):
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}"), tmp_path / "data", 30.0)
+    yield ManagerRuns(lambda: manager)
+    manager.shutdown()
+
+
+def wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+async def test_a_launched_run_is_viewed_and_acted_on(runs):
+    run_id = await runs.launch({"policy": "full", "surplus_groups": "3", "name": "live-test"}, "tester")
+    assert run_id in runs.run_ids()
+    await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).batches) >= 2)
+    view = runs.view(run_id)
+    assert view.state == "running"
+    assert view.label == "live-test"
+    assert view.policy_short["S"] == 3
+    assert view.span_count > 0
+    assert {e.name for e in view.engines} == {"engine-0", "engine-1"}
+    assert all(lane.slots for lane in view.lanes)  # from the run's lanes
+    assert view.attribution is not None
+    assert view.attribution.total_s == pytest.approx(sum(b.wait_s for b in view.batches), abs=1e-6)
+
+    await runs.set_policy(run_id, {"max_staleness": 7}, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).audit)
+    view = runs.view(run_id)
+    assert view.policy["max_staleness"] == 7
+    assert (view.audit[-1].field, view.audit[-1].new, view.audit[-1].actor) == ("max_staleness", 7, "tester")
+
+    target = max(e.version for e in view.engines) + 1
+    await runs.publish(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: all(e.version >= target for e in runs.view(run_id).engines))
+
+    await runs.stop(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state in ("stopped", "completed"))
+    with pytest.raises(ActionRefused):
+        await runs.publish(run_id, "tester")
+
+
+@pytest.mark.parametrize(
+    ("form", "field"),
+    [
+        ({"groups_per_batch": "0"}, "groups_per_batch"),
+        ({"max_staleness": "x"}, "max_staleness"),
+        ({"policy": "fastest"}, "policy"),
+        ({"batches": "-1"}, "batches"),
+    ],
+)
+async def test_a_bad_launch_form_names_the_field(runs, form, field):
+    with pytest.raises(ValueError, match=field):
+        await runs.launch(form, "tester")
+    assert runs.run_ids() == []
