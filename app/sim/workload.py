@@ -297,6 +297,19 @@ class TraceSpec(Strict):
     )
 
 
+class FaultSpec(Strict):
+    """One injected engine fault (docs/faults.md): `engine_down` makes engine `engine` unreachable from
+    `at_s` for `for_s` seconds (its turns in flight fail; it comes back on its initial weights);
+    `update_hang` makes that engine's update to `version` never finish (the runtime's update timeout
+    ends it)."""
+
+    kind: str = Field(pattern="^(engine_down|update_hang)$", description="engine_down or update_hang")
+    engine: int = Field(ge=0, lt=MAX_SIM_ENGINES, strict=True, description="engine index")
+    at_s: float = Field(0.0, ge=0, le=MAX_SECONDS, strict=True, description="engine_down: when it dies")
+    for_s: float = Field(60.0, gt=0, le=MAX_SECONDS, strict=True, description="engine_down: how long")
+    version: int = Field(1, ge=1, le=MAX_BATCHES, strict=True, description="update_hang: which update")
+
+
 class Workload(Strict):
     seed: int = Field(0, ge=0, le=MAX_SEED, strict=True)
     batches: int = Field(12, ge=1, le=MAX_BATCHES, strict=True, description="trainer steps")
@@ -308,6 +321,7 @@ class Workload(Strict):
     lanes: LanesSpec = Field(default_factory=LanesSpec)
     trajectory: TrajectorySpec = Field(default_factory=TrajectorySpec)
     trace: TraceSpec | None = None
+    faults: list[FaultSpec] = Field(default_factory=list, max_length=1000, description="injected faults")
 
     @field_validator("trace", mode="before")
     @classmethod
@@ -321,6 +335,9 @@ class Workload(Strict):
         problem = in_flight_problem(self.batch.groups, self.batch.group_size, self.policy.surplus_groups)
         if problem is not None:
             raise ValueError(problem)
+        for i, fault in enumerate(self.faults):
+            if fault.engine >= self.engines.count:
+                raise ValueError(f"faults.{i}.engine: {fault.engine} is not below engines.count")
         return self
 
 

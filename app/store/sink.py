@@ -72,7 +72,6 @@ from app.store.models import (
     Engine as EngineRow,
 )
 
-HEADER = ("run_id", "seq", "t", "kind")
 SPAN_COLUMNS = ("run_id", "seq", "group_id", "attempt", "phase", "engine", "lane", "version", "start", "end",
                 "tokens", "ok")  # fmt: skip
 _TURN, _ENGINE_QUEUE, _LANE_QUEUE = (
@@ -155,16 +154,6 @@ def payload_json(env: Envelope, payload: dict[str, Any]) -> str:
     except ValueError:
         env.to_dict()  # raises naming the event and the non-finite field
         raise
-
-
-def event_row(env: Envelope) -> dict[str, Any]:
-    return {
-        "run_id": env.run_id,
-        "seq": env.seq,
-        "t": env.t,
-        "kind": env.kind,
-        "payload": event_payload(env.event),
-    }
 
 
 # -- the fold: a batch of new events as one row per projected key -----------------------------------
@@ -301,38 +290,58 @@ class Projection:
 
 def ingest(conn: Connection, envelopes: Sequence[Envelope]) -> int:
     """Store `envelopes` and project the new ones on `conn` (the caller's transaction); returns how
-    many were new. Envelopes already stored, or repeated within the batch, are skipped."""
+    many were new. Envelopes already stored, or repeated within the batch, are skipped.
+
+    The batch first locks out other writers of its runs (Postgres: the run's advisory lock; SQLite:
+    transactions begin IMMEDIATE, one writer at a time) and reads which of its seqs are stored; only
+    the others are inserted, in bulk and with no conflict handling per row (Postgres: binary COPY, which
+    costs the server no SQL parsing and no text-to-number conversion per row; SQLite: one executemany),
+    and only they are projected."""
     unique: dict[tuple[str, int], Envelope] = {}
     for env in envelopes:
         unique.setdefault((env.run_id, env.seq), env)
     if not unique:
         return 0
+    pg = conn.dialect.name == "postgresql"
+    stored = _stored_seqs(conn, unique, lock=pg)
+    new = sorted((key, env) for key, env in unique.items() if key not in stored)
+    if not new:
+        return 0
     _ensure_runs(conn, {run for run, _ in unique})
-    if conn.dialect.name == "postgresql":
-        new = _pg_insert_events(conn, unique)
+    rows = [(e.run_id, e.seq, e.t, e.kind, payload_json(e, event_payload(e.event))) for _, e in new]
+    if pg:
+        wire = ((*row[:4], JSONB_V1 + row[4].encode()) for row in rows)
+        _pg_copy(conn, "events", EVENT_COLUMNS, EVENT_WIRE, wire)
     else:
-        rows = [event_row(env) for env in unique.values()]
-        for env, row in zip(unique.values(), rows, strict=True):
-            payload_json(env, row["payload"])  # refuse NaN here, with the field's name
-        stmt = insert_for(conn, events_t).on_conflict_do_nothing(index_elements=["run_id", "seq"])
-        inserted = conn.execute(stmt.returning(events_t.c.run_id, events_t.c.seq), rows).all()
-        new = {(r.run_id, r.seq) for r in inserted}
+        conn.exec_driver_sql(_insert_sql("events", EVENT_COLUMNS), rows)
     projection = Projection()
-    for key, env in sorted(unique.items(), key=lambda item: item[0]):
-        if key in new:
-            projection.add(env)
+    for _, env in new:
+        projection.add(env)
     write_projection(conn, projection)
     return len(new)
 
 
-# Postgres fast path for the two big tables, `events` and `spans`: binary COPY, which costs the server
-# no SQL parsing or planning and no text-to-number conversion per row, and the client no per-row SQL or
-# float formatting. COPY has no ON CONFLICT, so the batch first takes the run's advisory lock (two sinks
-# writing one run take turns) and reads which of its seqs are stored; only the others are copied, and
-# spans are projected only from those.
+def _stored_seqs(
+    conn: Connection, unique: dict[tuple[str, int], Envelope], lock: bool
+) -> set[tuple[str, int]]:
+    seqs: dict[str, list[int]] = {}
+    for run, seq in unique:
+        seqs.setdefault(run, []).append(seq)
+    stored: set[tuple[str, int]] = set()
+    for run in sorted(seqs):
+        if lock:  # two sinks writing one run take turns
+            conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(run, 0))))
+        low, high = min(seqs[run]), max(seqs[run])
+        found = conn.execute(
+            select(events_t.c.seq).where(events_t.c.run_id == run, events_t.c.seq.between(low, high))
+        ).scalars()
+        stored.update((run, seq) for seq in found)
+    return stored
+
+
 EVENT_COLUMNS = ("run_id", "seq", "t", "kind", "payload")
-# the wire types psycopg dumps each column as; `payload` goes as jsonb's binary form (version byte 1,
-# then the JSON text) and so is handed over as bytes
+# the wire types psycopg's binary COPY dumps each column as; `payload` goes as jsonb's binary form
+# (version byte 1, then the JSON text), so it is handed over as bytes
 EVENT_WIRE = ("text", "int8", "float8", "text", "bytea")
 SPAN_WIRE = (
     "text",
@@ -351,25 +360,9 @@ SPAN_WIRE = (
 JSONB_V1 = b"\x01"
 
 
-def _pg_insert_events(conn: Connection, unique: dict[tuple[str, int], Envelope]) -> set[tuple[str, int]]:
-    seqs: dict[str, list[int]] = {}
-    for run, seq in unique:
-        seqs.setdefault(run, []).append(seq)
-    stored: set[tuple[str, int]] = set()
-    for run in sorted(seqs):
-        conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(run, 0))))
-        low, high = min(seqs[run]), max(seqs[run])
-        found = conn.execute(
-            select(events_t.c.seq).where(events_t.c.run_id == run, events_t.c.seq.between(low, high))
-        ).scalars()
-        stored.update((run, seq) for seq in found)
-    new = [env for key, env in unique.items() if key not in stored]
-    rows = (
-        (e.run_id, e.seq, e.t, e.kind, JSONB_V1 + payload_json(e, event_payload(e.event)).encode())
-        for e in new
-    )
-    _pg_copy(conn, "events", EVENT_COLUMNS, EVENT_WIRE, rows)
-    return {(e.run_id, e.seq) for e in new}
+def _insert_sql(table: str, columns: Sequence[str]) -> str:
+    names = ", ".join(f'"{c}"' for c in columns)
+    return f"INSERT INTO {table} ({names}) VALUES ({', '.join('?' for _ in columns)})"
 
 
 def _pg_copy(
@@ -401,8 +394,7 @@ def write_projection(conn: Connection, p: Projection) -> None:
     if p.spans and conn.dialect.name == "postgresql":  # spans of new events only: no conflicts
         _pg_copy(conn, "spans", SPAN_COLUMNS, SPAN_WIRE, p.spans)
     elif p.spans:
-        stmt = insert_for(conn, spans_t).on_conflict_do_nothing(index_elements=["run_id", "seq", "phase"])
-        conn.execute(stmt, [dict(zip(SPAN_COLUMNS, span, strict=True)) for span in p.spans])
+        conn.exec_driver_sql(_insert_sql("spans", SPAN_COLUMNS), p.spans)
     if p.batches:
         _upsert_batches(conn, list(p.batches.values()))
     if p.engine_states:
