@@ -14,10 +14,10 @@ Invariants:
 - a worker's error is raised here (its type when importable, else celery's), never swallowed.
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
-of the queue), `busy` the ops this client has sent and not yet seen finish, waits are measured from the
-publish to the worker's start (wall clocks: same host or NTP-synchronised hosts). `stats` may be called
-from any thread, often (run views); it asks the broker at most once per `depth_ttl_s` and answers
-from that count in between.
+of the queue), `busy` the ops of this client a worker has started and not finished, waits are measured
+from the publish to the worker's start (wall clocks: same host or NTP-synchronised hosts). `stats` may
+be called from any thread, often (run views); it asks the broker at most once per `depth_ttl_s` and
+answers from that count in between.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = (
     app = Celery("corral", broker=broker_url, backend=result_backend, include=list(include))
     app.conf.update(
         task_acks_late=True,
+        task_track_started=True,  # clients see when an op leaves its queue
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_serializer="json",
@@ -144,13 +145,22 @@ class CeleryLanes:
         return handle.on(host)
 
     async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
-        # `on_start` fires when the broker has the op: its wait in the lane's queue is then counted
-        # as running by the caller (the worker's own start time is in the result, in wall time).
+        # `on_start` fires once a poll sees the worker's STARTED mark (or the result, for an op done
+        # between two polls): the op's wait in its lane's queue ends then, to within one poll.
         if op.host is None:
             raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: handle.host is not set")
         stats = self._stats[op.lane]
-        stats.busy += 1
-        stats.max_busy = max(stats.max_busy, stats.busy)
+        started = False
+
+        def mark_started() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                stats.busy += 1
+                stats.max_busy = max(stats.max_busy, stats.busy)
+                if on_start is not None:
+                    on_start()
+
         sent_at = time.time()
         try:
             result = await asyncio.to_thread(
@@ -160,11 +170,10 @@ class CeleryLanes:
                 queue=lane_queue(op.host, op.lane),
                 task_id=op.op_id,
             )
-            if on_start is not None:
-                on_start()
-            envelope = await self._wait(result, op)
+            envelope = await self._wait(result, op, mark_started)
         finally:
-            stats.busy -= 1
+            if started:
+                stats.busy -= 1
             if op.name is LaneName.CLEANUP:
                 self._placed.pop(op.handle.id, None)
         waited = max(0.0, float(envelope["started_at"]) - sent_at)
@@ -206,19 +215,31 @@ class CeleryLanes:
                 return 0
             return int(ok.message_count)
 
-    async def _settled(self, result: AsyncResult, deadline: float | None = None) -> bool:
+    async def _settled(
+        self,
+        result: AsyncResult,
+        deadline: float | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> bool:
         delay, most = self._poll
         loop = asyncio.get_running_loop()
-        while (await asyncio.to_thread(lambda: result.state)) not in states.READY_STATES:
+        while True:
+            state = await asyncio.to_thread(lambda: result.state)
+            if on_started is not None and state != states.PENDING:
+                on_started()
+            if state in states.READY_STATES:
+                break
             if deadline is not None and loop.time() >= deadline:
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 2, most)
         return True
 
-    async def _wait(self, result: AsyncResult, op: LaneOp[Any]) -> dict[str, Any]:
+    async def _wait(
+        self, result: AsyncResult, op: LaneOp[Any], on_started: Callable[[], None]
+    ) -> dict[str, Any]:
         try:
-            await self._settled(result)
+            await self._settled(result, on_started=on_started)
         except asyncio.CancelledError:
             await asyncio.to_thread(self.celery.control.revoke, op.op_id)
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s

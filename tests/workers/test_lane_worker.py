@@ -122,13 +122,16 @@ async def test_every_op_of_a_sandbox_lands_on_the_host_it_was_placed_on(
     factory = LocalSandboxFactory(base_dir)
     task = make_echo_task(task_root)
 
+    starts: list[str] = []
+
     async def attempt(i: int) -> tuple[str, float]:
         handle = lanes.attach(factory.create(f"aff{i}"))
         assert handle.host is not None
-        await lanes.run_op(LaneOp.reset(handle, task))
-        await lanes.run_op(LaneOp.exec(handle, "echo hello again > greeting.txt", 10))
-        reward = await lanes.run_op(LaneOp.validate(handle))
-        await lanes.run_op(LaneOp.cleanup(handle))
+        started = lambda: starts.append(handle.id)  # noqa: E731
+        await lanes.run_op(LaneOp.reset(handle, task), started)
+        await lanes.run_op(LaneOp.exec(handle, "echo hello again > greeting.txt", 10), started)
+        reward = await lanes.run_op(LaneOp.validate(handle), started)
+        await lanes.run_op(LaneOp.cleanup(handle), started)
         return handle.host, reward
 
     async with asyncio.timeout(RESULT_TIMEOUT_S):
@@ -142,6 +145,7 @@ async def test_every_op_of_a_sandbox_lands_on_the_host_it_was_placed_on(
         assert record.host == record.op.host
         assert record.affinity == (1,)
     assert len(records) == 16
+    assert sorted(starts) == sorted(f"aff{i}" for i in range(4) for _ in range(4))  # once per op
     assert all(len(hosts) == 1 for hosts in by_sandbox.values())
     stats = lanes.stats()
     assert stats["exec"].completed == 4
