@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
+from app.engines.errors import EngineUnavailable
 from app.runtime.context import Agent, AttemptContext, AttemptOutcome
 from app.runtime.ports import TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
 from app.sim.cpu import CpuPool, Stream
-from app.sim.workload import Trajectory, TrajectorySource, Workload
+from app.sim.workload import FaultSpec, Trajectory, TrajectorySource, Workload
 from app.tasks.spec import TaskSpec
 
 
@@ -22,10 +23,24 @@ class SimInfraError(RuntimeError):
 
 
 class SimEngine:
-    """An engine whose turns take `llm_s` of work on its CPU pool; paused with `keep`, they freeze."""
+    """An engine whose turns take `llm_s` of work on its CPU pool; paused with `keep`, they freeze.
 
-    def __init__(self, name: str, pool: CpuPool, update_s: float, tokens_per_s: float, demand: float) -> None:
+    Injected faults (the workload's `faults`): while down, every call fails as an unreachable engine
+    does (`EngineUnavailable`), a turn in flight when it dies fails then, and it comes back unpaused on
+    its initial weights (version 0); an update to a hung version never finishes."""
+
+    def __init__(
+        self,
+        name: str,
+        pool: CpuPool,
+        update_s: float,
+        tokens_per_s: float,
+        demand: float,
+        faults: Sequence[FaultSpec] = (),
+    ) -> None:
         self.name = name
+        self._down = sorted((f.at_s, f.at_s + f.for_s) for f in faults if f.kind == "engine_down")
+        self._hang = {f.version for f in faults if f.kind == "update_hang"}
         self._stream: Stream = pool.stream(name, serving=True)
         self._pool = pool
         self._update_s = update_s
@@ -34,14 +49,30 @@ class SimEngine:
         self._version = 0
         self._active = 0
 
+    def _check(self, route: str) -> None:
+        now = asyncio.get_running_loop().time()
+        if any(start <= now < end for start, end in self._down):
+            self._version = 0  # whatever it had is gone
+            self._stream.set_factor(1.0)
+            raise EngineUnavailable(f"sim://{self.name}", route, "unreachable (injected: engine down)")
+
+    def _next_death(self) -> float | None:
+        now = asyncio.get_running_loop().time()
+        return next((start for start, _ in self._down if start > now), None)
+
     async def generate(self, request: TurnRequest) -> TurnResult:
+        self._check("/v1/completions")
         version = self._version
         llm_s = float(request.meta.get("llm_s", 0.0))
         if self._active == 0 and self._demand:
             self._pool.change_demand(self._demand)
         self._active += 1
         try:
-            await self._stream.run(llm_s)
+            async with asyncio.timeout_at(self._next_death()):
+                await self._stream.run(llm_s)
+        except TimeoutError:
+            self._check("/v1/completions")  # it died under the turn
+            raise
         finally:
             self._active -= 1
             if self._active == 0 and self._demand:
@@ -49,20 +80,32 @@ class SimEngine:
         return TurnResult(text="", weight_version=version, tokens=max(1, round(llm_s * self._tokens_per_s)))
 
     async def pause(self, mode: PauseMode) -> None:
+        self._check("/pause")
         if mode is PauseMode.KEEP:
             self._stream.set_factor(0.0)
 
     async def resume(self) -> None:
+        self._check("/resume")
         self._stream.set_factor(1.0)
 
     async def publish_weights(self, version: int, path: str | None) -> None:
+        self._check("/update_weights")
+        if version in self._hang:
+            self._hang.discard(version)  # hangs once; a retry after the timeout goes through
+            await asyncio.Event().wait()
         await asyncio.sleep(self._update_s)
+        self._check("/finish_weight_update")
         self._version = version
 
     async def weight_version(self) -> int:
+        self._check("/weight_info")
         return self._version
 
     async def health(self) -> bool:
+        try:
+            self._check("/health")
+        except EngineUnavailable:
+            return False
         return True
 
     async def aclose(self) -> None:

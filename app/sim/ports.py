@@ -99,6 +99,7 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
             workload.engines.update_s,
             workload.engines.tokens_per_s,
             cpus.engine_demand,
+            faults=[f for f in workload.faults if f.engine == i],
         )
         for i in range(workload.engines.count)
     ]

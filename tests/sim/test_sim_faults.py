@@ -1,0 +1,66 @@
+"""The simulator injects the same engine faults as `corral run` meets, from the workload's `faults:`
+list, and the production runtime rides them out the same way: batches keep coming, nothing is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from factories import make_workload_data
+
+from app.core.events import EngineStateChanged, EngineUpdateEnd, Envelope
+from app.sim.run import policy_for, simulate
+from app.sim.workload import Workload, WorkloadError, load_workload
+
+
+def run_with_faults(faults: list[dict[str, Any]], batches: int = 6) -> tuple[dict[str, Any], list[Envelope]]:
+    workload = Workload.model_validate(make_workload_data(batches=batches, faults=faults))
+    seen: list[Envelope] = []
+    report = simulate(workload, policy_for(workload, "full"), "full", events=seen.append)
+    return report, seen
+
+
+def engine_states(envelopes: list[Envelope], engine: str) -> list[tuple[float, str, str]]:
+    return [
+        (env.t, env.event.state, env.event.detail)
+        for env in envelopes
+        if isinstance(env.event, EngineStateChanged) and env.event.engine == engine
+    ]
+
+
+def test_an_engine_down_for_a_while_comes_back_and_the_run_goes_on() -> None:
+    report, envelopes = run_with_faults([{"kind": "engine_down", "engine": 0, "at_s": 10.0, "for_s": 20.0}])
+    assert report["batches"] == 6
+    assert report["lost_groups"] == 0
+    assert report["discarded_groups"]["failed"] == 0
+    states = engine_states(envelopes, "engine-0")
+    assert states[0][1] == "unhealthy"
+    assert states[0][0] >= 10.0
+    back = [t for t, state, _ in states if state == "serving"]
+    assert back
+    assert back[0] >= 30.0  # not before it answers again
+    assert engine_states(envelopes, "engine-1") == []
+
+
+def test_every_engine_down_waits_then_recovers() -> None:
+    down = [{"kind": "engine_down", "engine": e, "at_s": 10.0, "for_s": 15.0} for e in (0, 1)]
+    report, envelopes = run_with_faults(down)
+    assert report["batches"] == 6
+    assert report["lost_groups"] == 0
+    assert [state for _, state, _ in engine_states(envelopes, "*")] == ["all_down", "serving"]
+
+
+def test_an_update_that_hangs_times_out_and_the_rolling_update_goes_on() -> None:
+    report, envelopes = run_with_faults([{"kind": "update_hang", "engine": 0, "version": 1}], batches=4)
+    assert report["batches"] == 4
+    assert report["lost_groups"] == 0
+    failed = [env.event for env in envelopes if isinstance(env.event, EngineUpdateEnd) and not env.event.ok]
+    assert [(e.engine, e.version) for e in failed] == [("engine-0", 1)]
+    assert failed[0].error.startswith("timed out after")
+
+
+def test_a_fault_on_an_engine_that_does_not_exist_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / "w.yaml"
+    path.write_text("engines: {count: 2}\nfaults: [{kind: engine_down, engine: 5, at_s: 1, for_s: 1}]\n")
+    with pytest.raises(WorkloadError, match="faults"):
+        load_workload(path)
