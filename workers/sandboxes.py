@@ -8,7 +8,8 @@ after `cleanup`. Every op rebuilds the `LocalSandbox` from the handle and that f
 Invariants:
 - an op for a sandbox whose handle names another host, or another kind than `local`, is refused;
 - the work directory of the rebuilt sandbox is exactly the handle's `work_dir`;
-- state is written atomically (a reader never sees half a file).
+- state is written atomically (a reader never sees half a file);
+- a sandbox's uid claim is held by the worker's main process, which outlives any pool process.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ class HostSandboxes:
     """Local sandboxes of this host, one factory per base directory (a handle's work dir's parent)."""
 
     def __init__(
-        self, host: str, isolation: Literal["auto", "bwrap", "none"] = "auto", **factory_options: Any
+        self,
+        host: str,
+        isolation: Literal["auto", "bwrap", "none"] = "auto",
+        owner_pid: int | None = None,
+        **factory_options: Any,
     ) -> None:
         self.host = host
+        # Sandbox uid claims name this process (the worker's main process), not the pool process
+        # that ran the reset: a claim lapses when its holder dies, and pool processes may be replaced.
+        self.owner_pid = owner_pid if owner_pid is not None else os.getpid()
         self.isolation = isolation
         self.factory_options = factory_options
         self._factories: dict[Path, LocalSandboxFactory] = {}
@@ -68,6 +76,9 @@ class HostSandboxes:
         if op.name is LaneName.CLEANUP:
             state.unlink(missing_ok=True)
         elif op.name is LaneName.RESET:
+            uids = sandbox.factory.uids
+            if sandbox.uid is not None and uids is not None:
+                uids.hand_over(sandbox.uid, self.owner_pid)
             group = sandbox.pids_group
             pids = None if group is None else {"path": str(group.path), "version": group.version}
             _write_atomic(state, {"task": op.args["task"], "uid": sandbox.uid, "pids_group": pids})

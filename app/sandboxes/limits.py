@@ -210,6 +210,15 @@ class UidPool:
         with contextlib.suppress(FileNotFoundError):
             (self.claims / str(uid)).unlink()
 
+    def hand_over(self, uid: int, owner_pid: int) -> None:
+        """Make `owner_pid` the holder of `uid`'s claim: a claim lapses when its holder dies, so a
+        claim made by a short-lived process for a long-lived sandbox names the process that outlives it
+        (a Celery worker's main process, not the pool process that ran the reset)."""
+        path = self.claims / str(uid)
+        tmp = path.with_name(f".{uid}.{os.getpid()}.tmp")
+        tmp.write_text(str(owner_pid))
+        tmp.replace(path)
+
 
 def _owner_alive(path: Path) -> bool:
     try:

@@ -83,6 +83,11 @@ def test_every_pool_process_of_a_lane_worker_is_pinned(
     assert len(pool) == 2
     assert [cpus_allowed(pid) for pid in [main.pid, *pool]] == ["1"] * 3
 
+    # The sandboxes' uid claims are held by the worker's main process, which outlives pool processes.
+    claims = [p for p in (base_dir / ".uids").iterdir() if p.name.isdigit()]
+    assert len(claims) == 4
+    assert {p.read_text() for p in claims} == {str(main.pid)}
+
     cleanups = [send(lane_cluster, LaneOp.cleanup(h)) for h in handles]
     for pending_cleanup in cleanups:
         pending_cleanup.get(timeout=RESULT_TIMEOUT_S)
