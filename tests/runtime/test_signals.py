@@ -213,3 +213,20 @@ def test_ctrl_c_to_the_process_group_always_leaves_a_report(tmp_path: Path, mome
         assert report["stop"]["forced"] is True
     if moment.name == "shutdown":
         assert report["batches"] == 2
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_run_still_takes_its_engines_down(tmp_path: Path) -> None:
+    """Engines run in their own sessions, so only PR_SET_PDEATHSIG ties them to the run: a run killed
+    with SIGKILL (no cleanup at all) must still leave no engine, nor an engine's child, behind."""
+    run = CorralRun(tmp_path, ["--batches", "50"], env={"CORRAL_ENGINE_DEBUG": "1"})
+    try:
+        engines = run.wait_engines_ready()
+        run.scan()
+        assert len(run.seen) >= 2 * len(engines)  # each engine and its engine-core stand-in
+        os.kill(run.pid, signal.SIGKILL)
+        assert run.proc is not None
+        run.proc.wait(timeout=30)
+        assert run.leftovers(timeout_s=30) == []
+    finally:
+        run.kill()
