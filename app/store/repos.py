@@ -241,6 +241,11 @@ class GroupRepo:
             query = query.where(Group.state.in_([s.value for s in states]))
         return self.session.scalars(query.order_by(Group.group_id)).all()
 
+    def next_group_id(self, run_id: str) -> int:
+        """Where a resumed run's group ids continue: one past the largest stored."""
+        last = self.session.scalar(select(func.max(Group.group_id)).where(Group.run_id == run_id))
+        return 0 if last is None else last + 1
+
     def orphans(self, run_id: str) -> Sequence[Group]:
         """Groups admitted (or ready) with no terminal state: in flight when the control plane stopped."""
         return self.list(run_id, [GroupStatus.ADMITTED, GroupStatus.READY])

@@ -172,6 +172,8 @@ def test_orphans_are_the_groups_admitted_without_an_ending(conn: Connection, ses
     # the run manager, resuming, discards them through the stream; sequence numbers continue
     seq = EventRepo(session).next_seq("crash")
     assert seq == len(run.envelopes)
+    assert groups.next_group_id("crash") == 7
+    assert groups.next_group_id("never-ran") == 0
     sink.write_batch(
         [Envelope("crash", seq + i, 100.0, GroupDiscarded(group_id=g.group_id, reason="orphaned"))
          for i, g in enumerate(orphans)]
