@@ -85,6 +85,7 @@ LANE_PHASE = {
     "validate": SpanPhase.VALIDATE,
     "cleanup": SpanPhase.CLEANUP,
 }
+OUT_OF_ROTATION = ("unhealthy", "stopped")  # engine states a rollout does not wait for
 RUN_END_STATE = {
     "completed": RunState.COMPLETED,
     "duration": RunState.COMPLETED,
@@ -170,6 +171,7 @@ class Projection:
     spans: list[tuple[Any, ...]] = field(default_factory=list)  # in SPAN_COLUMNS order
     batches: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     engine_states: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    engines_left: dict[str, float] = field(default_factory=dict)  # run -> when an engine left rotation
     rare: list[Envelope] = field(default_factory=list)  # rollouts, policy and run lifecycle: in order
 
     def add(self, env: Envelope) -> None:
@@ -219,6 +221,8 @@ class Projection:
             self.engine_states[(run, ev.engine)] = {
                 "run_id": run, "name": ev.engine, "state": ev.state, "detail": ev.detail or None,
             }  # fmt: skip
+            if ev.state in OUT_OF_ROTATION:
+                self.engines_left[run] = t
         elif isinstance(
             ev, VersionPublished | EngineUpdateBegin | EngineUpdateEnd | PolicyChanged | RunStarted | RunEnded
         ):
@@ -404,6 +408,10 @@ def write_projection(conn: Connection, p: Projection) -> None:
             set_={"state": stmt.excluded.state, "detail": stmt.excluded.detail},
         )
         conn.execute(stmt, [{**row, "weight_version": 0} for row in p.engine_states.values()])
+    for run, t in p.engines_left.items():  # a rollout may have waited only on that engine
+        running = select(rollouts_t.c.id).where(rollouts_t.c.run_id == run, rollouts_t.c.state == "running")
+        for rid in conn.execute(running).scalars().all():
+            _maybe_finish_rollout(conn, run, rid, t)
     for env in p.rare:
         _write_rare(conn, env)
 
@@ -560,12 +568,16 @@ def _engine_update_end(conn: Connection, env: Envelope, ev: EngineUpdateEnd) -> 
 
 
 def _maybe_finish_rollout(conn: Connection, run_id: str, rid: int, t: float) -> None:
-    """A rollout ends when every engine the run knows has ended its step (done or failed); without
-    registered engines, when no step is still updating."""
+    """A rollout ends when every engine the run knows, and that is not out of rotation (unhealthy or
+    stopped), has ended its step (done or failed); without registered engines, when no step is still
+    updating."""
     steps = conn.execute(select(steps_t.c.engine, steps_t.c.state).where(steps_t.c.rollout_id == rid)).all()
     if any(s.state in ("pending", "updating") for s in steps):
         return
-    engines = set(conn.execute(select(engines_t.c.name).where(engines_t.c.run_id == run_id)).scalars())
+    query = select(engines_t.c.name).where(
+        engines_t.c.run_id == run_id, engines_t.c.state.not_in(OUT_OF_ROTATION)
+    )
+    engines = set(conn.execute(query).scalars())
     if not engines <= {s.engine for s in steps}:
         return
     state = "failed" if any(s.state == "failed" for s in steps) else "completed"

@@ -11,7 +11,13 @@ from run_events import make_run_events
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from app.core.events import Envelope, VersionPublished
+from app.core.events import (
+    EngineStateChanged,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Envelope,
+    VersionPublished,
+)
 from app.store.models import RunState
 from app.store.repos import (
     BatchRepo,
@@ -191,3 +197,21 @@ def test_the_timeline_pages_by_sequence_number(conn: Connection, session: Sessio
     group_spans = spans.list("pages", group_id=2)
     assert group_spans
     assert {s.group_id for s in group_spans} == {2}
+
+
+def test_a_rollout_ends_without_the_engines_out_of_rotation(conn: Connection, session: Session) -> None:
+    sink = SqlEventSink(conn)
+    events = [
+        EngineStateChanged(engine="e0", state="serving"),
+        EngineStateChanged(engine="e1", state="serving"),
+        VersionPublished(version=1, path=None),
+        EngineUpdateBegin(engine="e0", version=1),
+        EngineUpdateEnd(engine="e0", version=1),
+    ]
+    sink.write_batch([Envelope("rot", i, float(i), ev) for i, ev in enumerate(events)])
+    rollouts = RolloutRepo(session)
+    assert [r.state for r in rollouts.list("rot")] == ["running"]  # e1 has not updated yet
+
+    sink.write_batch([Envelope("rot", 5, 5.0, EngineStateChanged(engine="e1", state="unhealthy"))])
+    session.expire_all()
+    assert [(r.state, r.ended_at) for r in rollouts.list("rot")] == [("completed", 5.0)]
