@@ -18,6 +18,7 @@ from app.core.events import (
     GroupDiscarded,
     SandboxOp,
 )
+from app.runtime.events import EventBus
 from app.store.models import (
     Batch,
     EventRow,
@@ -262,3 +263,23 @@ def test_a_non_finite_number_is_refused_naming_the_field(
         sink.write_batch([bad])
 
     assert EventRepo(session).count("nan") == 0
+
+
+def test_the_event_bus_feeds_the_sink_in_batches(db_engine: Engine) -> None:
+    run = make_run_events("bus", groups=12)
+    times = iter([env.t for env in run.envelopes])
+    sink = SqlEventSink(db_engine)
+    try:
+        with EventBus("bus", clock=lambda: next(times)) as bus:
+            bus.add_sink(sink, name="store", batch_size=50, flush_interval_s=0.05)
+            for env in run.envelopes:
+                bus.publish(env.event)
+        stats = bus.stats()["store"]
+        assert (stats["written"], stats["dropped"], stats["failed"]) == (len(run.envelopes), 0, 0)
+        assert stats["batches"] >= len(run.envelopes) // 50  # batches, not one write per event
+        with Session(db_engine) as s:
+            assert EventRepo(s).load_envelopes("bus") == run.envelopes
+            assert GroupRepo(s).account("bus").delivered == len(run.delivered)
+    finally:
+        with Session(db_engine) as s, s.begin():
+            RunRepo(s).delete("bus")
