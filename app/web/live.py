@@ -125,13 +125,15 @@ class ManagerRuns:
             now = handle.loop.time()
             updating = dict(getattr(runtime.plan, "updating", {}))
             active = dict(getattr(runtime.pool, "active", {}))
+            down = set(getattr(runtime.plan, "down", ()))
             for name, version in dict(runtime.plan.versions).items():
                 engines.append(
                     {
                         "name": name,
                         "version": version,
                         "in_flight": active.get(name),
-                        "state": "updating" if name in updating else "serving",
+                        "state": "unhealthy" if name in down else None,
+                        "updating": name in updating,
                         "target_version": updating.get(name),
                     }
                 )

@@ -131,7 +131,7 @@ class RunMeta:
 
     state: str | None = None
     policy: Mapping[str, Any] | None = None
-    engines: Sequence[Mapping[str, Any]] = ()  # name, state, version, in_flight
+    engines: Sequence[Mapping[str, Any]] = ()  # name, state, updating, version, in_flight
     lanes: Sequence[Mapping[str, Any]] = ()  # name, cpus, busy, slots, queue_depth, p99_wait_s
     lower_bound_s: float | None = None
     now: float | None = None  # the run's clock now (live runs), for open spans and idle fraction
@@ -332,6 +332,12 @@ def view_from_events(
         for key in ("state", "version", "in_flight", "target_version"):
             if snap.get(key) is not None:
                 setattr(row_e, key, snap[key])
+        # `updating` (the owner's plan, ahead of the stored stream) settles an update the stream
+        # has not closed yet; other states (draining, paused, unhealthy) come from the stream.
+        if snap.get("updating") is True:
+            row_e.state = "updating"
+        elif snap.get("updating") is False and row_e.state == "updating":
+            row_e.state, row_e.target_version = "serving", None
     attribution = attribute_waits(envs) if batches else None
     _mark_groups(groups, attribution)
     return RunView(

@@ -140,3 +140,23 @@ def test_a_simulated_report_replays_group_by_group():
     done = [g.ready for g in view.ordered_groups() if g.ready is not None]
     assert done == sorted(done)
     assert 'class="sp"' in render_timeline(view)
+
+
+def test_the_owners_plan_settles_updates_and_the_stream_keeps_other_states():
+    from app.core.events import EngineStateChanged
+
+    events = [
+        Envelope("r", 0, 0.0, EngineUpdateBegin("engine-0", 1)),  # its end is not stored yet
+        Envelope("r", 1, 0.5, EngineStateChanged("engine-1", "unhealthy", "failed /health")),
+    ]
+    meta = RunMeta(
+        engines=[
+            {"name": "engine-0", "updating": False, "version": 1},
+            {"name": "engine-1", "updating": False},
+            {"name": "engine-2", "updating": True, "target_version": 2},
+        ]
+    )
+    engines = {e.name: e for e in view_from_events("r", events, meta).engines}
+    assert (engines["engine-0"].state, engines["engine-0"].version) == ("serving", 1)
+    assert engines["engine-1"].state == "unhealthy"
+    assert (engines["engine-2"].state, engines["engine-2"].target_version) == ("updating", 2)
