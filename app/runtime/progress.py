@@ -20,7 +20,7 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
-from app.core.events import AttemptFinished, Envelope, GroupReady, TurnDone
+from app.core.events import AttemptFinished, Envelope, GroupReady, SandboxOp, TurnDone
 from app.cpulist import format_cpu_list
 from app.runtime.config import LocalRunConfig
 
@@ -65,6 +65,7 @@ class RunProgress:
         self.ready: set[int] = set()
         self.attempts = 0
         self.turns = 0
+        self.sandbox_ops = 0
 
     def line(self, text: str) -> None:
         self.last_line = time.perf_counter()
@@ -73,22 +74,23 @@ class RunProgress:
             self.console.print(Text(stamp + text), highlight=False, soft_wrap=True)
 
     def on_envelope(self, envelope: Envelope) -> None:
-        """A subscriber of the run's event bus: counts turns, attempts and ready groups, and says where
-        the next batch stands when nothing else was printed for `STATUS_EVERY_S`."""
+        """A subscriber of the run's event bus: counts turns, sandbox operations, attempts and ready
+        groups, and says where the next batch stands when nothing was printed for `STATUS_EVERY_S`."""
         event = envelope.event
         if isinstance(event, TurnDone):
             self.turns += 1
+        elif isinstance(event, SandboxOp):
+            self.sandbox_ops += 1
         elif isinstance(event, AttemptFinished):
             self.attempts += 1
         elif isinstance(event, GroupReady):
             self.ready.add(event.group_id)
-        else:
-            return
         if time.perf_counter() - self.last_line >= STATUS_EVERY_S:
             of = f" of {self.groups_per_batch}" if self.groups_per_batch else ""
             self.line(
                 f"collecting batch {self.delivered + 1}: {len(self.ready)}{of} groups ready, "
-                f"{self.attempts} attempts finished, {self.turns} turns so far"
+                f"{self.attempts} attempts finished, {self.turns} turns and "
+                f"{self.sandbox_ops} sandbox operations so far"
             )
 
     def starting(self, config: LocalRunConfig, serving_cpus: Sequence[int], *, pinned_lanes: bool) -> None:
