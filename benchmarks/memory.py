@@ -8,8 +8,12 @@ nothing queues, and prints the peak and current RSS of this process when the 10,
 
 What still grows with history, by design and small: the simulator's per-group bound inputs (32 bytes a
 group), the ledger's bit per group id, and the report's per-batch figures (a few floats per batch).
+The simulator's `TrajectorySource` also keeps every trajectory it drew (so that the rungs of a bench
+replay the same draws); that cache belongs to the workload, not to the runtime, so by default this
+benchmark draws through an uncached source (the draws are seeded per group and attempt, so they are
+the same); `--cached` measures with the cache.
 
-Run: `.venv/bin/python -m benchmarks.memory [--groups 100000 --batch-groups 50 --surplus 50]`.
+Run: `.venv/bin/python -m benchmarks.memory [--groups 100000 --batch-groups 50 --surplus 50] [--cached]`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 from app.core.events import Envelope, GroupAdmitted
 from app.sim.run import policy_for, simulate
-from app.sim.workload import Workload
+from app.sim.workload import Trajectory, TrajectorySource, Workload
 
 MARKS = (10_000, 50_000, 100_000)
 
@@ -55,6 +59,13 @@ def memory_workload(groups: int, batch_groups: int, surplus: int, group_size: in
     )
 
 
+class UncachedTrajectories(TrajectorySource):
+    """Draws a trajectory again each time it is asked for instead of keeping it."""
+
+    def trajectory(self, group: int, attempt: int) -> Trajectory:
+        return self._draw(group, attempt)
+
+
 def rss_mib() -> tuple[float, float]:
     """(peak RSS, current RSS) of this process in MiB."""
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -63,8 +74,9 @@ def rss_mib() -> tuple[float, float]:
     return peak_kib / 1024, pages * resource.getpagesize() / 2**20
 
 
-def run_memory(groups: int, batch_groups: int, surplus: int) -> dict[str, Any]:
+def run_memory(groups: int, batch_groups: int, surplus: int, cached: bool = False) -> dict[str, Any]:
     workload = memory_workload(groups, batch_groups, surplus)
+    source = TrajectorySource(workload) if cached else UncachedTrajectories(workload)
     marks = sorted({m for m in MARKS if m <= groups} | {groups})
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -87,7 +99,7 @@ def run_memory(groups: int, batch_groups: int, surplus: int) -> dict[str, Any]:
             )
 
     baseline_peak, baseline = rss_mib()
-    report = simulate(workload, policy_for(workload, "full"), "full", events=on_event)
+    report = simulate(workload, policy_for(workload, "full"), "full", trajectories=source, events=on_event)
     return {
         "before_run_rss_mib": round(baseline, 1),
         "before_run_peak_rss_mib": round(baseline_peak, 1),
@@ -106,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=100_000, help="groups to run through")
     parser.add_argument("--batch-groups", type=int, default=50, help="B")
     parser.add_argument("--surplus", type=int, default=50, help="S")
+    parser.add_argument("--cached", action="store_true", help="keep the simulator's trajectory cache")
     args = parser.parse_args(argv)
     for name in ("groups", "batch_groups", "surplus"):
         value = getattr(args, name)
         if not 0 <= value <= 10_000_000 or (name != "surplus" and value < 1):
             print(f"--{name.replace('_', '-')}: {value} is out of range", file=sys.stderr)
             return 2
-    result = run_memory(args.groups, args.batch_groups, args.surplus)
+    result = run_memory(args.groups, args.batch_groups, args.surplus, args.cached)
+    print(f"trajectory source: {'cached' if args.cached else 'uncached'}")
     print(
         f"before the run: rss {result['before_run_rss_mib']} MiB (peak {result['before_run_peak_rss_mib']})"
     )

@@ -13,7 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from app.cli.common import check_output, check_plot, err, fail, finish, progress_bar, write_json
-from app.core.config import PolicyName
+from app.core.config import AdmissionMode, PolicyName
 from app.sim.workload import Workload, WorkloadError, load_workload
 from app.validation import MAX_STALENESS, MAX_SURPLUS, MAX_SWEEP_VALUES, in_flight_problem, problems
 
@@ -61,6 +61,22 @@ def sim(
     plot: Annotated[
         Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
     ] = None,
+    admission: Annotated[
+        AdmissionMode,
+        typer.Option(
+            help="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
+            "group holds no sandbox and no engine slot)"
+        ),
+    ] = AdmissionMode.LIVE,
+    ready_surplus: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=MAX_SURPLUS,
+            help="with --admission in_flight: room for ready groups beyond B + S; default: no cap (K ages "
+            "ready groups out)",
+        ),
+    ] = None,
 ) -> None:
     """Simulate one policy on a workload and write its report."""
     from app.sim.run import policy_for, simulate
@@ -70,9 +86,12 @@ def sim(
     spec = load(workload)
     if surplus is not None:
         check_surplus(spec, surplus, "--surplus")
-    overrides = {
+    if ready_surplus is not None and admission is AdmissionMode.LIVE:
+        fail("--ready-surplus: only with --admission in_flight")
+    overrides: dict[str, Any] = {
         k: v for k, v in {"surplus_groups": surplus, "max_staleness": max_staleness}.items() if v is not None
     }
+    overrides |= {"admission": admission, "ready_surplus": ready_surplus}
     try:
         pol = policy_for(spec, policy.value, **overrides)
     except ValidationError as exc:

@@ -17,6 +17,11 @@ class PauseModeName(StrEnum):
     KEEP = "keep"
 
 
+class AdmissionMode(StrEnum):
+    LIVE = "live"  # B + S caps groups in flight + ready
+    IN_FLIGHT = "in_flight"  # B + S caps groups in flight; ready groups have their own room
+
+
 class PolicyName(StrEnum):
     SYNC = "sync"
     COMPLETION = "completion"
@@ -45,6 +50,18 @@ class PolicyConfig(BaseModel):
         PauseModeName.KEEP, description="how an updating engine treats in-flight turns"
     )
     filter_zero_variance: bool = Field(False, description="discard groups whose rewards are all equal")
+    admission: AdmissionMode = Field(
+        AdmissionMode.LIVE,
+        description="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
+        "group holds no sandbox and no engine slot)",
+    )
+    ready_surplus: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="in-flight admission: room for ready groups beyond B + S, so in flight + ready ≤ "
+        "B + S + this (None: no cap; staleness K ages ready groups out)",
+    )
 
     def with_changes(self, **changes: object) -> PolicyConfig:
         """A copy with `changes` applied and validated (model_copy alone would skip validation)."""

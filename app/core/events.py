@@ -349,12 +349,14 @@ class Ledger:
 
     def __init__(self, next_seq: int = 0) -> None:
         self.open_groups: set[int] = set()  # admitted and not yet ended: in flight or ready
+        self.ready_groups: set[int] = set()  # open and ready (all attempts done)
         self.admitted_count = 0
         self.delivered_count = 0
         self.discarded: dict[str, int] = {}  # reason -> groups
         self.ended_twice: set[int] = set()
         self.never_admitted: set[int] = set()
         self.max_open = 0
+        self.max_running = 0  # open and not ready: in flight
         self.next_seq = next_seq  # a run resumed from its store continues its sequence
         self.gaps = 0
         self._admitted = _Bitmap()
@@ -372,6 +374,10 @@ class Ledger:
                 self.admitted_count += 1
                 self.open_groups.add(event.group_id)
                 self.max_open = max(self.max_open, len(self.open_groups))
+                self.max_running = max(self.max_running, len(self.open_groups) - len(self.ready_groups))
+        elif isinstance(event, GroupReady):
+            if event.group_id in self.open_groups:
+                self.ready_groups.add(event.group_id)
         elif isinstance(event, GroupDelivered | GroupDiscarded):
             gid = event.group_id
             if not self._ended.add(gid):
@@ -381,6 +387,7 @@ class Ledger:
                 self.never_admitted.add(gid)
                 return
             self.open_groups.discard(gid)
+            self.ready_groups.discard(gid)
             if isinstance(event, GroupDelivered):
                 self.delivered_count += 1
             else:

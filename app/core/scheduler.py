@@ -5,7 +5,8 @@ It owns no tasks, clocks or sockets: time arrives as the `now` argument.
 
 Invariants (checked by tests over random workloads and random live changes of S and K):
 - groups in flight + ready ≤ B + S at all times (S as currently set; lowering S admits nothing until
-  the count falls below the new cap, it never evicts);
+  the count falls below the new cap, it never evicts); in the in-flight admission mode, groups in
+  flight ≤ B + S and groups in flight + ready ≤ B + S + R (`ready_surplus`, when set);
 - every delivered group has staleness ≤ K, where staleness = trainer version at consume − the oldest
   policy version of any turn in the group;
 - with completion order, batches take ready groups in the order they completed;
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from app.core.advantages import grpo_advantages
-from app.core.config import PolicyConfig
+from app.core.config import AdmissionMode, PolicyConfig
 from app.core.events import Event, GroupAdmitted, GroupDelivered, GroupDiscarded, GroupReady
 
 
@@ -128,7 +129,8 @@ class SchedulerCounters:
     admitted: int = 0
     delivered: int = 0
     discarded: dict[DiscardReason, int] = field(default_factory=lambda: {r: 0 for r in DiscardReason})
-    max_groups_in_flight: int = 0
+    max_groups_in_flight: int = 0  # live: in flight + ready
+    max_groups_running: int = 0  # in flight only
     max_staleness_delivered: int = 0
     restarts: int = 0
     refused_turns: int = 0  # turns by a policy newer than the trainer's: their groups failed
@@ -161,7 +163,30 @@ class Scheduler:
 
     @property
     def capacity(self) -> int:
+        """B + S: the cap on live groups, or (in-flight admission) on groups in flight."""
         return self.policy.groups_per_batch + self.surplus
+
+    @property
+    def groups_ready(self) -> int:
+        return len(self._ready)
+
+    @property
+    def groups_running(self) -> int:
+        return len(self.groups) - len(self._ready)
+
+    @property
+    def live_cap(self) -> int | None:
+        """The cap on live groups (in flight + ready); None when only groups in flight are capped."""
+        if self.policy.admission is AdmissionMode.LIVE:
+            return self.capacity
+        extra = self.policy.ready_surplus
+        return None if extra is None else self.capacity + extra
+
+    def _can_admit(self) -> bool:
+        if self.groups_running >= self.capacity:
+            return False
+        cap = self.live_cap
+        return cap is None or len(self.groups) < cap
 
     @property
     def batches_delivered(self) -> int:
@@ -320,7 +345,7 @@ class Scheduler:
         decisions: list[Decision] = []
         if self._stopped:
             return decisions
-        while len(self.groups) < self.capacity:
+        while self._can_admit():
             gid = self._next_group
             self._next_group += 1
             size = self.policy.group_size
@@ -330,6 +355,7 @@ class Scheduler:
             self._outbox.append(GroupAdmitted(gid, gid, size))
             decisions.append(StartGroup(gid, gid, size))
         self.counters.max_groups_in_flight = max(self.counters.max_groups_in_flight, len(self.groups))
+        self.counters.max_groups_running = max(self.counters.max_groups_running, self.groups_running)
         return decisions
 
     def _choose(self) -> list[GroupRecord] | None:

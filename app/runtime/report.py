@@ -6,6 +6,11 @@ trainer_idle_fraction, lower_bound_s, max_staleness, max_groups_in_flight,
 discarded_groups {stale, failed, cancelled, zero_variance}, restarted_trajectories, lost_groups,
 tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.report`.
 
+`max_groups_in_flight` counts live groups (in flight + ready: what B + S caps in the default admission
+mode); `max_groups_running` counts groups in flight only (what B + S caps in the in-flight mode).
+`event_sinks` (when the run's bus had sinks) says per sink how many envelopes were written, dropped
+(full buffer), failed (the sink raised) or left unflushed at close.
+
 Invariants:
 - the runtime's report and `report_from_events(envelopes, static)` over the same run's stored
   envelopes are equal: both fold the same stream with `ReportAccumulator` (what is not in the stream,
@@ -22,8 +27,8 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from app.core.events import (
     AttemptCancelled,
@@ -47,6 +52,9 @@ from app.core.events import (
     VersionPublished,
 )
 from app.core.scheduler import DiscardReason
+
+if TYPE_CHECKING:
+    from app.runtime.events import EventBus
 
 # Distinct discard details kept per reason; the rest are counted under "(other)".
 MAX_DETAILS_PER_REASON = 20
@@ -298,6 +306,7 @@ class ReportAccumulator:
             "mean_reward": _r(statistics.fmean(b.mean_reward for b in self.batches)) if self.batches else 0.0,
             "wasted_trajectory_s": {k: _r(v) for k, v in self.wasted.items()},
             "discard_details": {reason: dict(d) for reason, d in sorted(self.details.items())},
+            "max_groups_running": ledger.max_running,
             "max_engines_updating": self.max_updating,
             "engines": {
                 name: {
@@ -352,8 +361,11 @@ class ReportAccumulator:
         ]  # fmt: skip
 
 
-def build_report(acc: ReportAccumulator, static: ReportStatic) -> dict[str, Any]:
-    """The report of a run whose envelopes `acc` has folded (the runtime's own `report_acc`)."""
+def build_report(acc: ReportAccumulator, static: ReportStatic, bus: EventBus | None = None) -> dict[str, Any]:
+    """The report of a run whose envelopes `acc` has folded (the runtime's own `report_acc`); with the
+    run's `bus`, its sinks' counts too (close the bus first, so that they are final)."""
+    if bus is not None and bus.stats():
+        static = replace(static, extra={**static.extra, "event_sinks": bus.stats()})
     return acc.report(static)
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,3 +381,32 @@ def test_every_kind_of_state_change_is_published() -> None:
     }
     assert expected <= set(kinds)
     assert kinds["run_started"] == kinds["run_ended"] == 1
+
+
+class SlowSink:
+    """A store that takes 50 ms a batch, with a buffer far too small for the run."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        time.sleep(0.05)
+        self.written += len(envelopes)
+
+
+def test_a_slow_sink_loses_events_to_itself_only_and_the_report_says_how_many() -> None:
+    bus = EventBus("run-slow")
+    sink = SlowSink()
+    bus.add_sink(sink, name="store", batch_size=4, flush_interval_s=0.01, capacity=8)
+    runtime = make_runtime(ScriptedSource(default=Try(turn_s=2.0)), bus=bus)
+    run_virtual(runtime.run(batches=5))
+    bus.close()
+    report = build_report(runtime.report_acc, ReportStatic("test"), bus)
+    stats = report["event_sinks"]["store"]
+    assert stats["dropped"] > 0  # the run never waited for the sink
+    assert stats["written"] == sink.written
+    assert stats["written"] + stats["dropped"] + stats["failed"] + stats["unflushed"] == bus.published
+    # The run's own accounts, folded synchronously, are whole.
+    assert report["batches"] == 5
+    assert report["lost_groups"] == 0
+    assert report["event_stream"]["events"] == bus.published

@@ -93,8 +93,16 @@ class InvariantObserver:
 
     def __call__(self, runtime: Runtime, kind: str, data: dict[str, Any]) -> None:
         sched = runtime.scheduler
-        if kind == "group_admitted" and sched.groups_live > sched.capacity:
-            self.violations.append(f"admitted past B+S: {sched.groups_live} > {sched.capacity}")
+        if kind == "group_admitted":
+            # B + S caps what is live, or (in-flight admission) what is in flight; then in flight +
+            # ready stays within B + S + R when R is set.
+            if sched.groups_running > sched.capacity:
+                self.violations.append(
+                    f"admitted past B+S: {sched.groups_running} in flight > {sched.capacity}"
+                )
+            cap = sched.live_cap
+            if cap is not None and sched.groups_live > cap:
+                self.violations.append(f"admitted past the live cap: {sched.groups_live} > {cap}")
         if kind == "batch":
             for staleness in data["staleness"]:
                 if staleness > sched.max_staleness:
@@ -246,6 +254,36 @@ def test_invariants_hold_under_every_lane_mode(
         for lane, slots in report["lane_slots"].items():
             assert slots["configured"] <= slots["final"] <= slots["max"], lane
             assert slots["max"] <= 4 * slots["configured"], lane
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workload=workloads,
+    rung=st.sampled_from([PolicyName.COMPLETION, PolicyName.FULL]),
+    ready_surplus=st.none() | st.integers(0, 4),
+    live=changes,
+)
+def test_invariants_hold_when_b_plus_s_caps_only_groups_in_flight(
+    workload: Workload, rung: PolicyName, ready_surplus: int | None, live: list[tuple[float, str, int]]
+) -> None:
+    policy = policy_for(workload, rung.value, admission="in_flight", ready_surplus=ready_surplus)
+    report = check_run(workload, policy, live)
+    top_s = max([policy.surplus_groups] + [v for _, k, v in live if k == "surplus_groups"])
+    assert report["max_groups_running"] <= policy.groups_per_batch + top_s
+    if ready_surplus is not None:
+        assert report["max_groups_in_flight"] <= policy.groups_per_batch + top_s + ready_surplus
+
+
+def test_in_flight_admission_with_no_ready_room_is_the_live_mode() -> None:
+    workload = make_workload(batches=4, policy={"surplus_groups": 2, "max_staleness": 2})
+    live = simulate(workload, policy_for(workload, "full"), "full")
+    in_flight = simulate(
+        workload, policy_for(workload, "full", admission="in_flight", ready_surplus=0), "full"
+    )
+    for report in (live, in_flight):
+        report.pop("wall_s")
+        report.pop("policy_config")
+    assert in_flight == live
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

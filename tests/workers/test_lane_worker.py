@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
-from conftest import LaneCluster
+from celery_cluster import LaneCluster
 from factories import make_echo_task
 
 from app.lanes.base import LaneName

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, Workers, broker_env, redis_answers
+from celery_cluster import REDIS_URL, Workers, broker_env, redis_answers
 from factories import make_echo_task
 
 from app.lanes.base import LaneName

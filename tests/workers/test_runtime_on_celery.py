@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import REDIS_URL, LaneCluster
+from celery_cluster import REDIS_URL, LaneCluster
 from factories import make_echo_task
 
 from app.core.config import PolicyConfig

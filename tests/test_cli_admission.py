@@ -1,0 +1,53 @@
+"""`corral sim --admission in_flight [--ready-surplus R]`, run for real as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from factories import make_workload_data
+
+CORRAL = Path(sys.executable).with_name("corral")
+
+
+def corral(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(CORRAL), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def make_workload_file(tmp_path: Path) -> Path:
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(make_workload_data(seed=5, batches=3)))
+    return path
+
+
+def test_in_flight_admission_caps_only_groups_in_flight(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    workload = make_workload_file(tmp_path)
+    proc = corral(
+        "sim", "--workload", workload, "--json", out, "--admission", "in_flight", "--ready-surplus", "1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["policy_config"]["admission"] == "in_flight"
+    assert report["policy_config"]["ready_surplus"] == 1
+    assert report["max_groups_running"] <= 2 + 2  # B + S of the workload
+    assert report["max_groups_in_flight"] <= 2 + 2 + 1
+    assert report["lost_groups"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--ready-surplus", "2"], "--ready-surplus: only with --admission in_flight"),
+        (["--admission", "sideways"], "--admission"),
+        (["--admission", "in_flight", "--ready-surplus", "-1"], "--ready-surplus"),
+    ],
+)
+def test_bad_admission_flags_are_refused(tmp_path: Path, args: list[str], needle: str) -> None:
+    proc = corral("sim", "--workload", make_workload_file(tmp_path), "--json", tmp_path / "r.json", *args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
