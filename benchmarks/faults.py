@@ -149,7 +149,7 @@ def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:
     after = None if at is None else sum(1 for m in report["batch_marks"] if m["delivered_s"] > at)
     return {
         "fault": fault.name,
-        "command": fault.command,
+        "command": fault.command.replace("{{", "{").replace("}}", "}"),
         "exit_code": code,
         "noticed_at_s": at,
         "batches": report["batches"],
