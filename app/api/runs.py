@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, HTTPException, Query, Response, status
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle
 from app.service.gateway import RunClosedError, UnknownBatchError
@@ -59,11 +60,12 @@ def create_run(spec: RunCreate, manager: Manager, actor: Operator, response: Res
 
 
 @router.get("/{run_id}")
-def get_run(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
-    view = manager.view(run_id)
+async def get_run(run_id: RunId, manager: Manager, _: Viewer) -> Any:
+    # A run executing here is answered from memory, on the event loop: no query, no thread hop.
+    view = manager.live_view(run_id) or await run_in_threadpool(manager.view, run_id)
     if view is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    return view
+    return JSONResponse(view)
 
 
 async def _act(run_id: str, action: RunAction, manager: Manager, actor: str) -> dict[str, Any]:
@@ -174,17 +176,22 @@ async def patch_policy(
 
 
 @router.get("/{run_id}/timeline")
-def timeline(
+async def timeline(
     run_id: RunId,
     manager: Manager,
     _: Viewer,
     since: Annotated[int, Query(ge=-1, description="return events with seq > since")] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-) -> dict[str, Any]:
-    if manager.get(run_id) is None and manager.store.get_run(run_id) is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    events = manager.store.timeline(run_id, since, limit)
-    return {"id": run_id, "since": since, "events": events, "next": events[-1]["seq"] if events else since}
+) -> Any:
+    """A run's events with seq > `since`, oldest first; `next` is the `since` of the following page."""
+    handle = manager.get(run_id)
+    events = handle.recorder.recent.since(since, limit) if handle is not None else None
+    if events is None:
+        if handle is None and await run_in_threadpool(manager.store.get_run, run_id) is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+        events = await run_in_threadpool(manager.store.timeline, run_id, since, limit)
+    body = {"id": run_id, "since": since, "events": events, "next": events[-1]["seq"] if events else since}
+    return JSONResponse(body)
 
 
 @router.get("/{run_id}/metrics")

@@ -137,6 +137,21 @@ class RunManager:
     def get(self, run_id: str) -> RunHandle | None:
         return self.handles.get(run_id)
 
+    def live_view(self, run_id: str) -> dict[str, Any] | None:
+        """The view of a run executing here, from memory alone; None for any other run."""
+        handle = self.handles.get(run_id)
+        record = self._records.get(run_id)
+        return None if handle is None or record is None else self._with_live(_record_dict(record), handle)
+
+    @staticmethod
+    def _with_live(out: dict[str, Any], handle: RunHandle) -> dict[str, Any]:
+        out["state"] = handle.state.value
+        out["live"] = handle.live()
+        out["policy"] = dict(handle.knobs)
+        if handle.error:
+            out["error"] = handle.error
+        return out
+
     def view(self, run_id: str) -> dict[str, Any] | None:
         """A run as GET /api/runs/{id} shows it: its stored row, and its live state when it runs here."""
         handle = self.handles.get(run_id)
@@ -145,11 +160,7 @@ class RunManager:
             return None
         out = _record_dict(record)
         if handle is not None:
-            out["state"] = handle.state.value
-            out["live"] = handle.live()
-            out["policy"] = dict(handle.knobs)
-            if handle.error:
-                out["error"] = handle.error
+            self._with_live(out, handle)
         else:
             account, _ = self.store.ledger(run_id)
             out["live"] = None

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,39 @@ class _ContinuingBus(EventBus):
         self._seq = first_seq
 
 
+class RecentEvents:
+    """The newest events of a run as timeline rows, so reading a live run's timeline needs no query.
+
+    Holds at least `keep` events; rows are built once, when published (on the run's loop), and read
+    from API threads under a lock."""
+
+    def __init__(self, first_seq: int, keep: int = 20_000) -> None:
+        self._lock = threading.Lock()
+        self._rows: list[dict[str, Any]] = []
+        self._first = first_seq  # seq of _rows[0]
+        self._keep = keep
+
+    def on_envelope(self, env: Envelope) -> None:
+        row = env.to_dict()
+        del row["run_id"]
+        with self._lock:
+            if not self._rows:
+                self._first = env.seq
+            self._rows.append(row)
+            if len(self._rows) > 2 * self._keep:
+                drop = len(self._rows) - self._keep
+                self._rows = self._rows[drop:]
+                self._first += drop
+
+    def since(self, since: int, limit: int) -> list[dict[str, Any]] | None:
+        """Rows with seq > `since`, or None when older ones are no longer held (ask the store)."""
+        with self._lock:
+            start = since + 1 - self._first
+            if start < 0:
+                return None
+            return self._rows[start : start + limit]
+
+
 class RunRecorder:
     """One run's bus with its live view; the manager attaches the store and metrics sinks."""
 
@@ -94,7 +128,9 @@ class RunRecorder:
         self.run_id = run_id
         self.bus: EventBus = _ContinuingBus(run_id, first_seq, clock)
         self.view = LiveView()
+        self.recent = RecentEvents(first_seq)
         self.bus.subscribe(self.view.on_envelope)
+        self.bus.subscribe(self.recent.on_envelope)
 
     def publish(self, event: Event) -> Envelope:
         return self.bus.publish(event)
