@@ -151,7 +151,8 @@ def make_runtime(
     faults: EngineFaultConfig | None = None,
     trainer: FakeTrainer | None = None,
     source: Any = None,
-    **policy: Any,
+    policy: str = "full",
+    **knobs: Any,
 ) -> Runtime:
     settings: dict[str, Any] = {
         "groups_per_batch": 2,
@@ -159,10 +160,10 @@ def make_runtime(
         "surplus_groups": 2,
         "max_staleness": 4,
     }
-    settings.update(policy)
+    settings.update(knobs)
     lanes = InProcessLanes(concurrency=dict.fromkeys(LaneName, 8), cpus=dict.fromkeys(LaneName), pinned=False)
     return Runtime(
-        PolicyConfig.ladder("full", **settings),
+        PolicyConfig.ladder(policy, **settings),
         engines=list(engines),
         engine_slots=4,
         lanes=lanes,

@@ -143,6 +143,20 @@ def test_an_engine_failing_its_health_check_is_found_by_the_health_watch() -> No
     assert states(runtime, "b")[:3] == ["unhealthy", "restarting", "serving"]
 
 
+@pytest.mark.parametrize("policy", ["sync", "completion", "lanes", "full"])
+def test_every_rung_of_the_ladder_rides_out_a_dead_engine_and_a_hung_update(policy: str) -> None:
+    """Stop-the-world publication (sync, completion) as well as rolling: the same faults, no loss."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    b.update = "hang"
+    runtime = make_runtime([a, b], FakeSupervisor(), policy=policy)
+    run_virtual(run_with(runtime, 6, kill_at(a, 9.5)))
+    assert len(runtime.state.batches) == 6
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["failed"] == 0
+    assert runtime.plan.down == set()
+    assert {e for _, e, s, _ in runtime.state.engine_events if s == "unhealthy"} == {"a", "b"}
+
+
 def test_a_turn_that_keeps_failing_fails_its_attempt_not_the_run() -> None:
     a = FakeEngine("a")
     runtime = make_runtime([a], FakeSupervisor(start_s=0.5), EngineFaultConfig(turn_retries=0))
