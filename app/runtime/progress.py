@@ -43,6 +43,10 @@ class _Engines(Protocol):
     def wait_healthy(self) -> Awaitable[None]: ...
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _round(value: object) -> object:
     if isinstance(value, float):
         return round(value, 1)
@@ -89,8 +93,8 @@ class RunProgress:
             of = f" of {self.groups_per_batch}" if self.groups_per_batch else ""
             self.line(
                 f"collecting batch {self.delivered + 1}: {len(self.ready)}{of} groups ready, "
-                f"{self.attempts} attempts finished, {self.turns} turns and "
-                f"{self.sandbox_ops} sandbox operations so far"
+                f"{_count(self.attempts, 'attempt')} finished, {_count(self.turns, 'turn')} and "
+                f"{_count(self.sandbox_ops, 'sandbox operation')} so far"
             )
 
     def starting(self, config: LocalRunConfig, serving_cpus: Sequence[int], *, pinned_lanes: bool) -> None:

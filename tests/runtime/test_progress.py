@@ -104,12 +104,12 @@ def test_status_line_between_batches_counts_turns_attempts_and_ready_groups(
     monkeypatch.setattr(progress_module, "STATUS_EVERY_S", 0.0)
     progress.on_envelope(Envelope("run", 3, 0.0, GroupReady(group_id=1)))
     assert (
-        "collecting batch 1: 1 of 4 groups ready, 1 attempts finished, 2 turns and 0 sandbox operations"
+        "collecting batch 1: 1 of 4 groups ready, 1 attempt finished, 2 turns and 0 sandbox operations"
         in console.export_text(clear=False)
     )
     progress.on_event("batch", {"index": 0, "wait_s": 3.0, "staleness": [0], "groups": [1]})
     progress.on_envelope(Envelope("run", 4, 0.0, turn))
     assert (
-        "collecting batch 2: 0 of 4 groups ready, 1 attempts finished, 3 turns and 0 sandbox operations"
+        "collecting batch 2: 0 of 4 groups ready, 1 attempt finished, 3 turns and 0 sandbox operations"
         in console.export_text()
     )
