@@ -165,6 +165,15 @@ class RunView:
     # -- figures ----------------------------------------------------------------------------------
 
     @property
+    def badge(self) -> str:
+        """The state badge's style: live (running), paused, ended (stopped, completed, failed), replay."""
+        if self.source == "replay":
+            return "replay"
+        if self.state in ("running", "stopping", "created"):
+            return "live"
+        return "paused" if self.state == "paused" else "ended"
+
+    @property
     def policy_short(self) -> dict[str, Any]:
         return {short: self.policy.get(key) for key, short in POLICY_KEYS.items()}
 

@@ -177,6 +177,29 @@ def test_runs_page_lists_the_run(browser: object, server: str, run_id: str) -> N
     page.context.close()
 
 
+def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
+    browser: object, server: str, run_id: str, api: httpx.Client
+) -> None:
+    page = new_page(browser, server, signed_in=True)
+    page.get_by_label("Policy").select_option("lanes")
+    page.get_by_label("S (surplus groups)").fill("1")
+    page.get_by_label("Batches").fill("50")
+    page.get_by_role("button", name="Launch").click()
+    page.wait_for_url(f"{server}/runs/*")
+    launched = page.url.rsplit("/", 1)[1]
+    assert launched != run_id
+    run = api.get(f"/api/runs/{launched}").json()
+    assert (run["config"]["policy"], run["policy"]["surplus_groups"]) == ("lanes", 1)
+    page.get_by_role("button", name="Stop the run after this step").click()
+    sync_api.expect(page.locator("#stop-msg")).to_contain_text("Stopping")
+    deadline = time.monotonic() + 30
+    while api.get(f"/api/runs/{launched}").json()["state"] not in ("stopped", "completed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
+    page.context.close()
+
+
 def test_timeline_bars_grow_without_a_reload(browser: object, server: str, run_id: str) -> None:
     page = new_page(browser, server, signed_in=False)
     page.goto(f"{server}/runs/{run_id}")
