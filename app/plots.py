@@ -39,9 +39,16 @@ def plot_timeline(report: dict[str, Any], out: Path) -> None:
     for entry in report.get("update_log", []):
         if entry["phase"] == "end":
             ax.plot(entry["t"], -2, marker="v", color="tab:orange", markersize=4)
+    faults = [e for e in report.get("engine_events", []) if e["state"] in ("unhealthy", "serving")]
+    for event in faults:  # engine faults (docs/faults.md): down, and back again
+        down = event["state"] == "unhealthy"
+        ax.plot(event["t"], -4, marker="x" if down else "^", color="tab:brown" if down else "tab:cyan")
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles.append(Patch(color="tab:blue", alpha=0.6, label="batch delivered"))
     handles.append(Patch(color="tab:orange", label="engine updated"))
+    if faults:
+        handles.append(Patch(color="tab:brown", label="engine down (x)"))
+        handles.append(Patch(color="tab:cyan", label="engine back (^)"))
     ax.legend(handles=handles, loc="upper left", fontsize=8, ncols=4)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("group (admission order)")
