@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from app.lanes.base import LaneName
@@ -25,12 +26,21 @@ def run_lane_worker(
     concurrency: int,
     isolation: Literal["auto", "bwrap", "none"] = "auto",
     loglevel: str = "INFO",
+    docker_image: str | None = None,
+    state_dir: Path | None = None,
 ) -> None:
-    """Consume `lane.<host>.<lane>` with `concurrency` pool processes, each pinned to `cpus`."""
+    """Consume `lane.<host>.<lane>` with `concurrency` pool processes, each pinned to `cpus`. With
+    `docker_image`, docker sandbox handles run too (their state kept in `state_dir`)."""
     broker, backend = settings.urls()
     queue = queue_name(host, lane)
     app = make_celery(broker, backend)
-    lane_tasks.configure(lane, host, cpus, HostSandboxes(host, isolation))
+    docker = None
+    if docker_image is not None:
+        from app.sandboxes.docker import DockerSandboxFactory
+
+        docker = DockerSandboxFactory(docker_image)  # its client is built lazily, in the pool process
+    sandboxes = HostSandboxes(host, isolation, docker=docker, state_dir=state_dir)
+    lane_tasks.configure(lane, host, cpus, sandboxes)
     name = f"{lane.value}-{os.getpid()}@{host}"
     app.worker_main(
         ["worker", "-Q", queue, "-c", str(concurrency), "-P", "prefork", "-n", name, "-l", loglevel, *_QUIET]

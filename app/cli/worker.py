@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,6 +19,7 @@ from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.lanes.base import LaneName
 
 MAX_CONCURRENCY = 256
+DEFAULT_STATE_DIR = Path("/var/tmp/corral-lane-state")
 
 
 def worker(
@@ -36,6 +38,12 @@ def worker(
         bool, typer.Option("--orchestrator", help="serve the orchestrator queue instead of a lane")
     ] = False,
     isolation: Annotated[str, typer.Option(help="sandbox isolation: auto, bwrap or none")] = "auto",
+    docker_image: Annotated[
+        str | None, typer.Option(help="also run docker sandboxes, from this image (DOCKER_HOST's daemon)")
+    ] = None,
+    state_dir: Annotated[
+        Path, typer.Option(help="with --docker-image: where docker sandboxes' state is kept on this host")
+    ] = DEFAULT_STATE_DIR,
     entry: Annotated[
         str | None,
         typer.Option(help="with --orchestrator: the run manager's entry point, module:function"),
@@ -72,6 +80,16 @@ def worker(
         return
     if entry is not None:
         fail("--entry: only with --orchestrator")
+    if docker_image is not None:
+        if not docker_image.strip():
+            fail("--docker-image: empty image name")
+        try:
+            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            probe = state_dir / f".probe-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            fail(f"--state-dir: {state_dir} is not a writable directory ({exc.strerror})")
     if lane is None or cpus is None:
         fail("--lane and --cpus are required (or pass --orchestrator)")
     try:
@@ -100,4 +118,6 @@ def worker(
         concurrency or len(cpu_list),
         isolation,  # type: ignore[arg-type]
         loglevel.upper(),
+        docker_image,
+        state_dir,
     )

@@ -115,6 +115,13 @@ class DockerSandbox(CommandSandbox):
         await asyncio.to_thread(self._remove)
         self._task = None
 
+    def adopt(self, task: TaskSpec | None, container_id: str | None) -> None:
+        """Take over this sandbox as `reset` left it in another process of this host (a Celery pool
+        process): its task and its container. The container's CPU set is re-applied by the next op."""
+        self._task = task
+        self.container_id = container_id
+        self._cpus = None
+
     # -- internals (blocking; called through to_thread) ---------------------------------------------
 
     def _require_reset(self) -> TaskSpec:

@@ -34,6 +34,12 @@ CASES: dict[str, tuple[list[str], dict[str, str | None], str]] = {
     "orchestrator with a lane": (["worker", "--orchestrator", "--lane", "exec"], {}, "--orchestrator"),
     "entry without a colon": (["worker", "--orchestrator", "--entry", "runner"], {}, "--entry"),
     "entry for a lane worker": ([*GOOD, "--entry", "a:b"], {}, "--entry: only with --orchestrator"),
+    "blank docker image": ([*GOOD, "--docker-image", " "], {}, "--docker-image"),
+    "unwritable state dir": (
+        [*GOOD, "--docker-image", "img", "--state-dir", "/proc/corral-state"],
+        {},
+        "--state-dir: /proc/corral-state",
+    ),
 }
 
 
