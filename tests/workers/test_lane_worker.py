@@ -59,6 +59,10 @@ def wait_for_log(cluster: LaneCluster, text: str) -> None:
         time.sleep(0.05)
 
 
+def read_text(path: Path) -> str:
+    return path.read_text()
+
+
 def test_every_pool_process_of_a_lane_worker_is_pinned(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
 ) -> None:
@@ -209,3 +213,29 @@ async def test_a_workers_error_is_raised_to_the_caller_with_its_type(
         await lanes.run_op(LaneOp.exec(handle, "true", 5))
     await lanes.run_op(LaneOp.cleanup(handle))
     assert lanes.stats()["exec"].busy == 0
+
+
+async def test_a_cancelled_op_is_waited_for_when_running_and_revoked_when_queued(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts[1:])  # its exec worker has one process
+    handle = lanes.attach(LocalSandboxFactory(base_dir).create("cancelled"))
+    await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+    started = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        running = tg.create_task(
+            lanes.run_op(LaneOp.exec(handle, "sleep 1.5; echo ran >> marks.txt", 10), started.set)
+        )
+        queued = tg.create_task(lanes.run_op(LaneOp.exec(handle, "echo queued >> marks.txt", 10)))
+        async with asyncio.timeout(RESULT_TIMEOUT_S):
+            await started.wait()
+        running.cancel()
+        queued.cancel()
+    assert running.cancelled()
+    assert queued.cancelled()
+    # The running op's cancellation ended only once the op had: its mark is already there.
+    assert read_text(base_dir / "cancelled" / "marks.txt") == "ran\n"
+    # The queued op was revoked before a worker took it: it never ran, even with time to.
+    marks = await lanes.run_op(LaneOp.exec(handle, "cat marks.txt", 10))
+    await lanes.run_op(LaneOp.cleanup(handle))
+    assert marks.output.splitlines() == ["ran"]
