@@ -30,7 +30,8 @@ Definitions (seconds on the run's clock):
 So the phases of a batch sum to its wait exactly, and the run's phases sum to the trainer's total wait.
 A batch whose groups were all ready before it was asked for has a wait near zero, all of it `handoff`.
 
-Pure: no I/O, no clock. `attribute_waits` reads envelopes in any order (it sorts by sequence number).
+Pure: no I/O, no clock. `attribute_waits` reads envelopes in any order (it sorts by sequence number);
+`WaitAccumulator` folds them one at a time in sequence order, keeping only the open groups' spans.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from app.core.events import (
     EngineUpdateEnd,
     Envelope,
     GroupAdmitted,
+    GroupDiscarded,
     GroupReady,
     RunStarted,
     SandboxOp,
@@ -175,102 +177,166 @@ class _Attempt:
     turns: list[tuple[str, float, float, float]] = field(default_factory=list)  # engine, queued, start, end
 
 
-@dataclass
-class _Index:
-    admitted: dict[int, float] = field(default_factory=dict)
-    ready: dict[int, float] = field(default_factory=dict)
-    attempts: dict[tuple[int, int], _Attempt] = field(default_factory=lambda: defaultdict(_Attempt))
-    updates: dict[str, list[Interval]] = field(default_factory=lambda: defaultdict(list))
-    batches: list[tuple[BatchDelivered, float]] = field(default_factory=list)
-    engines: set[str] = field(default_factory=set)
+class WaitAccumulator:
+    """Folds the stream in sequence order; at each `BatchDelivered` it works out that batch's critical
+    path, then forgets the batch's groups (and a discarded group's attempts at its discard).
 
-    def all_updating(self) -> list[Interval]:
-        """Intervals during which every known engine was loading weights."""
-        if not self.engines or set(self.updates) != self.engines:
-            return []
-        edges = sorted((t, d) for ivs in self.updates.values() for b, e in ivs for t, d in ((b, 1), (e, -1)))
-        out: list[Interval] = []
-        depth, since = 0, 0.0
-        for t, d in edges:
-            depth += d
-            if d == 1 and depth == len(self.engines):
-                since = t
-            elif d == -1 and depth == len(self.engines) - 1 and t > since:
-                out.append((since, t))
-        return out
+    Memory: the spans of groups not yet ended, the weight-update windows and one `BatchWait` per
+    batch. So the runtime can keep one beside its report, and the result equals `attribute_waits`
+    over the same envelopes.
+    """
 
+    def __init__(self) -> None:
+        self._admitted: dict[int, float] = {}
+        self._ready: dict[int, float] = {}
+        self._attempts: dict[int, dict[int, _Attempt]] = defaultdict(dict)
+        self._updates: dict[str, list[Interval]] = defaultdict(list)
+        self._open_updates: dict[str, float] = {}
+        self._engines: set[str] = set()
+        self._batches: list[BatchWait] = []
+        self._phases = dict.fromkeys(PHASES, 0.0)
 
-def _index(envelopes: Iterable[Envelope]) -> _Index:
-    idx = _Index()
-    open_updates: dict[str, float] = {}
-    last_t = 0.0
-    for env in sorted(envelopes, key=lambda e: e.seq):
+    @property
+    def open_groups(self) -> int:
+        """Groups whose spans are still kept (for tests of the memory bound)."""
+        return len(set(self._attempts) | set(self._admitted) | set(self._ready))
+
+    def _attempt(self, gid: int, attempt: int) -> _Attempt:
+        group = self._attempts[gid]
+        if attempt not in group:
+            group[attempt] = _Attempt()
+        return group[attempt]
+
+    def on_envelope(self, env: Envelope) -> None:
         ev, t = env.event, env.t
-        last_t = max(last_t, t)
         if isinstance(ev, GroupAdmitted):
-            idx.admitted[ev.group_id] = t
+            self._admitted[ev.group_id] = t
         elif isinstance(ev, GroupReady):
-            idx.ready[ev.group_id] = t
+            self._ready[ev.group_id] = t
         elif isinstance(ev, AttemptStarted):
-            att = idx.attempts[ev.group_id, ev.attempt]
+            att = self._attempt(ev.group_id, ev.attempt)
             att.started = t if att.started is None else att.started
         elif isinstance(ev, AttemptFinished):
-            idx.attempts[ev.group_id, ev.attempt].finished = t
+            self._attempt(ev.group_id, ev.attempt).finished = t
         elif isinstance(ev, AttemptRestarted):
-            idx.attempts[ev.group_id, ev.attempt].restarted = t
+            self._attempt(ev.group_id, ev.attempt).restarted = t
         elif isinstance(ev, TurnDone):
-            idx.engines.add(ev.engine)
-            att = idx.attempts[ev.group_id, ev.attempt]
+            self._engines.add(ev.engine)
+            att = self._attempt(ev.group_id, ev.attempt)
             att.turns.append((ev.engine, ev.queued_at, ev.start, ev.end))
             att.spans.append((ev.queued_at, ev.start, "engine_wait"))
             att.spans.append((ev.start, ev.end, "model_turn"))
         elif isinstance(ev, SandboxOp):
-            att = idx.attempts[ev.group_id, ev.attempt]
+            att = self._attempt(ev.group_id, ev.attempt)
             att.spans.append((ev.queued_at, ev.start, "lane_queue"))
             att.spans.append((ev.start, ev.end, LANE_PHASE.get(ev.lane, "tool_call")))
         elif isinstance(ev, EngineUpdateBegin):
-            idx.engines.add(ev.engine)
-            open_updates[ev.engine] = t
+            self._engines.add(ev.engine)
+            self._open_updates[ev.engine] = t
         elif isinstance(ev, EngineUpdateEnd):
-            begin = open_updates.pop(ev.engine, None)
+            begin = self._open_updates.pop(ev.engine, None)
             if begin is not None:
-                idx.updates[ev.engine].append((begin, t))
+                self._updates[ev.engine].append((begin, t))
+        elif isinstance(ev, GroupDiscarded):
+            self._forget(ev.group_id)
         elif isinstance(ev, BatchDelivered):
-            idx.batches.append((ev, t))
+            self._on_batch(ev, t)
+            for gid in ev.group_ids:
+                self._forget(gid)
         elif isinstance(ev, RunStarted):
-            idx.engines.update(getattr(ev, "engines", ()))
-    for engine, begin in open_updates.items():  # an update still running when the stream ends
-        idx.updates[engine].append((begin, last_t))
-    return idx
+            self._engines.update(getattr(ev, "engines", ()))
+
+    def _forget(self, gid: int) -> None:
+        self._attempts.pop(gid, None)
+        self._admitted.pop(gid, None)
+        self._ready.pop(gid, None)
+
+    def _windows(self, lo: float, hi: float) -> dict[str, list[Interval]]:
+        """Each engine's update windows overlapping [lo, hi]; one still open ends at `hi`."""
+        out: dict[str, list[Interval]] = {}
+        for engine in self._engines:
+            ivs = [(b, e) for b, e in reversed(self._updates.get(engine, [])) if e > lo]
+            if engine in self._open_updates:
+                ivs.append((self._open_updates[engine], hi))
+            out[engine] = [(b, e) for b, e in ivs if b < hi]
+        return out
+
+    def _critical(self, group_ids: Iterable[int]) -> tuple[int | None, int | None]:
+        best: tuple[float, int] | None = None
+        for gid in group_ids:
+            ends = [a.finished for a in self._attempts.get(gid, {}).values() if a.finished is not None]
+            ready = self._ready.get(gid, max(ends, default=None))
+            if ready is not None and (best is None or ready >= best[0]):
+                best = (ready, gid)
+        if best is None:
+            return None, None
+        gid = best[1]
+        finished = [(a.finished, i) for i, a in self._attempts[gid].items() if a.finished is not None]
+        return gid, max(finished)[1] if finished else None
+
+    def _on_batch(self, ev: BatchDelivered, delivered: float) -> None:
+        window = (ev.requested_at, max(delivered, ev.requested_at))
+        gid, attempt_no = self._critical(ev.group_ids)
+        if gid is None or attempt_no is None:
+            phases = dict.fromkeys(PHASES, 0.0)
+            phases["handoff"] = window[1] - window[0]
+        else:
+            updates = self._windows(*window)
+            stalled = _all_updating(updates, len(self._engines))
+            attempt = self._attempts[gid][attempt_no]
+            labelled = _labelled(self._admitted.get(gid), attempt, window, updates, stalled)
+            phases = _split(labelled, window)
+        for p, sec in phases.items():
+            self._phases[p] += sec
+        self._batches.append(
+            BatchWait(
+                batch_index=ev.batch_index,
+                requested_at=window[0],
+                delivered_at=window[1],
+                group_id=gid,
+                attempt=attempt_no,
+                group_ready_at=None if gid is None else self._ready.get(gid),
+                phases=phases,
+            )
+        )
+
+    def result(self) -> WaitAttribution:
+        return WaitAttribution(tuple(self._batches), dict(self._phases))
 
 
-def _critical(idx: _Index, group_ids: Iterable[int]) -> tuple[int | None, int | None]:
-    best: tuple[float, int] | None = None
-    for gid in group_ids:
-        ends = [a.finished for (g, _), a in idx.attempts.items() if g == gid and a.finished is not None]
-        ready = idx.ready.get(gid, max(ends, default=None))
-        if ready is not None and (best is None or ready >= best[0]):
-            best = (ready, gid)
-    if best is None:
-        return None, None
-    gid = best[1]
-    finished = [(a.finished, i) for (g, i), a in idx.attempts.items() if g == gid and a.finished is not None]
-    return gid, max(finished)[1] if finished else None
+def _all_updating(updates: dict[str, list[Interval]], engines: int) -> list[Interval]:
+    """Intervals during which every one of `engines` engines was loading weights."""
+    if not engines or len(updates) != engines or not all(updates.values()):
+        return []
+    edges = sorted((t, d) for ivs in updates.values() for b, e in ivs for t, d in ((b, 1), (e, -1)))
+    out: list[Interval] = []
+    depth, since = 0, 0.0
+    for t, d in edges:
+        depth += d
+        if d == 1 and depth == engines:
+            since = t
+        elif d == -1 and depth == engines - 1 and t > since:
+            out.append((since, t))
+    return out
 
 
 def _labelled(
-    idx: _Index, gid: int, attempt: _Attempt, window: Interval, stalled: list[Interval]
+    admitted: float | None,
+    attempt: _Attempt,
+    window: Interval,
+    updates: dict[str, list[Interval]],
+    stalled: list[Interval],
 ) -> list[tuple[float, float, str]]:
     lo, hi = window
     out: list[tuple[float, float, str]] = []
-    start = attempt.started if attempt.started is not None else idx.admitted.get(gid, lo)
+    start = attempt.started if attempt.started is not None else (admitted if admitted is not None else lo)
     out.append((lo, start, "admission"))
     if attempt.finished is not None:
         out.append((attempt.finished, hi, "handoff"))
     if attempt.restarted is not None:
         out.append((lo, attempt.restarted, "restart"))
     for engine, queued, _, end in attempt.turns:
-        for b, e in idx.updates.get(engine, ()):
+        for b, e in updates.get(engine, ()):
             out.append((max(queued, b), min(end, e), "update_pause"))
     out.extend(attempt.spans)
     out.extend((b, e, "stalled") for b, e in stalled)
@@ -297,30 +363,7 @@ def _split(labelled: list[tuple[float, float, str]], window: Interval) -> dict[s
 
 def attribute_waits(envelopes: Iterable[Envelope]) -> WaitAttribution:
     """The critical path of every delivered batch, and the run's wait summed by phase."""
-    idx = _index(envelopes)
-    stalled = idx.all_updating()
-    batches = []
-    total = dict.fromkeys(PHASES, 0.0)
-    for ev, delivered in idx.batches:
-        window = (ev.requested_at, max(delivered, ev.requested_at))
-        gid, attempt_no = _critical(idx, ev.group_ids)
-        if gid is None or attempt_no is None:
-            phases = dict.fromkeys(PHASES, 0.0)
-            phases["handoff"] = window[1] - window[0]
-        else:
-            attempt = idx.attempts[gid, attempt_no]
-            phases = _split(_labelled(idx, gid, attempt, window, stalled), window)
-        for p, s in phases.items():
-            total[p] += s
-        batches.append(
-            BatchWait(
-                batch_index=ev.batch_index,
-                requested_at=window[0],
-                delivered_at=window[1],
-                group_id=gid,
-                attempt=attempt_no,
-                group_ready_at=None if gid is None else idx.ready.get(gid),
-                phases=phases,
-            )
-        )
-    return WaitAttribution(tuple(batches), total)
+    acc = WaitAccumulator()
+    for env in sorted(envelopes, key=lambda e: e.seq):
+        acc.on_envelope(env)
+    return acc.result()

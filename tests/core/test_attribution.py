@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from app.core.attribution import PHASES, attribute_waits
+from app.core.attribution import PHASES, WaitAccumulator, attribute_waits
 from app.core.events import (
     AttemptFinished,
     AttemptRestarted,
@@ -15,6 +15,7 @@ from app.core.events import (
     Event,
     GroupAdmitted,
     GroupDelivered,
+    GroupDiscarded,
     GroupReady,
     SandboxOp,
     TurnDone,
@@ -187,6 +188,35 @@ def test_run_totals_sum_over_batches_and_read_as_a_sentence():
     assert [b["group"] for b in data["batches"]] == [0, 1]
 
 
+def test_the_accumulator_keeps_only_open_groups_and_matches_the_batch_function():
+    first = by_time(
+        [(0.0, GroupAdmitted(0, 0, 2)), (0.0, GroupAdmitted(1, 1, 2)), (0.0, GroupAdmitted(2, 2, 2))],
+        make_attempt(0, 0, 0.0, ("exec", 0.0, 2.0, 3.0), finish=3.0),
+        make_attempt(0, 1, 0.0, finish=0.5),
+        make_attempt(2, 0, 0.0, ("turn", 0.0, 0.0, 1.0), finish=1.0),
+        [(3.0, GroupReady(0))],
+        make_batch(0, [0], requested=0.0, delivered=3.0),
+    )
+    rest = by_time(
+        make_attempt(1, 0, 3.0, ("exec", 3.0, 5.0, 6.0), finish=6.0),
+        make_attempt(1, 1, 3.0, finish=3.5),
+        [(6.0, GroupReady(1))],
+        make_batch(1, [1], requested=4.0, delivered=6.0),
+        [(6.5, GroupDiscarded(2, "cancelled"))],
+    )
+    stream = make_stream(*first, *rest)
+    acc = WaitAccumulator()
+    for env in stream[: len(first)]:
+        acc.on_envelope(env)
+    assert acc.open_groups == 2  # group 0 went with its batch; 1 and 2 are still open
+    for env in stream[len(first) :]:
+        acc.on_envelope(env)
+    assert acc.open_groups == 0  # group 1 went with its batch, group 2 with its discard
+    assert acc.result() == attribute_waits(stream)
+    assert acc.result().phases["lane_queue"] == pytest.approx(3.0)
+    assert acc.result().phases["tool_call"] == pytest.approx(2.0)
+
+
 def test_a_batch_ready_before_it_was_asked_for_has_no_critical_work():
     stream = make_stream(
         *by_time(
@@ -201,3 +231,21 @@ def test_a_batch_ready_before_it_was_asked_for_has_no_critical_work():
     assert batch.wait_s == 0.0
     assert attribute_waits(stream).largest() is None
     assert attribute_waits([]).summary() == "The trainer waited 0.0 s over 0 batches."
+
+
+def test_time_with_every_engine_updating_and_no_recorded_span_is_an_update_pause():
+    # The straggler's second turn was cancelled while it waited (no TurnDone): both engines updating.
+    stream = make_stream(
+        *by_time(
+            [(0.0, GroupAdmitted(0, 0, 2))],
+            make_attempt(0, 0, 0.0, ("turn", 0.0, 0.0, 1.0), ("validate", 9.0, 9.0, 10.0), finish=10.0),
+            make_attempt(0, 1, 0.0, ("turn", 0.0, 0.0, 1.0), finish=1.0, engine="engine-1"),
+            [(2.0, EngineUpdateBegin("engine-0", 1)), (8.0, EngineUpdateEnd("engine-0", 1))],
+            [(1.0, EngineUpdateBegin("engine-1", 1)), (7.0, EngineUpdateEnd("engine-1", 1))],
+            [(10.0, GroupReady(0))],
+            make_batch(0, [0], requested=0.0, delivered=10.0),
+        )
+    )
+    (batch,) = attribute_waits(stream).batches
+    assert batch.phases["update_pause"] == pytest.approx(5.0)  # 2..7: both engines loading
+    assert batch.phases["agent"] == pytest.approx(3.0)  # 1..2 and 7..9
