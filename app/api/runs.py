@@ -137,8 +137,14 @@ async def publish_weights(
     handle = live_handle(manager, run_id)
     if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
         raise HTTPException(422, f"path: {body.path!r} is not a directory on the server")
+    path = body.path
+    if body.sentinel:
+        if handle.runtime is not None and body.version <= handle.runtime.version:
+            raise HTTPException(422, f"version: {body.version} is not newer than the published version "
+                                     f"{handle.runtime.version}")  # fmt: skip
+        path = await asyncio.to_thread(handle.sentinel_weights, body.version)
     try:
-        rollout = await _on_run(handle, handle.publish, body.version, body.path, actor)
+        rollout = await _on_run(handle, handle.publish, body.version, path, actor)
     except ValueError as exc:
         raise HTTPException(422, f"version: {exc}") from None
     response.headers["Location"] = f"/api/runs/{run_id}/rollouts/{body.version}"

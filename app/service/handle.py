@@ -339,6 +339,16 @@ class RunHandle:
 
     # -- the built-in sentinel trainer, one client of the gateway ---------------------------------------
 
+    def sentinel_weights(self, version: int) -> str | None:
+        """Where a sentinel `version` lives for engines that load weights from disk (a local run's
+        embedded engines): a directory written here; None where a sentinel needs no files (sim).
+        Blocking: call it off the run's loop."""
+        if self.ports is None or self.ports.weights_dir is None:
+            return None
+        target = self.ports.weights_dir / f"v{version}"
+        save_sentinel(target, float(version))
+        return str(target)
+
     async def _sentinel_client(self, ports: RunPorts) -> None:
         """Takes each batch, "trains" for `sentinel_step_s`, publishes a sentinel version, acks."""
         step_s = self.spec.sentinel_step_s
@@ -351,11 +361,7 @@ class RunHandle:
                 continue
             await asyncio.sleep(step_s)
             version = int(offer.payload["publish_version"])
-            path = None
-            if ports.weights_dir is not None:
-                target = ports.weights_dir / f"v{version}"
-                await asyncio.to_thread(save_sentinel, target, float(version))
-                path = str(target)
+            path = await asyncio.to_thread(self.sentinel_weights, version)
             runtime = self._runtime()
             if not runtime.stop_requested and runtime.version < version:
                 self._publish(version, path, "sentinel-trainer")

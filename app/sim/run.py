@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from app.core.config import PolicyConfig, PolicyName
+from app.core.events import Envelope
 from app.runtime.driver import RunState, Runtime
 from app.runtime.ports import Trainer
-from app.runtime.report import build_report
-from app.runtime.timeline import batch_marks, group_timeline
+from app.runtime.report import ReportStatic, build_report
+from app.runtime.timeline import GroupSpans
 from app.sim.adapters import SimSource, SimTrainer
 from app.sim.bound import admission_bound_s, lower_bound_s
 from app.sim.clock import run_virtual
@@ -45,11 +46,13 @@ def simulate(
     observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
     timeline: bool = False,
     trainer: Trainer | None = None,
+    events: Callable[[Envelope], None] | None = None,
 ) -> dict[str, Any]:
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
     `changes` are live retunes at virtual times: (t, "surplus_groups" | "max_staleness", value).
-    `observer` sees every runtime event with the runtime, for invariant checks.
+    `observer` sees every runtime event with the runtime, for invariant checks; `events` gets every
+    envelope of the run's typed event stream, as published.
     """
     wall = time.perf_counter()
     source = trajectories or TrajectorySource(workload)
@@ -70,7 +73,12 @@ def simulate(
         source=SimSource(source, lane_cpus),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
         on_event=on_event,
+        timeline=timeline,
     )
+    spans = GroupSpans()
+    runtime.bus.subscribe(spans.on_envelope)
+    if events is not None:
+        runtime.bus.subscribe(events)
 
     async def main() -> RunState:
         loop = asyncio.get_running_loop()
@@ -82,36 +90,24 @@ def simulate(
         return await run_adapting(runtime, ports, workload.batches)
 
     state = run_virtual(main())
-    admitted = [g.task_index for g in runtime.scheduler.groups.values()]
     bound = lower_bound_s(
-        [source.group_duration(t) for t in admitted],
+        [source.group_duration(task) for task, _, _, _ in spans],
         len(state.batches),
         policy.groups_per_batch,
         policy.groups_per_batch
         + max([policy.surplus_groups] + [v for _, k, v in changes if k == "surplus_groups"]),
         workload.trainer.step_s,
     )
-    report = build_report(name, runtime.scheduler, state, lanes, bound, time.perf_counter() - wall)
-    report["lower_bound_given_admissions_s"] = round(
-        admission_bound_s(
-            [b.requested_at for b in state.batches],
-            [
-                (g.admitted_at, source.group_duration(g.task_index), g.ended_at, g.batch_index)
-                for g in runtime.scheduler.groups.values()
-            ],
-            policy.groups_per_batch,
-        ),
-        6,
+    given = admission_bound_s(
+        [b.requested_at for b in state.batches],
+        [(admitted, source.group_duration(task), ended, batch) for task, admitted, ended, batch in spans],
+        policy.groups_per_batch,
     )
-    report["policy_config"] = policy.model_dump(mode="json")
+    static = ReportStatic(
+        name, time.perf_counter() - wall, bound, {"lower_bound_given_admissions_s": round(given, 6)}
+    )
+    report = build_report(runtime.report_acc, static)
     report.update(ports.lane_report())
-    if timeline:
-        report["groups_timeline"] = group_timeline(runtime.scheduler, state)
-        report["batch_marks"] = batch_marks(state)
-        report["update_log"] = [
-            {"t": round(t - state.started_at, 3), "engine": e, "version": v, "phase": p}
-            for t, e, v, p in state.update_log
-        ]
     return report
 
 

@@ -1,0 +1,69 @@
+"""A local run through the API: the embedded default (embedded engine processes, local sandboxes in
+pinned lanes, a built-in task) driven by the service, fed to the client, and every engine process
+stopped when the run ends."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+from conftest import wait_for
+
+from app.client import CorralClient
+
+
+def make_local_config() -> dict[str, object]:
+    cpus = sorted(os.sched_getaffinity(0))
+    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
+    return {
+        "batch": {"groups": 1, "group_size": 2},
+        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
+        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8},
+        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
+    }
+
+
+@pytest.mark.slow
+def test_a_local_run_delivers_batches_to_an_external_trainer(server: str, backend_url: str) -> None:
+    if backend_url.startswith("postgresql"):
+        pytest.skip("one backend is enough for the real engines; the API is the same")
+    with CorralClient(server, token="test-operator-token", timeout_s=30) as corral:
+        run_id = corral.create_run(name="local", kind="local", config=make_local_config(), batches=2)["id"]
+        for step in range(2):
+            batch = corral.next_batch(run_id, timeout=240)
+            assert batch is not None
+            assert batch.index == step
+            turns = [t for g in batch.groups for tr in g["trajectories"] for t in tr["turns"]]
+            assert turns
+            assert all("weight_version" in t for t in turns)
+            rollout = corral.publish(run_id, batch.publish_version, sentinel=True)
+            assert [e["engine"] for e in rollout["engines"]] == ["engine-0"]
+            corral.ack(run_id, batch.batch_id)
+        wait_for(lambda: corral.run(run_id)["state"] == "completed", 120, what="the run to complete")
+        health = httpx.get(f"{server}/healthz", timeout=10).json()
+        assert run_id not in health["engines"]  # ended: its engines are gone, not reported
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _embedded_engines_of(os.getpid()):
+        time.sleep(0.2)
+    assert not _embedded_engines_of(os.getpid())
+
+
+def _embedded_engines_of(parent: int) -> list[int]:
+    """Embedded engine processes whose parent is this test process (the server runs in it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == parent and b"app.engines.embedded" in cmd:
+            found.append(int(entry))
+    return found
