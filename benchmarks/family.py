@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of every workload's rungs here")
     parser.add_argument("--processes", type=int, default=1, help="simulations run in this many processes")
+    parser.add_argument(
+        "--reuse", type=Path, help="a JSON written before: its rungs are taken as they are, only new ones run"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in FAMILY]
@@ -58,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     def on_run(label: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
 
-    result = run_family(names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes))
+    known = None
+    if args.reuse is not None:
+        known = {n: d["rungs"] for n, d in json.loads(args.reuse.read_text())["workloads"].items()}
+    result = run_family(
+        names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes), known=known
+    )
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print(table(result))
     for name, data in result["workloads"].items():

@@ -95,9 +95,18 @@ OnRun = Callable[[str, int, int], None]
 
 LADDER_RUNGS = [PolicyName.SYNC, PolicyName.COMPLETION, PolicyName.LANES, PolicyName.FULL]
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "full (partitioned lanes)": {"lanes": {"sharing": "partitioned"}},
-    "full (adaptive lanes)": {"lanes": {"adaptive": {}}},
+
+def _staleness_surplus(workload: Workload) -> dict[str, Any]:
+    # The largest S that, in steady state, keeps admitted groups within K versions of the trainer
+    # (AReaL's and SkyRL's admission bound): full on the same footing as those peer rungs.
+    groups = workload.batch.groups
+    return {"policy": {"surplus_groups": workload.policy.max_staleness * groups}}
+
+
+VARIANTS: dict[str, Callable[[Workload], dict[str, Any]]] = {
+    "full (partitioned lanes)": lambda w: {"lanes": {"sharing": "partitioned"}},
+    "full (adaptive lanes)": lambda w: {"lanes": {"adaptive": {}}},
+    "full (S = K·B)": _staleness_surplus,
 }
 
 
@@ -106,13 +115,15 @@ def run_family(
     peers: bool = True,
     on_run: OnRun | None = None,
     processes: int = 1,
+    known: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Every rung (the ladder, two lane variants of `full`, and the peers) on every named workload, each
     workload's rungs on the same seeded draws. Returns per-workload summaries and the checks.
 
     A rung whose workload and policy equal an earlier rung's is not simulated again (`skyrl` and
     `areal` are the same policy). With `processes` > 1 the simulations run in that many processes;
-    every simulation is seeded, so the results do not depend on it."""
+    every simulation is seeded, so the results do not depend on it. `known` holds rungs already
+    simulated (workload name → rung name → summary, as returned before); they are not run again."""
     from app.sim.peers import PEERS
 
     chosen = list(names or FAMILY)
@@ -123,10 +134,15 @@ def run_family(
         if peers:
             plan += [(name, f"peer:{peer}") for peer in PEERS]
     keys = {task: _key(*task) for task in plan}
+    summaries: dict[str, dict[str, Any]] = {}
+    for (name, rung), key in keys.items():
+        found = (known or {}).get(name, {}).get(rung.removeprefix("peer:"))
+        if found is not None:
+            summaries[key] = dict(found)
     unique: dict[str, tuple[str, str]] = {}
     for task in plan:
-        unique.setdefault(keys[task], task)
-    summaries: dict[str, dict[str, Any]] = {}
+        if keys[task] not in summaries:
+            unique.setdefault(keys[task], task)
     todo = list(unique.items())
     if processes > 1:
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -158,7 +174,7 @@ def _workload_and_policy(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
     from app.sim.run import policy_for
 
     if rung in VARIANTS:
-        workload = builtin_workload(name, **VARIANTS[rung])
+        workload = builtin_workload(name, **VARIANTS[rung](builtin_workload(name)))
         return workload, policy_for(workload, "full")
     workload = builtin_workload(name)
     if rung.startswith("peer:"):

@@ -101,6 +101,10 @@ def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.Monkey
     assert rungs["full"]["lane_sharing"] == "work_conserving"
     assert rungs["full (adaptive lanes)"]["lane_slots"] is not None
     assert isinstance(result["workloads"]["tiny"]["findings"], list)
+    # Rungs already known are taken as they are; the rest would run (here: none are missing).
+    known = {"tiny": {rung: {**row, "mean_s": -1.0} for rung, row in rungs.items()}}
+    again = run_family(["tiny"], known=known)
+    assert all(row["mean_s"] == -1.0 for row in again["workloads"]["tiny"]["rungs"].values())
 
 
 def test_bench_with_peers_reports_every_peer_beside_the_ladder_and_its_findings() -> None:
