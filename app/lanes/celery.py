@@ -11,7 +11,9 @@ Invariants:
 - a cancelled op is revoked (a queued op then never runs) and the cancellation waits, up to
   `cancel_grace_s`, for the op to settle: a sandbox's cleanup, sent after the cancellation, never
   overtakes its own reset still running in another lane;
-- a worker's error is raised here (its type when importable, else celery's), never swallowed.
+- a worker's error is raised here (its type when importable, else celery's), never swallowed;
+- with `start_timeout_s`, an op no worker has started in that time (its host is down, or its lane has
+  no worker) is revoked and fails with `LaneStartTimeout`, so an attempt never hangs on a lost host.
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
 of the queue), `busy` the ops of this client a worker has started and not finished, waits are measured
@@ -92,6 +94,10 @@ class OpRecord:
     replayed: bool
 
 
+class LaneStartTimeout(TimeoutError):
+    """No worker started the op within `start_timeout_s`."""
+
+
 class CeleryLanes:
     def __init__(
         self,
@@ -101,6 +107,7 @@ class CeleryLanes:
         poll_min_s: float = 0.005,
         poll_max_s: float = 0.2,
         cancel_grace_s: float = 60.0,
+        start_timeout_s: float | None = None,
         depth_ttl_s: float = 1.0,
         on_done: Callable[[OpRecord], None] | None = None,
     ) -> None:
@@ -112,6 +119,7 @@ class CeleryLanes:
         self.hosts = tuple(hosts)
         self._poll = (poll_min_s, poll_max_s)
         self._cancel_grace_s = cancel_grace_s
+        self._start_timeout_s = start_timeout_s
         self._depth_ttl_s = depth_ttl_s
         self._depth_at: float | None = None
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
@@ -220,26 +228,37 @@ class CeleryLanes:
         result: AsyncResult,
         deadline: float | None = None,
         on_started: Callable[[], None] | None = None,
+        start_deadline: float | None = None,
     ) -> bool:
+        """Poll until the op is done (True) or `deadline` passes (False); raise `LaneStartTimeout` if it
+        is still waiting in its queue at `start_deadline`."""
         delay, most = self._poll
         loop = asyncio.get_running_loop()
         while True:
             state = await asyncio.to_thread(lambda: result.state)
-            if on_started is not None and state != states.PENDING:
+            if state != states.PENDING and on_started is not None:
                 on_started()
             if state in states.READY_STATES:
-                break
-            if deadline is not None and loop.time() >= deadline:
+                return True
+            now = loop.time()
+            if deadline is not None and now >= deadline:
                 return False
+            if state == states.PENDING and start_deadline is not None and now >= start_deadline:
+                raise LaneStartTimeout(f"no worker started op {result.id} in {self._start_timeout_s} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, most)
-        return True
 
     async def _wait(
         self, result: AsyncResult, op: LaneOp[Any], on_started: Callable[[], None]
     ) -> dict[str, Any]:
+        start_deadline = None
+        if self._start_timeout_s is not None:
+            start_deadline = asyncio.get_running_loop().time() + self._start_timeout_s
         try:
-            await self._settled(result, on_started=on_started)
+            await self._settled(result, on_started=on_started, start_deadline=start_deadline)
+        except LaneStartTimeout:
+            await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+            raise
         except asyncio.CancelledError:
             await asyncio.to_thread(self.celery.control.revoke, op.op_id)
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s

@@ -16,7 +16,7 @@ from celery_cluster import LaneCluster
 from factories import make_echo_task
 
 from app.lanes.base import LaneName
-from app.lanes.celery import CeleryLanes, OpRecord
+from app.lanes.celery import CeleryLanes, LaneStartTimeout, OpRecord
 from app.lanes.ops import LaneOp, LaneOpError, decode_result, handle_of
 from app.sandboxes.local import LocalSandboxFactory, SandboxError
 from workers.celery_app import LANE_OP_TASK, queue_name
@@ -239,3 +239,18 @@ async def test_a_cancelled_op_is_waited_for_when_running_and_revoked_when_queued
     marks = await lanes.run_op(LaneOp.exec(handle, "cat marks.txt", 10))
     await lanes.run_op(LaneOp.cleanup(handle))
     assert marks.output.splitlines() == ["ran"]
+
+
+async def test_an_op_no_worker_starts_fails_after_the_start_timeout(
+    lane_cluster: LaneCluster, base_dir: Path
+) -> None:
+    down = f"down{lane_cluster.hosts[0]}"  # a host whose workers are gone
+    lanes = CeleryLanes(lane_cluster.app, [down], start_timeout_s=0.5)
+    handle = lanes.attach(LocalSandboxFactory(base_dir).create("stranded"))
+    started = time.monotonic()
+    with pytest.raises(LaneStartTimeout, match="no worker started op"):
+        await lanes.run_op(LaneOp.validate(handle))
+    assert 0.5 <= time.monotonic() - started < 10
+    assert lanes.stats()["validate"].busy == 0
+    with lane_cluster.app.connection_for_write() as conn:
+        conn.default_channel.queue_purge(queue_name(down, LaneName.VALIDATE))
