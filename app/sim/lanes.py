@@ -184,5 +184,8 @@ class SimLanes(InProcessLanes):
             pinned=pinned,
         )
         self.limiters = {name: ResizableLimiter(max(1, lane.slots)) for name, lane in by_name.items()}
-        # InProcessLanes takes and returns slots through `acquire()` / `release()` on these objects.
+        # InProcessLanes takes and returns slots through `acquire()` / `release()` on these objects;
+        # a test (tests/sim/test_lanes.py) checks that resizing them bounds the running operations.
+        if set(getattr(self, "_sems", {})) != set(self.limiters):
+            raise RuntimeError("InProcessLanes no longer keeps one slot limiter per lane in _sems")
         self._sems = self.limiters  # type: ignore[assignment]

@@ -189,3 +189,38 @@ def test_new_guarantees_take_effect_at_once_and_partitions_refuse_them() -> None
     assert run_virtual(main()) == pytest.approx(5 + (10 - 1.25) / 0.5)
     with pytest.raises(ValueError, match="fixed"):
         make_pool(borrow=False).set_guarantees({"reset": 1, "exec": 1, "validate": 1, "cleanup": 1})
+
+
+def test_sim_lanes_run_through_in_process_lanes_bounded_by_the_resizable_limiter() -> None:
+    from app.core.config import LanesConfig
+    from app.lanes.base import LaneName, LaneSlot
+    from app.sim.lanes import SimLanes
+
+    config = LanesConfig.model_validate(
+        {
+            **{lane: {"slots": 2, "cpus": (1,)} for lane in LANES},
+            "serving_cpus": (0,),
+        }
+    )
+    lanes = SimLanes(config, pinned=True)
+    running = {"now": 0, "max": 0}
+
+    async def op(slot: LaneSlot) -> None:
+        running["now"] += 1
+        running["max"] = max(running["max"], running["now"])
+        await asyncio.sleep(1.0)
+        running["now"] -= 1
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(12):
+                tg.create_task(lanes.run(LaneName.EXEC, op))
+            await asyncio.sleep(0.5)
+            assert running["now"] == 2
+            lanes.limiters[LaneName.EXEC].resize(5)
+            await asyncio.sleep(0)
+            assert running["now"] == 5
+
+    run_virtual(main())
+    assert running["max"] == 5
+    assert lanes.stats()["exec"].completed == 12
