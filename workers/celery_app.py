@@ -15,17 +15,14 @@ clients use too (`app.lanes.celery.make_celery`); nothing reads the environment 
 
 from __future__ import annotations
 
-import re
-
 from celery import Celery
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.lanes.base import LaneName
-from app.lanes.celery import LANE_OP_TASK, ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK, lane_queue
+from app.lanes.celery import LANE_OP_TASK, ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK, check_lane_host, lane_queue
 from app.lanes.celery import make_celery as make_client
-
-HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+from app.lanes.ops import LaneOpError
 
 __all__ = [
     "LANE_OP_TASK",
@@ -77,9 +74,10 @@ def queue_name(host: str, lane: LaneName | str) -> str:
 
 
 def check_host(host: str) -> str:
-    if not HOST_NAME.match(host):
-        raise BrokerError(f"host name {host!r}: use letters, digits, '.', '_' or '-' (at most 63)")
-    return host
+    try:
+        return check_lane_host(host)
+    except LaneOpError as exc:
+        raise BrokerError(str(exc)) from None
 
 
 def make_celery(broker_url: str, result_backend: str) -> Celery:

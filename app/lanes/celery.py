@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -76,8 +77,26 @@ def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = (
     return app
 
 
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
 def lane_queue(host: str, lane: LaneName) -> str:
     return f"lane.{host}.{lane.value}"
+
+
+def check_lane_host(host: str) -> str:
+    """A lane host name as queue names need it; `LaneOpError` names the bad one."""
+    if not HOST_NAME.match(host):
+        raise LaneOpError(f"host name {host!r}: use letters, digits, '.', '_' or '-' (at most 63)")
+    return host
+
+
+def parse_lane_hosts(text: str) -> tuple[str, ...]:
+    """`CORRAL_LANE_HOSTS` as the deployment spells it: host names, comma-separated."""
+    hosts = tuple(check_lane_host(part.strip()) for part in text.split(","))
+    if len(set(hosts)) != len(hosts):
+        raise LaneOpError(f"lane hosts {text!r}: a host is named twice")
+    return hosts
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,8 @@ class CeleryLanes:
             raise LaneOpError("hosts: CeleryLanes needs at least one lane host")
         if len(set(hosts)) != len(hosts):
             raise LaneOpError(f"hosts: duplicates in {list(hosts)}")
+        for host in hosts:
+            check_lane_host(host)
         self.celery = celery
         self.hosts = tuple(hosts)
         self._poll = (poll_min_s, poll_max_s)
