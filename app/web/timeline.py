@@ -158,7 +158,8 @@ def render_timeline(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans" '
-        f'width="{total_w}" height="{height}" data-spans="{view.span_count}">'
+        f'width="{total_w}" height="{height}" data-spans="{view.span_count}" '
+        f'data-trajectories="{len(view.trajectories)}">'
     )
     return head + DEFS + STYLE + "".join(axis) + "".join(out) + "</svg>"
 

@@ -213,6 +213,13 @@ def test_timeline_bars_grow_without_a_reload(browser: object, server: str, run_i
     assert span_count(page) > first
     assert page.locator("#timeline-svg rect.sp").count() > first
     assert page.evaluate("window.__loadedOnce") is True
+    width = float(page.locator("#timeline-svg").get_attribute("width") or 0)
+    page.get_by_role("link", name="zoom in on time").click()
+    sync_api.expect(page.locator("#zoom-label")).to_have_text("Zoom ×2")
+    zoomed = float(page.locator("#timeline-svg").get_attribute("width") or 0)
+    assert zoomed > 1.5 * width  # time stretched (the gutter is not)
+    assert page.evaluate("document.getElementById('tl-scroll').scrollWidth") > width
+    assert page.evaluate("window.__loadedOnce") is True  # zoomed in place, no navigation
     page.context.close()
 
 

@@ -97,6 +97,7 @@ async def test_run_page_and_blocks_render():
     async with client:
         page = await client.get("/runs/replay-1")
         block = await client.get("/runs/replay-1/block/timeline", params={"zoom": 2})
+        zoomed = await client.get("/runs/replay-1", params={"zoom": 4})
         missing = await client.get("/runs/nope")
         bad_block = await client.get("/runs/replay-1/block/nope")
     assert page.status_code == 200
@@ -105,7 +106,9 @@ async def test_run_page_and_blocks_render():
     assert page.text.count('class="sp"') > 100
     assert block.status_code == 200
     assert "<html" not in block.text
-    assert "Zoom ×2" in block.text
+    assert block.text.strip().startswith('<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg"')
+    assert "Zoom ×4" in zoomed.text
+    assert 'href="/runs/replay-1?zoom=8"' in zoomed.text  # zoom in, without JavaScript too
     assert (missing.status_code, bad_block.status_code) == (404, 404)
 
 
