@@ -20,7 +20,14 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.lanes.base import LaneName
-from app.lanes.celery import LANE_OP_TASK, ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK, check_lane_host, lane_queue
+from app.lanes.celery import (
+    LANE_OP_TASK,
+    ORCHESTRATOR_QUEUE,
+    ORCHESTRATOR_TASK,
+    broker_urls,
+    check_lane_host,
+    lane_queue,
+)
 from app.lanes.celery import make_celery as make_client
 from app.lanes.ops import LaneOpError
 
@@ -51,21 +58,11 @@ class BrokerSettings(BaseSettings):
     )
 
     def urls(self) -> tuple[str, str]:
-        """(broker, result backend); raises `BrokerError` naming the variable that is missing."""
-        if not self.broker_url:
-            raise BrokerError("CORRAL_BROKER_URL is not set; set it to redis://… or amqp://… to use Celery")
-        if not self.broker_url.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
-            raise BrokerError(f"CORRAL_BROKER_URL must be redis:// or amqp://, got {self.broker_url!r}")
-        backend = self.result_backend
-        if backend is None:
-            if not self.broker_url.startswith(("redis://", "rediss://")):
-                raise BrokerError(
-                    "CORRAL_RESULT_BACKEND is not set; with an amqp:// broker set it to a redis:// URL"
-                )
-            backend = self.broker_url
-        if not backend.startswith(("redis://", "rediss://")):
-            raise BrokerError(f"CORRAL_RESULT_BACKEND must be redis://, got {backend!r}")
-        return self.broker_url, backend
+        """(broker, result backend); raises `BrokerError` naming the variable at fault."""
+        try:
+            return broker_urls(self.broker_url, self.result_backend)
+        except LaneOpError as exc:
+            raise BrokerError(str(exc)) from None
 
 
 def queue_name(host: str, lane: LaneName | str) -> str:

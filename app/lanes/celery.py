@@ -84,6 +84,26 @@ def lane_queue(host: str, lane: LaneName) -> str:
     return f"lane.{host}.{lane.value}"
 
 
+def broker_urls(broker_url: str | None, result_backend: str | None) -> tuple[str, str]:
+    """(broker, result backend) as Celery lanes need them; `LaneOpError` names the variable at fault.
+    The backend defaults to the broker when it is Redis; results need Redis (the worker reads an op's
+    stored result back to stay idempotent, and the orchestrator lease lives there)."""
+    if not broker_url:
+        raise LaneOpError("CORRAL_BROKER_URL is not set; set it to redis://… or amqp://… to use Celery")
+    if not broker_url.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
+        raise LaneOpError(f"CORRAL_BROKER_URL must be redis:// or amqp://, got {broker_url!r}")
+    backend = result_backend
+    if backend is None:
+        if not broker_url.startswith(("redis://", "rediss://")):
+            raise LaneOpError(
+                "CORRAL_RESULT_BACKEND is not set; with an amqp:// broker set it to a redis:// URL"
+            )
+        backend = broker_url
+    if not backend.startswith(("redis://", "rediss://")):
+        raise LaneOpError(f"CORRAL_RESULT_BACKEND must be redis://, got {backend!r}")
+    return broker_url, backend
+
+
 def check_lane_host(host: str) -> str:
     """A lane host name as queue names need it; `LaneOpError` names the bad one."""
     if not HOST_NAME.match(host):
