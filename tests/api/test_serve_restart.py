@@ -20,10 +20,12 @@ from app.store.repos import BatchRepo
 
 
 @contextmanager
-def corral_serve(env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def corral_serve(
+    env: dict[str, str], log: Path, args: tuple[str, ...] | list[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "serve"],
+            [sys.executable, "-c", "from app.cli import main; main()", "serve", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

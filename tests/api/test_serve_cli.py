@@ -1,0 +1,78 @@
+"""`corral serve` as a user starts it: bad settings refused in one line, and `--demo` serving a run
+whose batches show up in GET /api/runs/{id}."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port, wait_for
+from test_serve_restart import corral_serve
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "names"),
+    [
+        ({"CORRAL_DATABASE_URL": "mysql://x/y"}, [], "CORRAL_DATABASE_URL"),
+        ({"CORRAL_PORT": "99999"}, [], "CORRAL_PORT"),
+        ({"CORRAL_ACK_TIMEOUT_S": "nan"}, [], "CORRAL_ACK_TIMEOUT_S"),
+        ({"CORRAL_OPERATOR_TOKEN": "short"}, [], "CORRAL_OPERATOR_TOKEN"),
+        ({}, ["--demo-kind", "gpu"], "--demo-kind"),
+        ({}, ["--port", "0"], "--port"),
+    ],
+)
+def test_bad_settings_are_one_line_and_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    args: list[str],
+    names: str,
+) -> None:
+    from app.cli import main
+
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(tmp_path))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr("sys.argv", ["corral", "serve", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert names in lines[0]
+    assert "Traceback" not in lines[0]
+
+
+def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+        "CORRAL_PORT": str(port),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+    env.pop("CORRAL_OPERATOR_TOKEN", None)
+    log = tmp_path / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    with corral_serve(env, log, ["--demo", "--demo-kind", "sim"]) as proc:
+
+        def runs() -> list[dict[str, object]]:
+            try:
+                return list(httpx.get(f"{url}/api/runs", timeout=5).json())
+            except httpx.TransportError:
+                return []
+
+        demo = wait_for(runs, 120, what="the demo run")[0]
+        batches = wait_for(
+            lambda: httpx.get(f"{url}/api/runs/{demo['id']}", timeout=5).json()["live"]["batches"],
+            60,
+            what="the demo's batches in GET /api/runs/{id}",
+        )
+        assert batches >= 1
+        assert proc.poll() is None
+    printed = log.read_text()
+    assert f"corral serve: {url}" in printed
+    assert "operator token (generated for this process): " in printed
