@@ -27,6 +27,7 @@ ROW_GAP = 2
 GROUP_GAP = 7
 AXIS_H = 34
 BASE_WIDTH = 1100
+MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
 
 # phase -> (label, colour, pattern kind)
 PHASE_STYLE: dict[str, tuple[str, str, str]] = {
@@ -110,35 +111,62 @@ def _f(x: float) -> str:
     return f"{x:.1f}"
 
 
-def render_timeline(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> str:
-    """The timeline SVG for `view`; `zoom` ≥ 1 stretches time (the page scrolls it)."""
+def _latest(view: RunView, max_spans: int) -> list[tuple[GroupRow, list[Trajectory]]]:
+    """The last groups in completion order (open ones last) whose spans fit in `max_spans`."""
+    rows = view.rows()
+    kept: list[tuple[GroupRow, list[Trajectory]]] = []
+    spans = 0
+    for row in reversed(rows):
+        spans += sum(len(t.spans) for t in row[1])
+        if kept and spans > max_spans:
+            break
+        kept.append(row)
+    return kept[::-1]
+
+
+def render_timeline(
+    view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH, max_spans: int = MAX_SPANS
+) -> str:
+    """The timeline SVG for `view`; `zoom` ≥ 1 stretches time (the page scrolls it). A run with more
+    than `max_spans` spans shows its latest groups only, from the earliest start among them."""
     zoom = min(max(zoom, 1.0), 64.0)
-    last = max((s.end for t in view.trajectories.values() for s in t.spans), default=0.0)
-    duration = max(view.now, last, 1.0)
+    rows = _latest(view, max_spans)
+    shown = [t for _, trajs in rows for t in trajs]
+    last = max((s.end for t in shown for s in t.spans), default=0.0)
+    t_from = 0.0
+    if len(rows) < len(view.groups):
+        starts = [s.start for t in shown for s in t.spans] + [
+            g.admitted for g, _ in rows if g.admitted is not None
+        ]
+        t_from = min(starts, default=0.0)
+    duration = max(max(view.now, last) - t_from, 1.0)
     px_per_s = (width - GUTTER - 20) / duration * zoom
     plot_w = duration * px_per_s
     total_w = int(GUTTER + plot_w + 20)
+    x0 = GUTTER - t_from * px_per_s  # x of time 0
 
     out: list[str] = []
     y = AXIS_H
-    for group, trajs in view.rows():
-        rows = trajs or [Trajectory(group.group_id, 0)]
-        y = _group(out, group, rows, y, px_per_s, view.now, plot_w, live=view.source == "live")
+    for group, trajs in rows:
+        lines = trajs or [Trajectory(group.group_id, 0)]
+        y = _group(out, group, lines, y, px_per_s, x0, view.now, plot_w, live=view.source == "live")
         y += GROUP_GAP
     height = max(y, AXIS_H + 20)
 
     axis: list[str] = [f'<rect x="0" y="0" width="{total_w}" height="{AXIS_H - 4}" fill="#f4f4f4"/>']
     step = _tick_step(duration, px_per_s)
-    t = 0.0
-    while t <= duration + 1e-9:
-        x = GUTTER + t * px_per_s
+    t = math.ceil(t_from / step) * step
+    while t <= t_from + duration + 1e-9:
+        x = x0 + t * px_per_s
         axis.append(
             f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>'
             f'<text x="{_f(x + 2)}" y="{AXIS_H - 12}" class="ax">{t:g} s</text>'
         )
         t += step
     for b in view.batches:
-        x = GUTTER + b.delivered * px_per_s
+        if b.delivered < t_from:
+            continue
+        x = x0 + b.delivered * px_per_s
         axis.append(
             f'<line x1="{_f(x)}" y1="2" x2="{_f(x)}" y2="{height}" class="bat">'
             f"<title>batch {b.index} delivered at {b.delivered:.1f} s after {b.wait_s:.1f} s of trainer wait"
@@ -146,20 +174,26 @@ def render_timeline(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -
             f'<text x="{_f(x + 2)}" y="10" class="ax">b{b.index}</text>'
         )
     for t_pub, version in view.publications:
-        x = GUTTER + t_pub * px_per_s
+        if t_pub < t_from:
+            continue
+        x = x0 + t_pub * px_per_s
         axis.append(
             f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{height}" class="pub">'
             f"<title>weights v{version} published at {t_pub:.1f} s</title></line>"
             f'<text x="{_f(x + 2)}" y="21" class="ax" fill="#b00020">v{version}</text>'
         )
     if view.source == "live":
-        x = GUTTER + view.now * px_per_s
+        x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
+    note = ""
+    if len(rows) < len(view.groups):
+        note = f"; the latest {len(rows)} of {len(view.groups)} groups, from {t_from:.0f} s"
+        axis.append(f'<text x="4" y="{AXIS_H - 12}" class="ax">{escape(note[2:])}</text>')
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
-        f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans" '
+        f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '
         f'width="{total_w}" height="{height}" data-spans="{view.span_count}" '
-        f'data-trajectories="{len(view.trajectories)}">'
+        f'data-trajectories="{len(view.trajectories)}" data-groups-shown="{len(rows)}">'
     )
     return head + DEFS + STYLE + "".join(axis) + "".join(out) + "</svg>"
 
@@ -170,6 +204,7 @@ def _group(
     trajs: list[Trajectory],
     y: int,
     px_per_s: float,
+    x0: float,
     now: float,
     plot_w: float,
     live: bool,
@@ -209,7 +244,7 @@ def _group(
         out.append(f'<text x="{GUTTER - 22}" y="{ry + ROW_H - 2}" class="lbl">a{traj.attempt}</text>')
         last_end = None
         for s in traj.spans:
-            x = GUTTER + s.start * px_per_s
+            x = x0 + s.start * px_per_s
             w = max((s.end - s.start) * px_per_s, 0.8)
             out.append(
                 f'<rect class="sp" x="{_f(x)}" y="{ry}" width="{_f(w)}" height="{ROW_H}" '
@@ -221,7 +256,7 @@ def _group(
         if live and traj.finished is None and not group.discarded and group.ended is None:
             begin = last_end if last_end is not None else (traj.started or group.admitted or now)
             if now > begin:
-                x = GUTTER + begin * px_per_s
+                x = x0 + begin * px_per_s
                 out.append(
                     f'<rect class="sp" x="{_f(x)}" y="{ry}" width="{_f((now - begin) * px_per_s)}" '
                     f'height="{ROW_H}" fill="url(#pat-in_progress)"><title>in progress since {begin:.2f} s '
@@ -230,7 +265,7 @@ def _group(
         for n, (t_v, version) in enumerate(traj.versions):
             if n == 0:
                 continue
-            x = GUTTER + t_v * px_per_s
+            x = x0 + t_v * px_per_s
             out.append(
                 f'<path d="M{_f(x)},{ry} l3,-4 l-6,0 z" fill="#000"/>'
                 f'<text x="{_f(x + 3)}" y="{ry + 1}" class="ver">v{version}</text>'

@@ -67,3 +67,17 @@ def test_legend_names_every_phase():
     for p, (label, _, _) in PHASE_STYLE.items():
         if not p.startswith("group_"):
             assert label in legend
+
+
+def test_a_large_run_shows_its_latest_groups_within_the_span_budget():
+    view = make_view(groups=24, group_size=4, batch_groups=4)
+    svg = render_timeline(view, max_spans=300)
+    root = ET.fromstring(svg)
+    shown = int(root.get("data-groups-shown"))
+    assert 0 < shown < len(view.groups)
+    spans = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "sp"]
+    assert len(spans) <= 300 + 60  # whole groups: the last one may cross the budget by its spans
+    latest = [g.group_id for g, _ in view.rows()[-shown:]]
+    assert [int(g.get("data-group")) for g in root.iter(f"{SVG}g")] == latest
+    assert f"the latest {shown} of {len(view.groups)} groups" in svg
+    assert min(float(r.get("x")) for r in spans) >= 150 - 1  # time starts at the first shown span
