@@ -218,7 +218,8 @@ async def test_a_workers_error_is_raised_to_the_caller_with_its_type(
 async def test_a_cancelled_op_is_waited_for_when_running_and_revoked_when_queued(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
 ) -> None:
-    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts[1:])  # its exec worker has one process
+    # Host b's exec worker has one pool process.
+    lanes = CeleryLanes(lane_cluster.app, lane_cluster.hosts[1:], depth_ttl_s=0.0)
     handle = lanes.attach(LocalSandboxFactory(base_dir).create("cancelled"))
     await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
     started = asyncio.Event()
@@ -229,6 +230,10 @@ async def test_a_cancelled_op_is_waited_for_when_running_and_revoked_when_queued
         queued = tg.create_task(lanes.run_op(LaneOp.exec(handle, "echo queued >> marks.txt", 10)))
         async with asyncio.timeout(RESULT_TIMEOUT_S):
             await started.wait()
+        # Late acks with a prefetch of 1: the busy worker holds only the op it runs; the other waits
+        # in the broker (where a revoke, or another worker, can still take it).
+        await asyncio.sleep(0.3)
+        assert lanes.stats()["exec"].queue_depth == 1
         running.cancel()
         queued.cancel()
     assert running.cancelled()
