@@ -68,7 +68,13 @@ def run_lease(client: redis.Redis, run_id: str, lease_s: float = LEASE_S) -> Ite
 
     def renew() -> None:
         while not stop.wait(lease_s / 3):
-            lock.reacquire()
+            try:
+                lock.reacquire()
+            except redis.exceptions.LockNotOwnedError:
+                log.error("run %s: lease lost (renewed too late); another orchestrator may take it", run_id)
+                return
+            except redis.exceptions.RedisError as exc:  # fault tolerance: try again next period
+                log.warning("run %s: lease renewal failed, retrying: %r", run_id, exc)
 
     renewer = threading.Thread(target=renew, name=f"lease-{run_id}", daemon=True)
     renewer.start()

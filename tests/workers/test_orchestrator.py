@@ -73,3 +73,17 @@ def test_an_orchestrator_worker_runs_the_runs_entry_point(
     assert done["database_url"] == env["CORRAL_DATABASE_URL"]  # the worker's own settings
     assert done["pid"] != worker.pid  # a pool process of the worker ran it
     assert client.get(f"corral:orchestrator:{run_id}") is None  # the lease went with the run
+
+
+def test_a_lost_lease_is_reported_not_renewed_behind_a_new_holders_back(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_id = uuid.uuid4().hex
+    with run_lease(client, run_id, lease_s=0.6):
+        client.delete(f"corral:orchestrator:{run_id}")  # as if it had lapsed while Redis was away
+        taker = client.lock(f"corral:orchestrator:{run_id}", timeout=5)
+        assert taker.acquire(blocking=False)  # another orchestrator takes the run
+        time.sleep(0.5)  # a renewal period passes
+        assert client.get(f"corral:orchestrator:{run_id}") == taker.local.token  # still the taker's
+    assert f"run {run_id}: lease lost" in caplog.text
+    taker.release()
