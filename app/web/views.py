@@ -328,7 +328,8 @@ def make_router(dash: Dashboard) -> APIRouter:
         if not any(_eq(token, t) for t in known):
             return dash.page(request, "login.html", {"next": "/", "error": "unknown token"}, status=403)
         target = form.get("next", "/")
-        response = RedirectResponse(target if target.startswith("/") and "//" not in target else "/", 303)
+        local = target.startswith("/") and "//" not in target and "\\" not in target
+        response = RedirectResponse(target if local else "/", 303)
         set_token_cookie(response, request, token)
         return response
 

@@ -169,6 +169,16 @@ async def test_bad_policy_values_and_refused_actions_say_why():
     assert launch_ok.headers["location"] == "/runs/live-1"
 
 
+@pytest.mark.parametrize("target", ["https://evil.example/", "//evil.example/", "/\\evil.example/"])
+async def test_sign_in_never_redirects_off_site(target):
+    client, _ = make_client()
+    async with client:
+        token = await csrf_of(client)
+        r = await client.post("/login", data={"csrf_token": token, "token": OPERATOR, "next": target})
+    assert r.status_code == 303
+    assert r.headers["location"] == "/"
+
+
 async def test_view_token_protects_reading():
     client, _ = make_client(view_token="viewer-token-1")
     async with client:
