@@ -71,7 +71,9 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
             f"op {op.op_id} for lane {op.lane.value} on {op.host!r} reached the {_worker.lane.value} "
             f"worker of {_worker.host!r}"
         )
-    stored = self.backend.get_task_meta(self.request.id, cache=False)
+    if self.request.id != op.op_id:
+        raise LaneOpError(f"op {op.op_id} sent as task {self.request.id}: the task id must be the op id")
+    stored = self.backend.get_task_meta(op.op_id, cache=False)
     if stored.get("status") == states.SUCCESS and isinstance(stored.get("result"), dict):
         # The backend keeps the first result (it never overwrites a success), which is what we return.
         log.warning("op %s (%s) delivered again: returning its stored result", op.op_id, op.name.value)

@@ -123,6 +123,15 @@ def test_an_op_sent_to_another_hosts_queue_is_refused(lane_cluster: LaneCluster,
         send(lane_cluster, op, host=a).get(timeout=RESULT_TIMEOUT_S)
 
 
+def test_an_op_under_another_task_id_is_refused(lane_cluster: LaneCluster, base_dir: Path) -> None:
+    op = LaneOp.validate(handle_of(LocalSandboxFactory(base_dir).create("renamed"), lane_cluster.hosts[0]))
+    pending = lane_cluster.app.send_task(
+        LANE_OP_TASK, args=[op.to_dict()], queue=queue_name(lane_cluster.hosts[0], op.lane)
+    )  # a fresh task id: the op could not be recognised when delivered again
+    with pytest.raises(LaneOpError, match="the task id must be the op id"):
+        pending.get(timeout=RESULT_TIMEOUT_S)
+
+
 async def test_every_op_of_a_sandbox_lands_on_the_host_it_was_placed_on(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
 ) -> None:
