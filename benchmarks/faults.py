@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,14 +165,48 @@ def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:
     }
 
 
+def startup_stop_s(tmp: Path) -> float:
+    """Seconds from Ctrl-C (SIGINT to the run's process group), sent while the engines are starting,
+    to `corral run` exiting with its report."""
+    config = tmp / "run.yaml"
+    config.write_text(CONFIG)
+    out = tmp / "startup.json"
+    argv = [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", str(config),
+            "--batches", "3", "--json", str(out)]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while len(engines_of(proc.pid)) < 2:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    report = json.loads(out.read_text())
+    if code != 0 or report["batches"] != 0 or report["stop"]["phase"] != "startup":
+        raise RuntimeError(f"unexpected stop during start-up: exit {code}, {report['stop']}")
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=6)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
+    parser.add_argument("--startup-stops", type=int, default=0, help="also time N Ctrl-Cs during start-up")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="corral-faults-") as tmp:
+        if args.startup_stops:
+            took = [startup_stop_s(Path(tmp)) for _ in range(args.startup_stops)]
+            print(f"Ctrl-C during start-up, seconds to exit with the report: {[round(t, 2) for t in took]}, "
+                  f"median {statistics.median(took):.2f}")  # fmt: skip
         for fault in FAULTS:
             if args.only not in fault.name:
                 continue
