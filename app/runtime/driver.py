@@ -7,8 +7,15 @@ Invariants:
 - every attempt task ends exactly once: it reports done, or it is cancelled because its group was
   discarded, or it is restarted by a stop-the-world update (counted by the scheduler's `restarts`);
 - every sandbox that an attempt created is cleaned up in the cleanup lane, whatever ended the attempt;
-- a turn is routed only to an engine that is not updating, and at most `slots` turns run per engine;
+- a turn is routed only to an engine that is not updating and not down, and at most `slots` turns run
+  per engine;
 - under rolling updates no trajectory is restarted;
+- engine faults (docs/faults.md): a turn whose engine fails is sent again to another engine (up to
+  `turn_retries` times); the failed engine leaves routing at once, an update it runs is abandoned and
+  the rolling update goes on; it is restarted (or waited for) with backoff and serves again only once
+  it holds the newest published version; every engine step is bounded (`update_timeout_s`);
+- a stop, or the duration deadline, ends the trainer's wait and withdraws the batch request in the
+  same step, so no batch is ever delivered that nobody waits for;
 - every state change is published on the run's `EventBus` (app.runtime.events) as a typed event; the
   run report is folded from that stream (`report_acc`), and its `lost_groups` from a `Ledger` over it;
 - a group whose attempts cannot be started (`make_attempt` raised) fails with the error as its
