@@ -254,7 +254,7 @@ def test_update_that_hangs_times_out_during_corral_run(tmp_path: Path) -> None:
     assert [(u["engine"], u["version"]) for u in failed] == [("engine-1", 1)]
     assert failed[0]["error"] == "timed out after 3s"
     begun = next(u for u in report["update_log"] if u["engine"] == "engine-1" and u["phase"] == "begin")
-    assert failed[0]["t"] - begun["t"] == pytest.approx(3.0, abs=0.5)
+    assert failed[0]["t"] - begun["t"] >= 2.99  # not before update_timeout_s (3 s in FAST_CONFIG)
     assert_recovered(report, "engine-1")
 
 

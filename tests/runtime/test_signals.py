@@ -143,8 +143,8 @@ def during_weight_update(run: CorralRun) -> None:
     _, second = run.wait_engines_ready()
     url = f"http://127.0.0.1:{run.engine_port(second)}/debug/fault"
     httpx.post(url, json={"update": "hang"}, timeout=5)
-    run.wait_line(r"engine-0.*version'?:? 1\b")  # engine-0 is done; engine-1 now hangs
-    time.sleep(0.5)
+    run.wait_line(r"engine-0.*version'?:? 1\b")  # engine-0 is done; engine-1 now hangs for 3 s
+    time.sleep(0.2)
 
 
 def during_engine_restart(run: CorralRun) -> None:
