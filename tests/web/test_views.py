@@ -1,3 +1,4 @@
+import asyncio
 import json
 import re
 
@@ -263,3 +264,24 @@ async def test_a_slow_feed_sends_its_last_change_once_its_interval_has_passed():
     sent = [m["event"] async for m in _changes(FakeRequest(10), [fast, slow], 0.02)]
     assert sent.count("engines") == 10
     assert 2 <= sent.count("timeline") <= 5  # held back to one per 50 ms, never dropped for good
+
+
+async def test_the_wait_panel_names_the_phase_made_slow_in_a_simulated_replay():
+    from factories import make_workload_data
+
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(make_workload_data(trajectory={"reset_s": 30}))
+    envelopes = []
+    policy = policy_for(workload, "full")
+    report = await asyncio.to_thread(simulate, workload, policy, "full", events=envelopes.append)
+    report["event_log"] = [e.to_dict() for e in envelopes]
+    client, dash = make_client()
+    run_id = dash.replays.add(report, "slow reset")
+    async with client:
+        block = await client.get(f"/runs/{run_id}/block/wait")
+    assert block.status_code == 200
+    rows = re.findall(r"<tr><td>([^<]+)</td><td class=\"num\">", block.text)
+    assert rows[0] == "sandbox resets"  # the largest share comes first
+    assert re.search(r"The trainer waited [\d.]+ s over 2 batches: [\d.]+ s on sandbox resets,", block.text)
