@@ -79,4 +79,8 @@ def check_host(host: str) -> str:
 
 def make_celery(broker_url: str, result_backend: str) -> Celery:
     """The workers' app: the clients' configuration plus the task modules."""
-    return make_client(broker_url, result_backend, include=["workers.lane_tasks", "workers.orchestrator"])
+    return make_client(
+        broker_url,
+        result_backend,
+        include=["workers.lane_tasks", "workers.orchestrator", "workers.metrics_hooks"],
+    )
