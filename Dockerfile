@@ -17,7 +17,7 @@ COPY templates ./templates
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -e .
 
 # Sandbox work dirs must be reachable (o+x) by the per-sandbox uids.
-RUN mkdir -p /var/lib/corral/sandboxes /var/lib/corral/tasks \
+RUN mkdir -p /var/lib/corral/sandboxes /var/lib/corral/tasks /var/lib/corral/prometheus \
     && chmod 711 /var/lib/corral /var/lib/corral/sandboxes
 ENV CORRAL_DATA_DIR=/var/lib/corral
 

@@ -37,7 +37,7 @@ def sweep_dead(path: Path) -> list[int]:
 @worker_process_init.connect  # type: ignore[untyped-decorator]
 def _sweep_on_start(**_: Any) -> None:
     path = multiprocess_dir()
-    if path is not None:
+    if path is not None and Path(path).is_dir():
         sweep_dead(Path(path))
 
 
