@@ -181,6 +181,30 @@ async def patch_policy(
     return {"id": run_id, "policy": knobs, "actor": actor}
 
 
+@router.post("/{run_id}/engines/{engine}/drain")
+async def drain_engine(
+    run_id: RunId, engine: Annotated[str, PathParam(max_length=64)], manager: Manager, actor: Operator
+) -> dict[str, Any]:
+    """Take an engine out of rotation: no new turns or updates; its turns in flight finish."""
+    handle = live_handle(manager, run_id)
+    try:
+        return dict(await _on_run(handle, handle.drain_engine, engine, actor))
+    except KeyError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no engine {engine!r}") from None
+
+
+@router.post("/{run_id}/engines/{engine}/serve")
+async def serve_engine(
+    run_id: RunId, engine: Annotated[str, PathParam(max_length=64)], manager: Manager, actor: Operator
+) -> dict[str, Any]:
+    """Put a drained engine back into rotation (it is brought to the newest version first)."""
+    handle = live_handle(manager, run_id)
+    try:
+        return dict(await _on_run(handle, handle.serve_engine, engine, actor))
+    except KeyError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no engine {engine!r}") from None
+
+
 @router.get("/{run_id}/timeline")
 async def timeline(
     run_id: RunId,

@@ -11,7 +11,9 @@ Invariants:
   one pending when the loop ends fails the same way, never hangs;
 - the run's end is recorded exactly once (`RunEnded`), and every group the run admitted ends in the
   stream: delivered, or discarded with the scheduler's reason;
-- a stopping run publishes no new version; its trainer gateway is closed, so waiting trainers learn it.
+- a stopping run publishes no new version; its trainer gateway is closed, so waiting trainers learn it;
+- a drained engine starts no turn and no update until it is put back; the last serving engine cannot
+  be drained. (Adding an engine to a running run is not supported.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.core.config import PauseModeName
-from app.core.events import PolicyChanged, RunEnded
+from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
 from app.engines.base import PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.runtime.driver import Runtime
@@ -94,6 +96,7 @@ class RunHandle:
         self._pending_lock = threading.Lock()
         self._loop_open = False
         self._tg: asyncio.TaskGroup | None = None
+        self.drained: set[str] = set()  # engines an operator took out of rotation
         self.done = threading.Event()
         self.started_wall: float | None = None
 
@@ -286,6 +289,63 @@ class RunHandle:
             "pause_mode": runtime.policy.pause_mode.value,
             "engines": engines,
         }
+
+    def drain_engine(self, name: str, actor: str) -> dict[str, Any]:
+        """Take `name` out of rotation: it starts no new turn and no update; turns in flight on it
+        finish. Refused for the last engine still serving."""
+        self._require(RunState.RUNNING, RunState.PAUSED)
+        runtime = self._runtime()
+        plan = runtime.plan
+        if name not in plan.versions:
+            raise KeyError(name)
+        if name in self.drained:
+            return self.engine_view(name)
+        serving = [e for e in plan.versions if e not in plan.down and e not in self.drained]
+        if serving == [name]:
+            raise IllegalRunStateError(
+                f"engine {name} is the last one serving; draining it would stop the run"
+            )
+        self.drained.add(name)
+        self._take_out_of_rotation(name, actor)
+        return self.engine_view(name)
+
+    def _take_out_of_rotation(self, name: str, actor: str) -> None:
+        runtime = self._runtime()
+        plan = runtime.plan
+        if name not in self.drained or name in plan.down:
+            return  # put back meanwhile, or already out
+        if name in plan.updating:
+            # An update in progress finishes first (the plan's "down" would abandon it mid-way).
+            self.loop.call_later(0.05, self._take_out_of_rotation, name, actor)
+            return
+        # The plan's "down" is exactly "no turns, no updates"; unlike a failure, calls in flight go on.
+        runtime._do_updates(plan.on_engine_down(name))
+        self.recorder.publish(EngineStateChanged(name, "draining", f"drained by {actor}"))
+
+    def serve_engine(self, name: str, actor: str) -> dict[str, Any]:
+        """Put a drained engine back into rotation; a rolling update brings it to the newest version."""
+        self._require(RunState.RUNNING, RunState.PAUSED)
+        runtime = self._runtime()
+        plan = runtime.plan
+        if name not in plan.versions:
+            raise KeyError(name)
+        if name not in self.drained:
+            raise IllegalRunStateError(f"engine {name} is not drained")
+        self.drained.discard(name)
+        if name in plan.down:  # else its drain was still waiting for an update to finish
+            runtime._do_updates(plan.on_engine_up(name, plan.versions[name]))
+            runtime.pool.wake()
+        self.recorder.publish(EngineStateChanged(name, "serving", f"returned by {actor}"))
+        return self.engine_view(name)
+
+    def engine_view(self, name: str) -> dict[str, Any]:
+        runtime = self._runtime()
+        plan = runtime.plan
+        state = "draining" if name in self.drained else "down" if name in plan.down else "serving"
+        if name in plan.updating:
+            state = "updating"
+        return {"engine": name, "state": state, "version": plan.versions[name],
+                "turns_in_flight": runtime.pool.active.get(name, 0)}  # fmt: skip
 
     def pause(self) -> None:
         self._require(RunState.RUNNING)

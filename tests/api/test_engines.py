@@ -1,0 +1,42 @@
+"""Draining an engine from outside the run: no new turn and no update on it, turns in flight finish,
+and it comes back to serve at the newest version."""
+
+from __future__ import annotations
+
+import httpx
+from conftest import make_run, wait_for
+
+
+def test_a_drained_engine_takes_no_new_turns_and_comes_back(api: httpx.Client) -> None:
+    spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0)
+    run_id = api.post("/api/runs", json=spec).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["live"]["batches"] >= 1, what="a batch")
+    drained = api.post(f"/api/runs/{run_id}/engines/engine-0/drain", headers={"X-Corral-Actor": "ops"})
+    assert drained.status_code == 200, drained.text
+    assert drained.json()["state"] in ("draining", "updating")
+    last = api.post(f"/api/runs/{run_id}/engines/engine-1/drain")
+    assert last.status_code == 409
+    assert "last one serving" in last.json()["detail"]
+    at = api.get(f"/api/runs/{run_id}").json()["live"]["batches"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["live"]["batches"] >= at + 3, what="3 batches")
+
+    events = api.get(f"/api/runs/{run_id}/timeline", params={"limit": 10_000}).json()["events"]
+    mark = next(e for e in events if e["kind"] == "engine_state" and e["state"] == "draining")
+    later_turns = [e for e in events if e["kind"] == "turn" and e["start"] > mark["t"]]
+    assert later_turns
+    assert {e["engine"] for e in later_turns} == {"engine-1"}
+    updates = [e for e in events if e["kind"] == "engine_update_begin" and e["t"] > mark["t"]]
+    assert updates
+    assert {e["engine"] for e in updates} == {"engine-1"}
+    assert "drained by ops" in mark["detail"]
+
+    back = api.post(f"/api/runs/{run_id}/engines/engine-0/serve")
+    assert back.status_code == 200, back.text
+    newest = api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"]
+    wait_for(
+        lambda: api.get(f"/api/runs/{run_id}").json()["live"]["engine_versions"]["engine-0"] >= newest,
+        what="engine-0 brought to the newest version",
+    )
+    assert api.post(f"/api/runs/{run_id}/engines/engine-0/serve").status_code == 409  # not drained
+    assert api.post(f"/api/runs/{run_id}/engines/engine-9/drain").status_code == 404
+    api.post(f"/api/runs/{run_id}/stop")
