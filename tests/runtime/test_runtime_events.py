@@ -410,3 +410,37 @@ def test_a_slow_sink_loses_events_to_itself_only_and_the_report_says_how_many() 
     assert report["batches"] == 5
     assert report["lost_groups"] == 0
     assert report["event_stream"]["events"] == bus.published
+
+
+def test_the_runtimes_memory_follows_the_groups_in_flight_not_the_run_history() -> None:
+    workload = Workload.model_validate(
+        make_workload_data(batches=30, trajectory={"p_infra_error": 0.1}, policy={"max_staleness": 1})
+    )
+    policy = policy_for(workload, "full")
+    live_cap = policy.groups_per_batch + policy.surplus_groups
+    sizes: list[tuple[int, ...]] = []
+    captured: dict[str, Runtime] = {}
+
+    def observe(runtime: Runtime, kind: str, data: dict[str, object]) -> None:
+        captured["rt"] = runtime
+        acc = runtime.report_acc
+        sizes.append(
+            (
+                len(runtime.scheduler.groups),
+                len(runtime._group_tasks),
+                len(runtime._outcomes),
+                len(acc._group_s),
+                len(acc._rows),
+                len(acc.ledger.open_groups),
+            )
+        )
+        assert len(runtime._attempts) <= live_cap * policy.group_size
+        assert len(acc._tries) <= live_cap * policy.group_size
+
+    report = simulate(workload, policy, "full", observer=observe)
+    assert report["admitted_groups"] > 10 * live_cap  # a history much longer than what is in flight
+    # B + S live groups, plus the batch's B groups whose outcomes wait for the trainer's step.
+    assert max(max(s) for s in sizes) <= live_cap + policy.groups_per_batch
+    rt = captured["rt"]
+    assert rt.scheduler.groups == rt._group_tasks == rt._attempts == rt._outcomes == {}
+    assert rt.report_acc._tries == rt.report_acc._group_s == {}
