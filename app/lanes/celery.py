@@ -13,7 +13,9 @@ Invariants:
   overtakes its own reset still running in another lane;
 - a worker's error is raised here (its type when importable, else celery's), never swallowed;
 - with `start_timeout_s`, an op no worker has started in that time (its host is down, or its lane has
-  no worker) is revoked and fails with `LaneStartTimeout`, so an attempt never hangs on a lost host.
+  no worker) is revoked and fails with `LaneStartTimeout`, so an attempt never hangs on a lost host;
+  with `op_timeout_s`, an op not finished in that time fails with `LaneOpTimeout` (on Redis, an op whose
+  whole worker died mid-op comes back only after the visibility timeout: this bounds the wait).
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
 of the queue), `busy` the ops of this client a worker has started and not finished, waits are measured
@@ -137,6 +139,10 @@ class LaneStartTimeout(TimeoutError):
     """No worker started the op within `start_timeout_s`."""
 
 
+class LaneOpTimeout(TimeoutError):
+    """The op did not finish within `op_timeout_s`."""
+
+
 class CeleryLanes:
     def __init__(
         self,
@@ -147,6 +153,7 @@ class CeleryLanes:
         poll_max_s: float = 0.2,
         cancel_grace_s: float = 60.0,
         start_timeout_s: float | None = None,
+        op_timeout_s: float | None = None,
         depth_ttl_s: float = 1.0,
         on_done: Callable[[OpRecord], None] | None = None,
     ) -> None:
@@ -161,6 +168,7 @@ class CeleryLanes:
         self._poll = (poll_min_s, poll_max_s)
         self._cancel_grace_s = cancel_grace_s
         self._start_timeout_s = start_timeout_s
+        self._op_timeout_s = op_timeout_s
         self._depth_ttl_s = depth_ttl_s
         self._depth_at: float | None = None
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
@@ -292,11 +300,13 @@ class CeleryLanes:
     async def _wait(
         self, result: AsyncResult, op: LaneOp[Any], on_started: Callable[[], None]
     ) -> dict[str, Any]:
-        start_deadline = None
-        if self._start_timeout_s is not None:
-            start_deadline = asyncio.get_running_loop().time() + self._start_timeout_s
+        now = asyncio.get_running_loop().time()
+        start_deadline = None if self._start_timeout_s is None else now + self._start_timeout_s
+        deadline = None if self._op_timeout_s is None else now + self._op_timeout_s
         try:
-            await self._settled(result, on_started=on_started, start_deadline=start_deadline)
+            if not await self._settled(result, deadline, on_started, start_deadline):
+                await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+                raise LaneOpTimeout(f"op {op.op_id} ({op.name.value}) not done in {self._op_timeout_s} s")
         except LaneStartTimeout:
             await asyncio.to_thread(self.celery.control.revoke, op.op_id)
             raise

@@ -16,7 +16,7 @@ from celery_cluster import LaneCluster
 from factories import make_echo_task
 
 from app.lanes.base import LaneName
-from app.lanes.celery import CeleryLanes, LaneStartTimeout, OpRecord
+from app.lanes.celery import CeleryLanes, LaneOpTimeout, LaneStartTimeout, OpRecord
 from app.lanes.ops import LaneOp, LaneOpError, decode_result, handle_of
 from app.sandboxes.local import LocalSandboxFactory, SandboxError
 from workers.celery_app import LANE_OP_TASK, queue_name
@@ -268,3 +268,17 @@ async def test_an_op_no_worker_starts_fails_after_the_start_timeout(
     assert lanes.stats()["validate"].busy == 0
     with lane_cluster.app.connection_for_write() as conn:
         conn.default_channel.queue_purge(queue_name(down, LaneName.VALIDATE))
+
+
+async def test_an_op_not_done_in_time_fails_with_an_op_timeout(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    patient = CeleryLanes(lane_cluster.app, lane_cluster.hosts[1:])
+    hasty = CeleryLanes(lane_cluster.app, lane_cluster.hosts[1:], op_timeout_s=0.5)
+    handle = patient.attach(LocalSandboxFactory(base_dir).create("slow"))
+    await patient.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+    started = time.monotonic()
+    with pytest.raises(LaneOpTimeout, match=r"not done in 0\.5 s"):
+        await hasty.run_op(LaneOp.exec(handle, "sleep 2", 10))
+    assert time.monotonic() - started < 2  # it did not wait for the op
+    await patient.run_op(LaneOp.cleanup(handle))  # kills the sleep, still running in the exec lane
