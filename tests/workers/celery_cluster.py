@@ -82,3 +82,8 @@ class LaneCluster:
     app: Celery
     workers: Workers
     by_lane: dict[tuple[str, LaneName], subprocess.Popen[bytes]]
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
