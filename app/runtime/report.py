@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from app.core.attribution import WaitAccumulator
 from app.core.events import (
     AttemptCancelled,
     AttemptFinished,
@@ -119,6 +120,7 @@ class ReportAccumulator:
 
     def __init__(self, timeline: bool = False) -> None:
         self.ledger = Ledger()
+        self.waits = WaitAccumulator()  # why the trainer waited: report["wait_attribution"]
         self.timeline = timeline
         self.stream_events = 0
         self.started_at: float | None = None
@@ -150,6 +152,7 @@ class ReportAccumulator:
     def on_envelope(self, env: Envelope) -> None:
         self.stream_events += 1
         self.ledger.on_envelope(env)
+        self.waits.on_envelope(env)
         ev, t = env.event, env.t
         if isinstance(ev, TurnDone):
             engine = self.engines.setdefault(ev.engine, _Engine())
@@ -334,6 +337,7 @@ class ReportAccumulator:
                 "run_ended": None if self.end is None else self.end.reason,
             },
             "policy_config": self.policy_config,
+            "wait_attribution": self.waits.result().to_dict(),
         }
         if self.timeline:
             report["groups_timeline"] = self.group_timeline()

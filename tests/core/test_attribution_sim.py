@@ -42,4 +42,6 @@ def simulated_attribution(**overrides):
 def test_the_slow_phase_is_named_the_largest_share_in_a_simulated_run(overrides, phase):
     attribution, report = simulated_attribution(**overrides)
     assert attribution.largest() == phase
+    assert report["wait_attribution"]["largest"] == phase  # the run report says the same
+    assert report["wait_attribution"] == attribution.to_dict()
     assert attribution.total_s == pytest.approx(report["trainer_wait_s"], abs=1e-3)
