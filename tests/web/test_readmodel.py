@@ -140,6 +140,9 @@ def test_a_simulated_report_replays_group_by_group():
     done = [g.ready for g in view.ordered_groups() if g.ready is not None]
     assert done == sorted(done)
     assert 'class="sp"' in render_timeline(view)
+    assert view.attribution is not None  # from the report's wait_attribution
+    assert view.attribution.largest() == report["wait_attribution"]["largest"]
+    assert view.attribution.total_s == pytest.approx(report["wait_attribution"]["total_s"])
 
 
 def test_the_owners_plan_settles_updates_and_the_stream_keeps_other_states():
