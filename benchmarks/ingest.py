@@ -3,14 +3,18 @@
 The stream is a seeded synthetic run shaped like the terminal-bench workload in DESIGN.md: groups of
 G=8 attempts, each a reset, 18 turns with a tool call after each, a validation and a cleanup, plus the
 group's lifecycle (admitted, started/finished attempts, ready, delivered) and a batch every B=8 groups.
-About 92% of the events are timeline events (turns and sandbox ops); each becomes one raw `events` row
-and one or two `spans` rows, and the group/trajectory/batch projections are upserted per batch, so the
-figure is the sink's whole work, not a bare insert.
+About 94% of the events are timeline events (turns and sandbox ops); each becomes one raw `events` row
+and two `spans` rows (the phase and its queue wait), and the group/trajectory/batch projections are
+upserted per batch, so the figure is the sink's whole work, not a bare insert.
 
-Each measurement ingests the whole stream of a fresh run id into a fresh, migrated database (Postgres:
-a scratch database on the server; SQLite: a WAL file in a temp dir), in batches of `--batch` envelopes,
-each batch its own transaction, exactly as the event bus calls the sink. Envelope construction is not
-timed. It reports the median (and min/max) over `--repeats` runs; it asserts nothing about speed.
+Each (backend, batch size) gets a fresh, migrated database (Postgres: a scratch database on the server;
+SQLite: a WAL file in a temp dir); each of `--repeats` runs ingests the whole stream of a fresh run id
+through one sink on one connection, in batches of `--batch` envelopes, each batch its own transaction,
+exactly as the event bus calls the sink. Envelope construction is not timed. It reports the median
+(and min/max) events per wall second, and the CPU it took: this process's, and the Postgres backend's
+read from /proc (so a local server only); `ev/CPU-s` is events per CPU-second of both together, a figure
+that depends far less than the wall rate on what else the machine is running. It asserts nothing about
+speed.
 
 Run: `.venv/bin/python -m benchmarks.ingest [--events 60000 --batch 500 1000 2000 --repeats 5]`.
 """
