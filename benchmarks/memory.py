@@ -100,7 +100,11 @@ def run_memory(groups: int, batch_groups: int, surplus: int, cached: bool = Fals
 
     baseline_peak, baseline = rss_mib()
     report = simulate(workload, policy_for(workload, "full"), "full", trajectories=source, events=on_event)
+    # After the run: the simulator's bounds (lists over every admitted group) and the report.
+    end_peak, end = rss_mib()
     return {
+        "after_run_rss_mib": round(end, 1),
+        "after_run_peak_rss_mib": round(end_peak, 1),
         "before_run_rss_mib": round(baseline, 1),
         "before_run_peak_rss_mib": round(baseline_peak, 1),
         "marks": rows,
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['groups_admitted']:>16,} {row['peak_rss_mib']:>13} {row['rss_mib']:>9} "
             f"{row['events']:>10,} {row['wall_s']:>8}"
         )
+    print(f"after the run (bounds, report): rss {result['after_run_rss_mib']} MiB "
+          f"(peak {result['after_run_peak_rss_mib']})")  # fmt: skip
     for key in (
         "admitted_groups",
         "delivered_groups",
