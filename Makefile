@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run run-once test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,10 @@ node_modules/.package-lock.json: package.json package-lock.json
 	npm ci --no-audit --no-fund
 
 run: install
-	$(BIN)/corral run --config app/configs/local.yaml --json run-report.json
+	$(BIN)/corral serve --demo
+
+run-once: install
+	$(BIN)/corral run --json run-report.json
 
 test: install
 	bash scripts/test-setup.sh
