@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -49,7 +49,7 @@ def create_app(
             if resumed:
                 log.warning("resumed runs %s", ", ".join(resumed))
         if demo is not None and not manager.handles:
-            app.state.demo_run = (await asyncio.to_thread(manager.create, demo)).run_id
+            app.state.demo_run = await asyncio.to_thread(manager.create, demo)
         try:
             yield
         finally:
@@ -63,12 +63,26 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = metrics or CorralMetrics()
+    app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
     mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
     return app
+
+
+def celery_dispatch(settings: Settings) -> Callable[[str], None]:
+    """Send a run to the `orchestrator` queue, where a `corral worker --orchestrator` drives it."""
+    from app.lanes.celery import ORCHESTRATOR_TASK, broker_urls, make_celery
+
+    broker, backend = broker_urls(settings.broker_url, None)
+    celery = make_celery(broker, backend)
+
+    def dispatch(run_id: str) -> None:
+        celery.send_task(ORCHESTRATOR_TASK, args=[run_id])
+
+    return dispatch
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

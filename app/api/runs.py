@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, HTTPException, Query, Response, status
+from fastapi import APIRouter, Body, HTTPException, Query, Request, Response, status
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -51,10 +51,15 @@ def list_runs(manager: Manager, _: Viewer) -> list[dict[str, Any]]:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_run(spec: RunCreate, manager: Manager, actor: Operator, response: Response) -> dict[str, Any]:
-    handle = manager.create(spec)
-    response.headers["Location"] = f"/api/runs/{handle.run_id}"
-    view = manager.view(handle.run_id)
+def create_run(
+    spec: RunCreate, request: Request, manager: Manager, actor: Operator, response: Response
+) -> dict[str, Any]:
+    try:
+        run_id = manager.create(spec, request.app.state.dispatch)
+    except ValueError as exc:
+        raise HTTPException(422, f"orchestrator: {exc}") from None
+    response.headers["Location"] = f"/api/runs/{run_id}"
+    view = manager.view(run_id)
     assert view is not None
     return view
 

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from app.metrics import CorralMetrics
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import run_policy
 from app.service.recorder import RunRecorder
-from app.service.schemas import RunCreate
+from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
 from app.store.models import TERMINAL_RUN_STATES, RunState
 
@@ -60,11 +61,28 @@ class RunManager:
 
     # -- creating and resuming ----------------------------------------------------------------------
 
-    def create(self, spec: RunCreate) -> RunHandle:
+    def create(self, spec: RunCreate, dispatch: Callable[[str], None] | None = None) -> str:
+        """Store the run and start it here, or hand it to `dispatch` (a Celery orchestrator task) when
+        its orchestrator is celery. Returns its id."""
+        if spec.orchestrator is OrchestratorKind.CELERY and dispatch is None:
+            raise ValueError("celery needs CORRAL_BROKER_URL (a broker for the orchestrator queue)")
         run_id = uuid.uuid4().hex[:12]
         policy = run_policy(spec)
         self.store.create_run(run_id, spec.name, spec.model_dump(mode="json"), policy.model_dump(mode="json"))
-        return self._start(run_id, spec, None)
+        if dispatch is not None and spec.orchestrator is OrchestratorKind.CELERY:
+            dispatch(run_id)
+        else:
+            self._start(run_id, spec, None)
+        return run_id
+
+    def adopt(self, run_id: str) -> RunHandle:
+        """Drive a stored run in this process (an orchestrator worker): from its start, or resumed."""
+        record = self.store.get_run(run_id)
+        if record is None:
+            raise LookupError(f"no run {run_id!r}")
+        spec = RunCreate.model_validate(record.config)
+        point = None if record.state == RunState.CREATED.value else self.store.resume_point(run_id)
+        return self._start(run_id, spec, point)
 
     def resume_unfinished(self) -> list[str]:
         resumed = []
@@ -74,6 +92,8 @@ class RunManager:
             except ValidationError as exc:
                 self._end_unresumable(record, f"stored config no longer valid: {exc.errors()[0]['msg']}")
                 continue
+            if spec.orchestrator is OrchestratorKind.CELERY:
+                continue  # its orchestrator task is redelivered to a worker, which resumes it
             point = self.store.resume_point(record.id)
             if record.state == RunState.STOPPING.value:
                 self._end_unresumable(record, "was stopping when the control plane stopped", point)
@@ -130,7 +150,7 @@ class RunManager:
         try:
             self.store.set_state(run_id, state, error)
         except IllegalTransitionError as exc:
-            log.warning("run %s: %s", run_id, exc)
+            log.info("run %s: state %s not written: %s", run_id, state.value, exc)
 
     # -- reading -------------------------------------------------------------------------------------
 

@@ -26,6 +26,11 @@ class RunKind(StrEnum):
     LOCAL = "local"  # the embedded default: embedded engines, local sandboxes, the built-in tasks
 
 
+class OrchestratorKind(StrEnum):
+    IN_PROCESS = "in-process"  # the run executes in the API server (needed for an external trainer)
+    CELERY = "celery"  # a worker of the `orchestrator` queue executes it (CORRAL_BROKER_URL)
+
+
 class TrainerKind(StrEnum):
     EXTERNAL = "external"  # a trainer takes batches through the trainer API
     SENTINEL = "sentinel"  # the built-in client: acks each batch and publishes a sentinel version
@@ -66,6 +71,9 @@ class RunCreate(_Input):
     )
     speed: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False, description="sim: virtual s per wall s")
     trainer: TrainerKind = TrainerKind.EXTERNAL
+    orchestrator: OrchestratorKind = Field(
+        OrchestratorKind.IN_PROCESS, description="where the run executes: this server, or a Celery worker"
+    )
     sentinel_step_s: float = Field(
         0.2, ge=0, le=3600, allow_inf_nan=False, description="built-in trainer step"
     )
@@ -93,6 +101,11 @@ class RunCreate(_Input):
             raise ValueError("workload is for kind 'sim'; a local run takes a config")
         if self.speed != 1.0 and self.kind is not RunKind.SIM:
             raise ValueError("speed applies to sim runs only")
+        if self.orchestrator is OrchestratorKind.CELERY and self.trainer is TrainerKind.EXTERNAL:
+            raise ValueError(
+                "orchestrator celery runs with the sentinel trainer only: the trainer API reaches runs "
+                "executing in the API server"
+            )
         return self
 
     def overrides(self) -> dict[str, int]:

@@ -1,0 +1,87 @@
+"""A run whose orchestrator is a real `corral worker --orchestrator` on the real Redis: the API sends
+it to the `orchestrator` queue, the worker drives it to its end, and the API reads its account from the
+database."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TOKEN, make_run, make_settings, serving, wait_for
+
+from app.service.store import ServiceStore
+
+REDIS_URL = "redis://127.0.0.1:6379/14"  # a database of its own: no other test's worker takes these
+
+
+def redis_answers() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def test_a_celery_orchestrated_run_completes_and_is_accounted(tmp_path: Path) -> None:
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    env = {
+        **os.environ,
+        "CORRAL_BROKER_URL": REDIS_URL,
+        "CORRAL_RESULT_BACKEND": REDIS_URL,
+        "CORRAL_DATABASE_URL": db,
+        "CORRAL_DATA_DIR": str(tmp_path / "worker-data"),
+    }
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
+         "--loglevel", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        with serving(make_settings(tmp_path, db, broker_url=REDIS_URL)) as url:
+            api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+            spec = make_run(batches=2, trainer="sentinel", sentinel_step_s=0, orchestrator="celery")
+            created = api.post("/api/runs", json=spec)
+            assert created.status_code == 201, created.text
+            run_id = created.json()["id"]
+            assert created.json()["live"] is None  # not executing in the API server
+            wait_for(
+                lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed",
+                120,
+                what=f"the worker to complete the run; log {tmp_path / 'worker.log'}",
+            )
+            external = api.post("/api/runs", json=make_run(orchestrator="celery"))
+            assert external.status_code == 422
+            assert "sentinel trainer only" in external.json()["detail"]
+            api.close()
+    finally:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)  # the worker's own session, pool processes included
+            worker.wait()
+        log.close()
+    store = ServiceStore(db, migrate=False)
+    try:
+        ledger, _ = store.ledger(run_id)
+        assert ledger.lost == 0
+        assert ledger.delivered_count == 4
+    finally:
+        store.close()
+
+
+def test_celery_without_a_broker_is_refused(api: httpx.Client) -> None:
+    answer = api.post("/api/runs", json=make_run(trainer="sentinel", orchestrator="celery"))
+    assert answer.status_code == 422
+    assert "CORRAL_BROKER_URL" in answer.json()["detail"]
