@@ -222,18 +222,20 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Where the ladder is out of order (`full` ≤ `completion` ≤ `sync` must hold) and where any other
-    rung beats `full`, each as one line."""
+    """Where a ladder rung is worse than the rung below it (sync → completion → lanes → full; and
+    `full` ≤ `completion` ≤ `sync` must hold), and where any other rung beats `full`, one line each."""
     out: list[str] = []
     mean = {name: row["mean_s"] for name, row in rungs.items()}
-    for better, worse in (("full", "completion"), ("completion", "sync")):
+    pairs = [("completion", "sync"), ("lanes", "completion"), ("full", "lanes"), ("full", "completion")]
+    for better, worse in pairs:
         if better in mean and worse in mean and mean[better] > mean[worse]:
+            must = " (full ≤ completion ≤ sync must hold)" if "lanes" not in (better, worse) else ""
             out.append(
                 f"LADDER OUT OF ORDER: {better} {mean[better]:.1f} s is worse than "
-                f"{worse} {mean[worse]:.1f} s"
+                f"{worse} {mean[worse]:.1f} s{must}"
             )
     if "full" in mean:
         for name, value in mean.items():
-            if name != "full" and value < mean["full"]:
+            if name not in ("full", "lanes", "completion", "sync") and value < mean["full"]:
                 out.append(f"{name} {value:.1f} s beats full {mean['full']:.1f} s")
     return out

@@ -103,4 +103,11 @@ def plot_family(result: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-LADDER_NAMES = {"sync", "completion", "lanes", "full (partitioned lanes)", "full (adaptive lanes)"}
+LADDER_NAMES = {
+    "sync",
+    "completion",
+    "lanes",
+    "full (partitioned lanes)",
+    "full (adaptive lanes)",
+    "full (S = K·B)",
+}

@@ -67,9 +67,13 @@ def make_rungs(**means: float) -> dict[str, dict[str, Any]]:
         ({"sync": 3, "completion": 2, "full": 1}, []),
         (
             {"sync": 3, "completion": 2, "full": 2.5},
-            ["LADDER OUT OF ORDER: full", "completion 2.0 s beats full"],
+            ["LADDER OUT OF ORDER: full 2.5 s is worse than completion"],
         ),
         ({"sync": 1, "completion": 2, "full": 0.5}, ["LADDER OUT OF ORDER: completion"]),
+        (
+            {"sync": 3, "completion": 2, "lanes": 2.2, "full": 2.1},
+            ["LADDER OUT OF ORDER: lanes 2.2 s is worse than completion", "LADDER OUT OF ORDER: full 2.1"],
+        ),
         ({"sync": 3, "completion": 2, "full": 1, "areal": 0.9}, ["areal 0.9 s beats full"]),
     ],
 )
