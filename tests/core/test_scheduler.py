@@ -241,3 +241,30 @@ def test_late_reports_for_ended_groups_are_ignored_and_unknown_groups_refused() 
     assert s.on_attempt_restarted(0, 1, 2.0) == []
     with pytest.raises(KeyError, match="never admitted"):
         s.on_turn(99, 0, 0, 2.0)
+
+
+def test_the_staleness_check_survives_python_dash_o() -> None:
+    """`python -O` strips asserts: the check at delivery is not one."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        from app.core.config import PolicyConfig
+        from app.core.scheduler import DeliverBatch, Scheduler
+        assert False, "never seen: asserts are stripped"
+        s = Scheduler(PolicyConfig(groups_per_batch=1, group_size=2, surplus_groups=1, max_staleness=0))
+        s.on_start(0.0)
+        for i in range(2):
+            s.on_turn(0, i, 0, 1.0)
+            s.on_attempt_done(0, i, float(i), None, 1.0)
+        s.trainer_version = 1  # as if a publication had bypassed on_version_published
+        out = s.on_batch_requested(2.0)
+        print(sys.flags.optimize, sum(isinstance(d, DeliverBatch) for d in out), s.counters.stale_at_delivery)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "0", "1"]  # optimised; no batch delivered; one stale group caught
