@@ -1,9 +1,11 @@
 """The dashboard's live backend: `ManagerRuns` adapts the service's run manager (app.service.manager)
 to `RunsBackend`.
 
-- Events come from the store (`store.timeline(run_id, since, limit)`), fetched incrementally and kept
-  per run, so a page shows the same account as the API and the view of an ended or resumed run is the
-  same as a live one. The store's sink is batched, so the view trails the run by one flush interval.
+- Events come from the store (`store.timeline(run_id, since, limit)`), fetched incrementally and
+  folded into one `RunViewBuilder` per run (its open and latest `KEEP_GROUPS` ended groups, and the
+  run's figures), so a page shows the same account as the API and the view of an ended or resumed run
+  is the same as a live one. The store's sink is batched, so the view trails the run by one flush
+  interval.
 - What the stream does not carry comes from the run's handle when it executes here: its state and
   knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
   busy slots, queue depth, slots and CPU set.
@@ -24,11 +26,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.core.events import Envelope, envelope_from_dict
+from app.core.events import envelope_from_dict
 from app.web.backend import ActionRefused
-from app.web.readmodel import RunMeta, RunView, view_from_events
+from app.web.readmodel import RunMeta, RunView, RunViewBuilder
 
 FETCH_LIMIT = 5000
+KEEP_GROUPS = 500  # ended groups whose rows a live view keeps (the timeline shows the latest)
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
@@ -36,7 +39,7 @@ LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_stalenes
 
 @dataclass
 class _RunCache:
-    envelopes: list[Envelope] = field(default_factory=list)
+    builder: RunViewBuilder
     last_seq: int = -1
     key: object = None
     view: RunView | None = None
@@ -76,7 +79,9 @@ class ManagerRuns:
 
     def _entry(self, run_id: str) -> _RunCache:
         with self._lock:
-            return self._cache.setdefault(run_id, _RunCache())
+            if run_id not in self._cache:
+                self._cache[run_id] = _RunCache(RunViewBuilder(run_id, "live", KEEP_GROUPS))
+            return self._cache[run_id]
 
     def _fetch(self, run_id: str) -> int:
         """Append the stored events after the cached ones; the last sequence number."""
@@ -86,9 +91,9 @@ class ManagerRuns:
             while True:
                 rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
                 for row in rows:
-                    entry.envelopes.append(envelope_from_dict({"run_id": run_id, **row}))
-                if rows:
-                    entry.last_seq = entry.envelopes[-1].seq
+                    env = envelope_from_dict({"run_id": run_id, **row})
+                    entry.builder.on_envelope(env)
+                    entry.last_seq = env.seq
                 if len(rows) < FETCH_LIMIT:
                     return entry.last_seq
 
@@ -107,7 +112,7 @@ class ManagerRuns:
             fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
             if entry.view is not None and entry.key == key and fresh:
                 return entry.view
-            view = view_from_events(run_id, list(entry.envelopes), meta, source="live")
+            view = entry.builder.view(meta)
             entry.key, entry.view, entry.built_at = key, view, time.monotonic()
             return view
 
@@ -197,8 +202,7 @@ class ManagerRuns:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err.get("loc", ())) or "run"
             raise ValueError(f"{where}: {err.get('msg', 'invalid')}") from None
-        handle = await asyncio.to_thread(self.manager.create, spec)
-        return str(handle.run_id)
+        return str(await asyncio.to_thread(self.manager.create, spec))
 
     async def publish(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id)

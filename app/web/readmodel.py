@@ -16,12 +16,12 @@ Definitions shown on the pages:
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.core.attribution import LANE_PHASE, WaitAttribution, attribute_waits
+from app.core.attribution import LANE_PHASE, WaitAccumulator, WaitAttribution
 from app.core.events import (
     AttemptFinished,
     AttemptStarted,
@@ -45,6 +45,7 @@ from app.core.events import (
 )
 
 STRAGGLER_RATIO = 1.5
+LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -161,6 +162,7 @@ class RunView:
     last_seq: int = -1
     detailed: bool = True  # False: group-level rows only (a report without its event log)
     pending_request: float | None = None  # when the trainer asked for a batch it has not got yet
+    dropped_groups: int = 0  # ended groups no longer kept (a long live run keeps its latest)
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -218,72 +220,114 @@ class RunView:
 # -- from events ------------------------------------------------------------------------------------
 
 
-def view_from_events(
-    run_id: str, envelopes: Iterable[Envelope], meta: RunMeta | None = None, source: str = "live"
-) -> RunView:
-    meta = meta or RunMeta()
-    envs = sorted(envelopes, key=lambda e: e.seq)
-    t0 = envs[0].t if envs else 0.0
-    last_t = envs[-1].t if envs else 0.0
-    now = max(meta.now if meta.now is not None else last_t, last_t)
-    policy: dict[str, Any] = dict(meta.policy or {})
-    state = meta.state or "running"
-    groups: dict[int, GroupRow] = {}
-    trajs: dict[tuple[int, int], Trajectory] = {}
-    batches: list[BatchRow] = []
-    engines: dict[str, EngineRow] = {}
-    publications: list[tuple[float, int]] = []
-    updates: list[tuple[str, float, float, int]] = []
-    open_updates: dict[str, tuple[float, int]] = {}
-    audit: list[AuditRow] = []
-    staleness: dict[int, int] = defaultdict(int)
-    lane_waits: dict[str, list[float]] = defaultdict(list)
-    lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
-    tokens_at: list[tuple[float, int]] = []
-    pending: float | None = None
+class RunViewBuilder:
+    """Folds a run's envelopes (in sequence order) into what its `RunView` shows, incrementally, so a
+    live page costs one pass over the new events, not over the whole stream.
 
-    def traj(gid: int, attempt: int) -> Trajectory:
-        key = (gid, attempt)
-        if key not in trajs:
-            trajs[key] = Trajectory(gid, attempt)
-        return trajs[key]
+    With `keep_groups`, only that many ended groups keep their rows and trajectories (oldest ended
+    first out; open groups are always kept); figures (batches, staleness, the wait attribution, the
+    straggler rule's durations) still cover the whole run. Memory is then bounded by the open and the
+    latest ended groups, plus O(batches) and the last `LANE_WAITS_KEPT` queue waits of each lane.
+    """
 
-    def engine(name: str) -> EngineRow:
-        if name not in engines:
-            engines[name] = EngineRow(name)
-        return engines[name]
+    def __init__(self, run_id: str, source: str = "live", keep_groups: int | None = None) -> None:
+        self.run_id = run_id
+        self.source = source
+        self.keep_groups = keep_groups
+        self.t0: float | None = None
+        self.last_t = 0.0
+        self.last_seq = -1
+        self.started_policy: dict[str, Any] = {}
+        self.policy_changes: dict[str, Any] = {}
+        self.ended: str | None = None
+        self.groups: dict[int, GroupRow] = {}
+        self.trajs: dict[int, dict[int, Trajectory]] = defaultdict(dict)
+        self.ended_order: deque[int] = deque()
+        self.dropped_groups = 0
+        self.durations: list[float] = []  # admission to completion of every completed group
+        self.batches: list[BatchRow] = []
+        self.engines: dict[str, EngineRow] = {}
+        self.publications: list[tuple[float, int]] = []
+        self.updates: list[tuple[str, float, float, int]] = []
+        self.open_updates: dict[str, tuple[float, int]] = {}
+        self.audit: list[AuditRow] = []
+        self.staleness: dict[int, int] = defaultdict(int)
+        self.lane_waits: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LANE_WAITS_KEPT))
+        self.lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
+        self.pending: float | None = None
+        self.waits = WaitAccumulator()
+        self._tokens = 0  # since the last batch
+        self._turns = 0
+        self._waited = 0.0
+        self._last_delivered = 0.0
 
-    for env in envs:
+    def _traj(self, gid: int, attempt: int) -> Trajectory:
+        group = self.trajs[gid]
+        if attempt not in group:
+            group[attempt] = Trajectory(gid, attempt)
+        return group[attempt]
+
+    def _engine(self, name: str) -> EngineRow:
+        if name not in self.engines:
+            self.engines[name] = EngineRow(name)
+        return self.engines[name]
+
+    def _group(self, gid: int) -> GroupRow:
+        if gid not in self.groups:
+            self.groups[gid] = GroupRow(gid)
+        return self.groups[gid]
+
+    def _ended(self, gid: int) -> None:
+        self.ended_order.append(gid)
+        if self.keep_groups is None:
+            return
+        while len(self.ended_order) > self.keep_groups:
+            old = self.ended_order.popleft()
+            self.groups.pop(old, None)
+            self.trajs.pop(old, None)
+            self.dropped_groups += 1
+
+    def on_envelope(self, env: Envelope) -> None:
+        if self.t0 is None:
+            self.t0 = env.t
+        t0 = self.t0
+        self.last_t = max(self.last_t, env.t)
+        self.last_seq = env.seq
+        self.waits.on_envelope(env)
         ev, t = env.event, env.t - t0
         if isinstance(ev, RunStarted):
-            policy = {**ev.policy, **policy} if meta.policy else dict(ev.policy)
+            self.started_policy = dict(ev.policy)
             for name in getattr(ev, "engines", ()):
-                engine(name)
+                self._engine(name)
         elif isinstance(ev, RunEnded):
-            state = meta.state or f"ended ({ev.reason})"
+            self.ended = ev.reason
         elif isinstance(ev, GroupAdmitted):
-            groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
+            self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
         elif isinstance(ev, GroupReady):
-            groups.setdefault(ev.group_id, GroupRow(ev.group_id)).ready = t
-            groups[ev.group_id].outcome = "ready"
+            row = self._group(ev.group_id)
+            row.ready, row.outcome = t, "ready"
+            if row.admitted is not None:
+                self.durations.append(t - row.admitted)
         elif isinstance(ev, GroupDelivered):
-            row = groups.setdefault(ev.group_id, GroupRow(ev.group_id))
+            row = self._group(ev.group_id)
             row.ended, row.outcome, row.batch, row.staleness = t, "delivered", ev.batch_index, ev.staleness
-            staleness[ev.staleness] += 1
+            self.staleness[ev.staleness] += 1
+            self._ended(ev.group_id)
         elif isinstance(ev, GroupDiscarded):
-            row = groups.setdefault(ev.group_id, GroupRow(ev.group_id))
+            row = self._group(ev.group_id)
             row.ended, row.outcome, row.detail = t, ev.reason, ev.detail
+            self._ended(ev.group_id)
         elif isinstance(ev, AttemptStarted):
-            tr = traj(ev.group_id, ev.attempt)
+            tr = self._traj(ev.group_id, ev.attempt)
             tr.started = t if tr.started is None else tr.started
         elif isinstance(ev, AttemptFinished):
-            tr = traj(ev.group_id, ev.attempt)
+            tr = self._traj(ev.group_id, ev.attempt)
             tr.finished, tr.error = t, ev.error
         elif ev.kind == "attempt_cancelled":  # the try stopped because its group was discarded
-            tr = traj(getattr(ev, "group_id", -1), getattr(ev, "attempt", -1))
+            tr = self._traj(getattr(ev, "group_id", -1), getattr(ev, "attempt", -1))
             tr.finished, tr.error = t, f"cancelled ({getattr(ev, 'reason', '')})"
         elif isinstance(ev, TurnDone):
-            tr = traj(ev.group_id, ev.attempt)
+            tr = self._traj(ev.group_id, ev.attempt)
             q, s, e = ev.queued_at - t0, ev.start - t0, ev.end - t0
             if s > q:
                 tr.spans.append(Span(q, s, "engine_wait", f"waited for an engine slot ({ev.engine})"))
@@ -293,90 +337,132 @@ def view_from_events(
             tr.spans.append(Span(s, e, "model_turn", detail))
             if not tr.versions or tr.versions[-1][1] != ev.version:
                 tr.versions.append((s, ev.version))
-            engine(ev.engine)
-            tokens_at.append((e, ev.tokens))
+            self._engine(ev.engine)
+            self._tokens += ev.tokens
+            self._turns += 1
         elif isinstance(ev, SandboxOp):
-            tr = traj(ev.group_id, ev.attempt)
+            tr = self._traj(ev.group_id, ev.attempt)
             q, s, e = ev.queued_at - t0, ev.start - t0, ev.end - t0
             if s > q:
                 tr.spans.append(Span(q, s, "lane_queue", f"queued in the {ev.lane} lane"))
-                lane_waits[ev.lane].append(s - q)
-            else:
-                lane_waits[ev.lane].append(0.0)
-            lane_now[ev.lane] = (getattr(ev, "busy", None), getattr(ev, "queue_depth", None))
+            self.lane_waits[ev.lane].append(max(s - q, 0.0))
+            self.lane_now[ev.lane] = (getattr(ev, "busy", None), getattr(ev, "queue_depth", None))
             status = "ok" if ev.ok else "failed"
             detail = f"{ev.lane} lane, {status}" + (f": {ev.detail}" if ev.detail else "")
             tr.spans.append(Span(s, e, LANE_PHASE.get(ev.lane, "tool_call"), detail))
         elif isinstance(ev, VersionPublished):
-            publications.append((t, ev.version))
+            self.publications.append((t, ev.version))
         elif isinstance(ev, EngineUpdateBegin):
-            row_e = engine(ev.engine)
+            row_e = self._engine(ev.engine)
             row_e.state, row_e.target_version = "updating", ev.version
-            open_updates[ev.engine] = (t, ev.version)
+            self.open_updates[ev.engine] = (t, ev.version)
         elif isinstance(ev, EngineUpdateEnd):
-            row_e = engine(ev.engine)
-            begin = open_updates.pop(ev.engine, (t, ev.version))
-            updates.append((ev.engine, begin[0], t, ev.version))
+            row_e = self._engine(ev.engine)
+            begin = self.open_updates.pop(ev.engine, (t, ev.version))
+            self.updates.append((ev.engine, begin[0], t, ev.version))
             row_e.target_version = None
             if ev.ok:
                 row_e.version, row_e.state = ev.version, "serving"
             else:
                 row_e.state = "unhealthy"
         elif isinstance(ev, EngineStateChanged):
-            engine(ev.engine).state = ev.state
+            self._engine(ev.engine).state = ev.state
         elif isinstance(ev, BatchRequested):
-            pending = t
+            self.pending = t
         elif isinstance(ev, BatchDelivered):
-            pending = None
-            batches.append(
-                BatchRow(ev.batch_index, ev.requested_at - t0, t, t - (ev.requested_at - t0), ev.group_ids)
+            self.pending = None
+            requested = ev.requested_at - t0
+            interval = t - self._last_delivered
+            self._waited += t - requested
+            self.batches.append(
+                BatchRow(
+                    ev.batch_index,
+                    requested,
+                    t,
+                    t - requested,
+                    ev.group_ids,
+                    tokens_per_s=self._tokens / interval if interval > 0 and self._turns else None,
+                    idle_fraction=self._waited / t if t > 0 else None,
+                )
             )
+            self._tokens, self._last_delivered = 0, t
         elif isinstance(ev, PolicyChanged):
-            audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
-            policy[ev.field] = ev.new
-    for name, (since, version) in open_updates.items():
-        updates.append((name, since, now - t0, version))
-    for snap in meta.engines:
-        row_e = engine(str(snap["name"]))
-        for key in ("state", "version", "in_flight", "target_version"):
-            if snap.get(key) is not None:
-                setattr(row_e, key, snap[key])
-        # `updating` (the owner's plan, ahead of the stored stream) settles an update the stream
-        # has not closed yet; other states (draining, paused, unhealthy) come from the stream.
-        if snap.get("updating") is True:
-            row_e.state = "updating"
-        elif snap.get("updating") is False and row_e.state == "updating":
-            row_e.state, row_e.target_version = "serving", None
-    attribution = attribute_waits(envs) if batches else None
-    _mark_groups(groups, attribution)
-    return RunView(
-        run_id=run_id,
-        source=source,
-        state=state,
-        policy=policy,
-        t0=0.0,
-        now=now - t0,
-        groups=list(groups.values()),
-        trajectories=trajs,
-        batches=_with_rates(batches, tokens_at),
-        engines=sorted(engines.values(), key=lambda e: e.name),
-        lanes=_lanes(meta.lanes, lane_waits, lane_now),
-        publications=publications,
-        updates=updates,
-        audit=audit,
-        staleness=dict(sorted(staleness.items())),
-        attribution=attribution,
-        lower_bound_s=meta.lower_bound_s,
-        label=meta.label,
-        last_seq=envs[-1].seq if envs else -1,
-        pending_request=pending if state in ("running", "paused", "stopping") else None,
-    )
+            self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
+            self.policy_changes[ev.field] = ev.new
+
+    def view(self, meta: RunMeta | None = None) -> RunView:
+        """A snapshot: copies of the rows, safe to render while the builder goes on folding."""
+        meta = meta or RunMeta()
+        t0 = self.t0 if self.t0 is not None else 0.0
+        now = max(meta.now if meta.now is not None else self.last_t, self.last_t) - t0
+        policy = {**self.started_policy, **(meta.policy or {}), **self.policy_changes}
+        state = meta.state or (f"ended ({self.ended})" if self.ended is not None else "running")
+        groups = {gid: replace(g) for gid, g in self.groups.items()}
+        trajs = {
+            (gid, a): Trajectory(gid, a, list(tr.spans), list(tr.versions), tr.started, tr.finished, tr.error)
+            for gid, by_attempt in self.trajs.items()
+            if gid in groups or self.keep_groups is None
+            for a, tr in by_attempt.items()
+        }
+        engines = {name: replace(e) for name, e in self.engines.items()}
+        for snap in meta.engines:
+            name = str(snap["name"])
+            row_e = engines.setdefault(name, EngineRow(name))
+            for key in ("state", "version", "in_flight", "target_version"):
+                if snap.get(key) is not None:
+                    setattr(row_e, key, snap[key])
+            # `updating` (the owner's plan, ahead of the stored stream) settles an update the stream
+            # has not closed yet; other states (draining, paused, unhealthy) come from the stream.
+            if snap.get("updating") is True:
+                row_e.state = "updating"
+            elif snap.get("updating") is False and row_e.state == "updating":
+                row_e.state, row_e.target_version = "serving", None
+        updates = list(self.updates) + [(n, since, now, v) for n, (since, v) in self.open_updates.items()]
+        attribution = self.waits.result() if self.batches else None
+        _mark_groups(groups, attribution, self.durations)
+        return RunView(
+            run_id=self.run_id,
+            source=self.source,
+            state=state,
+            policy=policy,
+            t0=0.0,
+            now=now,
+            groups=list(groups.values()),
+            trajectories=trajs,
+            batches=list(self.batches),
+            engines=sorted(engines.values(), key=lambda e: e.name),
+            lanes=_lanes(meta.lanes, {k: list(v) for k, v in self.lane_waits.items()}, dict(self.lane_now)),
+            publications=list(self.publications),
+            updates=updates,
+            audit=list(self.audit),
+            staleness=dict(sorted(self.staleness.items())),
+            attribution=attribution,
+            lower_bound_s=meta.lower_bound_s,
+            label=meta.label,
+            last_seq=self.last_seq,
+            pending_request=self.pending if state in ("running", "paused", "stopping") else None,
+            dropped_groups=self.dropped_groups,
+        )
 
 
-def _mark_groups(groups: dict[int, GroupRow], attribution: WaitAttribution | None) -> None:
-    durations = [
-        g.ready - g.admitted for g in groups.values() if g.ready is not None and g.admitted is not None
-    ]
+def view_from_events(
+    run_id: str, envelopes: Iterable[Envelope], meta: RunMeta | None = None, source: str = "live"
+) -> RunView:
+    """The view of a whole stream at once (replays, tests); live runs keep a `RunViewBuilder`."""
+    builder = RunViewBuilder(run_id, source)
+    for env in sorted(envelopes, key=lambda e: e.seq):
+        builder.on_envelope(env)
+    return builder.view(meta)
+
+
+def _mark_groups(
+    groups: dict[int, GroupRow], attribution: WaitAttribution | None, durations: list[float] | None = None
+) -> None:
+    """Straggler flags (against the median of `durations`, or of these groups' own) and held batches."""
+    if durations is None:
+        durations = [
+            g.ready - g.admitted for g in groups.values() if g.ready is not None and g.admitted is not None
+        ]
     if len(durations) >= 3:
         limit = STRAGGLER_RATIO * statistics.median(durations)
         for g in groups.values():
@@ -388,27 +474,14 @@ def _mark_groups(groups: dict[int, GroupRow], attribution: WaitAttribution | Non
                 groups[b.group_id].held_batch = b.batch_index
 
 
-def _with_rates(batches: list[BatchRow], tokens_at: list[tuple[float, int]]) -> list[BatchRow]:
+def _with_rates(batches: list[BatchRow]) -> list[BatchRow]:
+    """Idle fraction at each batch (a report has no turn times, so no tokens/s)."""
     out: list[BatchRow] = []
     waited = 0.0
-    previous = 0.0
-    tokens_at.sort()
     for b in batches:
-        tokens = sum(n for t, n in tokens_at if previous < t <= b.delivered)
-        interval = b.delivered - previous
         waited += b.wait_s
-        out.append(
-            BatchRow(
-                b.index,
-                b.requested,
-                b.delivered,
-                b.wait_s,
-                b.groups,
-                tokens_per_s=tokens / interval if interval > 0 and tokens_at else None,
-                idle_fraction=waited / b.delivered if b.delivered > 0 else None,
-            )
-        )
-        previous = b.delivered
+        idle = waited / b.delivered if b.delivered > 0 else None
+        out.append(BatchRow(b.index, b.requested, b.delivered, b.wait_s, b.groups, idle_fraction=idle))
     return out
 
 
@@ -577,7 +650,7 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
     ]
     by_group = {g.group_id: g for g in groups}
     _mark_groups(by_group, None)
-    batches = _with_rates(batches, [])
+    batches = _with_rates(batches)
     critical: dict[int, int] = {}
     for b in batches:
         done = [by_group[gid] for gid in b.groups if by_group[gid].ready is not None]

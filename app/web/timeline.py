@@ -134,7 +134,8 @@ def render_timeline(
     shown = [t for _, trajs in rows for t in trajs]
     last = max((s.end for t in shown for s in t.spans), default=0.0)
     t_from = 0.0
-    if len(rows) < len(view.groups):
+    partial = len(rows) < len(view.groups) or view.dropped_groups > 0
+    if partial:
         starts = [s.start for t in shown for s in t.spans] + [
             g.admitted for g, _ in rows if g.admitted is not None
         ]
@@ -186,8 +187,9 @@ def render_timeline(
         x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
     note = ""
-    if len(rows) < len(view.groups):
-        note = f"; the latest {len(rows)} of {len(view.groups)} groups, from {t_from:.0f} s"
+    if partial:
+        total = len(view.groups) + view.dropped_groups
+        note = f"; the latest {len(rows)} of {total} groups, from {t_from:.0f} s"
         axis.append(f'<text x="4" y="{AXIS_H - 12}" class="ax">{escape(note[2:])}</text>')
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '

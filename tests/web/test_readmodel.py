@@ -163,3 +163,41 @@ def test_the_owners_plan_settles_updates_and_the_stream_keeps_other_states():
     assert (engines["engine-0"].state, engines["engine-0"].version) == ("serving", 1)
     assert engines["engine-1"].state == "unhealthy"
     assert (engines["engine-2"].state, engines["engine-2"].target_version) == ("updating", 2)
+
+
+def test_a_bounded_builder_keeps_the_latest_ended_groups_and_the_whole_runs_figures():
+    from app.web.readmodel import RunViewBuilder
+    from app.web.timeline import render_timeline
+
+    events = synthetic_run(groups=24, group_size=2, batch_groups=4)
+    full = view_from_events("r", events)
+    builder = RunViewBuilder("r", "live", keep_groups=5)
+    for env in events:
+        builder.on_envelope(env)
+    view = builder.view()
+    ended = [g for g in full.groups if g.ended is not None]
+    assert len([g for g in view.groups if g.ended is not None]) == 5
+    assert view.dropped_groups == len(ended) - 5
+    assert {gid for gid, _ in view.trajectories} == {g.group_id for g in view.groups}
+    assert view.batches == full.batches
+    assert view.staleness == full.staleness
+    assert view.attribution == full.attribution
+    assert [g.straggler for g in view.groups] == [
+        g.straggler for g in full.groups if g.group_id in {r.group_id for r in view.groups}
+    ]
+    assert f"of {len(full.groups)} groups" in render_timeline(view)
+
+
+def test_folding_in_steps_gives_the_same_view_as_all_at_once():
+    from app.web.readmodel import RunViewBuilder
+
+    events = synthetic_run(groups=8, group_size=2, batch_groups=2)
+    builder = RunViewBuilder("r")
+    half = len(events) // 2
+    for env in events[:half]:
+        builder.on_envelope(env)
+    early = builder.view()
+    for env in events[half:]:
+        builder.on_envelope(env)
+    assert builder.view() == view_from_events("r", events)
+    assert early == view_from_events("r", events[:half])  # the snapshot did not change under us
