@@ -1,11 +1,11 @@
 """The dashboard's live backend: `ManagerRuns` adapts the service's run manager (app.service.manager)
 to `RunsBackend`.
 
-- Events come from the store (`store.timeline(run_id, since, limit)`), fetched incrementally and
-  folded into one `RunViewBuilder` per run (its open and latest `KEEP_GROUPS` ended groups, and the
+- Events come from the run's recorder (`recent.since`) while it executes here, else from the store
+  (`store.timeline(run_id, since, limit)`), fetched incrementally and folded into one
+  `RunViewBuilder` per run (its open and latest `KEEP_GROUPS` ended groups, and the
   run's figures), so a page shows the same account as the API and the view of an ended or resumed run
-  is the same as a live one. The store's sink is batched, so the view trails the run by one flush
-  interval.
+  is the same as a live one.
 - What the stream does not carry comes from the run's handle when it executes here: its state and
   knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
   busy slots, queue depth, slots and CPU set.
@@ -84,12 +84,17 @@ class ManagerRuns:
             return self._cache[run_id]
 
     def _fetch(self, run_id: str) -> int:
-        """Append the stored events after the cached ones; the last sequence number."""
+        """Fold the events after the last one folded; the last sequence number. A run executing here
+        is read from its recorder's recent events (no query, no sink lag), else from the store."""
         entry = self._entry(run_id)
+        handle = self.manager.get(run_id)
+        recent = getattr(getattr(handle, "recorder", None), "recent", None)
         with entry.lock:
             entry.fetched_at = time.monotonic()
             while True:
-                rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
+                rows = recent.since(entry.last_seq, FETCH_LIMIT) if recent is not None else None
+                if rows is None:  # not executing here, or older events than it holds
+                    rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
                 for row in rows:
                     env = envelope_from_dict({"run_id": run_id, **row})
                     entry.builder.on_envelope(env)
