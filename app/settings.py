@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,7 +27,19 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL; a SQLite file is the embedded default, Postgres is for deployment",
     )
     broker_url: str | None = Field(
-        None, description="Celery broker (redis:// or amqp://); unset means in-process lanes"
+        None, description="Celery broker (redis:// or amqp://); unset (or empty) means in-process lanes"
+    )
+    result_backend: str | None = Field(
+        None,
+        validate_default=True,
+        description="with a broker: where lane op results are kept (redis://); default: the broker, "
+        "when it is Redis",
+    )
+    lane_hosts: str | None = Field(
+        None,
+        validate_default=True,
+        description="with a broker: the hosts whose lane workers run sandboxes, comma-separated; "
+        "default: this host's name (as `corral worker` names it)",
     )
     operator_token: str = Field(
         default_factory=lambda: secrets.token_urlsafe(24),
@@ -53,6 +65,37 @@ class Settings(BaseSettings):
         if not value.startswith(("sqlite", "postgresql")):
             raise ValueError(f"database_url must be sqlite:// or postgresql+psycopg://, got {value!r}")
         return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _known_broker(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        from app.lanes.celery import broker_urls
+
+        broker_urls(value, "redis://")  # the broker's own check; the backend's is on its field
+        return value
+
+    @field_validator("result_backend")
+    @classmethod
+    def _backend_for_broker(cls, value: str | None, info: ValidationInfo) -> str | None:
+        broker = info.data.get("broker_url")
+        if broker is None:
+            return value  # in-process lanes: no results to keep
+        from app.lanes.celery import broker_urls
+
+        return broker_urls(broker, value or None)[1]
+
+    @field_validator("lane_hosts")
+    @classmethod
+    def _hosts_for_broker(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("broker_url") is None:
+            return value
+        import socket
+
+        from app.lanes.celery import parse_lane_hosts
+
+        return ",".join(parse_lane_hosts(value or socket.gethostname()))
 
 
 def load_settings(**overrides: object) -> Settings:

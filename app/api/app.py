@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
 from app.service.manager import RunManager
+from app.service.ports import lanes_for
 from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
@@ -42,7 +43,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(ServiceStore, settings.database_url)
-        manager = RunManager(store, settings.data_dir, settings.ack_timeout_s, app.state.metrics)
+        manager = RunManager(
+            store, settings.data_dir, settings.ack_timeout_s, app.state.metrics, lanes_for(settings)
+        )
         app.state.manager = manager
         if settings.resume_runs:
             resumed = await asyncio.to_thread(manager.resume_unfinished)
@@ -76,7 +79,7 @@ def celery_dispatch(settings: Settings) -> Callable[[str], None]:
     """Send a run to the `orchestrator` queue, where a `corral worker --orchestrator` drives it."""
     from app.lanes.celery import ORCHESTRATOR_TASK, broker_urls, make_celery
 
-    broker, backend = broker_urls(settings.broker_url, None)
+    broker, backend = broker_urls(settings.broker_url, settings.result_backend)
     celery = make_celery(broker, backend)
 
     def dispatch(run_id: str) -> None:

@@ -34,7 +34,7 @@ from app.engines.embedded.weights import save_sentinel
 from app.runtime.driver import Runtime
 from app.service.gateway import RunClosedError, TrainerGateway
 from app.service.paced import PacedLoop
-from app.service.ports import RunPorts, open_ports, run_policy
+from app.service.ports import LanesFactory, RunPorts, open_ports, run_policy
 from app.service.recorder import RunRecorder
 from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
 from app.service.store import ResumePoint
@@ -64,8 +64,10 @@ class RunHandle:
         ack_timeout_s: float,
         on_state: Callable[[RunHandle, RunState, str | None], None],
         resume: ResumePoint | None = None,
+        lanes: LanesFactory | None = None,
     ) -> None:
         self.run_id = run_id
+        self._lanes = lanes  # how a local run gets its lanes (None: in-process)
         self.spec = spec
         self.policy = run_policy(spec)
         # The loop exists before its thread runs it: the run's clock is its time, readable from any
@@ -144,7 +146,7 @@ class RunHandle:
 
     async def _main(self) -> str:
         self.started_wall = time.time()
-        async with open_ports(self.spec, self.policy, self.work_dir) as ports:
+        async with open_ports(self.spec, self.policy, self.work_dir, self._lanes) as ports:
             self.ports = ports
             runtime = Runtime(
                 policy=self.policy,

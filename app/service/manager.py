@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from app.core.events import RunEnded
 from app.metrics import CorralMetrics
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
-from app.service.ports import run_policy
+from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import RunRecorder
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
@@ -49,8 +49,10 @@ class RunManager:
         data_dir: Path,
         ack_timeout_s: float,
         metrics: CorralMetrics | None = None,
+        lanes: LanesFactory | None = None,
     ) -> None:
         self.store = store
+        self.lanes = lanes  # local runs' lanes (app.service.ports.lanes_for); None: in-process
         self.data_dir = data_dir
         self.ack_timeout_s = ack_timeout_s
         self.metrics = metrics
@@ -108,7 +110,9 @@ class RunManager:
             recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
 
     def _start(self, run_id: str, spec: RunCreate, point: ResumePoint | None) -> RunHandle:
-        handle = RunHandle(run_id, spec, self.data_dir / run_id, self.ack_timeout_s, self._on_state, point)
+        handle = RunHandle(
+            run_id, spec, self.data_dir / run_id, self.ack_timeout_s, self._on_state, point, self.lanes
+        )
         self._attach_sinks(handle.recorder)
         if point is not None and point.open_groups:
             handle.recorder.orphan_open_groups(

@@ -4,6 +4,8 @@
   clock follows the wall clock at `speed`, so API clients see a run unfold in real time;
 - `local`: the embedded default of `corral run` — embedded engine processes, local sandboxes in pinned
   lanes, the built-in tasks and the shell agent — from the same building blocks as app.runtime.local.
+  Its lanes come from the lanes factory (`lanes_for(settings)`: in-process lanes without a broker,
+  Celery lanes on `CORRAL_LANE_HOSTS` with one); a sim run's lanes are always in-process.
 
 Invariant: whatever `open_ports` starts (engine processes, clients) is stopped when its context exits,
 however the run ended.
@@ -13,23 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.core.config import LanesConfig, PolicyConfig
 from app.engines.base import Engine
+from app.lanes.base import Lanes
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.ports import AttemptSource
 from app.service.schemas import RunCreate, RunKind
+from app.settings import Settings
+
+# A run's lanes from its lane config and whether they are pinned (app.lanes.choose.choose_lanes).
+LanesFactory = Callable[[LanesConfig, bool], Lanes]
 
 
 @dataclass
 class RunPorts:
     engines: Sequence[Engine]
     engine_slots: int
-    lanes: InProcessLanes
+    lanes: Lanes
     source: AttemptSource
     weights_dir: Path | None  # where the built-in trainer writes sentinel weights (local runs)
 
@@ -57,12 +64,25 @@ def run_policy(spec: RunCreate) -> PolicyConfig:
     return PolicyConfig.ladder(spec.policy.value, **{**base, **spec.overrides()})
 
 
+def lanes_for(settings: Settings) -> LanesFactory:
+    """The lanes of `corral serve`'s (or an orchestrator worker's) local runs, as its settings say."""
+    from app.lanes.choose import choose_lanes
+
+    def make(config: LanesConfig, pinned: bool) -> Lanes:
+        return choose_lanes(config, pinned, settings.broker_url, settings.result_backend, settings.lane_hosts)
+
+    return make
+
+
 @asynccontextmanager
-async def open_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) -> AsyncIterator[RunPorts]:
+async def open_ports(
+    spec: RunCreate, policy: PolicyConfig, work_dir: Path, lanes: LanesFactory | None = None
+) -> AsyncIterator[RunPorts]:
+    """`lanes`: how a local run gets its lanes (default: in-process, from the run's lane config)."""
     if spec.kind is RunKind.SIM:
         yield _sim_ports(spec, policy)
         return
-    async with _local_ports(spec, policy, work_dir) as ports:
+    async with _local_ports(spec, policy, work_dir, lanes or InProcessLanes.from_config) as ports:
         yield ports
 
 
@@ -106,7 +126,9 @@ def _sim_ports(spec: RunCreate, policy: PolicyConfig) -> RunPorts:
 
 
 @asynccontextmanager
-async def _local_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) -> AsyncIterator[RunPorts]:
+async def _local_ports(
+    spec: RunCreate, policy: PolicyConfig, work_dir: Path, make_lanes: LanesFactory
+) -> AsyncIterator[RunPorts]:
     from app.agent.loop import ShellAgent, ShellAgentConfig
     from app.runtime.engine_procs import EngineProcesses
     from app.runtime.task_source import TaskSource, load_tasks
@@ -120,7 +142,9 @@ async def _local_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) ->
     await asyncio.to_thread(_make_work_dirs, work_dir, sandboxes)
     engines = EngineProcesses(config.engines, serving_cpus, work_dir)
     clients: list[Engine] = []
+    lanes: Lanes | None = None
     try:
+        lanes = make_lanes(config.lane_config(), policy.pinned_lanes)
         await asyncio.to_thread(engines.start)
         await engines.wait_healthy()
         clients = list(engines.clients())
@@ -129,7 +153,7 @@ async def _local_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) ->
         yield RunPorts(
             engines=clients,
             engine_slots=config.engines.slots,
-            lanes=InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes),
+            lanes=lanes,
             source=TaskSource(tasks, factory, agent, config.seed),
             weights_dir=work_dir / "weights",
         )
@@ -137,6 +161,9 @@ async def _local_ports(spec: RunCreate, policy: PolicyConfig, work_dir: Path) ->
         for client in clients:
             await client.aclose()
         await asyncio.to_thread(engines.stop)
+        close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
+        if close is not None:
+            close()
 
 
 def _make_work_dirs(work_dir: Path, sandboxes: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from app.metrics import CorralMetrics
 from app.service.manager import RunManager
+from app.service.ports import lanes_for
 from app.service.store import ServiceStore
 from app.settings import Settings
 from app.store.models import TERMINAL_RUN_STATES, RunState
@@ -25,7 +26,9 @@ def run_orchestrator(run_id: str, settings: Settings) -> dict[str, Any]:
             raise LookupError(f"no run {run_id!r} in {settings.database_url}")
         if RunState(record.state) in TERMINAL_RUN_STATES:
             return {"run_id": run_id, "state": record.state, "batches": None}  # a redelivery after its end
-        manager = RunManager(store, settings.data_dir, settings.ack_timeout_s, CorralMetrics())
+        manager = RunManager(
+            store, settings.data_dir, settings.ack_timeout_s, CorralMetrics(), lanes_for(settings)
+        )
         handle = manager.adopt(run_id)
         handle.join()
         manager.shutdown()
