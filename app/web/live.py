@@ -3,9 +3,9 @@ to `RunsBackend`.
 
 - Events come from the run's recorder (`recent.since`) while it executes here, else from the store
   (`store.timeline(run_id, since, limit)`), fetched incrementally and folded into one
-  `RunViewBuilder` per run (its open and latest `KEEP_GROUPS` ended groups, and the
-  run's figures), so a page shows the same account as the API and the view of an ended or resumed run
-  is the same as a live one.
+  `RunViewBuilder` per run (its open groups and its latest ended ones, at most `KEEP_GROUPS`
+  holding at most `KEEP_SPANS` spans, and the run's figures), so a page shows the same account as
+  the API and the view of an ended or resumed run is the same as a live one.
 - What the stream does not carry comes from the run's handle when it executes here: its state and
   knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
   busy slots, queue depth, slots and CPU set.
@@ -32,6 +32,7 @@ from app.web.readmodel import RunMeta, RunView, RunViewBuilder
 
 FETCH_LIMIT = 5000
 KEEP_GROUPS = 500  # ended groups whose rows a live view keeps (the timeline shows the latest)
+KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
@@ -80,7 +81,8 @@ class ManagerRuns:
     def _entry(self, run_id: str) -> _RunCache:
         with self._lock:
             if run_id not in self._cache:
-                self._cache[run_id] = _RunCache(RunViewBuilder(run_id, "live", KEEP_GROUPS))
+                builder = RunViewBuilder(run_id, "live", KEEP_GROUPS, KEEP_SPANS)
+                self._cache[run_id] = _RunCache(builder)
             return self._cache[run_id]
 
     def _fetch(self, run_id: str) -> int:

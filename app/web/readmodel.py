@@ -224,16 +224,26 @@ class RunViewBuilder:
     """Folds a run's envelopes (in sequence order) into what its `RunView` shows, incrementally, so a
     live page costs one pass over the new events, not over the whole stream.
 
-    With `keep_groups`, only that many ended groups keep their rows and trajectories (oldest ended
-    first out; open groups are always kept); figures (batches, staleness, the wait attribution, the
+    With `keep_groups` and/or `keep_spans`, only that many ended groups (or as many as hold that many
+    spans, counted when each ended) keep their rows and trajectories (oldest ended first out; open
+    groups are always kept); figures (batches, staleness, the wait attribution, the
     straggler rule's durations) still cover the whole run. Memory is then bounded by the open and the
     latest ended groups, plus O(batches) and the last `LANE_WAITS_KEPT` queue waits of each lane.
     """
 
-    def __init__(self, run_id: str, source: str = "live", keep_groups: int | None = None) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        source: str = "live",
+        keep_groups: int | None = None,
+        keep_spans: int | None = None,
+    ) -> None:
         self.run_id = run_id
         self.source = source
         self.keep_groups = keep_groups
+        self.keep_spans = keep_spans
+        self._ended_spans: deque[int] = deque()  # spans of each kept ended group, at its end
+        self._kept_spans = 0
         self.t0: float | None = None
         self.last_t = 0.0
         self.last_seq = -1
@@ -278,14 +288,20 @@ class RunViewBuilder:
         return self.groups[gid]
 
     def _ended(self, gid: int) -> None:
+        spans = sum(len(t.spans) for t in self.trajs.get(gid, {}).values())
         self.ended_order.append(gid)
-        if self.keep_groups is None:
-            return
-        while len(self.ended_order) > self.keep_groups:
+        self._ended_spans.append(spans)
+        self._kept_spans += spans
+        groups_over = self.keep_groups is not None and len(self.ended_order) > self.keep_groups
+        spans_over = self.keep_spans is not None and self._kept_spans > self.keep_spans
+        while (groups_over or spans_over) and len(self.ended_order) > 1:
             old = self.ended_order.popleft()
+            self._kept_spans -= self._ended_spans.popleft()
             self.groups.pop(old, None)
             self.trajs.pop(old, None)
             self.dropped_groups += 1
+            groups_over = self.keep_groups is not None and len(self.ended_order) > self.keep_groups
+            spans_over = self.keep_spans is not None and self._kept_spans > self.keep_spans
 
     def on_envelope(self, env: Envelope) -> None:
         if self.t0 is None:
@@ -401,7 +417,7 @@ class RunViewBuilder:
         trajs = {
             (gid, a): Trajectory(gid, a, list(tr.spans), list(tr.versions), tr.started, tr.finished, tr.error)
             for gid, by_attempt in self.trajs.items()
-            if gid in groups or self.keep_groups is None
+            if gid in groups or (self.keep_groups is None and self.keep_spans is None)
             for a, tr in by_attempt.items()
         }
         engines = {name: replace(e) for name, e in self.engines.items()}

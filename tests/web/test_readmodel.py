@@ -201,3 +201,18 @@ def test_folding_in_steps_gives_the_same_view_as_all_at_once():
         builder.on_envelope(env)
     assert builder.view() == view_from_events("r", events)
     assert early == view_from_events("r", events[:half])  # the snapshot did not change under us
+
+
+def test_a_span_budget_also_bounds_the_ended_groups_kept():
+    from app.web.readmodel import RunViewBuilder
+
+    events = synthetic_run(groups=24, group_size=2, batch_groups=4)
+    builder = RunViewBuilder("r", "live", keep_spans=100)
+    for env in events:
+        builder.on_envelope(env)
+    view = builder.view()
+    ended = [g.group_id for g in view.groups if g.ended is not None]
+    kept_spans = sum(len(t.spans) for (gid, _), t in view.trajectories.items() if gid in ended)
+    assert 1 <= len(ended) < 24
+    assert kept_spans <= 100 + max(len(t.spans) for t in view.trajectories.values()) * 2  # the last may cross
+    assert view.dropped_groups + len(view.groups) == 24
