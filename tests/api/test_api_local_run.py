@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_for
+from api_support import wait_for
 
 from app.client import CorralClient
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import make_run, wait_for
+from api_support import make_run, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -100,7 +100,7 @@ def test_healthz_reports_database_broker_and_engines(api: httpx.Client) -> None:
 
 
 def test_healthz_is_503_when_the_broker_is_unreachable(tmp_path: Path, backend_url: str) -> None:
-    from conftest import make_settings, serving
+    from api_support import make_settings, serving
 
     settings = make_settings(tmp_path, backend_url, broker_url="redis://127.0.0.1:1/0")
     with serving(settings) as url:

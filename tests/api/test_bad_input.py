@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import TOKEN, make_run, wait_for
+from api_support import TOKEN, make_run, wait_for
 
 CREATE_CASES = [
     ({"bogus": 1}, "bogus: unknown field"),

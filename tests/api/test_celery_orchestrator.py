@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TOKEN, make_run, make_settings, serving, wait_for
+from api_support import TOKEN, make_run, make_settings, serving, wait_for
 
 from app.service.store import ServiceStore
 

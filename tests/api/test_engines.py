@@ -4,7 +4,7 @@ and it comes back to serve at the newest version."""
 from __future__ import annotations
 
 import httpx
-from conftest import make_run, wait_for
+from api_support import make_run, wait_for
 
 
 def test_a_drained_engine_takes_no_new_turns_and_comes_back(api: httpx.Client) -> None:

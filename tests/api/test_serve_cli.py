@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_for
+from api_support import free_port, wait_for
 from test_serve_restart import corral_serve
 
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from conftest import TOKEN, free_port, make_run, wait_for
+from api_support import TOKEN, free_port, make_run, wait_for
 
 from app.service.store import ServiceStore
 from app.store.repos import BatchRepo
@@ -100,4 +100,38 @@ def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(tmp_pa
         assert kinds[-1] == "run_ended"
     finally:
         store.close()
+        api.close()
+
+
+def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+        "CORRAL_OPERATOR_TOKEN": TOKEN,
+        "CORRAL_PORT": str(port),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+            taken = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            kept = tmp_path / "data" / run_id / "offers" / f"{taken['batch_id']}.json"
+            wait_for(kept.exists, what="the offer kept on disk")
+            first.send_signal(signal.SIGKILL)  # the trainer never acked it
+            first.wait(10)
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            assert again["batch_id"] == taken["batch_id"]
+            assert again["groups"] == taken["groups"]
+            acked = api.post(f"/api/runs/{run_id}/batches/{again['batch_id']}/ack").json()
+            assert acked["already_acked"] is False
+            wait_for(lambda: not kept.exists(), what="the acked offer's file removed")
+            api.post(f"/api/runs/{run_id}/stop")
+    finally:
         api.close()

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from conftest import TOKEN, make_run, make_settings, serving, wait_for
+from api_support import TOKEN, make_run, make_settings, serving, wait_for
 
 from app.client import AsyncCorralClient, CorralClient, RunEnded
 from app.core.events import Ledger

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import TOKEN, make_run
+from api_support import TOKEN, make_run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 

@@ -1,0 +1,80 @@
+"""Helpers of the API tests: settings, a real app served by uvicorn in a thread, waiting, run specs.
+
+(A module of its own, not conftest.py: `from conftest import` reaches whichever conftest pytest loaded
+last, another directory's in a whole-suite run.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from app.api.app import create_app
+from app.settings import Settings
+
+TOKEN = "test-operator-token"
+POSTGRES_URL = os.environ.get("CORRAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def make_settings(tmp_path: Path, database_url: str, **overrides: Any) -> Settings:
+    fields: dict[str, Any] = {
+        "database_url": database_url,
+        "operator_token": TOKEN,
+        "data_dir": tmp_path / "data",
+        "port": free_port(),
+        "ack_timeout_s": 30.0,
+    }
+    fields.update(overrides)
+    return Settings(**fields)
+
+
+@contextmanager
+def serving(settings: Settings) -> Iterator[str]:
+    """The app on uvicorn in a thread for the block's duration; yields its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="corral-serve-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{settings.port}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def make_run(**overrides: Any) -> dict[str, Any]:
+    """A simulated run's config: the small default workload, paced 5x faster than the wall clock."""
+    spec: dict[str, Any] = {"name": "test-run", "kind": "sim", "speed": 5.0, "batches": 4}
+    spec.update(overrides)
+    return spec
