@@ -18,10 +18,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from app.runtime.ports import TrainingBatch
@@ -201,6 +203,35 @@ class TrainerGateway:
             await future
         finally:
             handle.cancel()
+
+
+class OfferFiles:
+    """Offered, unacked batches kept as JSON files (one per batch, written atomically), so that a
+    run resumed after a crash offers them again. Called from the store writer thread, in order."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, batch_id: str) -> Path:
+        return self.directory / f"{batch_id}.json"
+
+    def save(self, offer: Offer) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(offer.batch_id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(offer.payload))
+        tmp.replace(self._path(offer.batch_id))
+
+    def remove(self, offer: Offer) -> None:
+        self._path(offer.batch_id).unlink(missing_ok=True)
+
+    def load(self) -> list[Offer]:
+        if not self.directory.is_dir():
+            return []
+        offers = []
+        for path in self.directory.glob("*.json"):
+            payload = json.loads(path.read_text())
+            offers.append(Offer(payload["batch_id"], int(payload["index"]), payload, time.monotonic()))
+        return sorted(offers, key=lambda o: o.index)
 
 
 class RunClosedError(RuntimeError):

@@ -7,8 +7,9 @@ ended) are written to its row as they happen.
 Snapshot and restore: at start-up `resume_unfinished` finds the runs the previous server was driving
 (not created, not ended). Each resumes as a new incarnation: the groups its predecessor left open are
 discarded with the reason `orphaned` (events, so the stored stream stays the account), and it goes on
-from the stored sequence number, group and batch numbers and policy version. A run that was stopping
-is ended instead of resumed.
+from the stored sequence number, group and batch numbers and policy version. Batches handed out and
+not acked are kept as files under the run's data directory until acked, so a resumed run offers them
+again (at least once, across restarts too). A run that was stopping is ended instead of resumed.
 
 Invariants:
 - every run this manager starts is stopped (and its sinks flushed) by `shutdown`;
@@ -30,6 +31,7 @@ from pydantic import ValidationError
 
 from app.core.events import RunEnded
 from app.metrics import CorralMetrics
+from app.service.gateway import Offer, OfferFiles
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import RunRecorder
@@ -118,14 +120,26 @@ class RunManager:
             handle.recorder.orphan_open_groups(
                 set(point.open_groups), "in flight when the control plane stopped"
             )
-        handle.gateway.on_offer = lambda offer: self._mirror(self.store.mark_offered, run_id, offer.index)
-        handle.gateway.on_ack = lambda offer: self._mirror(self.store.mark_acked, run_id, offer.index)
+        offers = OfferFiles(self.data_dir / run_id / "offers")
+        if point is not None:
+            for offer in offers.load():  # handed out before the restart and never acked: again
+                handle.gateway.restore(offer)
+        handle.gateway.on_offer = lambda offer: self._mirror(self._offered, run_id, offer, offers)
+        handle.gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
         record = self.store.get_run(run_id)
         assert record is not None
         self._records[run_id] = record
         self.handles[run_id] = handle
         handle.start()
         return handle
+
+    def _offered(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
+        offers.save(offer)
+        self.store.mark_offered(run_id, offer.index)
+
+    def _acked(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
+        offers.remove(offer)
+        self.store.mark_acked(run_id, offer.index)
 
     def _end_unresumable(self, record: RunRecord, detail: str, point: ResumePoint | None = None) -> None:
         point = point or self.store.resume_point(record.id)
