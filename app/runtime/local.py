@@ -32,6 +32,7 @@ from rich.console import Console
 
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
+from app.core.events import Envelope
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.config import EnginesConfig, LocalRunConfig, LocalRunError, load_config
 from app.runtime.driver import RunState, Runtime
@@ -178,6 +179,7 @@ async def _run(
 
             progress = RunProgress(console, batches)
             on_event = progress.on_event
+            event_log = EventLog()
 
             runtime: Runtime | None = None
             try:
@@ -197,6 +199,7 @@ async def _run(
                 )
                 stop.runtime = runtime
                 runtime.bus.subscribe(progress.on_envelope)
+                runtime.bus.subscribe(event_log.on_envelope)
                 state = await _start_and_collect(
                     runtime, engines, stop, serving_cpus, all_cpus, batches, duration_s, progress
                 )
@@ -226,7 +229,27 @@ async def _run(
     }
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
     report["turn_latency_s"] = _turn_latency(state)
+    report.update(event_log.as_report())
     return report
+
+
+class EventLog:
+    """The run's event stream kept for its report (replays, `corral trace import`), up to a cap."""
+
+    MAX_EVENTS = 500_000
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.dropped = 0
+
+    def on_envelope(self, env: Envelope) -> None:
+        if len(self.rows) < self.MAX_EVENTS:
+            self.rows.append(env.to_dict())
+        else:
+            self.dropped += 1
+
+    def as_report(self) -> dict[str, Any]:
+        return {"event_log": self.rows, "event_log_dropped": self.dropped}
 
 
 async def _start_and_collect(

@@ -12,7 +12,7 @@ list holds the same records). A trial record has ISO-8601 timestamps `trial_star
   validate = test start → test end;   cleanup = test end → trial end;   reward = 1 if resolved else 0.
 A trial missing a timestamp the agent phase needs is skipped and counted, never guessed.
 
-A `corral run` report carries its event stream under `events`; each attempt's phases are summed from
+A `corral run` report carries its event stream under `event_log`; each attempt's phases are summed from
 its sandbox operations (by lane) and model turns.
 
 Invariant: every record written has finite, non-negative durations; every skipped trial is counted
@@ -132,9 +132,9 @@ def import_corral_run(report_path: Path) -> ImportResult:
         raise WorkloadError(f"{report_path}: cannot read: {exc.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WorkloadError(f"{report_path}: not a JSON report ({exc})") from None
-    events = report.get("events") if isinstance(report, dict) else None
+    events = report.get("event_log") if isinstance(report, dict) else None
     if not isinstance(events, list):
-        raise WorkloadError(f"{report_path}: no `events` list; write it with a current `corral run`")
+        raise WorkloadError(f"{report_path}: no `event_log` list; write it with a current `corral run`")
     result = ImportResult(sources=1)
     result.records, result.skipped = attempts_from_events(events)
     if not result.records:

@@ -14,6 +14,7 @@ import pytest
 
 from app.runtime.config import LocalRunError, load_config
 from app.runtime.local import run_local
+from app.sim.traces import import_corral_run
 
 CONFIG = """
 seed: 3
@@ -59,6 +60,13 @@ def test_full_run_publishes_weights_one_engine_at_a_time_without_restarts(tmp_pa
     assert report["turns"] > 0
     assert report["tokens_per_s"] > 0
     assert set(report["lanes"]) == {"reset", "exec", "validate", "cleanup"}
+    # The report keeps its event stream, gap-free, and `corral trace import` reads it back.
+    assert [e["seq"] for e in report["event_log"]] == list(range(len(report["event_log"])))
+    assert report["event_log_dropped"] == 0
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    imported = import_corral_run(tmp_path / "report.json")
+    assert len(imported.records) >= report["delivered_groups"] * 2
+    assert all(r["reset_s"] >= 0 and r["agent_s"] > 0 for r in imported.records)
 
 
 @pytest.mark.slow
