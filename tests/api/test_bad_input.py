@@ -145,3 +145,17 @@ def test_operator_actions_need_the_operator_token(server: str) -> None:
         assert anonymous.get("/api/runs").status_code == 200  # no view token configured: reads are open
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}) as operator:
         assert operator.post("/api/runs", json=make_run(batches=1)).status_code == 201
+
+
+def test_a_view_token_guards_reads_and_gives_no_operator_rights(
+    tmp_path_factory: pytest.TempPathFactory, backend_url: str
+) -> None:
+    from conftest import make_settings, serving
+
+    settings = make_settings(tmp_path_factory.mktemp("view"), backend_url, view_token="viewer-token-1")
+    with serving(settings) as url:
+        assert httpx.get(f"{url}/api/runs").status_code == 401
+        viewer = {"Authorization": "Bearer viewer-token-1"}
+        assert httpx.get(f"{url}/api/runs", headers=viewer).status_code == 200
+        assert httpx.get(f"{url}/api/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert httpx.post(f"{url}/api/runs", json=make_run(), headers=viewer).status_code == 403
