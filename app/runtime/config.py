@@ -85,7 +85,7 @@ class EnginesConfig(_Strict):
     health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", positive=True)
     restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
     restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
-    turn_retries: int = _count(3, 0, 100, "engine failures one turn may meet before its attempt fails")
+    turn_retries: int = _count(3, 0, 100, "failures of one turn on engines that stay up, before it fails")
 
     @field_validator("count")
     @classmethod

@@ -567,8 +567,7 @@ class Runtime:
                     f"{type(error).__name__}: {error}",
                 )
             )
-            failures += 1
-            await self._turn_failed(engine, epoch, error, failures)
+            failures = await self._turn_failed(engine, epoch, error, failures)
         record.turns += 1
         record.tokens += result.tokens
         version = result.weight_version
@@ -580,9 +579,15 @@ class Runtime:
 
     # -- engine faults -------------------------------------------------------------------------
 
-    async def _turn_failed(self, engine: Engine, epoch: int, error: Exception, failures: int) -> None:
-        """A turn's engine call failed: return to retry it (elsewhere if the engine is down), or raise
-        to fail the attempt. Fault tolerance is the point here, so engine failures are caught."""
+    async def _turn_failed(self, engine: Engine, epoch: int, error: Exception, failures: int) -> int:
+        """A turn's engine call failed: return (the turn's failures so far) to retry it, elsewhere if
+        the engine is down, or raise to fail the attempt. Fault tolerance is the point here, so engine
+        failures are caught.
+
+        Only failures on an engine that stays up count against `turn_retries` (the engines keep
+        failing this turn). When the engine is down the turn is not to blame and waits for another
+        engine, however many die: when every engine dies at once, a turn may meet each of them before
+        the runtime knows they are all down."""
         name = engine.name
         interrupted = isinstance(error, TimeoutError)
         if interrupted and self.pool.epoch[name] == epoch:
@@ -594,10 +599,15 @@ class Runtime:
             if down and self.pool.epoch[name] == epoch:  # nobody took it down while we probed
                 self._engine_down(name, f"a turn failed: {error}")
         what = f"engine {name} went down during the turn" if interrupted else str(error)
-        if failures > self.faults.turn_retries:
-            raise EngineTurnFailed(f"{what} (gave up after {failures} tries)") from error
+        if self.pool.epoch[name] == epoch:  # the engine is up: this failure is the turn's
+            failures += 1
+            if failures > self.faults.turn_retries:
+                raise EngineTurnFailed(
+                    f"{what} (failed {failures} times on engines that stayed up)"
+                ) from error
         self.state.turn_retries += 1
-        log.info("turn retried after an engine failure (%d/%d): %s", failures, self.faults.turn_retries, what)
+        log.info("turn retried after an engine failure: %s", what)
+        return failures
 
     async def _watch_health(self, interval_s: float) -> None:
         """Probe each serving engine every `interval_s`: one that dies while it takes no turns (the
@@ -672,8 +682,12 @@ class Runtime:
                 engine = await self._bring_back(name, tries)
                 version = await self._catch_up(engine)
             except Exception as exc:  # fault tolerance: a failed restart is retried after a backoff
-                log.warning("engine %s: restart %d failed: %s", name, tries, exc)
-                self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
+                if self.supervisor is None:  # nothing to restart: the engine is probed until it answers
+                    log.info("engine %s: not back yet (probe %d): %s", name, tries, exc)
+                    self._engine_state(name, "unhealthy", f"not back yet (probe {tries}): {exc}")
+                else:
+                    log.warning("engine %s: restart %d failed: %s", name, tries, exc)
+                    self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
                 continue
             break
         del self._recoveries[name]

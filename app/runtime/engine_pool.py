@@ -35,7 +35,7 @@ class EngineFaultConfig:
     health_interval_s: float | None = None  # probe serving engines this often; None: only on failures
     restart_backoff_s: float = 1.0  # wait after a failed restart; doubles up to the maximum
     restart_backoff_max_s: float = 30.0
-    turn_retries: int = 3  # engine failures one turn may meet before its attempt fails
+    turn_retries: int = 3  # failures of one turn on engines that stay up, before its attempt fails
 
 
 class EngineSupervisor(Protocol):

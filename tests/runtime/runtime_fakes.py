@@ -33,6 +33,7 @@ class FakeEngine:
     version: int = 0
     down: bool = False
     healthy: bool = True  # False: turns still work, /health fails (a degraded engine)
+    failing: int = 0  # the next this many turns answer 500 while /health stays fine
     update: str | None = None  # "hang" or "error" for the next publication
     turns: int = 0
     published: list[int] = field(default_factory=list)
@@ -43,6 +44,9 @@ class FakeEngine:
 
     async def generate(self, request: TurnRequest) -> TurnResult:
         self._check("/v1/completions")
+        if self.failing > 0:
+            self.failing -= 1
+            raise EngineServerError(f"fake://{self.name}", "/v1/completions", 500, "this turn fails")
         version = self.version
         await asyncio.sleep(self.turn_s)
         self._check("/v1/completions")

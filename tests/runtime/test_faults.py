@@ -157,13 +157,25 @@ def test_every_rung_of_the_ladder_rides_out_a_dead_engine_and_a_hung_update(poli
     assert {e for _, e, s, _ in runtime.state.engine_events if s == "unhealthy"} == {"a", "b"}
 
 
-def test_a_turn_that_keeps_failing_fails_its_attempt_not_the_run() -> None:
-    a = FakeEngine("a")
-    runtime = make_runtime([a], FakeSupervisor(start_s=0.5), EngineFaultConfig(turn_retries=0))
-    run_virtual(run_with(runtime, 2, kill_at(a, 0.5)))
+def test_a_turn_that_engines_that_stay_up_keep_failing_fails_its_attempt_not_the_run() -> None:
+    a = FakeEngine("a", failing=2)  # answers 500 to two turns, healthy all along
+    runtime = make_runtime([a], FakeSupervisor(), EngineFaultConfig(turn_retries=1))
+    run_virtual(run_with(runtime, 2))
     assert len(runtime.state.batches) == 2
     accounted(runtime)
-    assert runtime.scheduler.counters.discarded["failed"] >= 1
+    assert runtime.scheduler.counters.discarded["failed"] == 1
+    assert runtime.state.engine_events == []  # the engine never left rotation
+
+
+def test_engines_dying_all_at_once_do_not_use_up_a_turns_retries() -> None:
+    """Each turn may meet every engine, dead but not yet known to be, before all are marked down."""
+    engines = [FakeEngine(name) for name in "abcd"]
+    runtime = make_runtime(engines, FakeSupervisor(), EngineFaultConfig(turn_retries=1))
+    run_virtual(run_with(runtime, 5, *(kill_at(e, 4.5) for e in engines)))
+    assert len(runtime.state.batches) == 5
+    accounted(runtime)
+    assert runtime.scheduler.counters.discarded["failed"] == 0
+    assert runtime.state.turn_retries >= 2
 
 
 # -- `corral run` with real engine processes and real signals -----------------------------------------
