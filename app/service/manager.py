@@ -200,10 +200,8 @@ class RunManager:
         if handle is not None:
             self._with_live(out, handle)
         else:
-            account, _ = self.store.ledger(run_id)
             out["live"] = None
-            out["groups"] = {"admitted": len(account.admitted), "open": len(account.open_groups),
-                             "ended": len(account.ended)}  # fmt: skip
+            out["groups"] = self.store.group_account(run_id)
         return out
 
     def list(self) -> list[dict[str, Any]]:

@@ -160,6 +160,13 @@ class ServiceStore:
                 last_t = max(last_t, env.t)
         return ledger, last_t
 
+    def group_account(self, run_id: str) -> dict[str, Any]:
+        """Admitted, open, delivered and discarded (by reason) groups, from the store's projection."""
+        with self.session() as s:
+            account = GroupRepo(s).account(run_id)
+        return {"admitted": account.admitted, "open": account.open, "delivered": account.delivered,
+                "discarded": dict(account.discarded)}  # fmt: skip
+
     def resume_point(self, run_id: str) -> ResumePoint:
         ledger, last_t = self.ledger(run_id)
         with self.session() as s:

@@ -59,6 +59,9 @@ def test_a_celery_orchestrated_run_completes_and_is_accounted(tmp_path: Path) ->
                 120,
                 what=f"the worker to complete the run; log {tmp_path / 'worker.log'}",
             )
+            groups = api.get(f"/api/runs/{run_id}").json()["groups"]  # from the store's projection
+            assert groups["open"] == 0
+            assert groups["delivered"] == 4
             external = api.post("/api/runs", json=make_run(orchestrator="celery"))
             assert external.status_code == 422
             assert "sentinel trainer only" in external.json()["detail"]
