@@ -40,3 +40,28 @@ def test_a_drained_engine_takes_no_new_turns_and_comes_back(api: httpx.Client) -
     assert api.post(f"/api/runs/{run_id}/engines/engine-0/serve").status_code == 409  # not drained
     assert api.post(f"/api/runs/{run_id}/engines/engine-9/drain").status_code == 404
     api.post(f"/api/runs/{run_id}/stop")
+
+
+def test_the_pace_of_rollouts_is_set_live_and_audited(api: httpx.Client) -> None:
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    paced = api.patch(
+        f"/api/runs/{run_id}/policy",
+        json={"max_updating_engines": 2, "pause_mode": "wait"},
+        headers={"X-Corral-Actor": "ops"},
+    )
+    assert paced.status_code == 200, paced.text
+    assert paced.json()["policy"]["max_updating_engines"] == 2
+    rollout = api.post(f"/api/runs/{run_id}/weights", json={"version": 1, "sentinel": True}).json()
+    assert rollout["max_updating_engines"] == 2
+    assert rollout["pause_mode"] == "wait"
+    assert {e["state"] for e in rollout["engines"]} == {"updating"}  # both at once, as paced
+    done = wait_for(
+        lambda: (r := api.get(f"/api/runs/{run_id}/rollouts/1").json())["state"] == "completed" and r,
+        what="the rollout to complete",
+    )
+    assert {e["state"] for e in done["engines"]} == {"done"}
+    events = api.get(f"/api/runs/{run_id}/timeline", params={"limit": 10_000}).json()["events"]
+    changes = {(e["field"], e["new"], e["actor"]) for e in events if e["kind"] == "policy_changed"}
+    assert {("max_updating_engines", 2, "ops"), ("pause_mode", "wait", "ops")} <= changes
+    api.post(f"/api/runs/{run_id}/stop")
