@@ -10,6 +10,7 @@ policy in a ladder sees exactly the same trajectories.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -58,6 +59,10 @@ class Lognormal(BaseModel):
         if self.p90 < self.median:
             raise ValueError(f"p90 ({self.p90}) must be ≥ median ({self.median})")
         return self
+
+    @functools.cached_property
+    def sigma(self) -> float:
+        return math.log(self.p90 / self.median) / Z90
 
 
 class Dist(BaseModel):
@@ -111,8 +116,7 @@ class Dist(BaseModel):
         if self.constant is not None:
             return self.constant * scale
         if self.lognormal is not None:
-            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
-            value = self.lognormal.median * math.exp(rng.gauss(0.0, sigma))
+            value = self.lognormal.median * math.exp(rng.gauss(0.0, self.lognormal.sigma))
             if self.lognormal.max is not None:
                 value = min(value, self.lognormal.max)
             return value * scale
@@ -402,6 +406,7 @@ class TrajectorySource:
             self._trace = load_trace(workload.trace.path)
             self._trace_tasks = sorted(self._trace)
         self._cache: dict[tuple[int, int], Trajectory] = {}
+        self._tasks: dict[int, tuple[float, float, float, float]] = {}
 
     def trajectory(self, group: int, attempt: int) -> Trajectory:
         key = (group, attempt)
@@ -422,15 +427,26 @@ class TrajectorySource:
     def _rng(self, *key: int) -> random.Random:
         return random.Random(":".join(str(k) for k in (self.workload.seed, *key)))
 
+    def _task(self, group: int) -> tuple[float, float, float, float]:
+        """The task-level draws of a group, shared by its attempts: difficulty, turns, reset, p(success)."""
+        found = self._tasks.get(group)
+        if found is None:
+            spec = self.workload.trajectory
+            task_rng = self._rng(group)
+            difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
+            task_turns = spec.turns.draw(task_rng)
+            reset_s = spec.reset_s.draw(task_rng)  # set-up cost is a property of the task (its image)
+            found = (difficulty, task_turns, reset_s, spec.p_success ** min(difficulty, 50.0))
+            if len(self._tasks) >= 4096:
+                self._tasks.clear()  # a cache, not a record: groups draw their attempts close together
+            self._tasks[group] = found
+        return found
+
     def _draw(self, group: int, attempt: int) -> Trajectory:
         if self._trace is not None:
             return self._draw_trace(group, attempt)
         spec = self.workload.trajectory
-        task_rng = self._rng(group)
-        difficulty = math.exp(task_rng.gauss(0.0, spec.task_spread))
-        task_turns = spec.turns.draw(task_rng)
-        reset_s = spec.reset_s.draw(task_rng)  # set-up cost is a property of the task (its image)
-        p_task = spec.p_success ** min(difficulty, 50.0)
+        difficulty, task_turns, reset_s, p_task = self._task(group)
         rng = self._rng(group, attempt)
         speed = difficulty * math.exp(rng.gauss(0.0, spec.attempt_spread))
         n_turns = max(1, round(task_turns * math.exp(rng.gauss(0.0, spec.attempt_spread))))
