@@ -28,6 +28,11 @@ CREATE_CASES = [
     ({"kind": "local", "workload": {}}, "workload is for kind 'sim'"),
     ({"config": {"batch": {"groups": 1}}}, "config is for kind 'local'"),
     ({"kind": "local", "config": {"engines": {"count": 0}}}, "config.engines.count"),
+    ({"workload": {"engines": {"count": 10**9}}}, "workload.engines.count"),
+    ({"workload": {"batch": {"groups": 10**9}}}, "workload.batch.groups"),
+    ({"workload": {"trajectory": {"llm_s": 1e300}}}, "workload.trajectory.llm_s"),
+    ({"kind": "local", "config": {"engines": {"count": 100_000}}}, "config.engines.count"),
+    ({"kind": "local", "config": {"engines": {"cpus": [4096]}}}, "config"),
     ({"name": ""}, "name"),
     ({"name": "x" * 500}, "name"),
 ]
