@@ -1,0 +1,151 @@
+"""`corral serve` killed with SIGKILL in the middle of a local run, then started again, on both
+deployments (Postgres with Celery lane workers on Redis; SQLite with in-process lanes).
+
+The run resumes in the new server and delivers batches again. Every group the store had admitted before
+the crash ends exactly once: the ones open at the crash are discarded as `orphaned`, the others were
+delivered or discarded with a reason; the stored stream has no gap. The killed server's embedded engines
+do not outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from e2e_support import (
+    POSTGRES_URL,
+    REDIS_URL,
+    TOKEN,
+    answers,
+    data_dir,
+    free_port,
+    healthy,
+    make_local_config,
+    op_results_on,
+    processes,
+    serve_env,
+    start_lane_workers,
+    start_serve,
+    tree,
+    unique_host,
+    wait_for,
+)
+
+from app.client import CorralClient
+from app.core.events import Ledger
+from app.service.store import ServiceStore
+from app.store.db import scratch_database
+from app.store.repos import GroupRepo
+
+DEPLOYMENTS = {
+    "postgres-celery": ("postgres", True),
+    "sqlite-inprocess": ("sqlite", False),
+}
+
+
+def stored_ledger(db: str, run_id: str) -> Ledger:
+    store = ServiceStore(db, migrate=False)
+    try:
+        return store.ledger(run_id)[0]
+    finally:
+        store.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deployment", list(DEPLOYMENTS))
+def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_group(
+    deployment: str, tmp_path: Path
+) -> None:
+    backend, celery = DEPLOYMENTS[deployment]
+    if backend == "postgres" and not answers("127.0.0.1", 5432):
+        pytest.skip("no Postgres answering on 127.0.0.1:5432")
+    if celery and not answers("127.0.0.1", 6379):
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    host = unique_host()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    with (
+        scratch_database(backend, POSTGRES_URL, tmp_path) as db,
+        data_dir() as data,
+        processes(tmp_path) as procs,
+        CorralClient(url, token=TOKEN, timeout_s=30) as corral,
+    ):
+        if celery:
+            start_lane_workers(procs, host, REDIS_URL)
+        env = serve_env(db, port, data, REDIS_URL if celery else None, host)
+        first = start_serve(procs, env, "serve-1")
+        wait_for(lambda: healthy(url), 120, f"corral serve to answer; log:\n{procs.tail('serve-1')}")
+        spec = {"name": f"restart-{deployment}", "kind": "local", "config": make_local_config(),
+                "trainer": "sentinel", "sentinel_step_s": 0.05}  # fmt: skip
+        run_id = corral.create_run(**spec)["id"]
+        wait_for(lambda: (corral.run(run_id)["live"] or {}).get("batches", 0) >= 2, 240, "2 batches")
+        # Kill while the store holds a group in flight: the crash must then account for it.
+        wait_for(lambda: stored_ledger(db, run_id).open_groups, 60, "a stored group in flight")
+        family = tree(first.pid)
+        os.kill(first.pid, signal.SIGKILL)  # the server alone, as `kill -9 <pid>` would
+        assert first.wait(10) == -signal.SIGKILL
+        procs.procs.pop("serve-1")
+        killed_at = time.monotonic() - t0
+        # Its embedded engines (in sessions of their own) die with it (PR_SET_PDEATHSIG).
+        wait_for(lambda: not any(alive(p) for p in family[1:]), 30, f"the engines of {family} to exit")
+        at_crash = stored_ledger(db, run_id)
+        open_at_crash = set(at_crash.open_groups)
+        assert open_at_crash
+        ops_before = len(op_results_on(REDIS_URL, host)) if celery else 0
+
+        start_serve(procs, env, "serve-2")
+        wait_for(lambda: healthy(url), 120, f"corral serve to restart; log:\n{procs.tail('serve-2')}")
+        assert corral.run(run_id)["live"] is not None  # executing again, in the new server
+        # "created" while its engines start again, then running
+        wait_for(lambda: corral.run(run_id)["state"] == "running", 120, "the resumed run to run")
+        wait_for(lambda: corral.run(run_id)["live"]["batches"] >= 1, 240, "a batch of the resumed run")
+        resumed_batch_at = time.monotonic() - t0
+        corral.stop(run_id)
+        wait_for(lambda: corral.run(run_id)["state"] == "stopped", 120, "the run to stop")
+        if celery:  # the resumed run's sandbox ops went to the lane workers too
+            assert len(op_results_on(REDIS_URL, host)) > ops_before
+        code = procs.stop("serve-2", signal.SIGTERM)  # a clean stop flushes every sink
+        assert code in (0, -signal.SIGTERM), procs.tail("serve-2")
+
+        store = ServiceStore(db, migrate=False)
+        try:
+            ledger, _ = store.ledger(run_id)
+            assert ledger.gaps == 0  # the resumed stream continues where the stored one ended
+            assert not ledger.ended_twice  # no group id reused by the second life
+            assert not ledger.never_admitted
+            assert not ledger.open_groups  # every admitted group ended: delivered or discarded
+            assert ledger.lost == 0
+            assert ledger.admitted_count > at_crash.admitted_count  # the second life admitted more
+            assert all(reason for reason in ledger.discarded)
+            with store.session() as s:
+                repo = GroupRepo(s)
+                for gid in open_at_crash:
+                    group = repo.get(run_id, gid)
+                    assert group is not None
+                    assert (group.state, group.reason) == ("discarded", "orphaned")
+                groups = repo.list(run_id)
+            assert all(g.state == "delivered" or (g.state == "discarded" and g.reason) for g in groups)
+            assert len(groups) == ledger.admitted_count
+            kinds = [e["kind"] for e in store.timeline(run_id, -1, 1_000_000)]
+            assert kinds.count("run_started") == 2
+            second_life = len(kinds) - 1 - kinds[::-1].index("run_started")
+            assert "batch_delivered" in kinds[second_life:]
+            assert kinds[-1] == "run_ended"
+        finally:
+            store.close()
+    print(
+        f"{deployment}: killed at {killed_at:.1f} s with {len(open_at_crash)} group(s) in flight; "
+        f"resumed run's batch at {resumed_batch_at:.1f} s; total {time.monotonic() - t0:.1f} s"
+    )
