@@ -94,10 +94,10 @@ class UpdatePlan:
         return self._stop_world()
 
     def _stop_world(self) -> list[UpdateAction]:
-        up = [e for e in self.versions if e not in self.down]
-        if not up:
-            return []  # nobody to update: engines come back at the newest version
+        # In-flight work starts over even when no engine is up to update: engines come back at the
+        # newest version, and the trajectories must not mix in turns of the old one.
         actions: list[UpdateAction] = [RestartInFlight()]
+        up = [e for e in self.versions if e not in self.down]
         for engine in up:
             self.updating[engine] = self.target
             actions.append(BeginUpdate(engine, self.target))

@@ -78,7 +78,7 @@ def test_all_down_and_stop_the_world_skip_down_engines() -> None:
     assert plan.on_publish(1) == [RestartInFlight(), BeginUpdate("b", 1)]
     plan.on_engine_down("b")
     assert plan.all_down
-    assert plan.on_publish(2) == []  # nobody to update; engines come back at the newest version
+    assert plan.on_publish(2) == [RestartInFlight()]  # nobody to update, in-flight work still restarts
     assert plan.on_engine_up("b", 2) == []
     assert plan.on_engine_up("a", 1) == [RestartInFlight(), BeginUpdate("a", 2), BeginUpdate("b", 2)]
     with pytest.raises(ValueError, match="not down"):
