@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from app.core.config import PauseModeName
 from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
-from app.engines.base import PauseMode
+from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.runtime.driver import Runtime
 from app.service.gateway import RunClosedError, TrainerGateway
@@ -99,6 +99,7 @@ class RunHandle:
         self._loop_open = False
         self._tg: asyncio.TaskGroup | None = None
         self.drained: set[str] = set()  # engines an operator took out of rotation
+        self._pausing = asyncio.Lock()
         self.done = threading.Event()
         self.started_wall: float | None = None
 
@@ -370,7 +371,13 @@ class RunHandle:
         assert self._tg is not None
         assert self.ports is not None
         for engine in self.ports.engines:
-            self._tg.create_task(engine.pause(PauseMode.KEEP) if paused else engine.resume())
+            self._tg.create_task(self._pause_engine(engine, paused))
+
+    async def _pause_engine(self, engine: Engine, paused: bool) -> None:
+        # One lock for every pause and resume: they reach the engines in the order they were asked
+        # (asyncio's lock is first come, first served, and tasks start in creation order).
+        async with self._pausing:
+            await (engine.pause(PauseMode.KEEP) if paused else engine.resume())
 
     def stop(self) -> None:
         self._require(RunState.RUNNING, RunState.PAUSED)

@@ -42,6 +42,10 @@ def test_a_local_run_delivers_batches_to_an_external_trainer(server: str, backen
             rollout = corral.publish(run_id, batch.publish_version, sentinel=True)
             assert [e["engine"] for e in rollout["engines"]] == ["engine-0"]
             corral.ack(run_id, batch.batch_id)
+            if step == 0:  # the engines hold their turns while paused, and take them up again
+                assert corral.pause(run_id)["state"] == "paused"
+                assert corral.run(run_id)["state"] == "paused"
+                assert corral.resume(run_id)["state"] == "running"
         wait_for(lambda: corral.run(run_id)["state"] == "completed", 120, what="the run to complete")
         health = httpx.get(f"{server}/healthz", timeout=10).json()
         assert run_id not in health["engines"]  # ended: its engines are gone, not reported
