@@ -61,6 +61,7 @@ def test_the_pace_of_rollouts_is_set_live_and_audited(api: httpx.Client) -> None
         what="the rollout to complete",
     )
     assert {e["state"] for e in done["engines"]} == {"done"}
+    assert all(e["ended_s"] >= e["began_s"] >= 0 for e in done["engines"])  # seconds into the run
     events = api.get(f"/api/runs/{run_id}/timeline", params={"limit": 10_000}).json()["events"]
     changes = {(e["field"], e["new"], e["actor"]) for e in events if e["kind"] == "policy_changed"}
     assert {("max_updating_engines", 2, "ops"), ("pause_mode", "wait", "ops")} <= changes
