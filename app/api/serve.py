@@ -51,7 +51,10 @@ def serve(
         spec = demo_run(demo_kind)
     url = f"http://{settings.host}:{settings.port}"
     say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
-    say(f"database: {settings.database_url}; lanes: {settings.broker_url or 'in-process'}")
+    lanes = "in-process"
+    if settings.broker_url:
+        lanes = f"celery on {settings.broker_url}, hosts {settings.lane_hosts}"
+    say(f"database: {settings.database_url}; lanes: {lanes}")
     if settings.operator_token_generated:
         say(f"operator token (generated for this process): {settings.operator_token}")
     else:

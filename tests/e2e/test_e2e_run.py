@@ -85,6 +85,8 @@ def test_a_run_goes_end_to_end_through_the_api(deployment: str, tmp_path: Path) 
         start_serve(procs, env)
         health = wait_for(lambda: healthy(url), 120, f"corral serve to answer; log:\n{procs.tail('serve')}")
         assert health["broker"]["mode"] == ("celery" if celery else "in-process")
+        said = f"lanes: celery on {REDIS_URL}, hosts {host}" if celery else "lanes: in-process"
+        assert said in procs.tail("serve", 100_000)
         timings["serve healthy"] = time.monotonic() - t0
 
         with CorralClient(url, token=TOKEN, actor="e2e-trainer", timeout_s=30) as corral:
