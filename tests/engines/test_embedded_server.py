@@ -266,7 +266,7 @@ def test_process_is_pinned(engine: RunningEngine) -> None:
 @pytest.mark.parametrize("cpus", ["3-1", "zero", "0,,1", str(os.cpu_count() or 1) + "-4096"])
 def test_bad_cpu_list_exits_2_without_traceback(cpus: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "app.engines.embedded", "--port", "0", "--cpus", cpus],
+        [sys.executable, "-m", "app.engines.embedded", "--port", str(free_port()), "--cpus", cpus],
         cwd=REPO,
         capture_output=True,
         text=True,
