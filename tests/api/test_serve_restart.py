@@ -45,10 +45,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(tmp_path: Path) -> None:
+def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
+    tmp_path: Path, backend_url: str
+) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    db = backend_url  # SQLite, then Postgres: one fresh database per backend for the test session
     env = {
         **os.environ,
         "CORRAL_DATABASE_URL": db,
