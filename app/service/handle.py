@@ -188,14 +188,11 @@ class RunHandle:
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Run `fn(*args)` on the run's loop; its result (or exception) arrives in the future."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._pending_lock:
-            loop = self.loop
-            if not self._loop_open or self.runtime is None:
-                raise RunNotLiveError(f"run {self.run_id} is {self.state.value}, not executing")
-            self._pending.add(fut)
 
         def call() -> None:
             with self._pending_lock:
+                if fut not in self._pending:
+                    return  # failed already: the run ended before this command's turn came
                 self._pending.discard(fut)
             if not fut.set_running_or_notify_cancel():
                 return
@@ -204,7 +201,13 @@ class RunHandle:
             except BaseException as exc:  # handed to the caller, who turns it into an answer
                 fut.set_exception(exc)
 
-        loop.call_soon_threadsafe(call)
+        with self._pending_lock:
+            # Under the lock the loop cannot close: the run's thread marks it closed under this lock
+            # (and fails every pending command) before it closes it.
+            if not self._loop_open or self.runtime is None:
+                raise RunNotLiveError(f"run {self.run_id} is {self.state.value}, not executing")
+            self._pending.add(fut)
+            self.loop.call_soon_threadsafe(call)
         return fut
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
