@@ -104,8 +104,12 @@ def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "out.json").exists()
 
 
-def embedded_engine_pids() -> set[int]:
-    found = subprocess.run(["pgrep", "-f", "app.engines.embedded --port"], capture_output=True, text=True)
+def embedded_engine_pids(parent: int | None = None) -> set[int]:
+    """Embedded engine processes (of `parent` only, when given: other tests may run engines too)."""
+    argv = ["pgrep", "-f", "app.engines.embedded --port"]
+    if parent is not None:
+        argv[1:1] = ["-P", str(parent)]
+    found = subprocess.run(argv, capture_output=True, text=True)
     return {int(pid) for pid in found.stdout.split()}
 
 
@@ -140,7 +144,6 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
-    before = embedded_engine_pids()
     config = str(write_config(tmp_path))
     proc = subprocess.Popen(
         [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", config,
@@ -151,7 +154,7 @@ def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
     for line in proc.stderr:
         if " delivered: " in line:
             break
-    started = embedded_engine_pids() - before
+    started = embedded_engine_pids(parent=proc.pid)
     assert len(started) == 2
     proc.kill()
     proc.wait(timeout=30)
