@@ -215,7 +215,7 @@ async def timeline(
     run_id: RunId,
     manager: Manager,
     _: Viewer,
-    since: Annotated[int, Query(ge=-1, description="return events with seq > since")] = -1,
+    since: Annotated[int, Query(ge=-1, le=2**62, description="return events with seq > since")] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> Any:
     """A run's events with seq > `since`, oldest first; `next` is the `since` of the following page."""

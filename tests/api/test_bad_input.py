@@ -98,6 +98,9 @@ def run_id(server: str) -> Iterator[str]:
         ("GET", "rollouts/7", None, 404, "rollout 7"),
         ("GET", "rollouts/0", None, 422, "rid"),
         ("GET", "timeline?since=-5", None, 422, "since"),
+        ("GET", "timeline?since=100000000000000000000000", None, 422, "since"),
+        ("GET", "timeline?limit=0", None, 422, "limit"),
+        ("GET", "rollouts/99999999999999999999", None, 422, "rid"),
     ],
 )
 def test_bad_commands_on_a_run(
