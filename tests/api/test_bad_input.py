@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 from api_support import TOKEN, make_run, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 CREATE_CASES = [
     ({"bogus": 1}, "bogus: unknown field"),
@@ -167,3 +169,43 @@ def test_a_view_token_guards_reads_and_gives_no_operator_rights(
         assert httpx.get(f"{url}/api/runs", headers=viewer).status_code == 200
         assert httpx.get(f"{url}/api/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
         assert httpx.post(f"{url}/api/runs", json=make_run(), headers=viewer).status_code == 403
+
+
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+    max_leaves=8,
+)
+CREATE_FIELDS = [
+    "name", "kind", "policy", "workload", "config", "batches", "speed", "trainer", "groups_per_batch",
+    "group_size", "surplus_groups", "max_staleness", "orchestrator",
+]  # fmt: skip
+PATCH_FIELDS = ["max_staleness", "surplus_groups", "max_updating_engines", "pause_mode"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(st.sampled_from(CREATE_FIELDS), JSON_VALUES, max_size=4))
+def test_no_run_config_is_answered_with_a_500(api: httpx.Client, body: dict[str, Any]) -> None:
+    answer = api.post("/api/runs", json=body)
+    assert answer.status_code in (201, 422), answer.text
+    if answer.status_code == 201:
+        api.post(f"/api/runs/{answer.json()['id']}/stop")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    patch=st.dictionaries(st.sampled_from(PATCH_FIELDS), JSON_VALUES, max_size=3),
+    weights=st.dictionaries(st.sampled_from(["version", "path", "sentinel"]), JSON_VALUES, max_size=3),
+)
+def test_no_live_change_is_answered_with_a_500(
+    api: httpx.Client, run_id: str, patch: dict[str, Any], weights: dict[str, Any]
+) -> None:
+    assert api.patch(f"/api/runs/{run_id}/policy", json=patch).status_code in (200, 422)
+    assert api.post(f"/api/runs/{run_id}/weights", json=weights).status_code in (202, 422)
