@@ -173,8 +173,26 @@ class _Attempt:
     started: float | None = None
     finished: float | None = None
     restarted: float | None = None
-    spans: list[tuple[float, float, str]] = field(default_factory=list)
-    turns: list[tuple[str, float, float, float]] = field(default_factory=list)  # engine, queued, start, end
+    # Its turns and sandbox ops as published; their spans are worked out only for a batch's critical
+    # attempt (`spans`, `turns`), so folding an event costs one append.
+    ops: list[TurnDone | SandboxOp] = field(default_factory=list)
+
+    @property
+    def spans(self) -> list[tuple[float, float, str]]:
+        out: list[tuple[float, float, str]] = []
+        for ev in self.ops:
+            if isinstance(ev, TurnDone):
+                out.append((ev.queued_at, ev.start, "engine_wait"))
+                out.append((ev.start, ev.end, "model_turn"))
+            else:
+                out.append((ev.queued_at, ev.start, "lane_queue"))
+                out.append((ev.start, ev.end, LANE_PHASE.get(ev.lane, "tool_call")))
+        return out
+
+    @property
+    def turns(self) -> list[tuple[str, float, float, float]]:
+        """engine, queued, start, end of each turn"""
+        return [(ev.engine, ev.queued_at, ev.start, ev.end) for ev in self.ops if isinstance(ev, TurnDone)]
 
 
 class WaitAccumulator:
@@ -209,7 +227,15 @@ class WaitAccumulator:
 
     def on_envelope(self, env: Envelope) -> None:
         ev, t = env.event, env.t
-        if isinstance(ev, GroupAdmitted):
+        if type(ev) is TurnDone or type(ev) is SandboxOp:  # the frequent kinds first, as one append
+            group = self._attempts[ev.group_id]
+            att = group.get(ev.attempt)
+            if att is None:
+                att = group[ev.attempt] = _Attempt()
+            att.ops.append(ev)
+            if type(ev) is TurnDone:
+                self._engines.add(ev.engine)
+        elif isinstance(ev, GroupAdmitted):
             self._admitted[ev.group_id] = t
         elif isinstance(ev, GroupReady):
             self._ready[ev.group_id] = t
@@ -220,16 +246,10 @@ class WaitAccumulator:
             self._attempt(ev.group_id, ev.attempt).finished = t
         elif isinstance(ev, AttemptRestarted):
             self._attempt(ev.group_id, ev.attempt).restarted = t
-        elif isinstance(ev, TurnDone):
-            self._engines.add(ev.engine)
-            att = self._attempt(ev.group_id, ev.attempt)
-            att.turns.append((ev.engine, ev.queued_at, ev.start, ev.end))
-            att.spans.append((ev.queued_at, ev.start, "engine_wait"))
-            att.spans.append((ev.start, ev.end, "model_turn"))
-        elif isinstance(ev, SandboxOp):
-            att = self._attempt(ev.group_id, ev.attempt)
-            att.spans.append((ev.queued_at, ev.start, "lane_queue"))
-            att.spans.append((ev.start, ev.end, LANE_PHASE.get(ev.lane, "tool_call")))
+        elif isinstance(ev, TurnDone | SandboxOp):  # a subclass of either
+            self._attempt(ev.group_id, ev.attempt).ops.append(ev)
+            if isinstance(ev, TurnDone):
+                self._engines.add(ev.engine)
         elif isinstance(ev, EngineUpdateBegin):
             self._engines.add(ev.engine)
             self._open_updates[ev.engine] = t

@@ -363,10 +363,13 @@ class Ledger:
         self._ended = _Bitmap()
 
     def on_envelope(self, env: Envelope) -> None:
-        if env.seq != self.next_seq:
-            self.gaps += abs(env.seq - self.next_seq)
-        self.next_seq = env.seq + 1
-        self.on_event(env.event)
+        seq = env.seq
+        if seq != self.next_seq:
+            self.gaps += abs(seq - self.next_seq)
+        self.next_seq = seq + 1
+        cls = type(env.event)
+        if cls is not TurnDone and cls is not SandboxOp:  # the frequent kinds touch no group
+            self.on_event(env.event)
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, GroupAdmitted):

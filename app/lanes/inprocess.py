@@ -51,35 +51,40 @@ class InProcessLanes:
             pinned=pinned,
         )
 
+    async def _enter(self, lane: LaneName, stats: LaneStats) -> tuple[int, ...] | None:
+        """Take a slot of `lane` (FIFO), keeping its stats; the CPU set to run on."""
+        if self._pinned:
+            loop = asyncio.get_running_loop()
+            queued_at = loop.time()
+            stats.queue_depth += 1
+            if stats.queue_depth > stats.max_queue_depth:
+                stats.max_queue_depth = stats.queue_depth
+            try:
+                await self._sems[lane].acquire()
+            finally:
+                stats.queue_depth -= 1
+            waited = loop.time() - queued_at
+            stats.wait_s_total += waited
+            if waited > stats.wait_s_max:
+                stats.wait_s_max = waited
+        stats.busy += 1
+        if stats.busy > stats.max_busy:
+            stats.max_busy = stats.busy
+        return self._cpus.get(lane) if self._pinned else None
+
+    def _leave(self, lane: LaneName, stats: LaneStats) -> None:
+        stats.busy -= 1
+        stats.completed += 1
+        if self._pinned:
+            self._sems[lane].release()
+
     async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T:
         stats = self._stats[lane]
-        if not self._pinned:
-            stats.busy += 1
-            stats.max_busy = max(stats.max_busy, stats.busy)
-            try:
-                return await op(LaneSlot(lane, None))
-            finally:
-                stats.busy -= 1
-                stats.completed += 1
-        loop = asyncio.get_running_loop()
-        queued_at = loop.time()
-        stats.queue_depth += 1
-        stats.max_queue_depth = max(stats.max_queue_depth, stats.queue_depth)
+        cpus = await self._enter(lane, stats)
         try:
-            await self._sems[lane].acquire()
+            return await op(LaneSlot(lane, cpus))
         finally:
-            stats.queue_depth -= 1
-        waited = loop.time() - queued_at
-        stats.wait_s_total += waited
-        stats.wait_s_max = max(stats.wait_s_max, waited)
-        stats.busy += 1
-        stats.max_busy = max(stats.max_busy, stats.busy)
-        try:
-            return await op(LaneSlot(lane, self._cpus.get(lane)))
-        finally:
-            stats.busy -= 1
-            stats.completed += 1
-            self._sems[lane].release()
+            self._leave(lane, stats)
 
     def attach(self, sandbox: Sandbox) -> SandboxHandle:
         handle = handle_of(sandbox, self._host)
@@ -91,15 +96,18 @@ class InProcessLanes:
         if sandbox is None:
             raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: not attached to these lanes")
 
-        def start(slot: LaneSlot) -> Awaitable[T]:
-            if on_start is not None:
-                on_start()
-            return execute_op(op, sandbox, slot.cpus)
-
-        try:
-            return await self.run(op.lane, start)
+        lane = op.name
+        stats = self._stats[lane]
+        try:  # `run`, without its closure and slot object (this is the simulator's hot path)
+            cpus = await self._enter(lane, stats)
+            try:
+                if on_start is not None:
+                    on_start()
+                return await execute_op(op, sandbox, cpus)
+            finally:
+                self._leave(lane, stats)
         finally:
-            if op.name is LaneName.CLEANUP:
+            if lane is LaneName.CLEANUP:
                 self._live.pop(op.handle.id, None)
 
     def stats(self) -> dict[str, LaneStats]:

@@ -98,8 +98,8 @@ def handle_of(sandbox: Sandbox, host: str | None = None) -> SandboxHandle:
 
     if isinstance(sandbox, LocalSandbox):
         return SandboxHandle("local", sandbox.attempt_id, host, work_dir=str(sandbox.work_dir))
-    container = getattr(sandbox, "container_name", None)
     attempt_id = getattr(sandbox, "attempt_id", None)
+    container = getattr(sandbox, "container_name", None) if isinstance(attempt_id, str) else None
     if isinstance(container, str) and isinstance(attempt_id, str):
         return SandboxHandle("docker", attempt_id, host, container=container)
     return SandboxHandle(type(sandbox).__name__, f"{type(sandbox).__name__}-{id(sandbox):x}", host)
@@ -114,6 +114,10 @@ class LaneOp(Generic[R]):
     handle: SandboxHandle
     args: Mapping[str, Any] = field(default_factory=dict)
     op_id: str = field(default_factory=lambda: new_op_id())
+    # The `TaskSpec` a reset was built from, kept so that an op run in this process skips decoding
+    # `args["task"]` again. Not data: never serialised, not compared; an op decoded from a dict has None
+    # and decodes its args.
+    local_task: TaskSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def lane(self) -> LaneName:
@@ -128,14 +132,14 @@ class LaneOp(Generic[R]):
 
     @staticmethod
     def reset(handle: SandboxHandle, task: TaskSpec) -> LaneOp[ExecResult]:
-        return LaneOp(LaneName.RESET, handle, {"task": task_to_dict(task)})
+        return LaneOp(LaneName.RESET, handle, {"task": task_to_dict(task)}, local_task=task)
 
     @staticmethod
     def exec(handle: SandboxHandle, command: str, timeout_s: float) -> LaneOp[ExecResult]:
-        op: LaneOp[ExecResult] = LaneOp(
-            LaneName.EXEC, handle, {"command": command, "timeout_s": float(timeout_s)}
-        )
-        _check_args(op.name, op.args)
+        timeout = float(timeout_s)
+        op: LaneOp[ExecResult] = LaneOp(LaneName.EXEC, handle, {"command": command, "timeout_s": timeout})
+        if not isinstance(command, str) or not 0 < timeout < math.inf:
+            _check_args(op.name, op.args)  # raises, naming the field
         return op
 
     @staticmethod
@@ -180,7 +184,8 @@ async def execute_op(op: LaneOp[R], sandbox: Sandbox, cpus: Sequence[int] | None
     """Run `op` on `sandbox` with the lane's CPU set. In-process and Celery lanes both call this."""
     result: object
     if op.name is LaneName.RESET:
-        result = await sandbox.reset(task_from_dict(op.args["task"]), cpus)
+        task = op.local_task if op.local_task is not None else task_from_dict(op.args["task"])
+        result = await sandbox.reset(task, cpus)
     elif op.name is LaneName.EXEC:
         result = await sandbox.exec(str(op.args["command"]), float(op.args["timeout_s"]), cpus)
     elif op.name is LaneName.VALIDATE:

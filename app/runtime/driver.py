@@ -78,6 +78,11 @@ log = logging.getLogger(__name__)
 
 AttemptKey = tuple[int, int]
 T = TypeVar("T")
+_LANE_VALUE = {lane: lane.value for lane in LaneName}  # `Enum.value` is a slow descriptor
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 @dataclass
@@ -203,15 +208,19 @@ class Runtime:
         self._all_down_since: float | None = None
         self._health_watch: asyncio.Task[None] | None = None
         self.phase = "startup"  # startup, collecting, trainer_step, stopping: where a stop landed
+        # The clock: the running loop's, looked up per call until `run` binds the loop it runs on (a
+        # lookup per call was a measurable share of the simulator's time).
+        self._time: Callable[[], float] = _loop_time
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self._time()
 
     # -- the run -------------------------------------------------------------------------------
 
     async def run(self, batches: int | None = None, duration_s: float | None = None) -> RunState:
         if batches is None and duration_s is None:
             raise ValueError("a run needs a number of batches or a duration")
+        self._time = asyncio.get_running_loop().time
         self.state.started_at = self.now()
         self._run_target = (batches, duration_s)
         self._publish(
@@ -238,6 +247,7 @@ class Runtime:
             raise
         finally:
             self._publish_run_ended(sys.exc_info()[1])
+            self._time = _loop_time
         return self.state
 
     def _begin_shutdown(self) -> None:
@@ -503,19 +513,19 @@ class Runtime:
 
     async def lane_op(self, key: AttemptKey, op: LaneOp[T]) -> T:
         """Run `op` in its lane and publish it as a `SandboxOp` (also when it fails or is cancelled)."""
-        lane = op.lane
-        queued = self.now()
-        self._lane_queued[lane] += 1
-        depth = self._lane_queued[lane]
+        lane = op.name
+        now = self._time
+        lane_queued, lane_busy = self._lane_queued, self._lane_busy
+        queued = now()
+        depth = lane_queued[lane] = lane_queued[lane] + 1
         started: float | None = None
         busy = 0
 
         def on_start() -> None:
             nonlocal started, busy
-            started = self.now()
-            self._lane_queued[lane] -= 1
-            self._lane_busy[lane] += 1
-            busy = self._lane_busy[lane]
+            started = now()
+            lane_queued[lane] -= 1
+            busy = lane_busy[lane] = lane_busy[lane] + 1
 
         ok, detail = False, "cancelled"
         try:
@@ -526,21 +536,24 @@ class Runtime:
             detail = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            end = now()
             if started is None:
-                self._lane_queued[lane] -= 1
+                lane_queued[lane] -= 1
+                started = end
             else:
-                self._lane_busy[lane] -= 1
-            end = self.now()
-            start = end if started is None else started
-            self._publish(SandboxOp(key[0], key[1], lane.value, queued, start, end, ok, detail, depth, busy))
+                lane_busy[lane] -= 1
+            self.bus.publish(
+                SandboxOp(key[0], key[1], _LANE_VALUE[lane], queued, started, end, ok, detail, depth, busy)
+            )
 
     async def generate(self, key: AttemptKey, request: TurnRequest) -> TurnResult:
         failures = 0
+        now = self._time
         while True:
-            queued = self.now()
+            queued = now()
             engine = await self.pool.acquire()
             epoch = self.pool.epoch[engine.name]
-            started = self.now()
+            started = now()
             error: EngineError | TimeoutError | None = None
             try:
                 async with self.pool.call(engine.name):
@@ -549,7 +562,7 @@ class Runtime:
                 error = exc
             finally:
                 record = self.state.engines[engine.name]
-                record.busy_s += self.now() - started
+                record.busy_s += now() - started
                 self.pool.release(engine)
             if error is None:
                 break
@@ -571,10 +584,9 @@ class Runtime:
         record.turns += 1
         record.tokens += result.tokens
         version = result.weight_version
-        self._publish(
-            TurnDone(key[0], key[1], engine.name, version, queued, started, self.now(), result.tokens)
-        )
-        self._apply(self.scheduler.on_turn(key[0], key[1], result.weight_version, self.now()))
+        end = now()
+        self.bus.publish(TurnDone(key[0], key[1], engine.name, version, queued, started, end, result.tokens))
+        self._apply(self.scheduler.on_turn(key[0], key[1], version, end))
         return result
 
     # -- engine faults -------------------------------------------------------------------------

@@ -155,7 +155,9 @@ class ReportAccumulator:
         self.waits.on_envelope(env)
         ev, t = env.event, env.t
         if isinstance(ev, TurnDone):
-            engine = self.engines.setdefault(ev.engine, _Engine())
+            engine = self.engines.get(ev.engine)
+            if engine is None:
+                engine = self.engines[ev.engine] = _Engine()
             engine.busy_s += ev.end - ev.start
             if ev.error is None:
                 engine.turns += 1
@@ -165,14 +167,19 @@ class ReportAccumulator:
                 if ev.version > self.trainer_version:
                     self.refused_turns += 1
         elif isinstance(ev, SandboxOp):
-            lane = self.lanes.setdefault(ev.lane, _Lane())
-            lane.max_queue_depth = max(lane.max_queue_depth, ev.queue_depth)
+            lane = self.lanes.get(ev.lane)
+            if lane is None:
+                lane = self.lanes[ev.lane] = _Lane()
+            if ev.queue_depth > lane.max_queue_depth:
+                lane.max_queue_depth = ev.queue_depth
             if ev.busy > 0:
                 lane.completed += 1
-                lane.max_busy = max(lane.max_busy, ev.busy)
+                if ev.busy > lane.max_busy:
+                    lane.max_busy = ev.busy
                 waited = ev.start - ev.queued_at
                 lane.wait_s_total += waited
-                lane.wait_s_max = max(lane.wait_s_max, waited)
+                if waited > lane.wait_s_max:
+                    lane.wait_s_max = waited
         elif isinstance(ev, AttemptStarted):
             self._tries[ev.group_id, ev.attempt] = t
         elif isinstance(ev, AttemptFinished):
