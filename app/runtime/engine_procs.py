@@ -179,6 +179,11 @@ class EngineProcesses:
             _signal_group(engine.pid, signal.SIGKILL)
             engine.proc.wait()
 
+    def kill_now(self) -> None:
+        """SIGKILL every engine's process group at once (a second Ctrl-C while `stop` waits)."""
+        for engine in self.engines.values():
+            _signal_group(engine.pid, signal.SIGKILL)
+
     @property
     def procs(self) -> list[tuple[subprocess.Popen[bytes], int, Path]]:
         """(process, port, log) per engine, in engine order (what start-up progress reads)."""

@@ -75,6 +75,8 @@ class _StopSignals:
         self.updating_at_first: list[str] = []
         self.runtime: Runtime | None = None
         self.task: asyncio.Future[Any] | None = None  # what a stop cancels: start-up, then the run
+        self.engines: EngineProcesses | None = None
+        self.shutting_down = False  # the engines are being stopped: a second signal kills them
 
     def early(self, signum: int, frame: FrameType | None) -> None:
         """Before the event loop runs: remember the signal; start-up then ends at once."""
@@ -104,6 +106,8 @@ class _StopSignals:
                 self.task.cancel()
         else:
             self.say("already stopping; the report is on its way")
+        if self.count >= 2 and self.shutting_down and self.engines is not None:
+            self.engines.kill_now()  # no grace period for the engines either
 
     def report(self) -> dict[str, Any] | None:
         if self.count == 0:
@@ -172,6 +176,7 @@ async def _run(
             work.mkdir(parents=True, exist_ok=True)
             weights = Path(tmp) / "weights"
             engines = EngineProcesses(config.engines, serving_cpus, Path(tmp))
+            stop.engines = engines
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
             factory = LocalSandboxFactory(work, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
@@ -208,7 +213,8 @@ async def _run(
                 if runtime is not None:
                     for client in runtime.pool.by_name.values():
                         await client.aclose()
-                engines.stop()
+                stop.shutting_down = True
+                await asyncio.to_thread(engines.stop)  # the loop keeps taking signals meanwhile
     finally:
         for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
