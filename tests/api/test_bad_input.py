@@ -160,7 +160,7 @@ def test_operator_actions_need_the_operator_token(server: str) -> None:
 def test_a_view_token_guards_reads_and_gives_no_operator_rights(
     tmp_path_factory: pytest.TempPathFactory, backend_url: str
 ) -> None:
-    from conftest import make_settings, serving
+    from api_support import make_settings, serving
 
     settings = make_settings(tmp_path_factory.mktemp("view"), backend_url, view_token="viewer-token-1")
     with serving(settings) as url:
