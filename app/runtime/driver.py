@@ -220,7 +220,9 @@ class Runtime:
     async def run(self, batches: int | None = None, duration_s: float | None = None) -> RunState:
         if batches is None and duration_s is None:
             raise ValueError("a run needs a number of batches or a duration")
-        self._time = asyncio.get_running_loop().time
+        loop = asyncio.get_running_loop()
+        self._time = loop.time
+        self.bus.bind_loop(loop)
         self.state.started_at = self.now()
         self._run_target = (batches, duration_s)
         self._publish(
@@ -248,6 +250,7 @@ class Runtime:
         finally:
             self._publish_run_ended(sys.exc_info()[1])
             self._time = _loop_time
+            self.bus.bind_loop(None)
         return self.state
 
     def _begin_shutdown(self) -> None:

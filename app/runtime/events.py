@@ -151,6 +151,7 @@ class EventBus:
     def __init__(self, run_id: str, clock: Callable[[], float] = _loop_time, first_seq: int = 0) -> None:
         self.run_id = run_id
         self._clock = clock
+        self._loop_clock = clock is _loop_time
         self._seq = first_seq  # a run resumed from its store continues its sequence
         self._subscribers: list[Subscriber] = []
         self._sinks: list[_SinkWorker] = []
@@ -158,6 +159,13 @@ class EventBus:
     @property
     def published(self) -> int:
         return self._seq
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """A bus on the default clock (the running loop's) reads `loop`'s clock directly until it is
+        unbound with None: the runtime binds the loop it runs on, which saves a loop lookup per event.
+        A bus given its own clock keeps it."""
+        if self._loop_clock:
+            self._clock = _loop_time if loop is None else loop.time
 
     def subscribe(self, fn: Subscriber) -> None:
         self._subscribers.append(fn)
