@@ -55,9 +55,7 @@ class Fault:
 
 
 FAULTS = [
-    Fault(
-        "engine process killed mid-turn", "kill -STOP {e0}; sleep 2; kill -9 {e0}", after_first_batch=False
-    ),
+    Fault("engine process killed mid-turn", "kill -STOP {e0}; sleep 2; kill -9 {e0}"),
     Fault(
         "engine's child process killed",
         "kill -9 $(curl -s localhost:{port1}/debug/fault | jq .child_pid)",

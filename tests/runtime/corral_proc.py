@@ -183,6 +183,17 @@ class CorralRun:
                 time.sleep(0.05)
         return pids
 
+    def wait_turn_in_flight(self, pid: int, timeout_s: float = 60.0) -> None:
+        """Until engine `pid` has a turn running or queued (the run is past its start-up)."""
+        url = f"http://127.0.0.1:{self.engine_port(pid)}/stats"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = httpx.get(url, timeout=5).json()
+            if stats["running"] + stats["queued"] > 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"no turn on engine {pid} within {timeout_s}s:\n{self.text()}")
+
     # -- ending ---------------------------------------------------------------------------------------
 
     def ctrl_c(self) -> None:

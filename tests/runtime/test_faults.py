@@ -221,8 +221,9 @@ def test_kill_9_of_an_engine_mid_turn_during_corral_run(tmp_path: Path) -> None:
     run = CorralRun(tmp_path, ["--batches", "50"])
     try:
         victim, _ = run.wait_engines_ready()
+        run.wait_turn_in_flight(victim)
         os.kill(victim, signal.SIGSTOP)  # its turns stay in flight...
-        time.sleep(2.0)
+        time.sleep(1.0)
         os.kill(victim, signal.SIGKILL)  # ...and are cut off mid-turn
         report = run_until_recovered(run)
     finally:
