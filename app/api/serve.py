@@ -72,7 +72,7 @@ def demo_run(kind: str) -> RunCreate:
     if kind == "sim":
         return RunCreate(name="demo", kind=RunKind.SIM, trainer=TrainerKind.SENTINEL)
     try:
-        config = load_config(default_config_path())
+        config = load_config(default_config_path().with_name("demo.yaml"))
     except LocalRunError as exc:
         fail(str(exc))
     return RunCreate(name="demo", kind=RunKind.LOCAL, config=config, trainer=TrainerKind.SENTINEL)
