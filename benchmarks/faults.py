@@ -52,10 +52,16 @@ class Fault:
     after_first_batch: bool = True
     debug: bool = False
     signal_run: bool = False  # the command stops the run: count what the report says, not batches after
+    turn_on_e0: bool = False  # wait until engine 0 has a turn in flight (GET /stats) before the command
 
 
 FAULTS = [
-    Fault("engine process killed mid-turn", "kill -STOP {e0}; sleep 2; kill -9 {e0}"),
+    Fault(
+        "engine process killed mid-turn",
+        "kill -STOP {e0}; sleep 1; kill -9 {e0}",
+        after_first_batch=False,
+        turn_on_e0=True,
+    ),
     Fault(
         "engine's child process killed",
         "kill -9 $(curl -s localhost:{port1}/debug/fault | jq .child_pid)",
@@ -131,6 +137,11 @@ def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:
             while not any(BATCH_LINE.search(line) for line in list(lines)):
                 time.sleep(0.05)
         (e0, port0), (e1, port1) = engines
+        while fault.turn_on_e0:
+            stats = httpx.get(f"http://127.0.0.1:{port0}/stats", timeout=5).json()
+            if stats["running"] + stats["queued"] > 0:
+                break
+            time.sleep(0.02)
         command = fault.command.format(run=proc.pid, e0=e0, e1=e1, port0=port0, port1=port1)
         subprocess.run(["bash", "-c", command], check=False, capture_output=True)
         code = proc.wait(timeout=600)
