@@ -387,6 +387,8 @@ class Runtime:
     def _apply(self, decisions: list[Decision]) -> None:
         """Publish the scheduler's group events, then carry out its decisions, in order."""
         self._publish_group_events()
+        if not decisions:  # most events (a turn done) decide nothing
+            return
         pending = deque(decisions)
         while pending:
             decision = pending.popleft()

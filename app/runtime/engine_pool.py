@@ -112,7 +112,7 @@ class EnginePool:
         self.wake()
 
     def wake(self) -> None:
-        if choose_engine(self.active, self.slots, self.plan.routable) is None:
+        if not self._waiters or choose_engine(self.active, self.slots, self.plan.routable) is None:
             return
         while self._waiters:
             waiter = self._waiters.popleft()
