@@ -42,6 +42,7 @@ from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
 from app.runtime.trainer import SentinelTrainer
+from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.spec import TaskSpec
 
@@ -178,7 +179,11 @@ async def _run(
             engines = EngineProcesses(config.engines, serving_cpus, Path(tmp))
             stop.engines = engines
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
-            factory = LocalSandboxFactory(work, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
+            factory = LocalSandboxFactory(
+                work,
+                isolation=config.sandbox.isolation,  # type: ignore[arg-type]
+                lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
+            )
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
 

@@ -132,6 +132,7 @@ async def _local_ports(
     from app.agent.loop import ShellAgent, ShellAgentConfig
     from app.runtime.engine_procs import EngineProcesses
     from app.runtime.task_source import TaskSource, load_tasks
+    from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
     from app.sandboxes.local import LocalSandboxFactory
 
     config = spec.config
@@ -148,7 +149,11 @@ async def _local_ports(
         await asyncio.to_thread(engines.start)
         await engines.wait_healthy()
         clients = list(engines.clients())
-        factory = LocalSandboxFactory(sandboxes, isolation=config.sandbox.isolation)  # type: ignore[arg-type]
+        factory = LocalSandboxFactory(
+            sandboxes,
+            isolation=config.sandbox.isolation,  # type: ignore[arg-type]
+            lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
+        )
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
             engines=clients,
