@@ -37,11 +37,26 @@ _ID_PREFIX = uuid.uuid4().hex[:16]
 _ID_COUNTER = itertools.count()
 
 
+def _pid_prefix() -> str:
+    return f"{_ID_PREFIX}-{os.getpid():x}-"
+
+
+_ID_PID_PREFIX = _pid_prefix()
+
+
+def _after_fork() -> None:
+    global _ID_PID_PREFIX
+    _ID_PID_PREFIX = _pid_prefix()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def new_op_id() -> str:
     """A fresh op id, unique across processes and hosts: a random prefix drawn once per process, the pid
-    (forked children share the prefix), and a counter (a uuid4 per op costs several µs in the
-    simulator's hot path)."""
-    return f"{_ID_PREFIX}-{os.getpid():x}-{next(_ID_COUNTER):x}"
+    (forked children share the prefix; the pid part is renewed in the child at a fork), and a counter
+    (a uuid4 per op costs several µs in the simulator's hot path)."""
+    return f"{_ID_PID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class LaneOpError(ValueError):
