@@ -15,6 +15,7 @@ Definitions shown on the pages:
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,6 +44,7 @@ from app.core.events import (
     VersionPublished,
     envelope_from_dict,
 )
+from app.sim.bound import lower_bound_s
 
 STRAGGLER_RATIO = 1.5
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
@@ -158,6 +160,7 @@ class RunView:
     staleness: dict[int, int]  # staleness -> delivered groups
     attribution: WaitAttribution | None
     lower_bound_s: float | None = None
+    lower_bound_observed: bool = False  # the bound over observed group durations (live runs)
     label: str = ""
     last_seq: int = -1
     detailed: bool = True  # False: group-level rows only (a report without its event log)
@@ -453,12 +456,31 @@ class RunViewBuilder:
             audit=list(self.audit),
             staleness=dict(sorted(self.staleness.items())),
             attribution=attribution,
-            lower_bound_s=meta.lower_bound_s,
+            lower_bound_s=meta.lower_bound_s
+            if meta.lower_bound_s is not None
+            else _observed_bound(self.durations, self.batches, policy),
+            lower_bound_observed=meta.lower_bound_s is None and bool(self.batches),
             label=meta.label,
             last_seq=self.last_seq,
             pending_request=self.pending if state in ("running", "paused", "stopping") else None,
             dropped_groups=self.dropped_groups,
         )
+
+
+def _observed_bound(
+    durations: Sequence[float], batches: Sequence[BatchRow], policy: Mapping[str, Any]
+) -> float | None:
+    """The clairvoyant bound of `app.sim.bound` over the run's observed group durations (admission to
+    completion): still a lower bound on this run's mean batch collection time, since each delivered
+    group took its observed duration, at most B + S were live at once and the trainer's step is the
+    shortest seen. A live run knows no uncontended durations, so this is the bound it can state."""
+    b = policy.get("groups_per_batch")
+    s = policy.get("surplus_groups")
+    if not batches or not isinstance(b, int) or not isinstance(s, int) or b < 1:
+        return None
+    steps = [nxt.requested - cur.delivered for cur, nxt in itertools.pairwise(batches)]
+    step_s = max(0.0, min(steps)) if steps else 0.0
+    return lower_bound_s(durations, len(batches), b, b + s, step_s)
 
 
 def view_from_events(

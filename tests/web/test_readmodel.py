@@ -216,3 +216,16 @@ def test_a_span_budget_also_bounds_the_ended_groups_kept():
     assert 1 <= len(ended) < 24
     assert kept_spans <= 100 + max(len(t.spans) for t in view.trajectories.values()) * 2  # the last may cross
     assert view.dropped_groups + len(view.groups) == 24
+
+
+def test_a_live_run_states_the_bound_over_its_observed_group_durations():
+    view, _ = make_view(groups=12, group_size=3, batch_groups=3)
+    assert view.lower_bound_observed
+    assert view.lower_bound_s is not None
+    # A lower bound on this run's own mean: every batch waited for groups whose observed durations
+    # the bound takes as given, so the run cannot have beaten it.
+    assert 0 < view.lower_bound_s <= view.mean_collection_s
+    owned = view_from_events("run-1", synthetic_run(groups=12, group_size=3, batch_groups=3),
+                             RunMeta(lower_bound_s=1.5))  # fmt: skip
+    assert owned.lower_bound_s == 1.5
+    assert not owned.lower_bound_observed
