@@ -505,7 +505,7 @@ class _TraceLine(Strict):
 def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
     """Read a JSON Lines trace: one recorded attempt per line, grouped by task."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise WorkloadError(f"trace.path: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -522,7 +522,7 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"trace {path}, line {lineno}: not JSON ({exc.msg})") from None
         except ValidationError as exc:
-            raise WorkloadError(f"trace {path}, line {lineno}: {_problems(exc)}") from None
+            raise WorkloadError(f"trace {path}, line {lineno}: {problems(exc)}") from None
         turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
         agent_s = sum(t.llm_s + t.tool_s for t in turns) if turns else rec.agent_s
         by_task.setdefault(rec.task, []).append(
@@ -533,10 +533,6 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
     return by_task
 
 
-def _problems(exc: ValidationError) -> str:
-    return problems(exc)
-
-
 def parse_workload(data: Any, source: str = "workload") -> Workload:
     if data is None:
         data = {}
@@ -545,7 +541,7 @@ def parse_workload(data: Any, source: str = "workload") -> Workload:
     try:
         workload = Workload.model_validate(data)
     except ValidationError as exc:
-        raise WorkloadError(f"{source}: {_problems(exc)}") from None
+        raise WorkloadError(f"{source}: {problems(exc)}") from None
     if workload.trace is not None:
         load_trace(workload.trace.path)  # refuse an empty or malformed trace now, not mid-run
     return workload
@@ -560,7 +556,7 @@ def load_workload(path: Path | None) -> Workload:
     if str(path) in FAMILY and not Path(path).exists():
         return builtin_workload(str(path))  # a built-in workload of the bench family, by name
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
