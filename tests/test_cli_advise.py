@@ -62,3 +62,26 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
     assert (tmp_path / "advice.png").stat().st_size > 0
     assert "settings simulated" in done.stderr
+
+
+def test_ctrl_c_to_the_process_group_ends_advise_quietly(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", "cpu-scarce", "--passes", "1", "--workers", "2",
+         "--json", "advice.json"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    time.sleep(5)  # the worker pool is simulating by now
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted after" in stderr
+    assert "Traceback" not in stderr
+    assert "Task was destroyed" not in stderr
+    assert not (tmp_path / "advice.json").exists()
+    leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures.process import BrokenProcessPool
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -76,7 +77,12 @@ def advise(
         def on_run(done: int, planned: int) -> None:
             progress.update(task, completed=done, total=planned)
 
-        advice = run_advice(spec, passes=passes, workers=workers, on_run=on_run)
+        try:
+            advice = run_advice(spec, passes=passes, workers=workers, on_run=on_run)
+        except (KeyboardInterrupt, BrokenProcessPool):
+            done = progress.tasks[0].completed
+            say(f"interrupted after {done:.0f} settings simulated; {json_out} not written")
+            raise typer.Exit(130) from None
     result = advice.as_dict()
     write_json(json_out, result)
     if plot is not None:

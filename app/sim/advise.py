@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -164,6 +165,12 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
     )
 
 
+def _exit_on_interrupt() -> None:
+    """In each worker: Ctrl-C (sent to the whole process group) ends the worker at once and quietly;
+    the parent gets the same signal and says what happened."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
 def _rank(outcome: Outcome) -> tuple[float, float]:
     return (outcome.batch_collection_s, outcome.wasted_trajectory_s)
 
@@ -181,7 +188,7 @@ def advise(
     start = current_settings(workload)
     seen: dict[Settings, Outcome] = {}
     planned = 1
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_exit_on_interrupt) as pool:
 
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]
