@@ -102,8 +102,11 @@ class LaneConfig(BaseModel):
 class LanesConfig(BaseModel):
     """The four lanes and the serving CPUs they must stay off.
 
-    Lanes may share CPUs with one another (a 2-core machine has one CPU for all of them), never with
-    serving: that is what keeps tool calls from preempting model turns.
+    Lanes may share CPUs with one another (a 2-core machine has one CPU for all of them), and by default
+    never with serving: that is what keeps tool calls from preempting model turns. With
+    `borrow_serving_cpus` the lanes may also run on serving CPUs, where the runtime gives sandbox work a
+    low CPU weight so that serving keeps priority and the lanes take only the cycles it leaves idle (for a
+    machine too small to give the engines a whole core they don't use).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -113,6 +116,9 @@ class LanesConfig(BaseModel):
     validate_: LaneConfig = Field(alias="validate")
     cleanup: LaneConfig
     serving_cpus: tuple[int, ...] = Field(description="CPUs of model serving")
+    borrow_serving_cpus: bool = Field(
+        False, description="lanes may use serving CPUs too, at a CPU weight far below serving's"
+    )
 
     @model_validator(mode="after")
     def _off_serving(self) -> LanesConfig:
@@ -121,8 +127,11 @@ class LanesConfig(BaseModel):
             if not lane.cpus:
                 raise ValueError(f"lane {name} needs a CPU set")
             shared = sorted(serving & set(lane.cpus))
-            if shared:
-                raise ValueError(f"lane {name} shares CPUs {shared} with serving; lanes must stay off them")
+            if shared and not self.borrow_serving_cpus:
+                raise ValueError(
+                    f"lane {name} shares CPUs {shared} with serving; lanes must stay off them"
+                    " (or set borrow_serving_cpus, which runs sandbox work there at a low CPU weight)"
+                )
         return self
 
     def by_name(self) -> dict[str, LaneConfig]:

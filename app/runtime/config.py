@@ -104,6 +104,11 @@ class LocalLanesConfig(_Strict):
     exec: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent tool calls")
     validate_: int = Field(1, ge=1, le=MAX_LANE_SLOTS, strict=True, alias="validate")
     cleanup: int = _count(1, 1, MAX_LANE_SLOTS, "concurrent cleanups")
+    borrow_serving_cpus: bool = Field(
+        False,
+        strict=True,
+        description="lanes.cpus may include engines.cpus: sandbox work runs there at a low CPU weight",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -145,6 +150,7 @@ class LocalRunConfig(_Strict):
                 "validate": {"slots": self.lanes.validate_, "cpus": cpus},
                 "cleanup": {"slots": self.lanes.cleanup, "cpus": cpus},
                 "serving_cpus": tuple(self.engines.cpus),
+                "borrow_serving_cpus": self.lanes.borrow_serving_cpus,
             }
         )
 

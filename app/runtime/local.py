@@ -183,6 +183,7 @@ async def _run(
                 work,
                 isolation=config.sandbox.isolation,  # type: ignore[arg-type]
                 lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
+                borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
             )
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
@@ -237,6 +238,7 @@ async def _run(
     report["cpus"] = {
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,
+        "lanes_borrow_serving": policy.pinned_lanes and config.lanes.borrow_serving_cpus,
     }
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
     report["turn_latency_s"] = _turn_latency(state)

@@ -109,6 +109,9 @@ class RunProgress:
         lanes = config.lanes
         slots = f"reset {lanes.reset}, exec {lanes.exec}, validate {lanes.validate_}, cleanup {lanes.cleanup}"
         where = f"on CPUs {format_cpu_list(lanes.cpus)}" if pinned_lanes else "sharing every CPU with serving"
+        borrowed = sorted(set(lanes.cpus) & set(serving_cpus))
+        if pinned_lanes and lanes.borrow_serving_cpus and borrowed:
+            where += f" (on serving CPUs {format_cpu_list(borrowed)} only with what serving leaves idle)"
         self.line(f"sandbox lanes (slots: {slots}) {where}")
 
     async def wait_for_engines(self, engines: _Engines, every_s: float = 0.5) -> None:

@@ -104,6 +104,36 @@ def prepare_share(lane: str, weight: int, *, root: Path = CGROUP_ROOT) -> ShareP
     return None
 
 
+# The lanes' parent group against serving when lanes borrow serving CPUs (`borrow_serving_cpus`). On
+# cgroup v1 the engines sit in the root group, where each runnable thread weighs 1024 against the whole
+# parent group; 64 leaves the lanes about 6% of a serving CPU while an engine thread wants it, and all
+# of it while serving is idle. v2 weights are 100 by default: 6 is the same proportion.
+BORROWING_SHARES_V1 = 64
+BORROWING_WEIGHT_V2 = 6
+DEFAULT_SHARES_V1 = 1024
+DEFAULT_WEIGHT_V2 = 100
+
+
+def set_lanes_priority(borrowing: bool, *, root: Path = CGROUP_ROOT) -> int | None:
+    """Give all lanes together a low CPU weight against serving (borrowing serving CPUs) or the
+    default; returns the weight now held by the kernel, None where no cpu controller is writable."""
+    method = share_method(root)
+    try:
+        if method == "cgroup1":
+            parent = root / "cpu" / GROUP_PREFIX
+            value, name = (BORROWING_SHARES_V1 if borrowing else DEFAULT_SHARES_V1), "cpu.shares"
+        elif method == "cgroup2":
+            parent = root / f"{GROUP_PREFIX}-lanes"
+            value, name = (BORROWING_WEIGHT_V2 if borrowing else DEFAULT_WEIGHT_V2), "cpu.weight"
+        else:
+            return None
+        parent.mkdir(exist_ok=True)
+        _write_if_changed(parent / name, str(value))
+        return int((parent / name).read_text())
+    except OSError as exc:
+        raise ShareError(f"the lanes' cpu group ({method}): {exc}") from exc
+
+
 def read_weight(placement: SharePlacement) -> int:
     """The weight the kernel holds for the lane's group now (read back, not remembered)."""
     group = placement.procs_file.parent

@@ -159,6 +159,7 @@ class LocalSandboxFactory:
         pin_method: str | None = None,
         cgroup_root: Path = cpuset.CGROUP_ROOT,
         lane_weights: Mapping[str, int] | None = None,
+        borrow_serving: bool = False,
     ) -> None:
         if output_limit <= 0:
             raise SandboxError(f"output_limit must be positive, got {output_limit}")
@@ -180,6 +181,13 @@ class LocalSandboxFactory:
                 )
                 break
             self.lane_shares[lane] = placement
+        # Lanes on serving CPUs too: all lanes together yield to serving there (and are reset to the
+        # default weight by a run that doesn't borrow, since the group outlives runs).
+        self.lanes_weight = (
+            cpushare.set_lanes_priority(borrow_serving, root=cgroup_root) if self.lane_shares else None
+        )
+        if borrow_serving and self.lanes_weight is None:
+            log.warning("lanes borrow serving CPUs, but no cpu cgroup is writable: equals there")
 
         self.bwrap_flags: tuple[str, ...] = ()
         self.bwrap_path: str | None = None
