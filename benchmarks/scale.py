@@ -95,8 +95,9 @@ def run_scale(
         "surplus_groups": surplus,
         "batches": report["batches"],
         "lost_groups": report["lost_groups"],
-        "max_groups_in_flight": report["max_groups_in_flight"],
-        "trajectories_in_flight": report["max_groups_in_flight"] * group_size,
+        # `full` admits in flight: B + S caps the groups running; ready ones wait outside it.
+        "max_groups_in_flight": report["max_groups_running"],
+        "trajectories_in_flight": report["max_groups_running"] * group_size,
         "admitted_groups": report["admitted_groups"],
         "turns": report["turns"],
         "events": report["events"],

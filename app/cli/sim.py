@@ -62,12 +62,13 @@ def sim(
         Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
     ] = None,
     admission: Annotated[
-        AdmissionMode,
+        AdmissionMode | None,
         typer.Option(
             help="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
-            "group holds no sandbox and no engine slot)"
+            "group holds no sandbox and no engine slot); default: in_flight for full, live for the "
+            "other rungs"
         ),
-    ] = AdmissionMode.LIVE,
+    ] = None,
     ready_surplus: Annotated[
         int | None,
         typer.Option(
@@ -86,16 +87,18 @@ def sim(
     spec = load(workload)
     if surplus is not None:
         check_surplus(spec, surplus, "--surplus")
-    if ready_surplus is not None and admission is AdmissionMode.LIVE:
-        fail("--ready-surplus: only with --admission in_flight")
     overrides: dict[str, Any] = {
         k: v for k, v in {"surplus_groups": surplus, "max_staleness": max_staleness}.items() if v is not None
     }
-    overrides |= {"admission": admission, "ready_surplus": ready_surplus}
+    overrides |= {
+        k: v for k, v in {"admission": admission, "ready_surplus": ready_surplus}.items() if v is not None
+    }
     try:
         pol = policy_for(spec, policy.value, **overrides)
     except ValidationError as exc:
         fail(problems(exc, FLAGS))
+    if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
+        fail("--ready-surplus: only with --admission in_flight")
     with progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
         report = simulate(

@@ -86,7 +86,11 @@ class PolicyConfig(BaseModel):
             PolicyName.LANES: {"completion_order": True, "pinned_lanes": True, "rolling_updates": False},
             PolicyName.FULL: {"completion_order": True, "pinned_lanes": True, "rolling_updates": True},
         }
-        data = {**overrides, **table[rung]}
+        # Defaults a rung picks that the caller may override. `full` admits in flight: a ready group
+        # holds no sandbox and no engine slot, so B + S caps only what runs (measured in
+        # docs/simulator.md); K still ages ready groups out.
+        defaults = {PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT}}
+        data = {**defaults.get(rung, {}), **overrides, **table[rung]}
         return cls.model_validate(data)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.advantages import grpo_advantages
-from app.core.config import PolicyConfig
+from app.core.config import AdmissionMode, PolicyConfig
 from app.core.events import GroupAdmitted, GroupDelivered, GroupDiscarded, GroupReady
 from app.core.scheduler import CancelGroup, DeliverBatch, DiscardReason, GroupState, Scheduler, StartGroup
 
@@ -268,3 +268,29 @@ def test_the_staleness_check_survives_python_dash_o() -> None:
     proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "0", "1"]  # optimised; no batch delivered; one stale group caught
+
+
+@pytest.mark.parametrize(
+    ("rung", "overrides", "expected"),
+    [
+        ("full", {}, AdmissionMode.IN_FLIGHT),
+        ("full", {"admission": "live"}, AdmissionMode.LIVE),
+        ("lanes", {}, AdmissionMode.LIVE),
+        ("sync", {}, AdmissionMode.LIVE),
+    ],
+)
+def test_full_admits_in_flight_unless_told_otherwise(
+    rung: str, overrides: dict[str, object], expected: AdmissionMode
+) -> None:
+    assert PolicyConfig.ladder(rung, **overrides).admission is expected
+
+
+def test_in_flight_admission_refills_while_ready_groups_wait_for_their_batch() -> None:
+    s = Scheduler(make_policy(groups_per_batch=2, surplus_groups=0, admission="in_flight"))
+    assert starts(s.on_start(0.0)) == [0, 1]
+    # A ready group holds no sandbox and no engine slot: its place in flight goes to the next group.
+    assert starts(finish_group(s, 0, 1.0)) == [2]
+    assert (s.groups_running, s.groups_ready) == (2, 1)
+    s.on_batch_requested(1.5)
+    delivered = [d for d in finish_group(s, 2, 2.0) if isinstance(d, DeliverBatch)]
+    assert [g.group_id for g in delivered[0].groups] == [0, 2]
