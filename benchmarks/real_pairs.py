@@ -1,0 +1,161 @@
+"""Real runs, `full` against `sync`, back to back on this machine: the issue-9 check that the techniques
+win for real, not only in the simulator.
+
+    python -m benchmarks.real_pairs [--pairs 3] [--batches 6] [--out docs/runs] [--config FILE]
+
+Each pair is `corral run --policy full --batches N --json OUT/pairI-full.json`, then the same with
+`--policy sync`, on the default config (or `--config`). Every figure comes from the runs' own reports:
+mean and p90 batch collection time, the ratio sync/full of the means (> 1 means `full` was faster), and
+what each trainer waited on (`wait_attribution`). It prints a table and the median ratio, and writes
+OUT/pairs.json (the summary) and OUT/pairs.png (mean batch collection time per pair). The load average
+before each run is recorded: on a shared machine a pair is only comparable when both runs saw the same.
+
+Ctrl-C stops the run in progress (it still writes its report) and summarises the runs that finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("full", "sync")
+
+
+def check_writable(out: Path) -> None:
+    """Refuse an output folder that can't be written before any run starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        sys.exit(f"real_pairs: cannot write to {out}: {exc.strerror or exc}")
+
+
+def run_one(policy: str, batches: int, report: Path, config: Path | None, label: str) -> dict[str, Any]:
+    argv = [sys.executable, "-c", "from app.cli import main; main()", "run", "--policy", policy,
+            "--batches", str(batches), "--json", str(report)]  # fmt: skip
+    if config is not None:
+        argv += ["--config", str(config)]
+    load = os.getloadavg()[0]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            print(f"  [{label} {policy}] {line.rstrip()}", flush=True)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        code = proc.wait()  # the child got the same Ctrl-C: it ends its step and writes its report
+    wall = time.monotonic() - started
+    if not report.exists():
+        return {"policy": policy, "exit_code": code, "error": "no report written"}
+    data = json.loads(report.read_text())
+    collection = data["batch_collection_s"]
+    return {
+        "policy": policy,
+        "report": str(report),
+        "exit_code": code,
+        "batches": data["batches"],
+        "mean_s": collection["mean"],
+        "p90_s": collection["p90"],
+        "per_batch_s": collection["per_batch"],
+        "lower_bound_s": data.get("lower_bound_s"),
+        "waited": data["wait_attribution"]["summary"],
+        "lost_groups": data["lost_groups"],
+        "load_before": round(load, 2),
+        "wall_s": round(wall, 1),
+    }
+
+
+def summarise(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    complete = [p for p in pairs if all(p.get(k, {}).get("mean_s") for k in POLICIES)]
+    for pair in complete:
+        pair["ratio_sync_over_full"] = round(pair["sync"]["mean_s"] / pair["full"]["mean_s"], 3)
+    ratios = [p["ratio_sync_over_full"] for p in complete]
+    return {
+        "pairs": pairs,
+        "median_ratio_sync_over_full": statistics.median(ratios) if ratios else None,
+        "full_faster_in": sum(r > 1 for r in ratios),
+        "complete_pairs": len(complete),
+    }
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [p for p in summary["pairs"] if "ratio_sync_over_full" in p]
+    if not pairs:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    xs = range(len(pairs))
+    for offset, policy, colour in ((-0.2, "full", "#2a7"), (0.2, "sync", "#c74")):
+        means = [p[policy]["mean_s"] for p in pairs]
+        p90s = [p[policy]["p90_s"] for p in pairs]
+        ax.bar([x + offset for x in xs], means, width=0.38, color=colour, label=f"{policy} mean")
+        ax.scatter([x + offset for x in xs], p90s, color="black", marker="_", s=200, zorder=3)
+    ax.set_xticks(list(xs), [f"pair {p['pair']}\n{p['ratio_sync_over_full']:.2f}×" for p in pairs])
+    ax.set_ylabel("batch collection time (s)")
+    ax.set_title("real corral runs: mean (bars) and p90 (ticks); sync/full under each pair")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=3, choices=range(1, 21), metavar="1..20")
+    parser.add_argument("--batches", type=int, default=6, choices=range(1, 101), metavar="1..100")
+    parser.add_argument("--out", type=Path, default=Path("docs/runs"))
+    parser.add_argument("--prefix", default="pair")
+    parser.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args()
+    if args.config is not None and not args.config.is_file():
+        sys.exit(f"real_pairs: no config file at {args.config}")
+    check_writable(args.out)
+    pairs: list[dict[str, Any]] = []
+    try:
+        for i in range(1, args.pairs + 1):
+            pair: dict[str, Any] = {"pair": i}
+            pairs.append(pair)
+            for policy in POLICIES:
+                print(f"pair {i}/{args.pairs}: {policy}", flush=True)
+                report = args.out / f"{args.prefix}{i}-{policy}.json"
+                pair[policy] = run_one(policy, args.batches, report, args.config, f"{i}/{args.pairs}")
+    except KeyboardInterrupt:
+        print("stopped: summarising the runs that finished", flush=True)
+    summary = summarise(pairs)
+    (args.out / f"{args.prefix}s.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, args.out / f"{args.prefix}s.png")
+    print("\n| pair | full mean (p90) s | sync mean (p90) s | sync/full | load before full, sync |")
+    print("| --- | --- | --- | --- | --- |")
+    for p in summary["pairs"]:
+        if "ratio_sync_over_full" not in p:
+            continue
+        f, s = p["full"], p["sync"]
+        means = f"{f['mean_s']:.1f} ({f['p90_s']:.1f}) | {s['mean_s']:.1f} ({s['p90_s']:.1f})"
+        loads = f"{f['load_before']}, {s['load_before']}"
+        print(f"| {p['pair']} | {means} | {p['ratio_sync_over_full']:.2f}× | {loads} |")
+    median = summary["median_ratio_sync_over_full"]
+    if median is not None:
+        print(f"\nmedian sync/full: {median:.2f}×; full faster in {summary['full_faster_in']} of "
+              f"{summary['complete_pairs']} pairs")  # fmt: skip
+    for p in summary["pairs"]:
+        for policy in POLICIES:
+            if policy in p and "waited" in p[policy]:
+                print(f"pair {p['pair']} {policy}: {p[policy]['waited']}")
+
+
+if __name__ == "__main__":
+    main()
