@@ -6,20 +6,26 @@ exit code 2, never a traceback (click's usage errors included); long work shows 
 
 from __future__ import annotations
 
-import sys
-from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated
+from app import early_signals
 
-import typer
-from typer.exceptions import TyperException
+# First, before the heavy imports below: a Ctrl-C from here on is held, not a KeyboardInterrupt inside
+# an import. `corral run` takes it (and stops with a report); every other command releases it.
+early_signals.hold()
 
-from app.api.serve import serve
-from app.cli.advise import advise, trace_app
-from app.cli.common import err, fail
-from app.cli.engine import engine
-from app.cli.run import run
-from app.cli.sim import bench, sim
-from app.cli.worker import worker
+import sys  # noqa: E402
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+import typer  # noqa: E402
+from typer.exceptions import TyperException  # noqa: E402
+
+from app.api.serve import serve  # noqa: E402
+from app.cli.advise import advise, trace_app  # noqa: E402
+from app.cli.common import err, fail  # noqa: E402
+from app.cli.engine import engine  # noqa: E402
+from app.cli.run import run  # noqa: E402
+from app.cli.sim import bench, sim  # noqa: E402
+from app.cli.worker import worker  # noqa: E402
 
 HELP = """Corral: keep the GRPO trainer fed with fresh, valid, trainable batches.
 
@@ -55,12 +61,15 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     show_version: Annotated[
         bool,
         typer.Option("--version", is_eager=True, callback=_show_version, help="print the version and exit"),
     ] = False,
 ) -> None:
     """Corral: keep the GRPO trainer fed."""
+    if ctx.invoked_subcommand != "run" and early_signals.release():
+        raise typer.Abort()  # Ctrl-C while corral was still loading: this command never starts
 
 
 def main() -> None:

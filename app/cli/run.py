@@ -67,3 +67,6 @@ def run(
     except LocalRunError as exc:
         fail(str(exc))
     finish(report, json_out, plot, f"{report['restarted_trajectories']} restarted trajectories")
+    if report.get("error"):  # the run could not go on (every engine given up): the report says why
+        err.print(f"error: {report['error']}", markup=False)
+        raise typer.Exit(1)

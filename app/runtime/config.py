@@ -86,6 +86,9 @@ class EnginesConfig(_Strict):
     restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
     restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
     turn_retries: int = _count(3, 0, 100, "failures of one turn on engines that stay up, before it fails")
+    max_restarts: int = _count(
+        10, 0, 1000, "restarts in a row that fail or do not last before an engine is given up; 0: never"
+    )
 
     @field_validator("count")
     @classmethod

@@ -106,6 +106,7 @@ class EngineRecord:
     restarts: int = 0
     up_since: float = 0.0  # when it last came back; a failure soon after continues the backoff
     backoff_s: float = 0.0  # wait before its next restart
+    crash_tries: int = 0  # restart tries since it last served a while; `max_restarts` caps them
 
 
 @dataclass
@@ -122,6 +123,7 @@ class RunState:
     engine_events: list[tuple[float, str, str, str]] = field(default_factory=list)  # t, engine, state, detail
     turn_retries: int = 0  # turns sent again after an engine failed under them
     all_down_s: float = 0.0  # time with every engine down (turns waited for a restart)
+    given_up: dict[str, str] = field(default_factory=dict)  # engines no longer restarted, and why
     trainer_wait_s: float = 0.0
 
 
@@ -207,6 +209,7 @@ class Runtime:
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._all_down_since: float | None = None
         self._health_watch: asyncio.Task[None] | None = None
+        self._down_at_start: dict[str, str] = {}  # engines dead before the run began: restarted first
         self.phase = "startup"  # startup, collecting, trainer_step, stopping: where a stop landed
         # The clock: the running loop's, looked up per call until `run` binds the loop it runs on (a
         # lookup per call was a measurable share of the simulator's time).
@@ -236,6 +239,8 @@ class Runtime:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 self.phase = "collecting"
+                for name, detail in self._down_at_start.items():
+                    self._engine_down(name, detail)
                 if self.faults.health_interval_s is not None:
                     self._health_watch = tg.create_task(self._watch_health(self.faults.health_interval_s))
                 self._apply(self.scheduler.on_start(self.now()))
@@ -253,12 +258,16 @@ class Runtime:
             self.bus.bind_loop(None)
         return self.state
 
+    def engine_down_at_start(self, name: str, detail: str) -> None:
+        """Engine `name` died before the run began: the run starts with it down and restarts it."""
+        self._down_at_start[name] = detail
+
     def _begin_shutdown(self) -> None:
         # The run's measured span ends with the trainer; draining cleanups after it is housekeeping.
         self.state.ended_at = self.now()
         self._stopping = True
         self.phase = "stopping"
-        self._all_down_ended()
+        self._all_down_ended(back=False)
         for task in self._recoveries.values():
             task.cancel()  # a restart in progress is abandoned; the engines are stopped by their owner
         if self._health_watch is not None:
@@ -673,12 +682,13 @@ class Runtime:
         if not self._stopping:
             self._recoveries[name] = self._tg.create_task(self._recover_engine(name))
 
-    def _all_down_ended(self) -> None:
+    def _all_down_ended(self, back: bool = True) -> None:
         if self._all_down_since is None:
             return
         self.state.all_down_s += self.now() - self._all_down_since
         self._all_down_since = None
-        self._engine_state("*", "serving", "an engine is back; turns flow again")
+        if back:  # not when the run merely stops
+            self._engine_state("*", "serving", "an engine is back; turns flow again")
 
     async def _recover_engine(self, name: str) -> None:
         """Restart `name` (or wait until it answers again), bring it to the newest version, and only
@@ -686,8 +696,13 @@ class Runtime:
         record = self.state.engines[name]
         if self.now() - record.up_since > self.faults.restart_backoff_max_s:
             record.backoff_s = 0.0  # it served for a while: this is a new failure, not a crash loop
+            record.crash_tries = 0
         tries = 0
+        last = "it died again soon after its last restart"
         while True:
+            if 0 < self.faults.max_restarts <= record.crash_tries:
+                self._give_up(name, f"{record.crash_tries} restarts in a row failed or did not last; {last}")
+                return
             if record.backoff_s > 0:
                 self._engine_state(name, "unhealthy", f"next restart in {record.backoff_s:g}s")
                 await asyncio.sleep(record.backoff_s)
@@ -695,6 +710,8 @@ class Runtime:
                 max(record.backoff_s * 2, self.faults.restart_backoff_s), self.faults.restart_backoff_max_s
             )
             tries += 1
+            if self.supervisor is not None:
+                record.crash_tries += 1
             try:
                 engine = await self._bring_back(name, tries)
                 version = await self._catch_up(engine)
@@ -705,6 +722,7 @@ class Runtime:
                 else:
                     log.warning("engine %s: restart %d failed: %s", name, tries, exc)
                     self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
+                last = f"the last one: {exc}"
                 continue
             break
         del self._recoveries[name]
@@ -715,6 +733,16 @@ class Runtime:
         self._do_updates(actions)
         self._all_down_ended()
         self.pool.wake()
+
+    def _give_up(self, name: str, reason: str) -> None:
+        """`name` stays down for the rest of the run; when no engine is left, the run stops."""
+        del self._recoveries[name]
+        self.state.given_up[name] = reason
+        log.error("engine %s given up: %s", name, reason)
+        self._engine_state(name, "given_up", reason)
+        if self.state.given_up.keys() == self.pool.by_name.keys():
+            self._engine_state("*", "given_up", "every engine was given up: the run stops")
+            self.request_stop()
 
     async def _bring_back(self, name: str, tries: int) -> Engine:
         if self.supervisor is None:

@@ -36,6 +36,7 @@ class EngineFaultConfig:
     restart_backoff_s: float = 1.0  # wait after a failed restart; doubles up to the maximum
     restart_backoff_max_s: float = 30.0
     turn_retries: int = 3  # failures of one turn on engines that stay up, before its attempt fails
+    max_restarts: int = 0  # restart tries in a crash loop before the engine is given up; 0: never
 
 
 class EngineSupervisor(Protocol):

@@ -7,7 +7,12 @@ Invariants:
 - every engine process started here, and every process in its process group, is stopped (by process
   group id) when the run ends, however it ends, and before a restart replaces it;
 - `restart` is the runtime's `EngineSupervisor`: it starts a fresh process on a fresh port and returns
-  a fresh client only once the engine answers its health check.
+  a fresh client only once the engine answers its health check;
+- with `exits_at_start_ok`, an engine that dies before it first answers does not fail the start-up:
+  `wait_healthy` returns without it and names it in `exited_at_start`, for the runtime to restart.
+
+Test-only: with `CORRAL_ENGINE_DEBUG=1`, the engines named in `CORRAL_ENGINE_DEBUG_FAIL_START` (a comma
+list, `*` for all) exit at every start instead of serving (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ from app.runtime.config import EnginesConfig, LocalRunError
 
 _STOP_GRACE_S = 10.0
 TURN_TIMEOUT_S = 300.0
+DEBUG_FLAG = "CORRAL_ENGINE_DEBUG"
+DEBUG_FAIL_START = "CORRAL_ENGINE_DEBUG_FAIL_START"
+
+
+def _fails_on_purpose(name: str) -> bool:
+    """Test-only: should engine `name` exit at every start (see the module docstring)?"""
+    if os.environ.get(DEBUG_FLAG) != "1":
+        return False
+    names = os.environ.get(DEBUG_FAIL_START, "").split(",")
+    return name in names or "*" in names
 
 
 def _free_port() -> int:
@@ -69,11 +84,15 @@ class EngineProcess:
 class EngineProcesses:
     """Embedded engine servers as child processes; each in its own session, stopped by process group."""
 
-    def __init__(self, config: EnginesConfig, cpus: Sequence[int], log_dir: Path) -> None:
+    def __init__(
+        self, config: EnginesConfig, cpus: Sequence[int], log_dir: Path, *, exits_at_start_ok: bool = False
+    ) -> None:
         self.config = config
         self.cpus = list(cpus)
         self.log_dir = log_dir
         self.engines: dict[str, EngineProcess] = {}
+        self.exits_at_start_ok = exits_at_start_ok
+        self.exited_at_start: dict[str, str] = {}  # engine -> how it died before it first answered
 
     def _spawn(self, name: str, port: int, log: Path) -> subprocess.Popen[bytes]:
         argv = [
@@ -86,6 +105,12 @@ class EngineProcesses:
         ]  # fmt: skip
         if self.config.sentinel:
             argv.append("--sentinel")
+        if _fails_on_purpose(name):
+            argv = [
+                sys.executable,
+                "-c",
+                f"raise SystemExit('{name}: start fails on purpose ({DEBUG_FAIL_START})')",
+            ]
         with log.open("ab") as out:
             return subprocess.Popen(
                 argv,
@@ -104,10 +129,17 @@ class EngineProcesses:
             log = self.log_dir / f"{name}.log"
             self.engines[name] = EngineProcess(name, port, log, self._spawn(name, port, log))
 
-    async def _wait_one(self, engine: EngineProcess, client: httpx.AsyncClient) -> None:
+    async def _wait_one(
+        self, engine: EngineProcess, client: httpx.AsyncClient, exit_ok: bool = False
+    ) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             if engine.proc.poll() is not None:
+                if exit_ok:
+                    self.exited_at_start[engine.name] = (
+                        f"exited with {engine.proc.returncode} during start-up"
+                    )
+                    return
                 tail = engine.log.read_text(errors="replace")[-800:]
                 raise LocalRunError(
                     f"{engine.name} (port {engine.port}) exited with {engine.proc.returncode}:\n{tail}"
@@ -124,11 +156,12 @@ class EngineProcesses:
             await asyncio.sleep(0.2)
 
     async def wait_healthy(self) -> None:
-        """Wait for every engine to answer /health; `LocalRunError` names the first that did not."""
+        """Wait for every engine to answer /health (or, with `exits_at_start_ok`, to die: see
+        `exited_at_start`); `LocalRunError` names the first that did neither in time."""
         try:
             async with httpx.AsyncClient(timeout=2.0) as client, asyncio.TaskGroup() as tg:
                 for engine in self.engines.values():
-                    tg.create_task(self._wait_one(engine, client))
+                    tg.create_task(self._wait_one(engine, client, self.exits_at_start_ok))
         except* LocalRunError as group:
             raise group.exceptions[0] from None
 

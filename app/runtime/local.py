@@ -30,6 +30,7 @@ from typing import Any
 
 from rich.console import Console
 
+from app import early_signals
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
 from app.core.events import Envelope
@@ -61,6 +62,7 @@ def fault_config(engines: EnginesConfig) -> EngineFaultConfig:
         restart_backoff_s=engines.restart_backoff_s,
         restart_backoff_max_s=engines.restart_backoff_max_s,
         turn_retries=engines.turn_retries,
+        max_restarts=engines.max_restarts,
     )
 
 
@@ -134,6 +136,8 @@ def run_local(
 
     stop = _StopSignals(say)
     previous = {sig: signal.signal(sig, stop.early) for sig in _STOP_SIGNALS}
+    for _ in early_signals.take():  # a Ctrl-C while corral was still loading stops the start-up too
+        stop.fire()
     try:
         config = load_config(config_path)
         policy = PolicyConfig.ladder(
@@ -176,7 +180,8 @@ async def _run(
             work = Path(config.sandbox.base_dir) if config.sandbox.base_dir else Path(tmp) / "sandboxes"
             work.mkdir(parents=True, exist_ok=True)
             weights = Path(tmp) / "weights"
-            engines = EngineProcesses(config.engines, serving_cpus, Path(tmp))
+            # An engine that dies before it first answers is restarted by the runtime, as later.
+            engines = EngineProcesses(config.engines, serving_cpus, Path(tmp), exits_at_start_ok=True)
             stop.engines = engines
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
             factory = LocalSandboxFactory(
@@ -241,6 +246,11 @@ async def _run(
         "lanes_borrow_serving": policy.pinned_lanes and config.lanes.borrow_serving_cpus,
     }
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
+    report["engines_given_up"] = dict(state.given_up)
+    if state.given_up and state.given_up.keys() == runtime.pool.by_name.keys():
+        report["error"] = "every engine was given up (engines.max_restarts): " + "; ".join(
+            f"{name}: {why}" for name, why in state.given_up.items()
+        )
     report["turn_latency_s"] = _turn_latency(state)
     report.update(event_log.as_report())
     return report
@@ -285,6 +295,9 @@ async def _start_and_collect(
         if stop.count == 0:
             raise  # not ours: the caller is being cancelled
         return runtime.state
+    for name, detail in engines.exited_at_start.items():
+        progress.line(f"{name} {detail}: the run starts without it and restarts it")
+        runtime.engine_down_at_start(name, detail)
     # The control plane (this thread: routing turns, forking sandbox commands that pin themselves to
     # the lanes) stays on the serving CPUs, off the lanes' CPUs, as in benchmarks/lane_isolation.py.
     os.sched_setaffinity(0, serving_cpus)

@@ -178,6 +178,79 @@ def test_engines_dying_all_at_once_do_not_use_up_a_turns_retries() -> None:
     assert runtime.state.turn_retries >= 2
 
 
+def test_an_engine_dead_before_the_run_begins_is_restarted_like_a_later_one() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    a.down = True  # its process died during start-up
+    supervisor = FakeSupervisor()
+    runtime = make_runtime([a, b], supervisor)
+    runtime.engine_down_at_start("a", "exited with -9 during start-up")
+    run_virtual(run_with(runtime, 3))
+    assert len(runtime.state.batches) == 3
+    accounted(runtime)
+    assert runtime.state.engine_events[0][1:] == ("a", "unhealthy", "exited with -9 during start-up")
+    assert states(runtime, "a") == ["unhealthy", "restarting", "serving"]
+    assert [(t, name) for t, name in supervisor.restarts] == [(0.0, "a")]  # at once, as a later first kill
+    assert supervisor.engines["a"].turns > 0
+
+
+def test_an_engine_that_never_comes_back_is_given_up_and_the_run_goes_on() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    supervisor = FakeSupervisor(start_s=0.5, failing=1_000)  # every restart fails
+    faults = EngineFaultConfig(max_restarts=3, restart_backoff_s=1.0, restart_backoff_max_s=4.0)
+    runtime = make_runtime([a, b], supervisor, faults)
+    run_virtual(run_with(runtime, 6, kill_at(a, 2.5)))
+    assert len(runtime.state.batches) == 6
+    accounted(runtime)
+    assert [name for _, name in supervisor.restarts] == ["a"] * 3  # then no more
+    assert states(runtime, "a")[-1] == "given_up"
+    assert list(runtime.state.given_up) == ["a"]
+    reason = runtime.state.given_up["a"]
+    assert "3 restarts in a row" in reason
+    assert "a did not come up" in reason
+    assert "a" in runtime.plan.down
+    assert not runtime.stop_requested  # b carries the run
+
+
+def test_when_every_engine_is_given_up_the_run_stops_and_says_why() -> None:
+    a, b = FakeEngine("a"), FakeEngine("b")
+    supervisor = FakeSupervisor(start_s=0.5, failing=1_000)
+    faults = EngineFaultConfig(max_restarts=2, restart_backoff_s=1.0, restart_backoff_max_s=4.0)
+    runtime = make_runtime([a, b], supervisor, faults)
+    run_virtual(run_with(runtime, 50, kill_at(a, 2.5), kill_at(b, 2.5)))
+    assert len(runtime.state.batches) < 50
+    accounted(runtime)
+    assert runtime.stop_requested
+    assert sorted(runtime.state.given_up) == ["a", "b"]
+    assert [s for _, e, s, _ in runtime.state.engine_events if e == "*"] == ["all_down", "given_up"]
+    assert len(supervisor.restarts) == 4
+
+
+class ShortLivedSupervisor(FakeSupervisor):
+    """Every restart comes up, then dies `lives_s` later."""
+
+    lives_s = 0.5
+
+    async def restart(self, name: str) -> FakeEngine:
+        engine = await super().restart(name)
+        asyncio.get_running_loop().call_later(self.lives_s, setattr, engine, "down", True)
+        return engine
+
+
+def test_an_engine_that_dies_soon_after_each_restart_is_given_up_too() -> None:
+    """Restarts that succeed but do not last (down again within `restart_backoff_max_s`) count."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    supervisor = ShortLivedSupervisor(start_s=0.5)
+    faults = EngineFaultConfig(max_restarts=3, restart_backoff_s=0.5, restart_backoff_max_s=30.0)
+    runtime = make_runtime([a, b], supervisor, faults)
+    run_virtual(run_with(runtime, 8, kill_at(a, 2.5)))
+    assert len(runtime.state.batches) == 8
+    accounted(runtime)
+    assert [name for _, name in supervisor.restarts] == ["a"] * 3
+    assert states(runtime, "a").count("serving") == 3
+    assert list(runtime.state.given_up) == ["a"]
+    assert "did not last" in runtime.state.given_up["a"]
+
+
 # -- `corral run` with real engine processes and real signals -----------------------------------------
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,3 +232,46 @@ def test_kill_9_of_the_run_still_takes_its_engines_down(tmp_path: Path) -> None:
         assert run.leftovers(timeout_s=30) == []
     finally:
         run.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.1, 0.3, 0.6])
+def test_ctrl_c_while_corral_is_still_loading_leaves_a_report(tmp_path: Path, after_s: float) -> None:
+    """The first second goes to imports and argument parsing, before the run's own handlers exist: a
+    Ctrl-C then is held from the first line of the entry point and stops the start-up all the same."""
+    run = CorralRun(tmp_path, ["--batches", "3"])
+    try:
+        time.sleep(max(0.0, after_s - (time.monotonic() - run.started)))
+        run.ctrl_c()
+        report = run.finish(timeout_s=60)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["batches"] == 0
+    assert report["stop"]["phase"] == "startup"
+    assert report["stop"]["signals"] == 1
+    assert report["stopped_early"] is True
+
+
+def test_ctrl_c_while_loading_interrupts_any_other_command(tmp_path: Path) -> None:
+    """Only `corral run` takes a Ctrl-C held during loading; any other command ends at once, exit 130,
+    without a traceback."""
+    script = (
+        "import os, signal\n"
+        "from app import early_signals\n"
+        "early_signals.hold()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"  # lands while corral loads
+        "from app.cli import main\n"
+        "main()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, "sim", "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 130, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().endswith("interrupted")
+    assert not (tmp_path / "r.json").exists()

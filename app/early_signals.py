@@ -1,0 +1,50 @@
+"""Stop signals (SIGINT, SIGTERM) that arrive before a command is ready to act on them.
+
+`corral`'s entry point calls `hold` before its heavy imports, so a Ctrl-C in the first second is
+remembered instead of raising `KeyboardInterrupt` in the middle of an import. Then exactly one of:
+- `take`: the command handles the remembered signals itself (`corral run` stops its start-up and still
+  writes its report);
+- `release`: the default handlers come back and the caller learns what was held (every other command
+  then ends as if interrupted: exit 130).
+
+This module imports only the standard library: it must be cheap enough to run first.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_held: list[int] = []
+_previous: dict[int, Any] = {}
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    _held.append(signum)
+
+
+def hold() -> None:
+    """Remember stop signals from now on instead of acting on them."""
+    for sig in STOP_SIGNALS:
+        previous = signal.signal(sig, _remember)
+        if previous is not _remember:
+            _previous[sig] = previous
+
+
+def take() -> list[int]:
+    """The signals held so far (forgotten here: the caller now owns them); holding goes on."""
+    taken = list(_held)
+    _held.clear()
+    return taken
+
+
+def release() -> list[int]:
+    """Put the handlers back as they were before `hold`; return the signals held meanwhile."""
+    for sig, handler in _previous.items():
+        if signal.getsignal(sig) is _remember:
+            signal.signal(sig, handler)
+    _previous.clear()
+    return take()
