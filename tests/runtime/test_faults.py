@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import signal
@@ -363,3 +364,70 @@ def test_every_engine_down_waits_then_recovers_during_corral_run(tmp_path: Path)
     assert report["all_engines_down_s"] > 0
     assert report["engine_restarts"] == {"engine-0": 1, "engine-1": 1}
     assert "every engine is down" in run.text()
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_engine_during_start_up_restarts_it(tmp_path: Path) -> None:
+    """Killed before it first answers (torch is still loading), the engine is restarted like one
+    killed later: the run starts without it and brings it back at the current version."""
+    run = CorralRun(tmp_path, ["--batches", "3"])
+    try:
+        victim, _ = run.engine_pids()
+        os.kill(victim, signal.SIGKILL)
+        report = run.finish(timeout_s=180)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["batches"] == 3
+    assert report["engine_restarts"] == {"engine-0": 1, "engine-1": 0}
+    first = next(e for e in report["engine_events"] if e["engine"] == "engine-0")
+    assert first["state"] == "unhealthy"
+    assert first["detail"] == "exited with -9 during start-up"
+    assert engine_events(report, "engine-0")[:3] == ["unhealthy", "restarting", "serving"]
+    assert report["engines_given_up"] == {}
+    assert "engine-0 exited with -9 during start-up" in run.text()
+
+
+GIVE_UP_CONFIG = FAST_CONFIG.replace("health_interval_s: 1", "health_interval_s: 1, max_restarts: 2")
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_every_start_is_given_up_and_the_run_goes_on(tmp_path: Path) -> None:
+    env = {"CORRAL_ENGINE_DEBUG": "1", "CORRAL_ENGINE_DEBUG_FAIL_START": "engine-1"}
+    run = CorralRun(tmp_path, ["--batches", "2"], config=GIVE_UP_CONFIG, env=env)
+    try:
+        report = run.finish(timeout_s=180)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["batches"] == 2
+    assert report["engine_restarts"] == {"engine-0": 0, "engine-1": 0}
+    assert engine_events(report, "engine-1")[-1] == "given_up"
+    assert engine_events(report, "engine-1").count("restarting") == 2
+    reason = report["engines_given_up"]["engine-1"]
+    assert reason.startswith("2 restarts in a row failed or did not last")
+    assert "start fails on purpose" in reason
+    assert "error" not in report
+
+
+@pytest.mark.slow
+def test_when_every_engine_is_given_up_corral_run_stops_with_a_report_and_exit_1(tmp_path: Path) -> None:
+    env = {"CORRAL_ENGINE_DEBUG": "1", "CORRAL_ENGINE_DEBUG_FAIL_START": "*"}
+    run = CorralRun(tmp_path, ["--batches", "2"], config=GIVE_UP_CONFIG, env=env)
+    try:
+        assert run.proc is not None
+        code = run.proc.wait(timeout=120)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    time.sleep(0.1)  # the reader thread drains the pipe
+    out = run.text()
+    assert code == 1, out
+    assert "Traceback" not in out
+    report = json.loads(run.report_path.read_text())
+    assert report["batches"] == 0
+    assert report["lost_groups"] == 0
+    assert sorted(report["engines_given_up"]) == ["engine-0", "engine-1"]
+    assert report["error"].startswith("every engine was given up (engines.max_restarts)")
+    assert [e["state"] for e in report["engine_events"] if e["engine"] == "*"] == ["all_down", "given_up"]
+    assert "error: every engine was given up" in out
