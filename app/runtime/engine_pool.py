@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol
 
 from app.core.rollout import UpdatePlan
@@ -59,6 +59,27 @@ def is_engine_fault(exc: BaseException) -> bool:
 def is_unreachable(exc: BaseException) -> bool:
     """The engine could not be reached at all: it is down without asking its health route."""
     return isinstance(exc, EngineUnavailable)
+
+
+class _CallScope:
+    """`EnginePool.call`'s scope: an `asyncio.Timeout` without a deadline, registered while it runs so
+    that `interrupt` can end it. A class rather than an `asynccontextmanager`: one is entered per turn."""
+
+    __slots__ = ("_calls", "_timeout")
+
+    def __init__(self, calls: set[asyncio.Timeout]) -> None:
+        self._calls = calls
+        self._timeout = asyncio.Timeout(None)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+        self._calls.add(self._timeout)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._calls.discard(self._timeout)
+        await self._timeout.__aexit__(exc_type, exc, tb)  # raises TimeoutError when interrupted
 
 
 class EnginePool:
@@ -128,15 +149,9 @@ class EnginePool:
         self._drain[name].append(fut)
         await fut
 
-    @asynccontextmanager
-    async def call(self, name: str) -> AsyncIterator[None]:
+    def call(self, name: str) -> _CallScope:
         """Scope one call to engine `name`; `interrupt(name)` ends it with `TimeoutError`."""
-        async with asyncio.timeout(None) as scope:
-            self._calls[name].add(scope)
-            try:
-                yield
-            finally:
-                self._calls[name].discard(scope)
+        return _CallScope(self._calls[name])
 
     def interrupt(self, name: str) -> int:
         """End every call in flight on `name` now; returns how many there were."""
