@@ -1,6 +1,7 @@
 """Stop signals (SIGINT, SIGTERM) that arrive before a command is ready to act on them.
 
-`corral`'s entry point calls `hold` before its heavy imports, so a Ctrl-C in the first second is
+`corral`'s entry point calls `hold` before its heavy imports (when it runs as the command, not when a
+test runner imports it: `is_command_process`), so a Ctrl-C in the first second is
 remembered instead of raising `KeyboardInterrupt` in the middle of an import. Then exactly one of:
 - `take`: the command handles the remembered signals itself (`corral run` stops its start-up and still
   writes its report);
@@ -13,6 +14,8 @@ This module imports only the standard library: it must be cheap enough to run fi
 from __future__ import annotations
 
 import signal
+import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -24,6 +27,14 @@ _previous: dict[int, Any] = {}
 
 def _remember(signum: int, frame: FrameType | None) -> None:
     _held.append(signum)
+
+
+def is_command_process() -> bool:
+    """Is this process the `corral` command itself (its console script, or `python -c`), rather than
+    a program that imports it (a test runner): only then does it take over process-wide things."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or Path(path).stem == "corral"
 
 
 def hold() -> None:

@@ -10,22 +10,23 @@ from app import early_signals
 
 # First, before the heavy imports below: a Ctrl-C from here on is held, not a KeyboardInterrupt inside
 # an import. `corral run` takes it (and stops with a report); every other command releases it.
-early_signals.hold()
+if early_signals.is_command_process():
+    early_signals.hold()
 
-import sys  # noqa: E402
-from importlib.metadata import PackageNotFoundError, version  # noqa: E402
-from typing import Annotated  # noqa: E402
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated
 
-import typer  # noqa: E402
-from typer.exceptions import TyperException  # noqa: E402
+import typer
+from typer.exceptions import TyperException
 
-from app.api.serve import serve  # noqa: E402
-from app.cli.advise import advise, trace_app  # noqa: E402
-from app.cli.common import err, fail  # noqa: E402
-from app.cli.engine import engine  # noqa: E402
-from app.cli.run import run  # noqa: E402
-from app.cli.sim import bench, sim  # noqa: E402
-from app.cli.worker import worker  # noqa: E402
+from app.api.serve import serve
+from app.cli.advise import advise, trace_app
+from app.cli.common import err, fail
+from app.cli.engine import engine
+from app.cli.run import run
+from app.cli.sim import bench, sim
+from app.cli.worker import worker
 
 HELP = """Corral: keep the GRPO trainer fed with fresh, valid, trainable batches.
 
@@ -70,6 +71,11 @@ def _root(
     """Corral: keep the GRPO trainer fed."""
     if ctx.invoked_subcommand != "run" and early_signals.release():
         raise typer.Abort()  # Ctrl-C while corral was still loading: this command never starts
+    if ctx.invoked_subcommand == "serve" and early_signals.is_command_process():
+        from app.sandboxes import leftovers
+
+        # It owns the sandboxes it makes: first remove what a killed earlier one left (logged).
+        leftovers.declare_owner()
 
 
 def main() -> None:
@@ -84,6 +90,8 @@ def main() -> None:
     except typer.Abort:
         err.print("interrupted", markup=False)
         sys.exit(130)
+    finally:
+        early_signals.release()  # a caller in the same process gets its handlers back
     sys.exit(code if isinstance(code, int) else 0)
 
 

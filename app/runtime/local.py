@@ -43,6 +43,7 @@ from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
 from app.runtime.trainer import SentinelTrainer
+from app.sandboxes import leftovers
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.spec import TaskSpec
@@ -138,6 +139,8 @@ def run_local(
     previous = {sig: signal.signal(sig, stop.early) for sig in _STOP_SIGNALS}
     for _ in early_signals.take():  # a Ctrl-C while corral was still loading stops the start-up too
         stop.fire()
+    if early_signals.is_command_process():
+        leftovers.declare_owner()  # remove what a killed earlier run left (logged); track our own
     try:
         config = load_config(config_path)
         policy = PolicyConfig.ladder(
@@ -177,6 +180,9 @@ async def _run(
     try:
         with tempfile.TemporaryDirectory(prefix="corral-run-") as tmp:
             os.chmod(tmp, 0o711)  # sandbox uids must traverse it to reach their own work directories
+            owner = leftovers.current()
+            if owner is not None:  # if this process is killed, the next start removes the directory
+                owner.add_dir(Path(tmp))
             work = Path(config.sandbox.base_dir) if config.sandbox.base_dir else Path(tmp) / "sandboxes"
             work.mkdir(parents=True, exist_ok=True)
             weights = Path(tmp) / "weights"

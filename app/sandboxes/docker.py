@@ -3,6 +3,8 @@
 Invariants:
 - One container per sandbox, named `corral-<attempt id>` and labelled `corral.attempt`; `reset`
   replaces any container of that name, `cleanup` removes it (a missing container is not an error).
+- In a process that owns its sandboxes (leftovers.py), containers also carry `corral.owner`, and the
+  first use of the daemon removes the containers of dead owners on this host.
 - Containers run with `network_mode="none"`, `pids_limit`, `mem_limit` and an init process (so
   killed commands' children are reaped); `cpuset_cpus` is the CPU set of the lane running the
   current operation (set at creation, updated when a later operation comes from another lane).
@@ -30,6 +32,7 @@ import docker.errors
 import docker.utils.socket
 
 from app.cpulist import format_cpu_list
+from app.sandboxes import leftovers
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.local import DEFAULT_OUTPUT_LIMIT, SandboxError, _CappedBuffer, _safe_name
@@ -77,6 +80,7 @@ class DockerSandboxFactory:
         self.pids_limit = pids_limit
         self.output_limit = output_limit
         self.keep_alive_cmd = list(keep_alive_cmd)
+        self.owner_label = leftovers.container_owner_label()  # empty unless this process owns them
 
     @property
     def client(self) -> docker.DockerClient:
@@ -86,7 +90,20 @@ class DockerSandboxFactory:
             self._client = (
                 docker.DockerClient(base_url=self._base_url) if self._base_url else docker.from_env()
             )
+            if self.owner_label:
+                self.remove_leftovers()
         return self._client
+
+    def remove_leftovers(self) -> int:
+        """Remove the containers that dead corral processes of this host left (leftovers.py)."""
+        client = self.client
+        return leftovers.sweep_containers(
+            lambda label: [
+                (c.id, c.labels.get(label, ""))
+                for c in client.containers.list(all=True, filters={"label": label})
+            ],
+            lambda container: client.containers.get(container).remove(force=True),
+        )
 
     def create(self, attempt_id: str) -> DockerSandbox:
         return DockerSandbox(self, attempt_id)
@@ -144,7 +161,7 @@ class DockerSandbox(CommandSandbox):
             pids_limit=f.pids_limit,
             mem_limit=f.mem_limit,
             working_dir=f.work_dir,
-            labels={LABEL: self.attempt_id},
+            labels={LABEL: self.attempt_id, **f.owner_label},
             **kwargs,
         )
         self.container_id = container.id

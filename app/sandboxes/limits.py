@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ class ResourceLimits:
             resource.setrlimit(resource.RLIMIT_NPROC, (self.max_procs, self.max_procs))
 
 
-def _pids_parent(root: Path) -> tuple[Path, str] | None:
+def pids_parent(root: Path) -> tuple[Path, str] | None:
     """The writable place for per-sandbox pids groups, or None when there is none."""
     v1 = root / "pids"
     if os.access(v1 / "cgroup.procs", os.W_OK):
@@ -77,7 +78,7 @@ class PidsGroup:
     @classmethod
     def create(cls, name: str, max_procs: int | None, root: Path = CGROUP_ROOT) -> PidsGroup | None:
         """Make the group, or return None when no pids cgroup is writable here."""
-        found = _pids_parent(root)
+        found = pids_parent(root)
         if found is None:
             return None
         parent, version = found
@@ -128,17 +129,7 @@ class PidsGroup:
         if kill_file.exists():
             kill_file.write_text("1")
             return -1
-        sent = 0
-        # A process may fork between reading the list and the kill; a few rounds catch those.
-        for _ in range(20):
-            pids = self.pids(target)
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                    sent += 1
-        return sent
+        return kill_until_gone(lambda: self.pids(target))
 
     @staticmethod
     def remove_leaf(leaf: Path) -> None:
@@ -152,6 +143,22 @@ class PidsGroup:
         for leaf in sorted((p for p in self.path.iterdir() if p.is_dir()), reverse=True):
             _rmdir_retry(leaf)
         _rmdir_retry(self.path)
+
+
+def kill_until_gone(find: Callable[[], list[int]], rounds: int = 20, pause_s: float = 0.0) -> int:
+    """SIGKILL the processes `find` returns until it returns none, looking at most `rounds` times (a
+    process may fork between a look and the kill); returns how many signals were sent."""
+    sent = 0
+    for _ in range(rounds):
+        pids = find()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                sent += 1
+        time.sleep(pause_s)
+    return sent
 
 
 def _rmdir_retry(path: Path) -> None:
@@ -193,7 +200,7 @@ class UidPool:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                if _owner_alive(path):
+                if owner_alive(path):
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
@@ -220,7 +227,7 @@ class UidPool:
         tmp.replace(path)
 
 
-def _owner_alive(path: Path) -> bool:
+def owner_alive(path: Path) -> bool:
     try:
         owner = int(path.read_text().strip() or "0")
     except (OSError, ValueError):

@@ -16,6 +16,9 @@ Invariants:
   read-only view of the system directories, the work dir writable at `/work`, a private /tmp, /proc
   and /dev, no view of other sandboxes, /root, /home or the repository.
 - Nothing here blocks the event loop: processes through asyncio, file work through `to_thread`.
+- In a process that declared itself the owner of its sandboxes (`corral run`, `corral serve`), each
+  sandbox is marked from its reset to the end of its cleanup, so that what a killed owner left is
+  removed by the next start (app/sandboxes/leftovers.py).
 """
 
 from __future__ import annotations
@@ -30,15 +33,15 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from app.sandboxes import cpuset, cpushare
+from app.sandboxes import cpuset, cpushare, leftovers
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
+from app.sandboxes.leftovers import rmtree, uid_kill_argv
 from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
 
 if TYPE_CHECKING:
@@ -121,25 +124,6 @@ def _shell_exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _rmtree(path: Path) -> None:
-    def fix_and_retry(func: Callable[..., Any], p: str, _exc: object) -> None:
-        # The sandboxed code may have removed write/execute permission from its own directories.
-        parent = os.path.dirname(p)
-        with contextlib.suppress(OSError):
-            os.chmod(parent, stat.S_IRWXU)
-        if os.path.isdir(p) and not os.path.islink(p):
-            with contextlib.suppress(OSError):
-                os.chmod(p, stat.S_IRWXU)
-        func(p)
-
-    if not path.exists():
-        return
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=fix_and_retry)
-    else:
-        shutil.rmtree(path, onerror=fix_and_retry)
-
-
 class LocalSandboxFactory:
     """Makes `LocalSandbox`es under `base_dir`; probes bwrap, cgroups and uid dropping once."""
 
@@ -214,6 +198,11 @@ class LocalSandboxFactory:
             else:
                 self.uids = UidPool(uid_base, uid_span, self.base_dir / ".uids")
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        # A process that owns its sandboxes marks each one, so that what it leaves if it dies is found
+        # and removed by the next start (app/sandboxes/leftovers.py).
+        self.owner = leftovers.current()
+        if self.owner is not None:
+            self.owner.add_root(self.base_dir)
         if self.uids is not None:
             # Sandbox uids must reach their own directory without listing the others.
             self.base_dir.chmod(0o711)
@@ -258,6 +247,8 @@ class LocalSandbox(CommandSandbox):
             self.uid = await asyncio.to_thread(self.factory.uids.claim, zlib.crc32(self.name.encode()))
         # Also kills what a crashed earlier owner of this uid or work dir left behind.
         await self._teardown()
+        if self.factory.owner is not None:
+            await asyncio.to_thread(self.factory.owner.mark, self.factory.base_dir, self.name)
         if self.factory.use_cgroups:
             self.pids_group = await asyncio.to_thread(
                 PidsGroup.create,
@@ -270,6 +261,8 @@ class LocalSandbox(CommandSandbox):
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
         await self._teardown()
+        if self.factory.owner is not None:
+            await asyncio.to_thread(self.factory.owner.unmark, self.factory.base_dir, self.name)
         if self.uid is not None and self.factory.uids is not None:
             self.factory.uids.release(self.uid)
             self.uid = None
@@ -319,21 +312,14 @@ class LocalSandbox(CommandSandbox):
         if self.pids_group is not None:
             await asyncio.to_thread(self.pids_group.remove)
             self.pids_group = None
-        await asyncio.to_thread(_rmtree, self.work_dir)
+        await asyncio.to_thread(rmtree, self.work_dir)
 
     async def _kill_everything(self) -> None:
         if self.pids_group is not None:
             await asyncio.to_thread(self.pids_group.kill_all)
         if self.uid is not None and self.factory.setpriv is not None:
-            # kill(-1) as the sandbox uid reaches every process of that uid, however it detached.
             proc = await asyncio.create_subprocess_exec(
-                self.factory.setpriv,
-                f"--reuid={self.uid}",
-                f"--regid={self.uid}",
-                "--clear-groups",
-                "kill",
-                "-KILL",
-                "-1",
+                *uid_kill_argv(self.factory.setpriv, self.uid),
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
             )

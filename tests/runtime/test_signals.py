@@ -10,7 +10,9 @@ leaves no process behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,8 @@ from runtime_fakes import FakeEngine, FakeSandbox, accounted, make_runtime
 from app.engines.base import TurnRequest
 from app.runtime.context import AttemptContext, AttemptOutcome
 from app.runtime.driver import Runtime
+from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.limits import pids_parent
 from app.sim.clock import run_virtual
 
 # -- the stop race ------------------------------------------------------------------------------------
@@ -275,3 +279,60 @@ def test_ctrl_c_while_loading_interrupts_any_other_command(tmp_path: Path) -> No
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().endswith("interrupted")
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path: Path) -> None:
+    """`kill -9` of a run mid-batch leaves its sandboxes (work directories, pids cgroups) and its
+    temporary directory; the next `corral run` removes them and says so. A process left running in
+    one of the sandboxes (here a `sleep` started in its work directory once the run is dead, standing in
+    for what a tool call detached) is killed too."""
+    owners = tmp_path / "owners"
+    env = {"CORRAL_OWNERS_DIR": str(owners)}
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = CorralRun(tmp_path / "first", ["--batches", "50"], env=env)
+    orphan: subprocess.Popen[bytes] | None = None
+    try:
+        first.wait_engines_ready()
+        registration = owners / f"{first.pid}.json"
+        deadline = time.monotonic() + 60
+        while True:  # mid-batch: sandboxes exist
+            data = json.loads(registration.read_text())
+            marked = [m for root in data["roots"] for m in (Path(root) / ".corral-owners").iterdir()]
+            if marked or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert marked, first.text()
+        os.kill(first.pid, signal.SIGKILL)
+        assert first.proc is not None
+        first.proc.wait(timeout=30)
+        (run_dir,) = (Path(d) for d in data["dirs"])
+        root = Path(data["roots"][0])
+        left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        assert left, "no sandbox left to clean up"
+        orphan = subprocess.Popen(["sleep", "600"], cwd=root / left[0], start_new_session=True)
+        cgroups = pids_parent(CGROUP_ROOT)
+        assert run_dir.is_dir()
+
+        second = CorralRun(tmp_path / "second", ["--batches", "1"], env=env)
+        try:
+            report = second.finish(timeout_s=120)
+            assert second.leftovers() == []
+        finally:
+            second.kill()
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        first.kill()
+        if orphan is not None and orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+    assert report["batches"] == 1
+    said = rf"removed what dead corral process {first.pid} left behind: (\d+) sandbox"
+    swept = re.search(said, second.text())
+    assert swept is not None, second.text()
+    assert int(swept.group(1)) >= len(marked)
+    assert not run_dir.exists()
+    if cgroups is not None:
+        assert [g.name for g in cgroups[0].iterdir() if g.name.endswith(f"-{first.pid}")] == []
+    assert list(owners.iterdir()) == []  # the second run ended cleanly: no registration is left

@@ -1,0 +1,124 @@
+"""What a killed owner of sandboxes leaves is removed by the next start (app/sandboxes/leftovers.py).
+
+A real process declares itself the owner, makes a sandbox (isolation "none", so nothing dies with it)
+whose command leaves a detached process behind, and is killed with SIGKILL; a sweep from this process
+then finds the sandbox's work directory, its process, its cgroup and its uid claim, and removes them.
+Nothing of a live owner is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_local import alive_with_token
+
+from app.sandboxes import leftovers
+from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.limits import pids_parent
+
+OWNER = """
+import asyncio, sys
+from pathlib import Path
+from app.sandboxes import leftovers
+from app.sandboxes.local import LocalSandboxFactory
+from app.tasks.spec import TaskSpec
+
+owners, base, task_root, token = sys.argv[1:]
+leftovers.declare_owner(Path(owners))
+
+async def main():
+    sandbox = LocalSandboxFactory(Path(base), isolation="none").create("leftover-maker")
+    await sandbox.reset(TaskSpec(name="t", instruction="", root=Path(task_root), validation="true"))
+    await sandbox.exec(f"setsid sleep {token} > /dev/null 2>&1 < /dev/null &", 10)
+    print(sandbox.work_dir, sandbox.uid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def start_owner(tmp_path: Path, base_dir: Path, token: str) -> tuple[subprocess.Popen[str], Path, str]:
+    (tmp_path / "task").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path / "owners"), str(base_dir), str(tmp_path / "task"), token],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    work, uid = proc.stdout.readline().split()
+    return proc, Path(work), uid
+
+
+def test_a_killed_owners_sandbox_is_removed_and_a_live_ones_is_not(tmp_path: Path, base_dir: Path) -> None:
+    token = f"{os.getpid() % 1000}.4242"
+    owner, work, uid = start_owner(tmp_path, base_dir, token)
+    try:
+        assert work.is_dir()
+        assert alive_with_token(token) != []
+        # The owner lives: nothing of it is touched.
+        assert leftovers.sweep(tmp_path / "owners") == []
+        assert work.is_dir()
+        assert alive_with_token(token) != []
+
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert alive_with_token(token) != []  # isolation "none": the detached process outlives it
+
+        (line,) = leftovers.sweep(tmp_path / "owners")
+    finally:
+        owner.kill()
+        owner.wait()
+        assert owner.stdout is not None
+        owner.stdout.close()
+        for pid in alive_with_token(token):
+            os.kill(pid, signal.SIGKILL)
+    assert line.startswith(f"removed what dead corral process {owner.pid} left behind: 1 sandbox")
+    time.sleep(0.1)
+    assert alive_with_token(token) == []
+    assert not work.exists()
+    assert list((base_dir / leftovers.MARKERS).iterdir()) == []
+    if uid != "None":
+        assert not (base_dir / ".uids" / uid).exists()
+    parent = pids_parent(CGROUP_ROOT)
+    if parent is not None:
+        assert not (parent[0] / f"{work.name}-{owner.pid}").exists()
+    assert list((tmp_path / "owners").iterdir()) == []
+    assert leftovers.sweep(tmp_path / "owners") == []  # twice is harmless
+
+
+def test_an_owner_whose_pid_was_reused_is_dead(tmp_path: Path) -> None:
+    me = leftovers.Owner.me()
+    assert me.alive()
+    assert not leftovers.Owner(me.pid, me.start + 1).alive()
+    assert leftovers.Owner.parse(str(me)) == me
+    assert leftovers.Owner.parse("garbage") is None
+
+
+@pytest.mark.parametrize(
+    ("owner_of", "removed"),
+    [
+        ("dead-here", ["c-dead"]),
+        ("alive-here", []),
+        ("dead-elsewhere", []),
+    ],
+)
+def test_containers_of_dead_owners_on_this_host_are_removed(owner_of: str, removed: list[str]) -> None:
+    import socket
+
+    me = leftovers.Owner.me()
+    host = socket.gethostname()
+    value = {
+        "dead-here": f"{host} {me.pid} {me.start + 1}",
+        "alive-here": f"{host} {me}",
+        "dead-elsewhere": f"another-host {me.pid} {me.start + 1}",
+    }[owner_of]
+    gone: list[str] = []
+    count = leftovers.sweep_containers(lambda label: [("c-dead", value)], gone.append)
+    assert gone == removed
+    assert count == len(removed)
