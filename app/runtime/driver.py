@@ -29,9 +29,9 @@ import asyncio
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from app.core.config import PolicyConfig
 from app.core.events import (
@@ -145,20 +145,23 @@ class _AttemptContext:
     def now(self) -> float:
         return self._rt.now()
 
-    async def generate(self, request: TurnRequest) -> TurnResult:
-        return await self._rt.generate(self._key, request)
+    # Plain functions returning the runtime's coroutine, awaited at once by the agent: the same calls as
+    # `async def` wrappers, without a coroutine frame of their own on every turn and sandbox operation.
 
-    async def reset(self) -> ExecResult:
+    def generate(self, request: TurnRequest) -> Coroutine[Any, Any, TurnResult]:
+        return self._rt.generate(self._key, request)
+
+    def reset(self) -> Coroutine[Any, Any, ExecResult]:
         task = self.task
         if task is None:
             raise RuntimeError(f"{self.attempt_id}: this attempt has no task to reset from")
-        return await self._rt.lane_op(self._key, LaneOp.reset(self.handle, task))
+        return self._rt.lane_op(self._key, LaneOp.reset(self.handle, task))
 
-    async def exec(self, command: str, timeout_s: float) -> ExecResult:
-        return await self._rt.lane_op(self._key, LaneOp.exec(self.handle, command, timeout_s))
+    def exec(self, command: str, timeout_s: float) -> Coroutine[Any, Any, ExecResult]:
+        return self._rt.lane_op(self._key, LaneOp.exec(self.handle, command, timeout_s))
 
-    async def validate(self) -> float:
-        return await self._rt.lane_op(self._key, LaneOp.validate(self.handle))
+    def validate(self) -> Coroutine[Any, Any, float]:
+        return self._rt.lane_op(self._key, LaneOp.validate(self.handle))
 
 
 class Runtime:
@@ -565,7 +568,9 @@ class Runtime:
         now = self._time
         while True:
             queued = now()
-            engine = await self.pool.acquire()
+            engine = self.pool.try_acquire()
+            if engine is None:  # most turns find a slot at once, without a coroutine
+                engine = await self.pool.acquire()
             epoch = self.pool.epoch[engine.name]
             started = now()
             error: EngineError | TimeoutError | None = None

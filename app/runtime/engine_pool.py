@@ -100,6 +100,16 @@ class EnginePool:
         """Turns waiting for a slot."""
         return len(self._waiters)
 
+    def try_acquire(self) -> Engine | None:
+        """A routable slot now if one is free and no turn waits before us, else None (then `acquire`)."""
+        if self._waiters:
+            return None
+        name = choose_engine(self.active, self.slots, self.plan.routable)
+        if name is None:
+            return None
+        self.active[name] += 1
+        return self.by_name[name]
+
     async def acquire(self) -> Engine:
         loop = asyncio.get_running_loop()
         while True:

@@ -96,12 +96,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # is stopping, which saves a call and the bookkeeping of each iteration.
         ready: Any = self._ready  # type: ignore[attr-defined]
         timers = self._timers
-        selector: Any = self._selector  # type: ignore[attr-defined]
+        fd_map = self._selector.get_map()  # type: ignore[attr-defined]  # a live view: fetched once
         heappop = heapq.heappop
         timer_handle = asyncio.TimerHandle
         while True:
-            if len(selector.get_map()) > 1:  # real file descriptors besides the wake-up pipe: poll them
-                self._process_events(selector.select(0))  # type: ignore[attr-defined]
+            if len(fd_map) > 1:  # real file descriptors besides the wake-up pipe: poll them
+                self._process_events(self._selector.select(0))  # type: ignore[attr-defined]
             if not ready:
                 if self._stopping:  # type: ignore[attr-defined]
                     return

@@ -38,6 +38,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from app.sim.clock import VirtualTimeLoop
 
@@ -262,8 +263,9 @@ class Stream:
         self.factor = factor
         self.rate_changed(now)
 
-    async def run(self, work: float, demand: float = 0.0) -> None:
-        """Do `work` seconds of full-speed work, adding `demand` cores to the pool meanwhile."""
+    async def run(self, work: float, demand: float = 0.0, result: Any = None) -> Any:
+        """Do `work` seconds of full-speed work, adding `demand` cores to the pool meanwhile; then
+        return `result` (so that a simulated operation can return this coroutine itself, a frame less)."""
         loop = self._loop
         if loop is None:
             running = asyncio.get_running_loop()
@@ -273,7 +275,7 @@ class Stream:
         now = loop.time()
         self.served += (now - self._last) * self.rate
         self._last = now
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[None] = asyncio.Future(loop=loop)  # `create_future` without its frame
         entry = (self.served + max(0.0, work), next(self._seq), fut)
         heapq.heappush(self._heap, entry)
         if demand:
@@ -287,6 +289,7 @@ class Stream:
                 self.pool.change_demand(-demand, self)
             if not fut.done():
                 fut.cancel()  # leaves the heap lazily; the stream's timer skips it when it fires
+        return result
 
     def _fire(self, token: int) -> None:
         if token != self._timer:
