@@ -4,10 +4,13 @@ simplifications are in docs/peers.md.
 
 None of the peers pins sandbox CPUs into lanes, so every peer rung runs on shared CPUs; each differs
 from the others only in knobs of `PolicyConfig`:
-- `areal`: completion order; admission capped by staleness, AReaL's (K + 1)·B rule in steady state
-  (S = K·B); all engines update together (`max_updating_engines` = engine count); in-flight turns
-  kept across the update (AReaL interrupts and resubmits them under the new weights, keeping the
-  partial trajectory; `keep` keeps the trajectory too, without the re-prefill);
+- `areal`: completion order; admission = min(staleness bound, concurrency cap), as AReaL's
+  `StalenessManager.get_capacity` computes it: groups in flight + ready ≤ (K + 1)·B (its
+  (version + K + 1)·B rule in steady state) and groups in flight ≤ `max_concurrent_rollouts`, set to
+  the B + S groups every other rung gets from the workload; all engines update together
+  (`max_updating_engines` = engine count); in-flight turns kept across the update (AReaL interrupts
+  and resubmits them under the new weights, keeping the partial trajectory; `keep` keeps the
+  trajectory too, without the re-prefill);
 - `prime-rl`: batches in start order (the orchestrator collects the rollouts it launched for a step),
   async level 2 (S = 2·B, K = 2), all engines update together, in-flight turns kept;
 - `pipelinerl`: in-flight updates: every engine loads the new weights together while sequences
@@ -17,8 +20,12 @@ from the others only in knobs of `PolicyConfig`:
   stop-the-world update restarts every in-flight trajectory;
 - `skyrl`: fully asynchronous, finish-time FIFO (completion order), pause-all during weight sync with
   in-flight requests continued afterwards (all engines at once, `keep`), staleness bounded at
-  admission the way AReaL does it (S = K·B). With the mechanisms its documentation names, this rung
-  coincides with `areal` in the simulator; both are kept so the table shows each peer.
+  admission the way AReaL does it, and at most `num_parallel_generation_workers` groups generating
+  (one group per worker), set to the workload's B + S. With the mechanisms its documentation names,
+  this rung coincides with `areal` in the simulator; both are kept so the table shows each peer;
+- `areal (no concurrency cap)`, `skyrl (no concurrency cap)`: the same with the concurrency cap left
+  out (or set to its largest useful value, (K + 1)·B), so S = K·B groups beyond B may run at once:
+  more sandboxes and memory than the workload's S allows every other rung.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.core.config import PauseModeName, PolicyConfig
+from app.core.config import AdmissionMode, PauseModeName, PolicyConfig
 from app.sim.workload import Workload
 
 PeerPolicy = Callable[[Workload], dict[str, Any]]
@@ -46,12 +53,25 @@ def _common(workload: Workload) -> dict[str, Any]:
     }
 
 
-def _staleness_admission(workload: Workload) -> int:
-    return workload.policy.max_staleness * workload.batch.groups
+def _staleness_admission(workload: Workload) -> dict[str, Any]:
+    # Live groups (running + waiting for their batch) ≤ (K + 1)·B: AReaL's staleness capacity.
+    return {"surplus_groups": workload.policy.max_staleness * workload.batch.groups}
+
+
+def _capped_admission(workload: Workload) -> dict[str, Any]:
+    # min(staleness bound, concurrency cap): running ≤ B + S (the workload's cap on sandboxes and
+    # memory, which a ready group no longer holds) and running + ready ≤ (K + 1)·B.
+    staleness = _staleness_admission(workload)["surplus_groups"]
+    running = min(workload.policy.surplus_groups, staleness)
+    return {
+        "admission": AdmissionMode.IN_FLIGHT,
+        "surplus_groups": running,
+        "ready_surplus": staleness - running,
+    }
 
 
 PEERS: dict[str, PeerPolicy] = {
-    "areal": lambda w: {"surplus_groups": _staleness_admission(w)},
+    "areal": _capped_admission,
     "prime-rl": lambda w: {
         "completion_order": False,
         "surplus_groups": 2 * w.batch.groups,
@@ -59,7 +79,9 @@ PEERS: dict[str, PeerPolicy] = {
     },
     "pipelinerl": lambda w: {},
     "slime": lambda w: {"surplus_groups": w.batch.groups, "rolling_updates": False},
-    "skyrl": lambda w: {"surplus_groups": _staleness_admission(w)},
+    "skyrl": _capped_admission,
+    "areal (no concurrency cap)": _staleness_admission,
+    "skyrl (no concurrency cap)": _staleness_admission,
 }
 
 

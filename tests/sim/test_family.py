@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.core.config import PauseModeName
+from app.core.config import AdmissionMode, PauseModeName
 from app.sim.family import FAMILY, builtin_workload, findings, run_family
 from app.sim.peers import PEERS, peer_policy
 from app.sim.workload import load_workload
@@ -43,18 +43,75 @@ def test_cpu_scarce_workload_starves_a_partitioned_reset_lane() -> None:
 
 def test_peer_rungs_are_the_documented_policies() -> None:
     w = builtin_workload("default")
-    b, k, engines = w.batch.groups, w.policy.max_staleness, w.engines.count
-    areal, prime, pipeline, slime, skyrl = (peer_policy(w, p) for p in PEERS)
-    assert all(not peer_policy(w, p).pinned_lanes for p in PEERS)
-    assert (areal.surplus_groups, areal.max_updating_engines, areal.pause_mode) == (
-        k * b,
-        engines,
-        PauseModeName.KEEP,
+    b, s, k, engines = w.batch.groups, w.policy.surplus_groups, w.policy.max_staleness, w.engines.count
+    assert s < k * b  # the staleness bound alone would run more groups than the workload's S
+    areal, prime, pipeline, slime, skyrl = (
+        peer_policy(w, p) for p in ("areal", "prime-rl", "pipelinerl", "slime", "skyrl")
     )
+    assert all(not peer_policy(w, p).pinned_lanes for p in PEERS)
+    # Concurrency cap: groups running ≤ B + S; staleness: running + ready ≤ (K + 1)·B.
+    assert (areal.admission, areal.surplus_groups, areal.ready_surplus) == (
+        AdmissionMode.IN_FLIGHT,
+        s,
+        k * b - s,
+    )
+    assert (areal.max_updating_engines, areal.pause_mode) == (engines, PauseModeName.KEEP)
+    assert skyrl == areal
     assert (prime.completion_order, prime.surplus_groups, prime.max_staleness) == (False, 2 * b, 2)
     assert (pipeline.rolling_updates, pipeline.max_updating_engines) == (True, engines)
     assert (slime.rolling_updates, slime.surplus_groups) == (False, b)
-    assert (skyrl.surplus_groups, skyrl.pause_mode) == (k * b, PauseModeName.KEEP)
+    for name in ("areal (no concurrency cap)", "skyrl (no concurrency cap)"):
+        uncapped = peer_policy(w, name)
+        assert (uncapped.admission, uncapped.surplus_groups) == (AdmissionMode.LIVE, k * b)
+        assert uncapped == areal.with_changes(
+            admission=AdmissionMode.LIVE, surplus_groups=k * b, ready_surplus=None
+        )
+
+
+@pytest.mark.parametrize(("surplus", "staleness"), [(64, 4), (8, 1), (32, 0), (0, 3)])
+def test_capped_peer_admission_is_the_smaller_of_staleness_and_concurrency(
+    surplus: int, staleness: int
+) -> None:
+    w = builtin_workload("default", policy={"surplus_groups": surplus, "max_staleness": staleness})
+    b = w.batch.groups
+    policy = peer_policy(w, "areal")
+    running_cap = b + policy.surplus_groups
+    live_cap = running_cap + (policy.ready_surplus or 0)
+    assert running_cap == min(b + surplus, (staleness + 1) * b)
+    assert live_cap == (staleness + 1) * b
+
+
+def test_capped_peer_runs_no_more_groups_than_the_workloads_cap() -> None:
+    from app.core.scheduler import Scheduler, StartGroup
+
+    def admit(scheduler: Scheduler, decisions: list[Any]) -> list[int]:
+        return [d.group_id for d in decisions if isinstance(d, StartGroup)]
+
+    def complete(scheduler: Scheduler, group_id: int) -> list[int]:
+        started: list[int] = []
+        for attempt in range(scheduler.policy.group_size):
+            scheduler.on_turn(group_id, attempt, 0, 0.0)
+            started += admit(scheduler, scheduler.on_attempt_done(group_id, attempt, 1.0, None, 0.0))
+        return started
+
+    # B = 2, S = 1, K = 2: at most 3 groups run (the concurrency cap), at most 6 live (staleness).
+    w = builtin_workload(
+        "default", batch={"groups": 2, "group_size": 2}, policy={"surplus_groups": 1, "max_staleness": 2}
+    )
+    capped = Scheduler(peer_policy(w, "areal"))
+    running = admit(capped, capped.on_start(0.0))
+    assert len(running) == 3
+    ready = 0
+    while running:
+        group = running.pop(0)
+        running += complete(capped, group)
+        ready += 1
+        assert capped.groups_running <= 3
+        assert capped.groups_live <= 6
+    # Nobody asked for a batch: admission stops once running + ready reach (K + 1)·B.
+    assert (ready, capped.groups_ready, capped.groups_running) == (6, 6, 0)
+    uncapped = Scheduler(peer_policy(w, "areal (no concurrency cap)"))
+    assert len(admit(uncapped, uncapped.on_start(0.0))) == 6
 
 
 def make_rungs(**means: float) -> dict[str, dict[str, Any]]:
