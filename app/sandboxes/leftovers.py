@@ -19,7 +19,8 @@ Only a declared owner marks its sandboxes. A lane worker's pool processes (forke
 replaced at will while their sandboxes live on) never do, so their sandboxes are never leftovers.
 
 Invariants: nothing of a live owner (same pid and start time) is touched; a sweep that finds nothing
-says nothing; sweeping twice is harmless; a registration is written atomically.
+says nothing; sweeping twice is harmless, and a sweep that fails (logged) never stops the start, and
+keeps the registration for the next one; a registration is written atomically.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sandboxes.cpuset import CGROUP_ROOT
-from app.sandboxes.limits import PidsGroup, kill_until_gone, owner_alive, pids_parent
+from app.sandboxes.limits import PidsGroup, SandboxLimitError, kill_until_gone, owner_alive, pids_parent
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +194,16 @@ def sweep(directory: Path) -> list[str]:
         if owner.alive():
             continue
         found = Found()
-        for root in roots:
-            _sweep_root(root, owner, found)
-        for path in dirs:
-            if path.exists():
-                rmtree(path)
-                found.dirs += 1
+        try:
+            for root in roots:
+                _sweep_root(root, owner, found)
+            for path in dirs:
+                if path.exists():
+                    rmtree(path)
+                    found.dirs += 1
+        except (OSError, SandboxLimitError) as exc:  # e.g. another start sweeping the same owner
+            log.warning("could not remove all that dead corral process %d left behind: %s", owner.pid, exc)
+            continue  # its registration stays: the next start tries again
         entry.unlink(missing_ok=True)
         if found:
             line = f"removed what dead corral process {owner.pid} left behind: {found}"

@@ -8,6 +8,7 @@ Nothing of a live owner is touched.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -122,3 +123,30 @@ def test_containers_of_dead_owners_on_this_host_are_removed(owner_of: str, remov
     count = leftovers.sweep_containers(lambda label: [("c-dead", value)], gone.append)
     assert gone == removed
     assert count == len(removed)
+
+
+def test_a_dead_owner_that_left_nothing_is_forgotten_silently_a_corrupt_entry_kept(tmp_path: Path) -> None:
+    owners = tmp_path / "owners"
+    owners.mkdir()
+    me = leftovers.Owner.me()
+    dead = {"pid": me.pid, "start": me.start + 1, "roots": [str(tmp_path / "gone")], "dirs": []}
+    (owners / "1.json").write_text(json.dumps(dead))
+    (owners / "2.json").write_text("{half a reg")
+    assert leftovers.sweep(owners) == []
+    assert sorted(p.name for p in owners.iterdir()) == ["2.json"]
+
+
+def test_a_dead_owners_directories_are_removed_whole(tmp_path: Path) -> None:
+    owners = tmp_path / "owners"
+    owners.mkdir()
+    run_dir = tmp_path / "corral-run-x"
+    (run_dir / "sandboxes" / leftovers.MARKERS).mkdir(parents=True)
+    (run_dir / "weights").mkdir()
+    me = leftovers.Owner.me()
+    roots, dirs = [str(run_dir / "sandboxes")], [str(run_dir)]
+    dead = {"pid": 4_000_000, "start": me.start, "roots": roots, "dirs": dirs}
+    (owners / "4000000.json").write_text(json.dumps(dead))
+    (line,) = leftovers.sweep(owners)
+    assert line == "removed what dead corral process 4000000 left behind: 1 directory"
+    assert not run_dir.exists()
+    assert list(owners.iterdir()) == []
