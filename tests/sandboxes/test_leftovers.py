@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from factories import make_echo_task as make_task
 from test_local import alive_with_token
 
 from app.sandboxes import leftovers
@@ -110,8 +113,6 @@ def test_an_owner_whose_pid_was_reused_is_dead(tmp_path: Path) -> None:
     ],
 )
 def test_containers_of_dead_owners_on_this_host_are_removed(owner_of: str, removed: list[str]) -> None:
-    import socket
-
     me = leftovers.Owner.me()
     host = socket.gethostname()
     value = {
@@ -150,3 +151,33 @@ def test_a_dead_owners_directories_are_removed_whole(tmp_path: Path) -> None:
     assert line == "removed what dead corral process 4000000 left behind: 1 directory"
     assert not run_dir.exists()
     assert list(owners.iterdir()) == []
+
+
+@pytest.mark.docker
+async def test_containers_a_dead_owner_left_are_removed_on_a_real_daemon(
+    docker_client: Any, task_root: Path
+) -> None:
+    """Real containers, labelled as a declared owner labels them: one by a dead process (this pid with
+    another start time, as after a pid reuse), one by this live process. Only the first goes."""
+    import docker.errors
+
+    from app.sandboxes.docker import DockerSandboxFactory
+
+    me = leftovers.Owner.me()
+    host = socket.gethostname()
+    made = []
+    for who, owner in (("dead", leftovers.Owner(me.pid, me.start + 1)), ("live", me)):
+        factory = DockerSandboxFactory("corral-sandbox:test", client=docker_client, mem_limit="256m")
+        factory.owner_label = {leftovers.OWNER_LABEL: f"{host} {owner}"}
+        sandbox = factory.create(f"pytest-leftover-{who}")
+        await sandbox.reset(make_task(task_root, setup=""))
+        made.append(sandbox)
+    dead, live = made
+    try:
+        assert factory.remove_leftovers() == 1
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(dead.container_name)
+        assert docker_client.containers.get(live.container_name).status == "running"
+    finally:
+        for sandbox in made:
+            await sandbox.cleanup()
