@@ -38,11 +38,13 @@ def is_command_process() -> bool:
 
 
 def hold() -> None:
-    """Remember stop signals from now on instead of acting on them."""
+    """Remember stop signals from now on instead of acting on them. A signal this process was started
+    ignoring (a shell's background job ignores SIGINT) stays ignored."""
     for sig in STOP_SIGNALS:
-        previous = signal.signal(sig, _remember)
-        if previous is not _remember:
-            _previous[sig] = previous
+        current = signal.getsignal(sig)
+        if current in (signal.SIG_IGN, _remember):
+            continue
+        _previous[sig] = signal.signal(sig, _remember)
 
 
 def take() -> list[int]:
