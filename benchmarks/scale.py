@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_scale(args.groups, args.group_size, args.surplus, args.batches, shape)
                 for _ in range(max(1, args.repeat))
             ]
-            result = runs[0]
+            result = dict(runs[0])  # a copy: each run's own figures are listed after the medians
             if len(runs) > 1:  # a shared machine is noisy: the medians, and every run's figure
                 for key in ("wall_s", "events_per_wall_s", "cpu_s", "events_per_cpu_s"):
                     result[key] = statistics.median(r[key] for r in runs)
