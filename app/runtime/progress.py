@@ -42,6 +42,9 @@ class _Engines(Protocol):
 
     def wait_healthy(self) -> Awaitable[None]: ...
 
+    @property
+    def exited_at_start(self) -> Mapping[str, str]: ...
+
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
@@ -128,9 +131,12 @@ class RunProgress:
             watcher.cancel()
         if failure:
             raise failure[0]
-        for name, url in waiting.items():  # healthy before the watcher's next look
-            self.line(f"{name} ready on {url}")
-        self.line(f"all {len(urls)} engines ready")
+        exited = engines.exited_at_start
+        for name, url in waiting.items():  # healthy before the watcher's next look, or dead
+            if name not in exited:
+                self.line(f"{name} ready on {url}")
+        ready = len(urls) - len(exited)
+        self.line(f"all {len(urls)} engines ready" if not exited else f"{ready} of {len(urls)} engines ready")
 
     async def _watch(self, waiting: dict[str, str], every_s: float) -> None:
         """Report each engine of `waiting` as it first answers /health, removing it from `waiting`."""

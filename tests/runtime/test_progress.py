@@ -27,6 +27,7 @@ class FakeEngines:
     wait_s: float = 0.3
     error: Exception | None = None
     waited: list[bool] = field(default_factory=list)
+    exited_at_start: dict[str, str] = field(default_factory=dict)
 
     async def wait_healthy(self) -> None:
         await asyncio.sleep(self.wait_s)
@@ -62,6 +63,20 @@ async def test_each_engine_is_reported_ready_with_its_url(health_port: int) -> N
     assert f"engine-0 ready on http://127.0.0.1:{health_port}" in text
     assert "all 1 engines ready" in text
     assert engines.waited == [True]
+
+
+async def test_an_engine_that_died_at_start_is_not_reported_ready(health_port: int) -> None:
+    progress, console = make_progress()
+    dead = FakeEngine(health_port + 1 if health_port < 65535 else health_port - 1)
+    engines = FakeEngines(
+        {"engine-0": FakeEngine(health_port), "engine-1": dead},
+        exited_at_start={"engine-1": "exited with -9 during start-up"},
+    )
+    await progress.wait_for_engines(engines, every_s=0.05)
+    text = console.export_text()
+    assert "engine-0 ready on" in text
+    assert "engine-1 ready" not in text
+    assert "1 of 2 engines ready" in text
 
 
 async def test_a_start_up_failure_is_raised_as_itself(health_port: int) -> None:
