@@ -1,12 +1,12 @@
 """The workload family × every rung, peers included: one table, one JSON, one plot.
 
 For each built-in workload of `app.sim.family` (default, design, cpu-scarce, ample-cpu, trace) it runs
-the ablation ladder (sync, completion, lanes, full), `full` with partitioned lanes and with adaptive
-lanes, and the peer rungs of `app.sim.peers` (areal, prime-rl, pipelinerl, slime, skyrl, and areal and
-skyrl without their concurrency cap), all of one workload on the same seeded draws. It prints a table
-of mean batch collection times and, loudly, every place where the ladder is out of order (`full` ≤
-`completion` ≤ `sync` must hold) or another rung beats `full`. Exit code 0 either way: the findings
-are results, not failures.
+the ablation ladder (sync, completion, lanes, full, whose lanes adapt), `full` with fixed and with
+partitioned lanes, and the peer rungs of `app.sim.peers` (areal, prime-rl, pipelinerl, slime, skyrl,
+and areal and skyrl without their concurrency cap), all of one workload on the same seeded draws. It
+prints a table of mean batch collection times and, loudly, every place where the ladder is out of
+order (`full` ≤ `completion` ≤ `sync` must hold) or another rung beats `full`. Exit code 0 either
+way: the findings are results, not failures.
 
 Run: `.venv/bin/python -m benchmarks.family --json docs/family.json --plot docs/family.png
 [--workloads default,design] [--no-peers] [--processes 2]`.

@@ -55,6 +55,11 @@ class PolicyConfig(BaseModel):
         description="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
         "group holds no sandbox and no engine slot)",
     )
+    adaptive_lanes: bool = Field(
+        False,
+        description="lane slots and the lanes' CPU shares follow measured demand (honoured by the "
+        "simulator, app.sim.lanes; the runtime's lanes keep their configured slots)",
+    )
     ready_surplus: int | None = Field(
         None,
         ge=0,
@@ -88,8 +93,9 @@ class PolicyConfig(BaseModel):
         }
         # Defaults a rung picks that the caller may override. `full` admits in flight: a ready group
         # holds no sandbox and no engine slot, so B + S caps only what runs (measured in
-        # docs/simulator.md); K still ages ready groups out.
-        defaults = {PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT}}
+        # docs/simulator.md); K still ages ready groups out. Its lanes adapt to measured demand
+        # (better or equal on every workload of the simulator's family, docs/simulator.md).
+        defaults = {PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT, "adaptive_lanes": True}}
         data = {**defaults.get(rung, {}), **overrides, **table[rung]}
         return cls.model_validate(data)
 

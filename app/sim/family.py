@@ -103,10 +103,16 @@ def _staleness_surplus(workload: Workload) -> dict[str, Any]:
     return {"policy": {"surplus_groups": workload.policy.max_staleness * groups}}
 
 
-VARIANTS: dict[str, Callable[[Workload], dict[str, Any]]] = {
-    "full (partitioned lanes)": lambda w: {"lanes": {"sharing": "partitioned"}},
-    "full (adaptive lanes)": lambda w: {"lanes": {"adaptive": {}}},
-    "full (S = K·B)": _staleness_surplus,
+def _same(workload: Workload) -> dict[str, Any]:
+    return {}
+
+
+# Variants of `full`: workload overrides, and policy overrides. `full` adapts its lanes; the fixed and
+# partitioned variants keep the configured slots and shares, for comparison.
+VARIANTS: dict[str, tuple[Callable[[Workload], dict[str, Any]], dict[str, Any]]] = {
+    "full (fixed lanes)": (_same, {"adaptive_lanes": False}),
+    "full (partitioned lanes)": (lambda w: {"lanes": {"sharing": "partitioned"}}, {"adaptive_lanes": False}),
+    "full (S = K·B)": (_staleness_surplus, {}),
 }
 
 
@@ -117,7 +123,7 @@ def run_family(
     processes: int = 1,
     known: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every rung (the ladder, two lane variants of `full`, and the peers) on every named workload, each
+    """Every rung (the ladder, the variants of `full`, and the peers) on every named workload, each
     workload's rungs on the same seeded draws. Returns per-workload summaries and the checks.
 
     A rung whose workload and policy equal an earlier rung's is not simulated again (`skyrl` and
@@ -174,8 +180,9 @@ def _workload_and_policy(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
     from app.sim.run import policy_for
 
     if rung in VARIANTS:
-        workload = builtin_workload(name, **VARIANTS[rung](builtin_workload(name)))
-        return workload, policy_for(workload, "full")
+        overrides, policy = VARIANTS[rung]
+        workload = builtin_workload(name, **overrides(builtin_workload(name)))
+        return workload, policy_for(workload, "full", **policy)
     workload = builtin_workload(name)
     if rung.startswith("peer:"):
         return workload, peer_policy(workload, rung.removeprefix("peer:"))

@@ -14,10 +14,14 @@ are busy, they shrink by the same step, never below the configured slots. Growin
 keeps the controller from oversubscribing the CPUs to clear a queue; shrinking back keeps a burst from
 leaving the lane oversized. With `reweight` (work-conserving lanes only) the guaranteed shares follow
 measured demand too (`AdaptiveSlots.shares`): each lane's weight becomes the cores its running and
-queued operations would use, at least `min_share` of its configured share, so a lane whose queue
-grows because it is short of CPU, not of slots (a reset lane starved by a saturated pool), gets a
-larger share instead of more slots. The decisions are pure (no clock, no I/O); `ResizableLimiter` and
-`LanePool.set_guarantees` carry them out.
+queued operations would use, capped at an equal split of the sandbox cores and at least `min_share`
+of its configured share. A lane whose queue grows because it is short of CPU, not of slots (a reset
+lane starved by a saturated pool), so gets up to an equal share instead of more slots; the cap keeps
+one long queue (a reset or cleanup storm) from taking the guarantee of lanes with little queued, so
+every lane keeps at least min(its demand, its equal split) in proportion (max-min fairness on
+demand). Without the cap, queued resets outweighed validate and cleanup on `cpu-scarce` (645 s
+against 587 s with it, docs/simulator.md). The decisions are pure (no clock, no I/O);
+`ResizableLimiter` and `LanePool.set_guarantees` carry them out.
 
 Invariants: a lane runs at most its current slots at once (after a shrink, running operations finish
 and no new one starts until the lane is under its slots again); waiters are served in FIFO order;
@@ -112,9 +116,11 @@ class AdaptiveSlots:
 
     def shares(self, samples: Mapping[str, LaneSample], configured: Mapping[str, float]) -> dict[str, float]:
         """Guaranteed cores by measured demand: a lane's weight is the cores its running and queued
-        operations would use, and never below `min_share` of its configured guarantee."""
+        operations would use, at most an equal split of the configured cores, and never below
+        `min_share` of its configured guarantee."""
+        equal = sum(configured.values()) / len(configured)
         return {
-            lane: max(self.spec.min_share * configured[lane], (s.busy + s.queued) * s.op_demand)
+            lane: max(self.spec.min_share * configured[lane], min(equal, (s.busy + s.queued) * s.op_demand))
             for lane, s in samples.items()
         }
 

@@ -108,6 +108,6 @@ LADDER_NAMES = {
     "completion",
     "lanes",
     "full (partitioned lanes)",
-    "full (adaptive lanes)",
+    "full (fixed lanes)",
     "full (S = K·B)",
 }

@@ -19,7 +19,7 @@ from app.lanes.base import LaneName
 from app.runtime.driver import RunState, Runtime
 from app.sim.adapters import SimEngine, SimLaneCpus, lane_cpu_split
 from app.sim.cpu import CpuPool, LanePool, Stream
-from app.sim.lanes import AdaptiveSlots, LaneSample, LaneSharing, SimLanes
+from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LaneSharing, SimLanes
 from app.sim.workload import Workload
 
 
@@ -111,7 +111,7 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
         }
     )
     lanes = SimLanes(lane_config, policy.pinned_lanes)
-    adaptive = workload.lanes.adaptive
+    adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
     configured = dict(sandbox.guarantees) if sandbox is not None else {}

@@ -160,7 +160,8 @@ def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.Monkey
     assert all(row["lost_groups"] == 0 for row in rungs.values())
     assert rungs["full (partitioned lanes)"]["lane_sharing"] == "partitioned"
     assert rungs["full"]["lane_sharing"] == "work_conserving"
-    assert rungs["full (adaptive lanes)"]["lane_slots"] is not None
+    assert rungs["full"]["lane_slots"] is not None  # full adapts its lanes
+    assert rungs["full (fixed lanes)"]["lane_slots"] is None
     assert isinstance(result["workloads"]["tiny"]["findings"], list)
     # Rungs already known are taken as they are; the rest would run (here: none are missing).
     known = {"tiny": {rung: {**row, "mean_s": -1.0} for rung, row in rungs.items()}}

@@ -167,7 +167,8 @@ def test_reweighting_moves_the_guarantee_to_the_lane_with_queued_work() -> None:
         "exec": LaneSample(slots=8, busy=8, queued=0, idle_cores=0.0, op_demand=1.0),
     }
     shares = controller.shares(samples, {"reset": 1.0, "exec": 7.0})
-    assert shares == {"reset": 22.0, "exec": 8.0}
+    # reset's 44 queued or running resets would use 22 cores; capped at an equal split of the 8 cores.
+    assert shares == {"reset": 4.0, "exec": 4.0}
     idle = {lane: LaneSample(s.slots, 0, 0, 8.0, s.op_demand) for lane, s in samples.items()}
     assert controller.shares(idle, {"reset": 1.0, "exec": 7.0}) == {"reset": 0.25, "exec": 1.75}
 
@@ -224,3 +225,32 @@ def test_sim_lanes_run_through_in_process_lanes_bounded_by_the_resizable_limiter
     run_virtual(main())
     assert running["max"] == 5
     assert lanes.stats()["exec"].completed == 12
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    configured=st.fixed_dictionaries({lane: st.floats(0.25, 16) for lane in LANES}),
+    busy=st.fixed_dictionaries({lane: st.integers(0, 64) for lane in LANES}),
+    storm=st.integers(0, 100_000),
+    demand=st.floats(0.1, 2),
+)
+def test_a_reweighted_cleanup_storm_cannot_push_exec_below_its_demand_or_equal_split(
+    configured: dict[str, float], busy: dict[str, int], storm: int, demand: float
+) -> None:
+    cores = sum(configured.values())
+    controller = AdaptiveSlots(dict.fromkeys(LANES, 64), AdaptiveLanesSpec())
+    samples = {
+        lane: LaneSample(64, busy[lane], storm if lane == "cleanup" else 0, 0.0, demand) for lane in LANES
+    }
+    weights = controller.shares(samples, configured)
+    equal = cores / len(LANES)
+    for lane in LANES:
+        floor = controller.spec.min_share * configured[lane]
+        assert floor - 1e-9 <= weights[lane] <= max(floor, equal) + 1e-9  # nobody's weight passes its split
+    # The pool's guarantees after `set_guarantees`, then what exec gets while cleanup floods the pool.
+    guarantees = {lane: cores * w / sum(weights.values()) for lane, w in weights.items()}
+    asks = {lane: busy[lane] * demand for lane in LANES} | {"cleanup": (busy["cleanup"] + storm) * demand}
+    alloc = water_fill(asks, guarantees, cores)
+    # Weights sum to at most (1 + min_share) × cores, so exec keeps that fraction of its fair claim.
+    fair = max(controller.spec.min_share * configured["exec"], min(equal, asks["exec"]))
+    assert alloc["exec"] >= min(asks["exec"], fair / (1 + controller.spec.min_share)) - 1e-6
