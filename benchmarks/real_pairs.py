@@ -2,6 +2,7 @@
 win for real, not only in the simulator.
 
     python -m benchmarks.real_pairs [--pairs 3] [--batches 6] [--out docs/runs] [--config FILE]
+    python -m benchmarks.real_pairs --replot docs/runs/pairs.json   (redraw the plot only)
 
 Each pair is `corral run --policy full --batches N --json OUT/pairI-full.json`, then the same with
 `--policy sync`, on the default config (or `--config`). Every figure comes from the runs' own reports:
@@ -97,17 +98,20 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     pairs = [p for p in summary["pairs"] if "ratio_sync_over_full" in p]
     if not pairs:
         return
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
     xs = range(len(pairs))
     for offset, policy, colour in ((-0.2, "full", "#2a7"), (0.2, "sync", "#c74")):
         means = [p[policy]["mean_s"] for p in pairs]
         p90s = [p[policy]["p90_s"] for p in pairs]
         ax.bar([x + offset for x in xs], means, width=0.38, color=colour, label=f"{policy} mean")
-        ax.scatter([x + offset for x in xs], p90s, color="black", marker="_", s=200, zorder=3)
+        label = "p90" if policy == "sync" else None
+        ax.scatter([x + offset for x in xs], p90s, color="black", marker="_", s=200, zorder=3, label=label)
     ax.set_xticks(list(xs), [f"pair {p['pair']}\n{p['ratio_sync_over_full']:.2f}×" for p in pairs])
+    top = max(p[policy]["p90_s"] for p in pairs for policy in POLICIES)
+    ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("batch collection time (s)")
-    ax.set_title("real corral runs: mean (bars) and p90 (ticks); sync/full under each pair")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title("real corral runs, back to back: sync/full under each pair", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -115,12 +119,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replot", type=Path, metavar="PAIRS_JSON", help="only redraw the plot of a summary")
     parser.add_argument("--pairs", type=int, default=3, choices=range(1, 21), metavar="1..20")
     parser.add_argument("--batches", type=int, default=6, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--out", type=Path, default=Path("docs/runs"))
     parser.add_argument("--prefix", default="pair")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return
     if args.config is not None and not args.config.is_file():
         sys.exit(f"real_pairs: no config file at {args.config}")
     check_writable(args.out)
