@@ -272,7 +272,9 @@ async def test_the_wait_panel_names_the_phase_made_slow_in_a_simulated_replay():
     from app.sim.run import policy_for, simulate
     from app.sim.workload import Workload
 
-    workload = Workload.model_validate(make_workload_data(trajectory={"reset_s": 30}))
+    # 60 s: longer than an attempt's model turns (about 40 s here), so the reset holds every batch
+    # even when full's adaptive lanes keep resets from queueing (at 30 s the model turns came first).
+    workload = Workload.model_validate(make_workload_data(trajectory={"reset_s": 60}))
     envelopes = []
     policy = policy_for(workload, "full")
     report = await asyncio.to_thread(simulate, workload, policy, "full", events=envelopes.append)
