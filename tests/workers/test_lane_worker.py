@@ -236,9 +236,11 @@ async def test_a_cancelled_op_is_waited_for_when_running_and_revoked_when_queued
         running = tg.create_task(
             lanes.run_op(LaneOp.exec(handle, "sleep 1.5; echo ran >> marks.txt", 10), started.set)
         )
-        queued = tg.create_task(lanes.run_op(LaneOp.exec(handle, "echo queued >> marks.txt", 10)))
         async with asyncio.timeout(RESULT_TIMEOUT_S):
             await started.wait()
+        # Sent only once the first has started: both sends go through threads, and sent together the
+        # second could reach the broker first and run first (about 1 run in 3 here).
+        queued = tg.create_task(lanes.run_op(LaneOp.exec(handle, "echo queued >> marks.txt", 10)))
         # Late acks with a prefetch of 1: the busy worker holds only the op it runs; the other waits
         # in the broker (where a revoke, or another worker, can still take it).
         await asyncio.sleep(0.3)
