@@ -26,18 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from app.cli.common import check_output
+
 POLICIES = ("full", "sync")
-
-
-def check_writable(out: Path) -> None:
-    """Refuse an output folder that can't be written before any run starts."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        sys.exit(f"real_pairs: cannot write to {out}: {exc.strerror or exc}")
 
 
 def run_one(policy: str, batches: int, report: Path, config: Path | None, label: str) -> dict[str, Any]:
@@ -131,7 +124,11 @@ def main() -> None:
         return
     if args.config is not None and not args.config.is_file():
         sys.exit(f"real_pairs: no config file at {args.config}")
-    check_writable(args.out)
+    try:  # before any run: the summary goes there (the CLI's check; it prints the one-line error)
+        check_output(args.out / f"{args.prefix}s.json", "--out")
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[dict[str, Any]] = []
     try:
         for i in range(1, args.pairs + 1):
