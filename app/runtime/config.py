@@ -128,6 +128,19 @@ class TasksConfig(_Strict):
 class SandboxConfig(_Strict):
     isolation: str = Field("auto", pattern="^(auto|bwrap|none)$")
     base_dir: str | None = Field(None, min_length=1, description="where work directories go; default: temp")
+    # Given time: wall time less the time the command waited for a CPU (app/sandboxes/timelimits.py).
+    time_limits: str = Field(
+        "given",
+        pattern="^(given|wall)$",
+        description="set-up and validation limits count 'given' time (wall less CPU waits) or 'wall' time",
+    )
+    backstop: float = Field(
+        10.0,
+        ge=1,
+        le=1000,
+        strict=True,
+        description="given-time limits also end at this multiple in wall time",
+    )
 
 
 class LocalRunConfig(_Strict):

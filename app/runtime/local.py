@@ -46,6 +46,7 @@ from app.runtime.trainer import SentinelTrainer
 from app.sandboxes import leftovers
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
 from app.sandboxes.local import LocalSandboxFactory
+from app.sandboxes.timelimits import TimeLimits
 from app.tasks.spec import TaskSpec
 
 __all__ = ["LocalRunError", "fault_config", "load_config", "run_local"]
@@ -195,6 +196,7 @@ async def _run(
                 isolation=config.sandbox.isolation,  # type: ignore[arg-type]
                 lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
                 borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
+                time_limits=time_limits(config),
             )
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
@@ -203,6 +205,7 @@ async def _run(
             on_event = progress.on_event
             event_log = EventLog()
 
+            source = TaskSource(tasks, factory, agent, config.seed)
             runtime: Runtime | None = None
             try:
                 progress.starting(config, serving_cpus, pinned_lanes=policy.pinned_lanes)
@@ -212,7 +215,7 @@ async def _run(
                     engines=engines.clients(),
                     engine_slots=config.engines.slots,
                     lanes=lanes,
-                    source=TaskSource(tasks, factory, agent, config.seed),
+                    source=source,
                     trainer=trainer,
                     on_event=on_event,
                     faults=fault_config(config.engines),
@@ -252,6 +255,8 @@ async def _run(
         "lanes_borrow_serving": policy.pinned_lanes and config.lanes.borrow_serving_cpus,
     }
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
+    report["sandbox_time_limits"] = {"mode": config.sandbox.time_limits, "backstop": config.sandbox.backstop}
+    report.update(task_report(report.get("groups_timeline", []), source))
     report["engines_given_up"] = dict(state.given_up)
     if state.given_up and state.given_up.keys() == runtime.pool.by_name.keys():
         report["error"] = "every engine was given up (engines.max_restarts): " + "; ".join(
@@ -260,6 +265,26 @@ async def _run(
     report["turn_latency_s"] = _turn_latency(state)
     report.update(event_log.as_report())
     return report
+
+
+def time_limits(config: LocalRunConfig) -> TimeLimits:
+    if config.sandbox.time_limits == "wall":
+        return TimeLimits.wall()
+    return TimeLimits(backstop=config.sandbox.backstop)
+
+
+def task_report(timeline: list[dict[str, Any]], source: TaskSource) -> dict[str, Any]:
+    """Each group's task by name, and per outcome how many groups of each task ended so (`delivered`:
+    in a trainer batch), so that a task that never reaches a batch shows."""
+    names: dict[str, str] = {}
+    by_outcome: dict[str, dict[str, int]] = {}
+    for row in timeline:
+        name = source.task_for(row["task"]).name
+        names[str(row["group"])] = name
+        counts = by_outcome.setdefault(row["outcome"], {})
+        counts[name] = counts.get(name, 0) + 1
+    ordered = {o: dict(sorted(c.items())) for o, c in sorted(by_outcome.items())}
+    return {"group_tasks": names, "tasks_by_outcome": ordered}
 
 
 class EventLog:

@@ -8,7 +8,9 @@ Invariants:
   uid when we are root (so RLIMIT_NPROC holds), and in a per-exec pids cgroup where one is writable.
 - A timeout SIGKILLs the whole process group and the exec's pids cgroup (so grandchildren that
   called setsid die too); under bwrap the pid namespace dies with its first process as well. The
-  result then has `timed_out=True` and `exit_code=None`.
+  result then has `timed_out=True`, `exit_code=None` and a notice at the end of its output saying which
+  limit fired. Set-up and validation limits count *given* time, wall time minus the time the command
+  waited for a CPU, with a wall-clock backstop; tool calls count wall time (app/sandboxes/timelimits.py).
 - Output (stdout and stderr merged) is read as it comes and at most `output_limit` bytes are kept;
   the rest is counted, dropped, and reported by a visible notice and `truncated=True`.
 - Isolation is "bwrap" only when bubblewrap really created its namespaces in a probe on this host;
@@ -43,6 +45,7 @@ from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.leftovers import rmtree, uid_kill_argv
 from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
+from app.sandboxes.timelimits import GivenClock, TimeLimits, leaf_threads, session_threads
 
 if TYPE_CHECKING:
     from app.tasks.spec import TaskSpec
@@ -144,11 +147,13 @@ class LocalSandboxFactory:
         cgroup_root: Path = cpuset.CGROUP_ROOT,
         lane_weights: Mapping[str, int] | None = None,
         borrow_serving: bool = False,
+        time_limits: TimeLimits | None = None,
     ) -> None:
         if output_limit <= 0:
             raise SandboxError(f"output_limit must be positive, got {output_limit}")
         self.base_dir = Path(base_dir).resolve()
         self.limits = limits or ResourceLimits()
+        self.time_limits = time_limits or TimeLimits()
         self.output_limit = output_limit
         self.extra_ro_binds = tuple(extra_ro_binds)
         self.env = dict(env or {})
@@ -425,17 +430,19 @@ class LocalSandbox(CommandSandbox):
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
         )
-        timed_out = False
+        clock = None
+        if self.factory.time_limits.counts_given(lane):
+            clock = GivenClock(
+                functools.partial(leaf_threads, leaf)
+                if leaf is not None
+                else functools.partial(session_threads, proc.pid)
+            )
+        killed: str | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 pump = tg.create_task(self._pump(reader, buffer))
-                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
-                # arrives as the process exits, and the runtime cancels attempts of discarded groups.
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        await proc.wait()
-                except TimeoutError:
-                    timed_out = True
+                killed = await self._wait_within(proc, timeout_s, clock)
+                if killed is not None:
                     await self._kill_exec(proc.pid, leaf)
                     await proc.wait()
                 with contextlib.suppress(TimeoutError):
@@ -451,13 +458,53 @@ class LocalSandbox(CommandSandbox):
 
         returncode = proc.returncode
         assert returncode is not None
+        output = buffer.text()
+        if killed is not None:
+            output += ("" if not output or output.endswith("\n") else "\n") + f"[corral: {killed}]"
         return ExecResult(
-            exit_code=None if timed_out else _shell_exit_code(returncode),
-            output=buffer.text(),
-            timed_out=timed_out,
+            exit_code=None if killed else _shell_exit_code(returncode),
+            output=output,
+            timed_out=killed is not None,
             truncated=buffer.dropped > 0,
             duration_s=loop.time() - started,
         )
+
+    async def _wait_within(
+        self, proc: asyncio.subprocess.Process, timeout_s: float, clock: GivenClock | None
+    ) -> str | None:
+        """Wait for `proc` to exit within its limit: None if it did, else why it must be killed."""
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that arrives as
+        # the process exits, and the runtime cancels attempts of discarded groups.
+        if clock is None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await proc.wait()
+            except TimeoutError:
+                return f"killed at its {timeout_s:g} s wall-clock limit"
+            return None
+        limits = self.factory.time_limits
+        loop = asyncio.get_running_loop()
+        backstop_at = loop.time() + timeout_s * limits.backstop
+        while True:
+            # Given time never runs ahead of wall time, so waiting what is left of the limit never
+            # overshoots it; sampling every `sample_s` keeps the threads that exit early counted.
+            left = min(timeout_s - clock.given_s, limits.sample_s, backstop_at - loop.time())
+            if clock.given_s >= timeout_s:
+                return (
+                    f"killed after its {timeout_s:g} s limit of given time "
+                    "(wall time less the waits for a CPU)"
+                )
+            if left <= 0:
+                return (
+                    f"killed at the wall-clock backstop, {limits.backstop:g}x its {timeout_s:g} s "
+                    "limit of given time"
+                )
+            try:
+                async with asyncio.timeout(left):
+                    await proc.wait()
+                return None
+            except TimeoutError:
+                await asyncio.to_thread(clock.sample)
 
     @staticmethod
     async def _pump(reader: asyncio.StreamReader, buffer: _CappedBuffer) -> None:

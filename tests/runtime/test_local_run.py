@@ -60,6 +60,11 @@ def test_full_run_publishes_weights_one_engine_at_a_time_without_restarts(tmp_pa
     assert report["turns"] > 0
     assert report["tokens_per_s"] > 0
     assert set(report["lanes"]) == {"reset", "exec", "validate", "cleanup"}
+    # Every group's task is named, and the delivered ones are counted per task.
+    assert report["sandbox_time_limits"] == {"mode": "given", "backstop": 10.0}
+    assert set(report["group_tasks"].values()) <= {"fix-off-by-one", "json-transform", "patch-config-sed",
+                                                   "sort-uniq-log"}  # fmt: skip
+    assert sum(report["tasks_by_outcome"]["delivered"].values()) == report["delivered_groups"]
     # The report keeps its event stream, gap-free, and `corral trace import` reads it back.
     assert [e["seq"] for e in report["event_log"]] == list(range(len(report["event_log"])))
     assert report["event_log_dropped"] == 0
@@ -89,6 +94,14 @@ def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> Non
         load_config(bad)
     with pytest.raises(LocalRunError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+    for bad_sandbox in (
+        "sandbox: {time_limits: cpu}",
+        "sandbox: {backstop: 0.5}",
+        "sandbox: {backstop: .nan}",
+    ):
+        field = bad_sandbox.split("{")[1].split(":")[0]
+        with pytest.raises(LocalRunError, match=f"sandbox.{field}"):
+            load_config(write_config(tmp_path, CONFIG + bad_sandbox + "\n"))
 
 
 def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
