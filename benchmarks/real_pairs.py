@@ -11,6 +11,10 @@ what each trainer waited on (`wait_attribution`). It prints a table and the medi
 OUT/pairs.json (the summary) and OUT/pairs.png (mean batch collection time per pair). The load average
 before each run is recorded: on a shared machine a pair is only comparable when both runs saw the same.
 
+A fast batch is worth nothing if hard tasks never make it in, so each run also reports its discarded
+groups by reason and detail (e.g. `failed: task X: set-up timed out`), how many groups of each task its
+batches held, the tasks admitted that never reached a batch, and each task's reset times (median, max).
+
 Ctrl-C stops the run in progress (it still writes its report) and summarises the runs that finished.
 """
 
@@ -64,9 +68,49 @@ def run_one(policy: str, batches: int, report: Path, config: Path | None, label:
         "lower_bound_s": data.get("lower_bound_s"),
         "waited": data["wait_attribution"]["summary"],
         "lost_groups": data["lost_groups"],
+        **batch_makeup(data),
         "load_before": round(load, 2),
         "wall_s": round(wall, 1),
     }
+
+
+def batch_makeup(data: dict[str, Any]) -> dict[str, Any]:
+    """What the run's batches held and what it discarded, from its report: discarded groups by reason
+    and detail, groups of each task delivered in a batch, tasks admitted but never delivered, and the
+    reset (set-up) wall times of each task."""
+    out: dict[str, Any] = {
+        "discarded": data.get("discarded_groups", {}),
+        "discard_details": data.get("discard_details", {}),
+    }
+    names: dict[str, str] | None = data.get("group_tasks")
+    if names is None:  # a report from before corral run named each group's task
+        return out
+    delivered = data.get("tasks_by_outcome", {}).get("delivered", {})
+    out["tasks_in_batches"] = delivered
+    out["tasks_never_in_a_batch"] = sorted(set(names.values()) - set(delivered))
+    resets: dict[str, list[float]] = {}
+    for ev in data.get("event_log", []):
+        if ev.get("kind") == "sandbox_op" and ev.get("lane") == "reset" and ev.get("ok"):
+            task = names.get(str(ev.get("group_id")))
+            if task is not None:
+                resets.setdefault(task, []).append(ev["end"] - ev["start"])
+    out["reset_s_by_task"] = {
+        task: {"n": len(times), "median": round(statistics.median(times), 2), "max": round(max(times), 2)}
+        for task, times in sorted(resets.items())
+    }
+    return out
+
+
+def describe_run(label: str, run: dict[str, Any]) -> list[str]:
+    """Lines on what a run's batches held and what it lost, for the printed summary."""
+    failed = run.get("discard_details", {}).get("failed", {})
+    lines = [f"{label}: discarded {run.get('discarded', {})}"]
+    lines += [f"  failed x{n}: {detail}" for detail, n in sorted(failed.items())]
+    if "tasks_in_batches" in run:
+        held = ", ".join(f"{task} x{n}" for task, n in run["tasks_in_batches"].items())
+        lines.append(f"  in batches: {held}")
+        lines.append(f"  never in a batch: {', '.join(run['tasks_never_in_a_batch']) or 'none'}")
+    return lines
 
 
 def summarise(pairs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,6 +204,10 @@ def main() -> None:
         for policy in POLICIES:
             if policy in p and "waited" in p[policy]:
                 print(f"pair {p['pair']} {policy}: {p[policy]['waited']}")
+    for p in summary["pairs"]:
+        for policy in POLICIES:
+            if policy in p and "discarded" in p[policy]:
+                print("\n".join(describe_run(f"pair {p['pair']} {policy}", p[policy])))
 
 
 if __name__ == "__main__":
