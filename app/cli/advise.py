@@ -90,13 +90,13 @@ def advise(
     cur, rec = advice.current, advice.recommended
     say(
         f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "
-        f"updating={cur.settings.max_updating_engines} lanes={dict(cur.settings.lane_slots)} → "
+        f"updating={cur.settings.updating()} lanes={dict(cur.settings.lane_slots)} → "
         f"{cur.batch_collection_s:.1f} s, idle {cur.trainer_idle_fraction:.0%}, "
         f"wasted {cur.wasted_trajectory_s:,.0f} traj-s"
     )
     say(
         f"advised: S={rec.settings.surplus_groups} K={rec.settings.max_staleness} "
-        f"updating={rec.settings.max_updating_engines} lanes={dict(rec.settings.lane_slots)} → "
+        f"updating={rec.settings.updating()} lanes={dict(rec.settings.lane_slots)} → "
         f"{rec.batch_collection_s:.1f} s, idle {rec.trainer_idle_fraction:.0%}, "
         f"wasted {rec.wasted_trajectory_s:,.0f} traj-s"
     )

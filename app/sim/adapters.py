@@ -15,6 +15,7 @@ from app.runtime.context import Agent, AttemptContext, AttemptOutcome
 from app.runtime.ports import TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
 from app.sim.cpu import CpuPool, Stream
+from app.sim.lanes import LongOps
 from app.sim.workload import FaultSpec, Trajectory, TrajectorySource, Workload
 from app.tasks.spec import TaskSpec
 
@@ -126,7 +127,7 @@ _OK = ExecResult(exit_code=0, output="")
 class SimLaneCpus:
     """Where each kind of sandbox operation runs (its lane's CPU stream) and the cores it keeps busy."""
 
-    reset: tuple[Stream, float]
+    reset: tuple[Stream | LongOps, float]  # LongOps: long resets leave the lane (app.sim.lanes)
     exec: tuple[Stream, float]
     validate: tuple[Stream, float]
     cleanup: tuple[Stream, float]

@@ -1,7 +1,9 @@
 """`corral advise`: search S, K, the number of updating engines and the lane concurrency for the
 settings that minimise mean batch collection time on a workload, by simulating each candidate.
 
-The search is coordinate descent from the workload's own settings: one knob at a time, every value of
+The search is coordinate descent from the workload's own settings, which are simulated exactly as
+the hand-written config runs (`full` with its own defaults: adaptive lanes, its update pacing and
+updating engines), so the advice can never be slower than them: one knob at a time, every value of
 that knob's grid is simulated (in parallel processes) with the other knobs held at the best found so
 far, and the best is kept; two passes over the knobs. Every candidate runs the production scheduler
 and runtime under the simulator on the same seeded draws, so differences come from the settings only.
@@ -35,10 +37,14 @@ OnRun = Callable[[int, int], None]
 class Settings:
     surplus_groups: int
     max_staleness: int
-    max_updating_engines: int
+    max_updating_engines: int | None  # None: the policy's own default (the hand-written config)
     lane_slots: tuple[tuple[str, int], ...]
 
-    def with_knob(self, knob: str, value: int) -> Settings:
+    def with_knob(self, knob: str, value: int | None) -> Settings:
+        if knob == "max_updating_engines":
+            return dataclasses.replace(self, max_updating_engines=value)
+        if value is None:
+            raise ValueError(f"{knob} needs a value")
         if knob in LANES:
             slots = tuple((lane, value if lane == knob else n) for lane, n in self.lane_slots)
             return dataclasses.replace(self, lane_slots=slots)
@@ -46,16 +52,17 @@ class Settings:
             return dataclasses.replace(self, surplus_groups=value)
         if knob == "max_staleness":
             return dataclasses.replace(self, max_staleness=value)
-        if knob == "max_updating_engines":
-            return dataclasses.replace(self, max_updating_engines=value)
         raise ValueError(f"unknown knob {knob!r}")
 
-    def as_policy(self) -> dict[str, int]:
+    def as_policy(self) -> dict[str, int | None]:
         return {
             "surplus_groups": self.surplus_groups,
             "max_staleness": self.max_staleness,
             "max_updating_engines": self.max_updating_engines,
         }
+
+    def updating(self) -> str:
+        return "policy default" if self.max_updating_engines is None else str(self.max_updating_engines)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.as_policy(), "lanes": dict(self.lane_slots)}
@@ -94,7 +101,7 @@ class Advice:
     def verdict(self) -> str:
         if not self.beats_current:
             return (
-                "the current settings match the best found: no candidate beat them by more than "
+                "the advice matches the current config: no candidate beat it by more than "
                 f"{TIE_FRACTION:.0%} in mean batch collection time"
             )
         ratio = self.current.batch_collection_s / max(self.recommended.batch_collection_s, 1e-9)
@@ -114,26 +121,27 @@ def current_settings(workload: Workload) -> Settings:
     return Settings(
         surplus_groups=workload.policy.surplus_groups,
         max_staleness=workload.policy.max_staleness,
-        max_updating_engines=1,
+        max_updating_engines=None,
         lane_slots=tuple(workload.lanes.slots().items()),
     )
 
 
-def knob_grid(workload: Workload, best: Settings) -> dict[str, list[int]]:
+def knob_grid(workload: Workload, best: Settings) -> dict[str, list[int | None]]:
     """The values tried for each knob around `best` (always including its current value)."""
     b = workload.batch.groups
     engines = workload.engines.count
     surplus = {0, b // 4, b // 2, b, 2 * b, 3 * b, best.surplus_groups}
     staleness = {1, 2, 3, 4, 6, 8, best.max_staleness}
     updating = {n for n in (1, 2, engines // 4, engines // 2) if 1 <= n <= engines}
-    updating.add(best.max_updating_engines)
-    grid: dict[str, list[int]] = {
-        "surplus_groups": sorted(surplus),
-        "max_staleness": sorted(staleness),
-        "max_updating_engines": sorted(updating),
+    # The current value first; None is the policy's own default (the hand-written config's).
+    own = best.max_updating_engines
+    grid: dict[str, list[int | None]] = {
+        "surplus_groups": list(sorted(surplus)),
+        "max_staleness": list(sorted(staleness)),
+        "max_updating_engines": [own, *sorted(updating - {own} if own is not None else updating)],
     }
     for lane, slots in best.lane_slots:
-        grid[lane] = sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)})
+        grid[lane] = list(sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)}))
     return grid
 
 
@@ -153,7 +161,12 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
 def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") -> Outcome:
     """Simulate one candidate (module-level so that worker processes can run it)."""
     candidate = _workload_with(workload, settings)
-    policy = policy_for(candidate, policy_name, max_updating_engines=settings.max_updating_engines)
+    overrides = (
+        {}
+        if settings.max_updating_engines is None
+        else {"max_updating_engines": settings.max_updating_engines}
+    )
+    policy = policy_for(candidate, policy_name, **overrides)
     report = simulate(candidate, policy, policy_name)
     return Outcome(
         settings=settings,

@@ -183,6 +183,14 @@ class LanePool(CpuPool):
         for s in self.streams:
             s.rate_changed(now)
 
+    def entitlement(self, lane: str) -> float:
+        """The cores `lane` would get if it wanted every core, the other lanes' demand as it is."""
+        if not self.borrow:
+            return self.guarantees[lane]
+        demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
+        demand[lane] = self.cores
+        return water_fill(demand, self.guarantees, self.cores)[lane]
+
     def _allocate(self) -> dict[str, float]:
         demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
         if not self.borrow:

@@ -36,12 +36,14 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.config import LanesConfig
 from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
+from app.sim.cpu import Stream
 
 
 class LaneSharing(StrEnum):
@@ -75,6 +77,23 @@ class AdaptiveLanesSpec(BaseModel):
     min_share: float = Field(
         0.25, gt=0, le=1, description="a reweighted lane keeps at least this fraction of its configured share"
     )
+    overload: float | None = Field(
+        1.0,
+        ge=1,
+        le=1e6,
+        description="slots follow cores: at most this × the cores a lane can get, in operations' demand "
+        "(None: slots never go below the configured ones)",
+    )
+    long_op_factor: float | None = Field(
+        8.0,
+        gt=1,
+        le=1e6,
+        description="work-conserving lanes: a reset that has run this × the median reset while others "
+        "queue leaves the reset lane's slots and finishes on the background share (None: never)",
+    )
+    background_share: float = Field(
+        0.1, gt=0, lt=1, description="guaranteed fraction of the sandbox cores for long resets"
+    )
 
 
 @dataclass(frozen=True)
@@ -86,6 +105,7 @@ class LaneSample:
     queued: int
     idle_cores: float  # cores the lane could still use without oversubscribing its CPUs
     op_demand: float  # cores one more running operation would use
+    cores: float = math.inf  # cores the lane would get if it asked for all (`LanePool.entitlement`)
 
 
 class AdaptiveSlots:
@@ -105,6 +125,18 @@ class AdaptiveSlots:
             low, high = self.bounds(lane)
             step = max(1, round(self.configured[lane] * self.spec.step))
             slots = s.slots
+            over = self.spec.overload
+            if over is not None and s.op_demand > 0:
+                # Slots follow cores: more operations than the lane's cores run only thrash (cpu.py).
+                fit = min(high, max(1, math.floor(over * s.cores / s.op_demand)))
+                if slots > fit:
+                    slots = fit
+                elif s.queued > 0:
+                    slots = min(fit, slots + min(step, s.queued))
+                elif s.busy * 2 <= slots:
+                    slots = max(min(low, fit), slots - step)
+                decided[lane] = slots
+                continue
             if s.queued > 0 and s.idle_cores >= s.op_demand:
                 # Room for at least one more operation; never grow past what the idle cores can run.
                 room = step if s.op_demand * step <= s.idle_cores else math.floor(s.idle_cores / s.op_demand)
@@ -135,6 +167,7 @@ class ResizableLimiter:
         self.busy = 0
         self.max_slots = slots
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._detached: set[object] = set()  # tasks whose operation left the slots
 
     def locked(self) -> bool:
         return self.busy >= self.slots
@@ -160,6 +193,16 @@ class ResizableLimiter:
         return True
 
     def release(self) -> None:
+        if self._detached and (task := asyncio.current_task()) in self._detached:
+            self._detached.discard(task)  # its slot was handed on when it detached
+            return
+        self.busy -= 1
+        self._wake()
+
+    def detach(self) -> None:
+        """The calling task's operation stops counting toward the slots (its slot goes to the next
+        waiter); its `release` later gives back nothing."""
+        self._detached.add(asyncio.current_task())
         self.busy -= 1
         self._wake()
 
@@ -176,6 +219,63 @@ class ResizableLimiter:
             if not fut.done():
                 self.busy += 1
                 fut.set_result(None)
+
+
+class LongOps:
+    """Long resets leave the reset lane (`AdaptiveLanesSpec.long_op_factor`).
+
+    A reset that has received `factor` × the median completed reset's CPU service while others queue
+    for its slot, and the sandbox pool has no idle cores to grow the lane into, gives up its slot
+    (`ResizableLimiter.detach`) and finishes on the background stream, a low-weight share of the
+    sandbox cores, at most `slots` at once (sized to the background's cores, so that it does not
+    thrash; the others wait without using CPU, as frozen cgroups do). The decision uses only service
+    received so far, as a runtime that moves a sandbox's processes into a low-weight cgroup after so
+    many CPU-seconds would: deciding when the work is drawn or when its service reaches the threshold
+    gives the same timeline. Only resets: an attempt has nothing invested yet when it resets, while a
+    slow tool call or validation of a running attempt is on its group's critical path.
+    """
+
+    def __init__(self, lane: Stream, limiter: ResizableLimiter, background: Stream, factor: float) -> None:
+        self.lane = lane
+        self.limiter = limiter
+        self.background = background
+        self.factor = factor
+        self.sizes: deque[float] = deque(maxlen=256)  # service of the last completed resets
+        self.slots = ResizableLimiter(1)  # resized to the background's cores by the controller
+        self.detached = 0
+
+    def threshold(self) -> float:
+        if len(self.sizes) < 16:
+            return math.inf
+        return self.factor * sorted(self.sizes)[len(self.sizes) // 2]
+
+    @property
+    def demand(self) -> float:
+        return self.lane.demand
+
+    async def run(self, work: float, demand: float = 0.0, result: Any = None) -> Any:
+        """`Stream.run` of the reset lane's stream, for resets that may leave it."""
+        stream = self.lane
+        limit = self.threshold()
+        if work <= limit:
+            await stream.run(work, demand)
+        else:
+            await stream.run(limit, demand)
+            pool = self.background.pool
+            # Its own demand left the pool with the first part: idle cores beside it are these.
+            if not self.limiter.queued or pool.cores - pool.demand - demand >= demand:
+                # Nobody waits for the slot, or the lane's slots can grow into idle cores: keep it.
+                await stream.run(work - limit, demand)
+            else:
+                self.limiter.detach()
+                self.detached += 1
+                await self.slots.acquire()
+                try:
+                    await self.background.run(work - limit, demand)
+                finally:
+                    self.slots.release()
+        self.sizes.append(work)
+        return result
 
 
 class SimLanes(InProcessLanes):

@@ -11,6 +11,8 @@ CPU pools by policy and `lanes.sharing` (the model is in app.sim.cpu):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +21,10 @@ from app.lanes.base import LaneName
 from app.runtime.driver import RunState, Runtime
 from app.sim.adapters import SimEngine, SimLaneCpus, lane_cpu_split
 from app.sim.cpu import CpuPool, LanePool, Stream
-from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LaneSharing, SimLanes
+from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LaneSharing, LongOps, SimLanes
 from app.sim.workload import Workload
+
+BACKGROUND = "background"  # the sandbox pool's share for long resets (app.sim.lanes.LongOps)
 
 
 @dataclass
@@ -54,6 +58,8 @@ class SimPorts:
                 for lane, limiter in self.lanes.limiters.items()
             }
             out["lane_slot_changes"] = len(self.slot_log)
+            if isinstance(self.lane_cpus.reset[0], LongOps):
+                out["lane_long_resets"] = self.lane_cpus.reset[0].detached
             if self.sandbox is not None and self.controller.spec.reweight and self.sandbox.borrow:
                 out["lane_final_guarantees"] = {k: round(v, 3) for k, v in self.sandbox.guarantees.items()}
         return out
@@ -82,9 +88,13 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
             guarantees = {lane: float(len(ids)) for lane, ids in split.items()}
             sandbox = LanePool("sandbox", sum(guarantees.values()), guarantees, False, cpus.thrash)
         else:
-            sandbox = LanePool(
-                "sandbox", cpus.total - cpus.serving, lane_guarantees(workload), True, cpus.thrash
-            )
+            guarantees = lane_guarantees(workload)
+            adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
+            if adaptive is not None and adaptive.long_op_factor is not None:
+                share = adaptive.background_share
+                guarantees = {lane: g * (1 - share) for lane, g in guarantees.items()}
+                guarantees[BACKGROUND] = share * (cpus.total - cpus.serving)
+            sandbox = LanePool("sandbox", cpus.total - cpus.serving, guarantees, True, cpus.thrash)
         streams = {lane: sandbox.stream(lane) for lane in split}
     else:
         serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
@@ -114,7 +124,16 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
     adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
-    configured = dict(sandbox.guarantees) if sandbox is not None else {}
+    configured = {lane: g for lane, g in sandbox.guarantees.items() if lane != BACKGROUND} if sandbox else {}
+    if sandbox is not None and BACKGROUND in sandbox.guarantees and adaptive is not None:
+        assert adaptive.long_op_factor is not None
+        long = LongOps(
+            streams["reset"],
+            lanes.limiters[LaneName.RESET],
+            sandbox.stream(BACKGROUND),
+            adaptive.long_op_factor,
+        )
+        lane_cpus = dataclasses.replace(lane_cpus, reset=(long, demand["reset"]))
     return SimPorts(serving, sandbox, engines, lanes, lane_cpus, controller, interval, configured)
 
 
@@ -129,10 +148,20 @@ async def run_adapting(runtime: Runtime, ports: SimPorts, batches: int) -> RunSt
         while True:
             await asyncio.sleep(ports.interval_s)
             samples = _samples(ports)
-            decided = ports.controller.decide(samples)
             pool = ports.sandbox
             if ports.controller.spec.reweight and pool is not None and pool.borrow:
-                pool.set_guarantees(ports.controller.shares(samples, ports.configured_guarantees))
+                shares = ports.controller.shares(samples, ports.configured_guarantees)
+                if BACKGROUND in pool.guarantees:
+                    share = ports.controller.spec.background_share
+                    shares[BACKGROUND] = sum(shares.values()) * share / (1 - share)
+                pool.set_guarantees(shares)
+                if ports.controller.spec.overload is not None:
+                    samples = _samples(ports)  # the cores each lane can get under its new share
+            decided = ports.controller.decide(samples)
+            long = ports.lane_cpus.reset[0]
+            if isinstance(long, LongOps) and pool is not None:
+                fit = pool.entitlement(BACKGROUND) * (ports.controller.spec.overload or 1.0)
+                long.slots.resize(max(1, math.floor(fit / max(ports.lane_cpus.reset[1], 1e-3))))
             changed = {
                 lane: n for lane, n in decided.items() if ports.lanes.limiters[LaneName(lane)].slots != n
             }
@@ -157,5 +186,7 @@ def _samples(ports: SimPorts) -> dict[str, LaneSample]:
         stream, demand = getattr(ports.lane_cpus, lane.value)
         # Headroom: idle sandbox cores, or with partitions the lane's own idle cores.
         idle = pool.cores - pool.demand if pool.borrow else pool.guarantees[lane.value] - stream.demand
-        samples[lane.value] = LaneSample(limiter.slots, limiter.busy, limiter.queued, idle, demand)
+        samples[lane.value] = LaneSample(
+            limiter.slots, limiter.busy, limiter.queued, idle, demand, pool.entitlement(lane.value)
+        )
     return samples

@@ -15,7 +15,9 @@ def test_grid_always_holds_the_current_value() -> None:
     assert start.surplus_groups in grid["surplus_groups"]
     assert start.max_staleness in grid["max_staleness"]
     assert dict(start.lane_slots)["reset"] in grid["reset"]
-    assert all(v >= 1 for v in grid["max_updating_engines"])
+    # The hand-written config's own updating engines (None: the policy's default) come first.
+    assert grid["max_updating_engines"][0] is start.max_updating_engines is None
+    assert all(v >= 1 for v in grid["max_updating_engines"][1:] if v is not None)
 
 
 def test_advice_is_never_worse_than_the_current_settings() -> None:
@@ -33,4 +35,15 @@ def test_advice_is_never_worse_than_the_current_settings() -> None:
     if advice.beats_current:
         assert "cut mean batch collection time" in advice.verdict()
     else:
-        assert "match the best found" in advice.verdict()
+        assert "matches the current config" in advice.verdict()
+
+
+def test_the_current_candidate_is_the_hand_written_config_as_it_runs() -> None:
+    from app.sim.run import policy_for, simulate
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    outcome = evaluate(workload, current_settings(workload))
+    policy = policy_for(workload, "full")
+    assert policy.adaptive_lanes  # the sweep runs full as it is, adaptive lanes included
+    report = simulate(workload, policy, "full")
+    assert outcome.batch_collection_s == report["batch_collection_s"]["mean"]

@@ -4,6 +4,7 @@ slots that adapt (app.sim.lanes, app.sim.cpu.LanePool)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from app.sim.clock import run_virtual
 from app.sim.cpu import LanePool, water_fill
-from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, ResizableLimiter
+from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LongOps, ResizableLimiter
 
 LANES = ("reset", "exec", "validate", "cleanup")
 
@@ -146,7 +147,7 @@ def test_cancelled_waiter_leaves_the_queue_and_keeps_no_slot() -> None:
 def test_adaptive_slots_stay_in_bounds_and_grow_only_into_idle_cores(
     configured: int, slots_factor: float, busy: int, queued: int, idle: float, op_demand: float
 ) -> None:
-    spec = AdaptiveLanesSpec()
+    spec = AdaptiveLanesSpec(overload=None)  # slots between configured and max_factor × configured
     controller = AdaptiveSlots({"reset": configured}, spec)
     slots = max(configured, int(configured * slots_factor))
     sample = LaneSample(slots, min(busy, slots), queued, idle, op_demand)
@@ -254,3 +255,116 @@ def test_a_reweighted_cleanup_storm_cannot_push_exec_below_its_demand_or_equal_s
     # Weights sum to at most (1 + min_share) × cores, so exec keeps that fraction of its fair claim.
     fair = max(controller.spec.min_share * configured["exec"], min(equal, asks["exec"]))
     assert alloc["exec"] >= min(asks["exec"], fair / (1 + controller.spec.min_share)) - 1e-6
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    configured=st.integers(1, 256),
+    slots=st.integers(1, 1024),
+    busy=st.integers(0, 1024),
+    queued=st.integers(0, 500),
+    cores=st.floats(0, 300),
+    op_demand=st.floats(0.01, 4),
+    overload=st.floats(1, 4),
+)
+def test_slots_that_follow_cores_never_want_more_than_the_lane_can_get(
+    configured: int, slots: int, busy: int, queued: int, cores: float, op_demand: float, overload: float
+) -> None:
+    controller = AdaptiveSlots({"reset": configured}, AdaptiveLanesSpec(overload=overload))
+    _, high = controller.bounds("reset")
+    slots = min(slots, high)
+    sample = LaneSample(slots, min(busy, slots), queued, 0.0, op_demand, cores)
+    new = controller.decide({"reset": sample})["reset"]
+    fit = max(1, math.floor(overload * cores / op_demand))
+    assert 1 <= new <= min(high, fit)  # below the configured slots when the cores are short
+    if new > slots:
+        assert queued > 0
+    if queued > 0 and slots < min(high, fit):
+        assert new > slots  # a queue grows the lane up to what its cores run
+
+
+def test_an_oversubscribed_lane_shrinks_to_its_cores_and_regrows_with_them() -> None:
+    controller = AdaptiveSlots({"exec": 192}, AdaptiveLanesSpec())
+    # 192 tool calls of one core each on the 15 cores exec can get: each would run at 1/13 speed.
+    crowded = LaneSample(192, 192, 50, 0.0, 1.0, 15.0)
+    assert controller.decide({"exec": crowded})["exec"] == 15
+    # The other lanes go quiet: exec can get 32 cores, and grows by a step (48) up to them.
+    assert controller.decide({"exec": LaneSample(15, 15, 50, 17.0, 1.0, 32.0)})["exec"] == 32
+
+
+def test_a_detached_operation_hands_its_slot_on_and_its_release_gives_back_nothing() -> None:
+    limiter = ResizableLimiter(1)
+    started: list[str] = []
+
+    async def long_op() -> None:
+        await limiter.acquire()
+        started.append("long")
+        await asyncio.sleep(1)
+        limiter.detach()
+        await asyncio.sleep(100)
+        limiter.release()
+
+    async def short_op(name: str) -> None:
+        await limiter.acquire()
+        started.append(name)
+        await asyncio.sleep(1)
+        limiter.release()
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(long_op())
+            await asyncio.sleep(0)
+            tg.create_task(short_op("a"))
+            tg.create_task(short_op("b"))
+            await asyncio.sleep(1.5)
+            assert started == ["long", "a"]  # the long op left the slot; `a` took it
+            assert limiter.busy == 1
+            await asyncio.sleep(1)
+            assert started == ["long", "a", "b"]  # one slot still: b waited for a
+        assert limiter.busy == 0
+
+    run_virtual(main())
+
+
+def _long_resets(cores: float, works: list[float], slots: int) -> tuple[list[float], LongOps]:
+    """Resets of `works` seconds (one core each) through a reset lane of `slots` slots on a pool of
+    `cores` cores, with long resets leaving the lane; their finish times."""
+    pool = LanePool("sandbox", cores, {"reset": cores * 0.9, "background": cores * 0.1}, True, 0.0)
+    limiter = ResizableLimiter(slots)
+    long = LongOps(pool.stream("reset"), limiter, pool.stream("background"), factor=4.0)
+    long.slots.resize(2)
+    long.sizes.extend([1.0] * 16)  # the median reset so far: 1 s, so 4 s of service is long
+
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        done = [0.0] * len(works)
+
+        async def reset(i: int) -> None:
+            await limiter.acquire()
+            try:
+                await long.run(works[i], 1.0)
+            finally:
+                limiter.release()
+            done[i] = loop.time()
+
+        async with asyncio.TaskGroup() as tg:
+            for i in range(len(works)):
+                tg.create_task(reset(i))
+                await asyncio.sleep(0)
+        return done
+
+    return run_virtual(main()), long
+
+
+def test_a_long_reset_leaves_its_slot_when_others_queue_and_the_cores_are_busy() -> None:
+    # One slot, a 1-core pool: a 100 s reset first, then two 1 s resets queued behind it.
+    done, long = _long_resets(1.0, [100.0, 1.0, 1.0], slots=1)
+    assert long.detached == 1
+    # After 4 s of service the slot goes to the next reset, which gets the reset lane's 0.9 core.
+    assert done[1] == pytest.approx(4 + 1 / 0.9)
+    assert done[2] == pytest.approx(4 + 2 / 0.9)
+    assert done[0] == pytest.approx(102.0)  # on the background share: the core never idles
+    # Nobody waiting: the long reset keeps its slot and runs through.
+    done, long = _long_resets(1.0, [100.0], slots=1)
+    assert long.detached == 0
+    assert done[0] == pytest.approx(100.0)
