@@ -11,21 +11,27 @@ kernel's per-thread `run_delay`, `/proc/<tid>/schedstat`). Sleeping, waiting for
 counts in full, so a hung set-up (a `sleep`, a stuck download) is killed at its limit as before; only
 the queueing that other work on the same CPUs causes is not counted.
 
-Per interval Δ between two samples of the command's threads, with `cpu` the threads' added run time and
-`wait` their added run-queue wait: the interval counts Δ when nothing ran or waited (all asleep), else
-`max(Δ − wait, Δ·cpu/(cpu + wait))`, clamped to [0, Δ]. That is exact for one runnable thread at a time
-(a shell running one step after another) and, for threads running in parallel, the fraction of their
-demand the CPUs served.
+The kernel adds to a thread's `run_delay` only when the thread gets a CPU, so a starved thread's wait
+shows late, in one jump. Given time is therefore settled only at a sample where none of the command's
+threads is runnable (all asleep, blocked or gone): then every wait since the last settled sample has
+been reported, and that window of wall time W, with `cpu` run time and `wait` run-queue wait, counts
+`max(W − wait, W·cpu/(cpu + wait))` clamped to [0, W] (W when nothing ran or waited: asleep). That is
+exact for one runnable thread at a time (a shell running one step after another), and for threads
+running in parallel the fraction of their demand that the CPUs served. While some thread is runnable
+the open window counts only what was surely given, `min(cpu, W·cpu/(cpu + wait))`: a CPU-bound set-up
+starved of CPU is charged its CPU time.
 
 Threads are found through the exec's pids cgroup leaf (every process it started, also those that
 called setsid) or, where no pids cgroup is writable, by a scan of /proc for the command's session (a
-process that left the session is then not seen). What is not seen is not subtracted, so a miss makes
-the limit stricter, toward wall time, never looser; so does a thread's last interval before it exits.
-Where `/proc/<pid>/schedstat` does not exist (a kernel without CONFIG_SCHED_INFO) given time is wall
-time.
+process that left the session is then not seen). What is not seen is not subtracted, so at a settled
+sample a miss makes the limit stricter, toward wall time; the run and wait of a thread between its last
+sample and its exit are lost the same way (in an open window the lost run time makes it laxer, and the
+backstop still holds). Where `/proc/<pid>/schedstat` does not exist (a kernel without
+CONFIG_SCHED_INFO) given time is wall time.
 
 Invariants:
-- given time never exceeds wall time, at any sample;
+- given time never exceeds wall time, at any sample; it counts only CPU time while the command is
+  runnable throughout;
 - a limit counted in given time also kills at `backstop` × the limit of wall time, so a busy loop that
   is starved of CPU ends too;
 - a lane not in `TimeLimits.given_lanes` keeps the plain wall-clock limit.
@@ -120,30 +126,41 @@ def session_threads(session: int, proc: Path = PROC) -> list[int]:
 class GivenClock:
     """Integrates one command's given time from samples of its threads' scheduler statistics."""
 
-    def __init__(self, threads: Callable[[], Iterable[int]], proc: Path = PROC) -> None:
+    def __init__(
+        self,
+        threads: Callable[[], Iterable[int]],
+        proc: Path = PROC,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.threads = threads
         self.proc = proc
+        self.now = now
         self.available = schedstat_available(proc)
         self.given_s = 0.0
         self.cpu_s = 0.0
         self.wait_s = 0.0
-        self._at = time.monotonic()
+        self._settled_s = 0.0
+        self._window = (0.0, 0.0, 0.0)  # wall, cpu, wait since the last settled sample
+        self._at = now()
         self._seen: dict[int, tuple[int, int]] = {}
 
     def sample(self) -> float:
         """Read the threads now and add the interval since the last sample; returns given time."""
-        now = time.monotonic()
+        now = self.now()
         interval = now - self._at
         self._at = now
         cpu_ns = wait_ns = 0
+        runnable = False
         if self.available:
             seen: dict[int, tuple[int, int]] = {}
             for tid in self.threads():
                 try:
                     fields = (self.proc / str(tid) / "schedstat").read_text().split()
                     ran, waited = int(fields[0]), int(fields[1])
+                    stat = (self.proc / str(tid) / "stat").read_text()
                 except (OSError, ValueError, IndexError):
                     continue  # exited since it was listed
+                runnable = runnable or stat[stat.rindex(")") + 2 :].startswith("R")
                 before_ran, before_waited = self._seen.get(tid, (0, 0))
                 # A thread first seen now was born since the last sample: all its time is new.
                 cpu_ns += max(0, ran - before_ran)
@@ -153,5 +170,15 @@ class GivenClock:
         cpu, wait = cpu_ns / 1e9, wait_ns / 1e9
         self.cpu_s += cpu
         self.wait_s += wait
-        self.given_s += charge(interval, cpu, wait)
+        wall_w, cpu_w, wait_w = self._window
+        wall_w, cpu_w, wait_w = wall_w + interval, cpu_w + cpu, wait_w + wait
+        if runnable:
+            # A runnable thread's latest wait is not reported yet: count only what was surely given.
+            self._window = (wall_w, cpu_w, wait_w)
+            surely = min(cpu_w, wall_w * cpu_w / (cpu_w + wait_w)) if cpu_w > 0 else 0.0
+            self.given_s = self._settled_s + surely
+        else:
+            self._settled_s += charge(wall_w, cpu_w, wait_w)
+            self._window = (0.0, 0.0, 0.0)
+            self.given_s = self._settled_s
         return self.given_s

@@ -146,29 +146,85 @@ def test_charge_counts_what_the_cpu_gave() -> None:
     assert charge(0.0, 1.0, 1.0) == 0.0
 
 
-def write_schedstat(proc: Path, tid: int, ran_ns: int, waited_ns: int) -> None:
+def write_thread(proc: Path, tid: int, ran_ns: int, waited_ns: int, state: str) -> None:
     (proc / str(tid)).mkdir(parents=True, exist_ok=True)
     (proc / str(tid) / "schedstat").write_text(f"{ran_ns} {waited_ns} 1\n")
+    (proc / str(tid) / "stat").write_text(f"{tid} (python3 (x)) {state} 1 {tid} {tid} 0 -1\n")
 
 
-def test_a_thread_that_only_waited_is_given_nothing(tmp_path: Path) -> None:
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fake_proc(tmp_path: Path) -> Path:
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "schedstat").write_text("0 0 0\n")
+    return proc
+
+
+def test_a_thread_that_only_waited_is_given_nothing(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path)
     clock = GivenClock(lambda: [7], proc=proc)
-    write_schedstat(proc, 7, 0, 10**12)  # waited 1000 s: more than any interval
+    write_thread(proc, 7, 0, 10**12, "S")  # waited 1000 s: more than any interval
     assert clock.sample() == 0.0
-    write_schedstat(proc, 7, 0, 2 * 10**12)
+    write_thread(proc, 7, 0, 2 * 10**12, "S")
     assert clock.sample() == 0.0
     assert clock.wait_s == 2000.0
 
 
+def test_a_runnable_thread_is_charged_its_cpu_time_until_its_wait_is_reported(tmp_path: Path) -> None:
+    # The kernel reports a starved thread's wait only when it next runs: until the thread is seen
+    # asleep, only its run time counts, however long the samples are apart.
+    proc, now = fake_proc(tmp_path), FakeTime()
+    clock = GivenClock(lambda: [7], proc=proc, now=now)
+    now.t += 1.0
+    write_thread(proc, 7, 10**7, 0, "R")  # ran 10 ms, no wait reported yet
+    assert clock.sample() == pytest.approx(0.01)
+    now.t += 5.0
+    write_thread(proc, 7, 2 * 10**7, 10**6, "R")
+    assert clock.sample() == pytest.approx(0.02)
+    # Asleep now, and it reports the wait of the whole 7 s but its run time: settled, exactly that.
+    now.t += 1.0
+    write_thread(proc, 7, 3 * 10**7, 7 * 10**9 - 3 * 10**7, "S")
+    assert clock.sample() == pytest.approx(0.03)
+    # Then asleep for 2 s: counted in full.
+    now.t += 2.0
+    assert clock.sample() == pytest.approx(2.03)
+
+
+def test_an_asleep_command_is_given_wall_time(tmp_path: Path) -> None:
+    proc, now = fake_proc(tmp_path), FakeTime()
+    write_thread(proc, 7, 10**6, 0, "S")
+    clock = GivenClock(lambda: [7], proc=proc, now=now)
+    now.t += 1.5
+    assert clock.sample() == pytest.approx(1.5)
+    now.t += 1.0
+    assert clock.sample() == pytest.approx(2.5)
+    assert clock.cpu_s == pytest.approx(0.001)
+
+
+def test_parallel_threads_count_the_served_fraction_of_their_demand(tmp_path: Path) -> None:
+    proc, now = fake_proc(tmp_path), FakeTime()
+    clock = GivenClock(lambda: [7, 8, 9, 10], proc=proc, now=now)
+    now.t += 4.0
+    for tid in (7, 8, 9, 10):  # four threads, each ran 1 s and waited 3 s, all asleep now
+        write_thread(proc, tid, 10**9, 3 * 10**9, "S")
+    assert clock.sample() == pytest.approx(1.0)  # a quarter of the 4 s
+
+
 def test_without_schedstat_given_time_is_wall_time(tmp_path: Path) -> None:
     proc = tmp_path / "proc"  # no self/schedstat: a kernel without CONFIG_SCHED_INFO
-    write_schedstat(proc, 7, 0, 10**12)
-    clock = GivenClock(lambda: [7], proc=proc)
+    write_thread(proc, 7, 0, 10**12, "R")
+    now = FakeTime()
+    clock = GivenClock(lambda: [7], proc=proc, now=now)
     assert not clock.available
-    assert clock.sample() > 0.0
+    now.t += 3.0
+    assert clock.sample() == 3.0
     assert clock.wait_s == 0.0
 
 
