@@ -7,25 +7,44 @@ Sharing (`lanes.sharing` in a workload):
 - `partitioned`: each lane owns whole cores and never borrows (the strict per-lane partition).
 
 Adaptive lanes (`lanes.adaptive`). Every `interval_s` of virtual time `AdaptiveSlots.decide` looks at
-each lane: if operations are queued and the lane's cores have headroom (the sandbox pool, or the lane's
-own partition, has at least one operation's demand idle), its slots grow by `step` × its configured
-slots (at least 1), up to `max_factor` × configured; if nothing is queued and at most half the slots
-are busy, they shrink by the same step, never below the configured slots. Growing only into idle cores
-keeps the controller from oversubscribing the CPUs to clear a queue; shrinking back keeps a burst from
-leaving the lane oversized. With `reweight` (work-conserving lanes only) the guaranteed shares follow
-measured demand too (`AdaptiveSlots.shares`): each lane's weight becomes the cores its running and
-queued operations would use, capped at an equal split of the sandbox cores and at least `min_share`
-of its configured share. A lane whose queue grows because it is short of CPU, not of slots (a reset
-lane starved by a saturated pool), so gets up to an equal share instead of more slots; the cap keeps
-one long queue (a reset or cleanup storm) from taking the guarantee of lanes with little queued, so
-every lane keeps at least min(its demand, its equal split) in proportion (max-min fairness on
-demand). Without the cap, queued resets outweighed validate and cleanup on `cpu-scarce` (645 s
-against 587 s with it, docs/simulator.md). The decisions are pure (no clock, no I/O);
-`ResizableLimiter` and `LanePool.set_guarantees` carry them out.
+each lane. With `overload` set (default 1.0) **slots follow cores**: a lane's slots go to at most
+`overload` × the cores it can get (`LanePool.entitlement`: its water-filled share if it asked for every
+core, the others' demand as it is) ÷ one operation's demand, at once when they are above that (even
+below the configured slots, never below 1), growing by `step` × configured while operations queue, and
+shrinking by a step when nothing is queued and at most half are busy, not below min(configured, that
+fit). In the CPU model (app.sim.cpu) a lane running more operations than its cores thrashes: on
+`cpu-scarce` the exec lane's 192 slots of one core each ran on about 15 cores at 1–3% speed. With
+`overload` None the older rule holds: grow by a step only into idle cores (the sandbox pool, or the
+lane's own partition, has one operation's demand idle), shrink by a step when idle, and stay within
+[configured, `max_factor` × configured].
 
-Invariants: a lane runs at most its current slots at once (after a shrink, running operations finish
-and no new one starts until the lane is under its slots again); waiters are served in FIFO order;
-slots stay within [configured, max_factor × configured].
+With `reweight` (work-conserving lanes only) the guaranteed shares follow measured demand too
+(`AdaptiveSlots.shares`): each lane's weight becomes the cores its running and queued operations would
+use, capped at an equal split of the sandbox cores and at least `min_share` of its configured share.
+A lane whose queue grows because it is short of CPU, not of slots (a reset lane starved by a saturated
+pool), so gets up to an equal share instead of more slots; the cap keeps one long queue (a reset or
+cleanup storm) from taking the guarantee of lanes with little queued, so every lane keeps at least
+min(its demand, its equal split) in proportion (max-min fairness on demand). Without the cap, queued
+resets outweighed validate and cleanup on `cpu-scarce` (645 s against 587 s with it, before slots
+followed cores; docs/simulator.md).
+
+With `long_op_factor` set (default 8, work-conserving lanes) **long resets leave the reset lane**
+(`LongOps`): a reset that has had 8 × the median reset's service while others queue for its slot and
+the pool has no idle cores gives up its slot and finishes on a background share of the sandbox cores
+(`background_share`, default 0.1), at most as many at once as that share's cores run. Resets in the
+simulator are CPU work for their whole duration (`cpus.sandbox_demand.reset` cores), so a long reset
+still costs CPU; what it stops doing is holding a slot ahead of the short resets queued behind it (a
+lognormal tail like `cpu-scarce`'s puts three quarters of the reset CPU-seconds in the 10% of resets
+over 300 s).
+
+The decisions are pure (no clock, no I/O); `ResizableLimiter`, `LanePool.set_guarantees` and `LongOps`
+carry them out.
+
+Invariants: a lane runs at most its current slots at once, not counting operations that left it
+(`ResizableLimiter.detach`; after a shrink, running operations finish and no new one starts until the
+lane is under its slots again); waiters are served in FIFO order; slots stay within
+[1, `max_factor` × configured] (with `overload` None, [configured, `max_factor` × configured]); the
+background runs at most its own slots of long resets at once.
 """
 
 from __future__ import annotations
@@ -65,7 +84,8 @@ class LaneWeights(BaseModel):
 
 
 class AdaptiveLanesSpec(BaseModel):
-    """Lane slots that grow while operations queue beside idle cores, and shrink back when idle."""
+    """Lane slots that follow the cores a lane can get and its queue, guaranteed shares that follow
+    measured demand, and long resets that leave the reset lane (module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
