@@ -12,8 +12,9 @@ each lane. With `overload` set (default 1.0) **slots follow cores**: a lane's sl
 core, the others' demand as it is) ÷ one operation's demand, at once when they are above that (even
 below the configured slots, never below 1), growing by `step` × configured while operations queue, and
 shrinking by a step when nothing is queued and at most half are busy, not below min(configured, that
-fit). In the CPU model (app.sim.cpu) a lane running more operations than its cores thrashes: on
-`cpu-scarce` the exec lane's 192 slots of one core each ran on about 15 cores at 1–3% speed. With
+fit) (an idle lane below that goes back to it). In the CPU model (app.sim.cpu) a lane running more
+operations than its cores thrashes: on `cpu-scarce` the exec lane's 192 slots of one core each ran on
+about 15 cores at 1–3% speed. With
 `overload` None the older rule holds: grow by a step only into idle cores (the sandbox pool, or the
 lane's own partition, has one operation's demand idle), shrink by a step when idle, and stay within
 [configured, `max_factor` × configured].

@@ -278,7 +278,8 @@ def test_slots_that_follow_cores_never_want_more_than_the_lane_can_get(
     fit = max(1, math.floor(overload * cores / op_demand))
     assert 1 <= new <= min(high, fit)  # below the configured slots when the cores are short
     if new > slots:
-        assert queued > 0
+        # A queue grows the lane; an idle lane goes back to its configured slots if its cores allow.
+        assert queued > 0 or new == min(configured, fit)
     if queued > 0 and slots < min(high, fit):
         assert new > slots  # a queue grows the lane up to what its cores run
 
