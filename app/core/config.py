@@ -22,6 +22,11 @@ class AdmissionMode(StrEnum):
     IN_FLIGHT = "in_flight"  # B + S caps groups in flight; ready groups have their own room
 
 
+class UpdatePacing(StrEnum):
+    FIXED = "fixed"  # max_updating_engines engines load weights at once
+    FREE_SLOTS = "free_slots"  # more at once while the engines left serving have room for their turns
+
+
 class PolicyName(StrEnum):
     SYNC = "sync"
     COMPLETION = "completion"
@@ -46,6 +51,12 @@ class PolicyConfig(BaseModel):
         True, description="publish weights one engine at a time, keeping in-flight turns"
     )
     max_updating_engines: int = Field(1, ge=1, description="engines allowed to load weights at the same time")
+    update_pacing: UpdatePacing = Field(
+        UpdatePacing.FIXED,
+        description="rolling updates: `fixed` updates `max_updating_engines` engines at once; `free_slots` "
+        "starts a second and further engine (up to `max_updating_engines`) only while the engines left "
+        "serving have a free turn slot for every turn in flight on the engines updating",
+    )
     pause_mode: PauseModeName = Field(
         PauseModeName.KEEP, description="how an updating engine treats in-flight turns"
     )
@@ -95,7 +106,19 @@ class PolicyConfig(BaseModel):
         # holds no sandbox and no engine slot, so B + S caps only what runs (measured in
         # docs/simulator.md); K still ages ready groups out. Its lanes adapt to measured demand
         # (better or equal on every workload of the simulator's family, docs/simulator.md).
-        defaults = {PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT, "adaptive_lanes": True}}
+        defaults: dict[PolicyName, dict[str, object]] = {
+            PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT, "adaptive_lanes": True}
+        }
+        pacing = overrides.get("update_pacing", UpdatePacing.FREE_SLOTS)
+        if "max_updating_engines" not in overrides and pacing == UpdatePacing.FREE_SLOTS:
+            # Given no maximum, `full` paces its rolling update by free slots: more than one engine
+            # loads weights at once while the other engines have free slots for their turns (fewer
+            # stale groups; docs/simulator.md), up to 64, the most engines a config may have. A
+            # maximum given (`corral run` and `corral serve` pass their config's) is kept as given.
+            defaults[PolicyName.FULL] |= {
+                "update_pacing": UpdatePacing.FREE_SLOTS,
+                "max_updating_engines": 64,
+            }
         data = {**defaults.get(rung, {}), **overrides, **table[rung]}
         return cls.model_validate(data)
 

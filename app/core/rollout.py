@@ -2,7 +2,9 @@
 
 Invariants:
 - rolling: at most `max_updating` engines are updating at once; an updating engine takes no new turns
-  and its in-flight turns are kept (or drained), never restarted;
+  and its in-flight turns are kept (or drained), never restarted. With a `may_join` predicate (the
+  runtime's free-slot pacing), a second and further engine begins only when the predicate allows it;
+  the first never waits on it, so an update always makes progress;
 - stop-the-world: every engine updates together and the runtime restarts the in-flight trajectories;
 - an engine always moves to the newest published version; versions it never served are skipped;
 - an engine that is down (died, or its update failed or timed out) takes no turns and no updates; an
@@ -12,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -28,15 +31,26 @@ class RestartInFlight:
 
 UpdateAction = BeginUpdate | RestartInFlight
 
+# (engine, engines already updating) -> may `engine` begin updating beside them?
+MayJoin = Callable[[str, tuple[str, ...]], bool]
+
 
 class UpdatePlan:
-    def __init__(self, engines: list[str], rolling: bool, max_updating: int = 1, version: int = 0) -> None:
+    def __init__(
+        self,
+        engines: list[str],
+        rolling: bool,
+        max_updating: int = 1,
+        version: int = 0,
+        may_join: MayJoin | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("an update plan needs at least one engine")
         if max_updating < 1:
             raise ValueError(f"max_updating must be ≥ 1, got {max_updating}")
         self.rolling = rolling
         self.max_updating = max_updating
+        self.may_join = may_join
         self.target = version
         self.versions = dict.fromkeys(engines, version)
         self.updating: dict[str, int] = {}
@@ -106,10 +120,14 @@ class UpdatePlan:
 
     def _next(self) -> list[UpdateAction]:
         actions: list[UpdateAction] = []
+        may_join = self.may_join
         for engine, version in self.versions.items():
             if len(self.updating) >= self.max_updating:
                 break
             if version < self.target and engine not in self.updating and engine not in self.down:
+                # Beyond the first engine, free-slot pacing decides (the first never waits on it).
+                if self.updating and may_join is not None and not may_join(engine, tuple(self.updating)):
+                    break
                 self.updating[engine] = self.target
                 actions.append(BeginUpdate(engine, self.target))
         self.max_seen_updating = max(self.max_seen_updating, len(self.updating))

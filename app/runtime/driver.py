@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from app.core.config import PolicyConfig
+from app.core.config import PolicyConfig, UpdatePacing
 from app.core.events import (
     AttemptCancelled,
     AttemptFinished,
@@ -185,7 +185,12 @@ class Runtime:
         self.faults = faults or EngineFaultConfig()
         self.supervisor = supervisor
         self.scheduler = Scheduler(policy)
-        self.plan = UpdatePlan([e.name for e in engines], policy.rolling_updates, policy.max_updating_engines)
+        self.plan = UpdatePlan(
+            [e.name for e in engines],
+            policy.rolling_updates,
+            policy.max_updating_engines,
+            may_join=self._free_slots_for_update if policy.update_pacing is UpdatePacing.FREE_SLOTS else None,
+        )
         self.pool = EnginePool(engines, engine_slots, self.plan)
         self.lanes = lanes
         self.source = source
@@ -776,6 +781,16 @@ class Runtime:
                     return target
 
     # -- weight publication --------------------------------------------------------------------
+
+    def _free_slots_for_update(self, engine: str, updating: tuple[str, ...]) -> bool:
+        """Free-slot pacing: `engine` may begin updating beside `updating` while the engines left serving
+        have a free slot for every turn in flight on the engines updating, itself included: their share
+        of new turns moves to the others, so no turn waits for a slot because more engines update."""
+        pool, routable = self.pool, self.plan.routable
+        active = pool.active
+        held = active[engine] + sum(active[name] for name in updating)
+        free = sum(pool.slots - n for name, n in active.items() if name != engine and routable(name))
+        return free - pool.waiting >= held
 
     def _do_updates(self, actions: list[UpdateAction]) -> None:
         assert self._tg is not None

@@ -242,6 +242,7 @@ class RunHandle:
                 runtime.set_max_staleness(int(new), actor)
             elif name == "max_updating_engines":
                 runtime.plan.max_updating = int(new)  # paces the next steps of the rollout
+                runtime.plan.may_join = None  # a maximum set by hand is kept as given, not free-slot paced
                 self.recorder.publish(PolicyChanged(name, old, new, actor))
             elif name == "pause_mode":
                 runtime.policy = runtime.policy.with_changes(pause_mode=PauseModeName(new))

@@ -83,3 +83,38 @@ def test_all_down_and_stop_the_world_skip_down_engines() -> None:
     assert plan.on_engine_up("a", 1) == [RestartInFlight(), BeginUpdate("a", 2), BeginUpdate("b", 2)]
     with pytest.raises(ValueError, match="not down"):
         plan.on_engine_up("a", 2)
+
+
+def test_may_join_paces_engines_beyond_the_first() -> None:
+    asked: list[tuple[str, tuple[str, ...]]] = []
+    allow = {"b": True, "c": False}
+
+    def may_join(engine: str, updating: tuple[str, ...]) -> bool:
+        asked.append((engine, updating))
+        return allow[engine]
+
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=3, may_join=may_join)
+    # The first engine never waits on the predicate; b may join a, c may not join a and b.
+    assert plan.on_publish(1) == [BeginUpdate("a", 1), BeginUpdate("b", 1)]
+    assert asked == [("b", ("a",)), ("c", ("a", "b"))]
+    allow["c"] = True
+    assert plan.on_updated("a") == [BeginUpdate("c", 1)]  # asked again at the next step
+    assert plan.on_updated("b") == []
+    assert plan.on_updated("c") == []
+    assert plan.versions == {"a": 1, "b": 1, "c": 1}
+    assert plan.max_seen_updating == 2
+
+
+def test_may_join_never_raises_the_configured_maximum() -> None:
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=2, may_join=lambda e, u: True)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1), BeginUpdate("b", 1)]
+    assert plan.max_seen_updating == 2
+
+
+def test_a_refused_engine_alone_still_updates() -> None:
+    # A predicate that always refuses leaves the plan one engine at a time: the update goes on.
+    plan = UpdatePlan(["a", "b"], rolling=True, max_updating=2, may_join=lambda e, u: False)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1)]
+    assert plan.on_updated("a") == [BeginUpdate("b", 1)]
+    assert plan.on_updated("b") == []
+    assert plan.versions == {"a": 1, "b": 1}
