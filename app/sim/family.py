@@ -220,6 +220,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "reset_lane": {
             "max_queue": lanes.get("reset", {}).get("max_queue_depth"),
             "mean_wait_s": lanes.get("reset", {}).get("wait_s_mean"),
+            "long_resets_left": report.get("lane_long_resets"),
         },
         "lane_sharing": report.get("lane_sharing"),
         "lane_slots": report.get("lane_slots"),
