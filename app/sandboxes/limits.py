@@ -161,9 +161,15 @@ def kill_until_gone(find: Callable[[], list[int]], rounds: int = 20, pause_s: fl
     return sent
 
 
+# A killed process leaves its group only once it has run its exit, and a process of a lane starved of
+# CPU (a low weight on a busy host) waits for a CPU to do that: seconds, in a real run on a loaded host.
+RMDIR_PATIENCE_S = 15.0
+
+
 def _rmdir_retry(path: Path) -> None:
-    # A killed process leaves the group only once the kernel has reaped it; that takes a moment.
-    for _ in range(100):
+    deadline = time.monotonic() + RMDIR_PATIENCE_S
+    pause = 0.01
+    while True:
         try:
             path.rmdir()
             return
@@ -172,8 +178,12 @@ def _rmdir_retry(path: Path) -> None:
         except OSError as exc:
             if exc.errno != errno.EBUSY:
                 raise
-            time.sleep(0.01)
-    raise SandboxLimitError(f"cgroup {path} still busy after its processes were killed")
+        if time.monotonic() >= deadline:
+            raise SandboxLimitError(
+                f"cgroup {path} still busy {RMDIR_PATIENCE_S:g} s after its processes were killed"
+            )
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
 
 
 def _enable_controller(group: Path, controller: str) -> None:
