@@ -225,16 +225,21 @@ class WaitAccumulator:
             group[attempt] = _Attempt()
         return group[attempt]
 
+    def on_op(self, env: Envelope) -> None:
+        """`on_envelope` for the frequent kinds, a `TurnDone` or a `SandboxOp`: one append."""
+        ev = env.event
+        group = self._attempts[ev.group_id]  # type: ignore[attr-defined]
+        att = group.get(ev.attempt)  # type: ignore[attr-defined]
+        if att is None:
+            att = group[ev.attempt] = _Attempt()  # type: ignore[attr-defined]
+        att.ops.append(ev)  # type: ignore[arg-type]
+        if isinstance(ev, TurnDone):
+            self._engines.add(ev.engine)
+
     def on_envelope(self, env: Envelope) -> None:
         ev, t = env.event, env.t
-        if type(ev) is TurnDone or type(ev) is SandboxOp:  # the frequent kinds first, as one append
-            group = self._attempts[ev.group_id]
-            att = group.get(ev.attempt)
-            if att is None:
-                att = group[ev.attempt] = _Attempt()
-            att.ops.append(ev)
-            if type(ev) is TurnDone:
-                self._engines.add(ev.engine)
+        if isinstance(ev, TurnDone | SandboxOp):  # the frequent kinds first
+            self.on_op(env)
         elif isinstance(ev, GroupAdmitted):
             self._admitted[ev.group_id] = t
         elif isinstance(ev, GroupReady):
@@ -246,10 +251,6 @@ class WaitAccumulator:
             self._attempt(ev.group_id, ev.attempt).finished = t
         elif isinstance(ev, AttemptRestarted):
             self._attempt(ev.group_id, ev.attempt).restarted = t
-        elif isinstance(ev, TurnDone | SandboxOp):  # a subclass of either
-            self._attempt(ev.group_id, ev.attempt).ops.append(ev)
-            if isinstance(ev, TurnDone):
-                self._engines.add(ev.engine)
         elif isinstance(ev, EngineUpdateBegin):
             self._engines.add(ev.engine)
             self._open_updates[ev.engine] = t

@@ -371,6 +371,14 @@ class Ledger:
         if cls is not TurnDone and cls is not SandboxOp:  # the frequent kinds touch no group
             self.on_event(env.event)
 
+    def on_quiet(self, env: Envelope) -> None:
+        """`on_envelope` for an envelope whose event touches no group (a `TurnDone`, a `SandboxOp`):
+        only its sequence number counts."""
+        seq = env.seq
+        if seq != self.next_seq:
+            self.gaps += abs(seq - self.next_seq)
+        self.next_seq = seq + 1
+
     def on_event(self, event: Event) -> None:
         if isinstance(event, GroupAdmitted):
             if self._admitted.add(event.group_id):

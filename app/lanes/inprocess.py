@@ -23,6 +23,17 @@ from app.sandboxes.base import Sandbox
 T = TypeVar("T")
 
 
+class _LaneSemaphore(asyncio.Semaphore):
+    """A semaphore that can also be taken without a coroutine when a slot is free."""
+
+    def try_acquire(self) -> bool:
+        """Take a slot now if `acquire` would not wait; False otherwise."""
+        if self.locked():
+            return False
+        self._value -= 1  # what `acquire` does when it need not wait
+        return True
+
+
 class InProcessLanes:
     def __init__(
         self,
@@ -32,7 +43,7 @@ class InProcessLanes:
     ) -> None:
         self._pinned = pinned
         self._cpus = dict(cpus)
-        self._sems = {lane: asyncio.Semaphore(max(1, concurrency[lane])) for lane in LaneName}
+        self._sems = {lane: _LaneSemaphore(max(1, concurrency[lane])) for lane in LaneName}
         self._slots = {lane: max(1, concurrency[lane]) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._host = local_host()
@@ -51,8 +62,21 @@ class InProcessLanes:
             pinned=pinned,
         )
 
-    async def _enter(self, lane: LaneName, stats: LaneStats) -> tuple[int, ...] | None:
-        """Take a slot of `lane` (FIFO), keeping its stats; the CPU set to run on."""
+    def _enter_now(self, lane: LaneName, stats: LaneStats) -> bool:
+        """Take a slot of `lane` if one is free and nobody queues before us, keeping its stats as
+        `_enter` would (a wait of 0); False when the op must queue (then `_enter`)."""
+        if self._pinned:
+            if not self._sems[lane].try_acquire():
+                return False
+            if stats.queue_depth >= stats.max_queue_depth:
+                stats.max_queue_depth = stats.queue_depth + 1
+        stats.busy += 1
+        if stats.busy > stats.max_busy:
+            stats.max_busy = stats.busy
+        return True
+
+    async def _enter(self, lane: LaneName, stats: LaneStats) -> None:
+        """Take a slot of `lane` (FIFO), keeping its stats."""
         if self._pinned:
             loop = asyncio.get_running_loop()
             queued_at = loop.time()
@@ -70,7 +94,6 @@ class InProcessLanes:
         stats.busy += 1
         if stats.busy > stats.max_busy:
             stats.max_busy = stats.busy
-        return self._cpus.get(lane) if self._pinned else None
 
     def _leave(self, lane: LaneName, stats: LaneStats) -> None:
         stats.busy -= 1
@@ -80,9 +103,10 @@ class InProcessLanes:
 
     async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T:
         stats = self._stats[lane]
-        cpus = await self._enter(lane, stats)
+        if not self._enter_now(lane, stats):
+            await self._enter(lane, stats)
         try:
-            return await op(LaneSlot(lane, cpus))
+            return await op(LaneSlot(lane, self._cpus.get(lane) if self._pinned else None))
         finally:
             self._leave(lane, stats)
 
@@ -98,14 +122,20 @@ class InProcessLanes:
 
         lane = op.name
         stats = self._stats[lane]
-        try:  # `run`, without its closure and slot object (this is the simulator's hot path)
-            cpus = await self._enter(lane, stats)
+        # `run`, without its closure and slot object, and without a coroutine of its own to take a free
+        # slot (this is the simulator's hot path)
+        try:
+            if not self._enter_now(lane, stats):
+                await self._enter(lane, stats)
             try:
                 if on_start is not None:
                     on_start()
-                return await execute_op(op, sandbox, cpus)
-            finally:
-                self._leave(lane, stats)
+                return await execute_op(op, sandbox, self._cpus.get(lane) if self._pinned else None)
+            finally:  # `_leave`
+                stats.busy -= 1
+                stats.completed += 1
+                if self._pinned:
+                    self._sems[lane].release()
         finally:
             if lane is LaneName.CLEANUP:
                 self._live.pop(op.handle.id, None)

@@ -16,12 +16,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
@@ -109,15 +110,20 @@ class SandboxHandle:
 def handle_of(sandbox: Sandbox, host: str | None = None) -> SandboxHandle:
     """The handle of a sandbox object: a work directory for local sandboxes, a container for docker ones;
     any other sandbox (the simulator's) gets an in-process-only handle named after the object."""
-    from app.sandboxes.local import LocalSandbox
-
-    if isinstance(sandbox, LocalSandbox):
+    if isinstance(sandbox, _local_sandbox_type()):
         return SandboxHandle("local", sandbox.attempt_id, host, work_dir=str(sandbox.work_dir))
     attempt_id = getattr(sandbox, "attempt_id", None)
     container = getattr(sandbox, "container_name", None) if isinstance(attempt_id, str) else None
     if isinstance(container, str) and isinstance(attempt_id, str):
         return SandboxHandle("docker", attempt_id, host, container=container)
     return SandboxHandle(type(sandbox).__name__, f"{type(sandbox).__name__}-{id(sandbox):x}", host)
+
+
+@functools.cache
+def _local_sandbox_type() -> type[Any]:
+    from app.sandboxes.local import LocalSandbox  # imported on first use: it pulls in the sandbox stack
+
+    return LocalSandbox
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ class LaneOp(Generic[R]):
     name: LaneName
     handle: SandboxHandle
     args: Mapping[str, Any] = field(default_factory=dict)
-    op_id: str = field(default_factory=lambda: new_op_id())
+    op_id: str = field(default_factory=new_op_id)
     # The `TaskSpec` a reset was built from, kept so that an op run in this process skips decoding
     # `args["task"]` again. Not data: never serialised, not compared; an op decoded from a dict has None
     # and decodes its args.
@@ -147,7 +153,7 @@ class LaneOp(Generic[R]):
 
     @staticmethod
     def reset(handle: SandboxHandle, task: TaskSpec) -> LaneOp[ExecResult]:
-        return LaneOp(LaneName.RESET, handle, {"task": task_to_dict(task)}, local_task=task)
+        return LaneOp(LaneName.RESET, handle, {"task": _task_dict(task)}, local_task=task)
 
     @staticmethod
     def exec(handle: SandboxHandle, command: str, timeout_s: float) -> LaneOp[ExecResult]:
@@ -195,20 +201,27 @@ class LaneOp(Generic[R]):
 # -- the one way an op is carried out ---------------------------------------------------------------
 
 
-async def execute_op(op: LaneOp[R], sandbox: Sandbox, cpus: Sequence[int] | None) -> R:
-    """Run `op` on `sandbox` with the lane's CPU set. In-process and Celery lanes both call this."""
-    result: object
-    if op.name is LaneName.RESET:
+def execute_op(op: LaneOp[R], sandbox: Sandbox, cpus: Sequence[int] | None) -> Coroutine[Any, Any, R]:
+    """Run `op` on `sandbox` with the lane's CPU set. In-process and Celery lanes both call this.
+
+    A plain function returning the sandbox method's coroutine (validate's wrapped to return a float):
+    the same as an `async def`, without a coroutine frame of its own on every op."""
+    name = op.name
+    if name is LaneName.RESET:
         task = op.local_task if op.local_task is not None else task_from_dict(op.args["task"])
-        result = await sandbox.reset(task, cpus)
-    elif op.name is LaneName.EXEC:
-        result = await sandbox.exec(str(op.args["command"]), float(op.args["timeout_s"]), cpus)
-    elif op.name is LaneName.VALIDATE:
-        result = float(await sandbox.validate(cpus))
-    else:
-        await sandbox.cleanup(cpus)
-        result = None
-    return cast(R, result)
+        return cast(Coroutine[Any, Any, R], sandbox.reset(task, cpus))
+    if name is LaneName.EXEC:
+        args = op.args
+        return cast(
+            Coroutine[Any, Any, R], sandbox.exec(str(args["command"]), float(args["timeout_s"]), cpus)
+        )
+    if name is LaneName.VALIDATE:
+        return cast(Coroutine[Any, Any, R], _reward(sandbox, cpus))
+    return cast(Coroutine[Any, Any, R], sandbox.cleanup(cpus))
+
+
+async def _reward(sandbox: Sandbox, cpus: Sequence[int] | None) -> float:
+    return float(await sandbox.validate(cpus))
 
 
 def encode_result(name: LaneName, result: object) -> Any:
@@ -234,6 +247,19 @@ def decode_result(op: LaneOp[R], data: Any) -> R:
 
 
 # -- tasks as JSON ------------------------------------------------------------------------------------
+
+
+_last_task: tuple[TaskSpec | None, dict[str, Any]] = (None, {})  # the last task `_task_dict` converted
+
+
+def _task_dict(task: TaskSpec) -> dict[str, Any]:
+    """`task_to_dict`, remembering the last task: a run resets many sandboxes from the same task object
+    in a row (a group's attempts, every simulated attempt). Each op gets its own copy of the dict."""
+    global _last_task
+    last = _last_task  # one read: another thread may replace it meanwhile
+    if last[0] is not task:
+        last = _last_task = (task, task_to_dict(task))
+    return dict(last[1])
 
 
 def task_to_dict(task: TaskSpec) -> dict[str, Any]:

@@ -202,7 +202,7 @@ class Runtime:
         self._group_tasks: dict[int, int] = {}  # groups with attempt tasks: their size
         self.bus = bus if bus is not None else EventBus("run")
         self.report_acc = ReportAccumulator(timeline=timeline)
-        self.bus.subscribe(self.report_acc.on_envelope)
+        self.bus.subscribe(self.report_acc.on_envelope, self.report_acc.by_type())
         self._lane_queued = dict.fromkeys(LaneName, 0)
         self._lane_busy = dict.fromkeys(LaneName, 0)
         self._start_failures = 0  # consecutive groups that could not start

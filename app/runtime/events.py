@@ -5,7 +5,9 @@ the run's clock: the running loop's time by default) and hands it to two kinds o
 
 - **Subscribers** (`subscribe(fn)`): synchronous, in-process, called inline in publication order, e.g.
   the group `Ledger` and the report accumulator. They are part of the run's own accounting, so they
-  must be cheap, and an exception in one propagates to the publisher (it is a bug, not a fault).
+  must be cheap, and an exception in one propagates to the publisher (it is a bug, not a fault). A
+  subscriber may name cheaper handlers for some exact event types, or none for kinds it ignores
+  (`subscribe(fn, by_type)`); the bus picks each type's handlers once.
 - **Sinks** (`add_sink(sink)`): buffered and batched, for the SQL store, the live stream to the
   browser and the metrics. Each sink has its own bounded buffer and its own worker thread that calls
   `sink.write_batch(envelopes)` with up to `batch_size` envelopes, as soon as that many are buffered or
@@ -37,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -153,7 +155,8 @@ class EventBus:
         self._clock = clock
         self._loop_clock = clock is _loop_time
         self._seq = first_seq  # a run resumed from its store continues its sequence
-        self._subscribers: list[Subscriber] = []
+        self._subscribers: list[tuple[Subscriber, dict[type[Event], Subscriber | None]]] = []
+        self._dispatch: dict[type[Event], tuple[Subscriber, ...]] = {}  # per event type, built on first use
         self._sinks: list[_SinkWorker] = []
 
     @property
@@ -167,8 +170,22 @@ class EventBus:
         if self._loop_clock:
             self._clock = _loop_time if loop is None else loop.time
 
-    def subscribe(self, fn: Subscriber) -> None:
-        self._subscribers.append(fn)
+    def subscribe(
+        self, fn: Subscriber, by_type: Mapping[type[Event], Subscriber | None] | None = None
+    ) -> None:
+        """Call `fn` with every envelope, in publication order; `by_type` names, for some exact event
+        types, a handler to call instead (None: none), e.g. a cheaper one for the frequent kinds."""
+        self._subscribers.append((fn, dict(by_type or {})))
+        self._dispatch.clear()
+
+    def _handlers(self, cls: type[Event]) -> tuple[Subscriber, ...]:
+        handlers = []
+        for fn, by_type in self._subscribers:
+            handler = by_type.get(cls, fn)
+            if handler is not None:
+                handlers.append(handler)
+        self._dispatch[cls] = found = tuple(handlers)
+        return found
 
     def add_sink(
         self,
@@ -187,7 +204,10 @@ class EventBus:
     def publish(self, event: Event) -> Envelope:
         env = Envelope(self.run_id, self._seq, self._clock(), event)
         self._seq += 1
-        for fn in self._subscribers:
+        handlers = self._dispatch.get(type(event))
+        if handlers is None:
+            handlers = self._handlers(type(event))
+        for fn in handlers:
             fn(env)
         for worker in self._sinks:
             worker.offer(env)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from app.core.events import (
     EngineUpdateBegin,
     EngineUpdateEnd,
     Envelope,
+    Event,
     GroupAdmitted,
     GroupDelivered,
     GroupDiscarded,
@@ -149,38 +150,62 @@ class ReportAccumulator:
         self._batch_marks: list[tuple[int, float, float]] = []
         self._updates: list[tuple[float, str, int, str]] = []
 
+    def by_type(self) -> dict[type[Event], Callable[[Envelope], None]]:
+        """Handlers for the frequent kinds, for `EventBus.subscribe(acc.on_envelope, acc.by_type())`:
+        each does what `on_envelope` does for its kind, with fewer checks."""
+        return {TurnDone: self.on_turn, SandboxOp: self.on_sandbox_op}
+
+    def on_turn(self, env: Envelope) -> None:
+        """`on_envelope` for a `TurnDone`."""
+        self.stream_events += 1
+        self.ledger.on_quiet(env)
+        self.waits.on_op(env)
+        ev: TurnDone = env.event  # type: ignore[assignment]
+        engine = self.engines.get(ev.engine)
+        if engine is None:
+            engine = self.engines[ev.engine] = _Engine()
+        engine.busy_s += ev.end - ev.start
+        if ev.error is None:
+            engine.turns += 1
+            engine.tokens += ev.tokens
+            self.turns += 1
+            self.tokens += ev.tokens
+            if ev.version > self.trainer_version:
+                self.refused_turns += 1
+
+    def on_sandbox_op(self, env: Envelope) -> None:
+        """`on_envelope` for a `SandboxOp`."""
+        self.stream_events += 1
+        self.ledger.on_quiet(env)
+        self.waits.on_op(env)
+        ev: SandboxOp = env.event  # type: ignore[assignment]
+        lane = self.lanes.get(ev.lane)
+        if lane is None:
+            lane = self.lanes[ev.lane] = _Lane()
+        if ev.queue_depth > lane.max_queue_depth:
+            lane.max_queue_depth = ev.queue_depth
+        if ev.busy > 0:
+            lane.completed += 1
+            if ev.busy > lane.max_busy:
+                lane.max_busy = ev.busy
+            waited = ev.start - ev.queued_at
+            lane.wait_s_total += waited
+            if waited > lane.wait_s_max:
+                lane.wait_s_max = waited
+
     def on_envelope(self, env: Envelope) -> None:
+        ev = env.event
+        if isinstance(ev, TurnDone):
+            self.on_turn(env)
+            return
+        if isinstance(ev, SandboxOp):
+            self.on_sandbox_op(env)
+            return
         self.stream_events += 1
         self.ledger.on_envelope(env)
         self.waits.on_envelope(env)
-        ev, t = env.event, env.t
-        if isinstance(ev, TurnDone):
-            engine = self.engines.get(ev.engine)
-            if engine is None:
-                engine = self.engines[ev.engine] = _Engine()
-            engine.busy_s += ev.end - ev.start
-            if ev.error is None:
-                engine.turns += 1
-                engine.tokens += ev.tokens
-                self.turns += 1
-                self.tokens += ev.tokens
-                if ev.version > self.trainer_version:
-                    self.refused_turns += 1
-        elif isinstance(ev, SandboxOp):
-            lane = self.lanes.get(ev.lane)
-            if lane is None:
-                lane = self.lanes[ev.lane] = _Lane()
-            if ev.queue_depth > lane.max_queue_depth:
-                lane.max_queue_depth = ev.queue_depth
-            if ev.busy > 0:
-                lane.completed += 1
-                if ev.busy > lane.max_busy:
-                    lane.max_busy = ev.busy
-                waited = ev.start - ev.queued_at
-                lane.wait_s_total += waited
-                if waited > lane.wait_s_max:
-                    lane.wait_s_max = waited
-        elif isinstance(ev, AttemptStarted):
+        t = env.t
+        if isinstance(ev, AttemptStarted):
             self._tries[ev.group_id, ev.attempt] = t
         elif isinstance(ev, AttemptFinished):
             start = self._tries.pop((ev.group_id, ev.attempt), None)

@@ -10,9 +10,17 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
-from app.core.events import Envelope, GroupAdmitted, GroupDelivered, GroupDiscarded
+from app.core.events import (
+    Envelope,
+    Event,
+    GroupAdmitted,
+    GroupDelivered,
+    GroupDiscarded,
+    SandboxOp,
+    TurnDone,
+)
 from app.runtime.report import ReportAccumulator
 
 
@@ -34,6 +42,9 @@ class GroupSpans:
         self._admitted = array("d")
         self._ended = array("d")
         self._batch = array("q")
+
+    # For `EventBus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)`: the frequent kinds touch no group.
+    BY_TYPE: ClassVar[dict[type[Event], None]] = {TurnDone: None, SandboxOp: None}
 
     def on_envelope(self, env: Envelope) -> None:
         ev = env.event

@@ -31,25 +31,16 @@ class SimulationDeadlock(RuntimeError):
 
 
 class _SimHandle(asyncio.Handle):
-    """A ready-queue handle built without asyncio's debug-mode check (the virtual loop never runs in
-    debug mode); otherwise the same object."""
+    """A ready-queue handle built by `VirtualTimeLoop.call_soon` directly, without asyncio's debug-mode
+    check (the virtual loop never runs in debug mode, so a handle has no creation traceback and never
+    caches its repr); otherwise the same object."""
 
     __slots__ = ()
+    _repr = None
+    _source_traceback = None
 
-    def __init__(
-        self,
-        callback: Callable[..., object],
-        args: tuple[Any, ...],
-        loop: asyncio.AbstractEventLoop,
-        context: Context | None = None,
-    ) -> None:
-        self._context = context if context is not None else copy_context()
-        self._loop = loop
-        self._callback = callback
-        self._args = args
-        self._cancelled = False
-        self._repr = None
-        self._source_traceback = None
+
+_new_handle = object.__new__
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -77,9 +68,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self, callback: Callable[..., object], *args: Any, context: Context | None = None
     ) -> asyncio.Handle:
         # Every task wake-up comes through here; asyncio's version adds closed and debug checks.
-        handle = _SimHandle(callback, args, self, context)
+        handle: Any = _new_handle(_SimHandle)  # `Handle.__init__` without its frame
+        handle._context = context if context is not None else copy_context()
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
         self._ready.append(handle)  # type: ignore[attr-defined]
-        return handle
+        return handle  # type: ignore[no-any-return]
+
+    def create_task(  # type: ignore[override]
+        self, coro: Coroutine[Any, Any, T], *, name: str | None = None, context: Context | None = None
+    ) -> asyncio.Task[T]:
+        # asyncio's version without a task factory, with fewer calls (the loop never runs in debug mode)
+        if self._task_factory is not None or self._closed:  # type: ignore[attr-defined]
+            return super().create_task(coro, name=name, context=context)
+        return asyncio.Task(coro, loop=self, name=name, context=context)
 
     def call_fast(self, when: float, callback: Callable[[int], object]) -> int:
         """Run `callback(token)` at virtual time `when`, with no handle and no context: for the

@@ -284,7 +284,7 @@ class Stream:
         self.served += (now - self._last) * self.rate
         self._last = now
         fut: asyncio.Future[None] = asyncio.Future(loop=loop)  # `create_future` without its frame
-        entry = (self.served + max(0.0, work), next(self._seq), fut)
+        entry = (self.served + (work if work > 0.0 else 0.0), next(self._seq), fut)  # max(0, work)
         heapq.heappush(self._heap, entry)
         if demand:
             self.pool.change_demand(demand, self)

@@ -197,6 +197,13 @@ class ResizableLimiter:
     def queued(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
+    def try_acquire(self) -> bool:
+        """Take a slot now if `acquire` would not wait; False otherwise."""
+        if self.busy < self.slots and not self._waiters:
+            self.busy += 1
+            return True
+        return False
+
     async def acquire(self) -> bool:
         if self.busy < self.slots and not self._waiters:
             self.busy += 1

@@ -76,7 +76,7 @@ def simulate(
         timeline=timeline,
     )
     spans = GroupSpans()
-    runtime.bus.subscribe(spans.on_envelope)
+    runtime.bus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)
     if events is not None:
         runtime.bus.subscribe(events)
 
