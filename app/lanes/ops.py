@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
+from app.core.events import fast_frozen_init
 from app.lanes.base import LaneName
 from app.sandboxes.base import ExecResult, Sandbox
 from app.tasks.spec import TaskSpec
@@ -69,6 +70,7 @@ def local_host() -> str:
     return socket.gethostname()
 
 
+@fast_frozen_init
 @dataclass(frozen=True)
 class SandboxHandle:
     """Names one sandbox: its kind, its id (the attempt id), the host it lives on and where it is there.
@@ -126,6 +128,7 @@ def _local_sandbox_type() -> type[Any]:
     return LocalSandbox
 
 
+@fast_frozen_init
 @dataclass(frozen=True)
 class LaneOp(Generic[R]):
     """One sandbox operation as data. Build it with `reset`, `exec`, `validate` or `cleanup`; the type

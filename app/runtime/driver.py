@@ -486,7 +486,7 @@ class Runtime:
         self, key: AttemptKey, task_index: int, agent: Agent, task: TaskSpec | None, sandbox: Sandbox
     ) -> None:
         assert self._tg is not None
-        self._publish(AttemptStarted(key[0], key[1]))
+        self.bus.publish(AttemptStarted(key[0], key[1]))
         self._attempts[key] = self._tg.create_task(self._run_attempt(key, task_index, agent, task, sandbox))
 
     def _fail_start(self, key: AttemptKey, error: str) -> list[Decision]:
@@ -522,7 +522,7 @@ class Runtime:
         if self._attempts.get(key) is not asyncio.current_task():
             return  # this try was superseded (restarted or its group discarded): its finish must not count
         del self._attempts[key]
-        self._publish(AttemptFinished(key[0], key[1], outcome.reward, outcome.error))
+        self.bus.publish(AttemptFinished(key[0], key[1], outcome.reward, outcome.error))
         if outcome.error is None:
             self._outcomes.setdefault(key[0], {})[key[1]] = outcome
         self._apply(self.scheduler.on_attempt_done(key[0], key[1], outcome.reward, outcome.error, self.now()))

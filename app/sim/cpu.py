@@ -145,13 +145,15 @@ class LanePool(CpuPool):
         if stream is None:
             raise ValueError("demand in a lane pool belongs to a lane")
         new_demand = stream.demand + delta
-        stream.demand = 0.0 if abs(new_demand) < _EPS else new_demand
+        demand = stream.demand = 0.0 if -_EPS < new_demand < _EPS else new_demand
         old_total = self.demand
-        self.demand = max(0.0, old_total + delta)
-        if self.borrow and self.demand <= self.cores and old_total <= self.cores:
+        total = old_total + delta
+        total = self.demand = total if total > 0.0 else 0.0  # max(0, total), without the call
+        if self.borrow and total <= self.cores and old_total <= self.cores:
             # Every lane gets all it wants before and after: no rate changes.
-            self.allocation[stream.name] = stream.demand
-            borrowed = stream.demand - self.guarantees[stream.name]
+            name = stream.name
+            self.allocation[name] = demand
+            borrowed = demand - self.guarantees[name]
             if borrowed > self.max_borrowed:
                 self.max_borrowed = borrowed
             return
@@ -258,7 +260,8 @@ class Stream:
             self._timer = None  # a pending timer becomes stale and fires for nothing
             self._timer_when = math.inf
             return
-        when = now + max(0.0, (heap[0][0] - self.served) / self.rate)
+        wait = (heap[0][0] - self.served) / self.rate
+        when = now + (wait if wait > 0.0 else 0.0)  # max(0, wait)
         if self._timer is not None and self._timer_when <= when:
             return  # a timer due no later than needed may stay: firing early only re-arms it
         assert self._loop is not None
@@ -307,9 +310,10 @@ class Stream:
         assert self._loop is not None
         now = self._loop.time()
         self.settle(now)
-        eps = 1e-9 * max(1.0, self.served)
+        served = self.served
+        limit = served + 1e-9 * (served if served > 1.0 else 1.0)  # served + 1e-9·max(1, served)
         heap = self._heap
-        while heap and (heap[0][0] <= self.served + eps or heap[0][2].done()):
+        while heap and (heap[0][0] <= limit or heap[0][2].done()):
             fut = heapq.heappop(heap)[2]
             if not fut.done():
                 fut.set_result(None)

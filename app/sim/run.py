@@ -90,8 +90,9 @@ def simulate(
         return await run_adapting(runtime, ports, workload.batches)
 
     state = run_virtual(main())
+    durations = [source.group_duration(task) for task, _, _, _ in spans]
     bound = lower_bound_s(
-        [source.group_duration(task) for task, _, _, _ in spans],
+        durations,
         len(state.batches),
         policy.groups_per_batch,
         policy.groups_per_batch
@@ -100,7 +101,10 @@ def simulate(
     )
     given = admission_bound_s(
         [b.requested_at for b in state.batches],
-        [(admitted, source.group_duration(task), ended, batch) for task, admitted, ended, batch in spans],
+        [
+            (admitted, d, ended, batch)
+            for (_, admitted, ended, batch), d in zip(spans, durations, strict=True)
+        ],
         policy.groups_per_batch,
     )
     static = ReportStatic(
