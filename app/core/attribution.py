@@ -168,7 +168,7 @@ def _largest(phases: dict[str, float]) -> str | None:
     return best[0] if best is not None and best[1] > 0 else None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Attempt:
     started: float | None = None
     finished: float | None = None

@@ -134,6 +134,8 @@ class EngineTurnFailed(RuntimeError):
 class _AttemptContext:
     """The agent's window onto the runtime for one attempt (see app.runtime.context)."""
 
+    __slots__ = ("_key", "_rt", "attempt_id", "handle", "sandbox", "task")  # one per attempt
+
     def __init__(self, runtime: Runtime, key: AttemptKey, task: TaskSpec | None, sandbox: Sandbox) -> None:
         self._rt = runtime
         self._key = key

@@ -12,15 +12,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
-from app.core.events import (
-    Envelope,
-    Event,
-    GroupAdmitted,
-    GroupDelivered,
-    GroupDiscarded,
-    SandboxOp,
-    TurnDone,
-)
+from app.core.events import EVENT_TYPES, Envelope, Event, GroupAdmitted, GroupDelivered, GroupDiscarded
 from app.runtime.report import ReportAccumulator
 
 
@@ -43,8 +35,13 @@ class GroupSpans:
         self._ended = array("d")
         self._batch = array("q")
 
-    # For `EventBus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)`: the frequent kinds touch no group.
-    BY_TYPE: ClassVar[dict[type[Event], None]] = {TurnDone: None, SandboxOp: None}
+    # For `EventBus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)`: only a group's admission and its
+    # end matter here, so the bus does not call it for the other kinds.
+    BY_TYPE: ClassVar[dict[type[Event], None]] = {
+        cls: None
+        for cls in EVENT_TYPES.values()
+        if cls not in (GroupAdmitted, GroupDelivered, GroupDiscarded)
+    }
 
     def on_envelope(self, env: Envelope) -> None:
         ev = env.event

@@ -136,6 +136,8 @@ class SimLaneCpus:
 class SimSandbox:
     """Sandbox operations cost the drawn durations as CPU work in the pool of the lane running them."""
 
+    __slots__ = ("_lanes", "_turn", "trajectory")  # one per attempt: no instance dict
+
     def __init__(self, trajectory: Trajectory, lanes: SimLaneCpus) -> None:
         self.trajectory = trajectory
         self._lanes = lanes
@@ -171,6 +173,8 @@ class SimSandbox:
 
 class SimAgent:
     """Plays a drawn trajectory: reset, turns of engine time then tool time, capped, then validation."""
+
+    __slots__ = ("trajectory",)  # one per attempt: no instance dict
 
     def __init__(self, trajectory: Trajectory) -> None:
         self.trajectory = trajectory

@@ -59,10 +59,18 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self, when: float, callback: Callable[..., object], *args: Any, context: Context | None = None
     ) -> asyncio.TimerHandle:
         self._check_closed()  # type: ignore[attr-defined]
-        handle = asyncio.TimerHandle(when, callback, args, self, context)
+        handle: Any = _new_handle(asyncio.TimerHandle)  # `TimerHandle.__init__` without its frames
+        handle._context = context if context is not None else copy_context()
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
+        handle._repr = None
+        handle._source_traceback = None
+        handle._when = when
         heapq.heappush(self._timers, (when, next(self._timer_seq), handle))
-        handle._scheduled = True  # type: ignore[attr-defined]
-        return handle
+        handle._scheduled = True
+        return handle  # type: ignore[no-any-return]
 
     def call_soon(  # type: ignore[override]
         self, callback: Callable[..., object], *args: Any, context: Context | None = None
@@ -100,7 +108,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # is stopping, which saves a call and the bookkeeping of each iteration.
         ready: Any = self._ready  # type: ignore[attr-defined]
         timers = self._timers
-        fd_map = self._selector.get_map()  # type: ignore[attr-defined]  # a live view: fetched once
+        # The registered file descriptors, fetched once: the selector's own dict where it has one (its
+        # `get_map()` view answers `len` through two Python calls, once per iteration here).
+        selector: Any = self._selector  # type: ignore[attr-defined]
+        fd_map = getattr(selector, "_fd_to_key", None)
+        if not isinstance(fd_map, dict):
+            fd_map = selector.get_map()  # a live view
         heappop = heapq.heappop
         timer_handle = asyncio.TimerHandle
         while True:
