@@ -59,18 +59,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self, when: float, callback: Callable[..., object], *args: Any, context: Context | None = None
     ) -> asyncio.TimerHandle:
         self._check_closed()  # type: ignore[attr-defined]
-        handle: Any = _new_handle(asyncio.TimerHandle)  # `TimerHandle.__init__` without its frames
-        handle._context = context if context is not None else copy_context()
-        handle._loop = self
-        handle._callback = callback
-        handle._args = args
-        handle._cancelled = False
-        handle._repr = None
-        handle._source_traceback = None
-        handle._when = when
+        handle = asyncio.TimerHandle(when, callback, args, self, context)
         heapq.heappush(self._timers, (when, next(self._timer_seq), handle))
-        handle._scheduled = True
-        return handle  # type: ignore[no-any-return]
+        handle._scheduled = True  # type: ignore[attr-defined]
+        return handle
 
     def call_soon(  # type: ignore[override]
         self, callback: Callable[..., object], *args: Any, context: Context | None = None
