@@ -221,6 +221,10 @@ def water_fill(demand: Mapping[str, float], weights: Mapping[str, float], cores:
     return alloc
 
 
+_Future = asyncio.Future
+_heappush = heapq.heappush
+
+
 def _now() -> float:
     return asyncio.get_running_loop().time()
 
@@ -283,15 +287,16 @@ class Stream:
             if not isinstance(running, VirtualTimeLoop):
                 raise RuntimeError("simulated CPU pools run only on the virtual-time loop")
             loop = self._loop = running
-        now = loop.time()
-        self.served += (now - self._last) * self.rate
+        now = loop._virtual_now  # `loop.time()` without the call
+        served = self.served = self.served + (now - self._last) * self.rate  # `settle`
         self._last = now
-        fut: asyncio.Future[None] = asyncio.Future(loop=loop)  # `create_future` without its frame
-        entry = (self.served + (work if work > 0.0 else 0.0), next(self._seq), fut)  # max(0, work)
-        heapq.heappush(self._heap, entry)
+        fut: asyncio.Future[None] = _Future(loop=loop)  # `create_future` without its frame
+        entry = (served + (work if work > 0.0 else 0.0), next(self._seq), fut)  # max(0, work)
+        heap = self._heap
+        _heappush(heap, entry)
         if demand:
             self.pool.change_demand(demand, self)
-        if self._heap[0] is entry or self._timer is None:
+        if heap[0] is entry or self._timer is None:
             self.reschedule(now)
         try:
             await fut
@@ -308,9 +313,9 @@ class Stream:
         self._timer = None
         self._timer_when = math.inf
         assert self._loop is not None
-        now = self._loop.time()
-        self.settle(now)
-        served = self.served
+        now = self._loop._virtual_now
+        served = self.served = self.served + (now - self._last) * self.rate  # `settle`
+        self._last = now
         limit = served + 1e-9 * (served if served > 1.0 else 1.0)  # served + 1e-9·max(1, served)
         heap = self._heap
         while heap and (heap[0][0] <= limit or heap[0][2].done()):
