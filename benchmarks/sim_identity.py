@@ -10,10 +10,11 @@ compare:
     .venv/bin/python -m benchmarks.sim_identity --out /tmp/after.json --compare /tmp/before.json
 
 Cases: the built-in family (default, design, ample-cpu and trace, with fewer batches for speed;
-cpu-scarce with 2) under the ladder (sync, completion, lanes, full), two peer rungs (slime: stop-the-world
-restarts; areal: in-flight admission with a ready surplus), partitioned lanes, a live retune and a
-small `benchmarks.scale` run. Each case records the report and a SHA-256 over every envelope (seq,
-time as a float's hex, kind, fields), so a reordering that leaves the report alone still shows.
+cpu-scarce with 2) under rungs of the ladder (sync, completion, lanes, full), three peer rungs (slime:
+stop-the-world restarts; areal: in-flight admission with a ready surplus; prime-rl: start order),
+partitioned lanes, a live retune and two small `benchmarks.scale` runs (short and realistic). Each
+case records the report and a SHA-256 over every envelope (seq, time as a float's hex, kind, fields),
+so a reordering that leaves the report alone still shows.
 `--quick` runs a subset. Exit 1 when a comparison differs.
 """
 
