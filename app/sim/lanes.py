@@ -113,7 +113,7 @@ class AdaptiveLanesSpec(BaseModel):
         "queue leaves the reset lane's slots and finishes on the background share (None: never)",
     )
     background_share: float = Field(
-        0.1, gt=0, lt=1, description="guaranteed fraction of the sandbox cores for long resets"
+        0.1, gt=0, le=0.9, description="guaranteed fraction of the sandbox cores for long resets"
     )
 
 
