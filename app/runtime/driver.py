@@ -652,10 +652,12 @@ class Runtime:
         router prefers the least loaded, so an engine can sit idle) leaves rotation all the same."""
         while True:
             await asyncio.sleep(interval_s)
-            for name, engine in list(self.pool.by_name.items()):
+            for name in list(self.pool.by_name):
                 if not self.plan.routable(name):
                     continue  # down (being restarted) or updating (its update has its own timeout)
-                epoch = self.pool.epoch[name]
+                # Read the client now, not before the loop: while an earlier probe waited, this engine
+                # may have been restarted and its old client closed.
+                engine, epoch = self.pool.by_name[name], self.pool.epoch[name]
                 healthy = await self._probe(engine)
                 if not healthy and self.pool.epoch[name] == epoch and self.plan.routable(name):
                     self._engine_down(name, "health check failed")
@@ -665,6 +667,9 @@ class Runtime:
             async with asyncio.timeout(self.faults.health_timeout_s):
                 return await engine.health()
         except TimeoutError:
+            return False
+        except Exception as exc:  # a probe that cannot even be made says the same as one that fails
+            log.warning("health probe of %s failed: %s", engine.name, exc)
             return False
 
     def _engine_state(self, name: str, state: str, detail: str = "") -> None:

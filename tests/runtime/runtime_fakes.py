@@ -35,6 +35,8 @@ class FakeEngine:
     healthy: bool = True  # False: turns still work, /health fails (a degraded engine)
     failing: int = 0  # the next this many turns answer 500 while /health stays fine
     update: str | None = None  # "hang" or "error" for the next publication
+    health_s: float = 0.0  # how long a health probe takes
+    closed: bool = False  # aclose() was called: every call raises, as a closed HTTP client does
     turns: int = 0
     published: list[int] = field(default_factory=list)
 
@@ -75,10 +77,14 @@ class FakeEngine:
         return self.version
 
     async def health(self) -> bool:
+        if self.closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        if self.health_s:
+            await asyncio.sleep(self.health_s)
         return self.healthy and not self.down
 
     async def aclose(self) -> None:
-        return None
+        self.closed = True
 
 
 @dataclass

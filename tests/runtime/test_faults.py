@@ -144,6 +144,22 @@ def test_an_engine_failing_its_health_check_is_found_by_the_health_watch() -> No
     assert states(runtime, "b")[:3] == ["unhealthy", "restarting", "serving"]
 
 
+def test_the_health_watch_probes_the_restarted_engine_not_its_closed_client() -> None:
+    """A slow probe of `a` spans b's death and restart; the watch then probes the new b. It used to
+    probe the client it listed before the loop, closed by then, and the error ended the whole run."""
+    a, b = FakeEngine("a", health_s=3.0), FakeEngine("b")
+    faults = EngineFaultConfig(health_interval_s=1.0, restart_backoff_s=1.0)
+    runtime = make_runtime([a, b], FakeSupervisor(start_s=0.5), faults)
+    run_virtual(run_with(runtime, 4, kill_at(b, 1.5)))
+    assert len(runtime.state.batches) == 4
+    accounted(runtime)
+    assert b.closed  # the old client was closed while a's probe was still waiting
+    b_events = [(t, s, d) for t, e, s, d in runtime.state.engine_events if e == "b"]
+    assert [s for _, s, _ in b_events] == ["unhealthy", "restarting", "serving"]
+    assert b_events[0][0] < 4.0  # b died and came back while a's first probe (1 s to 4 s) ran
+    assert all(d != "health check failed" for _, _, d in b_events)
+
+
 @pytest.mark.parametrize("policy", ["sync", "completion", "lanes", "full"])
 def test_every_rung_of_the_ladder_rides_out_a_dead_engine_and_a_hung_update(policy: str) -> None:
     """Stop-the-world publication (sync, completion) as well as rolling: the same faults, no loss."""
