@@ -42,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from app.sandboxes.cpuset import CGROUP_ROOT
-from app.sandboxes.limits import PidsGroup, SandboxLimitError, kill_until_gone, owner_alive, pids_parent
+from app.sandboxes.limits import (
+    PidsGroup,
+    SandboxLimitError,
+    after_comm,
+    kill_until_gone,
+    owner_alive,
+    pids_parent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ def _start_time(pid: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(raw[raw.rindex(")") + 2 :].split()[19])
+    return int(after_comm(raw).split()[19])
 
 
 @dataclass(frozen=True)

@@ -116,11 +116,7 @@ class PidsGroup:
             os.close(fd)
 
     def pids(self, group: Path | None = None) -> list[int]:
-        found: list[int] = []
-        for procs in (group or self.path).rglob("cgroup.procs"):
-            with contextlib.suppress(FileNotFoundError):
-                found.extend(int(line) for line in procs.read_text().split())
-        return found
+        return listed_ids(group or self.path, "cgroup.procs", FileNotFoundError)
 
     def kill_all(self, group: Path | None = None) -> int:
         """SIGKILL every process in the group (and its children groups); returns how many were sent."""
@@ -143,6 +139,22 @@ class PidsGroup:
         for leaf in sorted((p for p in self.path.iterdir() if p.is_dir()), reverse=True):
             _rmdir_retry(leaf)
         _rmdir_retry(self.path)
+
+
+def listed_ids(group: Path, name: str, ignore: type[OSError] = OSError) -> list[int]:
+    """The ids listed in every `name` file (`cgroup.procs`, `tasks`, `cgroup.threads`) of a cgroup and
+    the groups below it; a file that raises `ignore` while read (a group removed meanwhile) is skipped."""
+    found: list[int] = []
+    for listing in group.rglob(name):
+        with contextlib.suppress(ignore):
+            found.extend(int(line) for line in listing.read_text().split())
+    return found
+
+
+def after_comm(stat: str) -> str:
+    """The fields of a `/proc/<pid>/stat` text after the command name, which may hold spaces and
+    parentheses: state, ppid, pgrp, session, ... (`proc(5)` numbering less 3)."""
+    return stat[stat.rindex(")") + 2 :]
 
 
 def kill_until_gone(find: Callable[[], list[int]], rounds: int = 20, pause_s: float = 0.0) -> int:

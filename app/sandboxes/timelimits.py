@@ -39,13 +39,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from app.sandboxes.limits import after_comm, listed_ids
 
 PROC = Path("/proc")
 # Set-ups and validation: infrastructure steps whose outcome must not depend on how busy the host is.
@@ -98,12 +99,7 @@ def schedstat_available(proc: Path = PROC) -> bool:
 
 def leaf_threads(leaf: Path) -> list[int]:
     """Every thread in a cgroup and the groups below it (v1 `tasks`, v2 `cgroup.threads`)."""
-    name = "tasks" if (leaf / "tasks").exists() else "cgroup.threads"
-    found: list[int] = []
-    for listing in leaf.rglob(name):
-        with contextlib.suppress(OSError):
-            found.extend(int(line) for line in listing.read_text().split())
-    return found
+    return listed_ids(leaf, "tasks" if (leaf / "tasks").exists() else "cgroup.threads")
 
 
 def session_threads(session: int, proc: Path = PROC) -> list[int]:
@@ -114,8 +110,7 @@ def session_threads(session: int, proc: Path = PROC) -> list[int]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            # Fields after the command name (which may hold spaces and parentheses): state ppid pgrp sid.
-            if int(stat[stat.rindex(")") + 2 :].split()[3]) != session:
+            if int(after_comm(stat).split()[3]) != session:  # state ppid pgrp sid
                 continue
             found.extend(int(t.name) for t in (entry / "task").iterdir())
         except (OSError, ValueError, IndexError):
@@ -160,7 +155,7 @@ class GivenClock:
                     stat = (self.proc / str(tid) / "stat").read_text()
                 except (OSError, ValueError, IndexError):
                     continue  # exited since it was listed
-                runnable = runnable or stat[stat.rindex(")") + 2 :].startswith("R")
+                runnable = runnable or after_comm(stat).startswith("R")
                 before_ran, before_waited = self._seen.get(tid, (0, 0))
                 # A thread first seen now was born since the last sample: all its time is new.
                 cpu_ns += max(0, ran - before_ran)
