@@ -189,12 +189,16 @@ class LanePool(CpuPool):
         """The cores `lane` would get if it wanted every core, the other lanes' demand as it is."""
         if not self.borrow:
             return self.guarantees[lane]
-        demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
+        demand = self._demand()
         demand[lane] = self.cores
         return water_fill(demand, self.guarantees, self.cores)[lane]
 
+    def _demand(self) -> dict[str, float]:
+        """Each lane's demand now (0 for a lane with no stream yet)."""
+        return {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
+
     def _allocate(self) -> dict[str, float]:
-        demand = {name: self.lanes[name].demand if name in self.lanes else 0.0 for name in self.guarantees}
+        demand = self._demand()
         if not self.borrow:
             return {name: min(d, self.guarantees[name]) for name, d in demand.items()}
         return water_fill(demand, self.guarantees, self.cores)

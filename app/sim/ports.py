@@ -82,6 +82,7 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
     split = lane_cpu_split(workload)
     streams: dict[str, Stream] = {}
     sandbox: LanePool | None = None
+    adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
     if policy.pinned_lanes:
         serving = CpuPool("serving", cpus.serving, cpus.thrash)
         if workload.lanes.sharing is LaneSharing.PARTITIONED:
@@ -89,7 +90,6 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
             sandbox = LanePool("sandbox", sum(guarantees.values()), guarantees, False, cpus.thrash)
         else:
             guarantees = lane_guarantees(workload)
-            adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
             if adaptive is not None and adaptive.long_op_factor is not None:
                 share = adaptive.background_share
                 guarantees = {lane: g * (1 - share) for lane, g in guarantees.items()}
@@ -121,7 +121,6 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
         }
     )
     lanes = SimLanes(lane_config, policy.pinned_lanes)
-    adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
     configured = {lane: g for lane, g in sandbox.guarantees.items() if lane != BACKGROUND} if sandbox else {}
