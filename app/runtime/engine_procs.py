@@ -1,4 +1,5 @@
-"""Embedded engine servers as child processes of `corral run`, and their restarts.
+"""Embedded engine servers as child processes of `corral run` (or of a local run in `corral serve`), and
+their restarts.
 
 Invariants:
 - every engine process runs in its own session (so a terminal's Ctrl-C, sent to the run's process
@@ -34,11 +35,25 @@ import httpx
 
 from app.engines.vllm import VLLMEngine
 from app.runtime.config import EnginesConfig, LocalRunError
+from app.runtime.engine_pool import EngineFaultConfig
 
 _STOP_GRACE_S = 10.0
 TURN_TIMEOUT_S = 300.0
 DEBUG_FLAG = "CORRAL_ENGINE_DEBUG"
 DEBUG_FAIL_START = "CORRAL_ENGINE_DEBUG_FAIL_START"
+
+
+def fault_config(engines: EnginesConfig) -> EngineFaultConfig:
+    """How the runtime supervises these engines (`corral run`'s and a local service run's)."""
+    return EngineFaultConfig(
+        update_timeout_s=engines.update_timeout_s,
+        health_timeout_s=engines.health_timeout_s,
+        health_interval_s=engines.health_interval_s,
+        restart_backoff_s=engines.restart_backoff_s,
+        restart_backoff_max_s=engines.restart_backoff_max_s,
+        turn_retries=engines.turn_retries,
+        max_restarts=engines.max_restarts,
+    )
 
 
 def _fails_on_purpose(name: str) -> bool:

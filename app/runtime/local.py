@@ -35,10 +35,9 @@ from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
 from app.core.events import Envelope
 from app.lanes.inprocess import InProcessLanes
-from app.runtime.config import EnginesConfig, LocalRunConfig, LocalRunError, load_config
+from app.runtime.config import LocalRunConfig, LocalRunError, load_config
 from app.runtime.driver import RunState, Runtime
-from app.runtime.engine_pool import EngineFaultConfig
-from app.runtime.engine_procs import EngineProcesses
+from app.runtime.engine_procs import EngineProcesses, fault_config
 from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
@@ -49,23 +48,11 @@ from app.sandboxes.local import LocalSandboxFactory
 from app.sandboxes.timelimits import TimeLimits
 from app.tasks.spec import TaskSpec
 
-__all__ = ["LocalRunError", "fault_config", "load_config", "run_local"]
+__all__ = ["LocalRunError", "load_config", "run_local"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _VERSION_QUERY_S = 5.0
 _PRINTED = {"batch", "engine_updated", "group_discarded", "engine_state", "engine_update_failed"}
-
-
-def fault_config(engines: EnginesConfig) -> EngineFaultConfig:
-    return EngineFaultConfig(
-        update_timeout_s=engines.update_timeout_s,
-        health_timeout_s=engines.health_timeout_s,
-        health_interval_s=engines.health_interval_s,
-        restart_backoff_s=engines.restart_backoff_s,
-        restart_backoff_max_s=engines.restart_backoff_max_s,
-        turn_retries=engines.turn_retries,
-        max_restarts=engines.max_restarts,
-    )
 
 
 class _StopSignals:

@@ -157,6 +157,8 @@ class RunHandle:
                 source=ports.source,
                 trainer=self.gateway,
                 bus=self.recorder.bus,
+                faults=ports.faults,
+                supervisor=ports.supervisor,
             )
             resume = self._resume
             if resume is not None:
@@ -164,20 +166,30 @@ class RunHandle:
             self.runtime = runtime
             self._set_state(RunState.RUNNING, None)
             batches = self.spec.batches or UNTIL_STOPPED
-            async with asyncio.TaskGroup() as tg:
-                self._tg = tg
-                run = tg.create_task(runtime.run(batches=batches))
-                if resume is not None and resume.version > 0:
-                    # A resumed run continues at its last published version: engines roll to it.
-                    asyncio.get_running_loop().call_soon(
-                        self._publish, resume.version, resume.weights_path, "resume"
-                    )
-                if self.spec.trainer is TrainerKind.SENTINEL:
-                    tg.create_task(self._sentinel_client(ports))
-                await asyncio.wait([run])
-                self.gateway.close("ended")
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    self._tg = tg
+                    run = tg.create_task(runtime.run(batches=batches))
+                    if resume is not None and resume.version > 0:
+                        # A resumed run continues at its last published version: engines roll to it.
+                        asyncio.get_running_loop().call_soon(
+                            self._publish, resume.version, resume.weights_path, "resume"
+                        )
+                    if self.spec.trainer is TrainerKind.SENTINEL:
+                        tg.create_task(self._sentinel_client(ports))
+                    await asyncio.wait([run])
+                    self.gateway.close("ended")
+            finally:
+                for client in self.engines():  # a restarted engine's client is the runtime's, not the ports'
+                    await client.aclose()
             run.result()
             return "stopped" if runtime.stop_requested else "completed"
+
+    def engines(self) -> list[Engine]:
+        """The run's engine clients now: a restarted engine has a new one (on its new port)."""
+        if self.runtime is not None:
+            return list(self.runtime.pool.by_name.values())
+        return list(self.ports.engines) if self.ports is not None else []
 
     def _set_state(self, state: RunState, error: str | None) -> None:
         self.state = state
@@ -373,8 +385,7 @@ class RunHandle:
     def _engines_paused(self, paused: bool) -> None:
         """Local runs: every engine holds its in-flight turns (`keep`) and starts none until resumed."""
         assert self._tg is not None
-        assert self.ports is not None
-        for engine in self.ports.engines:
+        for engine in self.engines():
             self._tg.create_task(self._pause_engine(engine, paused))
 
     async def _pause_engine(self, engine: Engine, paused: bool) -> None:

@@ -4,11 +4,15 @@
   clock follows the wall clock at `speed`, so API clients see a run unfold in real time;
 - `local`: the embedded default of `corral run` — embedded engine processes, local sandboxes in pinned
   lanes, the built-in tasks and the shell agent — from the same building blocks as app.runtime.local.
+  Its engines are supervised as `corral run`'s are: the `EngineProcesses` restart a dead one on a fresh
+  port (`supervisor`) with the run config's health watch and backoff (`faults`); a sim run has neither
+  (the simulator injects its own faults).
   Its lanes come from the lanes factory (`lanes_for(settings)`: in-process lanes without a broker,
   Celery lanes on `CORRAL_LANE_HOSTS` with one); a sim run's lanes are always in-process.
 
 Invariant: whatever `open_ports` starts (engine processes, clients) is stopped when its context exits,
-however the run ended.
+however the run ended; a restarted engine's process too (the clients of restarts belong to the runtime
+that asked for them).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from app.core.config import LanesConfig, PolicyConfig
 from app.engines.base import Engine
 from app.lanes.base import Lanes
 from app.lanes.inprocess import InProcessLanes
+from app.runtime.engine_pool import EngineFaultConfig, EngineSupervisor
 from app.runtime.ports import AttemptSource
 from app.service.schemas import RunCreate, RunKind
 from app.settings import Settings
@@ -39,6 +44,8 @@ class RunPorts:
     lanes: Lanes
     source: AttemptSource
     weights_dir: Path | None  # where the built-in trainer writes sentinel weights (local runs)
+    supervisor: EngineSupervisor | None = None  # restarts a dead engine (local runs' engine processes)
+    faults: EngineFaultConfig | None = None  # health watch, restart backoff, update timeout (local runs)
 
 
 def run_policy(spec: RunCreate) -> PolicyConfig:
@@ -130,7 +137,7 @@ async def _local_ports(
     spec: RunCreate, policy: PolicyConfig, work_dir: Path, make_lanes: LanesFactory
 ) -> AsyncIterator[RunPorts]:
     from app.agent.loop import ShellAgent, ShellAgentConfig
-    from app.runtime.engine_procs import EngineProcesses
+    from app.runtime.engine_procs import EngineProcesses, fault_config
     from app.runtime.task_source import TaskSource, load_tasks
     from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
     from app.sandboxes.local import LocalSandboxFactory
@@ -161,6 +168,8 @@ async def _local_ports(
             lanes=lanes,
             source=TaskSource(tasks, factory, agent, config.seed),
             weights_dir=work_dir / "weights",
+            supervisor=engines,
+            faults=fault_config(config.engines),
         )
     finally:
         for client in clients:

@@ -1,0 +1,141 @@
+"""A local run inside the service supervises its engine processes as `corral run` does: an engine killed
+with SIGKILL is restarted on a fresh port and caught up to the newest weights, batches keep coming,
+and no group is lost. Real engine processes, a real signal, the store on SQLite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.service.handle import RunHandle
+from app.service.manager import RunManager
+from app.service.schemas import RunCreate
+from app.service.store import ServiceStore
+from app.store.models import RunState
+
+
+def make_config() -> dict[str, Any]:
+    """Small and fast: 2 engines probed every second, B = 2 groups of G = 2, quick built-in tasks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
+    return {
+        "seed": 3,
+        "batch": {"groups": 2, "group_size": 2},
+        "policy": {"surplus_groups": 2, "max_staleness": 2},
+        "engines": {
+            "count": 2,
+            "cpus": serving,
+            "slots": 4,
+            "layers": 1,
+            "hidden": 16,
+            "max_tokens": 16,
+            "update_timeout_s": 10,
+            "restart_backoff_s": 0.5,
+            "restart_backoff_max_s": 4,
+            "health_interval_s": 1,
+        },
+        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "tasks": {"include": ["fix-off-by-one", "json-transform", "patch-config-sed", "sort-uniq-log"]},
+    }
+
+
+def embedded_engines(parent: int) -> set[int]:
+    """Embedded engine processes whose parent is `parent` (the run executes in this test process)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"app.engines.embedded" in cmd:
+            found.add(int(entry))
+    return found
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def rows_of(handle: RunHandle, kind: str) -> list[dict[str, Any]]:
+    rows = handle.recorder.recent.since(-1, 1_000_000)
+    assert rows is not None
+    return [r for r in rows if r["kind"] == kind]
+
+
+def engine_rows(handle: RunHandle) -> list[dict[str, Any]]:
+    return rows_of(handle, "engine_state")
+
+
+def batches_after(handle: RunHandle, t: float) -> list[dict[str, Any]]:
+    return [r for r in rows_of(handle, "batch_delivered") if r["t"] > t]
+
+
+def back_at(handle: RunHandle) -> dict[str, Any] | None:
+    return next((r for r in engine_rows(handle) if r["detail"].startswith("back at version")), None)
+
+
+@pytest.mark.slow
+def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_nothing_is_lost(
+    tmp_path: Path,
+) -> None:
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
+    spec = RunCreate.model_validate(
+        {
+            "name": "supervised",
+            "kind": "local",
+            "config": make_config(),
+            "trainer": "sentinel",
+            "sentinel_step_s": 0.2,
+        }
+    )
+    try:
+        run_id = manager.create(spec)
+        handle = manager.get(run_id)
+        assert handle is not None
+        view = handle.recorder.view
+        wait_for(lambda: view.batches >= 2, 120, "two batches")
+        first = embedded_engines(os.getpid())
+        assert len(first) == 2
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        batches_at_kill = view.batches
+        back = wait_for(lambda: back_at(handle), 60, "the killed engine to serve again")
+        restarted = wait_for(lambda: embedded_engines(os.getpid()) - first, 5, "a new engine process")
+        wait_for(lambda: batches_after(handle, back["t"]), 60, "a batch after the restart")
+        handle.submit(handle.stop).result(timeout=10)
+        assert handle.join(60), "the run did not end after stop"
+        ledger, _ = store.ledger(run_id)
+        account = store.group_account(run_id)
+    finally:
+        manager.shutdown()
+        store.close()
+
+    assert handle.state is RunState.STOPPED, handle.error
+    assert victim not in embedded_engines(os.getpid())
+    assert len(restarted) == 1
+    name = back["engine"]
+    states = [r["state"] for r in engine_rows(handle) if r["engine"] == name]
+    assert states[:3] == ["unhealthy", "restarting", "serving"]
+    assert "restarting" not in [r["state"] for r in engine_rows(handle) if r["engine"] != name]
+    # It came back at the version then published, not at the version it started with.
+    assert int(back["detail"].removeprefix("back at version ")) >= batches_at_kill - 1 >= 1
+    assert view.batches > batches_at_kill
+    assert ledger.lost == 0
+    assert account["open"] == 0
+    # Every engine process of the run, the restarted one too, was stopped with it.
+    wait_for(lambda: not embedded_engines(os.getpid()), 30, "the engine processes to stop")
