@@ -10,6 +10,10 @@ Invariants:
 - an engine that is down (died, or its update failed or timed out) takes no turns and no updates; an
   update it was running is abandoned and the rolling update goes on to the other engines. It comes back
   (`on_engine_up`) only at a version the runtime has brought it to.
+- with a staleness bound K (`max_staleness`), an engine more than K versions behind the newest takes
+  no turns: every turn it served would make its group too stale at once ("cannot meet K"), so a turn
+  waits for a fresher engine instead. Such an engine goes first in a rolling update and joins it
+  without waiting on `may_join` (still within `max_updating`): it serves nothing useful meanwhile.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class UpdatePlan:
         max_updating: int = 1,
         version: int = 0,
         may_join: MayJoin | None = None,
+        max_staleness: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("an update plan needs at least one engine")
@@ -55,11 +60,41 @@ class UpdatePlan:
         self.versions = dict.fromkeys(engines, version)
         self.updating: dict[str, int] = {}
         self.down: set[str] = set()
+        self.max_staleness = max_staleness
+        self.too_stale: set[str] = set()  # serving, but more than K versions behind the newest
         self.max_seen_updating = 0
         self.updates_done = 0
 
     def routable(self, engine: str) -> bool:
-        return engine not in self.updating and engine not in self.down
+        return engine not in self.updating and engine not in self.down and engine not in self.too_stale
+
+    @property
+    def lagging(self) -> bool:
+        """Some engine serves an older version than the newest (a rolling update is under way)."""
+        return min(self.versions.values()) < self.target
+
+    def fresh_for(self, oldest: int | None) -> Callable[[str], bool] | None:
+        """The engines a turn should prefer so that its group gets no older: those at or above
+        `oldest`, the group's oldest turn version (None: no turn yet, so the newest version). None when
+        every engine qualifies."""
+        floor = self.target if oldest is None else oldest
+        versions = self.versions
+        if min(versions.values()) >= floor:
+            return None
+        return lambda engine: versions[engine] >= floor
+
+    def set_max_staleness(self, max_staleness: int | None) -> list[UpdateAction]:
+        """K changed live: engines may become too stale to serve (or fit again)."""
+        self.max_staleness = max_staleness
+        return self._next() if self.rolling else []
+
+    def _mark_too_stale(self) -> None:
+        k = self.max_staleness
+        self.too_stale = (
+            set()
+            if k is None
+            else {e for e, v in self.versions.items() if self.target - v > k and e not in self.updating}
+        )
 
     @property
     def all_down(self) -> bool:
@@ -121,14 +156,21 @@ class UpdatePlan:
     def _next(self) -> list[UpdateAction]:
         actions: list[UpdateAction] = []
         may_join = self.may_join
-        for engine, version in self.versions.items():
+        self._mark_too_stale()
+        behind = [e for e, v in self.versions.items() if v < self.target and e not in self.down]
+        # Engines too stale to serve first (a stable sort: otherwise in engine order), without pacing.
+        behind.sort(key=lambda e: e not in self.too_stale)
+        for engine in behind:
             if len(self.updating) >= self.max_updating:
                 break
-            if version < self.target and engine not in self.updating and engine not in self.down:
-                # Beyond the first engine, free-slot pacing decides (the first never waits on it).
-                if self.updating and may_join is not None and not may_join(engine, tuple(self.updating)):
-                    break
-                self.updating[engine] = self.target
-                actions.append(BeginUpdate(engine, self.target))
+            if engine in self.updating:
+                continue
+            # Beyond the first engine, free-slot pacing decides (the first never waits on it).
+            paced = self.updating and engine not in self.too_stale
+            if paced and may_join is not None and not may_join(engine, tuple(self.updating)):
+                break
+            self.updating[engine] = self.target
+            self.too_stale.discard(engine)
+            actions.append(BeginUpdate(engine, self.target))
         self.max_seen_updating = max(self.max_seen_updating, len(self.updating))
         return actions

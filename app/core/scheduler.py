@@ -217,6 +217,11 @@ class Scheduler:
             return None
         return group if group.state is GroupState.RUNNING else None
 
+    def oldest_version(self, group_id: int) -> int | None:
+        """The oldest policy version among a live group's turns so far (None: no turn yet, or not live)."""
+        group = self.groups.get(group_id)
+        return None if group is None else group.min_version
+
     # -- events --------------------------------------------------------------------------------
 
     def on_start(self, now: float) -> list[Decision]:

@@ -192,6 +192,7 @@ class Runtime:
             policy.rolling_updates,
             policy.max_updating_engines,
             may_join=self._free_slots_for_update if policy.update_pacing is UpdatePacing.FREE_SLOTS else None,
+            max_staleness=policy.max_staleness,
         )
         self.pool = EnginePool(engines, engine_slots, self.plan)
         self.lanes = lanes
@@ -399,6 +400,8 @@ class Runtime:
         decisions = self.scheduler.set_max_staleness(max_staleness, self.now())
         self._publish(PolicyChanged("max_staleness", old, max_staleness, actor))
         self._apply(decisions)
+        self._do_updates(self.plan.set_max_staleness(max_staleness))
+        self.pool.wake()  # engines within the new K serve again
         self._emit("max_staleness_changed", {"max_staleness": max_staleness})
 
     # -- decisions -----------------------------------------------------------------------------
@@ -575,9 +578,12 @@ class Runtime:
         now = self._time
         while True:
             queued = now()
-            engine = self.pool.try_acquire()
+            fresh = None
+            if self.plan.lagging:  # a rolling update is under way: keep the group from getting older
+                fresh = self.plan.fresh_for(self.scheduler.oldest_version(key[0]))
+            engine = self.pool.try_acquire(fresh)
             if engine is None:  # most turns find a slot at once, without a coroutine
-                engine = await self.pool.acquire()
+                engine = await self.pool.acquire(fresh)
             epoch = self.pool.epoch[engine.name]
             started = now()
             error: EngineError | TimeoutError | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -100,20 +100,21 @@ class EnginePool:
         """Turns waiting for a slot."""
         return len(self._waiters)
 
-    def try_acquire(self) -> Engine | None:
-        """A routable slot now if one is free and no turn waits before us, else None (then `acquire`)."""
+    def try_acquire(self, fresh: Callable[[str], bool] | None = None) -> Engine | None:
+        """A routable slot now if one is free and no turn waits before us, else None (then `acquire`).
+        `fresh`: engines to prefer (app.core.router.choose_engine)."""
         if self._waiters:
             return None
-        name = choose_engine(self.active, self.slots, self.plan.routable)
+        name = choose_engine(self.active, self.slots, self.plan.routable, fresh)
         if name is None:
             return None
         self.active[name] += 1
         return self.by_name[name]
 
-    async def acquire(self) -> Engine:
+    async def acquire(self, fresh: Callable[[str], bool] | None = None) -> Engine:
         loop = asyncio.get_running_loop()
         while True:
-            name = choose_engine(self.active, self.slots, self.plan.routable)
+            name = choose_engine(self.active, self.slots, self.plan.routable, fresh)
             if name is not None and not self._waiters:
                 self.active[name] += 1
                 return self.by_name[name]
@@ -128,7 +129,7 @@ class EnginePool:
                     self._waiters.remove(waiter)
                 raise
             # Woken: our turn at the head. Take a slot directly if one is routable.
-            name = choose_engine(self.active, self.slots, self.plan.routable)
+            name = choose_engine(self.active, self.slots, self.plan.routable, fresh)
             if name is not None:
                 self.active[name] += 1
                 self.wake()

@@ -118,3 +118,58 @@ def test_a_refused_engine_alone_still_updates() -> None:
     assert plan.on_updated("a") == [BeginUpdate("b", 1)]
     assert plan.on_updated("b") == []
     assert plan.versions == {"a": 1, "b": 1}
+
+
+def test_router_prefers_fresh_engines_and_falls_back_to_any() -> None:
+    fresh = {"c"}.__contains__
+    # c is busier than a, but fresh: it wins while it has a free slot
+    assert choose_engine({"a": 0, "b": 1, "c": 2}, 3, lambda e: True, fresh) == "c"
+    # c is full: the least loaded of the rest, as without a preference
+    assert choose_engine({"a": 1, "b": 0, "c": 3}, 3, lambda e: True, fresh) == "b"
+    # a fresh engine that is not routable (updating, down) is never chosen
+    assert choose_engine({"a": 1, "c": 0}, 3, lambda e: e != "c", fresh) == "a"
+
+
+def test_fresh_for_keeps_a_group_from_getting_older_during_a_rolling_update() -> None:
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=1)
+    assert not plan.lagging
+    assert plan.fresh_for(None) is None
+    plan.on_publish(1)
+    plan.on_updated("a")  # a serves version 1; b is updating; c still serves 0
+    assert plan.lagging
+    fresh = plan.fresh_for(None)  # a group with no turn yet should start on the newest version
+    assert fresh is not None
+    assert [e for e in "abc" if fresh(e)] == ["a"]
+    assert plan.fresh_for(0) is None  # a group already holding a version-0 turn loses nothing on c
+    plan.on_updated("b")
+    plan.on_updated("c")
+    assert not plan.lagging
+
+
+def test_an_engine_more_than_k_versions_behind_serves_nothing_and_updates_first() -> None:
+    joins: list[str] = []
+
+    def may_join(engine: str, updating: tuple[str, ...]) -> bool:
+        joins.append(engine)
+        return False  # pacing would keep every engine beyond the first waiting
+
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=3, may_join=may_join, max_staleness=0)
+    # K = 0: the moment version 1 is out, turns of version 0 are discarded as they end, so no engine
+    # at 0 takes turns; they all update at once, without asking the pacing.
+    assert plan.on_publish(1) == [BeginUpdate("a", 1), BeginUpdate("b", 1), BeginUpdate("c", 1)]
+    assert joins == []
+    plan.on_updated("a")
+    assert plan.routable("a")
+
+    plan = UpdatePlan(["a", "b", "c"], rolling=True, max_updating=1, max_staleness=1)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1)]
+    assert plan.routable("b")
+    assert plan.routable("c")
+    assert plan.on_publish(2) == []
+    assert not plan.routable("b")
+    assert not plan.routable("c")
+    assert plan.on_updated("a") == [BeginUpdate("b", 2)]  # the stale engines go before a again
+    assert not plan.routable("c")
+    # K raised live: c fits again, and the rolling update goes on at its pace
+    assert plan.set_max_staleness(2) == []
+    assert plan.routable("c")
