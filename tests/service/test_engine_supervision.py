@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from proc_children import children
 
 from app.service.handle import RunHandle
 from app.service.manager import RunManager
@@ -47,18 +48,7 @@ def make_config() -> dict[str, Any]:
 
 def embedded_engines(parent: int) -> set[int]:
     """Embedded engine processes whose parent is `parent` (the run executes in this test process)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"app.engines.embedded" in cmd:
-            found.add(int(entry))
-    return found
+    return children(parent, b"app.engines.embedded")
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
