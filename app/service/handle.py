@@ -14,6 +14,9 @@ Invariants:
 - a stopping run publishes no new version; its trainer gateway is closed, so waiting trainers learn it;
 - a drained engine starts no turn and no update until it is put back; the last serving engine cannot
   be drained. (Adding an engine to a running run is not supported.)
+- a local run's engine that dies is restarted by the runtime (`RunPorts.supervisor`); a pause or resume
+  that meets a dead engine is logged and the run goes on, and the run's commands reach a restarted
+  engine through its new client (`engines()`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from app.core.config import PauseModeName
 from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
 from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
+from app.engines.errors import EngineError
 from app.runtime.driver import Runtime
 from app.service.gateway import RunClosedError, TrainerGateway
 from app.service.paced import PacedLoop
@@ -385,14 +389,18 @@ class RunHandle:
     def _engines_paused(self, paused: bool) -> None:
         """Local runs: every engine holds its in-flight turns (`keep`) and starts none until resumed."""
         assert self._tg is not None
-        for engine in self.engines():
-            self._tg.create_task(self._pause_engine(engine, paused))
+        for name in self._runtime().pool.by_name:
+            self._tg.create_task(self._pause_engine(name, paused))
 
-    async def _pause_engine(self, engine: Engine, paused: bool) -> None:
+    async def _pause_engine(self, name: str, paused: bool) -> None:
         # One lock for every pause and resume: they reach the engines in the order they were asked
         # (asyncio's lock is first come, first served, and tasks start in creation order).
         async with self._pausing:
-            await (engine.pause(PauseMode.KEEP) if paused else engine.resume())
+            engine = self._runtime().pool.by_name[name]  # now: a restart meanwhile replaced its client
+            try:
+                await (engine.pause(PauseMode.KEEP) if paused else engine.resume())
+            except EngineError as exc:  # it died: the runtime restarts it; the run must go on
+                log.warning("engine %s: %s failed: %s", name, "pause" if paused else "resume", exc)
 
     def stop(self) -> None:
         self._require(RunState.RUNNING, RunState.PAUSED)

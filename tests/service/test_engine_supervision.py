@@ -1,16 +1,19 @@
 """A local run inside the service supervises its engine processes as `corral run` does: an engine killed
 with SIGKILL is restarted on a fresh port and caught up to the newest weights, batches keep coming,
-and no group is lost. Real engine processes, a real signal, the store on SQLite."""
+and no group is lost; in a paused run the restarted engine comes back paused. Real engine processes, a
+real signal, the store on SQLite."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from proc_children import children
 
@@ -78,25 +81,42 @@ def back_at(handle: RunHandle) -> dict[str, Any] | None:
     return next((r for r in engine_rows(handle) if r["detail"].startswith("back at version")), None)
 
 
+@contextmanager
+def local_run(tmp_path: Path) -> Iterator[tuple[RunHandle, ServiceStore]]:
+    """A local run with the sentinel trainer, executing in this process until the block stops it."""
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
+    spec = {"name": "supervised", "kind": "local", "config": make_config(), "trainer": "sentinel",
+            "sentinel_step_s": 0.2}  # fmt: skip
+    try:
+        handle = manager.get(manager.create(RunCreate.model_validate(spec)))
+        assert handle is not None
+        yield handle, store
+    finally:
+        manager.shutdown()
+        store.close()
+
+
+def stop(handle: RunHandle) -> None:
+    handle.submit(handle.stop).result(timeout=10)
+    assert handle.join(60), "the run did not end after stop"
+    assert handle.state is RunState.STOPPED, handle.error
+
+
+def port_of(pid: int) -> int:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(argv[argv.index(b"--port") + 1])
+
+
+def is_paused(port: int) -> bool:
+    return bool(httpx.get(f"http://127.0.0.1:{port}/is_paused", timeout=5).json()["is_paused"])
+
+
 @pytest.mark.slow
 def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_nothing_is_lost(
     tmp_path: Path,
 ) -> None:
-    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
-    manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
-    spec = RunCreate.model_validate(
-        {
-            "name": "supervised",
-            "kind": "local",
-            "config": make_config(),
-            "trainer": "sentinel",
-            "sentinel_step_s": 0.2,
-        }
-    )
-    try:
-        run_id = manager.create(spec)
-        handle = manager.get(run_id)
-        assert handle is not None
+    with local_run(tmp_path) as (handle, store):
         view = handle.recorder.view
         wait_for(lambda: view.batches >= 2, 120, "two batches")
         first = embedded_engines(os.getpid())
@@ -107,15 +127,10 @@ def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_not
         back = wait_for(lambda: back_at(handle), 60, "the killed engine to serve again")
         restarted = wait_for(lambda: embedded_engines(os.getpid()) - first, 5, "a new engine process")
         wait_for(lambda: batches_after(handle, back["t"]), 60, "a batch after the restart")
-        handle.submit(handle.stop).result(timeout=10)
-        assert handle.join(60), "the run did not end after stop"
-        ledger, _ = store.ledger(run_id)
-        account = store.group_account(run_id)
-    finally:
-        manager.shutdown()
-        store.close()
+        stop(handle)
+        ledger, _ = store.ledger(handle.run_id)
+        account = store.group_account(handle.run_id)
 
-    assert handle.state is RunState.STOPPED, handle.error
     assert victim not in embedded_engines(os.getpid())
     assert len(restarted) == 1
     name = back["engine"]
@@ -129,3 +144,20 @@ def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_not
     assert account["open"] == 0
     # Every engine process of the run, the restarted one too, was stopped with it.
     wait_for(lambda: not embedded_engines(os.getpid()), 30, "the engine processes to stop")
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_while_the_run_is_paused_does_not_fail_the_run(tmp_path: Path) -> None:
+    """The resume reaches a dead engine (its restart is under way): the run goes on, it does not fail."""
+    with local_run(tmp_path) as (handle, store):
+        wait_for(lambda: handle.recorder.view.batches >= 1, 120, "a first batch")
+        first = embedded_engines(os.getpid())
+        handle.submit(handle.pause).result(timeout=10)
+        wait_for(lambda: all(is_paused(port_of(pid)) for pid in first), 10, "every engine to be paused")
+        os.kill(min(first), signal.SIGKILL)
+        handle.submit(handle.resume).result(timeout=10)
+        back = wait_for(lambda: back_at(handle), 60, "the killed engine to serve again")
+        wait_for(lambda: batches_after(handle, back["t"]), 60, "a batch after the restart")
+        stop(handle)
+        ledger, _ = store.ledger(handle.run_id)
+    assert ledger.lost == 0
