@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.core.config import LanesConfig
 from app.cpulist import MAX_CPU
+from app.documents import DocumentError, read_document
 from app.validation import MAX_SECONDS, MAX_SEED, human_bytes, problems
 
 # Sizes of a run on one machine. An embedded engine at the default size is a torch process of about
@@ -194,13 +194,9 @@ def default_config_path() -> Path:
 def load_config(path: Path) -> LocalRunConfig:
     """Read and validate a run config; refuse it with one line naming the file and the field."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise LocalRunError(f"cannot read run config {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise LocalRunError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise LocalRunError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+        data = read_document(Path(path), f"run config {path}")
+    except DocumentError as exc:
+        raise LocalRunError(str(exc)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.documents import DocumentError, read_document
 from app.sim.lanes import AdaptiveLanesSpec, LaneSharing, LaneWeights
 from app.validation import (
     MAX_BATCHES,
@@ -556,15 +556,9 @@ def load_workload(path: Path | None) -> Workload:
     if str(path) in FAMILY and not Path(path).exists():
         return builtin_workload(str(path))  # a built-in workload of the bench family, by name
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise WorkloadError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    try:
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise WorkloadError(f"{path}: not valid YAML/JSON: {exc}") from None
+        data = read_document(Path(path), f"workload {path}", json_suffix=True)
+    except DocumentError as exc:
+        raise WorkloadError(str(exc)) from None
     if isinstance(data, dict) and isinstance(data.get("trace"), dict | str):
         trace = data["trace"] if isinstance(data["trace"], dict) else {"path": data["trace"]}
         trace_path = Path(str(trace.get("path", "")))

@@ -24,9 +24,9 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from app.documents import DocumentError, read_document
 from app.tasks.spec import TaskSpec
 from app.validation import MAX_SECONDS, MAX_TURNS, describe
 
@@ -121,14 +121,9 @@ def load_task(path: str | os.PathLike[str]) -> TaskSpec:
     if not spec_path.is_file():
         raise TaskError(f"{root}: missing {TASK_FILE}")
     try:
-        raw = yaml.safe_load(spec_path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        detail = " ".join(str(exc).split())
-        raise TaskError(f"{root}: {TASK_FILE} is not valid YAML: {detail}") from exc
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{root}: {TASK_FILE} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise TaskError(f"{root}: cannot read {TASK_FILE}: {exc.strerror or exc}") from None
+        raw = read_document(spec_path, f"{root}: {TASK_FILE}")
+    except DocumentError as exc:
+        raise TaskError(str(exc)) from None
     if not isinstance(raw, dict):
         raise TaskError(f"{root}: {TASK_FILE} must be a mapping of fields, got {type(raw).__name__}")
     try:
