@@ -123,9 +123,9 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 async def _engines_healthy(handle: Any) -> dict[str, bool]:
-    loop, ports = handle.loop, handle.ports
+    loop = handle.loop
     out: dict[str, bool] = {}
-    for engine in ports.engines:
+    for engine in handle.engines():  # a restarted engine's current client, not the one it started with
         try:
             future = asyncio.run_coroutine_threadsafe(engine.health(), loop)
             out[engine.name] = bool(await asyncio.wait_for(asyncio.wrap_future(future), timeout=2.0))

@@ -84,6 +84,12 @@ def test_make_run_demo_rides_out_a_dead_engine_and_ctrl_c_ends_it_cleanly(tmp_pa
         back = wait_for(timeline.engine_back, 60, what="the killed engine to serve again")
         assert back["detail"].startswith("back at version")
         wait_for(lambda: timeline.batches_after(back["t"]), 60, what="a batch after the restart")
+
+        def engines_healthy() -> bool:  # /healthz asks the restarted engine, not its dead first client
+            engines = httpx.get(f"{url}/healthz", timeout=10).json()["engines"].get(run_id, {})
+            return len(engines) == 2 and all(engines.values())
+
+        wait_for(engines_healthy, 30, what="/healthz to count the restarted engine healthy")
         engines = children(proc.pid, b"app.engines.embedded")
         assert len(engines) == 2
         assert min(first) not in engines
