@@ -13,7 +13,9 @@ Invariants:
 - with a staleness bound K (`max_staleness`), an engine more than K versions behind the newest takes
   no turns: every turn it served would make its group too stale at once ("cannot meet K"), so a turn
   waits for a fresher engine instead. Such an engine goes first in a rolling update and joins it
-  without waiting on `may_join` (still within `max_updating`): it serves nothing useful meanwhile.
+  without waiting on `may_join` (still within `max_updating`): it serves nothing useful meanwhile;
+- while held (an operator paused the run), no engine takes turns and no update begins; updates due
+  meanwhile begin when the hold ends.
 """
 
 from __future__ import annotations
@@ -62,11 +64,28 @@ class UpdatePlan:
         self.down: set[str] = set()
         self.max_staleness = max_staleness
         self.too_stale: set[str] = set()  # serving, but more than K versions behind the newest
+        self.held = False
         self.max_seen_updating = 0
         self.updates_done = 0
 
     def routable(self, engine: str) -> bool:
-        return engine not in self.updating and engine not in self.down and engine not in self.too_stale
+        return (
+            engine not in self.updating
+            and engine not in self.down
+            and engine not in self.too_stale
+            and not self.held
+        )
+
+    def up(self, engine: str) -> bool:
+        """Neither down nor updating: the engine should answer (routable or not: held, too stale)."""
+        return engine not in self.updating and engine not in self.down
+
+    def set_held(self, held: bool) -> list[UpdateAction]:
+        """Hold (an operator paused the run) or release: released, the updates due meanwhile begin."""
+        self.held = held
+        if held:
+            return []
+        return self._next() if self.rolling else self._stop_world_if_behind()
 
     @property
     def lagging(self) -> bool:
@@ -127,7 +146,7 @@ class UpdatePlan:
         if self.rolling:
             return self._next()
         # A stop-the-world update still running moves the engines on to `version` when it ends.
-        return [] if self.updating else self._stop_world()
+        return [] if self.updating or self.held else self._stop_world()
 
     def on_updated(self, engine: str) -> list[UpdateAction]:
         version = self.updating.pop(engine)
@@ -138,7 +157,9 @@ class UpdatePlan:
         return self._stop_world_if_behind()
 
     def _stop_world_if_behind(self) -> list[UpdateAction]:
-        if self.updating or all(v >= self.target for e, v in self.versions.items() if e not in self.down):
+        if self.updating or self.held:
+            return []
+        if all(v >= self.target for e, v in self.versions.items() if e not in self.down):
             return []
         return self._stop_world()
 
@@ -155,6 +176,8 @@ class UpdatePlan:
 
     def _next(self) -> list[UpdateAction]:
         actions: list[UpdateAction] = []
+        if self.held:
+            return actions
         may_join = self.may_join
         self._mark_too_stale()
         behind = [e for e, v in self.versions.items() if v < self.target and e not in self.down]

@@ -404,6 +404,14 @@ class Runtime:
         self.pool.wake()  # engines within the new K serve again
         self._emit("max_staleness_changed", {"max_staleness": max_staleness})
 
+    def hold(self, held: bool) -> None:
+        """An operator paused (or resumed) the run: while held no turn starts on any engine and no
+        weight update begins (the caller pauses the engines, so turns in flight freeze); released, the
+        turns waiting for a slot go and the updates due meanwhile begin."""
+        self._do_updates(self.plan.set_held(held))
+        if not held:
+            self.pool.wake()
+
     # -- decisions -----------------------------------------------------------------------------
 
     def _apply(self, decisions: list[Decision]) -> None:
@@ -659,13 +667,13 @@ class Runtime:
         while True:
             await asyncio.sleep(interval_s)
             for name in list(self.pool.by_name):
-                if not self.plan.routable(name):
+                if not self.plan.up(name):
                     continue  # down (being restarted) or updating (its update has its own timeout)
                 # Read the client now, not before the loop: while an earlier probe waited, this engine
                 # may have been restarted and its old client closed.
                 engine, epoch = self.pool.by_name[name], self.pool.epoch[name]
                 healthy = await self._probe(engine)
-                if not healthy and self.pool.epoch[name] == epoch and self.plan.routable(name):
+                if not healthy and self.pool.epoch[name] == epoch and self.plan.up(name):
                     self._engine_down(name, "health check failed")
 
     async def _probe(self, engine: Engine) -> bool:
@@ -838,7 +846,8 @@ class Runtime:
                 if mode is PauseMode.WAIT:
                     await self.pool.drained(engine.name)
                 await engine.publish_weights(action.version, self._weights.get(action.version))
-                await engine.resume()
+                if not self.plan.held:  # held: the engine stays paused until the operator resumes
+                    await engine.resume()
         except (EngineError, TimeoutError) as exc:  # fault tolerance: the engine leaves rotation
             timed_out = isinstance(exc, TimeoutError)
             reason = f"timed out after {self.faults.update_timeout_s:g}s" if timed_out else str(exc)

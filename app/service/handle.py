@@ -375,6 +375,7 @@ class RunHandle:
         if isinstance(self.loop, PacedLoop):
             self.loop.pause()  # simulated time stops: nothing progresses until resume
         else:
+            self._runtime().hold(True)  # no turn starts and no update begins, on any engine
             self._engines_paused(True)
         self._set_state(RunState.PAUSED, None)
 
@@ -384,6 +385,7 @@ class RunHandle:
             self.loop.resume()
         else:
             self._engines_paused(False)
+            self._runtime().hold(False)
         self._set_state(RunState.RUNNING, None)
 
     def _engines_paused(self, paused: bool) -> None:
@@ -408,6 +410,7 @@ class RunHandle:
             self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
         elif self.state is RunState.PAUSED:
             self._engines_paused(False)
+            self._runtime().hold(False)
         self._set_state(RunState.STOPPING, None)
         self._runtime().request_stop()
         self.gateway.close("stopped")

@@ -173,3 +173,19 @@ def test_an_engine_more_than_k_versions_behind_serves_nothing_and_updates_first(
     # K raised live: c fits again, and the rolling update goes on at its pace
     assert plan.set_max_staleness(2) == []
     assert plan.routable("c")
+
+
+def test_a_held_plan_routes_nothing_begins_no_update_and_catches_up_when_released() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=True, max_updating=1)
+    assert plan.set_held(True) == []
+    assert not plan.routable("a")
+    assert not plan.routable("b")
+    assert plan.on_publish(1) == []
+    assert plan.on_publish(2) == []
+    assert plan.set_held(False) == [BeginUpdate("a", 2)]  # straight to the newest version
+    assert plan.routable("b")
+
+    world = UpdatePlan(["a", "b"], rolling=False)
+    world.set_held(True)
+    assert world.on_publish(1) == []
+    assert world.set_held(False) == [RestartInFlight(), BeginUpdate("a", 1), BeginUpdate("b", 1)]

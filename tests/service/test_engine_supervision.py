@@ -161,3 +161,32 @@ def test_an_engine_that_dies_while_the_run_is_paused_does_not_fail_the_run(tmp_p
         stop(handle)
         ledger, _ = store.ledger(handle.run_id)
     assert ledger.lost == 0
+
+
+@pytest.mark.slow
+def test_a_paused_local_run_starts_no_turn_and_no_update_until_it_is_resumed(tmp_path: Path) -> None:
+    """Paused: groups that finish may still be delivered and the trainer may publish, but no turn starts
+    on any engine (a restarted one included) and no weight update begins; resumed, both go on."""
+    with local_run(tmp_path) as (handle, store):
+        wait_for(lambda: handle.recorder.view.batches >= 1, 120, "a first batch")
+        first = embedded_engines(os.getpid())
+        handle.submit(handle.pause).result(timeout=10)
+        paused_at = handle.submit(handle.loop.time).result(timeout=10)
+        wait_for(lambda: all(is_paused(port_of(pid)) for pid in first), 10, "every engine to be paused")
+        time.sleep(4)  # 20 sentinel steps; turns of these tasks take well under a second
+        os.kill(min(first), signal.SIGKILL)  # the restarted engine comes back unpaused: still no turn
+        wait_for(lambda: back_at(handle), 60, "the killed engine to serve again")
+        time.sleep(2)
+        resumed_at = handle.submit(handle.loop.time).result(timeout=10)
+        handle.submit(handle.resume).result(timeout=10)
+        wait_for(lambda: batches_after(handle, resumed_at), 60, "a batch after the resume")
+        stop(handle)
+        ledger, _ = store.ledger(handle.run_id)
+
+    turns = rows_of(handle, "turn")
+    assert [r for r in turns if r["start"] < paused_at], "no turn before the pause: the test saw nothing"
+    assert [r for r in turns if paused_at < r["start"] < resumed_at] == []
+    assert [r for r in turns if r["start"] > resumed_at]
+    updates = rows_of(handle, "engine_update_begin")
+    assert [r for r in updates if paused_at < r["t"] < resumed_at] == []
+    assert ledger.lost == 0
