@@ -164,6 +164,9 @@ class RunHandle:
                 faults=ports.faults,
                 supervisor=ports.supervisor,
             )
+            for name, detail in ports.down_at_start.items():
+                log.warning("%s %s: the run starts without it and restarts it", name, detail)
+                runtime.engine_down_at_start(name, detail)
             resume = self._resume
             if resume is not None:
                 _continue_numbering(runtime, resume.group_offset, resume.batch_offset)

@@ -21,7 +21,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.core.config import LanesConfig, PolicyConfig
@@ -46,6 +46,8 @@ class RunPorts:
     weights_dir: Path | None  # where the built-in trainer writes sentinel weights (local runs)
     supervisor: EngineSupervisor | None = None  # restarts a dead engine (local runs' engine processes)
     faults: EngineFaultConfig | None = None  # health watch, restart backoff, update timeout (local runs)
+    # engines that died before they first answered: the run starts without them and restarts them
+    down_at_start: dict[str, str] = field(default_factory=dict)
 
 
 def run_policy(spec: RunCreate) -> PolicyConfig:
@@ -148,7 +150,7 @@ async def _local_ports(
     serving_cpus = config.engines.cpus if policy.pinned_lanes else sorted(os.sched_getaffinity(0))
     sandboxes = Path(config.sandbox.base_dir) if config.sandbox.base_dir else work_dir / "sandboxes"
     await asyncio.to_thread(_make_work_dirs, work_dir, sandboxes)
-    engines = EngineProcesses(config.engines, serving_cpus, work_dir)
+    engines = EngineProcesses(config.engines, serving_cpus, work_dir, exits_at_start_ok=True)
     clients: list[Engine] = []
     lanes: Lanes | None = None
     try:
@@ -170,6 +172,7 @@ async def _local_ports(
             weights_dir=work_dir / "weights",
             supervisor=engines,
             faults=fault_config(config.engines),
+            down_at_start=dict(engines.exited_at_start),
         )
     finally:
         for client in clients:

@@ -190,3 +190,24 @@ def test_a_paused_local_run_starts_no_turn_and_no_update_until_it_is_resumed(tmp
     updates = rows_of(handle, "engine_update_begin")
     assert [r for r in updates if paused_at < r["t"] < resumed_at] == []
     assert ledger.lost == 0
+
+
+@pytest.mark.slow
+def test_an_engine_killed_during_start_up_is_restarted_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Killed before it first answers (torch still loading), the engine does not fail the run: the run
+    starts without it and restarts it, as `corral run` does."""
+    with local_run(tmp_path) as (handle, store):
+        first = wait_for(lambda: len(embedded_engines(os.getpid())) == 2 and embedded_engines(os.getpid()),
+                         30, "two engine processes")  # fmt: skip
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        back = wait_for(lambda: back_at(handle), 120, "the engine killed at start-up to serve")
+        wait_for(lambda: batches_after(handle, back["t"]), 60, "a batch after it is back")
+        stop(handle)
+        ledger, _ = store.ledger(handle.run_id)
+    name = back["engine"]
+    states = [r for r in engine_rows(handle) if r["engine"] == name]
+    assert states[0]["state"] == "unhealthy"
+    assert states[0]["detail"] == "exited with -9 during start-up"
+    assert [r["state"] for r in states[:3]] == ["unhealthy", "restarting", "serving"]
+    assert ledger.lost == 0
