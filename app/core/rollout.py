@@ -15,7 +15,9 @@ Invariants:
   waits for a fresher engine instead. Such an engine goes first in a rolling update and joins it
   without waiting on `may_join` (still within `max_updating`): it serves nothing useful meanwhile;
 - while held (an operator paused the run), no engine takes turns and no update begins; updates due
-  meanwhile begin when the hold ends.
+  meanwhile begin when the hold ends;
+- a drained engine (an operator took it out of rotation) takes no turns and no update, down or up,
+  restarted or not, until it is put back; then the rolling update brings it to the newest version.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class UpdatePlan:
         self.max_staleness = max_staleness
         self.too_stale: set[str] = set()  # serving, but more than K versions behind the newest
         self.held = False
+        self.drained: set[str] = set()
         self.max_seen_updating = 0
         self.updates_done = 0
 
@@ -74,7 +77,18 @@ class UpdatePlan:
             and engine not in self.down
             and engine not in self.too_stale
             and not self.held
+            and engine not in self.drained
         )
+
+    def set_drained(self, engine: str, drained: bool) -> list[UpdateAction]:
+        """Take `engine` out of rotation (an update under way on it finishes), or put it back."""
+        if engine not in self.versions:
+            raise ValueError(f"unknown engine {engine!r}")
+        if drained:
+            self.drained.add(engine)
+            return []
+        self.drained.discard(engine)
+        return self._next() if self.rolling else self._stop_world_if_behind()
 
     def up(self, engine: str) -> bool:
         """Neither down nor updating: the engine should answer (routable or not: held, too stale)."""
@@ -159,7 +173,7 @@ class UpdatePlan:
     def _stop_world_if_behind(self) -> list[UpdateAction]:
         if self.updating or self.held:
             return []
-        if all(v >= self.target for e, v in self.versions.items() if e not in self.down):
+        if all(v >= self.target for e, v in self.versions.items() if e not in self.down | self.drained):
             return []
         return self._stop_world()
 
@@ -167,7 +181,7 @@ class UpdatePlan:
         # In-flight work starts over even when no engine is up to update: engines come back at the
         # newest version, and the trajectories must not mix in turns of the old one.
         actions: list[UpdateAction] = [RestartInFlight()]
-        up = [e for e in self.versions if e not in self.down]
+        up = [e for e in self.versions if e not in self.down and e not in self.drained]
         for engine in up:
             self.updating[engine] = self.target
             actions.append(BeginUpdate(engine, self.target))
@@ -180,7 +194,8 @@ class UpdatePlan:
             return actions
         may_join = self.may_join
         self._mark_too_stale()
-        behind = [e for e, v in self.versions.items() if v < self.target and e not in self.down]
+        out = self.down | self.drained
+        behind = [e for e, v in self.versions.items() if v < self.target and e not in out]
         # Engines too stale to serve first (a stable sort: otherwise in engine order), without pacing.
         behind.sort(key=lambda e: e not in self.too_stale)
         for engine in behind:

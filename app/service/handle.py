@@ -102,7 +102,6 @@ class RunHandle:
         self._pending_lock = threading.Lock()
         self._loop_open = False
         self._tg: asyncio.TaskGroup | None = None
-        self.drained: set[str] = set()  # engines an operator took out of rotation
         self._pausing = asyncio.Lock()
         self.done = threading.Event()
         self.started_wall: float | None = None
@@ -324,29 +323,18 @@ class RunHandle:
         plan = runtime.plan
         if name not in plan.versions:
             raise KeyError(name)
-        if name in self.drained:
+        if name in plan.drained:
             return self.engine_view(name)
-        serving = [e for e in plan.versions if e not in plan.down and e not in self.drained]
+        serving = [e for e in plan.versions if e not in plan.down and e not in plan.drained]
         if serving == [name]:
             raise IllegalRunStateError(
                 f"engine {name} is the last one serving; draining it would stop the run"
             )
-        self.drained.add(name)
-        self._take_out_of_rotation(name, actor)
-        return self.engine_view(name)
-
-    def _take_out_of_rotation(self, name: str, actor: str) -> None:
-        runtime = self._runtime()
-        plan = runtime.plan
-        if name not in self.drained or name in plan.down:
-            return  # put back meanwhile, or already out
-        if name in plan.updating:
-            # An update in progress finishes first (the plan's "down" would abandon it mid-way).
-            self.loop.call_later(0.05, self._take_out_of_rotation, name, actor)
-            return
-        # The plan's "down" is exactly "no turns, no updates"; unlike a failure, calls in flight go on.
-        runtime._do_updates(plan.on_engine_down(name))
+        # No new turn and no new update on it (one under way finishes); calls in flight go on. It
+        # stays out of rotation if it dies and is restarted meanwhile.
+        runtime._do_updates(plan.set_drained(name, True))
         self.recorder.publish(EngineStateChanged(name, "draining", f"drained by {actor}"))
+        return self.engine_view(name)
 
     def serve_engine(self, name: str, actor: str) -> dict[str, Any]:
         """Put a drained engine back into rotation; a rolling update brings it to the newest version."""
@@ -355,19 +343,17 @@ class RunHandle:
         plan = runtime.plan
         if name not in plan.versions:
             raise KeyError(name)
-        if name not in self.drained:
+        if name not in plan.drained:
             raise IllegalRunStateError(f"engine {name} is not drained")
-        self.drained.discard(name)
-        if name in plan.down:  # else its drain was still waiting for an update to finish
-            runtime._do_updates(plan.on_engine_up(name, plan.versions[name]))
-            runtime.pool.wake()
+        runtime._do_updates(plan.set_drained(name, False))
+        runtime.pool.wake()
         self.recorder.publish(EngineStateChanged(name, "serving", f"returned by {actor}"))
         return self.engine_view(name)
 
     def engine_view(self, name: str) -> dict[str, Any]:
         runtime = self._runtime()
         plan = runtime.plan
-        state = "draining" if name in self.drained else "down" if name in plan.down else "serving"
+        state = "draining" if name in plan.drained else "down" if name in plan.down else "serving"
         if name in plan.updating:
             state = "updating"
         return {"engine": name, "state": state, "version": plan.versions[name],

@@ -189,3 +189,19 @@ def test_a_held_plan_routes_nothing_begins_no_update_and_catches_up_when_release
     world.set_held(True)
     assert world.on_publish(1) == []
     assert world.set_held(False) == [RestartInFlight(), BeginUpdate("a", 1), BeginUpdate("b", 1)]
+
+
+def test_a_drained_engine_stays_out_through_updates_and_restarts_until_it_is_put_back() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=True, max_updating=1)
+    assert plan.set_drained("a", True) == []
+    assert not plan.routable("a")
+    assert plan.on_publish(1) == [BeginUpdate("b", 1)]  # a is skipped
+    assert plan.on_updated("b") == []
+    assert plan.on_engine_down("a") == []
+    assert plan.on_engine_up("a", 0) == []  # restarted, still drained: no turn, no update
+    assert not plan.routable("a")
+    assert plan.set_drained("a", False) == [BeginUpdate("a", 1)]  # back, and brought to the newest
+    assert plan.on_updated("a") == []
+    assert plan.routable("a")
+    with pytest.raises(ValueError, match="unknown engine"):
+        plan.set_drained("z", True)
