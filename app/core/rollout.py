@@ -62,6 +62,9 @@ class UpdatePlan:
         self.may_join = may_join
         self.target = version
         self.versions = dict.fromkeys(engines, version)
+        # some engine serves an older version than the newest (a rolling update is under way); kept
+        # up to date where versions or the target change, since the router asks it on every turn
+        self.lagging = False
         self.updating: dict[str, int] = {}
         self.down: set[str] = set()
         self.max_staleness = max_staleness
@@ -101,10 +104,8 @@ class UpdatePlan:
             return []
         return self._next() if self.rolling else self._stop_world_if_behind()
 
-    @property
-    def lagging(self) -> bool:
-        """Some engine serves an older version than the newest (a rolling update is under way)."""
-        return min(self.versions.values()) < self.target
+    def _relag(self) -> None:
+        self.lagging = min(self.versions.values()) < self.target
 
     def fresh_for(self, oldest: int | None) -> Callable[[str], bool] | None:
         """The engines a turn should prefer so that its group gets no older: those at or above
@@ -149,6 +150,7 @@ class UpdatePlan:
             raise ValueError(f"engine {engine!r} is not down")
         self.down.discard(engine)
         self.versions[engine] = version
+        self._relag()
         if self.rolling:
             return self._next()
         return self._stop_world_if_behind()
@@ -157,6 +159,7 @@ class UpdatePlan:
         if version <= self.target:
             return []
         self.target = version
+        self._relag()
         if self.rolling:
             return self._next()
         # A stop-the-world update still running moves the engines on to `version` when it ends.
@@ -165,6 +168,7 @@ class UpdatePlan:
     def on_updated(self, engine: str) -> list[UpdateAction]:
         version = self.updating.pop(engine)
         self.versions[engine] = version
+        self._relag()
         self.updates_done += 1
         if self.rolling:
             return self._next()
