@@ -55,7 +55,8 @@ class PolicyConfig(BaseModel):
         UpdatePacing.FIXED,
         description="rolling updates: `fixed` updates `max_updating_engines` engines at once; `free_slots` "
         "starts a second and further engine (up to `max_updating_engines`) only while the engines left "
-        "serving have a free turn slot for every turn in flight on the engines updating",
+        "serving have a free turn slot for every turn in flight on the engines updating, or while "
+        "S ≥ K·B (admission at the staleness capacity: then every engine may update at once)",
     )
     pause_mode: PauseModeName = Field(
         PauseModeName.KEEP, description="how an updating engine treats in-flight turns"
