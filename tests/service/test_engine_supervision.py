@@ -54,6 +54,17 @@ def embedded_engines(parent: int) -> set[int]:
     return children(parent, b"app.engines.embedded")
 
 
+class RunEngines:
+    """The engine processes of the run under test: this process's embedded engines that were not
+    there before the run (in a whole-suite run, an earlier test's engines may still be stopping)."""
+
+    def __init__(self) -> None:
+        self.before = embedded_engines(os.getpid())
+
+    def __call__(self) -> set[int]:
+        return embedded_engines(os.getpid()) - self.before
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (value := check()):
@@ -82,8 +93,9 @@ def back_at(handle: RunHandle) -> dict[str, Any] | None:
 
 
 @contextmanager
-def local_run(tmp_path: Path) -> Iterator[tuple[RunHandle, ServiceStore]]:
+def local_run(tmp_path: Path) -> Iterator[tuple[RunHandle, ServiceStore, RunEngines]]:
     """A local run with the sentinel trainer, executing in this process until the block stops it."""
+    engines = RunEngines()
     store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
     manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
     spec = {"name": "supervised", "kind": "local", "config": make_config(), "trainer": "sentinel",
@@ -91,7 +103,7 @@ def local_run(tmp_path: Path) -> Iterator[tuple[RunHandle, ServiceStore]]:
     try:
         handle = manager.get(manager.create(RunCreate.model_validate(spec)))
         assert handle is not None
-        yield handle, store
+        yield handle, store, engines
     finally:
         manager.shutdown()
         store.close()
@@ -116,22 +128,22 @@ def is_paused(port: int) -> bool:
 def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_nothing_is_lost(
     tmp_path: Path,
 ) -> None:
-    with local_run(tmp_path) as (handle, store):
+    with local_run(tmp_path) as (handle, store, run_engines):
         view = handle.recorder.view
         wait_for(lambda: view.batches >= 2, 120, "two batches")
-        first = embedded_engines(os.getpid())
+        first = run_engines()
         assert len(first) == 2
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
         batches_at_kill = view.batches
         back = wait_for(lambda: back_at(handle), 60, "the killed engine to serve again")
-        restarted = wait_for(lambda: embedded_engines(os.getpid()) - first, 5, "a new engine process")
+        restarted = wait_for(lambda: run_engines() - first, 5, "a new engine process")
         wait_for(lambda: batches_after(handle, back["t"]), 60, "a batch after the restart")
         stop(handle)
         ledger, _ = store.ledger(handle.run_id)
         account = store.group_account(handle.run_id)
 
-    assert victim not in embedded_engines(os.getpid())
+    assert victim not in run_engines()
     assert len(restarted) == 1
     name = back["engine"]
     states = [r["state"] for r in engine_rows(handle) if r["engine"] == name]
@@ -143,15 +155,15 @@ def test_an_engine_killed_with_sigkill_during_a_service_run_is_restarted_and_not
     assert ledger.lost == 0
     assert account["open"] == 0
     # Every engine process of the run, the restarted one too, was stopped with it.
-    wait_for(lambda: not embedded_engines(os.getpid()), 30, "the engine processes to stop")
+    wait_for(lambda: not run_engines(), 30, "the engine processes to stop")
 
 
 @pytest.mark.slow
 def test_an_engine_that_dies_while_the_run_is_paused_does_not_fail_the_run(tmp_path: Path) -> None:
     """The resume reaches a dead engine (its restart is under way): the run goes on, it does not fail."""
-    with local_run(tmp_path) as (handle, store):
+    with local_run(tmp_path) as (handle, store, run_engines):
         wait_for(lambda: handle.recorder.view.batches >= 1, 120, "a first batch")
-        first = embedded_engines(os.getpid())
+        first = run_engines()
         handle.submit(handle.pause).result(timeout=10)
         wait_for(lambda: all(is_paused(port_of(pid)) for pid in first), 10, "every engine to be paused")
         os.kill(min(first), signal.SIGKILL)
@@ -167,9 +179,9 @@ def test_an_engine_that_dies_while_the_run_is_paused_does_not_fail_the_run(tmp_p
 def test_a_paused_local_run_starts_no_turn_and_no_update_until_it_is_resumed(tmp_path: Path) -> None:
     """Paused: groups that finish may still be delivered and the trainer may publish, but no turn starts
     on any engine (a restarted one included) and no weight update begins; resumed, both go on."""
-    with local_run(tmp_path) as (handle, store):
+    with local_run(tmp_path) as (handle, store, run_engines):
         wait_for(lambda: handle.recorder.view.batches >= 1, 120, "a first batch")
-        first = embedded_engines(os.getpid())
+        first = run_engines()
         handle.submit(handle.pause).result(timeout=10)
         paused_at = handle.submit(handle.loop.time).result(timeout=10)
         wait_for(lambda: all(is_paused(port_of(pid)) for pid in first), 10, "every engine to be paused")
@@ -196,8 +208,8 @@ def test_a_paused_local_run_starts_no_turn_and_no_update_until_it_is_resumed(tmp
 def test_an_engine_killed_during_start_up_is_restarted_and_the_run_goes_on(tmp_path: Path) -> None:
     """Killed before it first answers (torch still loading), the engine does not fail the run: the run
     starts without it and restarts it, as `corral run` does."""
-    with local_run(tmp_path) as (handle, store):
-        first = wait_for(lambda: len(embedded_engines(os.getpid())) == 2 and embedded_engines(os.getpid()),
+    with local_run(tmp_path) as (handle, store, run_engines):
+        first = wait_for(lambda: len(run_engines()) == 2 and run_engines(),
                          30, "two engine processes")  # fmt: skip
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
