@@ -55,8 +55,7 @@ class PolicyConfig(BaseModel):
         UpdatePacing.FIXED,
         description="rolling updates: `fixed` updates `max_updating_engines` engines at once; `free_slots` "
         "starts a second and further engine (up to `max_updating_engines`) only while the engines left "
-        "serving have a free turn slot for every turn in flight on the engines updating, or while "
-        "S ≥ K·B (admission at the staleness capacity: then every engine may update at once)",
+        "serving have a free turn slot for every turn in flight on the engines updating",
     )
     pause_mode: PauseModeName = Field(
         PauseModeName.KEEP, description="how an updating engine treats in-flight turns"

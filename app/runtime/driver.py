@@ -806,15 +806,7 @@ class Runtime:
     def _free_slots_for_update(self, engine: str, updating: tuple[str, ...]) -> bool:
         """Free-slot pacing: `engine` may begin updating beside `updating` while the engines left serving
         have a free slot for every turn in flight on the engines updating, itself included: their share
-        of new turns moves to the others, so no turn waits for a slot because more engines update.
-
-        When S ≥ K·B, admission fills what the staleness bound can carry, so groups live near it and
-        every second an engine serves the old version ages the groups starting there: then every
-        engine may join (up to `max_updating_engines`), and they update together (docs/simulator.md,
-        "Update pacing")."""
-        sched = self.scheduler
-        if sched.surplus >= sched.max_staleness * sched.policy.groups_per_batch:
-            return True
+        of new turns moves to the others, so no turn waits for a slot because more engines update."""
         pool, routable = self.pool, self.plan.routable
         active = pool.active
         held = active[engine] + sum(active[name] for name in updating)

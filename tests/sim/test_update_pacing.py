@@ -18,11 +18,8 @@ from app.sim.workload import Workload
 
 
 def independent_free_slots(runtime: Runtime, engine: str, updating: tuple[str, ...]) -> bool:
-    """The rule, computed again from the pool's state: free slots on the engines left serving (or
-    admission at the staleness capacity, S ≥ K·B: then any engine may join)."""
+    """The rule, computed again from the pool's state: free slots on the engines left serving."""
     pool, plan, k = runtime.pool, runtime.plan, runtime.scheduler.max_staleness
-    if runtime.scheduler.surplus >= k * runtime.policy.groups_per_batch:
-        return True
     # engines that take turns: not updating, not down, and not more than K versions behind
     left = [
         e
@@ -112,10 +109,7 @@ def test_an_engine_joins_an_update_only_when_the_others_have_free_slots(workload
 
 
 def test_free_slots_let_engines_update_together_and_full_engines_keep_one_at_a_time() -> None:
-    # K = 8, S well below K·B: the free slots decide
-    roomy = make_workload(
-        batches=4, policy={"max_staleness": 8}, engines={"count": 3, "slots": 64, "update_s": 2.0}
-    )
+    roomy = make_workload(batches=4, engines={"count": 3, "slots": 64, "update_s": 2.0})
     report, witness, envelopes = run_paced(roomy, 3)
     assert witness.wrong == []
     # A light turn load, 64 slots an engine: two update together while the third serves every turn
@@ -124,19 +118,11 @@ def test_free_slots_let_engines_update_together_and_full_engines_keep_one_at_a_t
     assert joins(envelopes)
     # One slot an engine for 8+ trajectories: the others never have room, so one engine at a time.
     tight = make_workload(
-        batches=4,
-        batch={"groups": 2, "group_size": 4},
-        policy={"surplus_groups": 2, "max_staleness": 8},
-        engines={"count": 3, "slots": 1, "update_s": 2.0},
+        batches=4, batch={"groups": 2, "group_size": 4}, engines={"count": 3, "slots": 1, "update_s": 2.0}
     )
     report, witness, envelopes = run_paced(tight, 3)
     assert report["max_engines_updating"] == 1
     assert joins(envelopes) == []
-    # The same with S = K·B (admission at the staleness capacity): every engine updates at once.
-    at_capacity = tight.model_copy(update={"policy": tight.policy.model_copy(update={"max_staleness": 1})})
-    report, witness, envelopes = run_paced(at_capacity, 3)
-    assert witness.wrong == []
-    assert report["max_engines_updating"] == 3
 
 
 def test_full_paces_by_free_slots_and_the_other_rungs_do_not() -> None:
