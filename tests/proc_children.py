@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from app.sandboxes.limits import after_comm
+
 
 def _stat_fields(pid: int | str) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), or None if it is gone."""
@@ -13,7 +15,7 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return raw.rsplit(")", 1)[1].split()
+    return after_comm(raw).split()
 
 
 def children(parent: int, marker: bytes) -> set[int]:

@@ -65,6 +65,7 @@ class UpdatePlan:
         # some engine serves an older version than the newest (a rolling update is under way); kept
         # up to date where versions or the target change, since the router asks it on every turn
         self.lagging = False
+        self._oldest = version  # the oldest version any engine serves
         self.updating: dict[str, int] = {}
         self.down: set[str] = set()
         self.max_staleness = max_staleness
@@ -91,7 +92,7 @@ class UpdatePlan:
             self.drained.add(engine)
             return []
         self.drained.discard(engine)
-        return self._next() if self.rolling else self._stop_world_if_behind()
+        return self._proceed()
 
     def up(self, engine: str) -> bool:
         """Neither down nor updating: the engine should answer (routable or not: held, too stale)."""
@@ -102,19 +103,20 @@ class UpdatePlan:
         self.held = held
         if held:
             return []
-        return self._next() if self.rolling else self._stop_world_if_behind()
+        return self._proceed()
 
     def _relag(self) -> None:
-        self.lagging = min(self.versions.values()) < self.target
+        self._oldest = min(self.versions.values())
+        self.lagging = self._oldest < self.target
 
     def fresh_for(self, oldest: int | None) -> Callable[[str], bool] | None:
         """The engines a turn should prefer so that its group gets no older: those at or above
         `oldest`, the group's oldest turn version (None: no turn yet, so the newest version). None when
         every engine qualifies."""
         floor = self.target if oldest is None else oldest
-        versions = self.versions
-        if min(versions.values()) >= floor:
+        if self._oldest >= floor:
             return None
+        versions = self.versions
         return lambda engine: versions[engine] >= floor
 
     def set_max_staleness(self, max_staleness: int | None) -> list[UpdateAction]:
@@ -140,9 +142,7 @@ class UpdatePlan:
             raise ValueError(f"unknown engine {engine!r}")
         self.down.add(engine)
         self.updating.pop(engine, None)
-        if self.rolling:
-            return self._next()
-        return self._stop_world_if_behind()
+        return self._proceed()
 
     def on_engine_up(self, engine: str, version: int) -> list[UpdateAction]:
         """`engine` serves again, at `version` (the runtime brings it to the newest version first)."""
@@ -151,9 +151,7 @@ class UpdatePlan:
         self.down.discard(engine)
         self.versions[engine] = version
         self._relag()
-        if self.rolling:
-            return self._next()
-        return self._stop_world_if_behind()
+        return self._proceed()
 
     def on_publish(self, version: int) -> list[UpdateAction]:
         if version <= self.target:
@@ -170,9 +168,11 @@ class UpdatePlan:
         self.versions[engine] = version
         self._relag()
         self.updates_done += 1
-        if self.rolling:
-            return self._next()
-        return self._stop_world_if_behind()
+        return self._proceed()
+
+    def _proceed(self) -> list[UpdateAction]:
+        """After a change of engines' state: the next updates due, rolling or stop-the-world."""
+        return self._next() if self.rolling else self._stop_world_if_behind()
 
     def _stop_world_if_behind(self) -> list[UpdateAction]:
         if self.updating or self.held:
