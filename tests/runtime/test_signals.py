@@ -297,20 +297,23 @@ def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path:
         first.wait_engines_ready()
         registration = owners / f"{first.pid}.json"
         deadline = time.monotonic() + 60
-        while True:  # mid-batch: sandboxes exist
+        while True:  # mid-batch: sandboxes exist. The run is stopped while we look, so none it
+            # is about to remove disappears between looking and killing.
+            os.kill(first.pid, signal.SIGSTOP)
             data = json.loads(registration.read_text())
-            marked = [m for root in data["roots"] for m in (Path(root) / ".corral-owners").iterdir()]
-            if marked or time.monotonic() > deadline:
+            root = Path(data["roots"][0])
+            marked = [m for r in data["roots"] for m in (Path(r) / ".corral-owners").iterdir()]
+            left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+            if (marked and left) or time.monotonic() > deadline:
                 break
+            os.kill(first.pid, signal.SIGCONT)
             time.sleep(0.05)
-        assert marked, first.text()
         os.kill(first.pid, signal.SIGKILL)
         assert first.proc is not None
         first.proc.wait(timeout=30)
-        (run_dir,) = (Path(d) for d in data["dirs"])
-        root = Path(data["roots"][0])
-        left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        assert marked, first.text()
         assert left, "no sandbox left to clean up"
+        (run_dir,) = (Path(d) for d in data["dirs"])
         orphan = subprocess.Popen(["sleep", "600"], cwd=root / left[0], start_new_session=True)
         cgroups = pids_parent(CGROUP_ROOT)
         assert run_dir.is_dir()
