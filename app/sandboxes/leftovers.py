@@ -9,11 +9,12 @@ written before its work directory and removed after its cleanup; its docker cont
 label `corral.owner`.
 
 `declare_owner` first sweeps. For every registered process that is dead, and every marker of a dead
-owner in its roots, it kills the sandbox's processes (its pids cgroup `<sandbox>-<pid>`, whatever runs
-as a uid the dead process had claimed, whatever runs in the work directory) and removes the work
-directory, the cgroup, the uid claims and the marker; then the directories the dead process owned
-outright, and its registration. A log line per dead process says what went. A docker factory of a
-declared owner removes the containers of dead owners on this host when it first reaches the daemon.
+owner in its roots, it kills the sandbox's processes (its pids cgroup `<sandbox>-<directory tag>-<pid>`,
+whatever runs as a uid the dead process had claimed in the host's claims directory, whatever runs in
+the work directory) and removes the work directory, the cgroup, the uid claims and the marker; then the
+directories the dead process owned outright, and its registration. A log line per dead process says
+what went. A docker factory of a declared owner removes the containers of dead owners on this host when
+it first reaches the daemon.
 
 Only a declared owner marks its sandboxes. A lane worker's pool processes (forked by `corral worker`,
 replaced at will while their sandboxes live on) never do, so their sandboxes are never leftovers.
@@ -36,6 +37,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ from app.sandboxes.limits import (
     kill_until_gone,
     owner_alive,
     pids_parent,
+    uid_claims_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -203,7 +206,8 @@ def sweep(directory: Path) -> list[str]:
         found = Found()
         try:
             for root in roots:
-                _sweep_root(root, owner, found)
+                _sweep_root(root, found)
+            _sweep_claims(uid_claims_dir(), owner)
             for path in dirs:
                 if path.exists():
                     rmtree(path)
@@ -217,6 +221,13 @@ def sweep(directory: Path) -> list[str]:
             log.warning("%s", line)
             lines.append(line)
     return lines
+
+
+def sandbox_group_name(sandbox: str, root: Path, pid: int) -> str:
+    """The pids cgroup of sandbox `sandbox` in directory `root`, made by process `pid`. The root's tag
+    keeps apart two sandbox directories of one process (two runs in one `corral serve`), whose sandboxes
+    are named alike (g0a0, ...): each sandbox's cleanup kills everything in its group."""
+    return f"{sandbox}-{zlib.crc32(str(root).encode()):08x}-{pid}"
 
 
 def rmtree(path: Path) -> None:
@@ -251,7 +262,7 @@ def kill_uid_processes(uid: int) -> None:
         subprocess.run(uid_kill_argv(setpriv, uid), capture_output=True, check=False, timeout=30)
 
 
-def _sweep_root(root: Path, dead: Owner, found: Found) -> None:
+def _sweep_root(root: Path, found: Found) -> None:
     markers = root / MARKERS
     for marker in sorted(markers.glob("*")) if markers.is_dir() else []:
         owner = Owner.parse(marker.read_text())
@@ -260,7 +271,7 @@ def _sweep_root(root: Path, dead: Owner, found: Found) -> None:
         work = root / marker.name
         parent = pids_parent(CGROUP_ROOT)
         if parent is not None:
-            group = PidsGroup(parent[0] / f"{marker.name}-{owner.pid}", parent[1])
+            group = PidsGroup(parent[0] / sandbox_group_name(marker.name, root, owner.pid), parent[1])
             if group.path.exists():
                 found.processes += max(0, group.kill_all())
                 group.remove()
@@ -270,9 +281,16 @@ def _sweep_root(root: Path, dead: Owner, found: Found) -> None:
             rmtree(work)
         marker.unlink(missing_ok=True)
         found.sandboxes += 1
-    claims = root / ".uids"
+
+
+def _sweep_claims(claims: Path, dead: Owner) -> None:
+    """Kill whatever still runs as a uid that `dead` had claimed, and drop its claims."""
     for claim in sorted(claims.glob("*")) if claims.is_dir() else []:
-        if claim.name.isdigit() and claim.read_text().strip() == str(dead.pid) and not owner_alive(claim):
+        try:
+            holder = claim.read_text().strip()
+        except FileNotFoundError:
+            continue  # released meanwhile (the claims are the whole host's)
+        if claim.name.isdigit() and holder == str(dead.pid) and not owner_alive(claim):
             kill_uid_processes(int(claim.name))
             claim.unlink(missing_ok=True)
 

@@ -6,9 +6,10 @@ Invariants:
 - The process-count limit holds only where something enforces it: a per-sandbox pids cgroup
   (`PidsGroup`, cgroup v1 `pids` hierarchy or v2 `pids.max`), or RLIMIT_NPROC on a uid that no one
   else uses (`UidPool`). RLIMIT_NPROC is ignored for root, so as root the sandbox drops to its uid.
-- A uid is claimed by exactly one live sandbox at a time (an O_EXCL claim file naming the owner pid);
-  a claim whose owner is dead may be taken over. Killing "every process of the uid" therefore only
-  hits that sandbox.
+- A uid is claimed by exactly one live sandbox on the host at a time (an O_EXCL claim file naming the
+  owner pid, in the host's one claims directory, `uid_claims_dir()`, whatever the sandbox's own
+  directory); a claim whose owner is dead may be taken over. Killing "every process of the uid"
+  therefore only hits that sandbox, never one of another run that named its sandbox alike.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import errno
 import os
 import resource
 import signal
+import stat
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -204,18 +207,43 @@ def _enable_controller(group: Path, controller: str) -> None:
         control.write_text(f"+{controller}")
 
 
-class UidPool:
-    """Hands out uids from [base, base + span), one per live sandbox, through claim files in `claims`."""
+ENV_UID_CLAIMS = "CORRAL_UID_CLAIMS_DIR"
 
-    def __init__(self, base: int, span: int, claims: Path) -> None:
+
+def uid_claims_dir() -> Path:
+    """Where every Corral process on this host claims sandbox uids (`$CORRAL_UID_CLAIMS_DIR`, by default
+    `<tmp>/corral-uids`). One directory for the host, because the uid range is the host's: two runs with
+    their own sandbox directories would otherwise claim the same uid for their sandboxes of the same
+    name, and each sandbox's reset and cleanup kill every process of its uid."""
+    return Path(os.environ.get(ENV_UID_CLAIMS) or Path(tempfile.gettempdir()) / "corral-uids")
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (mode 0700) or check that it is a real directory of ours that only we can write:
+    claim files decide whose processes get killed, so no other user may plant one."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SandboxLimitError(
+            f"uid claims directory {path} must be a directory owned by uid {os.geteuid()} that no one else "
+            f"can write; set {ENV_UID_CLAIMS} to another path"
+        )
+
+
+class UidPool:
+    """Hands out uids from [base, base + span), one per live sandbox on the host, through claim files in
+    `claims` (the host's `uid_claims_dir()` unless told otherwise)."""
+
+    def __init__(self, base: int, span: int, claims: Path | None = None) -> None:
         if base <= 0 or span <= 0:
             raise SandboxLimitError(f"uid range must be positive, got base={base} span={span}")
         self.base = base
         self.span = span
-        self.claims = claims
+        self.claims = claims if claims is not None else uid_claims_dir()
+        _private_dir(self.claims)
 
     def claim(self, hint: int) -> int:
-        self.claims.mkdir(parents=True, exist_ok=True)
         for i in range(self.span):
             uid = self.base + (hint + i) % self.span
             path = self.claims / str(uid)

@@ -201,7 +201,7 @@ class LocalSandboxFactory:
             if self.setpriv is None:
                 log.warning("sandboxes run as root: setpriv (util-linux) is missing, RLIMIT_NPROC won't hold")
             else:
-                self.uids = UidPool(uid_base, uid_span, self.base_dir / ".uids")
+                self.uids = UidPool(uid_base, uid_span)
         self.base_dir.mkdir(parents=True, exist_ok=True)
         # A process that owns its sandboxes marks each one, so that what it leaves if it dies is found
         # and removed by the next start (app/sandboxes/leftovers.py).
@@ -211,8 +211,6 @@ class LocalSandboxFactory:
         if self.uids is not None:
             # Sandbox uids must reach their own directory without listing the others.
             self.base_dir.chmod(0o711)
-            (self.base_dir / ".uids").mkdir(exist_ok=True)
-            (self.base_dir / ".uids").chmod(0o700)
             if self.isolation == "none":
                 self._check_reachable(self.base_dir)
 
@@ -257,7 +255,7 @@ class LocalSandbox(CommandSandbox):
         if self.factory.use_cgroups:
             self.pids_group = await asyncio.to_thread(
                 PidsGroup.create,
-                f"{self.name}-{os.getpid()}",
+                leftovers.sandbox_group_name(self.name, self.factory.base_dir, os.getpid()),
                 self.factory.limits.max_procs,
                 self.factory.cgroup_root,
             )

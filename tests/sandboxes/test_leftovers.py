@@ -24,7 +24,7 @@ from test_local import alive_with_token
 
 from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
-from app.sandboxes.limits import pids_parent
+from app.sandboxes.limits import pids_parent, uid_claims_dir
 
 OWNER = """
 import asyncio, sys
@@ -62,8 +62,12 @@ def start_owner(tmp_path: Path, base_dir: Path, token: str) -> tuple[subprocess.
 def test_a_killed_owners_sandbox_is_removed_and_a_live_ones_is_not(tmp_path: Path, base_dir: Path) -> None:
     token = f"{os.getpid() % 1000}.4242"
     owner, work, uid = start_owner(tmp_path, base_dir, token)
+    parent = pids_parent(CGROUP_ROOT)
+    name = leftovers.sandbox_group_name(work.name, work.parent, owner.pid)
+    group = None if parent is None else parent[0] / name
     try:
         assert work.is_dir()
+        assert group is None or group.is_dir()  # the sandbox's pids cgroup, while its owner lives
         assert alive_with_token(token) != []
         # The owner lives: nothing of it is touched.
         assert leftovers.sweep(tmp_path / "owners") == []
@@ -88,10 +92,9 @@ def test_a_killed_owners_sandbox_is_removed_and_a_live_ones_is_not(tmp_path: Pat
     assert not work.exists()
     assert list((base_dir / leftovers.MARKERS).iterdir()) == []
     if uid != "None":
-        assert not (base_dir / ".uids" / uid).exists()
-    parent = pids_parent(CGROUP_ROOT)
-    if parent is not None:
-        assert not (parent[0] / f"{work.name}-{owner.pid}").exists()
+        assert not (uid_claims_dir() / uid).exists()
+    if group is not None:
+        assert not group.exists()
     assert list((tmp_path / "owners").iterdir()) == []
     assert leftovers.sweep(tmp_path / "owners") == []  # twice is harmless
 

@@ -329,3 +329,30 @@ async def test_lane_weights_put_each_operation_in_its_lane_group(base_dir: Path,
     assert "corral/lane-exec" in exec_groups
     assert "corral/lane-reset" not in exec_groups
     await sb.cleanup()
+
+
+async def test_two_factories_never_share_a_sandbox_uid(base_dir: Path, task_root: Path) -> None:
+    """Two runs on one host (each with its own sandbox directory) name their attempts alike, g0a0, ...
+    A sandbox's uid is what its reset and cleanup kill everything of, so the second run's sandbox of
+    the same name must get another uid: its reset must not kill the first run's tool call."""
+    token = f"{os.getpid() % 1000}.778"
+    first = make_factory(base_dir / "run-a", isolation="none").create("g6a1")
+    second = make_factory(base_dir / "run-b", isolation="none").create("g6a1")
+    await first.reset(make_task(task_root, setup=""))
+    try:
+        started = await first.exec(f"setsid sleep {token} > /dev/null 2>&1 & echo started", timeout_s=5)
+        assert started.output == "started\n"
+        await second.reset(make_task(task_root, setup=""))
+        try:
+            await asyncio.sleep(0.1)
+            assert alive_with_token(token) != [], "the second run's reset killed the first run's process"
+            if first.uid is not None:
+                assert second.uid != first.uid
+        finally:
+            await second.cleanup()
+        await asyncio.sleep(0.1)
+        assert alive_with_token(token) != [], "the second run's cleanup killed the first run's process"
+    finally:
+        await first.cleanup()
+    await asyncio.sleep(0.1)
+    assert alive_with_token(token) == []

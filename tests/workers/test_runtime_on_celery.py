@@ -68,9 +68,9 @@ class InstantTrainer:
 
 
 def leftovers(base_dir: Path) -> list[str]:
-    """What sandboxes left under `base_dir`: work dirs, uid claims, state files (the two bookkeeping
-    directories themselves may stay)."""
-    keep = {base_dir / ".uids", base_dir / ".corral-state"}
+    """What sandboxes left under `base_dir`: work dirs, state files (the bookkeeping directory itself
+    may stay)."""
+    keep = {base_dir / ".corral-state"}
     return sorted(str(p.relative_to(base_dir)) for p in base_dir.rglob("*") if p not in keep)
 
 
