@@ -102,6 +102,8 @@ class RunHandle:
         self._pending_lock = threading.Lock()
         self._loop_open = False
         self._tg: asyncio.TaskGroup | None = None
+        self._main_task: asyncio.Task[str] | None = None
+        self._stopped_starting = False  # stopped before its runtime ran (engines still coming up)
         self._pausing = asyncio.Lock()
         self.done = threading.Event()
         self.started_wall: float | None = None
@@ -122,11 +124,15 @@ class RunHandle:
             self._loop_open = True
         reason, detail = "error", ""
         try:
-            reason = loop.run_until_complete(self._main())
-        except BaseException as exc:  # the run failed: recorded as its end, with the reason
-            detail = f"{type(exc).__name__}: {exc}"
-            log.exception("run %s failed", self.run_id)
-            self.error = detail
+            self._main_task = loop.create_task(self._main())
+            reason = loop.run_until_complete(self._main_task)
+        except BaseException as exc:
+            if self._stopped_starting and isinstance(exc, asyncio.CancelledError):
+                reason, detail = "stopped", "stopped while its engines were starting"
+            else:  # the run failed: recorded as its end, with the reason
+                detail = f"{type(exc).__name__}: {exc}"
+                log.exception("run %s failed", self.run_id)
+                self.error = detail
         finally:
             with self._pending_lock:
                 self._loop_open = False
@@ -142,10 +148,10 @@ class RunHandle:
             final = {"completed": RunState.COMPLETED, "stopped": RunState.STOPPED}.get(
                 reason, RunState.FAILED
             )
-            if self.runtime is None:  # it failed before the runtime ran, so nobody recorded its end
-                self.recorder.publish(RunEnded("error", detail))
+            if self.runtime is None:  # it ended before the runtime ran, so nobody recorded its end
+                self.recorder.publish(RunEnded(reason, detail))
             self.recorder.close()
-            self._set_state(final, detail or None)
+            self._set_state(final, self.error)
             self.done.set()
 
     async def _main(self) -> str:
@@ -222,7 +228,8 @@ class RunHandle:
         with self._pending_lock:
             # Under the lock the loop cannot close: the run's thread marks it closed under this lock
             # (and fails every pending command) before it closes it.
-            if not self._loop_open or self.runtime is None:
+            # A run still starting takes commands too (stop does; the others refuse by its state).
+            if not self._loop_open:
                 raise RunNotLiveError(f"run {self.run_id} is {self.state.value}, not executing")
             self._pending.add(fut)
             self.loop.call_soon_threadsafe(call)
@@ -394,7 +401,16 @@ class RunHandle:
                 log.warning("engine %s: %s failed: %s", name, "pause" if paused else "resume", exc)
 
     def stop(self) -> None:
-        self._require(RunState.RUNNING, RunState.PAUSED)
+        self._require(RunState.CREATED, RunState.RUNNING, RunState.PAUSED)
+        if self.state is RunState.CREATED:
+            # Still starting (engines coming up): nothing ran yet, so the start-up is cancelled, and
+            # open_ports' cleanup stops whatever engines it had started.
+            self._stopped_starting = True
+            self._set_state(RunState.STOPPING, None)
+            self.gateway.close("stopped")
+            if self._main_task is not None:
+                self._main_task.cancel()
+            return
         if isinstance(self.loop, PacedLoop):
             self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
         elif self.state is RunState.PAUSED:

@@ -155,7 +155,10 @@ async def _local_ports(
     lanes: Lanes | None = None
     try:
         lanes = make_lanes(config.lane_config(), policy.pinned_lanes)
-        await asyncio.to_thread(engines.start)
+        # On the run's own thread, not a worker thread: a start-up cancelled (the run stopped while
+        # starting) cannot leave a spawn in progress behind the cleanup's `stop`, and each engine's
+        # parent-death signal follows the run's thread (see engine_procs._die_with_parent).
+        engines.start()
         await engines.wait_healthy()
         clients = list(engines.clients())
         factory = LocalSandboxFactory(

@@ -172,9 +172,10 @@ class ManagerRuns:
 
     # -- acting ---------------------------------------------------------------------------------
 
-    def _handle(self, run_id: str) -> Any:
+    def _handle(self, run_id: str, starting_ok: bool = False) -> Any:
+        """The run executing in this server; with `starting_ok`, also one whose engines are starting."""
         handle = self.manager.get(run_id)
-        if handle is None or handle.runtime is None:
+        if handle is None or (handle.runtime is None and not starting_ok):
             raise ActionRefused(f"run {run_id} is not executing in this server")
         return handle
 
@@ -235,7 +236,7 @@ class ManagerRuns:
         await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
 
     async def stop(self, run_id: str, actor: str) -> None:
-        handle = self._handle(run_id)
+        handle = self._handle(run_id, starting_ok=True)
         await self._call(handle, handle.stop)
 
 

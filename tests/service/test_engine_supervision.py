@@ -223,3 +223,25 @@ def test_an_engine_killed_during_start_up_is_restarted_and_the_run_goes_on(tmp_p
     assert states[0]["detail"] == "exited with -9 during start-up"
     assert [r["state"] for r in states[:3]] == ["unhealthy", "restarting", "serving"]
     assert ledger.lost == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["stop", "shutdown"])
+def test_a_run_stopped_while_its_engines_start_ends_stopped_and_leaves_no_engine(
+    tmp_path: Path, how: str
+) -> None:
+    """Stopped before its engines answer (the operator's stop, or the service shutting down): the run
+    ends `stopped`, its store record says so, and none of its engine processes is left running."""
+    with local_run(tmp_path) as (handle, store, run_engines):
+        wait_for(lambda: len(run_engines()) == 2, 60, "the run's two engine processes")
+        assert handle.state is RunState.CREATED  # torch start-up takes seconds: they do not answer yet
+        if how == "stop":
+            stop(handle)
+    # With "shutdown", local_run's exit stopped it: the service's shutdown stops runs still starting.
+    assert handle.join(0), "the run did not end"
+    assert handle.state is RunState.STOPPED, handle.error
+    record = store.get_run(handle.run_id) if how == "stop" else None
+    assert record is None or record.state == RunState.STOPPED.value
+    (ended,) = rows_of(handle, "run_ended")
+    assert ended["reason"] == "stopped"
+    wait_for(lambda: not run_engines(), 30, "the engine processes to stop")
