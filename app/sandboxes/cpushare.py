@@ -76,32 +76,41 @@ def share_method(root: Path = CGROUP_ROOT) -> str | None:
     return None
 
 
+def _enable_cpu(group: Path) -> None:
+    """cgroup v2: turn the cpu controller on for `group`'s children (their `cpu.weight` appears)."""
+    control = group / "cgroup.subtree_control"
+    if "cpu" not in control.read_text().split():
+        control.write_text("+cpu")
+
+
+def _lanes_parent(method: str, root: Path) -> tuple[Path, str]:
+    """The lanes' parent cpu group, created, and the name of a group's weight file there."""
+    if method == "cgroup1":
+        parent = root / "cpu" / GROUP_PREFIX
+        parent.mkdir(exist_ok=True)
+        return parent, "cpu.shares"
+    parent = root / f"{GROUP_PREFIX}-lanes"
+    _enable_cpu(root)
+    parent.mkdir(exist_ok=True)
+    _enable_cpu(parent)
+    return parent, "cpu.weight"
+
+
 def prepare_share(lane: str, weight: int, *, root: Path = CGROUP_ROOT) -> SharePlacement | None:
     """Create (or update) the lane's group with `weight`; None where no cpu controller is writable."""
     _check_weight(lane, weight)
     method = share_method(root)
+    if method is None:
+        return None
     try:
-        if method == "cgroup1":
-            parent = root / "cpu" / GROUP_PREFIX
-            parent.mkdir(exist_ok=True)
-            group = parent / f"lane-{lane}"
-            group.mkdir(exist_ok=True)
-            _write_if_changed(group / "cpu.shares", str(weight * V1_SHARES_PER_WEIGHT))
-            return SharePlacement(lane, weight, method, group / "cgroup.procs")
-        if method == "cgroup2":
-            parent = root / f"{GROUP_PREFIX}-lanes"
-            if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
-                (root / "cgroup.subtree_control").write_text("+cpu")
-            parent.mkdir(exist_ok=True)
-            if "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
-                (parent / "cgroup.subtree_control").write_text("+cpu")
-            group = parent / f"lane-{lane}"
-            group.mkdir(exist_ok=True)
-            _write_if_changed(group / "cpu.weight", str(weight))
-            return SharePlacement(lane, weight, method, group / "cgroup.procs")
+        parent, weight_file = _lanes_parent(method, root)
+        group = parent / f"lane-{lane}"
+        group.mkdir(exist_ok=True)
+        value = weight * V1_SHARES_PER_WEIGHT if method == "cgroup1" else weight
+        _write_if_changed(group / weight_file, str(value))
     except OSError as exc:
         raise ShareError(f"lane {lane}: cannot set up its cpu group ({method}): {exc}") from exc
-    return None
+    return SharePlacement(lane, weight, method, group / "cgroup.procs")
 
 
 # The lanes' parent group against serving when lanes borrow serving CPUs (`borrow_serving_cpus`). On
@@ -118,16 +127,14 @@ def set_lanes_priority(borrowing: bool, *, root: Path = CGROUP_ROOT) -> int | No
     """Give all lanes together a low CPU weight against serving (borrowing serving CPUs) or the
     default; returns the weight now held by the kernel, None where no cpu controller is writable."""
     method = share_method(root)
+    if method is None:
+        return None
+    if method == "cgroup1":
+        value = BORROWING_SHARES_V1 if borrowing else DEFAULT_SHARES_V1
+    else:
+        value = BORROWING_WEIGHT_V2 if borrowing else DEFAULT_WEIGHT_V2
     try:
-        if method == "cgroup1":
-            parent = root / "cpu" / GROUP_PREFIX
-            value, name = (BORROWING_SHARES_V1 if borrowing else DEFAULT_SHARES_V1), "cpu.shares"
-        elif method == "cgroup2":
-            parent = root / f"{GROUP_PREFIX}-lanes"
-            value, name = (BORROWING_WEIGHT_V2 if borrowing else DEFAULT_WEIGHT_V2), "cpu.weight"
-        else:
-            return None
-        parent.mkdir(exist_ok=True)
+        parent, name = _lanes_parent(method, root)
         _write_if_changed(parent / name, str(value))
         return int((parent / name).read_text())
     except OSError as exc:
