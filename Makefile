@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-once test lint bench clean
+.PHONY: install run run-once test lint bench screenshots clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: install
 
 bench: install
 	$(BIN)/corral bench --json bench.json --plot docs/ladder.png
+
+screenshots: install
+	bash scripts/test-setup.sh
+	CORRAL_SCREENSHOTS=docs/screenshots $(BIN)/pytest -q tests/web/test_browser.py -k screenshots
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -3,7 +3,9 @@
 
 The run: 3 engines that take 1.5 s to load weights, trajectories of a few seconds, and the built-in
 sentinel trainer with a 30 s step, so after its first batch no version is published but ours while
-collection goes on. Screenshots of the runs page and the run page go to docs/screenshots/.
+collection goes on. Screenshots of the runs page and the run page go to $CORRAL_SCREENSHOTS when it is
+set (`make screenshots` sets it to docs/screenshots/, the README's), else to the test's temporary
+directory, so a test run leaves the committed ones alone.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ ARGS = [
 ]
 TOKEN = "browser-operator-token"
 ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "docs" / "screenshots"
+SHOTS_ENV = "CORRAL_SCREENSHOTS"
 
 if not os.path.exists(CHROMIUM):
     pytest.skip("no /usr/bin/chromium (scripts/test-setup.sh installs it)", allow_module_level=True)
@@ -298,8 +300,11 @@ def test_actions_are_reachable_from_the_keyboard(browser: object, server: str, r
     page.context.close()
 
 
-def test_screenshots_of_a_run_in_full_swing(browser: object, server: str, api: httpx.Client) -> None:
+def test_screenshots_of_a_run_in_full_swing(
+    browser: object, server: str, api: httpx.Client, tmp_path: Path
+) -> None:
     """A second run with a quick trainer, screenshotted once it has delivered batches (for the README)."""
+    shots = Path(os.environ.get(SHOTS_ENV) or tmp_path).resolve()
     spec = make_run_spec(update_s=0.4, llm_s=0.5, name="screenshot-demo", sentinel_step_s=0.5, speed=4.0)
     created = api.post("/api/runs", json=spec)
     assert created.status_code == 201, created.text
@@ -309,12 +314,14 @@ def test_screenshots_of_a_run_in_full_swing(browser: object, server: str, api: h
         time.sleep(0.5)
     page = new_page(browser, server, signed_in=True)
     sync_api.expect(page.locator(f'tr[data-run="{run}"]')).to_contain_text("running")
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / "runs.png"), full_page=True)
     page.goto(f"{server}/runs/{run}")
     sync_api.expect(page.locator("#timeline-svg rect.sp").first).to_be_visible()
     page.get_by_label("K (staleness bound)").fill("3")
     page.get_by_role("button", name="Apply live").click()
     sync_api.expect(page.locator("#audit")).to_contain_text("set max_staleness")
-    page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+    page.screenshot(path=str(shots / "run.png"), full_page=True)
     page.context.close()
+    assert (shots / "runs.png").stat().st_size > 0
+    assert (shots / "run.png").stat().st_size > 0
