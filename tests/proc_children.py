@@ -18,8 +18,9 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     return after_comm(raw).split()
 
 
-def children(parent: int, marker: bytes) -> set[int]:
-    """Live children of `parent` whose command line contains `marker`."""
+def children(parent: int | None, marker: bytes) -> set[int]:
+    """Live children of `parent` (with None: live processes of any parent) whose command line contains
+    `marker`."""
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -29,7 +30,9 @@ def children(parent: int, marker: bytes) -> set[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if fields is not None and int(fields[1]) == parent and fields[0] not in "ZX" and marker in cmd:
+        if fields is None or fields[0] in "ZX" or marker not in cmd:
+            continue
+        if parent is None or int(fields[1]) == parent:
             found.add(int(entry))
     return found
 

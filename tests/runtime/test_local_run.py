@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_children import children
 
 from app.runtime.config import LocalRunError, load_config
 from app.runtime.local import run_local
@@ -118,12 +119,8 @@ def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
 
 
 def embedded_engine_pids(parent: int | None = None) -> set[int]:
-    """Embedded engine processes (of `parent` only, when given: other tests may run engines too)."""
-    argv = ["pgrep", "-f", "app.engines.embedded --port"]
-    if parent is not None:
-        argv[1:1] = ["-P", str(parent)]
-    found = subprocess.run(argv, capture_output=True, text=True)
-    return {int(pid) for pid in found.stdout.split()}
+    """Live embedded engine processes (of `parent` only, when given: other tests may run engines too)."""
+    return children(parent, b"app.engines.embedded\0--port")
 
 
 @pytest.mark.slow
