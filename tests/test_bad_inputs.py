@@ -255,6 +255,16 @@ CASES: dict[str, Case] = {
         {"c.yaml": run_config().replace("lanes: {cpus: [1]}", "lanes: {cpus: [0]}"), **SUITE},
         ["Value error", "(top)"],
     ),
+    "a lane weight out of range names it": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["lanes.weights.reset", "less than or equal to 10000"],
+        {"c.yaml": run_config().replace("{cpus: [1]}", "{cpus: [1], weights: {reset: 20000}}"), **SUITE},
+    ),
+    "an unknown lane weight names it": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["lanes.weights.sandbox"],
+        {"c.yaml": run_config().replace("{cpus: [1]}", "{cpus: [1], weights: {sandbox: 3}}"), **SUITE},
+    ),
     "workload model-level error has no prefix": Case(
         ["sim", "--workload", "w.json"],
         ["serving", "4 cores"],

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.core.config import LanesConfig
 from app.cpulist import MAX_CPU
 from app.documents import DocumentError, read_document
+from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
 from app.validation import MAX_SECONDS, MAX_SEED, human_bytes, problems
 
 # Sizes of a run on one machine. An embedded engine at the default size is a torch process of about
@@ -101,6 +102,23 @@ class EnginesConfig(_Strict):
         return count
 
 
+class LaneWeightsConfig(_Strict):
+    """Each lane's guaranteed share of the sandbox CPUs, relative to the others (cgroup `cpu.shares` on
+    v1, `cpu.weight` on v2); a lane may use idle CPUs beyond it (work-conserving)."""
+
+    reset: int = _count(DEFAULT_LANE_WEIGHTS["reset"], MIN_WEIGHT, MAX_WEIGHT, "reset lane weight")
+    exec: int = _count(DEFAULT_LANE_WEIGHTS["exec"], MIN_WEIGHT, MAX_WEIGHT, "exec lane weight")
+    validate_: int = Field(
+        DEFAULT_LANE_WEIGHTS["validate"], ge=MIN_WEIGHT, le=MAX_WEIGHT, strict=True, alias="validate"
+    )
+    cleanup: int = _count(DEFAULT_LANE_WEIGHTS["cleanup"], MIN_WEIGHT, MAX_WEIGHT, "cleanup lane weight")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    def by_lane(self) -> dict[str, int]:
+        return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
+
+
 class LocalLanesConfig(_Strict):
     cpus: _CpuList = Field(default_factory=lambda: [1], description="CPU set of the sandbox lanes")
     reset: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent resets")
@@ -111,6 +129,9 @@ class LocalLanesConfig(_Strict):
         False,
         strict=True,
         description="lanes.cpus may include engines.cpus: sandbox work runs there at a low CPU weight",
+    )
+    weights: LaneWeightsConfig = Field(
+        default_factory=LaneWeightsConfig, description="the lanes' relative CPU shares (pinned policies)"
     )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)

@@ -43,7 +43,6 @@ from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
 from app.runtime.trainer import SentinelTrainer
 from app.sandboxes import leftovers
-from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
 from app.sandboxes.local import LocalSandboxFactory
 from app.sandboxes.timelimits import TimeLimits
 from app.tasks.spec import TaskSpec
@@ -178,13 +177,7 @@ async def _run(
             engines = EngineProcesses(config.engines, serving_cpus, Path(tmp), exits_at_start_ok=True)
             stop.engines = engines
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
-            factory = LocalSandboxFactory(
-                work,
-                isolation=config.sandbox.isolation,  # type: ignore[arg-type]
-                lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
-                borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
-                time_limits=time_limits(config),
-            )
+            factory = sandbox_factory(config, policy, work)
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
 
@@ -252,6 +245,19 @@ async def _run(
     report["turn_latency_s"] = _turn_latency(state)
     report.update(event_log.as_report())
     return report
+
+
+def sandbox_factory(config: LocalRunConfig, policy: PolicyConfig, base_dir: Path) -> LocalSandboxFactory:
+    """The local sandboxes a run config asks for: `corral run`'s and a `corral serve` local run's alike.
+    Pinned policies put each lane's processes in a cpu group of its weight (`lanes.weights`), yielding
+    to serving where the lanes borrow its CPUs; the others share the CPUs as they come."""
+    return LocalSandboxFactory(
+        base_dir,
+        isolation=config.sandbox.isolation,  # type: ignore[arg-type]
+        lane_weights=config.lanes.weights.by_lane() if policy.pinned_lanes else None,
+        borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
+        time_limits=time_limits(config),
+    )
 
 
 def time_limits(config: LocalRunConfig) -> TimeLimits:

@@ -140,9 +140,8 @@ async def _local_ports(
 ) -> AsyncIterator[RunPorts]:
     from app.agent.loop import ShellAgent, ShellAgentConfig
     from app.runtime.engine_procs import EngineProcesses, fault_config
+    from app.runtime.local import sandbox_factory
     from app.runtime.task_source import TaskSource, load_tasks
-    from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS
-    from app.sandboxes.local import LocalSandboxFactory
 
     config = spec.config
     assert config is not None
@@ -161,11 +160,7 @@ async def _local_ports(
         engines.start()
         await engines.wait_healthy()
         clients = list(engines.clients())
-        factory = LocalSandboxFactory(
-            sandboxes,
-            isolation=config.sandbox.isolation,  # type: ignore[arg-type]
-            lane_weights=DEFAULT_LANE_WEIGHTS if policy.pinned_lanes else None,
-        )
+        factory = sandbox_factory(config, policy, sandboxes)
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
             engines=clients,

@@ -1,0 +1,78 @@
+"""`sandbox_factory`: the one place where a run config becomes local sandboxes, for `corral run` and for
+a `corral serve` local run alike. (A service run used to build its own factory, without the lanes'
+low weight on borrowed serving CPUs and without the config's time limits.) The weights are read back
+from the kernel's cpu cgroups, where this machine has them writable."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.core.config import PolicyConfig
+from app.runtime.config import LocalRunConfig
+from app.runtime.local import sandbox_factory
+from app.sandboxes import cpushare
+from app.sandboxes.timelimits import TimeLimits
+
+PINNED = PolicyConfig(groups_per_batch=2, group_size=2, pinned_lanes=True)
+SHARED = PolicyConfig(groups_per_batch=2, group_size=2, pinned_lanes=False)
+WEIGHTS = {"reset": 300, "exec": 300, "validate": 120, "cleanup": 60}
+
+
+def run_config(**lanes: Any) -> LocalRunConfig:
+    sandbox = lanes.pop("sandbox", {})
+    return LocalRunConfig.model_validate(
+        {
+            "engines": {"cpus": [0]},
+            "lanes": {"cpus": [1], **lanes},
+            "sandbox": {"isolation": "none", **sandbox},
+        }
+    )
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """Under /tmp, reachable by sandbox uids (pytest's own tmp_path has parents without o+x)."""
+    base = Path(tempfile.mkdtemp(prefix="corral-factory-"))
+    base.chmod(0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+needs_cpu_cgroup = pytest.mark.skipif(cpushare.share_method() is None, reason="no writable cpu cgroup here")
+
+
+@needs_cpu_cgroup
+def test_the_configured_lane_weights_reach_the_kernel(tmp_path: Path) -> None:
+    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), PINNED, tmp_path / "sb")
+    try:
+        assert {lane: cpushare.read_weight(p) for lane, p in factory.lane_shares.items()} == WEIGHTS
+        # The lanes borrow the serving CPU, so together they yield to serving there.
+        assert factory.lanes_weight in {cpushare.BORROWING_SHARES_V1, cpushare.BORROWING_WEIGHT_V2}
+    finally:
+        cpushare.set_lanes_priority(False)
+    default = sandbox_factory(run_config(), PINNED, tmp_path / "sb2")
+    assert {lane: cpushare.read_weight(p) for lane, p in default.lane_shares.items()} == (
+        cpushare.DEFAULT_LANE_WEIGHTS
+    )
+    assert default.lanes_weight in {cpushare.DEFAULT_SHARES_V1, cpushare.DEFAULT_WEIGHT_V2}
+
+
+def test_unpinned_policies_get_no_lane_groups(tmp_path: Path) -> None:
+    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), SHARED, tmp_path / "sb")
+    assert factory.lane_shares == {}
+    assert factory.lanes_weight is None
+
+
+def test_the_configured_time_limits_reach_the_sandboxes(tmp_path: Path) -> None:
+    given = sandbox_factory(run_config(sandbox={"backstop": 4.0}), SHARED, tmp_path / "a").time_limits
+    assert given == TimeLimits(backstop=4.0)
+    assert given.counts_given("reset")
+    wall = sandbox_factory(run_config(sandbox={"time_limits": "wall"}), SHARED, tmp_path / "b").time_limits
+    assert wall == TimeLimits.wall()
+    assert not wall.counts_given("reset")
