@@ -101,13 +101,18 @@ def _cgroup1_group(root: Path, cpus: tuple[int, ...]) -> Path:
     return group
 
 
+def enable_controller(group: Path, controller: str) -> None:
+    """cgroup v2: turn `controller` on for `group`'s children (their `<controller>.*` files appear)."""
+    control = group / "cgroup.subtree_control"
+    if controller not in control.read_text().split():
+        _write(control, f"+{controller}")
+
+
 def _cgroup2_group(root: Path, cpus: tuple[int, ...]) -> Path:
     parent = root / GROUP_PREFIX
-    if "cpuset" not in (root / "cgroup.subtree_control").read_text().split():
-        _write(root / "cgroup.subtree_control", "+cpuset")
+    enable_controller(root, "cpuset")
     parent.mkdir(exist_ok=True)
-    if "cpuset" not in (parent / "cgroup.subtree_control").read_text().split():
-        _write(parent / "cgroup.subtree_control", "+cpuset")
+    enable_controller(parent, "cpuset")
     group = parent / f"cpus-{format_cpu_list(cpus)}"
     group.mkdir(exist_ok=True)
     _write(group / "cpuset.cpus", format_cpu_list(cpus))

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.sandboxes.cpuset import CGROUP_ROOT, GROUP_PREFIX
+from app.sandboxes.cpuset import CGROUP_ROOT, GROUP_PREFIX, enable_controller
 
 # cgroup v1 `cpu.shares` spans 2..262144 and v2 `cpu.weight` 1..10000; weights map into both.
 MIN_WEIGHT = 1
@@ -76,13 +76,6 @@ def share_method(root: Path = CGROUP_ROOT) -> str | None:
     return None
 
 
-def _enable_cpu(group: Path) -> None:
-    """cgroup v2: turn the cpu controller on for `group`'s children (their `cpu.weight` appears)."""
-    control = group / "cgroup.subtree_control"
-    if "cpu" not in control.read_text().split():
-        control.write_text("+cpu")
-
-
 def _lanes_parent(method: str, root: Path) -> tuple[Path, str]:
     """The lanes' parent cpu group, created, and the name of a group's weight file there."""
     if method == "cgroup1":
@@ -90,9 +83,9 @@ def _lanes_parent(method: str, root: Path) -> tuple[Path, str]:
         parent.mkdir(exist_ok=True)
         return parent, "cpu.shares"
     parent = root / f"{GROUP_PREFIX}-lanes"
-    _enable_cpu(root)
+    enable_controller(root, "cpu")
     parent.mkdir(exist_ok=True)
-    _enable_cpu(parent)
+    enable_controller(parent, "cpu")
     return parent, "cpu.weight"
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.sandboxes.cpuset import CGROUP_ROOT, GROUP_PREFIX
+from app.sandboxes.cpuset import CGROUP_ROOT, GROUP_PREFIX, enable_controller
 
 
 class SandboxLimitError(RuntimeError):
@@ -87,15 +87,15 @@ class PidsGroup:
         parent, version = found
         try:
             if version == "cgroup2":
-                _enable_controller(root, "pids")
+                enable_controller(root, "pids")
                 parent.mkdir(exist_ok=True)
-                _enable_controller(parent, "pids")
+                enable_controller(parent, "pids")
             else:
                 parent.mkdir(exist_ok=True)
             path = parent / name
             path.mkdir(exist_ok=True)
             if version == "cgroup2":
-                _enable_controller(path, "pids")
+                enable_controller(path, "pids")
             if max_procs is not None:
                 (path / "pids.max").write_text(str(max_procs))
         except OSError:
@@ -199,12 +199,6 @@ def _rmdir_retry(path: Path) -> None:
             )
         time.sleep(pause)
         pause = min(0.2, pause * 2)
-
-
-def _enable_controller(group: Path, controller: str) -> None:
-    control = group / "cgroup.subtree_control"
-    if controller not in control.read_text().split():
-        control.write_text(f"+{controller}")
 
 
 ENV_UID_CLAIMS = "CORRAL_UID_CLAIMS_DIR"
