@@ -4,9 +4,6 @@ real LocalSandbox through the same `execute_op` the Celery workers use."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +30,6 @@ def make_handle(**overrides: Any) -> SandboxHandle:
     fields: dict[str, Any] = {"kind": "local", "id": "g1a0-7", "host": "host-a", "work_dir": "/tmp/x/g1a0-7"}
     fields.update(overrides)
     return SandboxHandle(**fields)
-
-
-@pytest.fixture
-def base_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="corral-ops-", dir="/tmp"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,9 +5,6 @@ from the kernel's cpu cgroups, where this machine has them writable."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,44 +32,35 @@ def run_config(**lanes: Any) -> LocalRunConfig:
     )
 
 
-@pytest.fixture
-def tmp_path() -> Iterator[Path]:
-    """Under /tmp, reachable by sandbox uids (pytest's own tmp_path has parents without o+x)."""
-    base = Path(tempfile.mkdtemp(prefix="corral-factory-"))
-    base.chmod(0o711)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
-
-
 needs_cpu_cgroup = pytest.mark.skipif(cpushare.share_method() is None, reason="no writable cpu cgroup here")
 
 
 @needs_cpu_cgroup
-def test_the_configured_lane_weights_reach_the_kernel(tmp_path: Path) -> None:
-    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), PINNED, tmp_path / "sb")
+def test_the_configured_lane_weights_reach_the_kernel(base_dir: Path) -> None:
+    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), PINNED, base_dir / "sb")
     try:
         assert {lane: cpushare.read_weight(p) for lane, p in factory.lane_shares.items()} == WEIGHTS
         # The lanes borrow the serving CPU, so together they yield to serving there.
         assert factory.lanes_weight in {cpushare.BORROWING_SHARES_V1, cpushare.BORROWING_WEIGHT_V2}
     finally:
         cpushare.set_lanes_priority(False)
-    default = sandbox_factory(run_config(), PINNED, tmp_path / "sb2")
+    default = sandbox_factory(run_config(), PINNED, base_dir / "sb2")
     assert {lane: cpushare.read_weight(p) for lane, p in default.lane_shares.items()} == (
         cpushare.DEFAULT_LANE_WEIGHTS
     )
     assert default.lanes_weight in {cpushare.DEFAULT_SHARES_V1, cpushare.DEFAULT_WEIGHT_V2}
 
 
-def test_unpinned_policies_get_no_lane_groups(tmp_path: Path) -> None:
-    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), SHARED, tmp_path / "sb")
+def test_unpinned_policies_get_no_lane_groups(base_dir: Path) -> None:
+    factory = sandbox_factory(run_config(borrow_serving_cpus=True, weights=WEIGHTS), SHARED, base_dir / "sb")
     assert factory.lane_shares == {}
     assert factory.lanes_weight is None
 
 
-def test_the_configured_time_limits_reach_the_sandboxes(tmp_path: Path) -> None:
-    given = sandbox_factory(run_config(sandbox={"backstop": 4.0}), SHARED, tmp_path / "a").time_limits
+def test_the_configured_time_limits_reach_the_sandboxes(base_dir: Path) -> None:
+    given = sandbox_factory(run_config(sandbox={"backstop": 4.0}), SHARED, base_dir / "a").time_limits
     assert given == TimeLimits(backstop=4.0)
     assert given.counts_given("reset")
-    wall = sandbox_factory(run_config(sandbox={"time_limits": "wall"}), SHARED, tmp_path / "b").time_limits
+    wall = sandbox_factory(run_config(sandbox={"time_limits": "wall"}), SHARED, base_dir / "b").time_limits
     assert wall == TimeLimits.wall()
     assert not wall.counts_given("reset")

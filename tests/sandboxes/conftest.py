@@ -35,15 +35,6 @@ def task_root(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def base_dir() -> Iterator[Path]:
-    # Under /tmp rather than tmp_path: sandbox uids must be able to reach the work dir (o+x on parents).
-    path = Path(tempfile.mkdtemp(prefix="corral-sb-", dir="/tmp"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _ping(client: Any) -> bool:
     try:
         return bool(client.ping())

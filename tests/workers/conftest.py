@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,15 +33,6 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaneClust
         app.close()
     finally:
         workers.stop()
-
-
-@pytest.fixture
-def base_dir() -> Iterator[Path]:
-    # Under /tmp: sandbox uids must reach their work dir (o+x on every parent).
-    path = Path(tempfile.mkdtemp(prefix="corral-wk-", dir="/tmp"))
-    path.chmod(0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
