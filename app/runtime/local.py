@@ -43,7 +43,9 @@ from app.runtime.report import ReportStatic, build_report
 from app.runtime.task_source import TaskSource, load_tasks
 from app.runtime.trainer import SentinelTrainer
 from app.sandboxes import leftovers
-from app.sandboxes.local import LocalSandboxFactory
+from app.sandboxes.cpushare import ShareError
+from app.sandboxes.limits import SandboxLimitError
+from app.sandboxes.local import LocalSandboxFactory, SandboxError
 from app.sandboxes.timelimits import TimeLimits
 from app.tasks.spec import TaskSpec
 
@@ -250,14 +252,19 @@ async def _run(
 def sandbox_factory(config: LocalRunConfig, policy: PolicyConfig, base_dir: Path) -> LocalSandboxFactory:
     """The local sandboxes a run config asks for: `corral run`'s and a `corral serve` local run's alike.
     Pinned policies put each lane's processes in a cpu group of its weight (`lanes.weights`), yielding
-    to serving where the lanes borrow its CPUs; the others share the CPUs as they come."""
-    return LocalSandboxFactory(
-        base_dir,
-        isolation=config.sandbox.isolation,  # type: ignore[arg-type]
-        lane_weights=config.lanes.weights.by_lane() if policy.pinned_lanes else None,
-        borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
-        time_limits=time_limits(config),
-    )
+    to serving where the lanes borrow its CPUs; the others share the CPUs as they come. What this host
+    cannot give (isolation, cgroups, a safe uid claims directory) is a `LocalRunError`, said before any
+    engine starts."""
+    try:
+        return LocalSandboxFactory(
+            base_dir,
+            isolation=config.sandbox.isolation,  # type: ignore[arg-type]
+            lane_weights=config.lanes.weights.by_lane() if policy.pinned_lanes else None,
+            borrow_serving=policy.pinned_lanes and config.lanes.borrow_serving_cpus,
+            time_limits=time_limits(config),
+        )
+    except (SandboxError, SandboxLimitError, ShareError) as exc:
+        raise LocalRunError(f"sandboxes: {exc}") from None
 
 
 def time_limits(config: LocalRunConfig) -> TimeLimits:

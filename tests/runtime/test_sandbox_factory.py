@@ -5,6 +5,10 @@ from the kernel's cpu cgroups, where this machine has them writable."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ from app.core.config import PolicyConfig
 from app.runtime.config import LocalRunConfig
 from app.runtime.local import sandbox_factory
 from app.sandboxes import cpushare
+from app.sandboxes.limits import ENV_UID_CLAIMS
 from app.sandboxes.timelimits import TimeLimits
 
 PINNED = PolicyConfig(groups_per_batch=2, group_size=2, pinned_lanes=True)
@@ -64,3 +69,37 @@ def test_the_configured_time_limits_reach_the_sandboxes(base_dir: Path) -> None:
     wall = sandbox_factory(run_config(sandbox={"time_limits": "wall"}), SHARED, base_dir / "b").time_limits
     assert wall == TimeLimits.wall()
     assert not wall.counts_given("reset")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="sandbox uids are claimed only as root"
+)
+def test_an_unsafe_uid_claims_directory_is_refused_in_one_line_before_any_engine(base_dir: Path) -> None:
+    """Claim files decide whose processes a cleanup kills, so a claims directory others can write is
+    refused: `corral run` says so in one line, exit 2, with no traceback, no report and no engine."""
+    unsafe = base_dir / "claims"
+    unsafe.mkdir()
+    unsafe.chmod(0o777)
+    report = base_dir / "out.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from app.cli import main; main()",
+            "run",
+            "--batches",
+            "1",
+            "--json",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, ENV_UID_CLAIMS: str(unsafe)},
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"uid claims directory {unsafe}" in out.stderr
+    assert "engine-0 ready" not in out.stderr
+    assert not report.exists()
