@@ -154,6 +154,17 @@ CASES: dict[str, Case] = {
         ["bench", "--json", "b.json", "--plot", "ladder"], ["--plot", "ladder", "no extension"]
     ),
     "run --plot x.foo": Case(["run", "--json", "o.json", "--plot", "x.foo"], ["--plot", "x.foo"]),
+    # advise's simulations run in worker processes: a bad trace line was a worker's traceback
+    "advise --trace with a bad line": Case(
+        ["advise", "--workload", "w.json", "--trace", "t.jsonl", "--workers", "1"],
+        ["t.jsonl", "line 2", "not JSON"],
+        {"w.json": workload(), "t.jsonl": json.dumps(GOOD_TRACE_LINE) + "\n{oops\n"},
+    ),
+    "advise on a workload whose trace has a bad line": Case(
+        ["advise", "--workload", "w.json", "--workers", "1"],
+        ["t.jsonl", "line 1", "reward"],
+        {"w.json": workload(trace="t.jsonl"), "t.jsonl": json.dumps({"task": "a"}) + "\n"},
+    ),
     "workload path with [": Case(["sim", "--workload", "d[red]/w.yaml"], ["d[red]/w.yaml"]),
     "config path with [ and a bad field": Case(
         ["run", "--config", "c[bold].yaml", "--json", "o.json"],
@@ -344,7 +355,14 @@ def test_bad_input_is_refused_in_one_line_naming_the_field(
 
 @pytest.mark.parametrize(
     "name",
-    ["workload step_s .inf", "--duration nan", "engine --port 70000", "--surplus 1e8", "sim --plot x.foo"],
+    [
+        "workload step_s .inf",
+        "--duration nan",
+        "engine --port 70000",
+        "--surplus 1e8",
+        "sim --plot x.foo",
+        "advise --trace with a bad line",
+    ],
 )
 def test_refusals_from_the_installed_script(name: str, tmp_path: Path) -> None:
     case = CASES[name]
@@ -356,6 +374,41 @@ def test_refusals_from_the_installed_script(name: str, tmp_path: Path) -> None:
 
 
 # -- regression tests, one per mechanism --------------------------------------------------------------
+
+
+def test_plots_and_traces_go_into_directories_that_do_not_exist_yet(tmp_path: Path) -> None:
+    """The output check accepts a path whose parents it can create; the writers must create them too
+    (a plot used to fail after the whole simulation, a traceback in `corral advise`)."""
+    write_files(tmp_path, {"w.json": workload(batches=1, batch={"groups": 1, "group_size": 2})})
+    sim = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "w.json", "--json", "a/r.json", "--plot", "b/c/timeline.png"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert sim.returncode == 0, sim.stderr
+    assert (tmp_path / "b/c/timeline.png").read_bytes().startswith(b"\x89PNG")
+    report = json.loads((tmp_path / "a/r.json").read_text())
+    attempts = [
+        {
+            "task": f"g{g}a{a}",
+            "reset_s": 1.0,
+            "agent_s": 2.0,
+            "validate_s": 1.0,
+            "cleanup_s": 1.0,
+            "reward": 1.0,
+        }
+        for g in range(2)
+        for a in range(2)
+    ]
+    assert report["batches"] == 1
+    trace = tmp_path / "d/e/trace.jsonl"
+    from app.sim.traces import write_trace
+
+    assert write_trace(attempts, trace) == 4
+    assert [json.loads(line) for line in trace.read_text().splitlines()] == attempts
 
 
 def test_cpu_list_bound_refuses_before_building_a_set() -> None:

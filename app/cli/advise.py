@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from app.cli.common import check_output, check_plot, fail, progress_bar, say, write_json
-from app.cli.sim import load
+from app.cli.common import check_output, check_plot, fail, progress_bar, say, write_json, write_plot
+from app.cli.sim import checked_trace, load
 from app.sim.workload import WorkloadError
 
 trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
@@ -38,7 +38,10 @@ def trace_import(
             result = import_corral_run(source)
     except WorkloadError as exc:
         fail(str(exc))
-    written = write_trace(result.records, out)
+    try:
+        written = write_trace(result.records, out)
+    except OSError as exc:
+        fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     tasks = len({r["task"] for r in result.records})
     say(f"{written} attempts of {tasks} tasks → {out} (skipped: {skipped})")
@@ -68,8 +71,10 @@ def advise(
         try:
             data = spec.model_dump(by_alias=True)
             data["trace"] = TraceSpec(path=trace.resolve())
-            spec = Workload.model_validate(data)
-        except (WorkloadError, ValueError) as exc:
+            spec = checked_trace(Workload.model_validate(data))
+        except WorkloadError as exc:
+            fail(str(exc))
+        except ValueError as exc:
             fail(f"--trace {trace}: {exc}")
     with progress_bar() as progress:
         task = progress.add_task("simulating candidates", total=1)
@@ -85,8 +90,7 @@ def advise(
             raise typer.Exit(130) from None
     result = advice.as_dict()
     write_json(json_out, result)
-    if plot is not None:
-        plot_advice(advice, str(plot))
+    write_plot(lambda out: plot_advice(advice, str(out)), plot)
     cur, rec = advice.current, advice.recommended
     say(
         f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "

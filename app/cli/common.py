@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -148,14 +148,22 @@ def summary_line(report: dict[str, Any], json_out: Path, detail: str) -> str:
     )
 
 
+def write_plot(draw: Callable[[Path], None], path: Path | None, flag: str = "--plot") -> None:
+    """Draw a plot to `path` (nothing when None), creating the missing parents that `check_output`
+    proved could be created; a failure is one line, never a traceback."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draw(path)
+    except (OSError, ValueError) as exc:
+        fail(f"{flag} {path}: cannot write the plot: {getattr(exc, 'strerror', None) or exc}")
+
+
 def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: str) -> None:
     """Write the report (and the timeline plot), then the summary line."""
-    write_json(json_out, report)
-    if plot is not None:
-        from app.plots import plot_timeline
+    from app.plots import plot_timeline
 
-        try:
-            plot_timeline(report, plot)
-        except (OSError, ValueError) as exc:
-            fail(f"--plot {plot}: {exc}")
+    write_json(json_out, report)
+    write_plot(lambda out: plot_timeline(report, out), plot)
     say(summary_line(report, json_out, detail))

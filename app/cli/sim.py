@@ -12,9 +12,9 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_output, check_plot, err, fail, finish, progress_bar, write_json
+from app.cli.common import check_output, check_plot, err, fail, finish, progress_bar, write_json, write_plot
 from app.core.config import AdmissionMode, PolicyName
-from app.sim.workload import Workload, WorkloadError, load_workload
+from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
 from app.validation import MAX_STALENESS, MAX_SURPLUS, MAX_SWEEP_VALUES, in_flight_problem, problems
 
 FLAGS = {"surplus_groups": "--surplus", "max_staleness": "--max-staleness"}
@@ -41,9 +41,17 @@ StalenessOption = Annotated[
 
 def load(workload: Path | None) -> Workload:
     try:
-        return load_workload(workload)
+        return checked_trace(load_workload(workload))
     except WorkloadError as exc:
         fail(str(exc))
+
+
+def checked_trace(spec: Workload) -> Workload:
+    """Read the workload's trace, if it has one, so that a bad line is refused before any simulation
+    starts (in `corral advise` those run in worker processes), not as a worker's traceback."""
+    if spec.trace is not None:
+        load_trace(spec.trace.path)
+    return spec
 
 
 def check_surplus(spec: Workload, surplus: int, flag: str) -> None:
@@ -184,13 +192,9 @@ def bench(
 
         result = run_bench(spec, s_values, k_values, on_run=on_run, peers=peers)
     write_json(json_out, result)
-    if plot is not None:
-        from app.sim.plot import plot_bench
+    from app.sim.plot import plot_bench
 
-        try:
-            plot_bench(result, plot)
-        except (OSError, ValueError) as exc:
-            fail(f"--plot {plot}: {exc}")
+    write_plot(lambda out: plot_bench(result, out), plot)
     err.print(ladder_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
@@ -210,13 +214,9 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
 
         result = run_family(peers=peers, on_run=on_run)
     write_json(json_out, result)
-    if plot is not None:
-        from app.sim.plot import plot_family
+    from app.sim.plot import plot_family
 
-        try:
-            plot_family(result, plot)
-        except (OSError, ValueError) as exc:
-            fail(f"--plot {plot}: {exc}")
+    write_plot(lambda out: plot_family(result, out), plot)
     for name, data in result["workloads"].items():
         means = ", ".join(f"{rung} {row['mean_s']:.1f}" for rung, row in data["rungs"].items())
         err.print(f"{name}: {means}", markup=False)

@@ -195,7 +195,9 @@ def attempts_from_events(events: Iterable[dict[str, Any]]) -> tuple[list[dict[st
 
 
 def write_trace(records: Iterable[dict[str, Any]], out: Path) -> int:
+    """Write `records` as JSON Lines, atomically, creating missing parent directories."""
     lines = [json.dumps(r, allow_nan=False) for r in records]
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     tmp.replace(out)
