@@ -238,3 +238,32 @@ def test_staleness_sweep_rows_name_their_k() -> None:
     rows = result["sweeps"]["max_staleness"]
     # K is compared at the default S (2) and at the largest S of the sweep (none given: 0).
     assert [(row["max_staleness"], row["surplus_groups"]) for row in rows] == [(1, 0), (3, 0), (1, 2), (3, 2)]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sim", "--workload", "w.json"],
+        ["bench", "--family"],
+    ],
+    ids=["sim", "bench --family"],
+)
+def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(args: list[str], tmp_path: Path) -> None:
+    """A Ctrl-C used to leave the virtual loop's tasks pending: thousands of "Task was destroyed" and
+    "sandbox cleanup failed" lines, then a silent exit 130."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 100}))  # the default workload: about a minute
+    proc = subprocess.Popen(
+        [str(CORRAL), *args, "--json", "out.json"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    time.sleep(6)  # imported and simulating by now
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == ["interrupted; out.json not written"]
+    assert not (tmp_path / "out.json").exists()

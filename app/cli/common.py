@@ -49,6 +49,17 @@ def progress_bar() -> Iterator[Progress]:
         yield progress
 
 
+@contextmanager
+def interrupt_says(json_out: Path) -> Iterator[None]:
+    """A Ctrl-C during the work ends the command with one line saying nothing was written, exit 130
+    (typer would end it silently)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        say(f"interrupted; {json_out} not written")
+        raise typer.Exit(130) from None
+
+
 def check_output(path: Path, flag: str) -> None:
     """Prove `path` can be written, before the work: create it (and missing parents), then remove
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""

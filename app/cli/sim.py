@@ -12,7 +12,17 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_output, check_plot, err, fail, finish, progress_bar, write_json, write_plot
+from app.cli.common import (
+    check_output,
+    check_plot,
+    err,
+    fail,
+    finish,
+    interrupt_says,
+    progress_bar,
+    write_json,
+    write_plot,
+)
 from app.core.config import AdmissionMode, PolicyName
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
 from app.validation import MAX_STALENESS, MAX_SURPLUS, MAX_SWEEP_VALUES, in_flight_problem, problems
@@ -107,7 +117,7 @@ def sim(
         fail(problems(exc, FLAGS))
     if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
         fail("--ready-surplus: only with --admission in_flight")
-    with progress_bar() as progress:
+    with interrupt_says(json_out), progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
         report = simulate(
             spec,
@@ -184,7 +194,7 @@ def bench(
     spec = load(workload)
     for s in s_values:
         check_surplus(spec, s, "--surplus-sweep")
-    with progress_bar() as progress:
+    with interrupt_says(json_out), progress_bar() as progress:
         task = progress.add_task("bench", total=None)
 
         def on_run(label: str, done: int, total: int) -> None:
@@ -206,7 +216,7 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
 
     check_output(json_out, "--json")
     check_plot(plot)
-    with progress_bar() as progress:
+    with interrupt_says(json_out), progress_bar() as progress:
         task = progress.add_task("bench --family", total=None)
 
         def on_run(label: str, done: int, total: int) -> None:

@@ -16,6 +16,7 @@ unless something other than the loop's own wake-up pipe is registered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import heapq
 import itertools
@@ -163,7 +164,22 @@ def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
     gc.set_threshold(max(thresholds[0], SIM_GC_THRESHOLD0), *thresholds[1:])
     try:
         return loop.run_until_complete(main)
+    except BaseException:
+        _unwind(loop)  # a Ctrl-C mid-run: let every task run its cleanup, so none is left pending
+        raise
     finally:
         gc.set_threshold(*thresholds)
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def _unwind(loop: VirtualTimeLoop) -> None:
+    """Cancel the tasks a run left (after a KeyboardInterrupt out of one of its callbacks) and run
+    them to their end on virtual time. Left pending, each was destroyed at exit with a warning, and
+    each attempt's cleanup then failed outside the loop: thousands of stderr lines for one Ctrl-C."""
+    tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        with contextlib.suppress(Exception):  # best effort: the interrupt is what the caller reports
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
