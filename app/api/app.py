@@ -92,6 +92,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     """422 with one line per problem, each naming its field (`body.workload.batch.groups: ...`)."""
     problems = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # its loc is ("body", character offset), not a field
+            where = error.get("loc", ())[-1]
+            why = (error.get("ctx") or {}).get("error", "")
+            problems.append(f"body: not valid JSON at character {where}" + (f" ({why})" if why else ""))
+            continue
         loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
         message = str(error.get("msg", "invalid"))
         if error.get("type") == "extra_forbidden":

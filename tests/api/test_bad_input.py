@@ -55,6 +55,7 @@ def test_bad_run_configs_are_422_naming_the_field(
     ("content", "names"),
     [
         ("{", "JSON"),
+        ('{"speed": 2', "body: not valid JSON at character 11"),  # the offset, not a field named "11"
         ('{"speed": NaN}', "speed"),
         ('{"speed": Infinity}', "speed"),
         ("[1, 2]", "body"),
