@@ -64,24 +64,33 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert "settings simulated" in done.stderr
 
 
-def test_ctrl_c_to_the_process_group_ends_advise_quietly(tmp_path: Path) -> None:
+def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path) -> None:
+    """Ctrl-C mid-search: the settings simulated so far are not lost. The advice from them is written
+    with `"complete": false`, the exit code is 130, and no worker process is left."""
     import os
     import signal
     import time
 
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 3}))  # about a second a simulation
     proc = subprocess.Popen(
-        [str(CORRAL), "advise", "--workload", "cpu-scarce", "--passes", "1", "--workers", "2",
-         "--json", "advice.json"],
+        [str(CORRAL), "advise", "--workload", "w.json", "--passes", "5", "--workers", "2",
+         "--json", "advice.json", "--plot", "advice.png"],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    time.sleep(5)  # the worker pool is simulating by now
+    time.sleep(12)  # several settings simulated by now, out of about a hundred
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert "interrupted after" in stderr
+    assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert "Task was destroyed" not in stderr
-    assert not (tmp_path / "advice.json").exists()
+    advice = json.loads((tmp_path / "advice.json").read_text())
+    assert advice["complete"] is False
+    done = len(advice["evaluated"])
+    assert 1 <= done < 100
+    assert f"interrupted after {done} settings simulated" in stderr
+    assert "search interrupted" in advice["verdict"]
+    assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
+    assert (tmp_path / "advice.png").stat().st_size > 0
     leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures.process import BrokenProcessPool
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -60,8 +59,8 @@ def advise(
     ] = None,
 ) -> None:
     """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""
+    from app.sim.advise import AdviceInterrupted, plot_advice
     from app.sim.advise import advise as run_advice
-    from app.sim.advise import plot_advice
     from app.sim.workload import TraceSpec, Workload
 
     check_output(json_out, "--json")
@@ -84,13 +83,20 @@ def advise(
 
         try:
             advice = run_advice(spec, passes=passes, workers=workers, on_run=on_run)
-        except (KeyboardInterrupt, BrokenProcessPool):
-            done = progress.tasks[0].completed
-            say(f"interrupted after {done:.0f} settings simulated; {json_out} not written")
-            raise typer.Exit(130) from None
-    result = advice.as_dict()
-    write_json(json_out, result)
+        except AdviceInterrupted as stopped:
+            interrupted = stopped.partial
+            if interrupted is None:
+                say(f"interrupted before the current settings were simulated; {json_out} not written")
+                raise typer.Exit(130) from None
+            advice = interrupted
+    write_json(json_out, advice.as_dict())
     write_plot(lambda out: plot_advice(advice, str(out)), plot)
+    if not advice.complete:  # what was simulated is kept: it cost minutes
+        say(
+            f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → {json_out} "
+            '("complete": false)'
+        )
+        raise typer.Exit(130)
     cur, rec = advice.current, advice.recommended
     say(
         f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "

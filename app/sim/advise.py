@@ -20,6 +20,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,12 +94,18 @@ class Advice:
     current: Outcome
     recommended: Outcome
     evaluated: list[Outcome] = field(default_factory=list)
+    complete: bool = True  # False: the search was interrupted; the best of what it simulated
 
     @property
     def beats_current(self) -> bool:
         return self.recommended.settings != self.current.settings
 
     def verdict(self) -> str:
+        if not self.complete:
+            return self._verdict() + f" (search interrupted after {len(self.evaluated)} settings)"
+        return self._verdict()
+
+    def _verdict(self) -> str:
         if not self.beats_current:
             return (
                 "the advice matches the current config: no candidate beat it by more than "
@@ -112,6 +119,7 @@ class Advice:
             "current": self.current.as_dict(),
             "recommended": self.recommended.as_dict(),
             "beats_current": self.beats_current,
+            "complete": self.complete,
             "verdict": self.verdict(),
             "evaluated": [o.as_dict() for o in self.evaluated],
         }
@@ -188,6 +196,23 @@ def _rank(outcome: Outcome) -> tuple[float, float]:
     return (outcome.batch_collection_s, outcome.wasted_trajectory_s)
 
 
+class AdviceInterrupted(Exception):
+    """Ctrl-C (or a worker lost to it) stopped the search. `partial` is the advice from the settings
+    simulated so far, or None when not even the current settings were."""
+
+    def __init__(self, partial: Advice | None) -> None:
+        super().__init__("the search was interrupted")
+        self.partial = partial
+
+
+def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool) -> Advice:
+    current = seen[start]
+    top = min(seen.values(), key=_rank)
+    if top.batch_collection_s >= current.batch_collection_s * (1 - TIE_FRACTION):
+        top = current
+    return Advice(current, top, sorted(seen.values(), key=_rank), complete)
+
+
 def advise(
     workload: Workload,
     policy_name: str = "full",
@@ -196,10 +221,29 @@ def advise(
     on_run: OnRun | None = None,
     knobs: Iterable[str] | None = None,
 ) -> Advice:
-    """Coordinate descent over the knobs; `on_run(done, planned)` reports progress."""
+    """Coordinate descent over the knobs; `on_run(done, planned)` reports progress. A Ctrl-C raises
+    `AdviceInterrupted` with the advice from what was simulated so far."""
     workers = workers or max(1, min(os.cpu_count() or 1, 8))
     start = current_settings(workload)
     seen: dict[Settings, Outcome] = {}
+    try:
+        _search(workload, policy_name, passes, workers, on_run, knobs, start, seen)
+    except (KeyboardInterrupt, BrokenProcessPool):
+        raise AdviceInterrupted(_choose(start, seen, complete=False) if start in seen else None) from None
+    return _choose(start, seen, complete=True)
+
+
+def _search(
+    workload: Workload,
+    policy_name: str,
+    passes: int,
+    workers: int,
+    on_run: OnRun | None,
+    knobs: Iterable[str] | None,
+    start: Settings,
+    seen: dict[Settings, Outcome],
+) -> None:
+    """The coordinate descent of `advise`, recording every outcome in `seen` as it arrives."""
     planned = 1
     with ProcessPoolExecutor(max_workers=workers, initializer=_exit_on_interrupt) as pool:
 
@@ -221,11 +265,6 @@ def advise(
                 planned += sum(1 for v in values if best.with_knob(knob, v) not in seen)
                 run_all([best.with_knob(knob, v) for v in values])
                 best = min((seen[best.with_knob(knob, v)] for v in values), key=_rank).settings
-    current = seen[start]
-    top = min(seen.values(), key=_rank)
-    if top.batch_collection_s >= current.batch_collection_s * (1 - TIE_FRACTION):
-        top = current
-    return Advice(current, top, sorted(seen.values(), key=_rank))
 
 
 def plot_advice(advice: Advice, path: str) -> None:
