@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -37,7 +38,8 @@ from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import RunRecorder
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
-from app.store.models import TERMINAL_RUN_STATES, RunState
+from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
+from app.store.repos import stamped
 
 log = logging.getLogger(__name__)
 
@@ -159,16 +161,28 @@ class RunManager:
         future.add_done_callback(_log_failure)
 
     def _on_state(self, handle: RunHandle, state: RunState, error: str | None) -> None:
-        # Called on the run's loop: the row is written by the store writer, in order, off the loop.
-        self._mirror(self._write_state, handle.run_id, state, error)
+        # Called on the run's loop: the row is written by the store writer, in order, off the loop. The
+        # cached row a GET reads takes the same times now, so a run shown ended shows when it ended.
+        at = utcnow().timestamp()  # microseconds, as the database keeps it
+        record = self._records.get(handle.run_id)
+        if record is not None:
+            started, ended = stamped(state, record.started_at, record.ended_at, at)
+            self._records[handle.run_id] = dataclasses.replace(record, started_at=started, ended_at=ended)
+        self._mirror(self._write_state, handle.run_id, state, error, at)
         if state in TERMINAL_RUN_STATES and self.metrics is not None:
             self.metrics.forget_run(handle.run_id, handle.live())
 
-    def _write_state(self, run_id: str, state: RunState, error: str | None) -> None:
+    def _write_state(self, run_id: str, state: RunState, error: str | None, at: float) -> None:
         try:
-            self.store.set_state(run_id, state, error)
+            stored = self.store.set_state(run_id, state, error, at)
         except IllegalTransitionError as exc:
             log.info("run %s: state %s not written: %s", run_id, state.value, exc)
+            return
+        record = self._records.get(run_id)
+        if record is not None:  # the stored times win (the sink may have written the end first)
+            self._records[run_id] = dataclasses.replace(
+                record, started_at=stored.started_at, ended_at=stored.ended_at
+            )
 
     # -- reading -------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import text
@@ -133,8 +134,13 @@ class ServiceStore:
         with self.session() as s:
             return [RunRecord.of(r) for r in RunRepo(s).unfinished()]
 
-    def set_state(self, run_id: str, state: RunState, error: str | None = None) -> None:
-        self._write(lambda s: RunRepo(s).set_state(run_id, state, error))
+    def set_state(
+        self, run_id: str, state: RunState, error: str | None = None, at: float | None = None
+    ) -> RunRecord:
+        """Write the run's new state, which it took at `at` (a Unix time; default now); returns the
+        row as stored (its end may have been written first by the event sink, at its own time)."""
+        when = None if at is None else datetime.fromtimestamp(at, UTC)
+        return self._write(lambda s: RunRecord.of(RunRepo(s).set_state(run_id, state, error, when)))
 
     def set_policy(self, run_id: str, policy: dict[str, Any]) -> None:
         def write(s: Session) -> None:

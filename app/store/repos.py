@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
@@ -67,6 +67,19 @@ RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.FAILED: frozenset(),
     RunState.COMPLETED: frozenset(),
 }
+
+
+T = TypeVar("T")
+
+
+def stamped(state: RunState, started: T | None, ended: T | None, now: T) -> tuple[T | None, T | None]:
+    """A run's (started_at, ended_at) after it moves to `state` at `now`: started at its first move to
+    running, ended at its move to a terminal state."""
+    if state is RunState.RUNNING and started is None:
+        started = now
+    if state in TERMINAL_RUN_STATES:
+        ended = now
+    return started, ended
 
 
 class RunRepo:
@@ -121,9 +134,11 @@ class RunRepo:
         terminal = [s.value for s in TERMINAL_RUN_STATES] + [RunState.CREATED.value]
         return self.session.scalars(select(Run).where(Run.state.not_in(terminal)).order_by(Run.id)).all()
 
-    def set_state(self, run_id: str, state: RunState, error: str | None = None) -> Run:
-        """Move a run along its lifecycle; raises `IllegalTransitionError` for a move it does not allow
-        (a repeated move to the current state is a no-op)."""
+    def set_state(
+        self, run_id: str, state: RunState, error: str | None = None, at: datetime | None = None
+    ) -> Run:
+        """Move a run along its lifecycle (at `at`, default now); raises `IllegalTransitionError` for a
+        move it does not allow (a repeated move to the current state is a no-op)."""
         run = self.require(run_id)
         current = RunState(run.state)
         if current is state:
@@ -131,11 +146,7 @@ class RunRepo:
         if state not in RUN_TRANSITIONS[current]:
             raise IllegalTransitionError(f"run {run_id} is {current.value}; it cannot become {state.value}")
         run.state = state.value
-        now = utcnow()
-        if state is RunState.RUNNING and run.started_at is None:
-            run.started_at = now
-        if state in TERMINAL_RUN_STATES:
-            run.ended_at = now
+        run.started_at, run.ended_at = stamped(state, run.started_at, run.ended_at, at or utcnow())
         if error is not None:
             run.error = error
         self.session.flush()
