@@ -212,17 +212,23 @@ def uid_claims_dir() -> Path:
     return Path(os.environ.get(ENV_UID_CLAIMS) or Path(tempfile.gettempdir()) / "corral-uids")
 
 
-def _private_dir(path: Path) -> None:
-    """Create `path` (mode 0700) or check that it is a real directory of ours that only we can write:
-    claim files decide whose processes get killed, so no other user may plant one."""
+def private_dir(path: Path, what: str, hint: str) -> None:
+    """Create `path` (mode 0700) or check that it is a real directory of ours that only we can write
+    (a shared place like /tmp: no other user may plant a link or a file there); `hint` says how to
+    choose another."""
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise SandboxLimitError(
-            f"uid claims directory {path} must be a directory owned by uid {os.geteuid()} that no one else "
-            f"can write; set {ENV_UID_CLAIMS} to another path"
+            f"{what} {path} must be a directory owned by uid {os.geteuid()} that no one else can write; "
+            + hint
         )
+
+
+def _private_dir(path: Path) -> None:
+    # claim files decide whose processes get killed
+    private_dir(path, "uid claims directory", f"set {ENV_UID_CLAIMS} to another path")
 
 
 class UidPool:

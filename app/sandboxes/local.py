@@ -35,6 +35,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ from app.sandboxes import cpuset, cpushare, leftovers
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
 from app.sandboxes.leftovers import rmtree, uid_kill_argv
-from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool
+from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool, private_dir
 from app.sandboxes.timelimits import GivenClock, TimeLimits, leaf_threads, session_threads
 
 if TYPE_CHECKING:
@@ -216,15 +217,44 @@ class LocalSandboxFactory:
 
     @staticmethod
     def _check_reachable(base_dir: Path) -> None:
-        for parent in base_dir.parents:
-            if not parent.stat().st_mode & stat.S_IXOTH:
-                raise SandboxError(
-                    f"base_dir {base_dir} is not reachable by sandbox uids: {parent} lacks o+x; "
-                    "pick a base dir under /tmp or /var/lib, or pass uid_base=None"
-                )
+        closed = closed_parent(base_dir)
+        if closed is not None:
+            raise SandboxError(
+                f"base_dir {base_dir} is not reachable by sandbox uids: {closed} lacks o+x; "
+                "pick a base dir under /tmp or /var/lib, or pass uid_base=None"
+            )
 
     def create(self, attempt_id: str) -> LocalSandbox:
         return LocalSandbox(self, attempt_id)
+
+
+def closed_parent(path: Path) -> Path | None:
+    """The first parent of `path` that other users cannot traverse (no o+x), or None: sandbox uids
+    cannot reach a directory below it."""
+    for parent in path.parents:
+        try:
+            mode = parent.stat().st_mode
+        except FileNotFoundError:
+            continue  # made later, by a mkdir that leaves o+x
+        if not mode & stat.S_IXOTH:
+            return parent
+    return None
+
+
+def scratch_base(preferred: Path, name: str) -> Path:
+    """Where a run's sandboxes go: `preferred`, unless this process hands out sandbox uids (root) and
+    they cannot reach it (a data directory under a 0700 home): then `<tmp>/corral-sandboxes/<name>`,
+    in a directory only this uid can write."""
+    closed = closed_parent(preferred) if os.geteuid() == 0 else None
+    if closed is None:
+        return preferred
+    shared = Path(tempfile.gettempdir()) / "corral-sandboxes"
+    private_dir(shared, "sandbox scratch directory", "set sandbox.base_dir in the run config")
+    shared.chmod(0o711)  # sandbox uids traverse it to their own directories, and list nothing
+    log.info(
+        "sandboxes go to %s: sandbox uids cannot reach %s (%s lacks o+x)", shared / name, preferred, closed
+    )
+    return shared / name
 
 
 class LocalSandbox(CommandSandbox):

@@ -18,6 +18,7 @@ that asked for them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -142,12 +143,16 @@ async def _local_ports(
     from app.runtime.engine_procs import EngineProcesses, fault_config
     from app.runtime.local import sandbox_factory
     from app.runtime.task_source import TaskSource, load_tasks
+    from app.sandboxes.local import scratch_base
 
     config = spec.config
     assert config is not None
     tasks = load_tasks(config.tasks)
     serving_cpus = config.engines.cpus if policy.pinned_lanes else sorted(os.sched_getaffinity(0))
-    sandboxes = Path(config.sandbox.base_dir) if config.sandbox.base_dir else work_dir / "sandboxes"
+    if config.sandbox.base_dir:
+        sandboxes = Path(config.sandbox.base_dir)
+    else:
+        sandboxes = await asyncio.to_thread(scratch_base, work_dir / "sandboxes", work_dir.name)
     await asyncio.to_thread(_make_work_dirs, work_dir, sandboxes)
     engines = EngineProcesses(config.engines, serving_cpus, work_dir, exits_at_start_ok=True)
     clients: list[Engine] = []
@@ -179,6 +184,9 @@ async def _local_ports(
         close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
         if close is not None:
             close()
+        with contextlib.suppress(OSError):  # each sandbox removed its own; a scratch base elsewhere goes
+            if sandboxes.parent != work_dir:
+                sandboxes.rmdir()
 
 
 def _make_work_dirs(work_dir: Path, sandboxes: Path) -> None:

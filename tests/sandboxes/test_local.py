@@ -13,7 +13,7 @@ from factories import make_echo_task as make_task
 from app.sandboxes.cpuset import read_cpus_allowed
 from app.sandboxes.cpushare import share_method
 from app.sandboxes.limits import ResourceLimits
-from app.sandboxes.local import LocalSandboxFactory, SandboxError, probe_bwrap
+from app.sandboxes.local import LocalSandboxFactory, SandboxError, closed_parent, probe_bwrap, scratch_base
 
 BWRAP_FLAGS, BWRAP_WHY = probe_bwrap()
 ALLOWED = sorted(os.sched_getaffinity(0))
@@ -356,3 +356,32 @@ async def test_two_factories_never_share_a_sandbox_uid(base_dir: Path, task_root
         await first.cleanup()
     await asyncio.sleep(0.1)
     assert alive_with_token(token) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are handed out only by root")
+async def test_a_data_directory_sandbox_uids_cannot_reach_moves_the_sandboxes_to_tmp(
+    tmp_path: Path, base_dir: Path, task_root: Path
+) -> None:
+    """`corral serve` puts a run's sandboxes under its data directory. Under a 0700 home (root's), the
+    sandbox uids could not reach them and the run failed without bubblewrap ("not reachable by sandbox
+    uids"); now the sandboxes go to `<tmp>/corral-sandboxes/<run>`, where they can."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    preferred = home / "corral-data" / "run1" / "sandboxes"
+    assert closed_parent(preferred) == home
+    base = scratch_base(preferred, "run1")
+    assert closed_parent(base) is None
+    assert base.name == "run1"
+    assert base.parent.stat().st_mode & 0o777 == 0o711
+    sandbox = make_factory(base, isolation="none").create("g0a0")  # refused before, for `preferred`
+    assert sandbox.factory.uids is not None
+    await sandbox.reset(make_task(task_root, setup=""))
+    try:
+        result = await sandbox.exec("id -u; touch made-here && echo ok", timeout_s=5)
+        assert result.output == f"{sandbox.uid}\nok\n"
+    finally:
+        await sandbox.cleanup()
+        base.rmdir()
+    assert scratch_base(base_dir / "sandboxes", "run2") == base_dir / "sandboxes"  # reachable: kept
+    with pytest.raises(SandboxError, match="not reachable by sandbox uids"):
+        make_factory(preferred, isolation="none")
