@@ -36,13 +36,30 @@ from app.engines.errors import (
 DISK_INIT_INFO: dict[str, Any] = {}
 
 
+# Idle connections are dropped before the server's own keep-alive timeout (5 s in uvicorn, so in the
+# embedded engine and in vLLM) would close them under a request: with both at 5 s, a request sent on a
+# connection the server was closing got "Server disconnected without sending a response", and the
+# runtime took a healthy engine for dead and restarted it (seen in `make run`'s demo).
+KEEPALIVE_EXPIRY_S = 2.0
+# httpcore's words for a connection closed before any byte of the answer: the request was not read.
+_NOT_ANSWERED = "without sending a response"
+
+
 class HTTPTransport:
-    """One engine's HTTP connection pool, translating transport and status failures to `EngineError`."""
+    """One engine's HTTP connection pool, translating transport and status failures to `EngineError`.
+
+    A request whose kept-alive connection the server closed before answering is sent once more, on a
+    new connection; any other transport failure is the engine's (`EngineUnavailable`)."""
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            headers=headers,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        )
 
     async def request(
         self,
@@ -56,7 +73,12 @@ class HTTPTransport:
         """Send one request; return the response only when its status is 2xx."""
         extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         try:
-            response = await self._client.request(method, route, json=json, params=params, **extra)
+            try:
+                response = await self._client.request(method, route, json=json, params=params, **extra)
+            except httpx.RemoteProtocolError as exc:
+                if _NOT_ANSWERED not in str(exc):
+                    raise
+                response = await self._client.request(method, route, json=json, params=params, **extra)
         except httpx.TimeoutException as exc:
             raise EngineTimeout(self.base_url, route, f"timed out ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:

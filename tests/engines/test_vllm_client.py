@@ -21,7 +21,7 @@ from app.engines.errors import (
     EngineUnavailable,
 )
 from app.engines.sglang import SGLangEngine
-from app.engines.vllm import VLLMEngine
+from app.engines.vllm import HTTPTransport, VLLMEngine
 
 
 def make_engine(stub: RunningStub, **overrides: object) -> VLLMEngine:
@@ -389,3 +389,40 @@ async def test_sglang_failed_load_raises_and_keeps_version(stub: RunningStub, tm
         with pytest.raises(EngineRequestError, match="oom"):
             await engine.publish_weights(1, make_checkpoint(tmp_path))
         assert engine.known_version == 0
+
+
+async def test_a_kept_alive_connection_the_server_closed_unanswered_is_retried_on_a_new_one() -> None:
+    """The server answers the first request on a connection and keeps it alive, then closes it when
+    the next request arrives, unanswered: what uvicorn's keep-alive timeout does to a request sent
+    just as it expires. That must not read as a dead engine (the runtime restarted healthy engines)."""
+    import asyncio
+
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # requests here have no body
+            body = b'{"is_paused": false}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+            writer.write(b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")  # the next request on it is not answered
+        except asyncio.IncompleteReadError:
+            pass  # the client closed it
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    transport = HTTPTransport(f"http://127.0.0.1:{port}", timeout_s=5)
+    try:
+        for _ in range(3):
+            answer = await transport.request_json("GET", "/is_paused")
+            assert answer == {"is_paused": False}
+        assert connections == 3  # the second and third requests each went again, on a new connection
+    finally:
+        await transport.aclose()
+        server.close()
+        await server.wait_closed()
