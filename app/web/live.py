@@ -127,8 +127,9 @@ class ManagerRuns:
         state = str(record.get("state", "unknown"))
         policy = dict(record.get("policy") or {})
         policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
+        label, started_at = str(record.get("name", "")), record.get("started_at")
         if handle is None:
-            return RunMeta(state=state, policy=policy, label=str(record.get("name", "")))
+            return RunMeta(state=state, policy=policy, label=label, started_at=started_at)
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
         lanes: list[dict[str, Any]] = []
@@ -167,7 +168,8 @@ class ManagerRuns:
             engines=engines,
             lanes=lanes,
             now=now,
-            label=str(record.get("name", "")),
+            label=label,
+            started_at=started_at,
         )
 
     # -- acting ---------------------------------------------------------------------------------

@@ -139,6 +139,7 @@ class RunMeta:
     lower_bound_s: float | None = None
     now: float | None = None  # the run's clock now (live runs), for open spans and idle fraction
     label: str = ""
+    started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
 
 
 @dataclass
@@ -166,6 +167,7 @@ class RunView:
     detailed: bool = True  # False: group-level rows only (a report without its event log)
     pending_request: float | None = None  # when the trainer asked for a batch it has not got yet
     dropped_groups: int = 0  # ended groups no longer kept (a long live run keeps its latest)
+    started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -464,6 +466,7 @@ class RunViewBuilder:
             last_seq=self.last_seq,
             pending_request=self.pending if state in ("running", "paused", "stopping") else None,
             dropped_groups=self.dropped_groups,
+            started_at=meta.started_at,
         )
 
 

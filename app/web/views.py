@@ -18,6 +18,7 @@ re-rendered block, errors included.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
@@ -65,6 +66,7 @@ def make_env() -> Environment:
     env.globals["phase_label"] = PHASE_LABELS.get
     env.filters["secs"] = lambda v: "—" if v is None else f"{v:.1f} s"
     env.filters["pct"] = lambda v: "—" if v is None else f"{v:.0%}"
+    env.filters["utc"] = lambda v: "—" if v is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(v))
     return env
 
 

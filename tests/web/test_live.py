@@ -32,6 +32,8 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
     view = runs.view(run_id)
     assert view.state == "running"
     assert view.label == "live-test"
+    assert view.started_at is not None
+    assert 0 <= time.time() - view.started_at < 60  # the stored start, for the runs page
     assert view.policy_short["S"] == 3
     assert view.span_count > 0
     assert {e.name for e in view.engines} == {"engine-0", "engine-1"}

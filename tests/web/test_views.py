@@ -29,7 +29,7 @@ class FakeRuns:
     def view(self, run_id):
         if run_id != "live-1":
             return None
-        return view_from_events(run_id, self.events, RunMeta(state="running"))
+        return view_from_events(run_id, self.events, RunMeta(state="running", started_at=1796047380.0))
 
     def version(self, run_id):
         return len(self.events)
@@ -88,6 +88,9 @@ async def test_runs_page_lists_live_runs_and_replays_with_labelled_fields():
     assert "<title>Corral — runs</title>" in r.text
     assert 'href="/runs/live-1"' in r.text
     assert 'href="/runs/replay-1"' in r.text
+    rows = {m[0]: m[1] for m in re.findall(r'<tr data-run="([^"]+)">(.*?)</tr>', r.text, re.S)}
+    assert '<td class="num">2026-11-30 14:03:00</td>' in rows["live-1"]  # started (UTC), stored runs
+    assert '<td class="num">—</td>' in rows["replay-1"]  # a replay has no start time to show
     for field_id in re.findall(r'<input id="([^"]+)"', r.text):
         assert f'for="{field_id}"' in r.text  # every visible input has a label
     assert "corral_csrf" in r.headers["set-cookie"]
