@@ -11,6 +11,8 @@ resumes the runs that were executing.
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -49,12 +51,13 @@ def serve(
     spec = None
     if demo:
         spec = demo_run(demo_kind)
+    database = check_database(settings.database_url)
     url = f"http://{settings.host}:{settings.port}"
     say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
     lanes = "in-process"
     if settings.broker_url:
         lanes = f"celery on {settings.broker_url}, hosts {settings.lane_hosts}"
-    say(f"database: {settings.database_url}; lanes: {lanes}")
+    say(f"database: {database}; lanes: {lanes}")
     if settings.operator_token_generated:
         say(f"operator token (generated for this process): {settings.operator_token}")
     else:
@@ -63,6 +66,28 @@ def serve(
         say(f"demo run: {spec.kind.value}, {spec.trainer.value} trainer; see GET {url}/api/runs")
     app = create_app(settings, demo=spec)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+
+
+def check_database(url: str) -> str:
+    """Open the database (migrating it to the current schema) before the server starts, so that one
+    that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
+    to show, with any password hidden."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from app.service.store import ServiceStore
+
+    parsed = make_url(url)
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ServiceStore(url).close()
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
+    return shown
 
 
 def demo_run(kind: str) -> RunCreate:

@@ -21,6 +21,18 @@ from test_serve_restart import corral_serve
         ({"CORRAL_OPERATOR_TOKEN": "short"}, [], "CORRAL_OPERATOR_TOKEN"),
         ({}, ["--demo-kind", "gpu"], "--demo-kind"),
         ({}, ["--port", "0"], "--port"),
+        # a database that cannot be opened: was the server's 150-line start-up traceback
+        (
+            {"CORRAL_DATABASE_URL": "postgresql+psycopg://postgres:s3cret@127.0.0.1:1/x"},
+            [],
+            "postgres:***@127.0.0.1:1/x: cannot open the database: connection failed",
+        ),
+        (
+            {"CORRAL_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:5432/no_such_db"},
+            [],
+            'database "no_such_db" does not exist',
+        ),
+        ({"CORRAL_DATABASE_URL": "sqlite:////proc/corral.db"}, [], "cannot open the database"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(
@@ -44,6 +56,7 @@ def test_bad_settings_are_one_line_and_exit_2(
     assert len(lines) == 1, lines
     assert names in lines[0]
     assert "Traceback" not in lines[0]
+    assert "s3cret" not in lines[0]
 
 
 def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
@@ -76,3 +89,11 @@ def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
     printed = log.read_text()
     assert f"corral serve: {url}" in printed
     assert "operator token (generated for this process): " in printed
+
+
+def test_a_new_sqlite_database_gets_its_directory(tmp_path: Path) -> None:
+    from app.api.serve import check_database
+
+    path = tmp_path / "new" / "dir" / "corral.db"
+    assert check_database(f"sqlite:///{path}") == f"sqlite:///{path}"
+    assert path.stat().st_size > 0  # created and migrated
