@@ -11,14 +11,12 @@ resumes the runs that were executing.
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import fail, say
+from app.cli.common import check_database, fail, say
 
 if TYPE_CHECKING:
     from app.service.schemas import RunCreate
@@ -66,28 +64,6 @@ def serve(
         say(f"demo run: {spec.kind.value}, {spec.trainer.value} trainer; see GET {url}/api/runs")
     app = create_app(settings, demo=spec)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
-
-
-def check_database(url: str) -> str:
-    """Open the database (migrating it to the current schema) before the server starts, so that one
-    that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
-    to show, with any password hidden."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from app.service.store import ServiceStore
-
-    parsed = make_url(url)
-    shown = parsed.render_as_string(hide_password=True)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        ServiceStore(url).close()
-    except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
-    return shown
 
 
 def demo_run(kind: str) -> RunCreate:

@@ -8,6 +8,7 @@ left as it was) before any work starts; a report is strict JSON (no NaN or Infin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -178,3 +179,25 @@ def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: st
     write_json(json_out, report)
     write_plot(lambda out: plot_timeline(report, out), plot)
     say(summary_line(report, json_out, detail))
+
+
+def check_database(url: str) -> str:
+    """Open the database (migrating it to the current schema) before the server starts, so that one
+    that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
+    to show, with any password hidden."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from app.service.store import ServiceStore
+
+    parsed = make_url(url)
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ServiceStore(url).close()
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
+    return shown

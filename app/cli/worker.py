@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import fail
+from app.cli.common import check_database, fail
 from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.lanes.base import LaneName
 
@@ -76,6 +76,14 @@ def worker(
             configure(entry or DEFAULT_ENTRY)
         except ValueError as exc:
             fail(f"--entry: {exc}")
+        if entry in (None, DEFAULT_ENTRY):  # the default drives runs stored in CORRAL_DATABASE_URL
+            from app.settings import load_settings
+
+            try:
+                database_url = load_settings().database_url
+            except ValidationError as exc:
+                fail(str(exc).splitlines()[0])
+            check_database(database_url)
         run_orchestrator_worker(settings, concurrency or 1, entry or DEFAULT_ENTRY, loglevel.upper())
         return
     if entry is not None:

@@ -92,7 +92,7 @@ def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
 
 
 def test_a_new_sqlite_database_gets_its_directory(tmp_path: Path) -> None:
-    from app.api.serve import check_database
+    from app.cli.common import check_database
 
     path = tmp_path / "new" / "dir" / "corral.db"
     assert check_database(f"sqlite:///{path}") == f"sqlite:///{path}"

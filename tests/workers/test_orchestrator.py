@@ -86,3 +86,21 @@ def test_a_lost_lease_is_reported_not_renewed_behind_a_new_holders_back(
         assert client.get(f"corral:orchestrator:{run_id}") == taker.local.token  # still the taker's
     assert f"run {run_id}: lease lost" in caplog.text
     taker.release()
+
+
+def test_an_orchestrator_worker_whose_database_cannot_be_opened_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to start and wait for runs it could never drive; now it refuses before connecting."""
+    from app.cli import main
+
+    monkeypatch.setenv("CORRAL_BROKER_URL", ORCH_REDIS_URL)
+    monkeypatch.setenv("CORRAL_DATABASE_URL", "postgresql+psycopg://postgres:s3cret@127.0.0.1:1/x")
+    monkeypatch.setattr("sys.argv", ["corral", "worker", "--orchestrator"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "cannot open the database" in lines[0]
+    assert "s3cret" not in lines[0]
