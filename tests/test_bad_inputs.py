@@ -498,28 +498,46 @@ def test_help_explains_s_and_k_and_lists_every_option(
 def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     from rich.console import Console
 
+    from app.core.events import (
+        BatchDelivered,
+        EngineStateChanged,
+        EngineUpdateEnd,
+        Envelope,
+        GroupAdmitted,
+        GroupDiscarded,
+        PolicyChanged,
+    )
     from app.runtime.progress import RunProgress
 
     console = Console(record=True, width=200)
     progress = RunProgress(console, batches=3)
-    progress.on_event("batch", {"index": 0, "wait_s": 12.345678, "staleness": [0, 1], "groups": [4, 7]})
-    progress.on_event("group_admitted", {"group": 1, "live": 3})
-    progress.on_event("engine_updated", {"engine": "engine-0", "version": 2})
-    progress.on_event("engine_restarted", {"engine": "engine-[1]", "after_s": 3.14159})
-    progress.on_event("group_discarded", {"group": 5, "reason": "cancelled"})
-    progress.on_event("group_discarded", {"group": 6, "reason": "stale"})
-    progress.on_event("engine_state", {"engine": "engine-1", "state": "down", "detail": "exited with -9"})
-    progress.on_event("engine_state", {"engine": "*", "state": "all_down", "detail": "every engine is down"})
+    for seq, (t, event) in enumerate(
+        [
+            (12.345678, BatchDelivered(0, (4, 7), 1, 0.0, 12.0, staleness=(0, 1))),
+            (13.0, GroupAdmitted(1, 0, 2)),
+            (14.0, EngineUpdateEnd("engine-0", 2)),
+            (15.0, EngineStateChanged("engine-[1]", "restarted", "after 3.1 s")),
+            (16.0, GroupDiscarded(5, "cancelled")),
+            (17.0, GroupDiscarded(6, "stale")),
+            (18.0, EngineStateChanged("engine-1", "down", "exited with -9")),
+            (19.0, EngineStateChanged("*", "all_down", "every engine is down")),
+            (20.0, PolicyChanged("max_staleness", 2, 3, "operator")),
+            (21.0, EngineUpdateEnd("engine-1", 3, ok=False, error="timed out after 120s")),
+        ]
+    ):
+        progress.on_envelope(Envelope("run", seq, t, event))
     text = console.export_text()
     assert "batch 1/3 delivered: 2 groups after 12.3 s, staleness ≤ 1" in text
     assert "group_admitted" not in text
     assert "group admitted" not in text
     assert "engine-0 now serves policy version 2" in text
-    assert "engine restarted: engine engine-[1], after_s 3.1" in text
+    assert "engine-[1] is restarted: after 3.1 s" in text  # brackets stay as typed, not rich markup
     assert "group 5" not in text  # cancelled at the end of a run: counted in the report, not printed
     assert "group 6 discarded (stale); 1 so far" in text
     assert "engine-1 is down: exited with -9" in text
     assert "] every engine is down" in text
+    assert "max_staleness changed from 2 to 3 by operator" in text
+    assert "engine-1 failed to load policy version 3 and left rotation: timed out after 120s" in text
     assert "{" not in text
 
 

@@ -201,12 +201,16 @@ class BatchRequested(Event):
 
 @dataclass(frozen=True, slots=True)
 class BatchDelivered(Event):
+    """`staleness` is each delivered group's, in the order of `group_ids` (empty in streams recorded
+    before it was added)."""
+
     kind: ClassVar[str] = "batch_delivered"
     batch_index: int
     group_ids: tuple[int, ...]
     trainer_version: int
     requested_at: float
     ready_at: float
+    staleness: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,7 +177,6 @@ class Runtime:
         lanes: Lanes,
         source: AttemptSource,
         trainer: Trainer,
-        on_event: Callable[[str, dict[str, object]], None] | None = None,
         faults: EngineFaultConfig | None = None,
         supervisor: EngineSupervisor | None = None,
         bus: EventBus | None = None,
@@ -199,7 +198,6 @@ class Runtime:
         self.source = source
         self.trainer = trainer
         self.state = RunState(engines={e.name: EngineRecord() for e in engines})
-        self._on_event = on_event
         self._tg: asyncio.TaskGroup | None = None
         self._attempts: dict[AttemptKey, asyncio.Task[None]] = {}
         self._group_tasks: dict[int, int] = {}  # groups with attempt tasks: their size
@@ -327,7 +325,6 @@ class Runtime:
         sandbox is cleaned up, and the report covers the batches delivered so far."""
         self._stop_requested = True
         self._end_batch_wait()
-        self._emit("stop_requested", {})
 
     def _end_batch_wait(self) -> None:
         """End the trainer's wait without a batch (a stop or the deadline), withdrawing the request in
@@ -348,7 +345,10 @@ class Runtime:
         ready = max(g.completed_at for g in batch.groups)
         rewards = [r for g in batch.groups for r in g.rewards]
         group_ids = tuple(g.group_id for g in batch.groups)
-        self._publish(BatchDelivered(batch.index, group_ids, batch.trainer_version, requested, ready))
+        staleness = tuple(g.staleness for g in batch.groups)
+        self._publish(
+            BatchDelivered(batch.index, group_ids, batch.trainer_version, requested, ready, staleness)
+        )
         self.state.batches.append(
             BatchRecord(
                 index=batch.index,
@@ -359,15 +359,6 @@ class Runtime:
                 max_staleness=max(g.staleness for g in batch.groups),
                 mean_reward=sum(rewards) / len(rewards),
             )
-        )
-        self._emit(
-            "batch",
-            {
-                "index": batch.index,
-                "wait_s": delivered - requested,
-                "staleness": [g.staleness for g in batch.groups],
-                "groups": [g.group_id for g in batch.groups],
-            },
         )
 
     @property
@@ -393,7 +384,6 @@ class Runtime:
         decisions = self.scheduler.set_surplus(surplus, self.now())
         self._publish(PolicyChanged("surplus_groups", old, surplus, actor))
         self._apply(decisions)
-        self._emit("surplus_changed", {"surplus_groups": surplus})
 
     def set_max_staleness(self, max_staleness: int, actor: str = "operator") -> None:
         old = self.scheduler.max_staleness
@@ -402,7 +392,6 @@ class Runtime:
         self._apply(decisions)
         self._do_updates(self.plan.set_max_staleness(max_staleness))
         self.pool.wake()  # engines within the new K serve again
-        self._emit("max_staleness_changed", {"max_staleness": max_staleness})
 
     def hold(self, held: bool) -> None:
         """An operator paused (or resumed) the run: while held no turn starts on any engine and no
@@ -427,7 +416,6 @@ class Runtime:
                 if failed is not None:  # the group fails; the scheduler may admit another
                     pending.extend(self._fail_start((decision.group_id, failed[0]), failed[1]))
                     continue
-                self._emit("group_admitted", {"group": decision.group_id, "live": self.scheduler.groups_live})
             elif isinstance(decision, CancelGroup):
                 self._outcomes.pop(decision.group_id, None)
                 for i in range(self._group_tasks.pop(decision.group_id, 0)):
@@ -436,7 +424,6 @@ class Runtime:
                     if task is not None:
                         task.cancel()
                         self._publish(AttemptCancelled(key[0], key[1], decision.reason.value))
-                self._emit("group_discarded", {"group": decision.group_id, "reason": decision.reason.value})
             elif isinstance(decision, DeliverBatch):
                 if self._batch_waiter is None or self._batch_waiter.done():
                     raise RuntimeError("the scheduler delivered a batch nobody asked for")
@@ -689,7 +676,6 @@ class Runtime:
     def _engine_state(self, name: str, state: str, detail: str = "") -> None:
         self.state.engine_events.append((self.now(), name, state, detail))
         self._publish(EngineStateChanged(name, state, detail))
-        self._emit("engine_state", {"engine": name, "state": state, "detail": detail})
 
     def _engine_down(self, name: str, detail: str) -> None:
         """`name` leaves rotation: its in-flight turns retry elsewhere, an update it runs is abandoned
@@ -855,9 +841,6 @@ class Runtime:
             self.state.update_log.append((now, engine.name, action.version, "failed"))
             self.state.update_failures.append((now, engine.name, action.version, reason))
             self._publish(EngineUpdateEnd(engine.name, action.version, ok=False, error=reason))
-            self._emit(
-                "engine_update_failed", {"engine": engine.name, "version": action.version, "error": reason}
-            )
             if self.pool.epoch[engine.name] == epoch:
                 self._engine_down(engine.name, f"update to version {action.version} failed: {reason}")
             return
@@ -869,13 +852,8 @@ class Runtime:
         record.versions.append((self.now(), action.version))
         self.state.update_log.append((self.now(), engine.name, action.version, "end"))
         self._publish(EngineUpdateEnd(engine.name, action.version))
-        self._emit("engine_updated", {"engine": engine.name, "version": action.version})
         if not self._stopping:
             self._do_updates(self.plan.on_updated(engine.name))
         else:
             self.plan.on_updated(engine.name)
         self.pool.wake()
-
-    def _emit(self, kind: str, data: dict[str, object]) -> None:
-        if self._on_event is not None:
-            self._on_event(kind, data)

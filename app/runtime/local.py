@@ -184,7 +184,6 @@ async def _run(
             trainer = SentinelTrainer(config.trainer.step_s, weights)
 
             progress = RunProgress(console, batches)
-            on_event = progress.on_event
             event_log = EventLog()
 
             source = TaskSource(tasks, factory, agent, config.seed)
@@ -199,7 +198,6 @@ async def _run(
                     lanes=lanes,
                     source=source,
                     trainer=trainer,
-                    on_event=on_event,
                     faults=fault_config(config.engines),
                     supervisor=engines,
                     timeline=True,

@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Protocol
 
 import httpx
 from rich.console import Console
 from rich.text import Text
 
-from app.core.events import AttemptFinished, Envelope, GroupReady, SandboxOp, TurnDone
+from app.core.events import (
+    AttemptFinished,
+    BatchDelivered,
+    EngineStateChanged,
+    EngineUpdateEnd,
+    Envelope,
+    GroupDiscarded,
+    GroupReady,
+    PolicyChanged,
+    SandboxOp,
+    TurnDone,
+)
 from app.cpulist import format_cpu_list
 from app.runtime.config import LocalRunConfig
 
@@ -28,7 +39,6 @@ from app.runtime.config import LocalRunConfig
 STATUS_EVERY_S = 15.0
 
 # Events that are frequent and dull; the per-batch line sums them up.
-_QUIET = frozenset({"group_admitted", "group_ready", "turn", "attempt_done", "stop_requested"})
 
 
 class _Engine(Protocol):
@@ -81,8 +91,10 @@ class RunProgress:
             self.console.print(Text(stamp + text), highlight=False, soft_wrap=True)
 
     def on_envelope(self, envelope: Envelope) -> None:
-        """A subscriber of the run's event bus: counts turns, sandbox operations, attempts and ready
-        groups, and says where the next batch stands when nothing was printed for `STATUS_EVERY_S`."""
+        """A subscriber of the run's event bus: a line for each delivered batch, engine update or state
+        change, discarded group and live policy change; counts turns, sandbox operations, attempts and
+        ready groups, and says where the next batch stands when nothing was printed for
+        `STATUS_EVERY_S`."""
         event = envelope.event
         if isinstance(event, TurnDone):
             self.turns += 1
@@ -92,6 +104,10 @@ class RunProgress:
             self.attempts += 1
         elif isinstance(event, GroupReady):
             self.ready.add(event.group_id)
+        else:
+            said = self._say(envelope)
+            if said is not None:
+                self.line(said)
         if time.perf_counter() - self.last_line >= STATUS_EVERY_S:
             of = f" of {self.groups_per_batch}" if self.groups_per_batch else ""
             self.line(
@@ -156,57 +172,37 @@ class RunProgress:
                     self.line(f"still starting: {', '.join(waiting)}")
                 await asyncio.sleep(every_s)
 
-    def on_event(self, kind: str, data: dict[str, object]) -> None:
-        """The runtime's event callback: one readable line for the events worth a line."""
-        if kind in _QUIET:
-            return
-        if kind == "group_discarded" and data.get("reason") == "cancelled":
-            return  # the live groups a finished run leaves behind; the report counts them
-        formatter = _FORMATS.get(kind)
-        if formatter is not None:
-            self.line(formatter(self, data))
-        else:
-            details = ", ".join(f"{k} {_round(v)}" for k, v in data.items())
-            self.line(f"{kind.replace('_', ' ')}" + (f": {details}" if details else ""))
+    def _say(self, envelope: Envelope) -> str | None:
+        """One readable line for the events worth a line, else None."""
+        event = envelope.event
+        if isinstance(event, BatchDelivered):
+            return self._batch(event, envelope.t - event.requested_at)
+        if isinstance(event, EngineUpdateEnd):
+            if event.ok:
+                return f"{event.engine} now serves policy version {event.version}"
+            failed = f"{event.engine} failed to load policy version {event.version}"
+            return f"{failed} and left rotation: {event.error}"
+        if isinstance(event, GroupDiscarded):
+            self.ready.discard(event.group_id)
+            if event.reason == "cancelled":
+                return None  # the live groups a finished run leaves behind; the report counts them
+            self.discarded += 1
+            return f"group {event.group_id} discarded ({event.reason}); {self.discarded} so far"
+        if isinstance(event, EngineStateChanged):
+            if event.engine == "*":  # the state of the whole pool, e.g. every engine down
+                return event.detail or event.state
+            return f"{event.engine} is {event.state}" + (f": {event.detail}" if event.detail else "")
+        if isinstance(event, PolicyChanged):
+            return f"{event.field} changed from {_round(event.old)} to {_round(event.new)} by {event.actor}"
+        return None
 
-    def _batch(self, data: dict[str, object]) -> str:
-        index = int(str(data.get("index", 0))) + 1
+    def _batch(self, event: BatchDelivered, wait_s: float) -> str:
+        index = event.batch_index + 1
         of = f"/{self.batches}" if self.batches else ""
-        wait = float(str(data.get("wait_s", 0.0)))
-        staleness = data.get("staleness") or [0]
-        groups = data.get("groups") or []
-        worst = max(int(str(s)) for s in staleness) if isinstance(staleness, list) else staleness
-        count = len(groups) if isinstance(groups, list) else groups
+        worst = max(event.staleness, default=0)
         self.delivered = index
-        if isinstance(groups, list):
-            self.ready.difference_update(int(str(g)) for g in groups)
-        return f"batch {index}{of} delivered: {count} groups after {wait:.1f} s, staleness ≤ {worst}"
-
-    def _updated(self, data: dict[str, object]) -> str:
-        return f"{data.get('engine')} now serves policy version {data.get('version')}"
-
-    def _engine_state(self, data: dict[str, object]) -> str:
-        detail = data.get("detail")
-        if data.get("engine") == "*":  # the state of the whole pool, e.g. every engine down
-            return str(detail or data.get("state"))
-        return f"{data.get('engine')} is {data.get('state')}" + (f": {detail}" if detail else "")
-
-    def _update_failed(self, data: dict[str, object]) -> str:
+        self.ready.difference_update(event.group_ids)
         return (
-            f"{data.get('engine')} failed to load policy version {data.get('version')} "
-            f"and left rotation: {data.get('error')}"
+            f"batch {index}{of} delivered: {len(event.group_ids)} groups after {wait_s:.1f} s, "
+            f"staleness ≤ {worst}"
         )
-
-    def _discarded(self, data: dict[str, object]) -> str:
-        self.discarded += 1
-        self.ready.discard(int(str(data.get("group", -1))))
-        return f"group {data.get('group')} discarded ({data.get('reason')}); {self.discarded} so far"
-
-
-_FORMATS: dict[str, Callable[[RunProgress, dict[str, object]], str]] = {
-    "batch": RunProgress._batch,
-    "engine_updated": RunProgress._updated,
-    "group_discarded": RunProgress._discarded,
-    "engine_state": RunProgress._engine_state,
-    "engine_update_failed": RunProgress._update_failed,
-}

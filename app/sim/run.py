@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from app.core.config import PolicyConfig, PolicyName
-from app.core.events import Envelope
+from app.core.events import BatchDelivered, Envelope, Event, SandboxOp, TurnDone
 from app.runtime.driver import RunState, Runtime
 from app.runtime.ports import Trainer
 from app.runtime.report import ReportStatic, build_report
@@ -43,7 +43,7 @@ def simulate(
     on_batch: Progress | None = None,
     trajectories: TrajectorySource | None = None,
     changes: Sequence[tuple[float, str, int]] = (),
-    observer: Callable[[Runtime, str, dict[str, object]], None] | None = None,
+    observer: Callable[[Runtime, Event], None] | None = None,
     timeline: bool = False,
     trainer: Trainer | None = None,
     events: Callable[[Envelope], None] | None = None,
@@ -51,19 +51,13 @@ def simulate(
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
     `changes` are live retunes at virtual times: (t, "surplus_groups" | "max_staleness", value).
-    `observer` sees every runtime event with the runtime, for invariant checks; `events` gets every
-    envelope of the run's typed event stream, as published.
+    `observer` sees every event of the run's typed stream with the runtime, as published, for invariant
+    checks; `events` gets every envelope of that stream.
     """
     wall = time.perf_counter()
     source = trajectories or TrajectorySource(workload)
     ports = build_ports(workload, policy)
     engines, lanes, lane_cpus = ports.engines, ports.lanes, ports.lane_cpus
-
-    def on_event(kind: str, data: dict[str, object]) -> None:
-        if observer is not None:
-            observer(runtime, kind, data)
-        if kind == "batch" and on_batch is not None:
-            on_batch(int(str(data["index"])) + 1)
 
     runtime = Runtime(
         policy=policy,
@@ -72,11 +66,21 @@ def simulate(
         lanes=lanes,
         source=SimSource(source, lane_cpus),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
-        on_event=on_event,
         timeline=timeline,
     )
     spans = GroupSpans()
     runtime.bus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)
+    if on_batch is not None:
+        batch_progress = on_batch
+
+        def on_envelope(env: Envelope) -> None:
+            if isinstance(env.event, BatchDelivered):
+                batch_progress(env.event.batch_index + 1)
+
+        runtime.bus.subscribe(on_envelope, {TurnDone: None, SandboxOp: None})  # skip the frequent kinds
+    if observer is not None:
+        watch = observer
+        runtime.bus.subscribe(lambda env: watch(runtime, env.event))
     if events is not None:
         runtime.bus.subscribe(events)
 

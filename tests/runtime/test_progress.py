@@ -104,7 +104,7 @@ def test_starting_lines_name_cpus_and_lanes() -> None:
 def test_status_line_between_batches_counts_turns_attempts_and_ready_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from app.core.events import AttemptFinished, Envelope, GroupReady, TurnDone
+    from app.core.events import AttemptFinished, BatchDelivered, Envelope, GroupReady, TurnDone
     from app.runtime import progress as progress_module
 
     progress, console = make_progress()
@@ -122,8 +122,8 @@ def test_status_line_between_batches_counts_turns_attempts_and_ready_groups(
         "collecting batch 1: 1 of 4 groups ready, 1 attempt finished, 2 turns and 0 sandbox operations"
         in console.export_text(clear=False)
     )
-    progress.on_event("batch", {"index": 0, "wait_s": 3.0, "staleness": [0], "groups": [1]})
-    progress.on_envelope(Envelope("run", 4, 0.0, turn))
+    progress.on_envelope(Envelope("run", 4, 3.0, BatchDelivered(0, (1,), 1, 0.0, 2.0, staleness=(0,))))
+    progress.on_envelope(Envelope("run", 5, 3.0, turn))
     assert (
         "collecting batch 2: 0 of 4 groups ready, 1 attempt finished, 3 turns and 0 sandbox operations"
         in console.export_text()

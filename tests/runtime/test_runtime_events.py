@@ -421,7 +421,7 @@ def test_the_runtimes_memory_follows_the_groups_in_flight_not_the_run_history() 
     sizes: list[tuple[int, ...]] = []
     captured: dict[str, Runtime] = {}
 
-    def observe(runtime: Runtime, kind: str, data: dict[str, object]) -> None:
+    def observe(runtime: Runtime, event: Event) -> None:
         captured["rt"] = runtime
         acc = runtime.report_acc
         sizes.append(

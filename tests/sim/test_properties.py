@@ -16,7 +16,9 @@ from app.core.events import (
     AttemptFinished,
     AttemptRestarted,
     AttemptStarted,
+    BatchDelivered,
     Envelope,
+    Event,
     GroupAdmitted,
     GroupDelivered,
     GroupDiscarded,
@@ -89,11 +91,11 @@ class InvariantObserver:
 
     def __init__(self) -> None:
         self.violations: list[str] = []
-        self.batches: list[dict[str, Any]] = []
+        self.batches: list[BatchDelivered] = []
 
-    def __call__(self, runtime: Runtime, kind: str, data: dict[str, Any]) -> None:
+    def __call__(self, runtime: Runtime, event: Event) -> None:
         sched = runtime.scheduler
-        if kind == "group_admitted":
+        if isinstance(event, GroupAdmitted):
             # B + S caps what is live, or (in-flight admission) what is in flight; then in flight +
             # ready stays within B + S + R when R is set.
             if sched.groups_running > sched.capacity:
@@ -103,11 +105,13 @@ class InvariantObserver:
             cap = sched.live_cap
             if cap is not None and sched.groups_live > cap:
                 self.violations.append(f"admitted past the live cap: {sched.groups_live} > {cap}")
-        if kind == "batch":
-            for staleness in data["staleness"]:
+        if isinstance(event, BatchDelivered):
+            if len(event.staleness) != len(event.group_ids):
+                self.violations.append(f"batch {event.batch_index}: a staleness per group expected")
+            for staleness in event.staleness:
                 if staleness > sched.max_staleness:
                     self.violations.append(f"delivered staleness {staleness} > K={sched.max_staleness}")
-            self.batches.append(data)
+            self.batches.append(event)
         if runtime.plan.rolling and len(runtime.plan.updating) > runtime.policy.max_updating_engines:
             self.violations.append("too many engines updating at once")
 
@@ -116,9 +120,9 @@ def check_run(workload: Workload, policy: PolicyConfig, live: list[tuple[float, 
     observer = InvariantObserver()
     captured: dict[str, Runtime] = {}
 
-    def observe(runtime: Runtime, kind: str, data: dict[str, Any]) -> None:
+    def observe(runtime: Runtime, event: Event) -> None:
         captured["rt"] = runtime
-        observer(runtime, kind, data)
+        observer(runtime, event)
 
     envelopes: list[Envelope] = []
     report = simulate(workload, policy, "prop", changes=live, observer=observe, events=envelopes.append)

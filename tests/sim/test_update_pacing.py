@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_properties import changes, check_run, make_workload, workloads
 
 from app.core.config import PolicyName, UpdatePacing
-from app.core.events import EngineUpdateBegin, EngineUpdateEnd, Envelope
+from app.core.events import EngineUpdateBegin, EngineUpdateEnd, Envelope, Event
 from app.runtime.driver import Runtime
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
@@ -39,7 +39,7 @@ class PacingWitness:
         self.wrong: list[str] = []
         self.wrapped = False
 
-    def __call__(self, runtime: Runtime, kind: str, data: dict[str, Any]) -> None:
+    def __call__(self, runtime: Runtime, event: Event) -> None:
         if self.wrapped:
             return
         self.wrapped = True
