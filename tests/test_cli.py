@@ -241,16 +241,19 @@ def test_staleness_sweep_rows_name_their_k() -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "presses"),
     [
-        ["sim", "--workload", "w.json"],
-        ["bench", "--family"],
+        (["sim", "--workload", "w.json"], 1),
+        (["sim", "--workload", "w.json"], 2),
+        (["bench", "--family"], 1),
     ],
-    ids=["sim", "bench --family"],
+    ids=["sim", "sim, Ctrl-C twice", "bench --family"],
 )
-def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(args: list[str], tmp_path: Path) -> None:
+def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
+    args: list[str], presses: int, tmp_path: Path
+) -> None:
     """A Ctrl-C used to leave the virtual loop's tasks pending: thousands of "Task was destroyed" and
-    "sandbox cleanup failed" lines, then a silent exit 130."""
+    "sandbox cleanup failed" lines, then a silent exit 130; a second press broke the unwinding."""
     import os
     import signal
     import time
@@ -262,8 +265,12 @@ def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(args: list[
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     time.sleep(6)  # imported and simulating by now
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    for press in range(presses):
+        if press:
+            time.sleep(0.02)  # the second press lands while the simulation unwinds
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    # A second press may also end the exiting interpreter itself (killed by SIGINT: a shell says 130)
+    assert proc.returncode in ((130, -signal.SIGINT) if presses > 1 else (130,)), stderr
     assert stderr.splitlines() == ["interrupted; out.json not written"]
     assert not (tmp_path / "out.json").exists()
