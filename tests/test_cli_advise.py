@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CORRAL = Path(sys.executable).with_name("corral")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -64,9 +66,11 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert "settings simulated" in done.stderr
 
 
-def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("presses", [1, 2], ids=["Ctrl-C", "Ctrl-C twice"])
+def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path, presses: int) -> None:
     """Ctrl-C mid-search: the settings simulated so far are not lost. The advice from them is written
-    with `"complete": false`, the exit code is 130, and no worker process is left."""
+    with `"complete": false`, the exit code is 130, and no worker process is left; a second press
+    while that is written does not break it."""
     import os
     import signal
     import time
@@ -79,7 +83,10 @@ def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     time.sleep(12)  # several settings simulated by now, out of about a hundred
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    for press in range(presses):
+        if press:
+            time.sleep(0.05)  # while the partial advice is saved
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from app import early_signals
 from app.cli.common import check_output, check_plot, fail, progress_bar, say, write_json, write_plot
 from app.cli.sim import checked_trace, load
 from app.sim.workload import WorkloadError
+
+if TYPE_CHECKING:
+    from app.sim.advise import Advice
+    from app.sim.workload import Workload
 
 trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
 
@@ -59,8 +64,7 @@ def advise(
     ] = None,
 ) -> None:
     """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""
-    from app.sim.advise import AdviceInterrupted, plot_advice
-    from app.sim.advise import advise as run_advice
+    from app.sim.advise import plot_advice
     from app.sim.workload import TraceSpec, Workload
 
     check_output(json_out, "--json")
@@ -75,28 +79,16 @@ def advise(
             fail(str(exc))
         except ValueError as exc:
             fail(f"--trace {trace}: {exc}")
-    with progress_bar() as progress:
-        task = progress.add_task("simulating candidates", total=1)
-
-        def on_run(done: int, planned: int) -> None:
-            progress.update(task, completed=done, total=planned)
-
-        try:
-            advice = run_advice(spec, passes=passes, workers=workers, on_run=on_run)
-        except AdviceInterrupted as stopped:
-            interrupted = stopped.partial
-            if interrupted is None:
-                say(f"interrupted before the current settings were simulated; {json_out} not written")
-                raise typer.Exit(130) from None
-            advice = interrupted
-    write_json(json_out, advice.as_dict())
-    write_plot(lambda out: plot_advice(advice, str(out)), plot)
-    if not advice.complete:  # what was simulated is kept: it cost minutes
-        say(
-            f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → {json_out} "
-            '("complete": false)'
-        )
-        raise typer.Exit(130)
+    with early_signals.interruptible_once():  # a second Ctrl-C must not break the partial save
+        advice = _search(spec, passes, workers, json_out)
+        write_json(json_out, advice.as_dict())
+        write_plot(lambda out: plot_advice(advice, str(out)), plot)
+        if not advice.complete:  # what was simulated is kept: it cost minutes
+            say(
+                f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → "
+                f'{json_out} ("complete": false)'
+            )
+            raise typer.Exit(130)
     cur, rec = advice.current, advice.recommended
     say(
         f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "
@@ -111,3 +103,23 @@ def advise(
         f"wasted {rec.wasted_trajectory_s:,.0f} traj-s"
     )
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
+
+
+def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> Advice:
+    """The advice, with a progress bar; after a Ctrl-C, the advice from what was simulated."""
+    from app.sim.advise import AdviceInterrupted
+    from app.sim.advise import advise as run_advice
+
+    with progress_bar() as progress:
+        task = progress.add_task("simulating candidates", total=1)
+
+        def on_run(done: int, planned: int) -> None:
+            progress.update(task, completed=done, total=planned)
+
+        try:
+            return run_advice(spec, passes=passes, workers=workers, on_run=on_run)
+        except AdviceInterrupted as stopped:
+            if stopped.partial is None:
+                say(f"interrupted before the current settings were simulated; {json_out} not written")
+                raise typer.Exit(130) from None
+            return stopped.partial

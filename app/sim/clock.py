@@ -20,11 +20,11 @@ import contextlib
 import gc
 import heapq
 import itertools
-import signal
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from contextvars import Context, copy_context
 from typing import Any, TypeVar
+
+from app import early_signals
 
 T = TypeVar("T")
 
@@ -164,7 +164,7 @@ def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
     loop = VirtualTimeLoop(start)
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], SIM_GC_THRESHOLD0), *thresholds[1:])
-    with _interruptible_once():
+    with early_signals.interruptible_once():
         try:
             return loop.run_until_complete(main)
         except BaseException:
@@ -186,29 +186,3 @@ def _unwind(loop: VirtualTimeLoop) -> None:
     if tasks:
         with contextlib.suppress(Exception):  # best effort: the interrupt is what the caller reports
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-
-
-def _interrupt_once(signum: int, frame: object) -> None:
-    """Ctrl-C during a virtual-time run: a KeyboardInterrupt, and any further Ctrl-C (users press it
-    twice) ignored while the run unwinds, which takes well under a second of wall time; a second one
-    used to break the unwinding half-way and leave thousands of tasks to die noisily at exit."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _interruptible_once() -> Iterator[None]:
-    """`_interrupt_once` as the SIGINT handler for the duration, where Ctrl-C would raise
-    KeyboardInterrupt anyway: in the main thread (only it gets signals) with Python's default handler
-    (not when SIGINT is ignored, nor under a handler of the caller's own)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    signal.signal(signal.SIGINT, _interrupt_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
