@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -66,25 +66,28 @@ def release() -> list[int]:
     return take()
 
 
-def _interrupt_once(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 @contextmanager
-def interruptible_once() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt once; further presses (users press it twice) are ignored until
-    the block ends, so that what the block does after the first (unwinding a simulation, writing what
-    was computed so far) is not broken half-way. Only where Ctrl-C would raise KeyboardInterrupt
-    anyway: in the main thread (only it gets signals), under Python's default handler (not when SIGINT
-    is ignored, nor under a handler of the caller's own)."""
+def interruptible_once(on_first: Callable[[], None] | None = None) -> Iterator[None]:
+    """Ctrl-C acts once; further presses (users press it twice) are ignored until the block ends, so
+    that what the block does after the first (unwinding a simulation, writing what was computed so
+    far) is not broken half-way. The first press raises KeyboardInterrupt, or calls `on_first` instead
+    (to stop at a safe point of the caller's choosing). Only where Ctrl-C would raise
+    KeyboardInterrupt anyway: in the main thread (only it gets signals), under Python's default handler
+    (not when SIGINT is ignored, nor under a handler of the caller's own)."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
         yield
         return
-    signal.signal(signal.SIGINT, _interrupt_once)
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if on_first is None:
+            raise KeyboardInterrupt
+        on_first()
+
+    signal.signal(signal.SIGINT, first)
     try:
         yield
     finally:

@@ -54,6 +54,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # (when, seq, handle) for asyncio's timers, (when, seq, callback) for `call_fast` ones
         self._timers: list[tuple[float, int, Any]] = []
         self._timer_seq = itertools.count()
+        # Set by a Ctrl-C handler (`run_virtual`); the loop raises KeyboardInterrupt between callbacks,
+        # never inside one (where it could leave, say, a coroutine made and its task not).
+        self.interrupted = False
 
     def time(self) -> float:
         return self._virtual_now
@@ -112,6 +115,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         heappop = heapq.heappop
         timer_handle = asyncio.TimerHandle
         while True:
+            if self.interrupted:
+                self.interrupted = False
+                raise KeyboardInterrupt
             if len(fd_map) > 1:  # real file descriptors besides the wake-up pipe: poll them
                 self._process_events(self._selector.select(0))  # type: ignore[attr-defined]
             if not ready:
@@ -164,7 +170,11 @@ def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
     loop = VirtualTimeLoop(start)
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], SIM_GC_THRESHOLD0), *thresholds[1:])
-    with early_signals.interruptible_once():
+
+    def interrupt() -> None:
+        loop.interrupted = True
+
+    with early_signals.interruptible_once(interrupt):
         try:
             return loop.run_until_complete(main)
         except BaseException:
@@ -177,7 +187,7 @@ def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
 
 
 def _unwind(loop: VirtualTimeLoop) -> None:
-    """Cancel the tasks a run left (after a KeyboardInterrupt out of one of its callbacks) and run
+    """Cancel the tasks a run left (after a KeyboardInterrupt out of the loop, or an error) and run
     them to their end on virtual time. Left pending, each was destroyed at exit with a warning, and
     each attempt's cleanup then failed outside the loop: thousands of stderr lines for one Ctrl-C."""
     tasks = [task for task in asyncio.all_tasks(loop) if not task.done()]
