@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks import check_outputs
+
 CONFIG = """
 seed: 3
 batch: {groups: 2, group_size: 2}
@@ -210,6 +212,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
     parser.add_argument("--startup-stops", type=int, default=0, help="also time N Ctrl-Cs during start-up")
     args = parser.parse_args()
+    check_outputs(json=args.json)
     rows = []
     with tempfile.TemporaryDirectory(prefix="corral-faults-") as tmp:
         if args.startup_stops:

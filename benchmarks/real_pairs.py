@@ -30,9 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import typer
-
-from app.cli.common import check_output
+from benchmarks import check_outputs
 
 POLICIES = ("full", "sync")
 
@@ -168,10 +166,7 @@ def main() -> None:
         return
     if args.config is not None and not args.config.is_file():
         sys.exit(f"real_pairs: no config file at {args.config}")
-    try:  # before any run: the summary goes there (the CLI's check; it prints the one-line error)
-        check_output(args.out / f"{args.prefix}s.json", "--out")
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
+    check_outputs(out=args.out / f"{args.prefix}s.json")  # before any run: the summary goes there
     args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[dict[str, Any]] = []
     try:

@@ -34,6 +34,7 @@ from typing import Any
 
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
+from benchmarks import check_outputs
 
 SHAPES = {
     "short": {"uniform": [2, 4]},
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=1, metavar="N", help="run each shape N times; print the medians"
     )
     args = parser.parse_args(argv)
+    check_outputs(json=args.json_out)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     results = []
     ok = True

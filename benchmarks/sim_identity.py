@@ -35,6 +35,7 @@ from app.sim.family import builtin_workload
 from app.sim.peers import peer_policy
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
+from benchmarks import check_outputs
 
 WALL_FIELDS = {"wall_s"}
 
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="a JSON written before: report every case that differs")
     parser.add_argument("--quick", action="store_true", help="a subset of the cases")
     args = parser.parse_args(argv)
+    check_outputs(out=args.out)
     results: dict[str, Any] = {}
     for name, build in cases(args.quick):
         t0 = time.perf_counter()
