@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.family import FAMILY, run_family
-from benchmarks import check_outputs
 
 
 def table(result: dict[str, Any]) -> str:
@@ -53,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         "--reuse", type=Path, help="a JSON written before: its rungs are taken as they are, only new ones run"
     )
     args = parser.parse_args(argv)
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(json=args.json_out, plot=args.plot)
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in FAMILY]

@@ -31,8 +31,6 @@ from typing import Any
 
 import httpx
 
-from benchmarks import check_outputs
-
 CONFIG = """
 seed: 3
 batch: {groups: 2, group_size: 2}
@@ -212,6 +210,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
     parser.add_argument("--startup-stops", type=int, default=0, help="also time N Ctrl-Cs during start-up")
     args = parser.parse_args()
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(json=args.json)
     rows = []
     with tempfile.TemporaryDirectory(prefix="corral-faults-") as tmp:

@@ -49,7 +49,6 @@ from app.lanes.inprocess import InProcessLanes
 from app.sandboxes.limits import ResourceLimits
 from app.sandboxes.local import LocalSandbox, LocalSandboxFactory
 from app.tasks.spec import TaskSpec
-from benchmarks import check_outputs
 
 CONFIGS = ("idle", "pinned", "unpinned")
 LOADED = ("pinned", "unpinned")
@@ -552,6 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = build_parser().parse_args(argv)
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(json=args.json, plot=args.plot)
     cfg = BenchConfig(
         rounds=args.rounds,

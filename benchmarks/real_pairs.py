@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import check_outputs
-
 POLICIES = ("full", "sync")
 
 
@@ -166,6 +164,8 @@ def main() -> None:
         return
     if args.config is not None and not args.config.is_file():
         sys.exit(f"real_pairs: no config file at {args.config}")
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(out=args.out / f"{args.prefix}s.json")  # before any run: the summary goes there
     args.out.mkdir(parents=True, exist_ok=True)
     pairs: list[dict[str, Any]] = []

@@ -34,7 +34,6 @@ from typing import Any
 
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
-from benchmarks import check_outputs
 
 SHAPES = {
     "short": {"uniform": [2, 4]},
@@ -142,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=1, metavar="N", help="run each shape N times; print the medians"
     )
     args = parser.parse_args(argv)
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(json=args.json_out)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     results = []

@@ -35,7 +35,6 @@ from app.sim.family import builtin_workload
 from app.sim.peers import peer_policy
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
-from benchmarks import check_outputs
 
 WALL_FIELDS = {"wall_s"}
 
@@ -150,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="a JSON written before: report every case that differs")
     parser.add_argument("--quick", action="store_true", help="a subset of the cases")
     args = parser.parse_args(argv)
+    from benchmarks import check_outputs  # as a script (-m), the package is importable
+
     check_outputs(out=args.out)
     results: dict[str, Any] = {}
     for name, build in cases(args.quick):
