@@ -143,6 +143,7 @@ async def _local_ports(
     from app.runtime.engine_procs import EngineProcesses, fault_config
     from app.runtime.local import sandbox_factory
     from app.runtime.task_source import TaskSource, load_tasks
+    from app.sandboxes import leftovers
     from app.sandboxes.local import scratch_base
 
     config = spec.config
@@ -184,9 +185,11 @@ async def _local_ports(
         close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
         if close is not None:
             close()
-        with contextlib.suppress(OSError):  # each sandbox removed its own; a scratch base elsewhere goes
-            if sandboxes.parent != work_dir:
-                sandboxes.rmdir()
+        if sandboxes.parent != work_dir and not config.sandbox.base_dir:
+            # A scratch base in <tmp> (sandboxes.scratch_base) is this run's alone, and the run is
+            # over (its sandboxes cleaned up, its engines stopped): it goes whole.
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(leftovers.rmtree, sandboxes)
 
 
 def _make_work_dirs(work_dir: Path, sandboxes: Path) -> None:

@@ -93,13 +93,13 @@ def back_at(handle: RunHandle) -> dict[str, Any] | None:
 
 
 @contextmanager
-def local_run(tmp_path: Path) -> Iterator[tuple[RunHandle, ServiceStore, RunEngines]]:
+def local_run(tmp_path: Path, **config: Any) -> Iterator[tuple[RunHandle, ServiceStore, RunEngines]]:
     """A local run with the sentinel trainer, executing in this process until the block stops it."""
     engines = RunEngines()
     store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
     manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
-    spec = {"name": "supervised", "kind": "local", "config": make_config(), "trainer": "sentinel",
-            "sentinel_step_s": 0.2}  # fmt: skip
+    spec = {"name": "supervised", "kind": "local", "config": {**make_config(), **config},
+            "trainer": "sentinel", "sentinel_step_s": 0.2}  # fmt: skip
     try:
         handle = manager.get(manager.create(RunCreate.model_validate(spec)))
         assert handle is not None
@@ -245,3 +245,21 @@ def test_a_run_stopped_while_its_engines_start_ends_stopped_and_leaves_no_engine
     (ended,) = rows_of(handle, "run_ended")
     assert ended["reason"] == "stopped"
     wait_for(lambda: not run_engines(), 30, "the engine processes to stop")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are handed out only by root")
+def test_a_run_whose_data_directory_sandbox_uids_cannot_reach_runs_its_sandboxes_in_tmp(
+    tmp_path: Path,
+) -> None:
+    """pytest's tmp_path is 0700, like root's home: without bubblewrap (isolation none here) the
+    sandbox uids cannot reach the data directory, so the run's sandboxes go to <tmp>/corral-sandboxes
+    (every local run failed there before), and that directory goes when the run ends."""
+    import tempfile
+
+    with local_run(tmp_path, sandbox={"isolation": "none"}) as (handle, _, _):
+        scratch = Path(tempfile.gettempdir()) / "corral-sandboxes" / handle.run_id
+        wait_for(lambda: len(batches_after(handle, 0.0)) >= 2, 120, "two batches")
+        assert scratch.is_dir()
+        assert not (tmp_path / "data" / handle.run_id / "sandboxes").exists()
+        stop(handle)
+    assert not scratch.exists()
