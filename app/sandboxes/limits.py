@@ -226,11 +226,6 @@ def private_dir(path: Path, what: str, hint: str) -> None:
         )
 
 
-def _private_dir(path: Path) -> None:
-    # claim files decide whose processes get killed
-    private_dir(path, "uid claims directory", f"set {ENV_UID_CLAIMS} to another path")
-
-
 class UidPool:
     """Hands out uids from [base, base + span), one per live sandbox on the host, through claim files in
     `claims` (the host's `uid_claims_dir()` unless told otherwise)."""
@@ -241,7 +236,8 @@ class UidPool:
         self.base = base
         self.span = span
         self.claims = claims if claims is not None else uid_claims_dir()
-        _private_dir(self.claims)
+        # Claim files decide whose processes get killed: no other user may plant one.
+        private_dir(self.claims, "uid claims directory", f"set {ENV_UID_CLAIMS} to another path")
 
     def claim(self, hint: int) -> int:
         for i in range(self.span):

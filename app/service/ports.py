@@ -154,6 +154,8 @@ async def _local_ports(
         sandboxes = Path(config.sandbox.base_dir)
     else:
         sandboxes = await asyncio.to_thread(scratch_base, work_dir / "sandboxes", work_dir.name)
+    # A scratch base in <tmp> is this run's alone: it goes whole when the run is over.
+    scratch = not config.sandbox.base_dir and sandboxes != work_dir / "sandboxes"
     await asyncio.to_thread(_make_work_dirs, work_dir, sandboxes)
     engines = EngineProcesses(config.engines, serving_cpus, work_dir, exits_at_start_ok=True)
     clients: list[Engine] = []
@@ -185,9 +187,7 @@ async def _local_ports(
         close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
         if close is not None:
             close()
-        if sandboxes.parent != work_dir and not config.sandbox.base_dir:
-            # A scratch base in <tmp> (sandboxes.scratch_base) is this run's alone, and the run is
-            # over (its sandboxes cleaned up, its engines stopped): it goes whole.
+        if scratch:  # the run is over: its sandboxes cleaned up, its engines stopped
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(leftovers.rmtree, sandboxes)
 
