@@ -16,22 +16,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from app.core.config import LanesConfig
+from app.lanes.adaptive import ResizableLimiter
 from app.lanes.base import LaneName, LaneSlot, LaneStats
 from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, execute_op, handle_of, local_host
 from app.sandboxes.base import Sandbox
 
 T = TypeVar("T")
-
-
-class _LaneSemaphore(asyncio.Semaphore):
-    """A semaphore that can also be taken without a coroutine when a slot is free."""
-
-    def try_acquire(self) -> bool:
-        """Take a slot now if `acquire` would not wait; False otherwise."""
-        if self.locked():
-            return False
-        self._value -= 1  # what `acquire` does when it need not wait
-        return True
 
 
 class InProcessLanes:
@@ -41,17 +31,20 @@ class InProcessLanes:
         cpus: Mapping[LaneName, tuple[int, ...] | None],
         pinned: bool = True,
     ) -> None:
-        self._pinned = pinned
+        self.pinned = pinned
         self._cpus = dict(cpus)
-        self._sems = {lane: _LaneSemaphore(max(1, concurrency[lane])) for lane in LaneName}
-        self._slots = {lane: max(1, concurrency[lane]) for lane in LaneName}
+        # One resizable slot limit per lane: adaptive lanes (app.lanes.adaptive) resize them.
+        self.limiters = {lane: ResizableLimiter(max(1, concurrency[lane])) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._host = local_host()
         self._live: dict[str, Sandbox] = {}
 
     def describe(self) -> dict[str, dict[str, object]]:
-        """Each lane's slots and CPU set (None: unpinned), for the dashboard's lanes panel."""
-        return {lane.value: {"slots": self._slots[lane], "cpus": self._cpus.get(lane)} for lane in LaneName}
+        """Each lane's slots now and its CPU set (None: unpinned), for the dashboard's lanes panel."""
+        return {
+            lane.value: {"slots": self.limiters[lane].slots, "cpus": self._cpus.get(lane)}
+            for lane in LaneName
+        }
 
     @classmethod
     def from_config(cls, config: LanesConfig, pinned: bool) -> InProcessLanes:
@@ -65,8 +58,8 @@ class InProcessLanes:
     def _enter_now(self, lane: LaneName, stats: LaneStats) -> bool:
         """Take a slot of `lane` if one is free and nobody queues before us, keeping its stats as
         `_enter` would (a wait of 0); False when the op must queue (then `_enter`)."""
-        if self._pinned:
-            if not self._sems[lane].try_acquire():
+        if self.pinned:
+            if not self.limiters[lane].try_acquire():
                 return False
             if stats.queue_depth >= stats.max_queue_depth:
                 stats.max_queue_depth = stats.queue_depth + 1
@@ -77,14 +70,14 @@ class InProcessLanes:
 
     async def _enter(self, lane: LaneName, stats: LaneStats) -> None:
         """Take a slot of `lane` (FIFO), keeping its stats."""
-        if self._pinned:
+        if self.pinned:
             loop = asyncio.get_running_loop()
             queued_at = loop.time()
             stats.queue_depth += 1
             if stats.queue_depth > stats.max_queue_depth:
                 stats.max_queue_depth = stats.queue_depth
             try:
-                await self._sems[lane].acquire()
+                await self.limiters[lane].acquire()
             finally:
                 stats.queue_depth -= 1
             waited = loop.time() - queued_at
@@ -98,15 +91,15 @@ class InProcessLanes:
     def _leave(self, lane: LaneName, stats: LaneStats) -> None:
         stats.busy -= 1
         stats.completed += 1
-        if self._pinned:
-            self._sems[lane].release()
+        if self.pinned:
+            self.limiters[lane].release()
 
     async def run(self, lane: LaneName, op: Callable[[LaneSlot], Awaitable[T]]) -> T:
         stats = self._stats[lane]
         if not self._enter_now(lane, stats):
             await self._enter(lane, stats)
         try:
-            return await op(LaneSlot(lane, self._cpus.get(lane) if self._pinned else None))
+            return await op(LaneSlot(lane, self._cpus.get(lane) if self.pinned else None))
         finally:
             self._leave(lane, stats)
 
@@ -130,12 +123,12 @@ class InProcessLanes:
             try:
                 if on_start is not None:
                     on_start()
-                return await execute_op(op, sandbox, self._cpus.get(lane) if self._pinned else None)
+                return await execute_op(op, sandbox, self._cpus.get(lane) if self.pinned else None)
             finally:  # `_leave`
                 stats.busy -= 1
                 stats.completed += 1
-                if self._pinned:
-                    self._sems[lane].release()
+                if self.pinned:
+                    self.limiters[lane].release()
         finally:
             if lane is LaneName.CLEANUP:
                 self._live.pop(op.handle.id, None)

@@ -67,6 +67,12 @@ class PolicyKnobs(_Strict):
     surplus_groups: int = _count(2, 0, MAX_SURPLUS, "S: groups admitted beyond B")
     max_staleness: int = _count(2, 0, MAX_STALENESS, "K: most policy versions a group may lag")
     max_updating_engines: int = _count(1, 1, MAX_ENGINES, "engines loading weights at once")
+    adaptive_lanes: bool | None = Field(
+        None,
+        strict=True,
+        description="lane slots grow while work queues and the lanes' CPUs sit idle (app.lanes.adaptive); "
+        "default: the rung's (on for full)",
+    )
 
 
 class EnginesConfig(_Strict):
@@ -176,6 +182,19 @@ class LocalRunConfig(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+    def policy_settings(self) -> dict[str, object]:
+        """What this config sets of the run's policy, for `PolicyConfig.ladder`."""
+        settings: dict[str, object] = {
+            "groups_per_batch": self.batch.groups,
+            "group_size": self.batch.group_size,
+            "surplus_groups": self.policy.surplus_groups,
+            "max_staleness": self.policy.max_staleness,
+            "max_updating_engines": self.policy.max_updating_engines,
+        }
+        if self.policy.adaptive_lanes is not None:
+            settings["adaptive_lanes"] = self.policy.adaptive_lanes
+        return settings
 
     def lane_config(self) -> LanesConfig:
         """The four lanes, all on `lanes.cpus`, kept off the serving CPUs (validated by the core)."""

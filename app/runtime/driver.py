@@ -58,6 +58,7 @@ from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdateP
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
 from app.engines.errors import EngineError
+from app.lanes.adaptive import LaneAdapter
 from app.lanes.base import LaneName, Lanes
 from app.lanes.ops import LaneOp, SandboxHandle
 from app.runtime.context import Agent, AttemptOutcome
@@ -181,8 +182,11 @@ class Runtime:
         supervisor: EngineSupervisor | None = None,
         bus: EventBus | None = None,
         timeline: bool = False,
+        lane_adapter: LaneAdapter | None = None,
     ) -> None:
         self.policy = policy
+        # Resizes the lanes' slots in wall time while the run collects (adaptive lanes, real runs)
+        self.lane_adapter = lane_adapter
         self.faults = faults or EngineFaultConfig()
         self.supervisor = supervisor
         self.scheduler = Scheduler(policy)
@@ -218,6 +222,7 @@ class Runtime:
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._all_down_since: float | None = None
         self._health_watch: asyncio.Task[None] | None = None
+        self._adapting: asyncio.Task[None] | None = None
         self._down_at_start: dict[str, str] = {}  # engines dead before the run began: restarted first
         self.phase = "startup"  # startup, collecting, trainer_step, stopping: where a stop landed
         # The clock: the running loop's, looked up per call until `run` binds the loop it runs on (a
@@ -252,6 +257,8 @@ class Runtime:
                     self._engine_down(name, detail)
                 if self.faults.health_interval_s is not None:
                     self._health_watch = tg.create_task(self._watch_health(self.faults.health_interval_s))
+                if self.lane_adapter is not None:
+                    self._adapting = tg.create_task(self.lane_adapter.run())
                 self._apply(self.scheduler.on_start(self.now()))
                 await self._trainer_loop(batches, duration_s)
                 self._begin_shutdown()
@@ -281,6 +288,8 @@ class Runtime:
             task.cancel()  # a restart in progress is abandoned; the engines are stopped by their owner
         if self._health_watch is not None:
             self._health_watch.cancel()
+        if self._adapting is not None:
+            self._adapting.cancel()
         self._apply(self.scheduler.on_stop(self.now()))
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:

@@ -34,6 +34,7 @@ from app import early_signals
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
 from app.core.events import Envelope
+from app.lanes.adaptive import lane_adapter
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.config import LocalRunConfig, LocalRunError, load_config
 from app.runtime.driver import RunState, Runtime
@@ -132,14 +133,7 @@ def run_local(
         leftovers.declare_owner()  # remove what a killed earlier run left (logged); track our own
     try:
         config = load_config(config_path)
-        policy = PolicyConfig.ladder(
-            policy_name,
-            groups_per_batch=config.batch.groups,
-            group_size=config.batch.group_size,
-            surplus_groups=config.policy.surplus_groups,
-            max_staleness=config.policy.max_staleness,
-            max_updating_engines=config.policy.max_updating_engines,
-        )
+        policy = PolicyConfig.ladder(policy_name, **config.policy_settings())
         if duration_s is None and batches is None:
             batches = config.batches
         tasks = load_tasks(config.tasks)
@@ -201,6 +195,7 @@ async def _run(
                     faults=fault_config(config.engines),
                     supervisor=engines,
                     timeline=True,
+                    lane_adapter=lane_adapter(policy.adaptive_lanes, lanes, lane_cpus),
                 )
                 stop.runtime = runtime
                 runtime.bus.subscribe(progress.on_envelope)
@@ -243,6 +238,8 @@ async def _run(
             f"{name}: {why}" for name, why in state.given_up.items()
         )
     report["turn_latency_s"] = _turn_latency(state)
+    if runtime.lane_adapter is not None:
+        report.update(runtime.lane_adapter.report())
     report.update(event_log.as_report())
     return report
 

@@ -168,6 +168,7 @@ class RunHandle:
                 bus=self.recorder.bus,
                 faults=ports.faults,
                 supervisor=ports.supervisor,
+                lane_adapter=ports.lane_adapter,
             )
             for name, detail in ports.down_at_start.items():
                 log.warning("%s %s: the run starts without it and restarts it", name, detail)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from app.core.config import LanesConfig, PolicyConfig
 from app.engines.base import Engine
+from app.lanes.adaptive import LaneAdapter, lane_adapter
 from app.lanes.base import Lanes
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.engine_pool import EngineFaultConfig, EngineSupervisor
@@ -49,6 +50,7 @@ class RunPorts:
     faults: EngineFaultConfig | None = None  # health watch, restart backoff, update timeout (local runs)
     # engines that died before they first answered: the run starts without them and restarts them
     down_at_start: dict[str, str] = field(default_factory=dict)
+    lane_adapter: LaneAdapter | None = None  # adaptive lanes of a local run (app.lanes.adaptive)
 
 
 def run_policy(spec: RunCreate) -> PolicyConfig:
@@ -64,13 +66,7 @@ def run_policy(spec: RunCreate) -> PolicyConfig:
     else:
         config = spec.config
         assert config is not None
-        base = {
-            "groups_per_batch": config.batch.groups,
-            "group_size": config.batch.group_size,
-            "surplus_groups": config.policy.surplus_groups,
-            "max_staleness": config.policy.max_staleness,
-            "max_updating_engines": config.policy.max_updating_engines,
-        }
+        base = config.policy_settings()
     return PolicyConfig.ladder(spec.policy.value, **{**base, **spec.overrides()})
 
 
@@ -179,6 +175,7 @@ async def _local_ports(
             supervisor=engines,
             faults=fault_config(config.engines),
             down_at_start=dict(engines.exited_at_start),
+            lane_adapter=lane_adapter(policy.adaptive_lanes, lanes, config.lanes.cpus),
         )
     finally:
         for client in clients:

@@ -38,8 +38,9 @@ still costs CPU; what it stops doing is holding a slot ahead of the short resets
 lognormal tail like `cpu-scarce`'s puts three quarters of the reset CPU-seconds in the 10% of resets
 over 300 s).
 
-The decisions are pure (no clock, no I/O); `ResizableLimiter`, `LanePool.set_guarantees` and `LongOps`
-carry them out.
+The controller, its spec and `ResizableLimiter` live in app.lanes.adaptive, which real in-process lanes
+use too (with the idle-cores rule, in wall time). The decisions are pure (no clock, no I/O);
+`ResizableLimiter`, `LanePool.set_guarantees` and `LongOps` carry them out.
 
 Invariants: a lane runs at most its current slots at once, not counting operations that left it
 (`ResizableLimiter.detach`; after a shrink, running operations finish and no new one starts until the
@@ -50,19 +51,14 @@ background runs at most its own slots of long resets at once.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.core.config import LanesConfig
-from app.lanes.base import LaneName
-from app.lanes.inprocess import InProcessLanes
+from app.lanes.adaptive import ResizableLimiter
 from app.sim.cpu import Stream
 
 
@@ -82,171 +78,6 @@ class LaneWeights(BaseModel):
 
     def by_lane(self) -> dict[str, float]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}
-
-
-class AdaptiveLanesSpec(BaseModel):
-    """Lane slots that follow the cores a lane can get and its queue, guaranteed shares that follow
-    measured demand, and long resets that leave the reset lane (module docstring)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
-    step: float = Field(0.25, gt=0, le=4, description="growth or shrink per decision, × configured slots")
-    max_factor: float = Field(4.0, ge=1, le=64, description="largest slots, × configured slots")
-    reweight: bool = Field(
-        True, description="work-conserving lanes: guaranteed shares follow running + queued demand"
-    )
-    min_share: float = Field(
-        0.25, gt=0, le=1, description="a reweighted lane keeps at least this fraction of its configured share"
-    )
-    overload: float | None = Field(
-        1.0,
-        ge=1,
-        le=1e6,
-        description="slots follow cores: at most this × the cores a lane can get, in operations' demand "
-        "(None: slots never go below the configured ones)",
-    )
-    long_op_factor: float | None = Field(
-        8.0,
-        gt=1,
-        le=1e6,
-        description="work-conserving lanes: a reset that has run this × the median reset while others "
-        "queue leaves the reset lane's slots and finishes on the background share (None: never)",
-    )
-    background_share: float = Field(
-        0.1, gt=0, le=0.9, description="guaranteed fraction of the sandbox cores for long resets"
-    )
-
-
-@dataclass(frozen=True)
-class LaneSample:
-    """What the controller sees of one lane at a decision."""
-
-    slots: int
-    busy: int
-    queued: int
-    idle_cores: float  # cores the lane could still use without oversubscribing its CPUs
-    op_demand: float  # cores one more running operation would use
-    cores: float = math.inf  # cores the lane would get if it asked for all (`LanePool.entitlement`)
-
-
-class AdaptiveSlots:
-    """The pure controller: configured slots in, new slots per lane out."""
-
-    def __init__(self, configured: Mapping[str, int], spec: AdaptiveLanesSpec) -> None:
-        self.configured = dict(configured)
-        self.spec = spec
-
-    def bounds(self, lane: str) -> tuple[int, int]:
-        base = self.configured[lane]
-        return base, max(base, math.floor(base * self.spec.max_factor))
-
-    def decide(self, samples: Mapping[str, LaneSample]) -> dict[str, int]:
-        decided: dict[str, int] = {}
-        for lane, s in samples.items():
-            low, high = self.bounds(lane)
-            step = max(1, round(self.configured[lane] * self.spec.step))
-            slots = s.slots
-            over = self.spec.overload
-            if over is not None and s.op_demand > 0:
-                # Slots follow cores: more operations than the lane's cores run only thrash (cpu.py).
-                fit = min(high, max(1, math.floor(over * s.cores / s.op_demand)))
-                if slots > fit:
-                    slots = fit
-                elif s.queued > 0:
-                    slots = min(fit, slots + min(step, s.queued))
-                elif s.busy * 2 <= slots:
-                    slots = max(min(low, fit), slots - step)
-                decided[lane] = slots
-                continue
-            if s.queued > 0 and s.idle_cores >= s.op_demand:
-                # Room for at least one more operation; never grow past what the idle cores can run.
-                room = step if s.op_demand * step <= s.idle_cores else math.floor(s.idle_cores / s.op_demand)
-                slots = min(high, slots + min(step, max(1, room), s.queued))
-            elif s.queued == 0 and s.busy * 2 <= s.slots:
-                slots = max(low, slots - step)
-            decided[lane] = min(high, max(low, slots))
-        return decided
-
-    def shares(self, samples: Mapping[str, LaneSample], configured: Mapping[str, float]) -> dict[str, float]:
-        """Guaranteed cores by measured demand: a lane's weight is the cores its running and queued
-        operations would use, at most an equal split of the configured cores, and never below
-        `min_share` of its configured guarantee."""
-        equal = sum(configured.values()) / len(configured)
-        return {
-            lane: max(self.spec.min_share * configured[lane], min(equal, (s.busy + s.queued) * s.op_demand))
-            for lane, s in samples.items()
-        }
-
-
-class ResizableLimiter:
-    """An asyncio semaphore whose number of slots can change while operations hold and wait for them."""
-
-    def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"a lane needs at least one slot, got {slots}")
-        self.slots = slots
-        self.busy = 0
-        self.max_slots = slots
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._detached: set[object] = set()  # tasks whose operation left the slots
-
-    def locked(self) -> bool:
-        return self.busy >= self.slots
-
-    @property
-    def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
-
-    def try_acquire(self) -> bool:
-        """Take a slot now if `acquire` would not wait; False otherwise."""
-        if self.busy < self.slots and not self._waiters:
-            self.busy += 1
-            return True
-        return False
-
-    async def acquire(self) -> bool:
-        if self.busy < self.slots and not self._waiters:
-            self.busy += 1
-            return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut  # the slot is ours when this resolves: `_wake` counted it as busy
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # woken and cancelled at once: pass the slot on
-            elif fut in self._waiters:  # `_wake` drops cancelled waiters it meets first
-                self._waiters.remove(fut)
-            raise
-        return True
-
-    def release(self) -> None:
-        if self._detached and (task := asyncio.current_task()) in self._detached:
-            self._detached.discard(task)  # its slot was handed on when it detached
-            return
-        self.busy -= 1
-        self._wake()
-
-    def detach(self) -> None:
-        """The calling task's operation stops counting toward the slots (its slot goes to the next
-        waiter); its `release` later gives back nothing."""
-        self._detached.add(asyncio.current_task())
-        self.busy -= 1
-        self._wake()
-
-    def resize(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"a lane needs at least one slot, got {slots}")
-        self.slots = slots
-        self.max_slots = max(self.max_slots, slots)
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.busy < self.slots:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self.busy += 1
-                fut.set_result(None)
 
 
 class LongOps:
@@ -304,22 +135,3 @@ class LongOps:
                     self.slots.release()
         self.sizes.append(work)
         return result
-
-
-class SimLanes(InProcessLanes):
-    """In-process lanes (the production code) whose per-lane slot limit is a `ResizableLimiter`, so the
-    simulator can resize it; the run, attach, run_op and stats logic stays `InProcessLanes`'."""
-
-    def __init__(self, config: LanesConfig, pinned: bool) -> None:
-        by_name = {LaneName(name): lane for name, lane in config.by_name().items()}
-        super().__init__(
-            concurrency={name: lane.slots for name, lane in by_name.items()},
-            cpus={name: lane.cpus for name, lane in by_name.items()},
-            pinned=pinned,
-        )
-        self.limiters = {name: ResizableLimiter(max(1, lane.slots)) for name, lane in by_name.items()}
-        # InProcessLanes takes and returns slots through `acquire()` / `release()` on these objects;
-        # a test (tests/sim/test_lanes.py) checks that resizing them bounds the running operations.
-        if set(getattr(self, "_sems", {})) != set(self.limiters):
-            raise RuntimeError("InProcessLanes no longer keeps one slot limiter per lane in _sems")
-        self._sems = self.limiters  # type: ignore[assignment]

@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.config import LanesConfig, PolicyConfig
+from app.lanes.adaptive import AdaptiveLanesSpec, AdaptiveSlots, LaneSample
 from app.lanes.base import LaneName
+from app.lanes.inprocess import InProcessLanes
 from app.runtime.driver import RunState, Runtime
 from app.sim.adapters import SimEngine, SimLaneCpus, lane_cpu_split
 from app.sim.cpu import CpuPool, LanePool, Stream
-from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LaneSharing, LongOps, SimLanes
+from app.sim.lanes import LaneSharing, LongOps
 from app.sim.workload import Workload
 
 BACKGROUND = "background"  # the sandbox pool's share for long resets (app.sim.lanes.LongOps)
@@ -32,7 +34,7 @@ class SimPorts:
     serving: CpuPool
     sandbox: LanePool | None
     engines: list[SimEngine]
-    lanes: SimLanes
+    lanes: InProcessLanes
     lane_cpus: SimLaneCpus
     controller: AdaptiveSlots | None
     interval_s: float
@@ -120,7 +122,7 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
             "serving_cpus": tuple(range(cpus.serving)),
         }
     )
-    lanes = SimLanes(lane_config, policy.pinned_lanes)
+    lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
     configured = {lane: g for lane, g in sandbox.guarantees.items() if lane != BACKGROUND} if sandbox else {}

@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.documents import DocumentError, read_document
-from app.sim.lanes import AdaptiveLanesSpec, LaneSharing, LaneWeights
+from app.lanes.adaptive import AdaptiveLanesSpec
+from app.sim.lanes import LaneSharing, LaneWeights
 from app.validation import (
     MAX_BATCHES,
     MAX_CORES,

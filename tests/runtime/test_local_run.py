@@ -15,6 +15,7 @@ from proc_children import children
 
 from app.runtime.config import LocalRunError, load_config
 from app.runtime.local import run_local
+from app.sandboxes import leftovers
 from app.sim.traces import import_corral_run
 
 CONFIG = """
@@ -61,6 +62,11 @@ def test_full_run_publishes_weights_one_engine_at_a_time_without_restarts(tmp_pa
     assert report["turns"] > 0
     assert report["tokens_per_s"] > 0
     assert set(report["lanes"]) == {"reset", "exec", "validate", "cleanup"}
+    # `full` adapts its lanes in real time: slots start at the config's, within [configured, 4×].
+    slots = report["lane_slots"]
+    assert {lane: s["configured"] for lane, s in slots.items()} == {"reset": 2, "exec": 2, "validate": 1,
+                                                                    "cleanup": 1}  # fmt: skip
+    assert all(s["configured"] <= s["final"] <= s["max"] <= 4 * s["configured"] for s in slots.values())
     # Every group's task is named, and the delivered ones are counted per task.
     assert report["sandbox_time_limits"] == {"mode": "given", "backstop": 10.0}
     assert set(report["group_tasks"].values()) <= {"fix-off-by-one", "json-transform", "patch-config-sed",
@@ -81,6 +87,7 @@ def test_sync_run_restarts_in_flight_work_on_update(tmp_path: Path) -> None:
     assert report["batches"] == 2
     assert report["lost_groups"] == 0
     assert report["cpus"]["lanes"] is None  # shared CPUs in the sync rung
+    assert "lane_slots" not in report  # nothing to adapt: unpinned lanes have no slot limits
 
 
 def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> None:
@@ -173,3 +180,7 @@ def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
     while embedded_engine_pids() & started and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not embedded_engine_pids() & started
+    # What the killed run left (its work directory at least) is swept here, as the next corral start
+    # would; left, it made that start's first line a sweep report in whichever test came next.
+    swept = leftovers.sweep(leftovers.owners_dir())
+    assert any(f"dead corral process {proc.pid} left behind" in line for line in swept), swept

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.lanes.adaptive import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, ResizableLimiter
 from app.sim.clock import run_virtual
 from app.sim.cpu import LanePool, water_fill
-from app.sim.lanes import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, LongOps, ResizableLimiter
+from app.sim.lanes import LongOps
 
 LANES = ("reset", "exec", "validate", "cleanup")
 
@@ -193,10 +194,10 @@ def test_new_guarantees_take_effect_at_once_and_partitions_refuse_them() -> None
         make_pool(borrow=False).set_guarantees({"reset": 1, "exec": 1, "validate": 1, "cleanup": 1})
 
 
-def test_sim_lanes_run_through_in_process_lanes_bounded_by_the_resizable_limiter() -> None:
+def test_in_process_lanes_are_bounded_by_their_resizable_limiters() -> None:
     from app.core.config import LanesConfig
     from app.lanes.base import LaneName, LaneSlot
-    from app.sim.lanes import SimLanes
+    from app.lanes.inprocess import InProcessLanes
 
     config = LanesConfig.model_validate(
         {
@@ -204,7 +205,7 @@ def test_sim_lanes_run_through_in_process_lanes_bounded_by_the_resizable_limiter
             "serving_cpus": (0,),
         }
     )
-    lanes = SimLanes(config, pinned=True)
+    lanes = InProcessLanes.from_config(config, pinned=True)
     running = {"now": 0, "max": 0}
 
     async def op(slot: LaneSlot) -> None:
