@@ -68,8 +68,9 @@ class PolicyConfig(BaseModel):
     )
     adaptive_lanes: bool = Field(
         False,
-        description="lane slots and the lanes' CPU shares follow measured demand (honoured by the "
-        "simulator, app.sim.lanes; the runtime's lanes keep their configured slots)",
+        description="lane slots follow measured demand: in the simulator slots follow cores and shares "
+        "follow demand (app.sim.lanes); real in-process lanes grow while they queue and their CPUs sit "
+        "idle (app.lanes.adaptive); Celery lanes keep their workers' concurrency",
     )
     ready_surplus: int | None = Field(
         None,

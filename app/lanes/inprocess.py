@@ -1,8 +1,9 @@
 """In-process lanes: one bounded pool per lane, each with its own CPU set.
 
-Invariant: at most `concurrency[lane]` operations of a lane run at once; an operation waits in FIFO
-order for a slot. With `pinned=False` there is one shared, unbounded pool and no CPU set, which is the
-ablation baseline ("shared CPUs").
+Invariant: at most `limiters[lane].slots` operations of a lane run at once (`concurrency[lane]` unless
+adaptive lanes resized it, app.lanes.adaptive); an operation waits in FIFO order for a slot. With
+`pinned=False` there is one shared, unbounded pool and no CPU set, which is the ablation baseline
+("shared CPUs").
 
 A `LaneOp` runs through `app.lanes.ops.execute_op` on the live sandbox object that `attach` registered
 under the op's handle (this process is the only host); the registration ends with the sandbox's
