@@ -102,6 +102,13 @@ def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> Non
         load_config(bad)
     with pytest.raises(LocalRunError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+    knob = "max_staleness: 2}"
+    bad = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, adaptive_lanes: sometimes}"))
+    with pytest.raises(LocalRunError, match=r"policy\.adaptive_lanes"):
+        load_config(bad)
+    off = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, adaptive_lanes: false}"))
+    assert load_config(off).policy_settings()["adaptive_lanes"] is False
+    assert "adaptive_lanes" not in load_config(write_config(tmp_path)).policy_settings()  # the rung decides
     for bad_sandbox in (
         "sandbox: {time_limits: cpu}",
         "sandbox: {backstop: 0.5}",
