@@ -36,14 +36,20 @@ class InProcessLanes:
         self._cpus = dict(cpus)
         # One resizable slot limit per lane: adaptive lanes (app.lanes.adaptive) resize them.
         self.limiters = {lane: ResizableLimiter(max(1, concurrency[lane])) for lane in LaneName}
+        self._configured = {lane: max(1, concurrency[lane]) for lane in LaneName}
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._host = local_host()
         self._live: dict[str, Sandbox] = {}
 
     def describe(self) -> dict[str, dict[str, object]]:
-        """Each lane's slots now and its CPU set (None: unpinned), for the dashboard's lanes panel."""
+        """Each lane's slots now, its configured slots and its CPU set (None: unpinned), for the
+        dashboard's lanes panel."""
         return {
-            lane.value: {"slots": self.limiters[lane].slots, "cpus": self._cpus.get(lane)}
+            lane.value: {
+                "slots": self.limiters[lane].slots,
+                "configured": self._configured[lane],
+                "cpus": self._cpus.get(lane),
+            }
             for lane in LaneName
         }
 

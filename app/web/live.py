@@ -159,6 +159,7 @@ class ManagerRuns:
                         "busy": stats.busy,
                         "queue_depth": stats.queue_depth,
                         "slots": lane.get("slots"),
+                        "configured_slots": lane.get("configured"),
                         "cpus": lane.get("cpus", ""),
                     }
                 )
@@ -260,6 +261,10 @@ def _lanes_config(handle: Any) -> dict[str, dict[str, Any]]:
     if describe is None:
         return {}
     return {
-        name: {"slots": lane["slots"], "cpus": ",".join(str(c) for c in lane["cpus"] or ()) or "unpinned"}
+        name: {
+            "slots": lane["slots"],
+            "configured": lane.get("configured"),
+            "cpus": ",".join(str(c) for c in lane["cpus"] or ()) or "unpinned",
+        }
         for name, lane in describe().items()
     }

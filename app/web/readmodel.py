@@ -117,6 +117,7 @@ class LaneRow:
     slots: int | None = None
     queue_depth: int | None = None
     p99_wait_s: float | None = None
+    configured_slots: int | None = None  # differs from `slots` when adaptive lanes resized the lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +559,7 @@ def _lanes(
                 slots=snap.get("slots"),
                 queue_depth=snap.get("queue_depth", depth),
                 p99_wait_s=p99 if p99 is not None else _p99(waits.get(name, [])),
+                configured_slots=snap.get("configured_slots"),
             )
         )
     return rows

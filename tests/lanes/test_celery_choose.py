@@ -24,7 +24,7 @@ def make_config() -> LanesConfig:
 def test_no_broker_means_in_process_lanes_with_the_runs_slots() -> None:
     lanes = choose_lanes(make_config(), pinned=True)
     assert isinstance(lanes, InProcessLanes)
-    assert lanes.describe()["exec"] == {"slots": 2, "cpus": (1,)}
+    assert lanes.describe()["exec"] == {"slots": 2, "configured": 2, "cpus": (1,)}
 
 
 def test_a_broker_means_celery_lanes_on_the_named_hosts() -> None:

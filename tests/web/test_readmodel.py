@@ -1,8 +1,11 @@
+import re
+
 import pytest
 
 from app.core.events import EngineUpdateBegin, Envelope, PolicyChanged
 from app.web.readmodel import ReportError, RunMeta, view_from_events, view_from_report
 from app.web.synthetic import synthetic_run
+from app.web.views import make_env
 
 
 def make_view(**overrides):
@@ -46,7 +49,10 @@ def test_live_snapshots_override_engine_state_and_fill_lanes():
     events = [*events, Envelope("run-1", tail.seq + 1, tail.t + 1, EngineUpdateBegin("engine-0", 9))]
     meta = RunMeta(
         engines=[{"name": "engine-1", "in_flight": 3}],
-        lanes=[{"name": "exec", "cpus": [2, 3], "busy": 1, "slots": 4, "queue_depth": 0}],
+        lanes=[
+            {"name": "exec", "cpus": [2, 3], "busy": 1, "slots": 4, "queue_depth": 0, "configured_slots": 2},
+            {"name": "reset", "cpus": [2, 3], "busy": 0, "slots": 2, "queue_depth": 0, "configured_slots": 2},
+        ],
         now=tail.t + 5,
     )
     view = view_from_events("run-1", events, meta)
@@ -57,6 +63,12 @@ def test_live_snapshots_override_engine_state_and_fill_lanes():
     assert lanes["exec"].cpus == "2,3"
     assert lanes["exec"].slots == 4
     assert lanes["exec"].p99_wait_s is not None  # from the stream's queue waits
+    # Adaptive lanes grew exec from its configured 2 slots to 4: the panel says so; reset kept its 2.
+    assert lanes["exec"].configured_slots == 2
+    template = make_env().get_template("run.html")
+    panel = "".join(template.blocks["lanes"](template.new_context({"view": view})))
+    assert re.search(r"1 / 4\s*<span[^>]*>\(configured 2\)</span>", panel)
+    assert panel.count("(configured") == 1
     assert view.now == pytest.approx(tail.t + 5 - events[0].t)
 
 
