@@ -225,6 +225,19 @@ class PolicyChanged(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class LaneResized(Event):
+    """Adaptive lanes changed a lane's slots from `old` to `new` (`configured`: the run config's);
+    `why` gives what the decision saw."""
+
+    kind: ClassVar[str] = "lane_resized"
+    lane: str
+    old: int
+    new: int
+    configured: int
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class RunStarted(Event):
     """`policy` is the run's PolicyConfig as JSON; `engines` and `lanes` name what the run drives."""
 
@@ -319,6 +332,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         BatchRequested,
         BatchDelivered,
         PolicyChanged,
+        LaneResized,
         RunStarted,
         RunEnded,
     )

@@ -265,6 +265,8 @@ class LaneAdapter:
     controller: AdaptiveSlots = field(init=False)
     slot_log: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     op_demand: float = 1.0  # the latest estimate of one operation's cores
+    # called as on_change(lane, old, new, why) for each lane a decision resized (the runtime publishes it)
+    on_change: Callable[[str, int, int, str], None] | None = None
     _busy_samples: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -288,9 +290,18 @@ class LaneAdapter:
         }
         changed = {}
         for lane, n in self.controller.decide(samples).items():
-            if self.limiters[lane].slots != n:
+            old = self.limiters[lane].slots
+            if old != n:
                 self.limiters[lane].resize(n)
                 changed[lane] = n
+                if self.on_change is not None:
+                    s = samples[lane]
+                    why = (
+                        f"{s.queued} queued, {idle:.2f} idle cores, ~{self.op_demand:.2f} cores an operation"
+                        if n > old
+                        else f"nothing queued, {s.busy} of {old} busy"
+                    )
+                    self.on_change(lane, old, n, why)
         if changed:
             self.slot_log.append((self.clock(), changed))
         return changed

@@ -47,6 +47,7 @@ from app.core.events import (
     Event,
     GroupDelivered,
     GroupDiscarded,
+    LaneResized,
     PolicyChanged,
     RunEnded,
     RunStarted,
@@ -187,6 +188,8 @@ class Runtime:
         self.policy = policy
         # Resizes the lanes' slots in wall time while the run collects (adaptive lanes, real runs)
         self.lane_adapter = lane_adapter
+        if lane_adapter is not None:
+            lane_adapter.on_change = self._lane_resized
         self.faults = faults or EngineFaultConfig()
         self.supervisor = supervisor
         self.scheduler = Scheduler(policy)
@@ -273,6 +276,10 @@ class Runtime:
             self._time = _loop_time
             self.bus.bind_loop(None)
         return self.state
+
+    def _lane_resized(self, lane: str, old: int, new: int, why: str) -> None:
+        assert self.lane_adapter is not None
+        self._publish(LaneResized(lane, old, new, self.lane_adapter.controller.configured[lane], why))
 
     def engine_down_at_start(self, name: str, detail: str) -> None:
         """Engine `name` died before the run began: the run starts with it down and restarts it."""

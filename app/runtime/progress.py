@@ -28,6 +28,7 @@ from app.core.events import (
     Envelope,
     GroupDiscarded,
     GroupReady,
+    LaneResized,
     PolicyChanged,
     SandboxOp,
     TurnDone,
@@ -192,6 +193,9 @@ class RunProgress:
             if event.engine == "*":  # the state of the whole pool, e.g. every engine down
                 return event.detail or event.state
             return f"{event.engine} is {event.state}" + (f": {event.detail}" if event.detail else "")
+        if isinstance(event, LaneResized):
+            slots = f"{event.old} → {event.new} slots (configured {event.configured}"
+            return f"lane {event.lane}: {slots}; {event.why})"
         if isinstance(event, PolicyChanged):
             return f"{event.field} changed from {_round(event.old)} to {_round(event.new)} by {event.actor}"
         return None

@@ -36,6 +36,7 @@ from app.core.events import (
     GroupDelivered,
     GroupDiscarded,
     GroupReady,
+    LaneResized,
     PolicyChanged,
     RunEnded,
     RunStarted,
@@ -411,6 +412,8 @@ class RunViewBuilder:
         elif isinstance(ev, PolicyChanged):
             self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
             self.policy_changes[ev.field] = ev.new
+        elif isinstance(ev, LaneResized):
+            self.audit.append(AuditRow(t, "adaptive lanes", f"lanes.{ev.lane}.slots", ev.old, ev.new))
 
     def view(self, meta: RunMeta | None = None) -> RunView:
         """A snapshot: copies of the rows, safe to render while the builder goes on folding."""

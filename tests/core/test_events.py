@@ -11,6 +11,7 @@ from app.core.events import (
     GroupAdmitted,
     GroupDelivered,
     GroupDiscarded,
+    LaneResized,
     Ledger,
     RunEnded,
     RunStarted,
@@ -36,6 +37,7 @@ def test_every_kind_is_unique_and_registered():
         GroupDiscarded(3, "stale", "cannot meet K"),
         TurnDone(1, 2, "engine-0", 4, 0.5, 1.0, 2.0, 32),
         BatchDelivered(0, (4, 5, 6), 2, 10.0, 11.0),
+        LaneResized("reset", 2, 3, 2, "4 queued, 0.80 idle cores, ~0.25 cores an operation"),
     ],
 )
 def test_envelope_round_trips_through_a_dict(event):

@@ -25,6 +25,9 @@ FAST = AdaptiveLanesSpec(interval_s=0.3, step=1.0, max_factor=4.0, reweight=Fals
                          long_op_factor=None)  # fmt: skip
 
 
+CHANGES: list[tuple[str, int, int, str]] = []  # what the adapter of the last `run_in_exec_lane` reported
+
+
 def lanes_with(exec_slots: int, cpu: int) -> InProcessLanes:
     return InProcessLanes(
         concurrency={LaneName.RESET: 1, LaneName.EXEC: exec_slots, LaneName.VALIDATE: 1, LaneName.CLEANUP: 1},
@@ -42,6 +45,8 @@ def run_in_exec_lane(count: int, cpu: int, *argv: str) -> tuple[InProcessLanes, 
     slots adapt while they run; returns the lanes and the adapter once all have finished."""
     lanes = lanes_with(1, cpu)
     adapter = LaneAdapter({k.value: v for k, v in lanes.limiters.items()}, CpuIdleMeter([cpu]), FAST, 0.05)
+    adapter.on_change = lambda lane, old, new, why: CHANGES.append((lane, old, new, why))
+    CHANGES.clear()
 
     async def call(slot: LaneSlot) -> None:
         proc = await asyncio.create_subprocess_exec(*argv, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
@@ -86,6 +91,12 @@ def test_a_lane_of_waiting_work_grows_into_idle_cpu() -> None:
     assert lanes.stats()["exec"].max_busy == report["max"]  # the grown slots were used, never exceeded
     assert adapter.op_demand < 0.5  # sleeping calls use little CPU
     assert adapter.slot_log
+    # Each resize was reported (the runtime publishes these as `lane_resized` events), growth with why.
+    assert len(CHANGES) == sum(len(changed) for _, changed in adapter.slot_log)
+    growth = [c for c in CHANGES if c[2] > c[1]]
+    assert growth
+    assert growth[0][:2] == ("exec", 1)
+    assert all("queued" in why and "idle cores" in why for *_, why in growth)
 
 
 def test_cpu_bound_work_on_a_saturated_cpu_does_not_grow_its_lane() -> None:
@@ -93,6 +104,7 @@ def test_cpu_bound_work_on_a_saturated_cpu_does_not_grow_its_lane() -> None:
     spin = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
     lanes, adapter = run_in_exec_lane(5, last_cpu(), sys.executable, "-c", spin)
     assert adapter.report()["lane_slots"]["exec"]["max"] == 1
+    assert CHANGES == []
     assert lanes.stats()["exec"].max_busy == 1
     assert adapter.op_demand > 0.5
 

@@ -128,3 +128,16 @@ def test_status_line_between_batches_counts_turns_attempts_and_ready_groups(
         "collecting batch 2: 0 of 4 groups ready, 1 attempt finished, 3 turns and 0 sandbox operations"
         in console.export_text()
     )
+
+
+def test_a_lane_resize_and_a_live_policy_change_each_get_a_line() -> None:
+    from app.core.events import Envelope, LaneResized, PolicyChanged
+
+    progress, console = make_progress()
+    progress.starting(LocalRunConfig.model_validate({}), [0], pinned_lanes=True)
+    why = "5 queued, 0.80 idle cores, ~0.12 cores an operation"
+    progress.on_envelope(Envelope("run", 0, 1.0, LaneResized("reset", 2, 3, 2, why)))
+    progress.on_envelope(Envelope("run", 1, 2.0, PolicyChanged("max_staleness", 2, 3, "operator")))
+    text = console.export_text()
+    assert f"lane reset: 2 → 3 slots (configured 2; {why})" in text
+    assert "max_staleness changed from 2 to 3 by operator" in text

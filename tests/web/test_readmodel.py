@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from app.core.events import EngineUpdateBegin, Envelope, PolicyChanged
+from app.core.events import EngineUpdateBegin, Envelope, LaneResized, PolicyChanged
 from app.web.readmodel import ReportError, RunMeta, view_from_events, view_from_report
 from app.web.synthetic import synthetic_run
 from app.web.views import make_env
@@ -241,3 +241,13 @@ def test_a_live_run_states_the_bound_over_its_observed_group_durations():
                              RunMeta(lower_bound_s=1.5))  # fmt: skip
     assert owned.lower_bound_s == 1.5
     assert not owned.lower_bound_observed
+
+
+def test_a_lane_resize_joins_the_audit_list_without_changing_the_policy():
+    _, events = make_view(groups=4, group_size=2, batch_groups=2)
+    tail = events[-1]
+    resized = Envelope("run-1", tail.seq + 1, tail.t + 1, LaneResized("exec", 2, 4, 2, "3 queued"))
+    view = view_from_events("run-1", [*events, resized], RunMeta())
+    row = view.audit[-1]
+    assert (row.actor, row.field, row.old, row.new) == ("adaptive lanes", "lanes.exec.slots", 2, 4)
+    assert "lanes.exec.slots" not in view.policy
