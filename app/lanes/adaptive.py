@@ -33,6 +33,7 @@ decisions are pure (no clock, no I/O): `ResizableLimiter.resize` carries them ou
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveLanesSpec(BaseModel):
@@ -307,14 +310,18 @@ class LaneAdapter:
         return changed
 
     async def run(self) -> None:
-        """Decide every `spec.interval_s` until cancelled, sampling busy operations every `tick_s`."""
+        """Decide every `spec.interval_s` until cancelled, sampling busy operations every `tick_s`. A
+        CPU reading that fails ends the adapting, never the run: the lanes keep the slots they have."""
         ticks = max(1, round(self.spec.interval_s / self.tick_s))
-        self.meter.idle_cores()  # start the first interval now
-        while True:
-            for _ in range(ticks):
-                await asyncio.sleep(self.tick_s)
-                self.sample_busy()
-            self.decide()
+        try:
+            self.meter.idle_cores()  # start the first interval now
+            while True:
+                for _ in range(ticks):
+                    await asyncio.sleep(self.tick_s)
+                    self.sample_busy()
+                self.decide()
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("adaptive lanes stopped, the lanes keep their slots: %s: %s", self.meter.path, exc)
 
     def report(self) -> dict[str, Any]:
         """The lanes' slots as adapted, in the simulator's report fields."""
@@ -332,10 +339,17 @@ class LaneAdapter:
         }
 
 
-def lane_adapter(adaptive: bool, lanes: object, cpus: Sequence[int]) -> LaneAdapter | None:
+def lane_adapter(
+    adaptive: bool, lanes: object, cpus: Sequence[int], stat: Path = PROC_STAT
+) -> LaneAdapter | None:
     """The real-time adapter for `lanes` when the policy adapts them and they can be resized (in-process
     pinned lanes with a CPU set); None otherwise (Celery lanes keep their workers' concurrency)."""
     limiters = getattr(lanes, "limiters", None)
     if not adaptive or not limiters or not cpus or not getattr(lanes, "pinned", False):
         return None
-    return LaneAdapter({str(getattr(k, "value", k)): v for k, v in limiters.items()}, CpuIdleMeter(cpus))
+    try:
+        meter = CpuIdleMeter(cpus, stat)
+    except (OSError, ValueError, IndexError) as exc:  # no /proc/stat here (or not one we can read)
+        log.warning("lanes keep their configured slots: cannot read CPU time from %s: %s", stat, exc)
+        return None
+    return LaneAdapter({str(getattr(k, "value", k)): v for k, v in limiters.items()}, meter)

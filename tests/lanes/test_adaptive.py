@@ -117,3 +117,22 @@ def test_only_pinned_in_process_lanes_with_cpus_adapt() -> None:
     unpinned = InProcessLanes(dict.fromkeys(LaneName, 2), dict.fromkeys(LaneName, None), pinned=False)
     assert lane_adapter(True, unpinned, [0]) is None
     assert lane_adapter(True, object(), [0]) is None  # e.g. Celery lanes: their workers' concurrency
+
+
+def test_a_cpu_reading_that_fails_ends_the_adapting_not_the_run(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(STAT)
+    lanes = lanes_with(1, 0)
+    meter = CpuIdleMeter([0], stat)
+    adapter = LaneAdapter({k.value: v for k, v in lanes.limiters.items()}, meter, FAST, 0.05)
+    stat.unlink()  # the next reading fails
+
+    async def main() -> None:
+        await asyncio.wait_for(adapter.run(), timeout=5)  # returns: it does not raise into the run
+
+    asyncio.run(main())
+    assert lanes.limiters[LaneName.EXEC].slots == 1
+    assert lane_adapter(True, lanes, [0], stat) is None  # no file: the lanes keep their slots
+    stat.write_text("cpu0 garbled\n")
+    assert lane_adapter(True, lanes, [0], stat) is None  # a line it cannot parse: the same
+    assert lane_adapter(True, lanes, [0]) is not None  # the real /proc/stat
