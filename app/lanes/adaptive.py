@@ -212,6 +212,14 @@ class ResizableLimiter:
                 fut.set_result(None)
 
 
+def resize_lanes(limiters: Mapping[str, ResizableLimiter], decided: Mapping[str, int]) -> dict[str, int]:
+    """Carry out a decision: resize each lane whose slots it changed; returns those lanes' old slots."""
+    old = {lane: limiters[lane].slots for lane, n in decided.items() if limiters[lane].slots != n}
+    for lane in old:
+        limiters[lane].resize(decided[lane])
+    return old
+
+
 # Real lanes: decisions every 2 s of wall time, a step of half the configured slots (at least one), up
 # to 4× the configured slots, growth only into idle cores (`overload` None); no reweighting and no long
 # resets, which need the simulator's knowledge of every lane's demand.
@@ -291,20 +299,18 @@ class LaneAdapter:
             lane: LaneSample(lim.slots, lim.busy, lim.queued, idle, self.op_demand)
             for lane, lim in self.limiters.items()
         }
-        changed = {}
-        for lane, n in self.controller.decide(samples).items():
-            old = self.limiters[lane].slots
-            if old != n:
-                self.limiters[lane].resize(n)
-                changed[lane] = n
-                if self.on_change is not None:
-                    s = samples[lane]
-                    why = (
-                        f"{s.queued} queued, {idle:.2f} idle cores, ~{self.op_demand:.2f} cores an operation"
-                        if n > old
-                        else f"nothing queued, {s.busy} of {old} busy"
-                    )
-                    self.on_change(lane, old, n, why)
+        decided = self.controller.decide(samples)
+        old_slots = resize_lanes(self.limiters, decided)
+        changed = {lane: decided[lane] for lane in old_slots}
+        for lane, old in old_slots.items():
+            if self.on_change is not None:
+                s, n = samples[lane], decided[lane]
+                why = (
+                    f"{s.queued} queued, {idle:.2f} idle cores, ~{self.op_demand:.2f} cores an operation"
+                    if n > old
+                    else f"nothing queued, {s.busy} of {old} busy"
+                )
+                self.on_change(lane, old, n, why)
         if changed:
             self.slot_log.append((self.clock(), changed))
         return changed

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.config import LanesConfig, PolicyConfig
-from app.lanes.adaptive import AdaptiveLanesSpec, AdaptiveSlots, LaneSample
+from app.lanes.adaptive import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, resize_lanes
 from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.driver import RunState, Runtime
@@ -163,11 +163,8 @@ async def run_adapting(runtime: Runtime, ports: SimPorts, batches: int) -> RunSt
             if isinstance(long, LongOps) and pool is not None:
                 fit = pool.entitlement(BACKGROUND) * (ports.controller.spec.overload or 1.0)
                 long.slots.resize(max(1, math.floor(fit / max(ports.lane_cpus.reset[1], 1e-3))))
-            changed = {
-                lane: n for lane, n in decided.items() if ports.lanes.limiters[LaneName(lane)].slots != n
-            }
-            for lane, n in changed.items():
-                ports.lanes.limiters[LaneName(lane)].resize(n)
+            limiters = {lane.value: limiter for lane, limiter in ports.lanes.limiters.items()}
+            changed = {lane: decided[lane] for lane in resize_lanes(limiters, decided)}
             if changed:
                 ports.slot_log.append((loop.time(), changed))
 
