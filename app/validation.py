@@ -121,6 +121,11 @@ def _number(x: float) -> str:
 
 
 def _range(p: Mapping[str, Any]) -> str | None:
+    if "exclusiveMaximum" in p:
+        below = f"< {_number(p['exclusiveMaximum'])}"
+        if "minimum" in p:
+            return f"≥ {_number(p['minimum'])}, {below}"
+        return below
     if "maximum" not in p:
         return None
     high = _number(p["maximum"])

@@ -8,15 +8,19 @@ def check_outputs(**paths: object) -> None:
 
     import typer
 
-    from app.cli.common import check_output, check_plot
+    from app.cli.common import check_apart, check_output, check_plot
 
+    outputs: dict[str, Path | None] = {}
+    for name, given in paths.items():
+        outputs[f"--{name.replace('_', '-')}"] = None if given is None else Path(str(given))
     try:
-        for flag, path in paths.items():
+        for flag, path in outputs.items():
             if path is None:
                 continue
             if flag.endswith("plot"):
-                check_plot(Path(str(path)), f"--{flag.replace('_', '-')}")
+                check_plot(path, flag)
             else:
-                check_output(Path(str(path)), f"--{flag.replace('_', '-')}")
+                check_output(path, flag)
+        check_apart(outputs, {})
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None

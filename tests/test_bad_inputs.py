@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -282,6 +284,70 @@ CASES: dict[str, Case] = {
         {"w.json": workload(cpus={"total": 4, "serving": 2})},
         ["Value error", "(top)"],
     ),
+    "workload file with comments only": Case(
+        ["sim", "--workload", "w.yaml"], ["workload w.yaml is empty", "{}"], {"w.yaml": "# nothing yet\n"}
+    ),
+    # -- a workload that can never fill a batch ---------------------------------------------------
+    "workload p_infra_error 1": Case(
+        ["sim", "--workload", "w.json"],
+        ["trajectory.p_infra_error", "less than 1"],
+        {"w.json": workload(trajectory={"p_infra_error": 1.0})},
+    ),
+    "workload p_infra_error 0.999 ends the simulation": Case(
+        ["sim", "--workload", "w.json"],
+        ["simulated run stopped", "groups in a row failed", "SimInfraError"],
+        {"w.json": workload(trajectory={"p_infra_error": 0.999})},
+    ),
+    # -- an output must not destroy an input or another output ----------------------------------
+    "sim --json is the workload": Case(
+        ["sim", "--workload", "w.json", "--json", "w.json"],
+        ["--json w.json", "--workload", "destroy"],
+        {"w.json": workload()},
+    ),
+    "sim --json is the workload's trace": Case(
+        ["sim", "--workload", "w.json", "--json", "t.jsonl"],
+        ["--json t.jsonl", "the workload's trace"],
+        {"w.json": workload(trace="t.jsonl"), "t.jsonl": json.dumps(GOOD_TRACE_LINE) + "\n"},
+    ),
+    "sim --plot is --json": Case(
+        ["sim", "--workload", "w.json", "--json", "p.png", "--plot", "p.png"],
+        ["--plot p.png", "is also --json"],
+        {"w.json": workload()},
+    ),
+    "bench --json is the workload": Case(
+        ["bench", "--workload", "w.json", "--json", "./w.json"],
+        ["--json", "--workload"],
+        {"w.json": workload()},
+    ),
+    "advise --json is --trace": Case(
+        ["advise", "--workload", "w.json", "--trace", "t.jsonl", "--json", "t.jsonl", "--workers", "1"],
+        ["--json t.jsonl", "--trace"],
+        {"w.json": workload(), "t.jsonl": json.dumps(GOOD_TRACE_LINE) + "\n"},
+    ),
+    "run --json is the config": Case(
+        ["run", "--config", "c.yaml", "--json", "c.yaml"],
+        ["--json c.yaml", "--config"],
+        {"c.yaml": run_config(), **SUITE},
+    ),
+    "trace import --out inside the run directory": Case(
+        ["trace", "import", "--format", "terminal-bench", "tb", "--out", "tb/run/t1/results.json"],
+        ["--out", "inside SOURCE"],
+        {"tb/run/t1/results.json": "{}"},
+    ),
+    "bench --family with --workload": Case(
+        ["bench", "--family", "--workload", "w.json", "--json", "b.json"],
+        ["--family", "--workload"],
+        {"w.json": workload()},
+    ),
+    "--surplus-sweep with a value twice": Case(
+        ["bench", "--json", "b.json", "--surplus-sweep", "4,4"], ["--surplus-sweep", "4", "twice"]
+    ),
+    "--surplus-sweep 1_000": Case(
+        ["bench", "--json", "b.json", "--surplus-sweep", "1_000"], ["'1_000'", "not an integer"]
+    ),
+    "--surplus-sweep in Arabic-Indic digits": Case(
+        ["bench", "--json", "b.json", "--staleness-sweep", "\u0663"], ["--staleness-sweep", "not an integer"]
+    ),
 }
 if not VLLM_PRESENT:
     CASES["vllm hint"] = Case(["engine", "--backend", "vllm", "--model", "m"], ["pip install 'corral[vllm]'"])
@@ -436,6 +502,34 @@ def test_report_json_is_strict(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "x.y[1], z" in warning
 
 
+def test_output_that_is_not_a_regular_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pipe (or a device) given as --json was replaced by a regular file: the report is written to a
+    temporary file and renamed over the target."""
+    write_files(tmp_path, {"w.json": workload()})
+    os.mkfifo(tmp_path / "pipe.json")
+    code, out, err = corral_in_process(
+        ["sim", "--workload", "w.json", "--json", "pipe.json"], tmp_path, monkeypatch, capsys
+    )
+    assert_one_line_refusal(code, out, err, Case([], ["pipe.json", "not a regular file"]))
+    assert stat.S_ISFIFO((tmp_path / "pipe.json").lstat().st_mode)
+
+
+def test_a_report_is_written_through_a_symbolic_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json naming a link writes the file it points to, and the link stays a link."""
+    write_files(tmp_path, {"w.json": workload(), "reports/keep.txt": ""})
+    (tmp_path / "latest.json").symlink_to(tmp_path / "reports" / "r.json")
+    code, _, err = corral_in_process(
+        ["sim", "--workload", "w.json", "--json", "latest.json"], tmp_path, monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert (tmp_path / "latest.json").is_symlink()
+    assert json.loads((tmp_path / "reports" / "r.json").read_text())["batches"] == 2
+
+
 def test_output_check_leaves_nothing_behind(tmp_path: Path) -> None:
     from app.cli.common import check_output
 
@@ -564,7 +658,8 @@ def unbounded_numbers(schema: dict[str, Any]) -> list[str]:
                 continue
             for option in options:
                 items = [option, option.get("items", {}), *option.get("prefixItems", [])]
-                if any(i.get("type") in ("integer", "number") and "maximum" not in i for i in items):
+                numbers = [i for i in items if i.get("type") in ("integer", "number")]
+                if any("maximum" not in i and "exclusiveMaximum" not in i for i in numbers):
                     found.append(key)
 
     walk(schema, "")

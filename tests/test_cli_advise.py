@@ -54,6 +54,95 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+def corral_run_report(root: Path, *bad: object) -> Path:
+    """A `corral run` report whose event log holds one finished attempt, then `bad`."""
+    op = {"kind": "sandbox_op", "group_id": 0, "attempt": 0, "lane": "reset", "start": 0.0, "end": 2.0}
+    events = [
+        {"kind": "group_admitted", "group_id": 0, "task_index": 0, "group_size": 1, "task": "hello"},
+        op,
+        {**op, "lane": "exec", "start": 2.0, "end": 5.0},
+        {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},
+        *bad,
+    ]
+    report = root / "report.json"
+    report.write_text(json.dumps({"event_log": events}))
+    return report
+
+
+MALFORMED_EVENTS = {
+    "reward NaN": ({"kind": "attempt_finished", "group_id": 0, "attempt": 1, "reward": "NaN"}, "reward is"),
+    "no group_id": (
+        {"kind": "sandbox_op", "attempt": 1, "lane": "exec", "start": 0, "end": 1},
+        "no group_id",
+    ),
+    "end inf": (
+        {"kind": "turn", "group_id": 0, "attempt": 1, "start": 0, "end": "inf"},
+        'turn end is "inf", not a finite number',
+    ),
+    "null": (None, "is null, not an event object"),
+}
+
+
+@pytest.mark.parametrize(("event", "needle"), MALFORMED_EVENTS.values(), ids=MALFORMED_EVENTS.keys())
+def test_trace_import_refuses_a_malformed_event_in_one_line(
+    tmp_path: Path, event: object, needle: str
+) -> None:
+    corral_run_report(tmp_path, event)
+    done = corral(
+        "trace", "import", "--format", "corral-run", "report.json", "--out", "t.jsonl", cwd=tmp_path
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "report.json: event_log[4]" in done.stderr
+    assert needle in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_trace_import_counts_what_it_skips_and_writes_nothing_negative(tmp_path: Path) -> None:
+    backwards = {
+        "kind": "sandbox_op",
+        "group_id": 0,
+        "attempt": 1,
+        "lane": "reset",
+        "start": 300.0,
+        "end": 200.0,
+    }
+    finished = {"kind": "attempt_finished", "group_id": 0, "attempt": 1, "reward": 1.0, "error": None}
+    corral_run_report(tmp_path, backwards, finished)
+    done = corral(
+        "trace", "import", "--format", "corral-run", "report.json", "--out", "t.jsonl", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 attempts of 1 tasks" in done.stderr
+    assert "(skipped: 1 a sandbox op ends before it starts)" in done.stderr
+    line = json.loads((tmp_path / "t.jsonl").read_text())
+    assert (line["reset_s"], line["agent_s"]) == (2.0, 3.0)
+
+
+def test_trace_import_counts_every_trial_file_it_skips(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    stamps = {
+        "trial_started_at": "2025-01-01T00:00:00Z",
+        "agent_started_at": "2025-01-01T00:00:05Z",
+        "agent_ended_at": "2025-01-01T00:03:05Z",
+    }
+    for name, content in {
+        "good": json.dumps({"task_id": "good", "is_resolved": True, **stamps}).encode(),
+        "yes": json.dumps({"task_id": "yes", "is_resolved": "yes", **stamps}).encode(),
+        "truncated": b'{"task_id": "t',
+        "binary": bytes(range(256)),
+        "list": b"[]",
+    }.items():
+        (run / name).mkdir(parents=True)
+        (run / name / "results.json").write_bytes(content)
+    done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    skipped = "1 is_resolved is not a boolean, 2 not JSON, 1 not an object"
+    assert f"1 attempts of 1 tasks → t.jsonl (skipped: {skipped})" in done.stderr
+    assert json.loads((tmp_path / "t.jsonl").read_text())["task"] == "good"
+
+
 def test_advise_writes_its_advice(tmp_path: Path) -> None:
     done = corral(
         "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1", "--workers", "2",

@@ -9,8 +9,17 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from app import early_signals
-from app.cli.common import check_output, check_plot, fail, progress_bar, say, write_json, write_plot
-from app.cli.sim import checked_trace, load
+from app.cli.common import (
+    check_apart,
+    check_output,
+    check_plot,
+    fail,
+    progress_bar,
+    say,
+    write_json,
+    write_plot,
+)
+from app.cli.sim import checked_trace, load, simulation_errors, workload_inputs
 from app.sim.workload import WorkloadError
 
 if TYPE_CHECKING:
@@ -35,6 +44,7 @@ def trace_import(
     from app.sim.traces import import_corral_run, import_terminal_bench, write_trace
 
     check_output(out, "--out")
+    check_apart({"--out": out}, {"SOURCE": source})
     try:
         if fmt is TraceFormat.TERMINAL_BENCH:
             result = import_terminal_bench(source)
@@ -79,7 +89,8 @@ def advise(
             fail(str(exc))
         except ValueError as exc:
             fail(f"--trace {trace}: {exc}")
-    with early_signals.interruptible_once():  # a second Ctrl-C must not break the partial save
+    check_apart({"--json": json_out, "--plot": plot}, {"--trace": trace, **workload_inputs(workload, spec)})
+    with early_signals.interruptible_once(), simulation_errors():  # a second Ctrl-C must not break the save
         advice = _search(spec, passes, workers, json_out)
         write_json(json_out, advice.as_dict())
         write_plot(lambda out: plot_advice(advice, str(out)), plot)

@@ -3,7 +3,8 @@ JSON reports and the progress bar.
 
 Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; text
 from the user (paths, values) is never read as rich markup; an output path is proven writable (and
-left as it was) before any work starts; a report is strict JSON (no NaN or Infinity).
+left as it was) before any work starts, is a regular file or a new one (a link is written through), and
+is none of the command's inputs or other outputs; a report is strict JSON (no NaN or Infinity).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -66,6 +68,9 @@ def check_output(path: Path, flag: str) -> None:
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""
     if path.is_dir():
         fail(f"{flag} {path}: is a directory; give a file name")
+    path = _target(path)
+    if path.exists() and not path.is_file():
+        fail(f"{flag} {path}: is not a regular file (a device, pipe or socket); give a file name")
     created: list[Path] = []
     probe = path.with_name(path.name + ".tmp")  # write_json writes here first, then renames
     try:
@@ -82,6 +87,38 @@ def check_output(path: Path, flag: str) -> None:
     finally:
         for parent in reversed(created):
             parent.rmdir()
+
+
+def _target(path: Path) -> Path:
+    """Where writing `path` lands: through a symbolic link to its target, so the link stays a link."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | None]) -> None:
+    """Refuse an output path that is one of the command's inputs (the workload, a trace, a config) or
+    another of its outputs: writing it would destroy the file read, or the other output. `inputs` and
+    `outputs` map what the user typed (a flag, or a description) to a path or None. An output inside an
+    input directory is refused too (a terminal-bench run directory read as trials)."""
+    files: dict[str, str] = {}
+    dirs: list[tuple[str, str]] = []
+    for name, path in inputs.items():
+        if path is None or not path.exists():
+            continue
+        real = os.path.realpath(path)
+        if os.path.isdir(real):
+            dirs.append((name, real))
+        else:
+            files.setdefault(real, name)
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in files:
+            fail(f"{flag} {path}: is also {files[real]}; writing it would destroy that file")
+        for name, folder in dirs:
+            if real.startswith(folder + os.sep):
+                fail(f"{flag} {path}: is inside {name} {folder}; write it somewhere else")
+        files[real] = flag
 
 
 def check_plot(path: Path | None, flag: str = "--plot") -> None:
@@ -118,10 +155,11 @@ def write_json(path: Path, data: Any) -> None:
         data = _finite_or_none(data)
     text = json.dumps(data, indent=2, allow_nan=False)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        target = _target(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(text + "\n")
-        tmp.replace(path)
+        tmp.replace(target)
     except OSError as exc:
         fail(f"cannot write {path}: {exc.strerror or exc}")
 

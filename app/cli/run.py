@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.common import check_finite, check_output, check_plot, err, fail, finish, say
+from app.cli.common import check_apart, check_finite, check_output, check_plot, err, fail, finish, say
 from app.core.config import PolicyName
 from app.runtime.config import MAX_RUN_BATCHES, LocalRunError, default_config_path, load_config
 
@@ -48,6 +48,7 @@ def run(
     check_output(json_out, "--json")
     check_plot(plot)
     path = config if config is not None else default_config_path()
+    check_apart({"--json": json_out, "--plot": plot}, {"--config": path})
     try:
         cfg = load_config(path)
         from app.runtime.task_source import load_tasks

@@ -6,6 +6,8 @@ trajectories in flight within the simulator's memory limit, sweep lists non-empt
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from app.cli.common import (
+    check_apart,
     check_output,
     check_plot,
     err,
@@ -54,6 +57,39 @@ def load(workload: Path | None) -> Workload:
         return checked_trace(load_workload(workload))
     except WorkloadError as exc:
         fail(str(exc))
+
+
+def _cannot_proceed(exc: BaseException) -> Exception | None:
+    """The `RunCannotProceed` that ended a run, found inside the task groups' exception groups."""
+    from app.runtime.driver import RunCannotProceed
+
+    if isinstance(exc, RunCannotProceed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _cannot_proceed(inner)
+            if found is not None:
+                return found
+    return None
+
+
+@contextmanager
+def simulation_errors() -> Iterator[None]:
+    """A simulated run that cannot fill a batch (every group fails: `p_infra_error` near 1) ends the
+    command with one line, exit code 2: it is the workload's doing, not a crash."""
+    try:
+        yield
+    except Exception as exc:
+        cause = _cannot_proceed(exc)
+        if cause is None:
+            raise
+        fail(f"the simulated run stopped: {cause}")
+
+
+def workload_inputs(workload: Path | None, spec: Workload) -> dict[str, Path | None]:
+    """The files a simulation reads, for `check_apart`: the workload file and the trace it names."""
+    trace = spec.trace.path if spec.trace is not None else None
+    return {"--workload": workload, "the workload's trace": trace}
 
 
 def checked_trace(spec: Workload) -> Workload:
@@ -103,6 +139,7 @@ def sim(
     check_output(json_out, "--json")
     check_plot(plot)
     spec = load(workload)
+    check_apart({"--json": json_out, "--plot": plot}, workload_inputs(workload, spec))
     if surplus is not None:
         check_surplus(spec, surplus, "--surplus")
     overrides: dict[str, Any] = {
@@ -117,7 +154,7 @@ def sim(
         fail(problems(exc, FLAGS))
     if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
         fail("--ready-surplus: only with --admission in_flight")
-    with interrupt_says(json_out), progress_bar() as progress:
+    with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
         report = simulate(
             spec,
@@ -138,12 +175,14 @@ def parse_sweep(text: str, flag: str, high: int) -> list[int]:
     for item in items:
         if not item:
             fail(f"{flag} {text!r}: empty item; give comma-separated integers, e.g. 0,16,32")
-        try:
-            value = int(item)
-        except ValueError:
+        # plain ASCII digits only: int() would also take "1_000" and other scripts' digits
+        if not (item.removeprefix("-").isascii() and item.removeprefix("-").isdigit()):
             fail(f"{flag}: {item!r} is not an integer; give comma-separated integers, e.g. 0,16,32")
+        value = int(item)
         if not 0 <= value <= high:
             fail(f"{flag}: {value} is outside 0..{high}")
+        if value in values:
+            fail(f"{flag}: {value} is given twice; each value is a full simulation")
         values.append(value)
     if len(values) > MAX_SWEEP_VALUES:
         fail(f"{flag}: {len(values)} values; at most {MAX_SWEEP_VALUES} (each one is a full simulation)")
@@ -184,6 +223,8 @@ def bench(
     from app.sim.bench import run_bench
 
     if family:
+        if workload is not None:
+            fail(f"--family runs every built-in workload; it takes no --workload (given {workload})")
         _bench_family(json_out, plot, peers)
         return
 
@@ -192,9 +233,10 @@ def bench(
     check_output(json_out, "--json")
     check_plot(plot)
     spec = load(workload)
+    check_apart({"--json": json_out, "--plot": plot}, workload_inputs(workload, spec))
     for s in s_values:
         check_surplus(spec, s, "--surplus-sweep")
-    with interrupt_says(json_out), progress_bar() as progress:
+    with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
         task = progress.add_task("bench", total=None)
 
         def on_run(label: str, done: int, total: int) -> None:
@@ -216,6 +258,7 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
 
     check_output(json_out, "--json")
     check_plot(plot)
+    check_apart({"--json": json_out, "--plot": plot}, {})
     with interrupt_says(json_out), progress_bar() as progress:
         task = progress.add_task("bench --family", total=None)
 

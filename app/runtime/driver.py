@@ -47,6 +47,7 @@ from app.core.events import (
     Event,
     GroupDelivered,
     GroupDiscarded,
+    GroupReady,
     LaneResized,
     PolicyChanged,
     RunEnded,
@@ -56,7 +57,7 @@ from app.core.events import (
     VersionPublished,
 )
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
-from app.core.scheduler import CancelGroup, Decision, DeliverBatch, Scheduler, StartGroup
+from app.core.scheduler import CancelGroup, Decision, DeliverBatch, DiscardReason, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
 from app.engines.errors import EngineError
 from app.lanes.adaptive import LaneAdapter
@@ -127,6 +128,11 @@ class RunState:
     all_down_s: float = 0.0  # time with every engine down (turns waited for a restart)
     given_up: dict[str, str] = field(default_factory=dict)  # engines no longer restarted, and why
     trainer_wait_s: float = 0.0
+
+
+class RunCannotProceed(RuntimeError):
+    """Groups keep failing and none completes (`Runtime._failure_limit` in a row): no batch can be
+    filled, so the run ends instead of admitting and failing groups forever."""
 
 
 class EngineTurnFailed(RuntimeError):
@@ -214,6 +220,7 @@ class Runtime:
         self._lane_queued = dict.fromkeys(LaneName, 0)
         self._lane_busy = dict.fromkeys(LaneName, 0)
         self._start_failures = 0  # consecutive groups that could not start
+        self._failed_in_a_row = 0  # groups discarded as failed since a group last completed
         self._run_target: tuple[int | None, float | None] = (None, None)
         self._batch_waiter: asyncio.Future[DeliverBatch | None] | None = None
         self._stop_requested = False
@@ -451,6 +458,15 @@ class Runtime:
     def _publish_group_events(self) -> None:
         for event in self.scheduler.drain_events():
             self.bus.publish(event)
+            if isinstance(event, GroupReady):
+                self._failed_in_a_row = 0
+            elif isinstance(event, GroupDiscarded) and event.reason == DiscardReason.FAILED.value:
+                self._failed_in_a_row += 1
+                if self._failed_in_a_row > self._failure_limit():
+                    raise RunCannotProceed(
+                        f"{self._failed_in_a_row} groups in a row failed and none completed, so no batch "
+                        f"can be filled; last: {event.detail}"
+                    )
             if isinstance(event, GroupDelivered | GroupDiscarded):
                 gid = event.group_id
                 if isinstance(event, GroupDiscarded):
@@ -505,12 +521,17 @@ class Runtime:
         self.bus.publish(AttemptStarted(key[0], key[1]))
         self._attempts[key] = self._tg.create_task(self._run_attempt(key, task_index, agent, task, sandbox))
 
+    def _failure_limit(self) -> int:
+        """Groups that may fail in a row before the run ends: a source or sandbox that fails every group
+        would otherwise admit and fail groups forever (a simulation with `p_infra_error: 1` did)."""
+        return max(100, 4 * self.scheduler.capacity)
+
     def _fail_start(self, key: AttemptKey, error: str) -> list[Decision]:
         """The group of `key` fails because that attempt could not start; many in a row end the run
         (a source that always fails would otherwise admit and fail groups forever)."""
         self._start_failures += 1
-        if self._start_failures > max(100, 4 * self.scheduler.capacity):
-            raise RuntimeError(f"{self._start_failures} groups in a row could not start; last: {error}")
+        if self._start_failures > self._failure_limit():
+            raise RunCannotProceed(f"{self._start_failures} groups in a row could not start; last: {error}")
         self._publish(AttemptFinished(key[0], key[1], 0.0, error))
         decisions = self.scheduler.on_attempt_done(key[0], key[1], 0.0, error, self.now())
         self._publish_group_events()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from app.children import die_with_parent
 from app.engines.vllm import VLLMEngine
 from app.runtime.config import EnginesConfig, LocalRunError
 from app.runtime.engine_pool import EngineFaultConfig
@@ -68,14 +68,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, even by SIGKILL, so no engine is
-    orphaned (Linux prctl PR_SET_PDEATHSIG). The parent is the thread that forked: always the run's
-    main thread here, never a worker thread that may exit first."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -133,7 +125,7 @@ class EngineProcesses:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def start(self) -> None:

@@ -24,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.children import die_with_parent
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 
@@ -188,8 +189,10 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
 
 def _exit_on_interrupt() -> None:
     """In each worker: Ctrl-C (sent to the whole process group) ends the worker at once and quietly;
-    the parent gets the same signal and says what happened."""
+    the parent gets the same signal and says what happened. A worker also ends with its parent: a
+    SIGTERM or SIGKILL to `corral advise` alone used to leave the workers running for minutes."""
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    die_with_parent()
 
 
 def _rank(outcome: Outcome) -> tuple[float, float]:

@@ -10,13 +10,19 @@ list holds the same records). A trial record has ISO-8601 timestamps `trial_star
 `is_resolved`. The phases map as:
   reset = trial start → agent start;  agent = agent start → agent end;
   validate = test start → test end;   cleanup = test end → trial end;   reward = 1 if resolved else 0.
-A trial missing a timestamp the agent phase needs is skipped and counted, never guessed.
+A trial missing a timestamp the agent phase needs is skipped and counted, never guessed; a missing
+timestamp of another phase counts that phase as 0. A results.json that is not a JSON object, a time that
+is not ISO-8601, a span that runs backwards or an `is_resolved` that is not a boolean (or null, which
+terminal-bench writes for an unresolved trial) skips that trial, counted with its reason.
 
 A `corral run` report carries its event stream under `event_log`; each attempt's phases are summed from
-its sandbox operations (by lane) and model turns.
+its sandbox operations (by lane) and model turns. A malformed event (not an object, a missing field, a
+wrong type, a non-finite number) refuses the whole report, naming its index: the report is not what
+`corral run` writes. An attempt that failed, or one with an op or turn that ends before it starts, is
+skipped and counted with its reason, like a bad trial.
 
-Invariant: every record written has finite, non-negative durations; every skipped trial is counted
-with its reason.
+Invariant: every record written has finite, non-negative durations; every trial file, trial or
+attempt not imported is counted with its reason.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -42,58 +48,81 @@ class ImportResult:
     sources: int = 0
 
 
+class _Skip(Exception):
+    """A trial not imported; its message is the reason counted in `ImportResult.skipped`."""
+
+
 def _stamp(record: dict[str, Any], key: str) -> datetime | None:
+    """The time at `key`, or None when it is absent."""
     value = record.get(key)
-    if not isinstance(value, str) or not value:
+    if value is None or value == "":
         return None
+    if not isinstance(value, str):
+        raise _Skip(f"{key} is not a time")
     try:
-        stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        return None
-    return stamp
+        raise _Skip(f"{key} is not a time") from None
 
 
-def _span(record: dict[str, Any], start: str, end: str) -> float | None:
+def _span(
+    record: dict[str, Any], start: str, end: str, backwards: str = "timestamps run backwards"
+) -> float | None:
+    """Seconds from `start` to `end`, or None when either is absent."""
     a, b = _stamp(record, start), _stamp(record, end)
-    if a is None or b is None or (a.tzinfo is None) != (b.tzinfo is None):
+    if a is None or b is None:
         return None
+    if (a.tzinfo is None) != (b.tzinfo is None):
+        raise _Skip("timestamps mix naive and zoned times")
     seconds = (b - a).total_seconds()
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    if seconds < 0:
+        raise _Skip(backwards)
+    return seconds
 
 
 def terminal_bench_record(record: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """One trial record → one trace line, or (None, why it was skipped)."""
+    try:
+        return _trial_line(record), ""
+    except _Skip as skip:
+        return None, str(skip)
+
+
+def _trial_line(record: dict[str, Any]) -> dict[str, Any]:
     task = record.get("task_id")
     if not isinstance(task, str) or not task:
-        return None, "no task_id"
-    agent = _span(record, "agent_started_at", "agent_ended_at")
+        raise _Skip("no task_id")
+    resolved = record.get("is_resolved")
+    if resolved is not None and not isinstance(resolved, bool):
+        raise _Skip("is_resolved is not a boolean")
+    agent = _span(record, "agent_started_at", "agent_ended_at", backwards="agent ends before it starts")
     if agent is None:
-        return None, "no agent start/end"
+        raise _Skip("no agent start/end")
     reset = _span(record, "trial_started_at", "agent_started_at") or 0.0
     validate = _span(record, "test_started_at", "test_ended_at") or 0.0
     cleanup = _span(record, "test_ended_at", "trial_ended_at")
     if cleanup is None:
         cleanup = _span(record, "agent_ended_at", "trial_ended_at") or 0.0
-    resolved = record.get("is_resolved")
     return {
         "task": task,
         "reset_s": round(reset, 3),
         "agent_s": round(agent, 3),
         "validate_s": round(validate, 3),
         "cleanup_s": round(cleanup, 3),
-        "reward": 1.0 if resolved is True else 0.0,
-    }, ""
+        "reward": 1.0 if resolved else 0.0,
+    }
 
 
-def _trial_records(path: Path) -> Iterator[dict[str, Any]]:
+def _trial_records(path: Path) -> list[Any]:
+    """The records in one results.json: the trial itself, or a run-level summary's `results`."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return
-    if isinstance(data, dict) and isinstance(data.get("results"), list):
-        yield from (r for r in data["results"] if isinstance(r, dict))
-    elif isinstance(data, dict):
-        yield data
+    except OSError as exc:
+        raise _Skip(f"unreadable ({exc.strerror or exc})") from None
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an int too long
+        raise _Skip("not JSON") from None
+    results = data.get("results") if isinstance(data, dict) else None
+    return results if isinstance(results, list) else [data]
 
 
 def import_terminal_bench(directory: Path) -> ImportResult:
@@ -106,7 +135,15 @@ def import_terminal_bench(directory: Path) -> ImportResult:
     files = sorted(directory.rglob("results.json"), key=lambda p: (-len(p.parts), str(p)))
     for path in files:
         result.sources += 1
-        for record in _trial_records(path):
+        try:
+            records = _trial_records(path)
+        except _Skip as skip:
+            result.skipped[str(skip)] += 1
+            continue
+        for record in records:
+            if not isinstance(record, dict):
+                result.skipped["not an object"] += 1
+                continue
             key = (str(record.get("task_id")), str(record.get("trial_name") or path.parent))
             if key in seen:
                 continue
@@ -130,48 +167,99 @@ def import_corral_run(report_path: Path) -> ImportResult:
         report = json.loads(report_path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise WorkloadError(f"{report_path}: cannot read: {exc.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, an int too long
         raise WorkloadError(f"{report_path}: not a JSON report ({exc})") from None
     events = report.get("event_log") if isinstance(report, dict) else None
     if not isinstance(events, list):
         raise WorkloadError(f"{report_path}: no `event_log` list; write it with a current `corral run`")
     result = ImportResult(sources=1)
-    result.records, result.skipped = attempts_from_events(events)
+    try:
+        result.records, result.skipped = attempts_from_events(events)
+    except WorkloadError as exc:
+        raise WorkloadError(f"{report_path}: {exc}") from None
     if not result.records:
-        raise WorkloadError(f"{report_path}: no finished attempt in its events")
+        raise WorkloadError(
+            f"{report_path}: no finished attempt in its events (skipped: {dict(result.skipped) or 'none'})"
+        )
     return result
 
 
-def attempts_from_events(events: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], Counter[str]]:
+def _shown(value: object) -> str:
+    """`value` as the report spells it, cut short."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _field(ev: dict[str, Any], i: int, name: str) -> Any:
+    if name not in ev:
+        raise WorkloadError(f"event_log[{i}]: {ev['kind']} has no {name}")
+    return ev[name]
+
+
+def _integer(ev: dict[str, Any], i: int, name: str) -> int:
+    value = _field(ev, i, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"event_log[{i}]: {ev['kind']} {name} is {_shown(value)}, not an integer")
+    return value
+
+
+def _finite(ev: dict[str, Any], i: int, name: str) -> float:
+    value = _field(ev, i, name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WorkloadError(f"event_log[{i}]: {ev['kind']} {name} is {_shown(value)}, not a finite number")
+    return float(value)
+
+
+def _name(ev: dict[str, Any], i: int, name: str) -> str:
+    value = _field(ev, i, name)
+    if not isinstance(value, str) or not value:
+        raise WorkloadError(f"event_log[{i}]: {ev['kind']} {name} is {_shown(value)}, not a name")
+    return value
+
+
+def attempts_from_events(events: Iterable[Any]) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """One trace line per finished attempt, in finishing order, and what was skipped, by reason.
+    Raises `WorkloadError` naming the first malformed event by its index."""
     tasks: dict[int, str] = {}
     phases: dict[tuple[int, int], dict[str, float]] = {}
     turns: dict[tuple[int, int], list[dict[str, float]]] = {}
-    records: list[dict[str, Any]] = []
+    done: list[tuple[tuple[int, int], dict[str, Any]]] = []
     finished: dict[tuple[int, int], dict[str, Any]] = {}  # cleanup runs after the attempt reports
+    backwards: dict[tuple[int, int], str] = {}  # the attempt's first span that ends before it starts
     skipped: Counter[str] = Counter()
-    for ev in events:
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise WorkloadError(f"event_log[{i}] is {_shown(ev)}, not an event object")
         kind = ev.get("kind")
         if kind == "group_admitted":
-            tasks[int(ev["group_id"])] = str(ev.get("task") or f"task-{ev.get('task_index')}")
+            tasks[_integer(ev, i, "group_id")] = str(ev.get("task") or f"task-{ev.get('task_index')}")
             continue
         if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted"):
             continue
-        key = (int(ev["group_id"]), int(ev["attempt"]))
+        key = (_integer(ev, i, "group_id"), _integer(ev, i, "attempt"))
         if kind == "attempt_restarted":
             phases.pop(key, None)
             turns.pop(key, None)
+            backwards.pop(key, None)
         elif kind == "sandbox_op":
-            lane = str(ev["lane"])
-            spent = float(ev["end"]) - float(ev["start"])
+            lane = _name(ev, i, "lane")
+            spent = _finite(ev, i, "end") - _finite(ev, i, "start")
+            if spent < 0:
+                backwards.setdefault(key, "a sandbox op ends before it starts")
             if key in finished and lane == "cleanup":
                 finished[key]["cleanup_s"] = round(finished[key]["cleanup_s"] + spent, 3)
             else:
                 phases.setdefault(key, {})[lane] = phases.get(key, {}).get(lane, 0.0) + spent
         elif kind == "turn":
-            turns.setdefault(key, []).append({"llm_s": float(ev["end"]) - float(ev["start"]), "tool_s": 0.0})
+            spent = _finite(ev, i, "end") - _finite(ev, i, "start")
+            if spent < 0:
+                backwards.setdefault(key, "a turn ends before it starts")
+            turns.setdefault(key, []).append({"llm_s": spent, "tool_s": 0.0})
         else:
+            reward = _finite(ev, i, "reward")
             if ev.get("error"):
                 skipped["attempt failed"] += 1
+                backwards.pop(key, None)
                 continue
             lanes = phases.pop(key, {})
             attempt_turns = turns.pop(key, [])
@@ -187,10 +275,20 @@ def attempts_from_events(events: Iterable[dict[str, Any]]) -> tuple[list[dict[st
                 "agent_s": round(agent, 3),
                 "validate_s": round(lanes.get("validate", 0.0), 3),
                 "cleanup_s": round(lanes.get("cleanup", 0.0), 3),
-                "reward": float(ev.get("reward", 0.0)),
+                "reward": reward,
                 **({"turns": attempt_turns} if attempt_turns else {}),
             }
-            records.append(record)
+            done.append((key, record))
+    records: list[dict[str, Any]] = []
+    # Judged once every event is in: a cleanup that runs backwards may come after its attempt reports.
+    for key, line in done:
+        finite = all(math.isfinite(line[f"{phase}_s"]) for phase in ("reset", "agent", "validate", "cleanup"))
+        if key in backwards:
+            skipped[backwards[key]] += 1
+        elif not finite:
+            skipped["durations too large to count"] += 1
+        else:
+            records.append(line)
     return records, skipped
 
 

@@ -281,7 +281,11 @@ class TrajectorySpec(Strict):
         0.5, ge=0, le=1, strict=True, description="reward-1 probability of a task of difficulty 1"
     )
     p_infra_error: float = Field(
-        0.0, ge=0, le=1, strict=True, description="chance an attempt dies of an infra error"
+        0.0,
+        ge=0,
+        lt=1,
+        strict=True,
+        description="chance an attempt dies of an infra error (below 1: at 1 no group completes)",
     )
 
     @model_validator(mode="after")
@@ -560,6 +564,8 @@ def load_workload(path: Path | None) -> Workload:
         data = read_document(Path(path), f"workload {path}", json_suffix=True)
     except DocumentError as exc:
         raise WorkloadError(str(exc)) from None
+    if data is None:  # an empty file, or comments only: most likely the wrong file, not "all defaults"
+        raise WorkloadError(f"workload {path} is empty; write {{}} in it for every default")
     if isinstance(data, dict) and isinstance(data.get("trace"), dict | str):
         trace = data["trace"] if isinstance(data["trace"], dict) else {"path": data["trace"]}
         trace_path = Path(str(trace.get("path", "")))

@@ -32,7 +32,7 @@ from app.engines.base import PauseMode, TurnRequest, TurnResult
 from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.context import AttemptContext, AttemptOutcome
-from app.runtime.driver import Runtime
+from app.runtime.driver import RunCannotProceed, Runtime
 from app.runtime.events import EventBus
 from app.runtime.ports import TrainingBatch
 from app.runtime.report import ReportStatic, build_report, report_from_events, static_of
@@ -310,6 +310,34 @@ def test_a_start_failure_inside_generate_fails_only_that_group() -> None:
     }
     assert report["lost_groups"] == 0
     assert report["max_groups_in_flight"] <= 2
+
+
+def test_groups_that_all_fail_end_the_run_instead_of_admitting_forever() -> None:
+    """Every attempt dies: before the limit existed the run admitted and failed groups for ever (a
+    simulation with `p_infra_error: 1` never ended). Now it ends once max(100, 4·(B + S)) groups have
+    failed in a row with none completed, naming the last failure."""
+    runtime = make_runtime(ScriptedSource(default=Try(fail_after_s=1.0)))
+    envelopes = capture(runtime)
+    with pytest.raises(ExceptionGroup) as info:
+        run_virtual(runtime.run(batches=1))
+    assert info.group_contains(RunCannotProceed, match="101 groups in a row failed and none completed")
+    assert info.group_contains(RunCannotProceed, match="last: RuntimeError: sandbox died")
+    failed = [e for e in envelopes if isinstance(e.event, GroupDiscarded) and e.event.reason == "failed"]
+    assert len(failed) >= 101  # the 101st ended it; a group failing at that instant may follow
+    end = envelopes[-1].event
+    assert isinstance(end, RunEnded)
+    assert end.reason == "error"
+
+
+def test_a_failure_streak_is_reset_by_a_completed_group() -> None:
+    """Failures that alternate with completed groups are a flaky source, not a dead one: the run goes
+    on and delivers, with far more than the limit's worth of failed groups in total."""
+    scripts = {(g, 0, 0): Try(fail_after_s=1.0) for g in range(0, 400) if g % 50}  # 1 in 50 completes
+    runtime = make_runtime(ScriptedSource(scripts=scripts, default=Try(turn_s=1.0)))
+    report = run_report(runtime, batches=6)
+    assert report["batches"] == 6
+    assert report["discarded_groups"]["failed"] > 101
+    assert report["lost_groups"] == 0
 
 
 def test_a_source_that_never_starts_ends_the_run_with_the_error() -> None:

@@ -1,11 +1,12 @@
 """Trace import: a synthetic terminal-bench run directory and a `corral run` event stream."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from app.sim.traces import attempts_from_events, import_terminal_bench, write_trace
+from app.sim.traces import attempts_from_events, import_corral_run, import_terminal_bench, write_trace
 from app.sim.workload import WorkloadError, load_trace
 
 
@@ -72,32 +73,191 @@ def test_a_directory_without_trials_is_refused(tmp_path: Path) -> None:
         import_terminal_bench(tmp_path / "missing")
 
 
-def test_corral_run_events_give_one_line_per_finished_attempt() -> None:
-    def op(lane: str, start: float, end: float, attempt: int = 0) -> dict:
-        return {"kind": "sandbox_op", "group_id": 0, "attempt": attempt, "lane": lane,
-                "queued_at": start, "start": start, "end": end}  # fmt: skip
+def make_op(lane: str, start: float, end: float, attempt: int = 0) -> dict:
+    return {"kind": "sandbox_op", "group_id": 0, "attempt": attempt, "lane": lane,
+            "queued_at": start, "start": start, "end": end}  # fmt: skip
 
-    events = [
+
+def make_turn(start: float, end: float, attempt: int = 0) -> dict:
+    return {"kind": "turn", "group_id": 0, "attempt": attempt, "engine": "e0", "version": 0,
+            "queued_at": start, "start": start, "end": end, "tokens": 8}  # fmt: skip
+
+
+def make_events() -> list:
+    """One group: attempt 0 finishes (its cleanup after it reports), attempt 1 fails."""
+    return [
         {"kind": "group_admitted", "group_id": 0, "task_index": 0, "group_size": 2, "task": "count-primes"},
-        op("reset", 0.5, 2.5),
-        {"kind": "turn", "group_id": 0, "attempt": 0, "engine": "e0", "version": 0, "queued_at": 2.5,
-         "start": 2.5, "end": 3.5, "tokens": 8},
-        op("exec", 3.5, 5.5),
-        op("validate", 6, 7),
+        make_op("reset", 0.5, 2.5),
+        make_turn(2.5, 3.5),
+        make_op("exec", 3.5, 5.5),
+        make_op("validate", 6, 7),
         {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},
-        op("cleanup", 7, 7.25),
+        make_op("cleanup", 7, 7.25),
         {"kind": "attempt_finished", "group_id": 0, "attempt": 1, "reward": 0.0, "error": "SandboxError"},
     ]  # fmt: skip
-    records, skipped = attempts_from_events(events)
+
+
+COUNT_PRIMES = {
+    "task": "count-primes",
+    "reset_s": 2.0,
+    "agent_s": 3.0,
+    "validate_s": 1.0,
+    "cleanup_s": 0.25,
+    "reward": 1.0,
+    "turns": [{"llm_s": 1.0, "tool_s": 2.0}],
+}
+
+
+def test_corral_run_events_give_one_line_per_finished_attempt() -> None:
+    records, skipped = attempts_from_events(make_events())
     assert skipped == {"attempt failed": 1}
-    assert records == [
-        {
-            "task": "count-primes",
-            "reset_s": 2.0,
-            "agent_s": 3.0,
-            "validate_s": 1.0,
-            "cleanup_s": 0.25,
-            "reward": 1.0,
-            "turns": [{"llm_s": 1.0, "tool_s": 2.0}],
-        }
+    assert records == [COUNT_PRIMES]
+
+
+def without(event: dict, key: str) -> dict:
+    return {k: v for k, v in event.items() if k != key}
+
+
+FINISHED = make_events()[5]
+
+MALFORMED_EVENTS = {
+    "sandbox_op without group_id": (
+        without(make_op("exec", 1, 2), "group_id"),
+        ["sandbox_op", "no group_id"],
+    ),
+    "sandbox_op without lane": (without(make_op("exec", 1, 2), "lane"), ["sandbox_op", "no lane"]),
+    "turn without attempt": (without(make_turn(1, 2), "attempt"), ["turn", "no attempt"]),
+    "group_id a string": ({**make_op("exec", 1, 2), "group_id": "x"}, ['group_id is "x"', "not an integer"]),
+    "group_id a boolean": (
+        {**make_op("exec", 1, 2), "group_id": True},
+        ["group_id is true", "not an integer"],
+    ),
+    "lane a number": ({**make_op("exec", 1, 2), "lane": 3}, ["lane is 3", "not a name"]),
+    "reward a word": ({**FINISHED, "reward": "abc"}, ['reward is "abc"', "not a finite number"]),
+    "reward the string NaN": ({**FINISHED, "reward": "NaN"}, ['reward is "NaN"', "not a finite number"]),
+    "reward NaN": ({**FINISHED, "reward": math.nan}, ["reward is NaN", "not a finite number"]),
+    "no reward": (without(FINISHED, "reward"), ["attempt_finished", "no reward"]),
+    "end the string inf": ({**make_op("exec", 1, 2), "end": "inf"}, ['end is "inf"', "not a finite number"]),
+    "start -Infinity": (
+        {**make_turn(1, 2), "start": -math.inf},
+        ["start is -Infinity", "not a finite number"],
+    ),
+    "null": (None, ["is null", "not an event object"]),
+    "a string": ("oops", ['is "oops"', "not an event object"]),
+}
+
+
+@pytest.mark.parametrize(("event", "needles"), MALFORMED_EVENTS.values(), ids=MALFORMED_EVENTS.keys())
+def test_a_malformed_event_is_refused_naming_its_index(event: object, needles: list[str]) -> None:
+    events = make_events()
+    events.insert(3, event)
+    with pytest.raises(WorkloadError) as refused:
+        attempts_from_events(events)
+    message = str(refused.value)
+    assert message.startswith("event_log[3]")
+    for needle in needles:
+        assert needle in message
+
+
+def test_a_corral_run_report_with_a_malformed_event_is_refused_naming_the_report(tmp_path: Path) -> None:
+    events = make_events()
+    events[5] = {**FINISHED, "reward": math.nan}
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"event_log": events}))  # a JSON NaN literal, as Python writes it
+    with pytest.raises(WorkloadError, match=r"report\.json: event_log\[5\]: attempt_finished reward is NaN"):
+        import_corral_run(report)
+
+
+BACKWARDS = {
+    "a reset op": (1, make_op("reset", 2.5, 0.5), "a sandbox op ends before it starts"),
+    "a turn": (2, make_turn(3.5, 2.5), "a turn ends before it starts"),
+    "a cleanup after the attempt reports": (
+        6,
+        make_op("cleanup", 7.25, 7),
+        "a sandbox op ends before it starts",
+    ),
+}
+
+
+@pytest.mark.parametrize(("index", "event", "why"), BACKWARDS.values(), ids=BACKWARDS.keys())
+def test_an_attempt_with_a_span_that_runs_backwards_is_skipped_with_its_reason(
+    index: int, event: dict, why: str
+) -> None:
+    """Attempt 0 of group 0 has the backwards span; the same attempt in group 1 is imported."""
+    good = [{**e, "group_id": 1} for e in make_events()[:7]]
+    events = make_events()
+    events[index] = event
+    records, skipped = attempts_from_events([*events, *good])
+    assert skipped == {why: 1, "attempt failed": 1}
+    assert records == [COUNT_PRIMES]
+
+
+def test_durations_too_large_to_add_up_are_skipped() -> None:
+    events = make_events()
+    events[3:4] = [make_op("exec", -1e308, 1e308)]
+    records, skipped = attempts_from_events(events)
+    assert records == []
+    assert skipped == {"durations too large to count": 1, "attempt failed": 1}
+
+
+def test_every_trial_file_not_imported_is_counted_with_its_reason(tmp_path: Path) -> None:
+    run = write_run(tmp_path, [make_trial("good", "good.1-of-1", True)])
+    for name, content in {
+        "truncated": b'{"task_id": "truncated", "trial_name": ',
+        "binary": bytes(range(256)),
+        "list": b"[1, 2, 3]",
+        "number": b"42",
+    }.items():
+        (run / name / f"{name}.1-of-1").mkdir(parents=True)
+        (run / name / f"{name}.1-of-1" / "results.json").write_bytes(content)
+    (run / "summary").mkdir()
+    (run / "summary" / "results.json").write_text(
+        json.dumps({"results": [make_trial("good", "good.1-of-1", True), "x"]})
+    )
+    result = import_terminal_bench(run)
+    assert len(result.records) == 1
+    assert result.skipped == {"not JSON": 2, "not an object": 3}
+
+
+BAD_TRIALS = {
+    "reset runs backwards": ({"trial_started_at": "2025-06-01T10:00:09+00:00"}, "timestamps run backwards"),
+    "validate runs backwards": ({"test_ended_at": "2025-06-01T10:04:39+00:00"}, "timestamps run backwards"),
+    "cleanup runs backwards": ({"trial_ended_at": "2025-06-01T10:04:44+00:00"}, "timestamps run backwards"),
+    "cleanup without a test runs backwards": (
+        {"test_started_at": None, "test_ended_at": None, "trial_ended_at": "2025-06-01T10:04:30+00:00"},
+        "timestamps run backwards",
+    ),
+    "agent ends before it starts": (
+        {"agent_ended_at": "2025-06-01T10:00:06+00:00"},
+        "agent ends before it starts",
+    ),
+    "a time that is not one": ({"test_started_at": "yesterday"}, "test_started_at is not a time"),
+    "a time that is a number": ({"trial_ended_at": 1717236298}, "trial_ended_at is not a time"),
+    "naive and zoned times": (
+        {"trial_ended_at": "2025-06-01T10:05:00"},
+        "timestamps mix naive and zoned times",
+    ),
+    "is_resolved a word": ({"is_resolved": "yes"}, "is_resolved is not a boolean"),
+    "is_resolved a number": ({"is_resolved": 1}, "is_resolved is not a boolean"),
+}
+
+
+@pytest.mark.parametrize(("overrides", "why"), BAD_TRIALS.values(), ids=BAD_TRIALS.keys())
+def test_a_trial_with_bad_times_or_outcome_is_skipped_with_its_reason(
+    tmp_path: Path, overrides: dict, why: str
+) -> None:
+    run = write_run(
+        tmp_path, [make_trial("good", "good.1", True), {**make_trial("bad", "bad.1", True), **overrides}]
+    )
+    result = import_terminal_bench(run)
+    assert [r["task"] for r in result.records] == ["good"]
+    assert result.skipped == {why: 1}
+
+
+def test_missing_phase_times_count_as_zero_and_null_is_resolved_as_unresolved(tmp_path: Path) -> None:
+    trial = make_trial("t", "t.1", None, trial_started_at=None, test_started_at=None, test_ended_at=None)
+    result = import_terminal_bench(write_run(tmp_path, [trial]))
+    assert result.skipped == {}
+    assert result.records == [
+        {"task": "t", "reset_s": 0.0, "agent_s": 270.0, "validate_s": 0.0, "cleanup_s": 21.5, "reward": 0.0}
     ]

@@ -17,8 +17,6 @@ Without the flag nothing here is mounted and the engine behaves exactly as docum
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import signal
 import subprocess
 import sys
 import threading
@@ -28,13 +26,11 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.children import die_with_parent
+
 ENV_FLAG = "CORRAL_ENGINE_DEBUG"
 _GENERATION = ("/v1/completions", "/v1/chat/completions")
 _CHILD = "import time\nwhile True: time.sleep(3600)  # corral engine-core stand-in"
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -48,7 +44,7 @@ class EngineFaults:
         self.child = subprocess.Popen(
             [sys.executable, "-c", _CHILD],
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._watch_child, name="engine-core-watch", daemon=True).start()
 
