@@ -59,28 +59,16 @@ def load(workload: Path | None) -> Workload:
         fail(str(exc))
 
 
-def _cannot_proceed(exc: BaseException) -> Exception | None:
-    """The `RunCannotProceed` that ended a run, found inside the task groups' exception groups."""
-    from app.runtime.driver import RunCannotProceed
-
-    if isinstance(exc, RunCannotProceed):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _cannot_proceed(inner)
-            if found is not None:
-                return found
-    return None
-
-
 @contextmanager
 def simulation_errors() -> Iterator[None]:
     """A simulated run that cannot fill a batch (every group fails: `p_infra_error` near 1) ends the
     command with one line, exit code 2: it is the workload's doing, not a crash."""
+    from app.runtime.driver import cannot_proceed
+
     try:
         yield
     except Exception as exc:
-        cause = _cannot_proceed(exc)
+        cause = cannot_proceed(exc)
         if cause is None:
             raise
         fail(f"the simulated run stopped: {cause}")

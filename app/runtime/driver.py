@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections import deque
@@ -128,11 +129,24 @@ class RunState:
     all_down_s: float = 0.0  # time with every engine down (turns waited for a restart)
     given_up: dict[str, str] = field(default_factory=dict)  # engines no longer restarted, and why
     trainer_wait_s: float = 0.0
+    error: str | None = None  # why the run ended early, when it could not go on (RunCannotProceed)
 
 
 class RunCannotProceed(RuntimeError):
     """Groups keep failing and none completes (`Runtime._failure_limit` in a row): no batch can be
     filled, so the run ends instead of admitting and failing groups forever."""
+
+
+def cannot_proceed(exc: BaseException) -> RunCannotProceed | None:
+    """The `RunCannotProceed` that ended a run, found inside the task groups' exception groups."""
+    if isinstance(exc, RunCannotProceed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = cannot_proceed(inner)
+            if found is not None:
+                return found
+    return None
 
 
 class EngineTurnFailed(RuntimeError):
@@ -277,6 +291,13 @@ class Runtime:
             # attempt cleaned up its sandbox; the account still closes so the report covers the run.
             if not self._stopping:
                 self._begin_shutdown()
+            raise
+        except Exception:
+            # Ended by an error (groups that all fail, a bug): the account still closes, so every live
+            # group gets its terminal event and the ledger finds none lost. The error is what is raised.
+            if not self._stopping:
+                with contextlib.suppress(Exception):
+                    self._begin_shutdown()
             raise
         finally:
             self._publish_run_ended(sys.exc_info()[1])
@@ -456,14 +477,15 @@ class Runtime:
         self.bus.publish(event)
 
     def _publish_group_events(self) -> None:
+        given_up: str | None = None
         for event in self.scheduler.drain_events():
             self.bus.publish(event)
             if isinstance(event, GroupReady):
                 self._failed_in_a_row = 0
             elif isinstance(event, GroupDiscarded) and event.reason == DiscardReason.FAILED.value:
                 self._failed_in_a_row += 1
-                if self._failed_in_a_row > self._failure_limit():
-                    raise RunCannotProceed(
+                if self._failed_in_a_row > self._failure_limit() and given_up is None:
+                    given_up = (
                         f"{self._failed_in_a_row} groups in a row failed and none completed, so no batch "
                         f"can be filled; last: {event.detail}"
                     )
@@ -474,6 +496,8 @@ class Runtime:
                 size = self._group_tasks.get(gid, 0)
                 if not any((gid, i) in self._attempts for i in range(size)):
                     self._group_tasks.pop(gid, None)  # else its CancelGroup follows and clears it
+        if given_up is not None:  # raised after every drained event is published: none may be lost
+            raise RunCannotProceed(given_up)
 
     def _publish_run_ended(self, exc: BaseException | None) -> None:
         batches, _ = self._run_target

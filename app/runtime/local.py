@@ -37,7 +37,7 @@ from app.core.events import Envelope
 from app.lanes.adaptive import lane_adapter
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.config import LocalRunConfig, LocalRunError, load_config
-from app.runtime.driver import RunState, Runtime
+from app.runtime.driver import RunState, Runtime, cannot_proceed
 from app.runtime.engine_procs import EngineProcesses, fault_config
 from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
@@ -233,6 +233,8 @@ async def _run(
     report["sandbox_time_limits"] = {"mode": config.sandbox.time_limits, "backstop": config.sandbox.backstop}
     report.update(task_report(report.get("groups_timeline", []), source))
     report["engines_given_up"] = dict(state.given_up)
+    if state.error is not None:
+        report["error"] = state.error
     if state.given_up and state.given_up.keys() == runtime.pool.by_name.keys():
         report["error"] = "every engine was given up (engines.max_restarts): " + "; ".join(
             f"{name}: {why}" for name, why in state.given_up.items()
@@ -336,6 +338,13 @@ async def _start_and_collect(
         except asyncio.CancelledError:
             if stop.count == 0:
                 raise
+            return runtime.state
+        except Exception as exc:  # groups that all fail end the run; its report says why
+            cause = cannot_proceed(exc)
+            if cause is None:
+                raise
+            progress.line(f"the run stopped: {cause}")
+            runtime.state.error = str(cause)
             return runtime.state
     finally:
         os.sched_setaffinity(0, all_cpus)

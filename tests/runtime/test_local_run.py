@@ -132,6 +132,34 @@ def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.slow
+def test_cli_run_whose_every_group_fails_stops_with_its_report(tmp_path: Path) -> None:
+    """A task whose set-up always fails: every group is discarded as failed. The run used to admit and
+    fail groups for ever; now it stops after 100 in a row with none completed, writes its report with
+    the reason under `error`, and `corral run` exits 1 naming it."""
+    task = tmp_path / "suite" / "broken"
+    task.mkdir(parents=True)
+    (task / "task.yaml").write_text("instruction: say hi\nsetup: exit 3\nvalidation: {command: 'true'}\n")
+    cfg = write_config(tmp_path, CONFIG.replace(
+        "tasks: {include: [fix-off-by-one, json-transform, patch-config-sed, sort-uniq-log]}",
+        f"tasks: {{suite: {tmp_path / 'suite'}}}",
+    ))  # fmt: skip
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", str(cfg), "--json",
+         str(out), "--batches", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "101 groups in a row failed and none completed" in proc.stderr
+    report = json.loads(out.read_text())
+    assert "101 groups in a row failed" in report["error"]
+    assert report["batches"] == 0
+    assert report["discarded_groups"]["failed"] >= 101
+    assert report["lost_groups"] == 0
+
+
 def embedded_engine_pids(parent: int | None = None) -> set[int]:
     """Live embedded engine processes (of `parent` only, when given: other tests may run engines too)."""
     return children(parent, b"app.engines.embedded\0--port")

@@ -24,6 +24,7 @@ from app.core.events import (
     Event,
     GroupDelivered,
     GroupDiscarded,
+    Ledger,
     RunEnded,
     envelope_from_dict,
 )
@@ -324,6 +325,11 @@ def test_groups_that_all_fail_end_the_run_instead_of_admitting_forever() -> None
     assert info.group_contains(RunCannotProceed, match="last: RuntimeError: sandbox died")
     failed = [e for e in envelopes if isinstance(e.event, GroupDiscarded) and e.event.reason == "failed"]
     assert len(failed) >= 101  # the 101st ended it; a group failing at that instant may follow
+    ledger = Ledger()
+    for env in envelopes:
+        ledger.on_envelope(env)
+    assert ledger.lost == 0  # the groups live when it ended were closed, as cancelled
+    assert ledger.discarded.get("cancelled", 0) >= 1
     end = envelopes[-1].event
     assert isinstance(end, RunEnded)
     assert end.reason == "error"
@@ -345,7 +351,11 @@ def test_a_source_that_never_starts_ends_the_run_with_the_error() -> None:
     envelopes = capture(runtime)
     with pytest.raises(ExceptionGroup) as info:
         run_virtual(runtime.run(batches=1))
-    assert info.group_contains(RuntimeError, match="groups in a row could not start; last: could not start")
+    assert info.group_contains(RunCannotProceed, match="groups in a row could not start; last: could not")
+    ledger = Ledger()
+    for env in envelopes:
+        ledger.on_envelope(env)
+    assert ledger.lost == 0
     end = envelopes[-1].event
     assert isinstance(end, RunEnded)
     assert end.reason == "error"
