@@ -157,7 +157,9 @@ class CorralRun:
             self.scan()
             pids = sorted(
                 (pid for pid, (_, cmd) in self.seen.items() if "app.engines.embedded" in cmd and _stat(pid)),
-                key=lambda pid: self.seen[pid][0],
+                # start time, then pid: engines spawned within one clock tick (10 ms) tie on start time,
+                # and `scan` meets them in reverse; the run spawns them in order, so pids break the tie
+                key=lambda pid: (self.seen[pid][0], pid),
             )
             if len(pids) >= count:
                 return pids[-count:]
