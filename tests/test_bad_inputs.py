@@ -287,6 +287,22 @@ CASES: dict[str, Case] = {
     "workload file with comments only": Case(
         ["sim", "--workload", "w.yaml"], ["workload w.yaml is empty", "{}"], {"w.yaml": "# nothing yet\n"}
     ),
+    # -- a key given twice: PyYAML and json kept the last one silently -----------------------------
+    "workload YAML with a key twice": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["w.yaml", "'slots' is given twice", "line 4"],
+        {"w.yaml": "batches: 1\nengines:\n  slots: 4\n  slots: 8\n"},
+    ),
+    "workload JSON with a key twice": Case(
+        ["sim", "--workload", "w.json"],
+        ["w.json", "'batches' is given twice"],
+        {"w.json": '{"batches": 1, "batches": 2}'},
+    ),
+    "run config with a key twice": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["c.yaml", "'lanes' is given twice"],
+        {"c.yaml": run_config() + "lanes: {cpus: [1]}\n", **SUITE},
+    ),
     # -- a workload that can never fill a batch ---------------------------------------------------
     "workload p_infra_error 1": Case(
         ["sim", "--workload", "w.json"],
@@ -528,6 +544,20 @@ def test_a_report_is_written_through_a_symbolic_link(
     assert code == 0, err
     assert (tmp_path / "latest.json").is_symlink()
     assert json.loads((tmp_path / "reports" / "r.json").read_text())["batches"] == 2
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    """A key brought in by `<<: *anchor` and given again in the mapping is an override, not a key given
+    twice; the same text as an integer and as a string are two keys."""
+    from app.documents import read_document
+
+    path = tmp_path / "w.yaml"
+    path.write_text("base: &b {slots: 4, count: 2}\nengines:\n  <<: *b\n  slots: 8\nodd: {1: a, '1': b}\n")
+    assert read_document(path, "w") == {
+        "base": {"slots": 4, "count": 2},
+        "engines": {"slots": 8, "count": 2},
+        "odd": {1: "a", "1": "b"},
+    }
 
 
 def test_output_check_leaves_nothing_behind(tmp_path: Path) -> None:
