@@ -41,11 +41,12 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _json_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [key for key, _ in pairs]
-    for key in keys:
-        if keys.count(key) > 1:
+    obj: dict[str, object] = {}
+    for key, value in pairs:
+        if key in obj:
             raise _DuplicateKey(f"{key!r} is given twice in one object")
-    return dict(pairs)
+        obj[key] = value
+    return obj
 
 
 def read_document(path: Path, what: str, json_suffix: bool = False) -> object:

@@ -163,8 +163,8 @@ def parse_sweep(text: str, flag: str, high: int) -> list[int]:
     for item in items:
         if not item:
             fail(f"{flag} {text!r}: empty item; give comma-separated integers, e.g. 0,16,32")
-        # plain ASCII digits only: int() would also take "1_000" and other scripts' digits
-        if not (item.removeprefix("-").isascii() and item.removeprefix("-").isdigit()):
+        digits = item.removeprefix("-")  # ASCII digits only: int() also takes "1_000" and other digits
+        if not (digits.isascii() and digits.isdigit()):
             fail(f"{flag}: {item!r} is not an integer; give comma-separated integers, e.g. 0,16,32")
         value = int(item)
         if not 0 <= value <= high:
