@@ -28,8 +28,8 @@ def parse_cpu_list(text: str) -> list[int]:
             raise CpuListError(f"empty item in CPU list {text!r}")
         low_text, sep, high_text = item.partition("-")
         try:
-            low = int(low_text)
-            high = int(high_text) if sep else low
+            low = _cpu_number(low_text)
+            high = _cpu_number(high_text) if sep else low
         except ValueError:
             raise CpuListError(f"{item!r} in CPU list {text!r} is not a CPU number or a range a-b") from None
         if low < 0 or high < 0:
@@ -42,6 +42,14 @@ def parse_cpu_list(text: str) -> list[int]:
             )
         cpus.update(range(low, high + 1))
     return sorted(cpus)
+
+
+def _cpu_number(text: str) -> int:
+    """ASCII digits only: `int` would also read "0_1" as 1, "+0" and other scripts' digits."""
+    digits = text.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(text)
+    return int(digits)
 
 
 def format_cpu_list(cpus: Iterable[int]) -> str:

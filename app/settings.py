@@ -12,6 +12,11 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.validation import hide_password
+
+# The database drivers installed with Corral: SQLite's own and psycopg 3 (`postgresql://` means it).
+DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg")
+
 
 def _default_database_url() -> str:
     return f"sqlite:///{Path.cwd() / 'corral.db'}"
@@ -62,8 +67,26 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _known_scheme(cls, value: str) -> str:
-        if not value.startswith(("sqlite", "postgresql")):
-            raise ValueError(f"database_url must be sqlite:// or postgresql+psycopg://, got {value!r}")
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme.lower() not in DATABASE_SCHEMES:
+            raise ValueError(
+                f"{hide_password(value)!r}: use sqlite:///FILE or postgresql+psycopg://… (installed "
+                f"drivers: {', '.join(DATABASE_SCHEMES)})"
+            )
+        if scheme.lower().startswith("sqlite") and rest.lstrip("/") in ("", ":memory:"):
+            raise ValueError(
+                f"{value!r}: an in-memory database would lose every run when the server stops; "
+                "give a file, e.g. sqlite:///corral.db"
+            )
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _some_host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "empty; give the address to listen on, e.g. 127.0.0.1 (0.0.0.0 listens on every interface)"
+            )
         return value
 
     @field_validator("broker_url")

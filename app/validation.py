@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,14 @@ MAX_SWEEP_VALUES = 32
 # 62 MB above the import baseline with 10,000 short trajectories live, about 6 KB each.
 MAX_TRAJECTORIES_IN_FLIGHT = 1_000_000
 SIM_BYTES_PER_TRAJECTORY = 6_200
+
+
+_URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*):[^@/]*@")
+
+
+def hide_password(url: str) -> str:
+    """`url` as a message may show it: a password between `user:` and `@` becomes `***`."""
+    return _URL_PASSWORD.sub(r"\1:***@", url)
 
 
 def human_bytes(n: float) -> str:

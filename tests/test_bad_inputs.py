@@ -34,6 +34,7 @@ CORRAL = Path(sys.executable).with_name("corral")
 VLLM_PRESENT = shutil.which("vllm") is not None or importlib.util.find_spec("vllm") is not None
 
 GOOD_TRACE_LINE = {"task": "a", "reset_s": 1, "agent_s": 5, "validate_s": 1, "cleanup_s": 1, "reward": 1}
+LONG = "x" * 300  # a file name the OS refuses to look up (over 255 bytes)
 GOOD_TASK = "instruction: say hi\nvalidation: {command: 'true'}\n"
 
 
@@ -196,6 +197,50 @@ CASES: dict[str, Case] = {
         ["sandbox.base_dir", "not a directory"],
         {"c.yaml": run_config("sandbox: {base_dir: afile}\n"), "afile": "", **SUITE},
     ),
+    "a sandbox.base_dir made for its check is not left behind by a later refusal": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["tasks.include", "nope"],
+        {
+            "c.yaml": run_config("sandbox: {base_dir: bd/x}\n").replace(
+                "suite: suite", "suite: suite, include: [nope]"
+            ),
+            **SUITE,
+        },
+    ),
+    "engines that do not fit in memory": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["engines", "64 layers × 8192 hidden", "this machine has"],
+        {"c.yaml": run_config().replace("count: 1,", "count: 2, layers: 64, hidden: 8192,"), **SUITE},
+    ),
+    "engine --layers 64 --hidden 8192": Case(
+        ["engine", "--port", "1", "--", "--layers", "64", "--hidden", "8192"],
+        ["--layers 64 --hidden 8192", "memory"],
+    ),
+    "restart_backoff_max_s below restart_backoff_s": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["restart_backoff_max_s 1", "below restart_backoff_s 100"],
+        {
+            "c.yaml": run_config().replace(
+                "count: 1,", "count: 1, restart_backoff_s: 100, restart_backoff_max_s: 1,"
+            ),
+            **SUITE,
+        },
+    ),
+    "empty run config": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["run config c.yaml is empty", "{}"],
+        {"c.yaml": ""},
+    ),
+    "tasks.suite that does not exist": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["tasks.suite nowhere", "not a suite directory"],
+        {"c.yaml": run_config().replace("suite: suite", "suite: nowhere")},
+    ),
+    "engine --cpus 0_1": Case(["engine", "--port", "1", "--cpus", "0_1"], ["--cpus", "'0_1'"]),
+    "engine --weights-dir that does not exist": Case(
+        ["engine", "--port", "1", "--", "--weights-dir", "nowhere"],
+        ["--weights-dir nowhere", "not a directory"],
+    ),
     "engine --port 70000": Case(["engine", "--port", "70000"], ["--port", "65535"]),
     "engine --port 0": Case(["engine", "--port", "0"], ["--port"]),
     "engine port in use": Case(["engine", "--port", "{busy_port}"], ["--port", "already in use"]),
@@ -220,6 +265,23 @@ CASES: dict[str, Case] = {
     ),
     "--json is a directory": Case(
         ["sim", "--workload", "w.json", "--json", "."], ["--json", "is a directory"], {"w.json": workload()}
+    ),
+    # -- a name over 255 bytes: Python 3.11's Path.exists raises instead of answering --------------------
+    "run --json with a name too long": Case(["run", "--json", LONG + ".json"], ["--json", "too long"]),
+    "run --config with a name too long": Case(
+        ["run", "--config", LONG + ".yaml", "--json", "o.json"], ["--config", "too long"]
+    ),
+    "run --json under a folder name too long": Case(
+        ["run", "--json", LONG + "/o.json"], ["--json", "too long"]
+    ),
+    "sim --workload with a name too long": Case(
+        ["sim", "--workload", LONG + ".yaml", "--json", "o.json"], ["too long"]
+    ),
+    "bench --plot with a name too long": Case(
+        ["bench", "--json", "b.json", "--plot", LONG + ".png"], ["--plot", "too long"]
+    ),
+    "trace import of a name too long": Case(
+        ["trace", "import", "--format", "corral-run", LONG + ".json", "--out", "t.jsonl"], ["too long"]
     ),
     # -- nonsense -------------------------------------------------------------------------------------
     'engine --cpus ""': Case(["engine", "--cpus", ""], ["--cpus", "empty"]),

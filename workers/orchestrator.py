@@ -44,6 +44,14 @@ def configure(entry: str) -> None:
     module, sep, function = entry.partition(":")
     if not sep or not module or not function.isidentifier():
         raise ValueError(f"entry point {entry!r}: expected module:function")
+    try:  # found now, not when the first run arrives and fails on the worker
+        found = getattr(importlib.import_module(module), function)
+    except ImportError as exc:
+        raise ValueError(f"entry point {entry!r}: cannot import {module}: {exc}") from None
+    except AttributeError:
+        raise ValueError(f"entry point {entry!r}: {module} has no {function}") from None
+    if not callable(found):
+        raise ValueError(f"entry point {entry!r}: {function} is not callable")
     _entry = entry
 
 

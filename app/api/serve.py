@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_database, fail, say
+from app.cli.common import check_database, fail, say, settings_problem
 
 if TYPE_CHECKING:
     from app.service.schemas import RunCreate
@@ -42,10 +42,15 @@ def serve(
     try:
         settings = load_settings(**overrides)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        fail(f"CORRAL_{str(first['loc'][0]).upper()}: {first['msg']}")
+        fail(settings_problem(exc, {name: f"--{name}" for name in overrides}))
     if demo_kind not in ("local", "sim"):
         fail(f"--demo-kind: {demo_kind!r} is not one of local, sim")
+    from app.engines.embedded.__main__ import port_problem
+
+    # Before the database, the demo run and its engines: uvicorn would find it only after all of them.
+    problem = port_problem(settings.host, settings.port)
+    if problem is not None:
+        fail(problem)
     spec = None
     if demo:
         spec = demo_run(demo_kind)

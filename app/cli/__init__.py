@@ -13,6 +13,7 @@ from app import early_signals
 if early_signals.is_command_process():
     early_signals.hold()
 
+import errno
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
@@ -90,6 +91,13 @@ def main() -> None:
     except typer.Abort:
         err.print("interrupted", markup=False)
         sys.exit(130)
+    except OSError as exc:
+        # A path the OS refuses to even look up (a name over 255 bytes): Python 3.11's `Path.exists`
+        # raises on it. The flags' own checks name the flag; this catches any path they do not check.
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        err.print(f"error: {exc.filename or 'a path'}: file name too long", markup=False)
+        sys.exit(2)
     finally:
         early_signals.release()  # a caller in the same process gets its handlers back
     sys.exit(code if isinstance(code, int) else 0)

@@ -63,9 +63,24 @@ def interrupt_says(json_out: Path) -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+@contextmanager
+def _os_refusal(flag: str, path: Path) -> Iterator[None]:
+    """An OS error while merely looking at a path the user gave (a name too long to look up, which
+    Python 3.11's `Path.exists` raises on) refused as that flag's error."""
+    try:
+        yield
+    except OSError as exc:
+        fail(f"{flag} {path}: {exc.strerror or exc}")
+
+
 def check_output(path: Path, flag: str) -> None:
     """Prove `path` can be written, before the work: create it (and missing parents), then remove
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""
+    with _os_refusal(flag, path):
+        _check_output(path, flag)
+
+
+def _check_output(path: Path, flag: str) -> None:
     if path.is_dir():
         fail(f"{flag} {path}: is a directory; give a file name")
     path = _target(path)
@@ -102,8 +117,11 @@ def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | 
     files: dict[str, str] = {}
     dirs: list[tuple[str, str]] = []
     for name, path in inputs.items():
-        if path is None or not path.exists():
+        if path is None:
             continue
+        with _os_refusal(name, path):
+            if not path.exists():
+                continue
         real = os.path.realpath(path)
         if os.path.isdir(real):
             dirs.append((name, real))
@@ -112,7 +130,8 @@ def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | 
     for flag, path in outputs.items():
         if path is None:
             continue
-        real = os.path.realpath(path)
+        with _os_refusal(flag, path):
+            real = os.path.realpath(path)
         if real in files:
             fail(f"{flag} {path}: is also {files[real]}; writing it would destroy that file")
         for name, folder in dirs:
@@ -219,16 +238,32 @@ def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: st
     say(summary_line(report, json_out, detail))
 
 
+def settings_problem(exc: Any, flags: Mapping[str, str] | None = None) -> str:
+    """One line for a settings `ValidationError`: the first problem, named as the user set it (the
+    flag in `flags`, by field, else its `CORRAL_` variable), without pydantic's prefixes."""
+    from app.validation import describe
+
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    name = (flags or {}).get(field, f"CORRAL_{field.upper()}")
+    message = describe(first)
+    return message if message.startswith(name) else f"{name}: {message}"
+
+
 def check_database(url: str) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
     to show, with any password hidden."""
     from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from app.service.store import ServiceStore
+    from app.validation import hide_password
 
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        fail(f"CORRAL_DATABASE_URL {hide_password(url)}: not a database URL: {exc}")
     shown = parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
@@ -238,4 +273,6 @@ def check_database(url: str) -> str:
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
+    except ImportError as exc:  # a driver named in the URL that is not installed
+        fail(f"CORRAL_DATABASE_URL {shown}: its driver is not installed ({exc.name or exc})")
     return shown

@@ -57,7 +57,11 @@ def run(
     except LocalRunError as exc:
         fail(str(exc))
     count = batches or cfg.batches
-    steps = f"{duration:g} s" if duration and not batches else f"{count} batch{'es' if count != 1 else ''}"
+    many = f"{count} batch{'es' if count != 1 else ''}"
+    if duration and batches:
+        steps = f"{many} or {duration:g} s, whichever comes first"
+    else:
+        steps = f"{duration:g} s" if duration else many
     say(
         f"corral run: policy {policy.value}, {steps}, B = {cfg.batch.groups} groups of "
         f"G = {cfg.batch.group_size}, S = {cfg.policy.surplus_groups}, K = {cfg.policy.max_staleness}, "

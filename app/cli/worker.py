@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_database, fail
+from app.cli.common import check_database, fail, settings_problem
 from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.lanes.base import LaneName
 
@@ -64,8 +64,10 @@ def worker(
     try:
         settings = BrokerSettings()
         settings.urls()
-    except (BrokerError, ValidationError) as exc:
-        fail(str(exc).splitlines()[0])
+    except BrokerError as exc:
+        fail(str(exc))
+    except ValidationError as exc:
+        fail(settings_problem(exc))
     if orchestrator:
         if lane is not None or cpus is not None:
             fail("--orchestrator: serves the orchestrator queue; drop --lane and --cpus")
@@ -82,22 +84,14 @@ def worker(
             try:
                 database_url = load_settings().database_url
             except ValidationError as exc:
-                fail(str(exc).splitlines()[0])
+                fail(settings_problem(exc))
             check_database(database_url)
         run_orchestrator_worker(settings, concurrency or 1, entry or DEFAULT_ENTRY, loglevel.upper())
         return
     if entry is not None:
         fail("--entry: only with --orchestrator")
-    if docker_image is not None:
-        if not docker_image.strip():
-            fail("--docker-image: empty image name")
-        try:
-            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            probe = state_dir / f".probe-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            fail(f"--state-dir: {state_dir} is not a writable directory ({exc.strerror})")
+    if docker_image is not None and not docker_image.strip():
+        fail("--docker-image: empty image name")
     if lane is None or cpus is None:
         fail("--lane and --cpus are required (or pass --orchestrator)")
     try:
@@ -116,6 +110,14 @@ def worker(
         check_host(host_name)
     except BrokerError as exc:
         fail(f"--host: {exc}")
+    if docker_image is not None:  # made last: a refusal above leaves no directory behind
+        try:
+            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            probe = state_dir / f".probe-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            fail(f"--state-dir: {state_dir} is not a writable directory ({exc.strerror})")
     from workers.main import run_lane_worker
 
     run_lane_worker(

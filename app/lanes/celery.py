@@ -40,6 +40,7 @@ from celery.result import AsyncResult
 from app.lanes.base import LaneName, LaneSlot, LaneStats
 from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, decode_result, handle_of
 from app.sandboxes.base import Sandbox
+from app.validation import hide_password
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def broker_urls(broker_url: str | None, result_backend: str | None) -> tuple[str
     if not broker_url:
         raise LaneOpError("CORRAL_BROKER_URL is not set; set it to redis://… or amqp://… to use Celery")
     if not broker_url.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
-        raise LaneOpError(f"CORRAL_BROKER_URL must be redis:// or amqp://, got {broker_url!r}")
+        raise LaneOpError(f"CORRAL_BROKER_URL must be redis:// or amqp://, got {hide_password(broker_url)!r}")
     backend = result_backend
     if backend is None:
         if not broker_url.startswith(("redis://", "rediss://")):
@@ -102,7 +103,7 @@ def broker_urls(broker_url: str | None, result_backend: str | None) -> tuple[str
             )
         backend = broker_url
     if not backend.startswith(("redis://", "rediss://")):
-        raise LaneOpError(f"CORRAL_RESULT_BACKEND must be redis://, got {backend!r}")
+        raise LaneOpError(f"CORRAL_RESULT_BACKEND must be redis://, got {hide_password(backend)!r}")
     return broker_url, backend
 
 

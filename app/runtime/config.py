@@ -49,10 +49,42 @@ def _count(default: int, low: int, high: int, description: str = "") -> Any:
     return Field(default, ge=low, le=high, strict=True, description=f"{description} ({low}..{high})".strip())
 
 
-def _seconds(default: float, description: str, *, positive: bool = False) -> Any:
+def _seconds(default: float, description: str, *, positive: bool = False, least: float = 0.0) -> Any:
+    """Finite seconds up to MAX_SECONDS: ≥ 0, > 0 (`positive`), or ≥ `least` where less makes no sense."""
+    if least:
+        described = f"{description} (≥ {least:g})"
+        return Field(default, ge=least, le=MAX_SECONDS, strict=True, description=described)
     if positive:
         return Field(default, gt=0, le=MAX_SECONDS, strict=True, description=description)
     return Field(default, ge=0, le=MAX_SECONDS, strict=True, description=description)
+
+
+def engine_bytes(layers: int, hidden: int) -> int:
+    """About how much memory one embedded engine holds: the torch process at the default size
+    (ENGINE_BYTES) plus its GRU policy's float32 weights twice (those served and a version loading).
+    Per layer a GRU has 3 gates of input and hidden weights, 6·h·(h + 1) parameters; the byte
+    embedding and the output head add about 2·256·h."""
+    params = layers * 6 * hidden * (hidden + 1) + 2 * 257 * hidden
+    return ENGINE_BYTES + 2 * 4 * params
+
+
+def machine_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def engines_memory_problem(count: int, layers: int, hidden: int) -> str | None:
+    """Why `count` engines of this size cannot run here, or None."""
+    each = engine_bytes(layers, hidden)
+    have = machine_bytes()
+    if count * each <= have:
+        return None
+    many = f"{count} engines" if count > 1 else "an engine"
+    split = f" (≈ {human_bytes(each)} each)" if count > 1 else ""
+    return (
+        f"{many} of {layers} layers × {hidden} hidden would need about {human_bytes(count * each)} of "
+        f"memory{split}; this machine has {human_bytes(have)}"
+    )
 
 
 _CpuList = list[Annotated[int, Field(ge=0, le=MAX_CPU, strict=True)]]
@@ -83,13 +115,13 @@ class EnginesConfig(_Strict):
     hidden: int = _count(64, 8, MAX_HIDDEN, "hidden size of the embedded policy")
     max_tokens: int = _count(32, 1, MAX_TOKENS, "tokens generated per turn (real CPU work)")
     sentinel: bool = Field(True, strict=True, description="weight updates swap only a marker tensor")
-    startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", positive=True)
+    startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", least=1.0)
     # Engine faults (docs/faults.md): a failed or hung engine leaves rotation and is restarted.
     update_timeout_s: float = _seconds(
         120.0, "seconds one engine's weight update (pause, load, resume) may take", positive=True
     )
     health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", positive=True)
-    health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", positive=True)
+    health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", least=0.1)
     restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
     restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
     turn_retries: int = _count(3, 0, 100, "failures of one turn on engines that stay up, before it fails")
@@ -106,6 +138,18 @@ class EnginesConfig(_Strict):
                 f"(≈ {human_bytes(ENGINE_BYTES)} each); the limit is {MAX_ENGINES}"
             )
         return count
+
+    @model_validator(mode="after")
+    def _fits_in_memory(self) -> EnginesConfig:
+        problem = engines_memory_problem(self.count, self.layers, self.hidden)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_max_s {self.restart_backoff_max_s:g} is below restart_backoff_s "
+                f"{self.restart_backoff_s:g}, the first wait; raise it or lower the other"
+            )
+        return self
 
 
 class LaneWeightsConfig(_Strict):
@@ -237,8 +281,8 @@ def load_config(path: Path) -> LocalRunConfig:
         data = read_document(Path(path), f"run config {path}")
     except DocumentError as exc:
         raise LocalRunError(str(exc)) from None
-    if data is None:
-        data = {}
+    if data is None:  # an empty or unsaved file, not a choice: `{}` asks for every default
+        raise LocalRunError(f"run config {path} is empty; write {{}} in it for every default")
     if not isinstance(data, dict):
         raise LocalRunError(f"{path}: the top level must be a mapping of fields, not {type(data).__name__}")
     try:
@@ -253,7 +297,8 @@ def load_config(path: Path) -> LocalRunConfig:
 def check_writable_dir(path: Path, field: str) -> None:
     """Refuse `path` unless it is (or can be made) a directory this process can create files in.
 
-    Directories created for the check are left in place only if the check succeeds."""
+    Directories created for the check are removed again: a check that passes may still be followed by
+    a refusal, and the sandboxes make the directory when the run starts."""
     created: list[Path] = []
     try:
         missing = [p for p in (path, *path.parents) if not p.exists()]
@@ -265,6 +310,7 @@ def check_writable_dir(path: Path, field: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".corral-check-"):
             pass
     except OSError as exc:
+        raise LocalRunError(f"{field}: cannot create files in {path}: {exc.strerror or exc}") from None
+    finally:
         for p in reversed(created):
             p.rmdir()
-        raise LocalRunError(f"{field}: cannot create files in {path}: {exc.strerror or exc}") from None

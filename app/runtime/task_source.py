@@ -45,7 +45,10 @@ def load_tasks(config: TasksConfig) -> list[TaskSpec]:
     try:
         suite = load_suite(path)
     except TaskError as exc:
-        raise LocalRunError(str(exc)) from None
+        message = str(exc)
+        if message.startswith(f"{path}:"):  # about the suite itself, not one task's file: name the field
+            message = f"tasks.suite {message}"
+        raise LocalRunError(message) from None
     if config.include:
         known = {t.name for t in suite}
         unknown = sorted(set(config.include) - known)

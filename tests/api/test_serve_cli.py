@@ -33,6 +33,15 @@ from test_serve_restart import corral_serve
             'database "no_such_db" does not exist',
         ),
         ({"CORRAL_DATABASE_URL": "sqlite:////proc/corral.db"}, [], "cannot open the database"),
+        # the password stays hidden in every refusal of a URL, and no driver or URL parser leaks a traceback
+        ({"CORRAL_DATABASE_URL": "postgres://u:s3cret@h/db"}, [], "'postgres://u:***@h/db': use sqlite"),
+        ({"CORRAL_DATABASE_URL": "postgresql+psycopg2://u:s3cret@127.0.0.1:1/db"}, [], "installed drivers"),
+        ({"CORRAL_DATABASE_URL": "postgresql://u:s3cret@127.0.0.1:abc/db"}, [], "not a database URL"),
+        ({"CORRAL_DATABASE_URL": "sqlite:///:memory:"}, [], "would lose every run"),
+        ({"CORRAL_BROKER_URL": "http://u:s3cret@x"}, [], "CORRAL_BROKER_URL must be redis:// or amqp://"),
+        # an empty host would listen on every interface
+        ({}, ["--host", ""], "--host: empty"),
+        ({}, ["--host", "no-such-host.invalid", "--port", "18602"], "--host no-such-host.invalid"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(
@@ -57,6 +66,37 @@ def test_bad_settings_are_one_line_and_exit_2(
     assert names in lines[0]
     assert "Traceback" not in lines[0]
     assert "s3cret" not in lines[0]
+    assert "Value error" not in lines[0]
+    assert "CORRAL_BROKER_URL: CORRAL_BROKER_URL" not in lines[0]
+
+
+def test_a_port_in_use_is_refused_before_the_database_and_the_demo_run(tmp_path: Path) -> None:
+    """uvicorn found it only after the database was made and the demo run's engines had started."""
+    import socket
+    import subprocess
+    import sys
+
+    database = tmp_path / "corral.db"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("corral")), "serve", "--demo", "--port", str(port)],
+            env={
+                **os.environ,
+                "CORRAL_DATABASE_URL": f"sqlite:///{database}",
+                "CORRAL_DATA_DIR": str(tmp_path),
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert proc.returncode == 2, proc.stderr
+    in_use = f"127.0.0.1:{port} is already in use; pick another port"
+    assert proc.stderr.strip() == f"error: --port {port}: {in_use}"
+    assert not database.exists()
 
 
 def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:

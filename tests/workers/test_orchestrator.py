@@ -104,3 +104,24 @@ def test_an_orchestrator_worker_whose_database_cannot_be_opened_says_so_in_one_l
     assert len(lines) == 1, lines
     assert "cannot open the database" in lines[0]
     assert "s3cret" not in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [("no_such_module:drive", "cannot import no_such_module"), ("os:no_such_function", "os has no")],
+)
+def test_an_entry_point_that_cannot_be_found_is_refused_before_the_worker_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], entry: str, needle: str
+) -> None:
+    """It used to start Celery and fail on the first run it was given."""
+    from app.cli import main
+
+    monkeypatch.setenv("CORRAL_BROKER_URL", ORCH_REDIS_URL)
+    monkeypatch.setattr("sys.argv", ["corral", "worker", "--orchestrator", "--entry", entry])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: --entry: entry point {entry!r}: ")
+    assert needle in lines[0]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from app.engines.embedded.cpus import CpuListError, parse_cpu_list, pin_cpus
-from app.runtime.config import MAX_ENGINE_SLOTS, MAX_HIDDEN, MAX_LAYERS
+from app.runtime.config import MAX_ENGINE_SLOTS, MAX_HIDDEN, MAX_LAYERS, engines_memory_problem
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -116,6 +117,12 @@ def build_parser(prog: str = "corral engine") -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str = "corral engine") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    memory = engines_memory_problem(1, args.layers, args.hidden)
+    if memory is not None:
+        parser.error(f"--layers {args.layers} --hidden {args.hidden}: {memory}")
+    if args.weights_dir is not None and not os.path.isdir(args.weights_dir):
+        # Its contents are checked when torch loads them; a missing directory is refused before.
+        parser.error(f"--weights-dir {args.weights_dir}: not a directory")
     problem = port_problem(args.host, args.port)
     if problem is not None:
         parser.error(problem)
