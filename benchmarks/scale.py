@@ -85,9 +85,11 @@ def run_scale(
 ) -> dict[str, Any]:
     workload = scale_workload(groups, group_size, surplus, batches, shape)
     cpu = time.process_time()
-    report = simulate(workload, policy_for(workload, "full"), "full")
+    loop: dict[str, int] = {}
+    report = simulate(workload, policy_for(workload, "full"), "full", loop_stats=loop)
     cpu = time.process_time() - cpu
     wall = report["wall_s"]
+    events = max(1, report["events"])
     return {
         "shape": shape,
         "groups_per_batch": groups,
@@ -109,6 +111,52 @@ def run_scale(
         "events_per_cpu_s": round(report["events"] / cpu, 1) if cpu > 0 else None,
         "virtual_run_s": report["run_s"],
         "batch_collection_mean_s": report["batch_collection_s"]["mean"],
+        # The virtual loop's own work per scheduler event: handles it dispatched (task wake-ups and
+        # callbacks) and timers it was given.
+        "loop_dispatched_per_event": round(loop["dispatched"] / events, 2),
+        "loop_timers_per_event": round(loop["timers"] / events, 2),
+    }
+
+
+def bare_loop_cycle_s(tasks: int = 10_000, steps: int = 20, repeat: int = 3) -> float:
+    """Seconds one bare wake-up cycle takes on the virtual loop (median of `repeat`): a timer fires, sets
+    a future, and the task awaiting it resumes, with nothing else in the loop but `tasks` such tasks.
+    It is the least the loop can spend on one dispatched handle of a simulation."""
+    import asyncio
+    import random
+
+    from app.sim.clock import run_virtual
+
+    async def sleeper(rng: random.Random) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(steps):
+            done = loop.create_future()
+            loop.call_fast(loop.time() + rng.random(), lambda _token, done=done: done.set_result(None))  # type: ignore[attr-defined]
+            await done
+
+    async def main() -> None:
+        rng = random.Random(0)
+        async with asyncio.TaskGroup() as group:
+            for _ in range(tasks):
+                group.create_task(sleeper(rng))
+
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run_virtual(main())
+        runs.append((time.perf_counter() - start) / (tasks * steps))
+    return statistics.median(runs)
+
+
+def loop_floor(result: dict[str, Any], cycle_s: float) -> dict[str, Any]:
+    """What the loop alone would allow: each dispatched handle or timer of the run at the cost of one bare
+    cycle (which has one of each), and nothing else costing anything."""
+    per_event = max(result["loop_dispatched_per_event"], result["loop_timers_per_event"]) * cycle_s
+    floor_s = per_event * result["events"]
+    return {
+        "bare_loop_cycle_us": round(cycle_s * 1e6, 2),
+        "loop_floor_events_per_s": round(1 / per_event, 1),
+        "loop_floor_share_of_wall": round(floor_s / result["wall_s"], 3) if result["wall_s"] else None,
     }
 
 
@@ -164,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 for key in ("wall_s", "events_per_wall_s", "cpu_s", "events_per_cpu_s"):
                     result[key] = statistics.median(r[key] for r in runs)
                     result[f"{key}_runs"] = [r[key] for r in runs]
+        result.update(loop_floor(result, bare_loop_cycle_s()))
         for key, value in result.items():
-            print(f"{key:>24}: {value}")
+            print(f"{key:>26}: {value}")
         print()
         results.append(result)
         if result["lost_groups"] != 0 or result["max_groups_in_flight"] != args.groups + args.surplus:

@@ -57,6 +57,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         # Set by a Ctrl-C handler (`run_virtual`); the loop raises KeyboardInterrupt between callbacks,
         # never inside one (where it could leave, say, a coroutine made and its task not).
         self.interrupted = False
+        # Ready-queue handles dispatched (task wake-ups and other callbacks), counted once per
+        # iteration: what the loop itself costs per event (benchmarks/scale.py's loop floor).
+        self.dispatched = 0
 
     def time(self) -> float:
         return self._virtual_now
@@ -90,6 +93,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if self._task_factory is not None or self._closed:  # type: ignore[attr-defined]
             return super().create_task(coro, name=name, context=context)
         return asyncio.Task(coro, loop=self, name=name, context=context)
+
+    def timers_scheduled(self) -> int:
+        """Timers scheduled so far, asyncio's and `call_fast` ones (each took one sequence number; this
+        takes one more, which changes no order)."""
+        return next(self._timer_seq)
 
     def call_fast(self, when: float, callback: Callable[[int], object]) -> int:
         """Run `callback(token)` at virtual time `when`, with no handle and no context: for the
@@ -139,7 +147,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                         ready.append(handle)
                 else:
                     handle(seq)  # a `call_fast` timer: the simulator's own, which raises nothing
-            for _ in range(len(ready)):
+            n = len(ready)
+            self.dispatched += n
+            for _ in range(n):
                 handle = ready.popleft()
                 if handle._cancelled:
                     continue
@@ -164,9 +174,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 SIM_GC_THRESHOLD0 = 100_000
 
 
-def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
+def run_virtual(
+    main: Coroutine[Any, Any, T], start: float = 0.0, loop_stats: dict[str, int] | None = None
+) -> T:
     """Run `main` to completion on a fresh virtual-time loop (with the GC threshold above; the
-    process's thresholds are restored after)."""
+    process's thresholds are restored after). `loop_stats`, if given, gets the loop's own work:
+    `dispatched` ready-queue handles and `timers` scheduled."""
     loop = VirtualTimeLoop(start)
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], SIM_GC_THRESHOLD0), *thresholds[1:])
@@ -182,6 +195,8 @@ def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
             raise
         finally:
             gc.set_threshold(*thresholds)
+            if loop_stats is not None:
+                loop_stats.update(dispatched=loop.dispatched, timers=loop.timers_scheduled())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 

@@ -88,12 +88,14 @@ def simulate(
     timeline: bool = False,
     trainer: Trainer | None = None,
     events: Callable[[Envelope], None] | None = None,
+    loop_stats: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Simulate `workload.batches` trainer steps under `policy`; return the run report.
 
     `changes` are live retunes at virtual times: (t, "surplus_groups" | "max_staleness", value).
     `observer` sees every event of the run's typed stream with the runtime, as published, for invariant
-    checks; `events` gets every envelope of that stream.
+    checks; `events` gets every envelope of that stream; `loop_stats` gets the virtual loop's own
+    work (`run_virtual`).
     """
     wall = time.perf_counter()
     source = trajectories or TrajectorySource(workload)
@@ -135,7 +137,7 @@ def simulate(
         return await run_adapting(runtime, ports, workload.batches)
 
     with _quiet(logging.getLogger("app.runtime.driver")):
-        state = run_virtual(main())
+        state = run_virtual(main(), loop_stats=loop_stats)
     durations = [source.group_duration(task) for task, _, _, _ in spans]
     bound = lower_bound_s(
         durations,
