@@ -9,9 +9,11 @@ completion order.
 - a trajectory still running in a live run ends in a grey "in progress" span up to now;
 - every span has an SVG <title>, so hovering shows its details.
 
-Time zooms by `zoom` (pixels per second = zoom × the fit-to-width scale) and scrolls in the page's
-scroll container. Built as one string with no per-span template logic: 2,000 spans render in
-milliseconds (benchmarks/render.py).
+Time zooms by `zoom` (pixels per second = zoom × the fit-to-width scale, 1 ≤ zoom ≤ 64; a non-finite
+zoom is refused) and scrolls in the page's scroll container. The SVG's size is bounded whatever the
+run: at most `MAX_SPANS` spans (whole groups) and `MAX_GROUPS` groups, and it says how many groups it
+left out. Built as one string with no per-span template logic: 2,000 spans render in milliseconds
+(benchmarks/render.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ GROUP_GAP = 7
 AXIS_H = 34
 BASE_WIDTH = 1100
 MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
+MAX_GROUPS = 1000  # and at most this many groups: queued ones (no span yet) have no span to count
+MAX_ZOOM = 64.0
 
 # phase -> (label, colour, pattern kind)
 PHASE_STYLE: dict[str, tuple[str, str, str]] = {
@@ -111,30 +115,55 @@ def _f(x: float) -> str:
     return f"{x:.1f}"
 
 
-def _latest(view: RunView, max_spans: int) -> list[tuple[GroupRow, list[Trajectory]]]:
-    """The last groups in completion order (open ones last) whose spans fit in `max_spans`."""
+def _waiting(row: tuple[GroupRow, list[Trajectory]]) -> bool:
+    """An open group with no span yet (queued, or its first step still running)."""
+    return row[0].outcome == "in flight" and not any(t.spans for t in row[1])
+
+
+def _latest(
+    view: RunView, max_spans: int, max_groups: int
+) -> tuple[list[tuple[GroupRow, list[Trajectory]]], int]:
+    """The groups to draw, in the view's order (completion order, open ones last), and how many of the
+    waiting ones (`_waiting`) were left out: the last groups with spans that fit in `max_spans` spans
+    and `max_groups` groups (at least one), then, in the groups left, the waiting ones, earliest admitted
+    first (the next to start)."""
     rows = view.rows()
-    kept: list[tuple[GroupRow, list[Trajectory]]] = []
+    waiting = [i for i, row in enumerate(rows) if _waiting(row)]
+    skip = set(waiting)
+    kept: list[int] = []
     spans = 0
-    for row in reversed(rows):
-        spans += sum(len(t.spans) for t in row[1])
-        if kept and spans > max_spans:
+    for i in reversed(range(len(rows))):
+        if i in skip:
+            continue
+        spans += sum(len(t.spans) for t in rows[i][1])
+        if kept and (spans > max_spans or len(kept) >= max_groups):
             break
-        kept.append(row)
-    return kept[::-1]
+        kept.append(i)
+    room = max(max_groups - len(kept), 0)
+    kept += waiting[:room]
+    return [rows[i] for i in sorted(kept)], len(waiting) - min(room, len(waiting))
 
 
 def render_timeline(
-    view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH, max_spans: int = MAX_SPANS
+    view: RunView,
+    zoom: float = 1.0,
+    width: int = BASE_WIDTH,
+    max_spans: int = MAX_SPANS,
+    max_groups: int = MAX_GROUPS,
 ) -> str:
-    """The timeline SVG for `view`; `zoom` ≥ 1 stretches time (the page scrolls it). A run with more
-    than `max_spans` spans shows its latest groups only, from the earliest start among them."""
-    zoom = min(max(zoom, 1.0), 64.0)
-    rows = _latest(view, max_spans)
+    """The timeline SVG for `view`; `zoom` stretches time (the page scrolls it), clamped to [1, 64];
+    a non-finite zoom is a ValueError. A run with more than `max_spans` spans or `max_groups` groups
+    shows its latest groups only (waiting ones, earliest admitted first, in the groups left), from the
+    earliest start among them, and says how many it left out."""
+    if not math.isfinite(zoom):
+        raise ValueError(f"zoom: must be a finite number, got {zoom}")
+    zoom = min(max(zoom, 1.0), MAX_ZOOM)
+    rows, waiting_left_out = _latest(view, max_spans, max_groups)
     shown = [t for _, trajs in rows for t in trajs]
     last = max((s.end for t in shown for s in t.spans), default=0.0)
     t_from = 0.0
-    partial = len(rows) < len(view.groups) or view.dropped_groups > 0
+    total = len(view.groups) + view.dropped_groups
+    partial = len(rows) < total
     if partial:
         starts = [s.start for t in shown for s in t.spans] + [
             g.admitted for g, _ in rows if g.admitted is not None
@@ -188,14 +217,18 @@ def render_timeline(
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
     note = ""
     if partial:
-        total = len(view.groups) + view.dropped_groups
-        note = f"; the latest {len(rows)} of {total} groups, from {t_from:.0f} s"
+        note = (
+            f"; the latest {len(rows)} of {total} groups, from {t_from:.0f} s, {total - len(rows)} left out"
+        )
+        if waiting_left_out:
+            note += f" ({waiting_left_out} of them not started yet)"
         axis.append(f'<text x="4" y="{AXIS_H - 12}" class="ax">{escape(note[2:])}</text>')
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '
         f'width="{total_w}" height="{height}" data-spans="{view.span_count}" '
-        f'data-trajectories="{len(view.trajectories)}" data-groups-shown="{len(rows)}">'
+        f'data-trajectories="{len(view.trajectories)}" data-groups-shown="{len(rows)}" '
+        f'data-groups-left-out="{total - len(rows)}">'
     )
     return head + DEFS + STYLE + "".join(axis) + "".join(out) + "</svg>"
 

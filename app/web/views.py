@@ -3,7 +3,7 @@ those templates rendered alone for htmx requests and for the live stream (SSE).
 
 Routes (all HTML; the JSON API lives under /api and is not this module's):
   GET  /                         runs page                    GET /runs/{id}         run page
-  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=)
+  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64)
   GET  /stream, /runs/{id}/stream   server-sent events: named blocks, re-rendered when the run changes
   POST /login, /logout           set or clear the token cookie
   POST /runs                     launch a run          POST /replays           load a report as a replay
@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sse_starlette.sse import EventSourceResponse
@@ -45,7 +45,7 @@ from app.web.security import (
     set_csrf_cookie,
     set_token_cookie,
 )
-from app.web.timeline import legend_svg, render_timeline
+from app.web.timeline import MAX_ZOOM, legend_svg, render_timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
@@ -59,6 +59,8 @@ RUN_BLOCKS = ("summary", "wait", "timeline", "trainer", "engines", "lanes", "pol
 LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
+# The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
+Zoom = Annotated[float, Query(ge=1.0, le=MAX_ZOOM, allow_inf_nan=False)]
 
 
 def make_env() -> Environment:
@@ -251,15 +253,17 @@ def make_router(dash: Dashboard) -> APIRouter:
             return _error(dash, request, f"no run {run_id}", 404)
         return backend, view
 
+    # The pages are plain `def`s: FastAPI runs them in its threadpool, so building and rendering a
+    # large run's view never holds up the event loop (the backends are thread-safe).
     @router.get("/", response_class=HTMLResponse)
-    async def runs_page(request: Request) -> Response:
+    def runs_page(request: Request) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         block = "runs" if _is_htmx(request) else None
         return dash.page(request, "runs.html", runs_context(dash), block)
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
-    async def run_page(request: Request, run_id: str, zoom: float = 1.0) -> Response:
+    def run_page(request: Request, run_id: str, zoom: Zoom = 1.0) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         found = run_or_404(request, run_id)
@@ -268,7 +272,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         return dash.page(request, "run.html", run_context(found[1], zoom))
 
     @router.get("/runs/{run_id}/block/{name}", response_class=HTMLResponse)
-    async def run_block(request: Request, run_id: str, name: str, zoom: float = 1.0) -> Response:
+    def run_block(request: Request, run_id: str, name: str, zoom: Zoom = 1.0) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         if name not in RUN_BLOCKS:
@@ -474,14 +478,15 @@ class _Client(Protocol):
 
 
 async def _changes(request: _Client, feeds: list[Feed], interval_s: float) -> AsyncIterator[dict[str, str]]:
-    """The live stream: every `interval_s`, each feed's blocks if due; until the client goes."""
+    """The live stream: every `interval_s`, each feed's blocks if due; until the client goes. Keys and
+    blocks are computed in a worker thread, off the event loop."""
     loop = asyncio.get_running_loop()
     while not await request.is_disconnected():
         for feed in feeds:
-            current = feed.key()
+            current = await asyncio.to_thread(feed.key)
             if current != feed.last and loop.time() - feed.sent_at >= feed.min_interval_s:
                 feed.last, feed.sent_at = current, loop.time()
-                for name, html in feed.blocks():
+                for name, html in await asyncio.to_thread(feed.blocks):
                     yield {"event": name, "data": html}
         await asyncio.sleep(interval_s)
 

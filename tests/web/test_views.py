@@ -1,6 +1,8 @@
 import asyncio
 import json
 import re
+import threading
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -8,9 +10,10 @@ from fastapi import FastAPI
 
 from app.core.events import Envelope, PolicyChanged
 from app.web.backend import ActionRefused
-from app.web.readmodel import RunMeta, view_from_events
+from app.web.readmodel import GroupRow, RunMeta, view_from_events
 from app.web.security import AccessConfig
 from app.web.synthetic import synthetic_run
+from app.web.timeline import MAX_GROUPS
 from app.web.views import Dashboard, Feed, _changes, mount_dashboard, parse_policy_form
 
 OPERATOR = "operator-token-123"
@@ -54,6 +57,39 @@ class FakeRuns:
 
     async def stop(self, run_id, actor):
         raise ActionRefused("the run has ended")
+
+
+class OneRun:
+    """A read-only RunsBackend over one fixed view; with `hold`, its first `view` call waits for
+    `release` (a slow build)."""
+
+    def __init__(self, view, hold=False):
+        self._view = view
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.hold = hold
+
+    def run_ids(self):
+        return [self._view.run_id]
+
+    def view(self, run_id):
+        if run_id != self._view.run_id:
+            return None
+        if self.hold and not self.entered.is_set():
+            self.entered.set()
+            self.release.wait(5)
+        return self._view
+
+    def version(self, run_id):
+        return 0
+
+
+def make_queued_view(queued):
+    """A live run's view with `queued` open groups admitted after its own, none started yet."""
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    view = view_from_events("live-1", events, RunMeta(state="running"))
+    extra = [GroupRow(10_000 + i, task="t", admitted=view.now + i / 100) for i in range(queued)]
+    return replace(view, source="live", now=view.now + queued / 100, groups=view.groups + extra)
 
 
 def make_client(view_token=None, live=None):
@@ -114,6 +150,56 @@ async def test_run_page_and_blocks_render():
     assert "Zoom ×4" in zoomed.text
     assert 'href="/runs/replay-1?zoom=8"' in zoomed.text  # zoom in, without JavaScript too
     assert (missing.status_code, bad_block.status_code) == (404, 404)
+
+
+ZOOM_PATHS = ["/runs/replay-1", "/runs/replay-1/block/timeline"]
+
+
+@pytest.mark.parametrize("path", ZOOM_PATHS)
+@pytest.mark.parametrize("zoom", ["nan", "NaN", "inf", "-inf", "1e309", "-1", "0", "0.5", "65", "x", ""])
+async def test_a_bad_zoom_is_a_422_not_a_500(path, zoom):
+    client, _ = make_client()
+    async with client:
+        r = await client.get(path, params={"zoom": zoom})
+    assert r.status_code == 422
+    assert "zoom" in r.text
+
+
+@pytest.mark.parametrize("path", ZOOM_PATHS)
+@pytest.mark.parametrize("zoom", ["1", "1.5", "64"])
+async def test_every_zoom_the_links_make_is_accepted(path, zoom):
+    client, _ = make_client()
+    async with client:
+        r = await client.get(path, params={"zoom": zoom})
+    assert r.status_code == 200
+
+
+async def test_a_run_with_more_groups_than_the_cap_renders_the_cap_and_says_how_many_are_left_out():
+    view = make_queued_view(MAX_GROUPS + 500)
+    client, _ = make_client(live=OneRun(view))
+    async with client:
+        page = await client.get("/runs/live-1")
+        block = await client.get("/runs/live-1/block/timeline", params={"zoom": 2})
+    left_out = len(view.groups) - MAX_GROUPS
+    for r in (page, block):
+        assert r.status_code == 200
+        assert r.text.count('<g class="grp"') == MAX_GROUPS
+        assert f"{left_out} left out ({left_out} of them not started yet)" in r.text
+    assert len(page.content) < 2_000_000
+
+
+async def test_a_slow_run_page_does_not_hold_up_other_requests():
+    live = OneRun(make_queued_view(0), hold=True)
+    client, _ = make_client(live=live)
+    async with client, asyncio.TaskGroup() as tg:
+        page = tg.create_task(client.get("/runs/live-1"))
+        assert await asyncio.to_thread(live.entered.wait, 5)
+        other = await client.get("/vendor/unknown")  # an async route, on the event loop
+        page_still_building = not page.done()
+        live.release.set()
+    assert other.status_code == 404
+    assert page_still_building
+    assert page.result().status_code == 200
 
 
 async def test_actions_need_csrf_and_the_operator_token():
@@ -253,6 +339,14 @@ async def test_the_live_stream_sends_blocks_only_when_the_run_changes():
     feed = Feed(lambda: next(keys), lambda: [("engines", "<p>x</p>")])
     sent = [msg async for msg in _changes(FakeRequest(4), [feed], 0.0)]
     assert sent == [{"event": "engines", "data": "<p>x</p>"}] * 2
+
+
+async def test_the_live_stream_renders_its_blocks_off_the_event_loop():
+    loop_thread = threading.get_ident()
+    feed = Feed(lambda: 1, lambda: [("engines", str(threading.get_ident()))])
+    sent = [msg async for msg in _changes(FakeRequest(1), [feed], 0.0)]
+    assert sent
+    assert int(sent[0]["data"]) != loop_thread
 
 
 async def test_a_slow_feed_sends_its_last_change_once_its_interval_has_passed():

@@ -1,15 +1,25 @@
+import math
 import re
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
-from app.web.readmodel import view_from_events
+import pytest
+
+from app.web.readmodel import GroupRow, view_from_events
 from app.web.synthetic import synthetic_run
-from app.web.timeline import PHASE_STYLE, legend_svg, render_timeline
+from app.web.timeline import MAX_GROUPS, PHASE_STYLE, legend_svg, render_timeline
 
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 def make_view(**overrides):
     return view_from_events("run-1", synthetic_run(**overrides), source=overrides.pop("source", "replay"))
+
+
+def with_queued(view, n):
+    """`view` as a live run with `n` more open groups admitted one by one after it, none started yet."""
+    queued = [GroupRow(10_000 + i, task="t", admitted=view.now + i) for i in range(n)]
+    return replace(view, source="live", now=view.now + n, groups=view.groups + queued)
 
 
 def test_every_span_is_a_rect_with_a_title_and_a_patterned_fill():
@@ -81,3 +91,40 @@ def test_a_large_run_shows_its_latest_groups_within_the_span_budget():
     assert [int(g.get("data-group")) for g in root.iter(f"{SVG}g")] == latest
     assert f"the latest {shown} of {len(view.groups)} groups" in svg
     assert min(float(r.get("x")) for r in spans) >= 150 - 1  # time starts at the first shown span
+
+
+@pytest.mark.parametrize("zoom", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_zoom_is_refused(zoom):
+    with pytest.raises(ValueError, match="zoom"):
+        render_timeline(make_view(groups=4, group_size=2, batch_groups=2), zoom)
+
+
+def test_queued_groups_are_capped_after_the_started_ones_and_counted():
+    base = make_view(groups=8, group_size=2, batch_groups=2)
+    view = with_queued(base, 100)
+    svg = render_timeline(view, max_groups=20)
+    root = ET.fromstring(svg)
+    shown = [int(g.get("data-group")) for g in root.iter(f"{SVG}g")]
+    started = [g.group_id for g in base.groups]
+    # every group with spans, then the queued ones admitted first (the next to start)
+    assert sorted(shown) == sorted(started + list(range(10_000, 10_012)))
+    assert root.get("data-groups-shown") == "20"
+    assert root.get("data-groups-left-out") == "88"
+    assert re.search(
+        r"the latest 20 of 108 groups, from \d+ s, 88 left out \(88 of them not started yet\)", svg
+    )
+
+
+def test_a_run_with_many_queued_groups_renders_at_most_max_groups():
+    view = with_queued(make_view(groups=8, group_size=2, batch_groups=2), MAX_GROUPS + 500)
+    root = ET.fromstring(render_timeline(view))
+    assert len(list(root.iter(f"{SVG}g"))) == MAX_GROUPS
+    assert root.get("data-groups-left-out") == str(len(view.groups) - MAX_GROUPS)
+
+
+def test_the_group_cap_keeps_the_latest_groups_with_spans():
+    view = make_view(groups=24, group_size=2, batch_groups=4)
+    root = ET.fromstring(render_timeline(view, max_groups=5))
+    latest = [g.group_id for g, _ in view.rows()[-5:]]
+    assert [int(g.get("data-group")) for g in root.iter(f"{SVG}g")] == latest
+    assert f"the latest 5 of {len(view.groups)} groups" in root.get("aria-label")
