@@ -93,12 +93,21 @@ class _SinkWorker:
         with self._cond:
             if len(self._buffer) >= self.capacity:
                 self.stats.dropped += 1
-                return
-            self._buffer.append(env)
-            n = len(self._buffer)
-            self.stats.max_buffered = max(self.stats.max_buffered, n)
-            if n == 1 or n >= self.batch_size:
-                self._cond.notify()
+                dropped = self.stats.dropped
+            else:
+                dropped = 0
+                self._buffer.append(env)
+                n = len(self._buffer)
+                self.stats.max_buffered = max(self.stats.max_buffered, n)
+                if n == 1 or n >= self.batch_size:
+                    self._cond.notify()
+        if dropped and dropped & (dropped - 1) == 0:  # the first drop, then at 2, 4, 8...: seen, not a flood
+            log.warning(
+                "event sink %s is full (%d buffered): %d events dropped so far; the run goes on",
+                self.name,
+                self.capacity,
+                dropped,
+            )
 
     def _take(self) -> list[Envelope] | None:
         """The next batch: wait for batch_size envelopes, or flush_interval_s after the first one."""

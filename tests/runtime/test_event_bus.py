@@ -95,7 +95,9 @@ def test_a_sink_gets_a_partial_batch_after_the_flush_interval() -> None:
     bus.close()
 
 
-def test_a_hung_sink_never_blocks_the_publisher_and_what_it_missed_is_counted() -> None:
+def test_a_hung_sink_never_blocks_the_publisher_and_what_it_missed_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     bus = make_bus()
     sink = BlockedSink()
     bus.add_sink(sink, batch_size=2, flush_interval_s=0.01, capacity=4)
@@ -107,6 +109,10 @@ def test_a_hung_sink_never_blocks_the_publisher_and_what_it_missed_is_counted() 
     publish_s = time.monotonic() - started
     stats = bus.stats()["BlockedSink"]
     assert stats["dropped"] == 100 - 4  # the buffer holds 4; the rest are counted, not queued
+    # and said: at the first drop, then at each power of two, so a flood of drops is a few lines
+    warned = [r.getMessage() for r in caplog.records if "dropped so far" in r.getMessage()]
+    assert [int(m.split(": ")[1].split()[0]) for m in warned] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(m.startswith("event sink BlockedSink is full (4 buffered)") for m in warned)
     sink.release.set()
     final = bus.close()["BlockedSink"]
     assert final["written"] + final["dropped"] + final["failed"] + final["unflushed"] == 101
