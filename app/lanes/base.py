@@ -61,6 +61,11 @@ class Lanes(Protocol):
         the sandbox once its cleanup op has run."""
         ...
 
+    def forget(self, handle: SandboxHandle) -> bool:
+        """Drop a sandbox on which no op can have started, so it needs no cleanup op; False (nothing
+        dropped) when one may have, and then its cleanup op must run."""
+        ...
+
     async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
         """Run `op` in its lane; `on_start()` is called when it leaves the lane's queue and starts."""
         ...

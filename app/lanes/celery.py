@@ -202,6 +202,10 @@ class CeleryLanes:
             self._placed[handle.id] = host
         return handle.on(host)
 
+    def forget(self, handle: SandboxHandle) -> bool:
+        """Never: an op sent to a worker may run there however it ends here, so cleanup always runs."""
+        return False
+
     async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
         # `on_start` fires once a poll sees the worker's STARTED mark (or the result, for an op done
         # between two polls): the op's wait in its lane's queue ends then, to within one poll.

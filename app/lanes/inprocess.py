@@ -7,7 +7,7 @@ adaptive lanes resized it, app.lanes.adaptive); an operation waits in FIFO order
 
 A `LaneOp` runs through `app.lanes.ops.execute_op` on the live sandbox object that `attach` registered
 under the op's handle (this process is the only host); the registration ends with the sandbox's
-cleanup op.
+cleanup op, or with `forget` for a sandbox on which no op ever started (nothing to clean up).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class InProcessLanes:
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._host = local_host()
         self._live: dict[str, Sandbox] = {}
+        self._untouched: set[str] = set()  # attached sandboxes on which no op has started yet
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Each lane's slots now, its configured slots and its CPU set (None: unpinned), for the
@@ -113,7 +114,17 @@ class InProcessLanes:
     def attach(self, sandbox: Sandbox) -> SandboxHandle:
         handle = handle_of(sandbox, self._host)
         self._live[handle.id] = sandbox
+        self._untouched.add(handle.id)
         return handle
+
+    def forget(self, handle: SandboxHandle) -> bool:
+        """Drop a sandbox on which no op ever started (its attempt ended while its reset still queued):
+        it holds nothing, so it needs no cleanup op. False, and nothing dropped, once one has started."""
+        if handle.id not in self._untouched:
+            return False
+        self._untouched.discard(handle.id)
+        self._live.pop(handle.id, None)
+        return True
 
     async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
         sandbox = self._live.get(op.handle.id)
@@ -128,6 +139,7 @@ class InProcessLanes:
             if not self._enter_now(lane, stats):
                 await self._enter(lane, stats)
             try:
+                self._untouched.discard(op.handle.id)
                 if on_start is not None:
                     on_start()
                 return await execute_op(op, sandbox, self._cpus.get(lane) if self.pinned else None)

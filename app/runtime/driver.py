@@ -575,11 +575,14 @@ class Runtime:
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
-            cleanup = self._cleanup(key, ctx.handle)
-            try:
-                self._tg.create_task(cleanup)
-            except RuntimeError:
-                await cleanup  # the run is aborting: no sandbox may be left behind, so clean up here
+            # An attempt ended before any op started on its sandbox (cancelled while its reset queued)
+            # has nothing to clean up: a stop after a surplus flood queued tens of thousands of these.
+            if not self.lanes.forget(ctx.handle):
+                cleanup = self._cleanup(key, ctx.handle)
+                try:
+                    self._tg.create_task(cleanup)
+                except RuntimeError:
+                    await cleanup  # the run is aborting: no sandbox may be left behind, so clean up here
         if self._attempts.get(key) is not asyncio.current_task():
             return  # this try was superseded (restarted or its group discarded): its finish must not count
         del self._attempts[key]

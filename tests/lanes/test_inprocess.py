@@ -105,3 +105,53 @@ def test_a_cancelled_waiter_leaves_the_queue_and_frees_nothing_it_did_not_take()
         return lanes.stats()["exec"].queue_depth
 
     assert run_virtual(main()) == 0
+
+
+class _Box:
+    """A sandbox whose operations take virtual seconds and say what ran."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    async def reset(self, task: object, cpus: object = None) -> object:
+        self.log.append(f"reset {self.name}")
+        await asyncio.sleep(10)
+        return None
+
+    async def cleanup(self, cpus: object = None) -> None:
+        self.log.append(f"cleanup {self.name}")
+
+
+def test_a_sandbox_on_which_no_op_started_is_forgotten_without_cleanup() -> None:
+    """Its attempt ended while its reset still queued: it holds nothing. One whose reset started is not
+    forgotten (its cleanup op must run), and a forgotten one can take no more ops."""
+    from pathlib import Path
+
+    from app.lanes.ops import LaneOp, LaneOpError
+    from app.tasks.spec import TaskSpec
+
+    lanes = make_lanes(reset=1)
+    log: list[str] = []
+    task = TaskSpec(name="t", instruction="", root=Path("."), validation="true")
+    first, second = (lanes.attach(_Box(log, name)) for name in ("a", "b"))  # type: ignore[arg-type]
+    answers: dict[str, object] = {}
+
+    async def main() -> None:
+        running = asyncio.create_task(lanes.run_op(LaneOp.reset(first, task)))
+        queued = asyncio.create_task(lanes.run_op(LaneOp.reset(second, task)))
+        await asyncio.sleep(1)  # a's reset runs; b's waits for the lane's one slot
+        queued.cancel()
+        running.cancel()
+        await asyncio.gather(running, queued, return_exceptions=True)
+        answers["a"], answers["b"] = lanes.forget(first), lanes.forget(second)
+        await lanes.run_op(LaneOp.cleanup(first))
+        try:
+            await lanes.run_op(LaneOp.cleanup(second))
+        except LaneOpError as exc:
+            answers["b after"] = str(exc)
+
+    run_virtual(main())
+    assert answers["a"] is False
+    assert answers["b"] is True
+    assert "not attached" in str(answers["b after"])
+    assert log == ["reset a", "cleanup a"]  # b never ran anything

@@ -26,6 +26,7 @@ from app.core.events import (
     GroupDiscarded,
     Ledger,
     RunEnded,
+    SandboxOp,
     envelope_from_dict,
 )
 from app.core.scheduler import DiscardReason, GroupRecord, GroupState, Scheduler
@@ -482,3 +483,30 @@ def test_the_runtimes_memory_follows_the_groups_in_flight_not_the_run_history() 
     rt = captured["rt"]
     assert rt.scheduler.groups == rt._group_tasks == rt._attempts == rt._outcomes == {}
     assert rt.report_acc._tries == rt.report_acc._group_s == {}
+
+
+def test_a_sandbox_gets_one_cleanup_exactly_when_an_op_started_on_it() -> None:
+    """Attempts cancelled while their reset still queued (the run ended, or a stale group) leave nothing
+    behind, so no cleanup op is queued for them; every sandbox on which an op started gets exactly one.
+    Counted from the run's own SandboxOp events (`busy` is 0 for an op cancelled before it started)."""
+    workload = Workload.model_validate(
+        make_workload_data(
+            batches=3,
+            policy={"surplus_groups": 12, "max_staleness": 0},
+            lanes={"reset": 1, "exec": 4, "validate": 2, "cleanup": 2},
+        )
+    )
+    ops: dict[tuple[int, int], list[SandboxOp]] = {}
+
+    def on_envelope(env: Envelope) -> None:
+        if isinstance(env.event, SandboxOp):
+            ops.setdefault((env.event.group_id, env.event.attempt), []).append(env.event)
+
+    # fixed lane slots, so resets queue; rolling updates, so no try restarts under another sandbox
+    simulate(workload, policy_for(workload, "full", adaptive_lanes=False), "full", events=on_envelope)
+    started = {key for key, seen in ops.items() if any(op.lane != "cleanup" and op.busy > 0 for op in seen)}
+    never = set(ops) - started
+    cleaned = Counter(key for key, seen in ops.items() for op in seen if op.lane == "cleanup")
+    assert never, "the workload should cancel some attempts while their reset queues"
+    assert set(cleaned) == started
+    assert set(cleaned.values()) == {1}
