@@ -2,7 +2,8 @@
 
 Tokens: operator actions (create, publish, policy, pause, resume, stop, ack) need the operator token as
 `Authorization: Bearer <token>`; reads need the view token when one is configured (or the operator's).
-Tokens are compared in constant time. `X-Corral-Actor` names who acted, for the audit trail.
+Tokens are compared in constant time. `X-Corral-Actor` names who acted, for the audit trail: its bytes
+are read as UTF-8 (HTTP hands header values over as latin-1), and a name that is not UTF-8 is a 422.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import Depends, Header, HTTPException, Request, status
 from app.service.handle import RunHandle
 from app.service.manager import RunManager
 from app.settings import Settings
+from app.store.models import TERMINAL_RUN_STATES
 
 
 def get_manager(request: Request) -> RunManager:
@@ -53,7 +55,17 @@ def require_operator(
         )
     if not _matches(token, settings.operator_token):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "the token given is not the operator token")
-    return x_corral_actor or "operator"
+    return _utf8_header("X-Corral-Actor", x_corral_actor) or "operator"
+
+
+def _utf8_header(name: str, value: str | None) -> str | None:
+    """A header's value as the UTF-8 its bytes spell (the server decoded them as latin-1)."""
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise HTTPException(422, f"{name}: not valid UTF-8") from None
 
 
 def require_viewer(
@@ -71,14 +83,27 @@ def require_viewer(
         )
 
 
-def live_handle(manager: RunManager, run_id: str) -> RunHandle:
-    """The run executing in this server; 404 for an unknown run, 409 for one that is not executing."""
+def live_handle(manager: RunManager, run_id: str, ended: str = "") -> RunHandle:
+    """The run executing in this server; 404 for an unknown run, 409 for one that is not executing:
+    for a run that has ended (before a restart, say), "has ended (<state>)" and then `ended`, as the
+    run itself answers once it has ended."""
     handle = manager.get(run_id)
     if handle is not None:
         return handle
-    if manager.store.get_run(run_id) is None:
+    record = manager.store.get_run(run_id)
+    if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id!r} is not executing in this server")
+    raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state, ended))
+
+
+ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
+
+
+def not_executing(run_id: str, state: str, ended: str = "") -> str:
+    """Why a stored run that is not executing here takes no command."""
+    if state in ENDED_STATES:
+        return f"run {run_id!r} has ended ({state}){ended}"
+    return f"run {run_id!r} is not executing in this server"
 
 
 Manager = Annotated[RunManager, Depends(get_manager)]

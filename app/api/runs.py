@@ -11,8 +11,10 @@
 - `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`.
 
 Answers: 422 for input that fails validation (the message names the field), 404 for an unknown run,
-batch or rollout, 409 for a change the run's state does not allow, 401/403 for a missing or wrong
-token. Never a 500 for bad input.
+batch or rollout (a version never published), 409 for a change the run's state does not allow,
+401/403 for a missing or wrong token. Never a 500 for bad input. A run that ended before this server
+started answers as an ended run: 409 "has ended (<state>)", a repeated ack 200, its metrics from the
+store.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api.deps import Manager, Operator, Viewer, live_handle
+from app.api.deps import ENDED_STATES, Manager, Operator, Viewer, live_handle, not_executing
 from app.service.gateway import RunClosedError, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.schemas import AckResult, PolicyPatch, RunAction, RunCreate, WeightsPublish
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+NO_MORE_BATCHES = "; no more batches"
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -108,12 +112,16 @@ async def next_batch(
         float, Query(ge=0, le=300, allow_inf_nan=False, description="seconds to wait")
     ] = 30.0,
 ) -> Any:
-    handle = live_handle(manager, run_id)
+    # A run not executing here costs a query: off the event loop. One that ended before a restart
+    # answers as it did when it ended.
+    handle = manager.get(run_id)
+    if handle is None:
+        handle = await run_in_threadpool(live_handle, manager, run_id, NO_MORE_BATCHES)
     try:
         offer = await handle.gateway.next_batch(timeout)
     except RunClosedError as exc:
         raise HTTPException(
-            status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}); no more batches"
+            status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}){NO_MORE_BATCHES}"
         ) from None
     if offer is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -127,12 +135,23 @@ def ack_batch(
     manager: Manager,
     actor: Operator,
 ) -> AckResult:
-    handle = live_handle(manager, run_id)
-    try:
-        _, already = handle.gateway.ack(batch_id, actor)
-    except UnknownBatchError:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}") from None
-    return AckResult(batch_id=batch_id, already_acked=already)
+    handle = manager.get(run_id)
+    if handle is not None:
+        try:
+            _, already = handle.gateway.ack(batch_id, actor)
+            return AckResult(batch_id=batch_id, already_acked=already)
+        except UnknownBatchError:
+            pass  # handed out before a restart (and acked then, maybe): the store knows
+    else:
+        record = manager.store.get_run(run_id)
+        if record is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+        if record.state not in ENDED_STATES:
+            raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+    stored = manager.ack_stored(run_id, batch_id)
+    if stored is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}")
+    return AckResult(batch_id=batch_id, already_acked=stored)
 
 
 @router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED)
@@ -151,7 +170,7 @@ async def publish_weights(
     try:
         rollout = await _on_run(handle, handle.publish, body.version, path, actor)
     except ValueError as exc:
-        raise HTTPException(422, f"version: {exc}") from None
+        raise HTTPException(422, f"version: {str(exc).removeprefix('version ')}") from None
     response.headers["Location"] = f"/api/runs/{run_id}/rollouts/{body.version}"
     return dict(rollout)
 
@@ -233,9 +252,12 @@ async def timeline(
 def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
     handle = manager.get(run_id)
     if handle is None:
-        if manager.store.get_run(run_id) is None:
+        record = manager.store.get_run(run_id)
+        if record is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-        raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id!r} is not executing in this server")
+        if record.state not in ENDED_STATES:
+            raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+        return _stored_metrics(run_id, record.state, manager.store.figures(run_id))
     live = handle.live()
     stats = handle.gateway.stats
     waits = list(stats.collection_s)
@@ -259,3 +281,23 @@ def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
         },
         "event_sinks": handle.recorder.bus.stats(),
     }
+
+
+def _stored_metrics(run_id: str, state: str, figures: dict[str, Any]) -> dict[str, Any]:
+    """An ended run's figures from the store (a later server than the one that ran it): the same keys
+    as an executing run's; what only memory held (idle time, lanes, sink health) is None."""
+    return {
+        "id": run_id,
+        "state": state,
+        **{k: figures[k] for k in ("batches", "groups_admitted", "groups_delivered", "groups_discarded",
+                                   "groups_live", "trainer_version", "engine_versions")},
+        "lanes": None,
+        "trainer": {
+            "offered": figures["offered"],
+            "redelivered": figures["redelivered"],
+            "acked": figures["acked"],
+            "idle_s": None,
+            "batch_wait_s_mean": None,
+        },
+        "event_sinks": None,
+    }  # fmt: skip

@@ -68,12 +68,13 @@ class Batch:
         return [t["reward"] for g in self.groups for t in g["trajectories"]]
 
 
-def _headers(token: str | None, actor: str | None) -> dict[str, str]:
+def _headers(token: str | None, actor: str | None) -> dict[bytes, bytes]:
+    # Bytes: the actor goes as UTF-8, as the server reads it (httpx would send a str as ASCII only).
     headers = {}
     if token:
-        headers["Authorization"] = f"Bearer {token}"
+        headers[b"Authorization"] = f"Bearer {token}".encode()
     if actor:
-        headers["X-Corral-Actor"] = actor
+        headers[b"X-Corral-Actor"] = actor.encode()
     return headers
 
 

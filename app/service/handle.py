@@ -40,6 +40,7 @@ from app.service.gateway import RunClosedError, TrainerGateway
 from app.service.paced import PacedLoop
 from app.service.ports import LanesFactory, RunPorts, open_ports, run_policy
 from app.service.recorder import RunRecorder
+from app.service.rollouts import rollout_answer
 from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
 from app.service.store import ResumePoint
 from app.store.models import RunState
@@ -80,7 +81,11 @@ class RunHandle:
         self.loop: asyncio.AbstractEventLoop = (
             PacedLoop(spec.speed, start) if spec.kind is RunKind.SIM else asyncio.new_event_loop()
         )
-        self.recorder = RunRecorder(run_id, self.loop.time, resume.next_seq if resume is not None else 0)
+        self.recorder = (
+            RunRecorder(run_id, self.loop.time)
+            if resume is None  # a resumed run's counters and rollouts go on from its stored stream
+            else RunRecorder(run_id, self.loop.time, resume.next_seq, resume.view, resume.rollouts)
+        )
         self.work_dir = work_dir
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -289,39 +294,25 @@ class RunHandle:
         return self.rollout(version)
 
     def rollout(self, version: int) -> dict[str, Any]:
-        """A rollout's progress engine by engine, from the runtime's plan and update log."""
+        """A rollout's progress engine by engine: the run's rollout log (the stored stream's rules, so
+        the answer is the one the store gives once the run has ended) and the runtime's plan. KeyError
+        for a version never published."""
         runtime = self._runtime()
-        if version > runtime.version or version < 1:
+        book = self.recorder.rollouts
+        row = book.rollouts.get(version)
+        if row is None:
             raise KeyError(version)
         plan = runtime.plan
-        t0 = runtime.state.started_at
-        began: dict[str, float] = {}
-        ended: dict[str, float] = {}
-        for t, engine, v, phase in runtime.state.update_log:
-            if v >= version and phase == "begin":
-                began.setdefault(engine, t - t0)
-            elif v >= version and phase == "end":
-                ended.setdefault(engine, t - t0)
-        engines = []
-        for name, served in plan.versions.items():
-            if served >= version:
-                state = "done"
-            elif plan.updating.get(name, -1) >= version:
-                state = "updating"
-            else:
-                state = "pending"
-            engines.append({"engine": name, "state": state, "version": served,
-                            "began_s": began.get(name), "ended_s": ended.get(name)})  # fmt: skip
-        done = all(e["state"] == "done" for e in engines)
-        return {
-            "rollout_id": version,
-            "version": version,
-            "state": "completed" if done else "running",
-            "superseded": runtime.version > version,
-            "max_updating_engines": plan.max_updating,
-            "pause_mode": runtime.policy.pause_mode.value,
-            "engines": engines,
-        }
+        return rollout_answer(
+            row,
+            newest=max(book.newest, runtime.version),
+            engines=list(plan.versions),
+            served=dict(plan.versions),
+            steps=book.steps_from(version),
+            updating=dict(plan.updating),
+            t0=book.first_t,
+            knobs=self.knobs,
+        )
 
     def drain_engine(self, name: str, actor: str) -> dict[str, Any]:
         """Take `name` out of rotation: it starts no new turn and no update; turns in flight on it

@@ -7,9 +7,11 @@ ended) are written to its row as they happen.
 Snapshot and restore: at start-up `resume_unfinished` finds the runs the previous server was driving
 (not created, not ended). Each resumes as a new incarnation: the groups its predecessor left open are
 discarded with the reason `orphaned` (events, so the stored stream stays the account), and it goes on
-from the stored sequence number, group and batch numbers and policy version. Batches handed out and
-not acked are kept as files under the run's data directory until acked, so a resumed run offers them
-again (at least once, across restarts too). A run that was stopping is ended instead of resumed.
+from the stored sequence number, group and batch numbers and policy version, its live counts and
+rollouts from the stored stream's. Batches handed out and not acked are kept as files under the run's
+data directory until acked, so a resumed run offers them again (at least once, across restarts too);
+a batch its gateway does not hold (acked before the restart) is acked in the store (`ack_stored`). A
+run that was stopping is ended instead of resumed.
 
 Invariants:
 - every run this manager starts is stopped (and its sinks flushed) by `shutdown`;
@@ -142,6 +144,14 @@ class RunManager:
     def _acked(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
         offers.remove(offer)
         self.store.mark_acked(run_id, offer.index)
+
+    def ack_stored(self, run_id: str, batch_id: str) -> bool | None:
+        """Ack a batch the run's gateway does not hold (handed out before a restart, or the run ended
+        before one) in the store: whether it was acked already; None for no such delivered batch."""
+        already = self.store.ack_batch(run_id, batch_id)
+        if already is False:  # a valid batch id: its kept offer, if any, is done with
+            (self.data_dir / run_id / "offers" / f"{batch_id}.json").unlink(missing_ok=True)
+        return already
 
     def _end_unresumable(self, record: RunRecord, detail: str, point: ResumePoint | None = None) -> None:
         point = point or self.store.resume_point(record.id)

@@ -2,14 +2,17 @@
 bus (app.runtime.events); the store's sink, the metrics sink and a live view subscribe.
 
 A resumed run (a later incarnation after a restart) continues its predecessor's stream: sequence
-numbers go on from the store's next one, and its clock starts where the stored stream ended.
+numbers go on from the store's next one, its clock starts where the stored stream ended, and its live
+view and rollout log start from the stored stream (replayed), so its counters go on from the stored
+totals.
 
 Invariants:
 - sequence numbers continue across incarnations, so the stored stream of a run has no gap and no
   duplicate;
 - publishing never blocks and never raises because of a sink (the sinks are buffered); the live view
   is updated inline, so a GET sees every event published before it;
-- every group a crashed incarnation left open ends in the stream, discarded with reason `orphaned`.
+- every group a crashed incarnation left open ends in the stream, discarded with reason `orphaned`;
+- the live view counts the whole stream, stored and new: admitted = delivered + discarded + open.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from app.core.events import (
     GroupAdmitted,
     GroupDelivered,
     GroupDiscarded,
+    SandboxOp,
+    TurnDone,
     VersionPublished,
 )
 from app.runtime.events import EventBus
+from app.service.rollouts import RolloutLog
 
 
 @dataclass
@@ -122,14 +128,25 @@ class RecentEvents:
 
 
 class RunRecorder:
-    """One run's bus with its live view; the manager attaches the store and metrics sinks."""
+    """One run's bus with its live view and rollout log; the manager attaches the store and metrics
+    sinks. A resumed run passes the view and log its stored stream left (`ResumePoint`)."""
 
-    def __init__(self, run_id: str, clock: Callable[[], float], first_seq: int = 0) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        clock: Callable[[], float],
+        first_seq: int = 0,
+        view: LiveView | None = None,
+        rollouts: RolloutLog | None = None,
+    ) -> None:
         self.run_id = run_id
         self.bus: EventBus = _ContinuingBus(run_id, first_seq, clock)
-        self.view = LiveView()
+        self.view = view if view is not None else LiveView()
+        self.rollouts = rollouts if rollouts is not None else RolloutLog()
         self.recent = RecentEvents(first_seq)
         self.bus.subscribe(self.view.on_envelope)
+        # The frequent kinds touch no rollout (and never open a stream: its first event is not one).
+        self.bus.subscribe(self.rollouts.on_envelope, {TurnDone: None, SandboxOp: None})
         self.bus.subscribe(self.recent.on_envelope)
 
     def publish(self, event: Event) -> Envelope:

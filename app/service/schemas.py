@@ -1,8 +1,9 @@
 """The service's API schemas: what a client sends and gets back. Separate from the ORM models (the
 store's) and from the runtime's own configs, which they embed.
 
-Every input model is strict: unknown fields are refused, numbers are bounded and finite, and a run
-config is validated in full (the workload or local-run config inside it) before anything starts.
+Every input model is strict: unknown fields are refused, numbers and flags are taken only as JSON numbers
+and booleans (never "2", nor 1 for true), numbers are bounded and finite, and a run config is validated
+in full (the workload or local-run config inside it) before anything starts.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from app.core.config import PauseModeName, PolicyName
 from app.runtime.config import LocalRunConfig
@@ -69,13 +70,15 @@ class RunCreate(_Input):
     batches: StrictInt | None = Field(
         None, ge=1, le=1_000_000, description="trainer steps; none: until stopped"
     )
-    speed: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False, description="sim: virtual s per wall s")
+    speed: float = Field(
+        1.0, gt=0, le=1000, allow_inf_nan=False, strict=True, description="sim: virtual s per wall s"
+    )
     trainer: TrainerKind = TrainerKind.EXTERNAL
     orchestrator: OrchestratorKind = Field(
         OrchestratorKind.IN_PROCESS, description="where the run executes: this server, or a Celery worker"
     )
     sentinel_step_s: float = Field(
-        0.2, ge=0, le=3600, allow_inf_nan=False, description="built-in trainer step"
+        0.2, ge=0, le=3600, allow_inf_nan=False, strict=True, description="built-in trainer step"
     )
     groups_per_batch: StrictInt | None = Field(None, ge=1, le=4096, description="B")
     group_size: StrictInt | None = Field(None, ge=2, le=1024, description="G")
@@ -144,7 +147,7 @@ class WeightsPublish(_Input):
 
     version: StrictInt = Field(ge=1, le=2**31 - 1)
     path: str | None = Field(None, min_length=1, max_length=4096)
-    sentinel: bool = False
+    sentinel: StrictBool = False
 
     @model_validator(mode="after")
     def _path_or_sentinel(self) -> WeightsPublish:

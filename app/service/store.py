@@ -16,20 +16,23 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from app.core.events import Ledger
+from app.core.events import Envelope, Ledger
+from app.service.recorder import LiveView
+from app.service.rollouts import RolloutLog, RolloutRow, StepRow, rollout_answer
 from app.store.db import make_engine, make_sessionmaker
 from app.store.migrate import upgrade_to_head
-from app.store.models import Run, RunState
+from app.store.models import RolloutStep, Run, RunState, WeightRollout
 from app.store.repos import (
     BatchRepo,
+    EngineRepo,
     EventRepo,
     GroupRepo,
     IllegalTransitionError,
@@ -85,6 +88,9 @@ class ResumePoint:
     weights_path: str | None
     open_groups: frozenset[int]
     last_t: float  # where the run's clock had got to
+    # The stored stream replayed: the resumed run's live view and rollouts go on from these.
+    view: LiveView = field(default_factory=LiveView, compare=False)
+    rollouts: RolloutLog = field(default_factory=RolloutLog, compare=False)
 
 
 class ServiceStore:
@@ -155,14 +161,16 @@ class ServiceStore:
             rows = EventRepo(s).list(run_id, since=since, limit=limit)
             return [{"seq": r.seq, "t": r.t, "kind": r.kind, **dict(r.payload)} for r in rows]
 
-    def ledger(self, run_id: str) -> tuple[Ledger, float]:
+    def ledger(self, run_id: str, *also: Callable[[Envelope], None]) -> tuple[Ledger, float]:
         """Every group's account from the stored stream alone (the store's projection aside), and the
-        time of the last event."""
+        time of the last event. `also` are fed the stored stream too, in order."""
         ledger = Ledger()
         last_t = 0.0
         with self.session() as s:
             for env in EventRepo(s).load_envelopes(run_id):
                 ledger.on_envelope(env)
+                for fn in also:
+                    fn(env)
                 last_t = max(last_t, env.t)
         return ledger, last_t
 
@@ -174,7 +182,8 @@ class ServiceStore:
                 "discarded": dict(account.discarded)}  # fmt: skip
 
     def resume_point(self, run_id: str) -> ResumePoint:
-        ledger, last_t = self.ledger(run_id)
+        view, book = LiveView(), RolloutLog()
+        ledger, last_t = self.ledger(run_id, view.on_envelope, book.on_envelope)
         with self.session() as s:
             next_seq = EventRepo(s).next_seq(run_id)
             orphans = {g.group_id for g in GroupRepo(s).orphans(run_id)}
@@ -192,6 +201,8 @@ class ServiceStore:
             weights_path=path,
             open_groups=frozenset(ledger.open_groups | orphans),
             last_t=last_t,
+            view=view,
+            rollouts=book,
         )
 
     # -- batches offered to an external trainer ------------------------------------------------------
@@ -225,26 +236,77 @@ class ServiceStore:
     # -- rollouts ------------------------------------------------------------------------------------
 
     def rollout(self, run_id: str, version: int) -> dict[str, Any] | None:
+        """A rollout as the store has it, in the same shape as a live run's (`rollout_answer`)."""
         with self.session() as s:
             repo = RolloutRepo(s)
             rollout = repo.by_version(run_id, version)
-            if rollout is None:
+            run = RunRepo(s).get(run_id)
+            if rollout is None or run is None:
                 return None
-            steps = [
-                {"engine": st.engine, "state": st.state, "started_at": st.started_at,
-                 "ended_at": st.ended_at, "error": st.error}
-                for st in repo.steps(rollout.id)
-            ]  # fmt: skip
-            return {
-                "rollout_id": rollout.version,
-                "version": rollout.version,
-                "path": rollout.path,
-                "actor": rollout.actor,
-                "state": rollout.state,
-                "started_at": rollout.started_at,
-                "ended_at": rollout.ended_at,
-                "engines": steps,
-            }
+            later = s.execute(
+                select(WeightRollout.version, RolloutStep)
+                .join(RolloutStep, RolloutStep.rollout_id == WeightRollout.id)
+                .where(WeightRollout.run_id == run_id, WeightRollout.version >= version)
+            ).all()
+            steps = [StepRow(v, st.engine, st.state, st.started_at, st.ended_at, st.error) for v, st in later]
+            engines = EngineRepo(s).list(run_id)
+            first = EventRepo(s).list(run_id, since=-1, limit=1)
+            row = RolloutRow(rollout.version, rollout.path, rollout.actor, rollout.state, rollout.started_at,
+                             rollout.ended_at)  # fmt: skip
+            return rollout_answer(
+                row,
+                newest=repo.latest_version(run_id) or version,
+                engines=[e.name for e in engines],
+                served={e.name: e.weight_version for e in engines},
+                steps=steps,
+                updating={},
+                t0=first[0].t if first else None,
+                knobs=dict(run.policy or {}),
+            )
+
+    # -- an ended run's account ------------------------------------------------------------------------
+
+    def ack_batch(self, run_id: str, batch_id: str) -> bool | None:
+        """Acknowledge a delivered batch in the store alone (its run is not executing here, or a
+        predecessor of it handed the batch out): whether it had been acked already; None when the run
+        has no such delivered batch."""
+        digits = batch_id.removeprefix(f"{run_id}-b")
+        if digits == batch_id or not (digits.isascii() and digits.isdigit()) or len(digits) > 12:
+            return None  # not an id this run gave out
+        index = int(digits)
+
+        def write(s: Session) -> bool | None:
+            repo = BatchRepo(s)
+            batch = repo.get(run_id, index)
+            if batch is None or batch.delivered_at is None:
+                return None
+            if batch.acked_at is not None:
+                return True  # as a live run: a repeated ack changes nothing
+            repo.ack(run_id, index)
+            return False
+
+        return self._write(write)
+
+    def figures(self, run_id: str) -> dict[str, Any]:
+        """What the store knows of a run's figures (those a run executing here counts in memory)."""
+        with self.session() as s:
+            account = GroupRepo(s).account(run_id)
+            batches = [b for b in BatchRepo(s).list(run_id) if b.delivered_at is not None]
+            engines = EngineRepo(s).list(run_id)
+            version = RolloutRepo(s).latest_version(run_id) or 0
+        offered = [b for b in batches if b.offered_at is not None]
+        return {
+            "batches": len(batches),
+            "groups_admitted": account.admitted,
+            "groups_delivered": account.delivered,
+            "groups_discarded": dict(account.discarded),
+            "groups_live": account.open,
+            "trainer_version": version,
+            "engine_versions": {e.name: e.weight_version for e in engines},
+            "offered": len(offered),
+            "redelivered": sum(max(b.offer_count - 1, 0) for b in offered),
+            "acked": sum(1 for b in batches if b.acked_at is not None),
+        }
 
     def ping(self) -> bool:
         try:

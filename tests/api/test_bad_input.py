@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -10,6 +11,8 @@ import pytest
 from api_support import TOKEN, make_run, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from app.client import CorralClient
 
 CREATE_CASES = [
     ({"bogus": 1}, "bogus: unknown field"),
@@ -20,6 +23,9 @@ CREATE_CASES = [
     ({"batches": 0}, "batches"),
     ({"speed": 0}, "speed"),
     ({"speed": 1e9}, "speed"),
+    ({"speed": "2"}, "speed"),  # strict: a JSON number, not a string of one
+    ({"speed": True}, "speed"),
+    ({"sentinel_step_s": "0.5"}, "sentinel_step_s"),
     ({"kind": "gpu-cluster"}, "kind"),
     ({"policy": "fastest"}, "policy"),
     ({"workload": "not a mapping"}, "workload"),
@@ -93,6 +99,8 @@ def run_id(server: str) -> Iterator[str]:
         ("POST", "weights", {"version": 5, "path": "/x", "sentinel": True}, 422, "path or sentinel"),
         ("POST", "weights", {"version": 5, "path": "/no/such/weights"}, 422, "path"),
         ("POST", "weights", {"version": "5", "sentinel": True}, 422, "version"),
+        ("POST", "weights", {"version": 5, "sentinel": "yes"}, 422, "sentinel"),  # strict: a JSON boolean
+        ("POST", "weights", {"version": 5, "sentinel": 1}, 422, "sentinel"),
         ("POST", "batches/nope/ack", None, 404, "nope"),
         ("POST", "resume", None, 409, "running"),
         ("GET", "batches/next?timeout=-1", None, 422, "timeout"),
@@ -130,6 +138,45 @@ def test_an_older_version_is_refused_and_a_paused_run_cannot_pause(api: httpx.Cl
     assert "paused" in again.json()["detail"]
     resumed = api.post(f"/api/runs/{run_id}/resume")
     assert resumed.status_code == 200, resumed.text
+
+
+def test_a_version_not_newer_is_refused_in_one_plain_line(
+    api: httpx.Client, run_id: str, tmp_path: Path
+) -> None:
+    version = api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] + 1
+    body = {"version": version, "path": str(tmp_path)}  # weights on disk: the runtime's own check
+    assert api.post(f"/api/runs/{run_id}/weights", json=body).status_code == 202
+    again = api.post(f"/api/runs/{run_id}/weights", json=body)
+    assert again.status_code == 422, again.text
+    assert again.json()["detail"] == f"version: {version} is not newer than the published version {version}"
+
+
+@pytest.mark.parametrize(
+    ("actor", "status", "names"),
+    [
+        ("zoë".encode(), 200, "zoë"),  # UTF-8 on the wire, read as UTF-8 (not latin-1: "zoÃ«")
+        ("操作员".encode(), 200, "操作员"),
+        (b"caf\xe9", 422, "X-Corral-Actor: not valid UTF-8"),  # latin-1 bytes
+    ],
+)
+def test_the_actor_header_is_read_as_utf8(
+    api: httpx.Client, run_id: str, actor: bytes, status: int, names: str
+) -> None:
+    knobs = api.get(f"/api/runs/{run_id}").json()["policy"]
+    change = {"surplus_groups": knobs["surplus_groups"] + 1}
+    answer = api.patch(f"/api/runs/{run_id}/policy", json=change, headers={"X-Corral-Actor": actor})
+    assert answer.status_code == status, answer.text
+    if status != 200:
+        assert names in answer.json()["detail"]
+        return
+    assert answer.json()["actor"] == names
+    events = api.get(f"/api/runs/{run_id}/timeline", params={"limit": 10_000}).json()["events"]
+    assert [e["actor"] for e in events if e["kind"] == "policy_changed"][-1] == names  # the audit trail
+
+
+def test_the_client_sends_a_non_ascii_actor(server: str, run_id: str) -> None:
+    with CorralClient(server, token=TOKEN, actor="zoë") as corral:
+        assert corral.set_policy(run_id, max_staleness=2)["actor"] == "zoë"
 
 
 def test_unknown_runs_are_404(api: httpx.Client) -> None:

@@ -1,0 +1,164 @@
+"""What a restarted `corral serve` answers about what happened before it: a run resumed after a kill -9
+counts on from the stored totals and still takes a repeated ack of a batch acked before the kill; a
+run that ended before the restart (Ctrl-C) answers as an ended run, so the trainer loop ends cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from api_support import TOKEN, free_port, make_run, wait_for
+from test_serve_restart import _healthy, corral_serve
+
+from app.client import CorralClient, RunEnded
+from app.service.store import ServiceStore
+from app.store.repos import BatchRepo
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
+
+
+def _serve_env(tmp_path: Path) -> tuple[dict[str, str], str, str]:
+    port = free_port()
+    database = f"sqlite:///{tmp_path / 'corral.db'}"
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": database,
+        "CORRAL_OPERATOR_TOKEN": TOKEN,
+        "CORRAL_PORT": str(port),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+    return env, f"http://127.0.0.1:{port}", database
+
+
+def _train(api: httpx.Client, run_id: str, steps: int) -> list[str]:
+    """Take, publish and ack `steps` batches; their ids."""
+    acked = []
+    for _ in range(steps):
+        batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+        published = api.post(
+            f"/api/runs/{run_id}/weights", json={"version": batch["publish_version"], "sentinel": True}
+        )
+        assert published.status_code == 202, published.text
+        assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+        acked.append(batch["batch_id"])
+    return acked
+
+
+def _consistent(api: httpx.Client, run_id: str) -> dict[str, Any] | None:
+    """The run's live counts once they agree: admitted = delivered + discarded + live."""
+    live: dict[str, Any] = api.get(f"/api/runs/{run_id}").json()["live"]
+    ended = live["groups_delivered"] + sum(live["groups_discarded"].values())
+    return live if live["groups_admitted"] - ended == live["groups_live"] else None
+
+
+def test_a_resumed_run_counts_on_from_the_store_and_takes_a_repeated_ack(tmp_path: Path) -> None:
+    env, url, database = _serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    store = ServiceStore(database, migrate=False)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None, speed=8.0)).json()["id"]
+            acked = _train(api, run_id, 2)
+            wait_for(lambda: _consistent(api, run_id), what="consistent counts before the kill")
+
+            def acks_stored() -> bool:
+                with store.session() as s:
+                    return sum(b.acked_at is not None for b in BatchRepo(s).list(run_id)) == 2
+
+            wait_for(acks_stored, what="both acks in the store")
+            wait_for(lambda: store.resume_point(run_id).open_groups, what="stored groups in flight")
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+        ledger, _ = store.ledger(run_id)  # the stored account the resumed run goes on from
+        with store.session() as s:
+            batches = sum(b.delivered_at is not None for b in BatchRepo(s).list(run_id))
+        assert batches >= 2
+
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            again = api.post(f"/api/runs/{run_id}/batches/{acked[0]}/ack")
+            assert again.status_code == 200, again.text
+            assert again.json() == {"batch_id": acked[0], "acked": True, "already_acked": True}
+            unknown = api.post(f"/api/runs/{run_id}/batches/{run_id}-b999/ack")
+            assert unknown.status_code == 404, unknown.text
+
+            live = wait_for(lambda: _consistent(api, run_id), what="consistent counts after the resume")
+            assert live["batches"] >= batches
+            assert live["groups_admitted"] >= ledger.admitted_count
+            assert live["groups_delivered"] >= ledger.delivered_count
+            assert live["groups_discarded"].get("orphaned", 0) >= len(ledger.open_groups) > 0
+            assert live["last_seq"] + 1 >= live["events"] > 0  # events counted from the stream's start
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    finally:
+        store.close()
+        api.close()
+
+
+def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> None:
+    env, url, database = _serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+            (acked,) = _train(api, run_id, 1)
+            first.send_signal(signal.SIGINT)  # Ctrl-C: the server stops its runs
+            assert first.wait(60) in (0, -signal.SIGINT, 130), log.read_text()[-2000:]
+        store = ServiceStore(database, migrate=False)
+        try:
+            record = store.get_run(run_id)
+        finally:
+            store.close()
+        assert record is not None
+        assert record.state == "stopped"
+
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            ended = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
+            assert ended.status_code == 409, ended.text
+            assert ended.json()["detail"] == f"run {run_id!r} has ended (stopped); no more batches"
+            with CorralClient(url, token=TOKEN) as corral, pytest.raises(RunEnded):
+                corral.next_batch(run_id, timeout=1)
+
+            again = api.post(f"/api/runs/{run_id}/batches/{acked}/ack")
+            assert again.status_code == 200, again.text
+            assert again.json()["already_acked"] is True
+            for bad in (f"{run_id}-b999", f"{run_id}-b²", f"{run_id}-b-1", "b0", "..%2F..%2Fx"):
+                assert api.post(f"/api/runs/{run_id}/batches/{bad}/ack").status_code == 404, bad
+
+            metrics = api.get(f"/api/runs/{run_id}/metrics")
+            assert metrics.status_code == 200, metrics.text
+            figures = metrics.json()
+            assert figures["state"] == "stopped"
+            assert figures["batches"] >= 1
+            assert figures["trainer"]["acked"] == 1
+            assert figures["groups_live"] == 0
+            assert figures["groups_admitted"] == figures["groups_delivered"] + sum(
+                figures["groups_discarded"].values()
+            )
+
+            paused = api.post(f"/api/runs/{run_id}/pause")
+            assert paused.status_code == 409
+            assert "has ended (stopped)" in paused.json()["detail"]
+
+            done = subprocess.run(
+                [sys.executable, str(EXAMPLE), "--url", url, "--run", run_id, "--token", TOKEN],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=EXAMPLE.parents[1],
+            )
+            assert done.returncode == 0, done.stderr
+            assert "Traceback" not in done.stderr
+            assert done.stdout == ""  # no batch: the loop ended at once
+    finally:
+        api.close()

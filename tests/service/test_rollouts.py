@@ -1,0 +1,89 @@
+"""The rollout log kept from a run's stream, and the one answer rendered from it or from the store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.core.events import (
+    EngineStateChanged,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
+    Envelope,
+    Event,
+    RunStarted,
+    VersionPublished,
+)
+from app.service.rollouts import ENGINE_KEYS, ROLLOUT_KEYS, RolloutLog, rollout_answer
+
+
+def make_log(*timed: tuple[float, Event]) -> RolloutLog:
+    log = RolloutLog()
+    for seq, (t, event) in enumerate(timed):
+        log.on_envelope(Envelope("r", seq, t, event))
+    return log
+
+
+def answer(log: RolloutLog, version: int, **overrides: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "newest": log.newest,
+        "engines": ["e0", "e1"],
+        "served": {"e0": 0, "e1": 0},
+        "steps": log.steps_from(version),
+        "updating": {},
+        "t0": log.first_t,
+        "knobs": {"max_updating_engines": 1, "pause_mode": "keep"},
+    }
+    fields.update(overrides)
+    return rollout_answer(log.rollouts[version], **fields)
+
+
+def test_only_published_versions_are_known_and_a_newer_one_supersedes_a_running_one() -> None:
+    log = make_log(
+        (1.0, RunStarted(engines=("e0", "e1"))),
+        (2.0, VersionPublished(1, None, "ops")),
+        (2.5, EngineUpdateBegin("e0", 1)),
+        (3.0, VersionPublished(5, "/w/5", "ops")),
+        (3.5, EngineUpdateEnd("e0", 1)),
+        (4.0, EngineUpdateBegin("e0", 5)),
+        (4.25, EngineUpdateBegin("e1", 5)),
+        (5.0, EngineUpdateEnd("e0", 5)),
+        (5.5, EngineUpdateEnd("e1", 5)),
+    )
+    assert sorted(log.rollouts) == [1, 5]  # 2, 3, 4 never published
+    first = answer(log, 1, served={"e0": 5, "e1": 5})
+    assert tuple(first) == ROLLOUT_KEYS
+    assert (first["state"], first["superseded"], first["ended_at"]) == ("superseded", True, 3.0)
+    e0, e1 = first["engines"]
+    assert tuple(e0) == ENGINE_KEYS
+    assert (e0["state"], e0["began_s"], e0["ended_s"]) == ("done", 1.5, 2.5)  # its update to 1
+    assert (e1["state"], e1["began_s"], e1["ended_s"]) == ("done", 3.25, 4.5)  # it went straight to 5
+    fifth = answer(log, 5, served={"e0": 5, "e1": 5})
+    assert (fifth["state"], fifth["superseded"], fifth["ended_at"]) == ("completed", False, 5.5)
+    assert (fifth["path"], fifth["actor"]) == ("/w/5", "ops")
+
+
+def test_a_failed_step_fails_the_rollout_once_every_engine_in_rotation_has_ended() -> None:
+    log = make_log(
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1, ok=False, error="timed out")),
+        (2.0, EngineStateChanged("e0", "unhealthy")),
+    )
+    pending = answer(log, 1, updating={"e1": 1})
+    assert pending["state"] == "running"  # e1 is still in rotation and has not ended its step
+    states = [(e["state"], e["error"]) for e in pending["engines"]]
+    assert states == [("failed", "timed out"), ("updating", None)]
+    log.on_envelope(Envelope("r", 5, 3.0, EngineUpdateBegin("e1", 1)))
+    log.on_envelope(Envelope("r", 6, 4.0, EngineUpdateEnd("e1", 1)))
+    done = answer(log, 1, served={"e0": 0, "e1": 1})
+    assert (done["state"], done["ended_at"]) == ("failed", 4.0)
+    assert [e["state"] for e in done["engines"]] == ["failed", "done"]
+
+
+def test_a_version_published_again_after_a_resume_keeps_its_row() -> None:
+    log = make_log(
+        (0.0, VersionPublished(3, "/w/3", "trainer-1")),
+        (9.0, VersionPublished(3, "/w/3", "resume")),  # a resumed run rolls its engines to it again
+    )
+    assert (log.rollouts[3].actor, log.rollouts[3].started_at) == ("trainer-1", 0.0)
