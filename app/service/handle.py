@@ -96,6 +96,7 @@ class RunHandle:
             "max_staleness": self.policy.max_staleness,
             "max_updating_engines": self.policy.max_updating_engines,
             "pause_mode": self.policy.pause_mode.value,
+            "ready_surplus": self.policy.ready_surplus,
         }
         self.runtime: Runtime | None = None
         self.ports: RunPorts | None = None

@@ -25,14 +25,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.core.config import LanesConfig, PolicyConfig
+from app.core.config import AdmissionMode, LanesConfig, PolicyConfig
 from app.engines.base import Engine
 from app.lanes.adaptive import LaneAdapter, lane_adapter
 from app.lanes.base import Lanes
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.engine_pool import EngineFaultConfig, EngineSupervisor
 from app.runtime.ports import AttemptSource
-from app.service.schemas import RunCreate, RunKind
+from app.service.schemas import RunCreate, RunKind, TrainerKind
 from app.settings import Settings
 
 # A run's lanes from its lane config and whether they are pinned (app.lanes.choose.choose_lanes).
@@ -67,7 +67,14 @@ def run_policy(spec: RunCreate) -> PolicyConfig:
         config = spec.config
         assert config is not None
         base = config.policy_settings()
-    return PolicyConfig.ladder(spec.policy.value, **{**base, **spec.overrides()})
+    policy = PolicyConfig.ladder(spec.policy.value, **{**base, **spec.overrides()})
+    if policy.admission is not AdmissionMode.IN_FLIGHT:
+        return policy
+    if "ready_surplus" in spec.model_fields_set:
+        return policy.with_changes(ready_surplus=spec.ready_surplus)
+    if spec.trainer is TrainerKind.EXTERNAL:  # a stalled trainer must not let ready groups pile up
+        return policy.with_changes(ready_surplus=policy.groups_per_batch + policy.surplus_groups)
+    return policy
 
 
 def lanes_for(settings: Settings) -> LanesFactory:

@@ -84,6 +84,14 @@ class RunCreate(_Input):
     group_size: StrictInt | None = Field(None, ge=2, le=1024, description="G")
     surplus_groups: StrictInt | None = Field(None, ge=0, le=100_000, description="S")
     max_staleness: StrictInt | None = Field(None, ge=0, le=10_000, description="K")
+    ready_surplus: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="policy full: room for completed groups waiting for a batch beyond B + S (in flight + "
+        "ready ≤ B + S + this). Not given: B + S for an external trainer, so a trainer that stops taking "
+        "batches cannot make the run grow without bound; none for the sentinel trainer. null: no cap",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +110,8 @@ class RunCreate(_Input):
                 raise ValueError("workload.trace: a run created through the API cannot read server files")
         elif self.workload is not None:
             raise ValueError("workload is for kind 'sim'; a local run takes a config")
+        if self.ready_surplus is not None and self.policy is not PolicyName.FULL:
+            raise ValueError("ready_surplus: only policy full admits in flight and keeps ready groups apart")
         if self.speed != 1.0 and self.kind is not RunKind.SIM:
             raise ValueError("speed applies to sim runs only")
         if self.orchestrator is OrchestratorKind.CELERY and self.trainer is TrainerKind.EXTERNAL:

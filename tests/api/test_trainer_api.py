@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 from api_support import TOKEN, make_run, make_settings, serving, wait_for
 
@@ -119,3 +120,33 @@ def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> Non
         assert corral.ack(run_id, again.batch_id)["already_acked"] is False
         assert corral.metrics(run_id)["trainer"]["redelivered"] == 1
         corral.stop(run_id)
+
+
+def test_a_trainer_that_stops_taking_batches_cannot_make_the_run_grow_without_bound(server: str) -> None:
+    """Completed groups wait for a batch outside B + S (policy full). With an external trainer they are
+    capped by default at B + S more (`ready_surplus`), so live groups stay ≤ 2·(B + S) while nobody
+    takes a batch; `ready_surplus: null` asks for no cap, and then they pile up."""
+    with CorralClient(server, token=TOKEN) as corral:
+        capped = corral.create_run(**make_run(batches=None, speed=200.0))
+        uncapped = corral.create_run(**make_run(batches=None, speed=200.0, ready_surplus=None))
+        try:
+            policy = corral.run(capped["id"])["policy"]
+            room = policy["groups_per_batch"] + policy["surplus_groups"]
+            assert policy["ready_surplus"] == room
+            assert corral.run(uncapped["id"])["policy"]["ready_surplus"] is None
+
+            def live(run_id: str) -> int:
+                return int(corral.run(run_id)["live"]["groups_live"])
+
+            wait_for(lambda: live(uncapped["id"]) > 2 * room + 4, 60, "ready groups to pile up uncapped")
+            assert live(capped["id"]) <= 2 * room
+        finally:
+            corral.stop(capped["id"])
+            corral.stop(uncapped["id"])
+
+
+def test_ready_surplus_is_for_policy_full_only(server: str) -> None:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
+        answer = api.post("/api/runs", json=make_run(policy="sync", ready_surplus=4))
+        assert answer.status_code == 422
+        assert "ready_surplus: only policy full" in answer.text
