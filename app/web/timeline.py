@@ -72,6 +72,7 @@ STYLE = (
     "<style>"
     ".sp{stroke:#222;stroke-width:0.4}.sp:hover{stroke:#000;stroke-width:1.5}"
     ".lbl{font:10px sans-serif;fill:#222}.ax{font:10px sans-serif;fill:#333}"
+    ".note{font:9px sans-serif;fill:#555}"
     ".ver{font:bold 8px sans-serif;fill:#000}.pub{stroke:#b00020;stroke-width:1.2;stroke-dasharray:4 3}"
     ".bat{stroke:#111;stroke-width:1}.tag{font:bold 10px sans-serif}"
     "</style>"
@@ -222,7 +223,15 @@ def render_timeline(
         )
         if waiting_left_out:
             note += f" ({waiting_left_out} of them not started yet)"
-        axis.append(f'<text x="4" y="{AXIS_H - 12}" class="ax">{escape(note[2:])}</text>')
+        # In the gutter, a line each, so it never runs into the axis labels (the label keeps it whole)
+        lines = [
+            f"latest {len(rows)} of {total} groups",
+            f"from {t_from:.0f} s; {total - len(rows)} left out",
+        ]
+        if waiting_left_out:
+            lines.append(f"({waiting_left_out} not started yet)")
+        for i, line in enumerate(lines):
+            axis.append(f'<text x="4" y="{9 + 10 * i}" class="note">{escape(line)}</text>')
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '
