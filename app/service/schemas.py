@@ -163,6 +163,9 @@ class WeightsPublish(_Input):
     def _path_or_sentinel(self) -> WeightsPublish:
         if (self.path is None) == (not self.sentinel):
             raise ValueError("give exactly one of path or sentinel: true")
+        if self.path is not None and not self.path.startswith("/"):
+            # It goes to the engines, whose working directory is not the server's
+            raise ValueError(f"path: {self.path!r} must be absolute (it is read by the engines)")
         return self
 
 

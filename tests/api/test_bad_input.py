@@ -98,6 +98,7 @@ def run_id(server: str) -> Iterator[str]:
         ("POST", "weights", {"version": 5}, 422, "path or sentinel"),
         ("POST", "weights", {"version": 5, "path": "/x", "sentinel": True}, 422, "path or sentinel"),
         ("POST", "weights", {"version": 5, "path": "/no/such/weights"}, 422, "path"),
+        ("POST", "weights", {"version": 5, "path": "data"}, 422, "must be absolute"),  # relative to what?
         ("POST", "weights", {"version": "5", "sentinel": True}, 422, "version"),
         ("POST", "weights", {"version": 5, "sentinel": "yes"}, 422, "sentinel"),  # strict: a JSON boolean
         ("POST", "weights", {"version": 5, "sentinel": 1}, 422, "sentinel"),
