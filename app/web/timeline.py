@@ -224,13 +224,13 @@ def render_timeline(
         if waiting_left_out:
             note += f" ({waiting_left_out} of them not started yet)"
         # In the gutter, a line each, so it never runs into the axis labels (the label keeps it whole)
-        lines = [
+        gutter = [
             f"latest {len(rows)} of {total} groups",
             f"from {t_from:.0f} s; {total - len(rows)} left out",
         ]
         if waiting_left_out:
-            lines.append(f"({waiting_left_out} not started yet)")
-        for i, line in enumerate(lines):
+            gutter.append(f"({waiting_left_out} not started yet)")
+        for i, line in enumerate(gutter):
             axis.append(f'<text x="4" y="{9 + 10 * i}" class="note">{escape(line)}</text>')
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
