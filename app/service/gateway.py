@@ -78,6 +78,7 @@ class TrainerGateway:
         self._closed: str | None = None
         self.stats = GatewayStats()
         self.on_offer: Callable[[Offer], None] | None = None
+        self.on_redeliver: Callable[[Offer], None] | None = None  # a batch handed out again
         self.on_ack: Callable[[Offer], None] | None = None
         self.batch_offset = 0  # a resumed run numbers its batches and groups after the earlier ones
         self.group_offset = 0
@@ -125,6 +126,8 @@ class TrainerGateway:
                 self.stats.trainer_idle_s += now - asked
                 if taken.deliveries == 1:
                     self.stats.collection_s.append(now - asked)
+                elif self.on_redeliver is not None:
+                    self.on_redeliver(taken)
                 return taken
             if now >= deadline:
                 self.stats.trainer_idle_s += now - asked

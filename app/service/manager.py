@@ -130,6 +130,8 @@ class RunManager:
                 handle.gateway.restore(offer)
         handle.gateway.on_offer = lambda offer: self._mirror(self._offered, run_id, offer, offers)
         handle.gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
+        # a batch handed out again counts in the store's offer_count, as the answer's `delivery` does
+        handle.gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
         record = self.store.get_run(run_id)
         assert record is not None
         self._records[run_id] = record
@@ -139,6 +141,9 @@ class RunManager:
 
     def _offered(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
         offers.save(offer)
+        self.store.mark_offered(run_id, offer.index)
+
+    def _redelivered(self, run_id: str, offer: Offer) -> None:
         self.store.mark_offered(run_id, offer.index)
 
     def _acked(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:

@@ -14,7 +14,7 @@ from api_support import TOKEN, make_run, make_settings, serving, wait_for
 from app.client import AsyncCorralClient, CorralClient, RunEnded
 from app.core.events import Ledger
 from app.service.store import ServiceStore
-from app.store.repos import GroupRepo, PolicyRepo
+from app.store.repos import BatchRepo, GroupRepo, PolicyRepo
 
 
 def test_run_end_to_end_through_the_client(server: str, backend_url: str) -> None:
@@ -120,6 +120,16 @@ def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> Non
         assert corral.ack(run_id, again.batch_id)["already_acked"] is False
         assert corral.metrics(run_id)["trainer"]["redelivered"] == 1
         corral.stop(run_id)
+        store = ServiceStore(backend_url, migrate=False)
+        try:  # the store counts the second hand-out too (it stayed at 1)
+
+            def offers() -> list[int]:
+                with store.session() as s:
+                    return [b.offer_count for b in BatchRepo(s).list(run_id) if b.batch_index == first.index]
+
+            wait_for(lambda: offers() == [2], what="the store to count the second hand-out")
+        finally:
+            store.close()
 
 
 def test_a_trainer_that_stops_taking_batches_cannot_make_the_run_grow_without_bound(server: str) -> None:
