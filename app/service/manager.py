@@ -128,6 +128,14 @@ class RunManager:
         if point is not None:
             for offer in offers.load():  # handed out before the restart and never acked: again
                 handle.gateway.restore(offer)
+            # the trainer's counters go on from the store's, as the run's own counters do
+            stored = self.store.figures(run_id)
+            stats = handle.gateway.stats
+            stats.offered, stats.redelivered, stats.acked = (
+                stored["offered"],
+                stored["redelivered"],
+                stored["acked"],
+            )
         handle.gateway.on_offer = lambda offer: self._mirror(self._offered, run_id, offer, offers)
         handle.gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
         # a batch handed out again counts in the store's offer_count, as the answer's `delivery` does

@@ -96,6 +96,9 @@ def test_a_resumed_run_counts_on_from_the_store_and_takes_a_repeated_ack(tmp_pat
             assert live["groups_delivered"] >= ledger.delivered_count
             assert live["groups_discarded"].get("orphaned", 0) >= len(ledger.open_groups) > 0
             assert live["last_seq"] + 1 >= live["events"] > 0  # events counted from the stream's start
+            trainer = api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]
+            assert trainer["acked"] >= 2  # the trainer's counters go on from the store's too
+            assert trainer["offered"] >= batches
             assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
     finally:
         store.close()
