@@ -14,9 +14,8 @@ from typing import Annotated
 from fastapi import Depends, Header, HTTPException, Request, status
 
 from app.service.handle import RunHandle
-from app.service.manager import RunManager
+from app.service.manager import ENDED_STATES, RunManager
 from app.settings import Settings
-from app.store.models import TERMINAL_RUN_STATES
 
 
 def get_manager(request: Request) -> RunManager:
@@ -94,9 +93,6 @@ def live_handle(manager: RunManager, run_id: str, ended: str = "") -> RunHandle:
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state, ended))
-
-
-ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
 
 
 def not_executing(run_id: str, state: str, ended: str = "") -> str:

@@ -29,9 +29,10 @@ from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api.deps import ENDED_STATES, Manager, Operator, Viewer, live_handle, not_executing
-from app.service.gateway import RunClosedError, UnknownBatchError
+from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing
+from app.service.gateway import RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
+from app.service.manager import ENDED_STATES, RunManager
 from app.service.schemas import AckResult, PolicyPatch, RunAction, RunCreate, WeightsPublish
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
@@ -113,19 +114,30 @@ async def next_batch(
     ] = 30.0,
 ) -> Any:
     # A run not executing here costs a query: off the event loop. One that ended before a restart
-    # answers as it did when it ended.
+    # answers as it did when it ended: its batches never acked first, then "has ended".
     handle = manager.get(run_id)
-    if handle is None:
-        handle = await run_in_threadpool(live_handle, manager, run_id, NO_MORE_BATCHES)
+    if handle is not None:
+        gateway = handle.gateway
+    else:
+        gateway = await run_in_threadpool(_ended_gateway, manager, run_id)
     try:
-        offer = await handle.gateway.next_batch(timeout)
+        offer = await gateway.next_batch(timeout)
     except RunClosedError as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}){NO_MORE_BATCHES}"
         ) from None
     if offer is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
-    return {**offer.payload, "delivery": offer.deliveries, "ack_timeout_s": handle.gateway.ack_timeout_s}
+    return {**offer.payload, "delivery": offer.deliveries, "ack_timeout_s": gateway.ack_timeout_s}
+
+
+def _ended_gateway(manager: RunManager, run_id: str) -> TrainerGateway:
+    """The gateway of a run not executing here: its kept batches if it ended, else 404 or 409."""
+    gateway = manager.ended_gateway(run_id)
+    if gateway is None:
+        live_handle(manager, run_id, NO_MORE_BATCHES)  # raises: unknown, ended with nothing kept, elsewhere
+        raise AssertionError("unreachable: a run not executing here has no live handle")
+    return gateway
 
 
 @router.post("/{run_id}/batches/{batch_id}/ack")
@@ -136,18 +148,19 @@ def ack_batch(
     actor: Operator,
 ) -> AckResult:
     handle = manager.get(run_id)
-    if handle is not None:
-        try:
-            _, already = handle.gateway.ack(batch_id, actor)
-            return AckResult(batch_id=batch_id, already_acked=already)
-        except UnknownBatchError:
-            pass  # handed out before a restart (and acked then, maybe): the store knows
-    else:
+    gateway = handle.gateway if handle is not None else manager.ended_gateway(run_id)
+    if handle is None:
         record = manager.store.get_run(run_id)
         if record is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
         if record.state not in ENDED_STATES:
             raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+    if gateway is not None:
+        try:
+            _, already = gateway.ack(batch_id, actor)
+            return AckResult(batch_id=batch_id, already_acked=already)
+        except UnknownBatchError:
+            pass  # handed out before a restart (and acked then, maybe): the store knows
     stored = manager.ack_stored(run_id, batch_id)
     if stored is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from app.runtime.ports import TrainingBatch
+
+log = logging.getLogger(__name__)
 
 
 class UnknownBatchError(KeyError):
@@ -232,8 +235,14 @@ class OfferFiles:
             return []
         offers = []
         for path in self.directory.glob("*.json"):
-            payload = json.loads(path.read_text())
-            offers.append(Offer(payload["batch_id"], int(payload["index"]), payload, time.monotonic()))
+            try:
+                payload = json.loads(path.read_text())
+                offer = Offer(str(payload["batch_id"]), int(payload["index"]), payload, time.monotonic())
+            except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+                # written atomically, so only a hand-edited or damaged disk gets here: keep the file
+                log.warning("kept offer %s not offered again: unreadable (%r)", path, exc)
+                continue
+            offers.append(offer)
         return sorted(offers, key=lambda o: o.index)
 
 

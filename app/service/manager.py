@@ -11,7 +11,8 @@ from the stored sequence number, group and batch numbers and policy version, its
 rollouts from the stored stream's. Batches handed out and not acked are kept as files under the run's
 data directory until acked, so a resumed run offers them again (at least once, across restarts too);
 a batch its gateway does not hold (acked before the restart) is acked in the store (`ack_stored`). A
-run that was stopping is ended instead of resumed.
+run that was stopping is ended instead of resumed. A run that had ended before the restart still hands
+out the batches it kept (`ended_gateway`), then answers that it has ended.
 
 Invariants:
 - every run this manager starts is stopped (and its sinks flushed) by `shutdown`;
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from pydantic import ValidationError
 
 from app.core.events import RunEnded
 from app.metrics import CorralMetrics
-from app.service.gateway import Offer, OfferFiles
+from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import RunRecorder
@@ -44,6 +46,8 @@ from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
 
 log = logging.getLogger(__name__)
+
+ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
 
 __all__ = ["IllegalRunStateError", "RunManager", "RunNotLiveError"]
 
@@ -64,6 +68,9 @@ class RunManager:
         self.metrics = metrics
         self.handles: dict[str, RunHandle] = {}
         self._records: dict[str, RunRecord] = {}  # rows of executing runs, so a GET needs no query
+        # Runs that ended before this server started, with batches never acked: see `ended_gateway`.
+        self._ended: dict[str, TrainerGateway] = {}
+        self._ended_lock = threading.Lock()
         # Mirrors of offers and acks go to the store off the run's loop and off the request.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-store")
 
@@ -155,8 +162,8 @@ class RunManager:
         self.store.mark_offered(run_id, offer.index)
 
     def _acked(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
-        offers.remove(offer)
         self.store.mark_acked(run_id, offer.index)
+        offers.remove(offer)  # after the store knows: a failed write leaves the batch to offer again
 
     def ack_stored(self, run_id: str, batch_id: str) -> bool | None:
         """Ack a batch the run's gateway does not hold (handed out before a restart, or the run ended
@@ -165,6 +172,31 @@ class RunManager:
         if already is False:  # a valid batch id: its kept offer, if any, is done with
             (self.data_dir / run_id / "offers" / f"{batch_id}.json").unlink(missing_ok=True)
         return already
+
+    def ended_gateway(self, run_id: str) -> TrainerGateway | None:
+        """For a run that ended before this server started (it is not executing here), a closed gateway
+        holding the batches it offered and never saw acked, from its offer files: a trainer takes and
+        acks them as it would have before the restart, then hears that the run has ended. None for a run
+        that has not ended or kept no such batch. Called off the event loop (it may query and read)."""
+        with self._ended_lock:
+            gateway = self._ended.get(run_id)
+            if gateway is not None:
+                return gateway
+            record = self.store.get_run(run_id)
+            if record is None or record.state not in ENDED_STATES:
+                return None
+            offers = OfferFiles(self.data_dir / run_id / "offers")
+            kept = offers.load()
+            if not kept:
+                return None
+            gateway = TrainerGateway(run_id, self.ack_timeout_s, lambda: 0)
+            for offer in kept:
+                gateway.restore(offer)
+            gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
+            gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
+            gateway.close(record.state)
+            self._ended[run_id] = gateway
+            return gateway
 
     def _end_unresumable(self, record: RunRecord, detail: str, point: ResumePoint | None = None) -> None:
         point = point or self.store.resume_point(record.id)

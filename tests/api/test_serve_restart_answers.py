@@ -114,6 +114,10 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
             run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
             (acked,) = _train(api, run_id, 1)
+            # the next batch is handed out and never acked: the run waits on it when Ctrl-C comes
+            unacked = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            kept = tmp_path / "data" / run_id / "offers" / f"{unacked['batch_id']}.json"
+            wait_for(kept.exists, what="the unacked offer kept on disk")
             first.send_signal(signal.SIGINT)  # Ctrl-C: the server stops its runs
             assert first.wait(60) in (0, -signal.SIGINT, 130), log.read_text()[-2000:]
         store = ServiceStore(database, migrate=False)
@@ -126,6 +130,19 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
 
         with corral_serve(env, log):
             wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            # the batch handed out and never acked is not lost with the run: it comes again, once
+            again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
+            assert again.status_code == 200, again.text
+            assert again.json()["batch_id"] == unacked["batch_id"]
+            assert again.json()["groups"] == unacked["groups"]
+            leased = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 0.5})
+            assert leased.status_code == 204, leased.text  # leased to the first taker until its timeout
+            took = api.post(f"/api/runs/{run_id}/batches/{unacked['batch_id']}/ack")
+            assert took.status_code == 200, took.text
+            assert took.json()["already_acked"] is False
+            wait_for(lambda: not kept.exists(), what="the acked offer's file removed")
+            repeated = api.post(f"/api/runs/{run_id}/batches/{unacked['batch_id']}/ack")
+            assert repeated.json()["already_acked"] is True
             ended = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
             assert ended.status_code == 409, ended.text
             assert ended.json()["detail"] == f"run {run_id!r} has ended (stopped); no more batches"
@@ -143,7 +160,7 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             figures = metrics.json()
             assert figures["state"] == "stopped"
             assert figures["batches"] >= 1
-            assert figures["trainer"]["acked"] == 1
+            assert figures["trainer"]["acked"] == 2
             assert figures["groups_live"] == 0
             assert figures["groups_admitted"] == figures["groups_delivered"] + sum(
                 figures["groups_discarded"].values()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
+from app.service.gateway import Offer, OfferFiles, RunClosedError, TrainerGateway, UnknownBatchError
 
 
 class Clock:
@@ -104,3 +105,16 @@ async def test_a_closed_gateway_still_hands_out_what_is_left_then_refuses() -> N
     gateway.ack(offer.batch_id)
     with pytest.raises(RunClosedError):
         await gateway.next_batch(5)
+
+
+def test_kept_offers_load_in_batch_order_and_a_damaged_file_is_skipped_and_kept(tmp_path: Path) -> None:
+    files = OfferFiles(tmp_path / "offers")
+    for index in (2, 0, 1):
+        files.save(Offer(f"r-b{index}", index, {"batch_id": f"r-b{index}", "index": index}, 0.0))
+    damaged = {"r-b7.json": "{not json", "r-b8.json": '{"index": 8}', "r-b9.json": "[1, 2]"}
+    for name, text in damaged.items():
+        (tmp_path / "offers" / name).write_text(text)
+    (tmp_path / "offers" / "r-b6.json").write_bytes(b"\xff\xfe")
+    loaded = files.load()
+    assert [o.batch_id for o in loaded] == ["r-b0", "r-b1", "r-b2"]
+    assert all((tmp_path / "offers" / name).exists() for name in damaged)  # nothing deleted
