@@ -266,6 +266,24 @@ CASES: dict[str, Case] = {
     "--json is a directory": Case(
         ["sim", "--workload", "w.json", "--json", "."], ["--json", "is a directory"], {"w.json": workload()}
     ),
+    # -- a trailing '/' names a directory, which Path() would drop and then write a file by that name ----
+    "sim --json dir/ that does not exist": Case(
+        ["sim", "--workload", "w.json", "--json", "new/"],
+        ["--json", "new/", "names a directory"],
+        {"w.json": workload()},
+    ),
+    "run --plot dir/": Case(
+        ["run", "--json", "o.json", "--plot", "pics/"], ["--plot", "pics/", "names a directory"]
+    ),
+    "bench --json dir/": Case(["bench", "--json", "out/"], ["--json", "out/", "names a directory"]),
+    "advise --plot dir/": Case(
+        ["advise", "--workload", "w.json", "--plot", "p/"],
+        ["--plot", "names a directory"],
+        {"w.json": workload()},
+    ),
+    "trace import --out dir/": Case(
+        ["trace", "import", "--format", "corral-run", "r.json", "--out", "t/"], ["--out", "names a directory"]
+    ),
     # -- a name over 255 bytes: Python 3.11's Path.exists raises instead of answering --------------------
     "run --json with a name too long": Case(["run", "--json", LONG + ".json"], ["--json", "too long"]),
     "run --config with a name too long": Case(

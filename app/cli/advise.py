@@ -14,6 +14,7 @@ from app.cli.common import (
     check_output,
     check_plot,
     fail,
+    output_path,
     progress_bar,
     say,
     write_json,
@@ -38,7 +39,9 @@ class TraceFormat(StrEnum):
 def trace_import(
     source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
     fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],
-    out: Annotated[Path, typer.Option("--out", help="the trace to write (JSON Lines)")] = Path("trace.jsonl"),
+    out: Annotated[
+        Path, typer.Option("--out", help="the trace to write (JSON Lines)", parser=output_path)
+    ] = Path("trace.jsonl"),
 ) -> None:
     """Read trials (terminal-bench) or attempts (a `corral run` report) into a Corral trace."""
     from app.sim.traces import import_corral_run, import_terminal_bench, write_trace
@@ -66,8 +69,12 @@ def advise(
     trace: Annotated[
         Path | None, typer.Option(help="a Corral trace to replay instead of the workload's distributions")
     ] = None,
-    json_out: Annotated[Path, typer.Option("--json", help="where to write the advice")] = Path("advice.json"),
-    plot: Annotated[Path | None, typer.Option(help="PNG of current against advised settings")] = None,
+    json_out: Annotated[
+        Path, typer.Option("--json", help="where to write the advice", parser=output_path)
+    ] = Path("advice.json"),
+    plot: Annotated[
+        Path | None, typer.Option(help="PNG of current against advised settings", parser=output_path)
+    ] = None,
     passes: Annotated[int, typer.Option(min=1, max=5, help="rounds over the knobs")] = 2,
     workers: Annotated[
         int | None, typer.Option(min=1, max=64, help="parallel simulations; default: the CPU count")

@@ -73,6 +73,14 @@ def _os_refusal(flag: str, path: Path) -> Iterator[None]:
         fail(f"{flag} {path}: {exc.strerror or exc}")
 
 
+def output_path(value: str) -> Path:
+    """An output file's path as typed (typer's `parser` for --json, --plot and --out). A path that ends
+    in a separator names a directory: `Path` would drop the separator and write a file of that name."""
+    if value.endswith(("/", os.sep)):
+        raise typer.BadParameter(f"{value}: ends with '/', so it names a directory; give a file name")
+    return Path(value)
+
+
 def check_output(path: Path, flag: str) -> None:
     """Prove `path` can be written, before the work: create it (and missing parents), then remove
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""

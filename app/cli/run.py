@@ -11,7 +11,17 @@ from typing import Annotated
 
 import typer
 
-from app.cli.common import check_apart, check_finite, check_output, check_plot, err, fail, finish, say
+from app.cli.common import (
+    check_apart,
+    check_finite,
+    check_output,
+    check_plot,
+    err,
+    fail,
+    finish,
+    output_path,
+    say,
+)
 from app.core.config import PolicyName
 from app.runtime.config import MAX_RUN_BATCHES, LocalRunError, default_config_path, load_config
 
@@ -23,9 +33,9 @@ def run(
         Path | None,
         typer.Option(help="run config (YAML); default: the one shipped with Corral (app/configs/local.yaml)"),
     ] = None,
-    json_out: Annotated[Path, typer.Option("--json", help="where to write the report")] = Path(
-        "run-report.json"
-    ),
+    json_out: Annotated[
+        Path, typer.Option("--json", help="where to write the report", parser=output_path)
+    ] = Path("run-report.json"),
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     duration: Annotated[
         float | None, typer.Option(help=f"stop after this many seconds (at most {MAX_RUN_S:.0f})")
@@ -35,7 +45,10 @@ def run(
         typer.Option(min=1, max=MAX_RUN_BATCHES, help="stop after this many batches; default: the config's"),
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
+        Path | None,
+        typer.Option(
+            help="write an image of every group's timeline (.png, .svg, .pdf ...)", parser=output_path
+        ),
     ] = None,
 ) -> None:
     """Collect trajectories for real: embedded engines, local sandboxes, the built-in tasks.

@@ -22,6 +22,7 @@ from app.cli.common import (
     fail,
     finish,
     interrupt_says,
+    output_path,
     progress_bar,
     write_json,
     write_plot,
@@ -97,11 +98,16 @@ def check_surplus(spec: Workload, surplus: int, flag: str) -> None:
 def sim(
     workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
-    json_out: Annotated[Path, typer.Option("--json", help="where to write the report")] = Path("sim.json"),
+    json_out: Annotated[
+        Path, typer.Option("--json", help="where to write the report", parser=output_path)
+    ] = Path("sim.json"),
     surplus: SurplusOption = None,
     max_staleness: StalenessOption = None,
     plot: Annotated[
-        Path | None, typer.Option(help="write an image of every group's timeline (.png, .svg, .pdf ...)")
+        Path | None,
+        typer.Option(
+            help="write an image of every group's timeline (.png, .svg, .pdf ...)", parser=output_path
+        ),
     ] = None,
     admission: Annotated[
         AdmissionMode | None,
@@ -178,13 +184,18 @@ def parse_sweep(text: str, flag: str, high: int) -> list[int]:
 
 
 def bench(
-    json_out: Annotated[Path, typer.Option("--json", help="where to write the bench report")],
+    json_out: Annotated[
+        Path, typer.Option("--json", help="where to write the bench report", parser=output_path)
+    ],
     workload: Annotated[
         Path | None,
         typer.Option(help="workload spec; default: the built-in terminal-bench-style workload"),
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="write an image of the ladder and the sweeps (.png, .svg, .pdf ...)")
+        Path | None,
+        typer.Option(
+            help="write an image of the ladder and the sweeps (.png, .svg, .pdf ...)", parser=output_path
+        ),
     ] = None,
     surplus_sweep: Annotated[
         str,
