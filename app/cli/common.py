@@ -73,9 +73,12 @@ def _os_refusal(flag: str, path: Path) -> Iterator[None]:
         fail(f"{flag} {path}: {exc.strerror or exc}")
 
 
-def output_path(value: str) -> Path:
-    """An output file's path as typed (typer's `parser` for --json, --plot and --out). A path that ends
-    in a separator names a directory: `Path` would drop the separator and write a file of that name."""
+def output_path(value: str | Path) -> Path:
+    """An output file's path as typed (typer's `parser` for --json, --plot and --out; a default comes
+    as a `Path`). A path typed with a trailing separator names a directory: `Path` would drop the
+    separator and write a file of that name."""
+    if isinstance(value, Path):
+        return value
     if value.endswith(("/", os.sep)):
         raise typer.BadParameter(f"{value}: ends with '/', so it names a directory; give a file name")
     return Path(value)
