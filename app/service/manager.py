@@ -254,7 +254,7 @@ class RunManager:
     def _with_live(out: dict[str, Any], handle: RunHandle) -> dict[str, Any]:
         out["state"] = handle.state.value
         out["live"] = handle.live()
-        out["policy"] = dict(handle.knobs)
+        out["policy"] = {**out["policy"], **handle.knobs}  # the shape stored, the knobs as they are now
         if handle.error:
             out["error"] = handle.error
         return out

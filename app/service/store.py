@@ -149,8 +149,11 @@ class ServiceStore:
         return self._write(lambda s: RunRecord.of(RunRepo(s).set_state(run_id, state, error, when)))
 
     def set_policy(self, run_id: str, policy: dict[str, Any]) -> None:
+        """Write changed knobs over the stored policy: it keeps every field it was created with."""
+
         def write(s: Session) -> None:
-            RunRepo(s).require(run_id).policy = dict(policy)
+            run = RunRepo(s).require(run_id)
+            run.policy = {**(run.policy or {}), **policy}
 
         self._write(write)
 

@@ -36,3 +36,17 @@ def test_run_orchestrator_drives_a_stored_run_to_its_end(tmp_path: Path) -> None
         assert store.ledger("r1")[0].delivered_count == 4
     finally:
         store.close()
+
+
+def test_a_policy_change_is_written_over_the_stored_policy_keeping_its_shape(tmp_path: Path) -> None:
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    created = {"groups_per_batch": 4, "surplus_groups": 2, "max_staleness": 2, "admission": "in_flight"}
+    store.create_run("r1", "shape", {"name": "shape", "kind": "sim"}, created)
+    try:
+        store.set_policy("r1", {"surplus_groups": 5, "max_staleness": 3})
+        store.set_policy("r1", {"max_staleness": 1})
+        stored = store.get_run("r1")
+        assert stored is not None
+        assert stored.policy == {**created, "surplus_groups": 5, "max_staleness": 1}
+    finally:
+        store.close()
