@@ -19,6 +19,8 @@ from pydantic import ValidationError
 from app.cli.common import check_database, fail, say, settings_problem
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from app.service.schemas import RunCreate
 
 
@@ -69,6 +71,16 @@ def serve(
         say(f"demo run: {spec.kind.value}, {spec.trainer.value} trainer; see GET {url}/api/runs")
     app = create_app(settings, demo=spec)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    _say_goodbye(app, database)
+
+
+def _say_goodbye(app: FastAPI, database: str) -> None:
+    """After Ctrl-C: what became of each run this server executed, and where it is kept."""
+    manager = getattr(app.state, "manager", None)
+    for handle in [] if manager is None else list(manager.handles.values()):
+        view = handle.recorder.view
+        say(f"run {handle.run_id} ({handle.spec.name}): {handle.state.value}, {view.batches} batches")
+    say(f"corral serve: stopped; runs and their events are kept in {database}")
 
 
 def demo_run(kind: str) -> RunCreate:

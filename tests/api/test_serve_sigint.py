@@ -102,6 +102,8 @@ def test_make_run_demo_rides_out_a_dead_engine_and_ctrl_c_ends_it_cleanly(tmp_pa
     printed = log.read_text()
     assert code in (0, 130), printed
     assert "Traceback" not in printed
+    assert f"run {run_id} (demo): stopped, " in printed  # what became of the run, said on the way out
+    assert f"corral serve: stopped; runs and their events are kept in {database}" in printed
     assert not [pid for pid in engines | first if alive(pid)]
     store = ServiceStore(database)
     try:
