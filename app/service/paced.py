@@ -18,6 +18,10 @@ from typing import Any
 
 from app.sim.clock import VirtualTimeLoop
 
+# The longest the selector waits in one go: the next timer of a slow run (a small `speed`) can be
+# further off in wall time than the selector accepts (an OverflowError past about 24 days).
+MAX_SELECT_S = 3600.0
+
 
 class PacedLoop(VirtualTimeLoop):
     def __init__(self, speed: float = 1.0, start: float = 0.0) -> None:
@@ -62,7 +66,7 @@ class PacedLoop(VirtualTimeLoop):
         elif self._paused or not timers:
             timeout = None  # only another thread (a command) can give us work
         else:
-            timeout = max(0.0, (timers[0][0] - self._paced_now()) / self.speed)
+            timeout = min(MAX_SELECT_S, max(0.0, (timers[0][0] - self._paced_now()) / self.speed))
         self._process_events(self._selector.select(timeout))  # type: ignore[attr-defined]
         now = self._paced_now()
         if now > self._virtual_now:

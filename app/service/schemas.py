@@ -71,7 +71,7 @@ class RunCreate(_Input):
         None, ge=1, le=1_000_000, description="trainer steps; none: until stopped"
     )
     speed: float = Field(
-        1.0, gt=0, le=1000, allow_inf_nan=False, strict=True, description="sim: virtual s per wall s"
+        1.0, ge=0.01, le=1000, allow_inf_nan=False, strict=True, description="sim: virtual s per wall s"
     )
     trainer: TrainerKind = TrainerKind.EXTERNAL
     orchestrator: OrchestratorKind = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.client import CorralClient
+from app.service.schemas import small_workload
 
 CREATE_CASES = [
     ({"bogus": 1}, "bogus: unknown field"),
@@ -22,6 +24,7 @@ CREATE_CASES = [
     ({"groups_per_batch": 0}, "groups_per_batch"),
     ({"batches": 0}, "batches"),
     ({"speed": 0}, "speed"),
+    ({"speed": 1e-9}, "speed"),  # a stop would take years of wall time
     ({"speed": 1e9}, "speed"),
     ({"speed": "2"}, "speed"),  # strict: a JSON number, not a string of one
     ({"speed": True}, "speed"),
@@ -71,6 +74,19 @@ def test_malformed_bodies_are_422(api: httpx.Client, content: str, names: str) -
     answer = api.post("/api/runs", content=content, headers={"Content-Type": "application/json"})
     assert answer.status_code == 422, answer.text
     assert names.lower() in answer.json()["detail"].lower()
+
+
+def test_a_slow_sim_run_whose_next_timer_is_far_off_runs(api: httpx.Client) -> None:
+    # At speed 0.1 a reset of 900,000 virtual seconds is 100 days of wall time away, more than the
+    # selector accepts: the run failed at once with an OverflowError.
+    workload = small_workload()
+    workload["trajectory"].update(reset_s=900_000, timeout_s=1_000_000)
+    run = api.post("/api/runs", json=make_run(speed=0.1, batches=None, workload=workload)).json()
+    wait_for(lambda: api.get(f"/api/runs/{run['id']}").json()["state"] != "created", what="started")
+    time.sleep(0.5)
+    assert api.get(f"/api/runs/{run['id']}").json()["state"] == "running"
+    assert api.post(f"/api/runs/{run['id']}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run['id']}").json()["state"] == "stopped", what="stopped")
 
 
 @pytest.fixture(scope="module")
