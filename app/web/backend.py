@@ -68,6 +68,8 @@ class ReplayStore:
             report = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ReportError(f"report: not JSON ({exc})") from exc
+        except RecursionError:
+            raise ReportError("report: not a report (JSON nested too deeply)") from None
         return self.add(report, label)
 
     def add_file(self, path: Path) -> str:

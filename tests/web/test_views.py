@@ -303,11 +303,18 @@ async def test_an_operator_loads_a_report_as_a_replay():
         bad = await client.post(
             "/replays", data={"csrf_token": token}, files={"report": ("r.json", b"{nope")}
         )
+        deep = await client.post(  # json.loads recursed past Python's limit: a 500
+            "/replays",
+            data={"csrf_token": token},
+            files={"report": ("r.json", b"[" * 100_000 + b"]" * 100_000)},
+        )
     assert anonymous.status_code == 403
     assert ok.status_code == 303
     assert ok.headers["location"] == "/runs/replay-2"
     assert bad.status_code == 422
     assert "not JSON" in bad.text
+    assert deep.status_code == 422
+    assert "nested too deeply" in deep.text
     assert dash.replays.view("replay-2").label == "r.json"
 
 
