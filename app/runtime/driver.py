@@ -204,8 +204,10 @@ class Runtime:
         bus: EventBus | None = None,
         timeline: bool = False,
         lane_adapter: LaneAdapter | None = None,
+        logger: logging.Logger = log,
     ) -> None:
         self.policy = policy
+        self._log = logger  # a simulation passes one that keeps only errors (app.sim.run)
         # Resizes the lanes' slots in wall time while the run collects (adaptive lanes, real runs)
         self.lane_adapter = lane_adapter
         if lane_adapter is not None:
@@ -519,7 +521,7 @@ class Runtime:
             try:
                 made.append(self.source.make_attempt(decision.group_id, decision.task_index, i))
             except Exception as exc:  # fault tolerance: a group that cannot start fails, not the run
-                log.warning("group %d: attempt %d could not start: %r", decision.group_id, i, exc)
+                self._log.warning("group %d: attempt %d could not start: %r", decision.group_id, i, exc)
                 # Sandboxes made so far never ran an op: they hold nothing to clean up.
                 return i, f"could not start attempt {i}: {type(exc).__name__}: {exc}"
         self._group_tasks[decision.group_id] = decision.group_size
@@ -533,7 +535,7 @@ class Runtime:
         try:
             agent, task, sandbox = self.source.make_attempt(key[0], task_index, key[1])
         except Exception as exc:  # fault tolerance: the group fails, not the run
-            log.warning("attempt g%da%d could not start: %r", key[0], key[1], exc)
+            self._log.warning("attempt g%da%d could not start: %r", key[0], key[1], exc)
             return f"could not start attempt {key[1]}: {type(exc).__name__}: {exc}"
         self._launch(key, task_index, agent, task, sandbox)
         return None
@@ -571,7 +573,7 @@ class Runtime:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # fault tolerance: an infrastructure error fails the group, not the run
-                log.warning("attempt %s failed: %r", ctx.attempt_id, exc)
+                self._log.warning("attempt %s failed: %r", ctx.attempt_id, exc)
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
@@ -595,7 +597,7 @@ class Runtime:
         try:
             await self.lane_op(key, LaneOp.cleanup(handle))
         except Exception as exc:  # a failed cleanup must not end the run; it is logged with context
-            log.warning("sandbox cleanup failed: %r", exc)
+            self._log.warning("sandbox cleanup failed: %r", exc)
 
     async def lane_op(self, key: AttemptKey, op: LaneOp[T]) -> T:
         """Run `op` in its lane and publish it as a `SandboxOp` (also when it fails or is cancelled)."""
@@ -709,7 +711,7 @@ class Runtime:
                     f"{what} (failed {failures} times on engines that stayed up)"
                 ) from error
         self.state.turn_retries += 1
-        log.info("turn retried after an engine failure: %s", what)
+        self._log.info("turn retried after an engine failure: %s", what)
         return failures
 
     async def _watch_health(self, interval_s: float) -> None:
@@ -734,7 +736,7 @@ class Runtime:
         except TimeoutError:
             return False
         except Exception as exc:  # a probe that cannot even be made says the same as one that fails
-            log.warning("health probe of %s failed: %s", engine.name, exc)
+            self._log.warning("health probe of %s failed: %s", engine.name, exc)
             return False
 
     def _engine_state(self, name: str, state: str, detail: str = "") -> None:
@@ -747,7 +749,7 @@ class Runtime:
         if name in self.plan.down:
             return
         assert self._tg is not None
-        log.warning("engine %s is down: %s", name, detail)
+        self._log.warning("engine %s is down: %s", name, detail)
         self.pool.mark_down(name)
         update = self._update_tasks.pop(name, None)
         if update is not None and update is not asyncio.current_task():
@@ -758,7 +760,7 @@ class Runtime:
             self._do_updates(actions)
         if self.plan.all_down and self._all_down_since is None:
             self._all_down_since = self.now()
-            log.warning("every engine is down: turns wait for a restart")
+            self._log.warning("every engine is down: turns wait for a restart")
             self._engine_state("*", "all_down", "every engine is down; turns wait for a restart")
         if not self._stopping:
             self._recoveries[name] = self._tg.create_task(self._recover_engine(name))
@@ -798,10 +800,10 @@ class Runtime:
                 version = await self._catch_up(engine)
             except Exception as exc:  # fault tolerance: a failed restart is retried after a backoff
                 if self.supervisor is None:  # nothing to restart: the engine is probed until it answers
-                    log.info("engine %s: not back yet (probe %d): %s", name, tries, exc)
+                    self._log.info("engine %s: not back yet (probe %d): %s", name, tries, exc)
                     self._engine_state(name, "unhealthy", f"not back yet (probe {tries}): {exc}")
                 else:
-                    log.warning("engine %s: restart %d failed: %s", name, tries, exc)
+                    self._log.warning("engine %s: restart %d failed: %s", name, tries, exc)
                     self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
                 last = f"the last one: {exc}"
                 continue
@@ -819,7 +821,7 @@ class Runtime:
         """`name` stays down for the rest of the run; when no engine is left, the run stops."""
         del self._recoveries[name]
         self.state.given_up[name] = reason
-        log.error("engine %s given up: %s", name, reason)
+        self._log.error("engine %s given up: %s", name, reason)
         self._engine_state(name, "given_up", reason)
         if self.state.given_up.keys() == self.pool.by_name.keys():
             self._engine_state("*", "given_up", "every engine was given up: the run stops")

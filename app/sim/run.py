@@ -7,12 +7,11 @@ ladder and the sweeps on the same seeded draws.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
 from app.core.config import PolicyConfig, PolicyName
@@ -53,17 +52,12 @@ def _freed_after(run: Callable[P, dict[str, Any]]) -> Callable[P, dict[str, Any]
     return freed
 
 
-@contextlib.contextmanager
-def _quiet(logger: logging.Logger) -> Iterator[None]:
-    """Only errors from `logger` while a simulation runs: its failures are drawn from the workload
-    (`p_infra_error`, faults) and counted in the report, and one warning line per failed attempt
-    buried the command's own output (948 lines for a run at `p_infra_error: 0.9`)."""
-    level = logger.level
-    logger.setLevel(max(level, logging.ERROR))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+# A simulation's failures are drawn from the workload (`p_infra_error`, faults) and counted in its report;
+# one warning line per failed attempt buried the command's own output (948 lines for a run at
+# `p_infra_error: 0.9`). Its runtime logs here, errors only; a real run's runtime in the same process
+# keeps the driver's own logger as it is.
+SIM_LOG = logging.getLogger("app.runtime.driver.simulated")
+SIM_LOG.setLevel(logging.ERROR)
 
 
 def policy_for(workload: Workload, name: str, **overrides: Any) -> PolicyConfig:
@@ -110,6 +104,7 @@ def simulate(
         source=SimSource(source, lane_cpus),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
         timeline=timeline,
+        logger=SIM_LOG,
     )
     spans = GroupSpans()
     runtime.bus.subscribe(spans.on_envelope, GroupSpans.BY_TYPE)
@@ -136,8 +131,7 @@ def simulate(
             loop.call_at(at, setters[knob], value)
         return await run_adapting(runtime, ports, workload.batches)
 
-    with _quiet(logging.getLogger("app.runtime.driver")):
-        state = run_virtual(main(), loop_stats=loop_stats)
+    state = run_virtual(main(), loop_stats=loop_stats)
     durations = [source.group_duration(task) for task, _, _, _ in spans]
     bound = lower_bound_s(
         durations,

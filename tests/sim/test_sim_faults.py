@@ -3,6 +3,7 @@ list, and the production runtime rides them out the same way: batches keep comin
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -64,3 +65,29 @@ def test_a_fault_on_an_engine_that_does_not_exist_is_refused(tmp_path: Any) -> N
     path.write_text("engines: {count: 2}\nfaults: [{kind: engine_down, engine: 5, at_s: 1, for_s: 1}]\n")
     with pytest.raises(WorkloadError, match="faults"):
         load_workload(path)
+
+
+def test_a_simulation_keeps_its_own_warnings_quiet_and_leaves_the_driver_logger_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine down warns in a real run; in a simulation it is drawn and counted, so not logged. A
+    real run's runtime logging beside the simulation (here: on every event) still is."""
+    workload = Workload.model_validate(
+        make_workload_data(
+            batches=2, faults=[{"kind": "engine_down", "engine": 0, "at_s": 5.0, "for_s": 5.0}]
+        )
+    )
+    driver = logging.getLogger("app.runtime.driver")
+    with caplog.at_level(logging.INFO, logger="app.runtime.driver"):
+        report = simulate(
+            workload,
+            policy_for(workload, "full"),
+            "full",
+            observer=lambda _, ev: (
+                isinstance(ev, EngineStateChanged) and driver.warning("beside: %s", ev.state)
+            ),
+        )
+    assert report["batches"] == 2
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("app.runtime.driver")]
+    assert "beside: unhealthy" in messages  # the driver logger was not raised to ERROR meanwhile
+    assert not [m for m in messages if not m.startswith("beside: ")]  # the simulation's own: none
