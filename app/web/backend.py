@@ -8,6 +8,7 @@ holds loaded `corral sim` / `corral run` reports. The dashboard asks both; repla
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,17 @@ class RunsBackend(Protocol):
     async def stop(self, run_id: str, actor: str) -> None: ...
 
 
+def _not_a_number(name: str) -> float:
+    raise ReportError(f"report: {name} is not a number (a report is strict JSON)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ReportError(f"report: {text} is out of range for a number")
+    return value
+
+
 class ReplayStore:
     """Loaded reports, browsed like runs. Thread-safe; views are built once per report."""
 
@@ -65,7 +77,7 @@ class ReplayStore:
         if len(data) > MAX_REPORT_BYTES:
             raise ReportError(f"report: larger than {MAX_REPORT_BYTES // (1024 * 1024)} MiB")
         try:
-            report = json.loads(data)
+            report = json.loads(data, parse_constant=_not_a_number, parse_float=_finite)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ReportError(f"report: not JSON ({exc})") from exc
         except RecursionError:

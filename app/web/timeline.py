@@ -32,6 +32,7 @@ BASE_WIDTH = 1100
 MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
 MAX_GROUPS = 1000  # and at most this many groups: queued ones (no span yet) have no span to count
 MAX_ZOOM = 64.0
+MAX_TICKS = 1000  # the axis of the widest zoom has about 700
 
 # phase -> (label, colour, pattern kind)
 PHASE_STYLE: dict[str, tuple[str, str, str]] = {
@@ -104,7 +105,7 @@ def legend_svg(phases: tuple[str, ...] | None = None) -> str:
 
 
 def _tick_step(duration: float, px_per_s: float) -> float:
-    target = 90 / max(px_per_s, 1e-9)  # about one tick per 90 px
+    target = 90 / px_per_s  # about one tick per 90 px, however long the run (a replay's times are any)
     magnitude = 10 ** math.floor(math.log10(max(target, 1e-9)))
     for mult in (1, 2, 5, 10):
         if magnitude * mult >= target:
@@ -186,14 +187,15 @@ def render_timeline(
 
     axis: list[str] = [f'<rect x="0" y="0" width="{total_w}" height="{AXIS_H - 4}" fill="#f4f4f4"/>']
     step = _tick_step(duration, px_per_s)
-    t = math.ceil(t_from / step) * step
-    while t <= t_from + duration + 1e-9:
+    first = math.ceil(t_from / step)
+    # Counted, not summed: a step far below the run's times' resolution would never move `t` on.
+    for i in range(min(math.floor((t_from + duration + 1e-9) / step) - first, MAX_TICKS) + 1):
+        t = (first + i) * step
         x = x0 + t * px_per_s
         axis.append(
             f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>'
             f'<text x="{_f(x + 2)}" y="{AXIS_H - 12}" class="ax">{t:g} s</text>'
         )
-        t += step
     for b in view.batches:
         if b.delivered < t_from:
             continue

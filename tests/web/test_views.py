@@ -318,6 +318,21 @@ async def test_an_operator_loads_a_report_as_a_replay():
     assert dash.replays.view("replay-2").label == "r.json"
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+async def test_a_report_with_a_non_finite_number_is_refused(number):
+    # json.loads took them: an event at t = Infinity made the run page a 500 (NaN pixels).
+    client, dash = make_client()
+    log = [e.to_dict() for e in synthetic_run(groups=4, batch_groups=2)]
+    text = json.dumps({"policy": "full", "event_log": log}).replace('"t": 0.0', f'"t": {number}', 1)
+    async with client:
+        token = await csrf_of(client)
+        await sign_in(client)
+        answer = await client.post("/replays", data={"csrf_token": token}, files={"report": ("r.json", text)})
+    assert answer.status_code == 422
+    assert f"report: {number} is" in answer.text
+    assert dash.replays.run_ids() == ["replay-1"]
+
+
 @pytest.mark.parametrize(
     ("form", "message"),
     [

@@ -93,6 +93,17 @@ def test_a_large_run_shows_its_latest_groups_within_the_span_budget():
     assert min(float(r.get("x")) for r in spans) >= 150 - 1  # time starts at the first shown span
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("late", [1e9, 1e15, 1e308])
+def test_a_replay_with_a_far_off_time_renders_an_axis_of_a_few_ticks(late):
+    # The tick step was floored at 90 ns-per-px's worth: a run 1e15 s long drew 10,000 ticks, and 1e308
+    # s never finished (a page of a loaded report hung its worker thread).
+    view = make_view(groups=4, group_size=2, batch_groups=2)
+    root = ET.fromstring(render_timeline(replace(view, now=late)))
+    ticks = [t for t in root.iter(f"{SVG}text") if t.get("class") == "ax"]
+    assert 2 <= len(ticks) <= 30
+
+
 @pytest.mark.parametrize("zoom", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_zoom_is_refused(zoom):
     with pytest.raises(ValueError, match="zoom"):
