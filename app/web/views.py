@@ -167,7 +167,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
             lambda: (
                 charts.bar_chart(
                     "tokens/s per step",
-                    [str(x.index) for x in b],
+                    [str(x.index) for x in b if x.tokens_per_s is not None],
                     [x.tokens_per_s for x in b if x.tokens_per_s is not None],
                     "",
                 )

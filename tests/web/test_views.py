@@ -14,7 +14,7 @@ from app.web.readmodel import GroupRow, RunMeta, view_from_events
 from app.web.security import AccessConfig
 from app.web.synthetic import synthetic_run
 from app.web.timeline import MAX_GROUPS
-from app.web.views import Dashboard, Feed, _changes, mount_dashboard, parse_policy_form
+from app.web.views import Dashboard, Feed, _changes, mount_dashboard, parse_policy_form, run_context
 
 OPERATOR = "operator-token-123"
 
@@ -316,6 +316,18 @@ async def test_an_operator_loads_a_report_as_a_replay():
     assert deep.status_code == 422
     assert "nested too deeply" in deep.text
     assert dash.replays.view("replay-2").label == "r.json"
+
+
+def test_the_tokens_chart_skips_steps_without_a_rate():
+    # A step with no turns since the last one (or delivered in the same instant) has no rate: the chart
+    # got a label for every step and a value for the others only, and the run page was a 500.
+    view = view_from_events("r", synthetic_run(groups=6, group_size=2, batch_groups=2))
+    assert len(view.batches) >= 3
+    assert all(b.tokens_per_s is not None for b in view.batches)
+    batches = [replace(view.batches[0], tokens_per_s=None), *view.batches[1:]]
+    chart = str(run_context(replace(view, batches=batches))["tokens_chart"])
+    assert f"<title>{batches[0].index}: " not in chart
+    assert all(f"<title>{b.index}: " in chart for b in batches[1:])
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
