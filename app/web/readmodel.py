@@ -15,6 +15,7 @@ Definitions shown on the pages:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections import defaultdict, deque
@@ -584,7 +585,18 @@ class ReportError(ValueError):
 def view_from_report(run_id: str, report: Mapping[str, Any], label: str = "") -> RunView:
     """A replay of a `corral sim` / `corral run` report. With an event log (`event_log`: a list of
     envelope dicts) it is as detailed as a live run; otherwise one row per group from
-    `groups_timeline`, batches from `batch_marks` and updates from `update_log`."""
+    `groups_timeline`, batches from `batch_marks` and updates from `update_log`. A report that does
+    not have a report's shape is a ReportError."""
+    try:
+        return _view_from_report(run_id, report, label)
+    except ReportError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        # A hand-edited report: a field missing or of the wrong type, named as Python names it.
+        raise ReportError(f"report: not a report's shape ({type(exc).__name__}: {exc})") from exc
+
+
+def _view_from_report(run_id: str, report: Mapping[str, Any], label: str) -> RunView:
     if not isinstance(report, Mapping):
         raise ReportError("report: expected a JSON object")
     policy = dict(report.get("policy_config") or {})
@@ -611,12 +623,44 @@ def view_from_report(run_id: str, report: Mapping[str, Any], label: str = "") ->
             raise ReportError("event_log: expected a list of events")
         try:
             envs = [envelope_from_dict(d) for d in log]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ReportError(f"event_log: {exc}") from exc
+        for i, env in enumerate(envs):
+            _check_field_types(env.event, f"event_log[{i}]")
         view = view_from_events(run_id, envs, meta, source="replay")
         view.now = max(view.now, float(report.get("run_s") or 0.0))
         return view
     return _view_from_timeline(run_id, report, meta)
+
+
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_field_types(event: object, where: str) -> None:
+    """A loaded event's scalar fields have their declared types (`envelope_from_dict` takes any JSON
+    value; the views sort, add and format them). Containers are left to the code that reads them."""
+    cls = type(event)
+    hints = _HINTS[cls] if cls in _HINTS else _HINTS.setdefault(cls, _field_hints(cls))
+    for name, kinds in hints.items():
+        value = getattr(event, name)
+        if value is None and None in kinds:
+            continue
+        allowed = tuple(t for k in kinds if k is not None for t in _SCALARS[k])
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            raise ReportError(f"{where}.{name}: expected {' or '.join(str(k) for k in kinds)}, got {value!r}")
+
+
+_HINTS: dict[type, dict[str, tuple[str | None, ...]]] = {}
+
+
+def _field_hints(cls: type) -> dict[str, tuple[str | None, ...]]:
+    """Each scalar field's allowed types by name, None for an optional one (containers left out)."""
+    out: dict[str, tuple[str | None, ...]] = {}
+    for f in dataclasses.fields(cls):
+        names = [part.strip() for part in str(f.type).split("|")]
+        if all(n in _SCALARS or n == "None" for n in names):
+            out[f.name] = tuple(None if n == "None" else n for n in names)
+    return out
 
 
 def _float_or_none(value: object, name: str) -> float | None:
@@ -625,6 +669,14 @@ def _float_or_none(value: object, name: str) -> float | None:
     if not isinstance(value, int | float):
         raise ReportError(f"{name}: expected a number")
     return float(value)
+
+
+def _int_or_none(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ReportError(f"{name}: expected a whole number")
+    return value
 
 
 def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -> RunView:
@@ -643,12 +695,12 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
         g = GroupRow(
             gid,
             task=str(r.get("task", "")),
-            admitted=r.get("admitted_s"),
-            ready=r.get("completed_s"),
-            ended=r.get("ended_s"),
+            admitted=_float_or_none(r.get("admitted_s"), f"groups_timeline[{i}].admitted_s"),
+            ready=_float_or_none(r.get("completed_s"), f"groups_timeline[{i}].completed_s"),
+            ended=_float_or_none(r.get("ended_s"), f"groups_timeline[{i}].ended_s"),
             outcome=outcome,
-            batch=r.get("batch"),
-            staleness=r.get("staleness"),
+            batch=_int_or_none(r.get("batch"), f"groups_timeline[{i}].batch"),
+            staleness=_int_or_none(r.get("staleness"), f"groups_timeline[{i}].staleness"),
             detail=str(r.get("detail") or ""),
         )
         groups.append(g)

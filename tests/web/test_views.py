@@ -1,4 +1,5 @@
 import asyncio
+import html
 import json
 import re
 import threading
@@ -328,6 +329,48 @@ def test_the_tokens_chart_skips_steps_without_a_rate():
     chart = str(run_context(replace(view, batches=batches))["tokens_chart"])
     assert f"<title>{batches[0].index}: " not in chart
     assert all(f"<title>{b.index}: " in chart for b in batches[1:])
+
+
+def _report_with(change):
+    report = {"policy": "full", "event_log": [e.to_dict() for e in synthetic_run(groups=4, batch_groups=2)]}
+    change(report)
+    return report
+
+
+def _first(report, kind):
+    return next(e for e in report["event_log"] if e["kind"] == kind)
+
+
+@pytest.mark.parametrize(
+    ("change", "names"),
+    [
+        (lambda r: r["event_log"].insert(1, 7), "event_log"),
+        (lambda r: _first(r, "group_admitted").update(task=5), "event_log[2].task: expected str"),
+        (lambda r: _first(r, "turn").update(group_id="x"), ".group_id: expected int"),
+        (lambda r: _first(r, "sandbox_op").update(ok=1), ".ok: expected bool"),
+        (lambda r: r.update(lanes="exec"), "not a report's shape"),
+        (lambda r: r.update(policy_config=3), "not a report's shape"),
+        (lambda r: r.update(event_log=None, groups_timeline=[{"group": 0, "admitted_s": "x"}]), "admitted_s"),
+        (
+            lambda r: r.update(event_log=None, groups_timeline=[], batch_marks=[{"batch": 0}]),
+            "not a report's",
+        ),
+    ],
+)
+async def test_a_report_of_the_wrong_shape_is_a_422_naming_what(change, names):
+    # Each was taken, or failed in the middle, and the load or every view of the replay was a 500.
+    client, dash = make_client()
+    async with client:
+        token = await csrf_of(client)
+        await sign_in(client)
+        answer = await client.post(
+            "/replays",
+            data={"csrf_token": token},
+            files={"report": ("r.json", json.dumps(_report_with(change)))},
+        )
+    assert answer.status_code == 422, answer.text
+    assert names in html.unescape(answer.text)
+    assert dash.replays.run_ids() == ["replay-1"]
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
