@@ -197,7 +197,8 @@ class RunHandle:
                     if self.spec.trainer is TrainerKind.SENTINEL:
                         tg.create_task(self._sentinel_client(ports))
                     await asyncio.wait([run])
-                    self.gateway.close("ended")
+                    # A trainer told now is told the state the run ends in, not a word of its own.
+                    self.gateway.close("stopped" if runtime.stop_requested else "completed")
             finally:
                 for client in self.engines():  # a restarted engine's client is the runtime's, not the ports'
                     await client.aclose()

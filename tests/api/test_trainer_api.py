@@ -91,6 +91,19 @@ def _ended_ledger(store: ServiceStore, run_id: str) -> tuple[Ledger, float] | No
     return (ledger, last_t) if events and events[-1]["kind"] == "run_ended" else None
 
 
+def test_a_trainer_waiting_when_the_last_batch_ends_the_run_is_told_it_completed(server: str) -> None:
+    # The trainer waiting as the run's last step ended was woken with "has ended (ended)": no state.
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as api:
+        run_id = api.post("/api/runs", json=make_run(batches=1)).json()["id"]
+        batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30}).json()
+        assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+        publish = {"version": batch["publish_version"], "sentinel": True}
+        assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202
+        ended = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30})
+        assert ended.status_code == 409, ended.text
+        assert ended.json()["detail"] == f"run {run_id!r} has ended (completed); no more batches"
+
+
 def test_async_client_takes_publishes_and_acks(server: str) -> None:
     async def main() -> list[int]:
         async with AsyncCorralClient(server, token=TOKEN) as corral:
