@@ -17,8 +17,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
@@ -68,6 +70,7 @@ def create_app(
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
     mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"])
@@ -107,6 +110,16 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         content={"detail": "; ".join(problems), "errors": [{"field": p.split(":")[0], "problem": p}
                                                            for p in problems]},
     )  # fmt: skip
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """FastAPI's own answers, but a JSON body too deeply nested to parse (FastAPI says 400, "There
+    was an error parsing the body") is bad input like any malformed body: a 422 that says so."""
+    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+        problem = "body: not valid JSON (nested too deeply)"
+        errors = [{"field": "body", "problem": problem}]
+        return JSONResponse(status_code=422, content={"detail": problem, "errors": errors})
+    return await http_exception_handler(request, exc)
 
 
 async def healthz(request: Request) -> JSONResponse:

@@ -68,6 +68,8 @@ def test_bad_run_configs_are_422_naming_the_field(
         ('{"speed": NaN}', "speed"),
         ('{"speed": Infinity}', "speed"),
         ("[1, 2]", "body"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was FastAPI's 400, "error parsing"
+        ('{"workload": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ],
 )
 def test_malformed_bodies_are_422(api: httpx.Client, content: str, names: str) -> None:
