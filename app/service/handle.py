@@ -43,7 +43,7 @@ from app.service.recorder import RunRecorder
 from app.service.rollouts import rollout_answer
 from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
 from app.service.store import ResumePoint
-from app.store.models import RunState
+from app.store.models import TERMINAL_RUN_STATES, RunState
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,8 @@ class RunHandle:
             # (and fails every pending command) before it closes it.
             # A run still starting takes commands too (stop does; the others refuse by its state).
             if not self._loop_open:
+                if self.state in TERMINAL_RUN_STATES:  # as after a restart, when the store answers
+                    raise RunNotLiveError(f"run {self.run_id!r} has ended ({self.state.value})")
                 raise RunNotLiveError(f"run {self.run_id} is {self.state.value}, not executing")
             self._pending.add(fut)
             self.loop.call_soon_threadsafe(call)

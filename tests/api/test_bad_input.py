@@ -91,6 +91,25 @@ def test_a_slow_sim_run_whose_next_timer_is_far_off_runs(api: httpx.Client) -> N
     wait_for(lambda: api.get(f"/api/runs/{run['id']}").json()["state"] == "stopped", what="stopped")
 
 
+def test_commands_on_a_run_that_ended_here_say_it_has_ended(api: httpx.Client) -> None:
+    # They said "run X is stopped, not executing", and "has ended (stopped)" once the server restarted.
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+    for method, path, body in [
+        ("POST", "pause", None),
+        ("POST", "resume", None),
+        ("POST", "stop", None),
+        ("POST", "weights", {"version": 99, "sentinel": True}),
+        ("PATCH", "policy", {"max_staleness": 1}),
+        ("POST", "engines/engine-0/drain", None),
+    ]:
+        answer = api.request(method, f"/api/runs/{run_id}/{path}", json=body)
+        assert answer.status_code == 409, (path, answer.text)
+        assert answer.json()["detail"] == f"run {run_id!r} has ended (stopped)", path
+
+
 @pytest.fixture(scope="module")
 def run_id(server: str) -> Iterator[str]:
     """One running run for the module's commands (each leaves it running)."""
