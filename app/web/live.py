@@ -222,7 +222,10 @@ class ManagerRuns:
             return int(handle.runtime.version) + 1
 
         version = await self._call(handle, next_version)
-        await self._call(handle, handle.publish, version, None, actor)
+        # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
+        # local run's) need its files; without a path they refuse the update.
+        path = await asyncio.to_thread(handle.sentinel_weights, version)
+        await self._call(handle, handle.publish, version, path, actor)
 
     async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
         from pydantic import ValidationError

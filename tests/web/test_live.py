@@ -70,3 +70,40 @@ async def test_a_bad_launch_form_names_the_field(runs, form, field):
     with pytest.raises(ValueError, match=field):
         await runs.launch(form, "tester")
     assert runs.run_ids() == []
+
+
+@pytest.mark.slow
+async def test_publishing_from_the_dashboard_gives_disk_engines_weights_to_load(runs):
+    # The dashboard published without a path: an engine that loads weights from disk refused the
+    # update with a ValueError that failed the whole run. Now it is a sentinel version with its files,
+    # as the API's `sentinel: true`; engines of real weights refuse those, and only the rollout fails.
+    import os
+
+    from app.service.schemas import RunCreate
+
+    cpus = sorted(os.sched_getaffinity(0))
+    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
+    config = {
+        "batch": {"groups": 1, "group_size": 2},
+        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
+        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8,
+                    "sentinel": False},
+        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
+    }  # fmt: skip
+    manager = runs.manager
+    run_id = manager.create(RunCreate.model_validate({"name": "disk", "kind": "local", "config": config}))
+    handle = manager.get(run_id)
+    await asyncio.to_thread(wait_for, lambda: handle.state.value == "running", 120)
+    await runs.publish(run_id, "tester")
+
+    def rollout():
+        return handle.submit(handle.rollout, 1).result(10)
+
+    await asyncio.to_thread(wait_for, lambda: rollout()["state"] != "running", 60)
+    assert rollout()["path"] is not None
+    assert rollout()["state"] == "failed"
+    assert "lacks" in rollout()["engines"][0]["error"]
+    assert handle.state.value == "running"
+    await runs.stop(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: handle.state.value == "stopped", 60)
