@@ -113,10 +113,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    """FastAPI's own answers, but a JSON body too deeply nested to parse (FastAPI says 400, "There
-    was an error parsing the body") is bad input like any malformed body: a 422 that says so."""
-    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
-        problem = "body: not valid JSON (nested too deeply)"
+    """FastAPI's own answers, but a JSON body too deeply nested to parse or not in UTF-8 (FastAPI says
+    400, "There was an error parsing the body") is bad input like any malformed body: a 422 saying so."""
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, RecursionError | UnicodeDecodeError):
+        why = "nested too deeply" if isinstance(cause, RecursionError) else "not UTF-8"
+        problem = f"body: not valid JSON ({why})"
         errors = [{"field": "body", "problem": problem}]
         return JSONResponse(status_code=422, content={"detail": problem, "errors": errors})
     return await http_exception_handler(request, exc)

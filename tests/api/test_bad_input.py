@@ -70,9 +70,10 @@ def test_bad_run_configs_are_422_naming_the_field(
         ("[1, 2]", "body"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was FastAPI's 400, "error parsing"
         ('{"workload": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        (b'{"name": "caf\xe9"}', "not valid JSON (not UTF-8)"),  # latin-1: FastAPI's 400 too
     ],
 )
-def test_malformed_bodies_are_422(api: httpx.Client, content: str, names: str) -> None:
+def test_malformed_bodies_are_422(api: httpx.Client, content: str | bytes, names: str) -> None:
     answer = api.post("/api/runs", content=content, headers={"Content-Type": "application/json"})
     assert answer.status_code == 422, answer.text
     assert names.lower() in answer.json()["detail"].lower()
