@@ -213,6 +213,8 @@ async def patch_policy(
     run_id: RunId, patch: Annotated[PolicyPatch, Body()], manager: Manager, actor: Operator
 ) -> dict[str, Any]:
     handle = live_handle(manager, run_id)
+    if (problem := handle.patch_problem(patch)) is not None:
+        raise HTTPException(422, problem)
     knobs = await _on_run(handle, handle.set_policy, patch, actor)
     await run_in_threadpool(manager.store.set_policy, run_id, knobs)
     return {"id": run_id, "policy": knobs, "actor": actor}

@@ -44,6 +44,7 @@ from app.service.rollouts import rollout_answer
 from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
 from app.service.store import ResumePoint
 from app.store.models import TERMINAL_RUN_STATES, RunState
+from app.validation import in_flight_problem
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,16 @@ class RunHandle:
 
     def _published_version(self) -> int:
         return self.runtime.version if self.runtime is not None else 0
+
+    def patch_problem(self, patch: PolicyPatch) -> str | None:
+        """Why `patch` cannot apply to this run whatever its state: a simulated run's S must keep
+        (B + S) × G within the simulator's bound (B and G are fixed for the run's life)."""
+        if patch.surplus_groups is None or self.spec.kind is not RunKind.SIM:
+            return None
+        problem = in_flight_problem(
+            self.policy.groups_per_batch, self.policy.group_size, patch.surplus_groups
+        )
+        return None if problem is None else f"surplus_groups: {problem}"
 
     def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from app.core.config import PauseModeName, PolicyName
 from app.runtime.config import LocalRunConfig
 from app.sim.workload import Workload
+from app.validation import in_flight_problem
 
 
 class _Input(BaseModel):
@@ -108,6 +109,14 @@ class RunCreate(_Input):
             assert self.workload is not None
             if self.workload.trace is not None:
                 raise ValueError("workload.trace: a run created through the API cannot read server files")
+            # The workload checks its own B, G and S; the overrides can go past the same bound.
+            problem = in_flight_problem(
+                self.groups_per_batch or self.workload.batch.groups,
+                self.group_size or self.workload.batch.group_size,
+                self.workload.policy.surplus_groups if self.surplus_groups is None else self.surplus_groups,
+            )
+            if problem is not None:
+                raise ValueError(problem)
         elif self.workload is not None:
             raise ValueError("workload is for kind 'sim'; a local run takes a config")
         if self.ready_surplus is not None and self.policy is not PolicyName.FULL:

@@ -238,6 +238,8 @@ class ManagerRuns:
         except ValidationError as exc:
             err = exc.errors()[0]
             raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
+        if (problem := handle.patch_problem(patch)) is not None:
+            raise ValueError(problem)
         knobs = await self._call(handle, handle.set_policy, patch, actor)
         await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
 

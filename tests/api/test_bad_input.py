@@ -44,6 +44,9 @@ CREATE_CASES = [
     ({"workload": {"trajectory": {"llm_s": 1e300}}}, "workload.trajectory.llm_s"),
     ({"kind": "local", "config": {"engines": {"count": 100_000}}}, "config.engines.count"),
     ({"kind": "local", "config": {"engines": {"cpus": [4096]}}}, "config"),
+    # (B + S) × G past the simulator's bound through the overrides: the server hung building millions
+    ({"groups_per_batch": 4096, "group_size": 1024}, "(B + S) × G = (4096 + 2) × 1024"),
+    ({"surplus_groups": 100_000, "group_size": 1024}, "trajectories in flight"),
     ({"name": ""}, "name"),
     ({"name": "x" * 500}, "name"),
 ]
@@ -90,6 +93,19 @@ def test_a_slow_sim_run_whose_next_timer_is_far_off_runs(api: httpx.Client) -> N
     assert api.get(f"/api/runs/{run['id']}").json()["state"] == "running"
     assert api.post(f"/api/runs/{run['id']}/stop").status_code == 200
     wait_for(lambda: api.get(f"/api/runs/{run['id']}").json()["state"] == "stopped", what="stopped")
+
+
+def test_a_surplus_past_the_simulators_bound_is_refused_live(api: httpx.Client) -> None:
+    # S is bounded alone (100,000), but (B + S) × G was not: 10,000 × 100 groups' trajectories were
+    # admitted live, and the server stopped answering while it built them.
+    run_id = api.post("/api/runs", json=make_run(batches=None, group_size=100)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    refused = api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": 10_000})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"].startswith("surplus_groups: (B + S) × G = (2 + 10000) × 100 = 1,000,200")
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["surplus_groups"] == 2
+    assert api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": 3}).status_code == 200
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
 
 
 def test_commands_on_a_run_that_ended_here_say_it_has_ended(api: httpx.Client) -> None:
