@@ -82,17 +82,17 @@ def require_viewer(
         )
 
 
-def live_handle(manager: RunManager, run_id: str, ended: str = "") -> RunHandle:
+def live_handle(manager: RunManager, run_id: str) -> RunHandle:
     """The run executing in this server; 404 for an unknown run, 409 for one that is not executing:
-    for a run that has ended (before a restart, say), "has ended (<state>)" and then `ended`, as the
-    run itself answers once it has ended."""
+    for a run that has ended (before a restart, say), "has ended (<state>)", as the run itself answers
+    once it has ended."""
     handle = manager.get(run_id)
     if handle is not None:
         return handle
     record = manager.store.get_run(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state, ended))
+    raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
 
 
 def not_executing(run_id: str, state: str, ended: str = "") -> str:

@@ -132,11 +132,14 @@ async def next_batch(
 
 
 def _ended_gateway(manager: RunManager, run_id: str) -> TrainerGateway:
-    """The gateway of a run not executing here: its kept batches if it ended, else 404 or 409."""
-    gateway = manager.ended_gateway(run_id)
+    """The gateway of a run not executing here: its kept batches if it has ended; else 404 for an
+    unknown run, 409 for one that has ended with nothing kept or executes elsewhere."""
+    record = manager.store.get_run(run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    gateway = manager.ended_gateway(record)
     if gateway is None:
-        live_handle(manager, run_id, NO_MORE_BATCHES)  # raises: unknown, ended with nothing kept, elsewhere
-        raise AssertionError("unreachable: a run not executing here has no live handle")
+        raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state, NO_MORE_BATCHES))
     return gateway
 
 
@@ -148,13 +151,15 @@ def ack_batch(
     actor: Operator,
 ) -> AckResult:
     handle = manager.get(run_id)
-    gateway = handle.gateway if handle is not None else manager.ended_gateway(run_id)
-    if handle is None:
+    if handle is not None:
+        gateway: TrainerGateway | None = handle.gateway
+    else:
         record = manager.store.get_run(run_id)
         if record is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
         if record.state not in ENDED_STATES:
             raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+        gateway = manager.ended_gateway(record)  # the batches it kept, if any
     if gateway is not None:
         try:
             _, already = gateway.ack(batch_id, actor)

@@ -173,18 +173,18 @@ class RunManager:
             (self.data_dir / run_id / "offers" / f"{batch_id}.json").unlink(missing_ok=True)
         return already
 
-    def ended_gateway(self, run_id: str) -> TrainerGateway | None:
-        """For a run that ended before this server started (it is not executing here), a closed gateway
-        holding the batches it offered and never saw acked, from its offer files: a trainer takes and
-        acks them as it would have before the restart, then hears that the run has ended. None for a run
-        that has not ended or kept no such batch. Called off the event loop (it may query and read)."""
+    def ended_gateway(self, record: RunRecord) -> TrainerGateway | None:
+        """For a stored run that ended before this server started (it is not executing here), a closed
+        gateway holding the batches it offered and never saw acked, from its offer files: a trainer takes
+        and acks them as it would have before the restart, then hears that the run has ended. None for a
+        run that has not ended or kept no such batch. Called off the event loop (it may read files)."""
+        if record.state not in ENDED_STATES:
+            return None
+        run_id = record.id
         with self._ended_lock:
             gateway = self._ended.get(run_id)
             if gateway is not None:
                 return gateway
-            record = self.store.get_run(run_id)
-            if record is None or record.state not in ENDED_STATES:
-                return None
             offers = OfferFiles(self.data_dir / run_id / "offers")
             kept = offers.load()
             if not kept:

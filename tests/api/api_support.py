@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from app.api.app import create_app
+from app.service.store import RunRecord, ServiceStore
 from app.settings import Settings
 
 TOKEN = "test-operator-token"
@@ -78,3 +79,14 @@ def make_run(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": "test-run", "kind": "sim", "speed": 5.0, "batches": 4}
     spec.update(overrides)
     return spec
+
+
+def stored_run(database_url: str, run_id: str) -> RunRecord:
+    """A run's row as the store holds it, read with a store of its own (the server's is elsewhere)."""
+    store = ServiceStore(database_url, migrate=False)
+    try:
+        record = store.get_run(run_id)
+    finally:
+        store.close()
+    assert record is not None, f"no stored run {run_id!r}"
+    return record

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, wait_for
+from api_support import TOKEN, free_port, make_run, stored_run, wait_for
 from test_serve_restart import _healthy, corral_serve
 
 from app.client import CorralClient, RunEnded
@@ -120,13 +120,7 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             wait_for(kept.exists, what="the unacked offer kept on disk")
             first.send_signal(signal.SIGINT)  # Ctrl-C: the server stops its runs
             assert first.wait(60) in (0, -signal.SIGINT, 130), log.read_text()[-2000:]
-        store = ServiceStore(database, migrate=False)
-        try:
-            record = store.get_run(run_id)
-        finally:
-            store.close()
-        assert record is not None
-        assert record.state == "stopped"
+        assert stored_run(database, run_id).state == "stopped"
 
         with corral_serve(env, log):
             wait_for(lambda: _healthy(url), 120, what="corral serve to restart")

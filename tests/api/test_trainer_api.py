@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_support import TOKEN, make_run, make_settings, serving, wait_for
+from api_support import TOKEN, make_run, make_settings, serving, stored_run, wait_for
 
 from app.client import AsyncCorralClient, CorralClient, RunEnded
 from app.core.events import Ledger
@@ -55,12 +55,7 @@ def test_run_end_to_end_through_the_client(server: str, backend_url: str) -> Non
         view = corral.run(run_id)
         assert view["live"]["batches"] == 4
         assert view["policy"]["max_staleness"] == 3
-        store = ServiceStore(backend_url, migrate=False)
-        try:
-            stored = store.get_run(run_id)
-        finally:
-            store.close()
-        assert stored is not None
+        stored = stored_run(backend_url, run_id)
         assert set(stored.policy) == set(view["policy"]) > {"max_staleness", "admission", "completion_order"}
         assert stored.policy["max_staleness"] == 3  # the change, written over the policy it started with
         kinds = {e["kind"] for e in corral.timeline(run_id, limit=10_000)["events"]}
