@@ -5,6 +5,7 @@ Routes (all HTML; the JSON API lives under /api and is not this module's):
   GET  /                         runs page                    GET /runs/{id}         run page
   GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64)
   GET  /stream, /runs/{id}/stream   server-sent events: named blocks, re-rendered when the run changes
+  GET  /login                    the sign-in page (?next= a path on this site to return to)
   POST /login, /logout           set or clear the token cookie
   POST /runs                     launch a run          POST /replays           load a report as a replay
   POST /runs/{id}/publish        publish weights       POST /runs/{id}/policy  change K and S
@@ -324,6 +325,11 @@ def make_router(dash: Dashboard) -> APIRouter:
 
         return EventSourceResponse(_changes(request, [Feed(key, blocks)], dash.stream_interval_s))
 
+    @router.get("/login", response_class=HTMLResponse)
+    def login_page(request: Request) -> Response:
+        # Open to anyone, as the page a closed dashboard shows: it is where a typed-in URL signs in.
+        return dash.page(request, "login.html", {"next": _local_path(request.query_params.get("next"))})
+
     @router.post("/login")
     async def login(request: Request) -> Response:
         form = await _form(request)
@@ -333,9 +339,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         known = [t for t in (dash.access.operator_token, dash.access.view_token) if t]
         if not any(_eq(token, t) for t in known):
             return dash.page(request, "login.html", {"next": "/", "error": "unknown token"}, status=403)
-        target = form.get("next", "/")
-        local = target.startswith("/") and "//" not in target and "\\" not in target
-        response = RedirectResponse(target if local else "/", 303)
+        response = RedirectResponse(_local_path(form.get("next")), 303)
         set_token_cookie(response, request, token)
         return response
 
@@ -434,6 +438,13 @@ def make_router(dash: Dashboard) -> APIRouter:
         return await act(request, run_id, change)
 
     return router
+
+
+def _local_path(target: str | None) -> str:
+    """`target` when it is a path on this site, else "/": a sign-in never redirects off site."""
+    if target and target.startswith("/") and "//" not in target and "\\" not in target:
+        return target
+    return "/"
 
 
 def _eq(a: str, b: str) -> bool:

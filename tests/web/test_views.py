@@ -270,6 +270,26 @@ async def test_sign_in_never_redirects_off_site(target):
     assert r.headers["location"] == "/"
 
 
+@pytest.mark.parametrize("view_token", [None, "viewer-token-1"])
+async def test_the_login_url_typed_in_shows_the_sign_in_page(view_token):
+    # GET /login was a 405 (only the form's POST existed): a user typing the URL got no way to sign in.
+    client, _ = make_client(view_token=view_token)
+    async with client:
+        page = await client.get("/login", params={"next": "/runs/replay-1"})
+        assert page.status_code == 200
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        signed = await client.post(
+            "/login", data={"csrf_token": token, "token": OPERATOR, "next": "/runs/replay-1"}
+        )
+        off_site = await client.get("/login", params={"next": "//evil.example/"})
+    assert '<form method="post" action="/login">' in page.text
+    assert 'name="next" value="/runs/replay-1"' in page.text
+    assert signed.status_code == 303
+    assert signed.headers["location"] == "/runs/replay-1"
+    assert off_site.status_code == 200
+    assert 'name="next" value="/"' in off_site.text
+
+
 async def test_view_token_protects_reading():
     client, _ = make_client(view_token="viewer-token-1")
     async with client:
