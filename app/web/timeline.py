@@ -113,6 +113,23 @@ def _tick_step(duration: float, px_per_s: float) -> float:
     return float(magnitude * 10)
 
 
+class _LabelRow:
+    """One row of axis labels (batches, or weight versions) that never overlap: a label that would run
+    into the one before it is left out, and its line keeps the hover title that names it."""
+
+    CHAR_PX = 6.0  # the axis font's widest digits, about
+    GAP_PX = 4.0
+
+    def __init__(self) -> None:
+        self._free_from = -math.inf
+
+    def fits(self, x: float, label: str) -> bool:
+        if x + 2 < self._free_from:
+            return False
+        self._free_from = x + 2 + self.CHAR_PX * len(label) + self.GAP_PX
+        return True
+
+
 def _f(x: float) -> str:
     return f"{x:.1f}"
 
@@ -196,6 +213,7 @@ def render_timeline(
             f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>'
             f'<text x="{_f(x + 2)}" y="{AXIS_H - 12}" class="ax">{t:g} s</text>'
         )
+    batch_labels = _LabelRow()
     for b in view.batches:
         if b.delivered < t_from:
             continue
@@ -204,8 +222,10 @@ def render_timeline(
             f'<line x1="{_f(x)}" y1="2" x2="{_f(x)}" y2="{height}" class="bat">'
             f"<title>batch {b.index} delivered at {b.delivered:.1f} s after {b.wait_s:.1f} s of trainer wait"
             f"</title></line>"
-            f'<text x="{_f(x + 2)}" y="10" class="ax">b{b.index}</text>'
         )
+        if batch_labels.fits(x, f"b{b.index}"):
+            axis.append(f'<text x="{_f(x + 2)}" y="10" class="ax">b{b.index}</text>')
+    version_labels = _LabelRow()
     for t_pub, version in view.publications:
         if t_pub < t_from:
             continue
@@ -213,8 +233,9 @@ def render_timeline(
         axis.append(
             f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{height}" class="pub">'
             f"<title>weights v{version} published at {t_pub:.1f} s</title></line>"
-            f'<text x="{_f(x + 2)}" y="21" class="ax" fill="#b00020">v{version}</text>'
         )
+        if version_labels.fits(x, f"v{version}"):
+            axis.append(f'<text x="{_f(x + 2)}" y="21" class="ax" fill="#b00020">v{version}</text>')
     if view.source == "live":
         x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')

@@ -1,3 +1,4 @@
+import itertools
 import math
 import re
 import xml.etree.ElementTree as ET
@@ -139,3 +140,28 @@ def test_the_group_cap_keeps_the_latest_groups_with_spans():
     latest = [g.group_id for g, _ in view.rows()[-5:]]
     assert [int(g.get("data-group")) for g in root.iter(f"{SVG}g")] == latest
     assert f"the latest 5 of {len(view.groups)} groups" in root.get("aria-label")
+
+
+def _axis_labels(svg: str, prefix: str) -> list[tuple[float, str]]:
+    root = ET.fromstring(svg)
+    return [
+        (float(t.get("x")), t.text)
+        for t in root.iter(f"{SVG}text")
+        if t.get("class") == "ax" and t.text and re.fullmatch(prefix + r"\d+", t.text)
+    ]
+
+
+@pytest.mark.parametrize("prefix", ["b", "v"])
+def test_batch_and_version_labels_never_overlap_and_zooming_in_shows_more(prefix):
+    view = make_view(groups=120, group_size=2, batch_groups=2)  # 60 batches across one screen width
+    marks = len(view.batches) if prefix == "b" else len(view.publications)
+    counts = []
+    for zoom in (1, 64):
+        svg = render_timeline(view, zoom, max_spans=10**6, max_groups=10**6)
+        assert len(re.findall(r'class="bat"' if prefix == "b" else r'class="pub"', svg)) == marks
+        labels = _axis_labels(svg, prefix)
+        for (x1, t1), (x2, _) in itertools.pairwise(labels):
+            assert x2 >= x1 + 6 * len(t1), f"{t1} at {x1} runs into the next label at {x2}"
+        counts.append(len(labels))
+    assert counts[0] < marks  # at one screen's width some labels had no room
+    assert counts[1] > counts[0]
