@@ -1,4 +1,5 @@
-"""Limits and one-line messages shared by every input schema (workloads, traces, run configs, the CLI).
+"""Limits, parsers and one-line messages shared by every input schema (workloads, traces, run configs, the
+CLI, the dashboard's forms).
 
 Invariants: every number a user can type is finite, and every size has an upper bound stated here;
 a refusal is one line that names the field as the user wrote it, without pydantic's "Value error,"
@@ -65,6 +66,17 @@ def in_flight_problem(groups: int, group_size: int, surplus: int) -> str | None:
         f"about {need} of memory (≈ {human_bytes(SIM_BYTES_PER_TRAJECTORY)} each); "
         f"the limit is {MAX_TRAJECTORIES_IN_FLIGHT:,}"
     )
+
+
+def parse_int(text: str) -> int:
+    """`text` as an integer typed in ASCII digits, with an optional leading '-'; ValueError otherwise.
+
+    For numbers typed as text (form fields, CLI lists): `int()` alone also takes other scripts' digits
+    ('٣', '３'), '_' between digits ('1_000'), a '+' and surrounding whitespace."""
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
 
 
 def finite_problem(value: float, *, low: float, high: float) -> str | None:

@@ -29,7 +29,14 @@ from app.cli.common import (
 )
 from app.core.config import AdmissionMode, PolicyName
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
-from app.validation import MAX_STALENESS, MAX_SURPLUS, MAX_SWEEP_VALUES, in_flight_problem, problems
+from app.validation import (
+    MAX_STALENESS,
+    MAX_SURPLUS,
+    MAX_SWEEP_VALUES,
+    in_flight_problem,
+    parse_int,
+    problems,
+)
 
 FLAGS = {"surplus_groups": "--surplus", "max_staleness": "--max-staleness"}
 
@@ -169,10 +176,10 @@ def parse_sweep(text: str, flag: str, high: int) -> list[int]:
     for item in items:
         if not item:
             fail(f"{flag} {text!r}: empty item; give comma-separated integers, e.g. 0,16,32")
-        digits = item.removeprefix("-")  # ASCII digits only: int() also takes "1_000" and other digits
-        if not (digits.isascii() and digits.isdigit()):
+        try:
+            value = parse_int(item)
+        except ValueError:
             fail(f"{flag}: {item!r} is not an integer; give comma-separated integers, e.g. 0,16,32")
-        value = int(item)
         if not 0 <= value <= high:
             fail(f"{flag}: {value} is outside 0..{high}")
         if value in values:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.events import envelope_from_dict
+from app.validation import parse_int
 from app.web.backend import ActionRefused
 from app.web.readmodel import RunMeta, RunView, RunViewBuilder
 
@@ -204,7 +205,7 @@ class ManagerRuns:
             raw = form.get(name, "").strip()
             if raw:
                 try:
-                    data[name] = int(raw)
+                    data[name] = parse_int(raw)
                 except ValueError:
                     raise ValueError(f"{name}: expected a whole number, got {raw!r}") from None
         try:

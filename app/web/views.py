@@ -33,6 +33,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.staticfiles import StaticFiles
 
 from app.core.attribution import PHASE_LABELS
+from app.validation import parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
 from app.web.readmodel import ReportError, RunView
@@ -461,7 +462,7 @@ def parse_policy_form(form: Mapping[str, str]) -> dict[str, int]:
         if not raw:
             continue
         try:
-            value = int(raw)
+            value = parse_int(raw)
         except ValueError:
             raise ValueError(f"{name} ({short}): expected a whole number, got {raw!r}") from None
         if not 0 <= value <= 1_000_000:

@@ -167,6 +167,11 @@ def run_id(server: str) -> Iterator[str]:
         ("GET", "timeline?since=100000000000000000000000", None, 422, "since"),
         ("GET", "timeline?limit=0", None, 422, "limit"),
         ("GET", "rollouts/99999999999999999999", None, 422, "rid"),
+        # other scripts' digits, which Python's int() takes: numbers are ASCII here as in the dashboard
+        ("PATCH", "policy", {"max_staleness": "\u0663"}, 422, "max_staleness"),
+        ("GET", "timeline?since=\u0663", None, 422, "since"),
+        ("GET", "batches/next?timeout=\uff13", None, 422, "timeout"),
+        ("GET", "rollouts/\u0663", None, 422, "rid"),
     ],
 )
 def test_bad_commands_on_a_run(

@@ -64,6 +64,11 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
         ({"max_staleness": "x"}, "max_staleness"),
         ({"policy": "fastest"}, "policy"),
         ({"batches": "-1"}, "batches"),
+        # int() takes other scripts' digits: these launched runs with K = 3, B = 3 and 12 batches
+        ({"max_staleness": "\u0663"}, "max_staleness: expected a whole number"),  # Arabic-Indic 3
+        ({"groups_per_batch": "\uff13"}, "groups_per_batch: expected a whole number"),  # fullwidth 3
+        ({"batches": "\u0967\u0968"}, "batches: expected a whole number"),  # Devanagari 12
+        ({"surplus_groups": "1_0"}, "surplus_groups: expected a whole number"),
     ],
 )
 async def test_a_bad_launch_form_names_the_field(runs, form, field):

@@ -415,6 +415,12 @@ async def test_a_report_with_a_non_finite_number_is_refused(number):
         ({"max_staleness": "-1"}, "max_staleness (K): must be between"),
         ({"surplus_groups": "1e9"}, "surplus_groups (S): expected a whole number"),
         ({"surplus_groups": "inf"}, "surplus_groups (S): expected a whole number"),
+        # int() takes other scripts' digits, '_' and '+': these were applied as K = 3 and S = 1000
+        ({"max_staleness": "\u0663"}, "max_staleness (K): expected a whole number, got '\u0663'"),  # Arabic 3
+        ({"max_staleness": "\uff13"}, "max_staleness (K): expected a whole number, got '\uff13'"),  # wide 3
+        ({"surplus_groups": "\u0967\u0968"}, "surplus_groups (S): expected a whole number"),  # Devanagari 12
+        ({"surplus_groups": "1_000"}, "surplus_groups (S): expected a whole number, got '1_000'"),
+        ({"surplus_groups": "+3"}, "surplus_groups (S): expected a whole number, got '+3'"),
     ],
 )
 def test_policy_form_refuses_bad_values(form, message):
