@@ -274,3 +274,58 @@ def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
     assert proc.returncode in ((130, -signal.SIGINT) if presses > 1 else (130,)), stderr
     assert stderr.splitlines() == ["interrupted; out.json not written"]
     assert not (tmp_path / "out.json").exists()
+
+
+def wait_for_reader(fifo: Path, proc: subprocess.Popen[str], timeout: float = 60) -> int:
+    """Block until `proc` has opened `fifo` to read it; return our write end, held open (nothing is
+    written), so the reader waits in its read."""
+    import errno
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline or proc.poll() is not None:
+                raise
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sim", "--workload", "in.yaml", "--json", "out.json"],
+        ["bench", "--workload", "in.yaml", "--json", "out.json"],
+        ["advise", "--workload", "in.yaml", "--workers", "1", "--json", "out.json"],
+        ["trace", "import", "--format", "corral-run", "in.yaml", "--out", "out.json"],
+    ],
+    ids=["sim", "bench", "advise", "trace import"],
+)
+def test_ctrl_c_while_a_command_reads_its_input_ends_in_one_line(args: list[str], tmp_path: Path) -> None:
+    """The input is a pipe (`--workload <(generate)`) that has not been written yet. A Ctrl-C outside a
+    simulation (reading the input, importing, loading a trace) was turned into a silent exit 130 by
+    typer: no line said what happened."""
+    import os
+    import signal
+
+    fifo = tmp_path / "in.yaml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [str(CORRAL), *args],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    writer = wait_for_reader(fifo, proc)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    assert proc.returncode == 130, stderr
+    assert stdout == ""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("interrupted"), stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.yaml"]

@@ -23,7 +23,7 @@ from typer.exceptions import TyperException
 
 from app.api.serve import serve
 from app.cli.advise import advise, trace_app
-from app.cli.common import err, fail
+from app.cli.common import err, fail, interruptible_command
 from app.cli.engine import engine
 from app.cli.run import run
 from app.cli.sim import bench, sim
@@ -38,13 +38,15 @@ versions behind the trainer (the staleness bound) is discarded with a reason.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, rich_markup_mode=None)
-app.command()(sim)
-app.command()(bench)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(engine)
-app.command()(run)
-app.command()(serve)
-app.command()(worker)
-app.command()(advise)
+app.command()(interruptible_command(sim))
+app.command()(interruptible_command(bench))
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    interruptible_command(engine)
+)
+app.command()(run)  # takes the stop signals held since start-up itself: it stops with a report
+app.command()(interruptible_command(serve))
+app.command()(interruptible_command(worker))
+app.command()(interruptible_command(advise))
 app.add_typer(trace_app, name="trace")
 
 
@@ -70,8 +72,10 @@ def _root(
     ] = False,
 ) -> None:
     """Corral: keep the GRPO trainer fed."""
-    if ctx.invoked_subcommand != "run" and early_signals.release():
-        raise typer.Abort()  # Ctrl-C while corral was still loading: this command never starts
+    # A Ctrl-C while corral was still loading: this command never starts (nor is its usage checked).
+    # The signals stay held until the command begins (`interruptible_command`).
+    if ctx.invoked_subcommand != "run" and early_signals.take():
+        raise typer.Abort()
     if ctx.invoked_subcommand == "serve" and early_signals.is_command_process():
         from app.sandboxes import leftovers
 

@@ -14,6 +14,7 @@ from app.cli.common import (
     check_output,
     check_plot,
     fail,
+    interruptible_command,
     output_path,
     progress_bar,
     say,
@@ -36,6 +37,7 @@ class TraceFormat(StrEnum):
 
 
 @trace_app.command("import")
+@interruptible_command
 def trace_import(
     source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
     fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],

@@ -10,20 +10,24 @@ is none of the command's inputs or other outputs; a report is strict JSON (no Na
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, ParamSpec
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from app import early_signals
+
 err = Console(stderr=True, soft_wrap=True, highlight=False)
+P = ParamSpec("P")
 
 
 def fail(message: str) -> NoReturn:
@@ -50,6 +54,24 @@ def progress_bar() -> Iterator[Progress]:
         disable=not err.is_terminal,
     ) as progress:
         yield progress
+
+
+def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
+    """A command that does not take the stop signals itself (every one but `corral run`): the signals
+    held since start-up are released as it begins (one held meanwhile ends it there), and a Ctrl-C it
+    does not handle itself (while it loads a workload, imports, or reads a trace) ends it as
+    `interrupted`, exit 130 (`corral`'s entry point says so); typer would end it silently."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        if early_signals.release():
+            raise typer.Abort()  # Ctrl-C while corral was still loading: this command never starts
+        try:
+            command(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise typer.Abort() from None
+
+    return wrapper
 
 
 @contextmanager
