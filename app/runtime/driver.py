@@ -14,6 +14,8 @@ Invariants:
   `turn_retries` times); the failed engine leaves routing at once, an update it runs is abandoned and
   the rolling update goes on; it is restarted (or waited for) with backoff and serves again only once
   it holds the newest published version; every engine step is bounded (`update_timeout_s`);
+- a publication the engines could not load (no weights path where they load weights from disk) is
+  refused to its caller before anything changes: a bad command never costs the run;
 - a stop, or the duration deadline, ends the trainer's wait and withdraws the batch request in the
   same step, so no batch is ever delivered that nobody waits for;
 - every state change is published on the run's `EventBus` (app.runtime.events) as a typed event; the
@@ -205,8 +207,12 @@ class Runtime:
         timeline: bool = False,
         lane_adapter: LaneAdapter | None = None,
         logger: logging.Logger = log,
+        weights_from_disk: bool = False,
     ) -> None:
         self.policy = policy
+        # The engines load each version from a weights directory (vLLM, SGLang, the embedded engine):
+        # a publication without one is refused, as they would refuse it (`publish`).
+        self.weights_from_disk = weights_from_disk
         self._log = logger  # a simulation passes one that keeps only errors (app.sim.run)
         # Resizes the lanes' slots in wall time while the run collects (adaptive lanes, real runs)
         self.lane_adapter = lane_adapter
@@ -414,9 +420,17 @@ class Runtime:
 
     def publish(self, version: int, path: str | None, actor: str = "trainer") -> None:
         """Publish policy `version` (weights directory `path`, or None for a sentinel): staleness is
-        measured against it from now on and a weight update starts across the engines."""
+        measured against it from now on and a weight update starts across the engines.
+
+        ValueError, and nothing changes, for a version not newer than the current one, or without a
+        path when the engines load weights from disk: each engine would refuse it in turn, and an
+        update no engine can make must not cost the run."""
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than the published version {self._version}")
+        if path is None and self.weights_from_disk:
+            raise ValueError(
+                f"version {version} has no weights path, and this run's engines load their weights from disk"
+            )
         self._version = version
         self._weights[version] = path
         self._publish(VersionPublished(version, path, actor))

@@ -196,6 +196,7 @@ async def _run(
                     supervisor=engines,
                     timeline=True,
                     lane_adapter=lane_adapter(policy.adaptive_lanes, lanes, lane_cpus),
+                    weights_from_disk=True,  # embedded engines, through the vLLM client
                 )
                 stop.runtime = runtime
                 runtime.bus.subscribe(progress.on_envelope)

@@ -176,6 +176,7 @@ class RunHandle:
                 faults=ports.faults,
                 supervisor=ports.supervisor,
                 lane_adapter=ports.lane_adapter,
+                weights_from_disk=ports.weights_dir is not None,
             )
             for name, detail in ports.down_at_start.items():
                 log.warning("%s %s: the run starts without it and restarts it", name, detail)

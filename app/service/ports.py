@@ -45,7 +45,9 @@ class RunPorts:
     engine_slots: int
     lanes: Lanes
     source: AttemptSource
-    weights_dir: Path | None  # where the built-in trainer writes sentinel weights (local runs)
+    # where sentinel weights are written (local runs); set exactly when the engines load weights from
+    # disk, so that a publication without a path is refused (`Runtime.weights_from_disk`)
+    weights_dir: Path | None
     supervisor: EngineSupervisor | None = None  # restarts a dead engine (local runs' engine processes)
     faults: EngineFaultConfig | None = None  # health watch, restart backoff, update timeout (local runs)
     # engines that died before they first answered: the run starts without them and restarts them

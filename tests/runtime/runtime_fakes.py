@@ -37,6 +37,7 @@ class FakeEngine:
     update: str | None = None  # "hang" or "error" for the next publication
     health_s: float = 0.0  # how long a health probe takes
     closed: bool = False  # aclose() was called: every call raises, as a closed HTTP client does
+    disk: bool = False  # loads weights from disk: a publication without a path raises, as vLLM's client
     turns: int = 0
     published: list[int] = field(default_factory=list)
 
@@ -63,6 +64,8 @@ class FakeEngine:
 
     async def publish_weights(self, version: int, path: str | None) -> None:
         self._check("/update_weights")
+        if self.disk and path is None:
+            raise ValueError(f"engine {self.name}: the disk backend needs a checkpoint path")
         kind, self.update = self.update, None
         if kind == "hang":
             await asyncio.Event().wait()
@@ -144,12 +147,13 @@ class FakeSource:
 @dataclass
 class FakeTrainer:
     step_s: float = 1.0
+    weights: str | None = None  # publishes `<weights>/v<version>`; None: sentinel versions, no path
     published: list[tuple[float, int]] = field(default_factory=list)
 
     async def step(self, batch: TrainingBatch, version: int) -> str | None:
         await asyncio.sleep(self.step_s)
         self.published.append((asyncio.get_running_loop().time(), version))
-        return None
+        return None if self.weights is None else f"{self.weights}/v{version}"
 
     def version_at(self, t: float) -> int:
         return max((v for tv, v in self.published if tv <= t), default=0)
@@ -162,6 +166,7 @@ def make_runtime(
     trainer: FakeTrainer | None = None,
     source: Any = None,
     policy: str = "full",
+    weights_from_disk: bool = False,
     **knobs: Any,
 ) -> Runtime:
     settings: dict[str, Any] = {
@@ -182,6 +187,7 @@ def make_runtime(
         faults=faults
         or EngineFaultConfig(update_timeout_s=5.0, restart_backoff_s=1.0, restart_backoff_max_s=8.0),
         supervisor=supervisor,
+        weights_from_disk=weights_from_disk,
     )
 
 

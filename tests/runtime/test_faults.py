@@ -184,6 +184,30 @@ def test_a_turn_that_engines_that_stay_up_keep_failing_fails_its_attempt_not_the
     assert runtime.state.engine_events == []  # the engine never left rotation
 
 
+def test_a_publication_without_weights_to_engines_that_load_from_disk_is_refused_not_the_run() -> None:
+    """A command without a weights path went out to engines that load weights from disk; the first
+    one's client raised ValueError and the whole run failed. The runtime now refuses the command."""
+    a, b = FakeEngine("a", disk=True), FakeEngine("b", disk=True)
+    runtime = make_runtime([a, b], trainer=FakeTrainer(weights="/ckpt"), weights_from_disk=True)
+    refusals: list[tuple[int, str]] = []
+
+    async def publish_without_weights() -> None:
+        await asyncio.sleep(3.5)
+        version = runtime.version + 1
+        with pytest.raises(ValueError, match="no weights path") as refused:
+            runtime.publish(version, None, "operator")
+        refusals.append((version, str(refused.value)))
+        assert runtime.version == version - 1  # nothing changed
+
+    run_virtual(run_with(runtime, 4, publish_without_weights()))
+    ((version, message),) = refusals
+    assert message.startswith(f"version {version} has no weights path, and this run's engines load")
+    assert len(runtime.state.batches) == 4
+    accounted(runtime)
+    assert runtime.state.update_failures == []
+    assert a.published[:3] == b.published[:3] == [1, 2, 3]  # the trainer's versions, with their paths
+
+
 def test_engines_dying_all_at_once_do_not_use_up_a_turns_retries() -> None:
     """Each turn may meet every engine, dead but not yet known to be, before all are marked down."""
     engines = [FakeEngine(name) for name in "abcd"]

@@ -176,6 +176,29 @@ def test_an_engine_that_dies_while_the_run_is_paused_does_not_fail_the_run(tmp_p
 
 
 @pytest.mark.slow
+def test_a_publication_without_weights_is_refused_and_the_run_goes_on(tmp_path: Path) -> None:
+    """The run's engines load weights from disk: a publication without a path (no API or dashboard
+    sends one now, but the runtime takes it) went out to the engines, whose client raised a ValueError
+    that failed the whole run. The runtime now refuses it to the caller; the run goes on."""
+    with local_run(tmp_path) as (handle, store, _):
+        view = handle.recorder.view
+        wait_for(lambda: view.batches >= 1, 120, "a first batch")
+        version = handle.submit(lambda: handle.runtime.version + 1).result(timeout=10)
+        refused = handle.submit(handle.publish, version, None, "tester").exception(timeout=10)
+        last = rows_of(handle, "batch_delivered")[-1]["t"]
+        wait_for(lambda: batches_after(handle, last) or handle.done.is_set(), 60, "a batch after it")
+        assert handle.state is RunState.RUNNING, handle.error
+        stop(handle)
+        ledger, _ = store.ledger(handle.run_id)
+    assert isinstance(refused, ValueError)
+    assert str(refused) == (
+        f"version {version} has no weights path, and this run's engines load their weights from disk"
+    )
+    assert not any(r["path"] is None for r in rows_of(handle, "version_published"))
+    assert ledger.lost == 0
+
+
+@pytest.mark.slow
 def test_a_paused_local_run_starts_no_turn_and_no_update_until_it_is_resumed(tmp_path: Path) -> None:
     """Paused: groups that finish may still be delivered and the trainer may publish, but no turn starts
     on any engine (a restarted one included) and no weight update begins; resumed, both go on."""
