@@ -1,13 +1,14 @@
 """Reading a user's YAML or JSON file (a run config, a workload, a task's task.yaml) into plain data.
 
 Invariant: whatever is wrong with the file (missing, unreadable, not UTF-8, not valid YAML or JSON, a
-key given twice in one mapping), the refusal is one line that names the file, never a traceback. What
-the data must look like is the caller's to check.
+key given twice in one mapping, a value Python cannot hold, nesting too deep to parse), the refusal is
+one line that names the file, never a traceback. What the data must look like is the caller's to check.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -21,9 +22,36 @@ class _DuplicateKey(ValueError):
     pass
 
 
+class _BadValue(ValueError):
+    pass
+
+
+def _too_long(exc: ValueError) -> bool:
+    """Python's refusal to read an integer of more than `sys.get_int_max_str_digits()` digits."""
+    return "integer string conversion" in str(exc)
+
+
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one, so a
-    typo'd second `lanes:` silently replaced the first)."""
+    typo'd second `lanes:` silently replaced the first), and naming the line of a value its tag cannot
+    build (a date 2025-13-45, `!!int x`, an integer too long for Python) instead of raising from it."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> object:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (_DuplicateKey, _BadValue):
+            raise
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            kind = node.tag.rsplit(":", 1)[-1]
+            what = f"a {kind}"
+            if isinstance(node, yaml.ScalarNode):
+                shown = str(node.value)
+                what = repr(shown if len(shown) <= 40 else shown[:37] + "...")
+            why = ""
+            if isinstance(exc, ValueError):
+                why = f" (more than {sys.get_int_max_str_digits()} digits)" if _too_long(exc) else f" ({exc})"
+            line = node.start_mark.line + 1
+            raise _BadValue(f"line {line}: {what} is not a valid {kind}{why}") from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
         # The mapping's own scalar keys, by resolved tag and text (so 1 and "1" differ), before merge
@@ -61,8 +89,15 @@ def read_document(path: Path, what: str, json_suffix: bool = False) -> object:
     as_json = json_suffix and path.suffix == ".json"
     try:
         return json.loads(text, object_pairs_hook=_json_pairs) if as_json else yaml.load(text, _StrictLoader)
-    except _DuplicateKey as exc:
+    except (_DuplicateKey, _BadValue) as exc:
         raise DocumentError(f"{what}: {exc}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())
         raise DocumentError(f"{what} is not valid {'JSON' if as_json else 'YAML'}: {detail}") from None
+    except RecursionError:
+        raise DocumentError(f"{what}: nested too deeply to read") from None
+    except ValueError as exc:  # JSON: an integer longer than Python reads
+        if not _too_long(exc):
+            raise
+        digits = sys.get_int_max_str_digits()
+        raise DocumentError(f"{what}: a number has more than {digits} digits") from None

@@ -367,6 +367,58 @@ CASES: dict[str, Case] = {
     "workload file with comments only": Case(
         ["sim", "--workload", "w.yaml"], ["workload w.yaml is empty", "{}"], {"w.yaml": "# nothing yet\n"}
     ),
+    # -- values the parsers take but Python cannot hold, nesting too deep: tracebacks before ----------
+    "workload JSON nested too deeply": Case(
+        ["sim", "--workload", "w.json"], ["w.json", "nested too deeply"], {"w.json": "[" * 100_000}
+    ),
+    "workload YAML nested too deeply": Case(
+        ["sim", "--workload", "w.yaml"], ["w.yaml", "nested too deeply"], {"w.yaml": "a: " + "[" * 100_000}
+    ),
+    "workload JSON integer of 5,000 digits": Case(
+        ["sim", "--workload", "w.json"],
+        ["w.json", "4300 digits"],
+        {"w.json": '{"seed": 1' + "0" * 5000 + "}"},
+    ),
+    "workload YAML integer of 5,000 digits": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["w.yaml", "line 2", "4300 digits"],
+        {"w.yaml": "batches: 1\nseed: 1" + "0" * 5000},
+    ),
+    "workload YAML date 2025-13-45": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["w.yaml", "line 1", "'2025-13-45' is not a valid timestamp", "month"],
+        {"w.yaml": "seed: 2025-13-45\n"},
+    ),
+    "workload YAML !!timestamp x": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["w.yaml", "'x' is not a valid timestamp"],
+        {"w.yaml": "seed: !!timestamp x\n"},
+    ),
+    "workload YAML !!float x": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["w.yaml", "'x' is not a valid float"],
+        {"w.yaml": "seed: !!float x\n"},
+    ),
+    "run config nested too deeply": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["c.yaml", "nested too deeply"],
+        {"c.yaml": "trainer: " + "{a: " * 5000 + "1" + "}" * 5000},
+    ),
+    "trace line nested too deeply": Case(
+        ["sim", "--workload", "w.json"],
+        ["t.jsonl", "line 2", "nested too deeply"],
+        {"w.json": workload(trace="t.jsonl"), "t.jsonl": json.dumps(GOOD_TRACE_LINE) + "\n" + "[" * 100_000},
+    ),
+    "trace line integer of 5,000 digits": Case(
+        ["sim", "--workload", "w.json"],
+        ["t.jsonl", "line 2", "too many digits"],
+        {
+            "w.json": workload(trace="t.jsonl"),
+            "t.jsonl": json.dumps(GOOD_TRACE_LINE)
+            + "\n"
+            + json.dumps(GOOD_TRACE_LINE).replace(": 5,", ": 5" + "0" * 5000 + ","),
+        },
+    ),
     # -- a key given twice: PyYAML and json kept the last one silently -----------------------------
     "workload YAML with a key twice": Case(
         ["sim", "--workload", "w.yaml"],

@@ -521,11 +521,16 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
             continue
         try:
             data = json.loads(line)
-            if not isinstance(data, dict):
-                raise WorkloadError(f"trace {path}, line {lineno}: each line must be a JSON object")
-            rec = _TraceLine.model_validate(data)
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"trace {path}, line {lineno}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise WorkloadError(f"trace {path}, line {lineno}: not JSON (nested too deeply)") from None
+        except ValueError:  # an integer longer than Python reads (sys.get_int_max_str_digits)
+            raise WorkloadError(f"trace {path}, line {lineno}: a number has too many digits") from None
+        if not isinstance(data, dict):
+            raise WorkloadError(f"trace {path}, line {lineno}: each line must be a JSON object")
+        try:
+            rec = _TraceLine.model_validate(data)
         except ValidationError as exc:
             raise WorkloadError(f"trace {path}, line {lineno}: {problems(exc)}") from None
         turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
