@@ -329,3 +329,22 @@ def test_ctrl_c_while_a_command_reads_its_input_ends_in_one_line(args: list[str]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("interrupted"), stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.yaml"]
+
+
+def test_sigterm_mid_simulation_ends_in_one_line(tmp_path: Path) -> None:
+    """SIGTERM to `corral sim` alone acts as Ctrl-C (it killed the command silently)."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 100}))  # the default workload: about a minute
+    proc = subprocess.Popen(
+        [str(CORRAL), "sim", "--workload", "w.json", "--json", "out.json"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(6)  # imported and simulating by now
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == ["interrupted; out.json not written"]
+    assert not (tmp_path / "out.json").exists()

@@ -190,3 +190,35 @@ def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path,
     assert (tmp_path / "advice.png").stat().st_size > 0
     leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None:
+    """SIGTERM (`timeout`, `kill PID`, a supervisor) acts as Ctrl-C, as it does for `corral run`: it
+    used to kill `corral advise` silently, losing every simulation it had run."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 3}))  # about a second a simulation
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", "w.json", "--passes", "5", "--workers", "2",
+         "--json", "a.json"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(12)  # several settings simulated by now, out of about a hundred
+        os.kill(proc.pid, signal.SIGTERM)  # the command alone, as `kill PID` sends it
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, stderr
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["complete"] is False
+    assert stderr.splitlines() == [
+        f"interrupted after {len(advice['evaluated'])} settings simulated; the best of them → a.json "
+        '("complete": false)'
+    ]
+    assert leftover.stdout.strip() == ""

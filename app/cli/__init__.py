@@ -23,7 +23,7 @@ from typer.exceptions import TyperException
 
 from app.api.serve import serve
 from app.cli.advise import advise, trace_app
-from app.cli.common import err, fail, interruptible_command
+from app.cli.common import err, fail, interruptible_command, sigterm_as_ctrl_c
 from app.cli.engine import engine
 from app.cli.run import run
 from app.cli.sim import bench, sim
@@ -38,15 +38,15 @@ versions behind the trainer (the staleness bound) is discarded with a reason.
 """
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP, rich_markup_mode=None)
-app.command()(interruptible_command(sim))
-app.command()(interruptible_command(bench))
+app.command()(interruptible_command(sigterm_as_ctrl_c(sim)))
+app.command()(interruptible_command(sigterm_as_ctrl_c(bench)))
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
     interruptible_command(engine)
 )
 app.command()(run)  # takes the stop signals held since start-up itself: it stops with a report
 app.command()(interruptible_command(serve))
 app.command()(interruptible_command(worker))
-app.command()(interruptible_command(advise))
+app.command()(interruptible_command(sigterm_as_ctrl_c(advise)))
 app.add_typer(trace_app, name="trace")
 
 

@@ -18,6 +18,7 @@ from app.cli.common import (
     output_path,
     progress_bar,
     say,
+    sigterm_as_ctrl_c,
     write_json,
     write_plot,
 )
@@ -38,6 +39,7 @@ class TraceFormat(StrEnum):
 
 @trace_app.command("import")
 @interruptible_command
+@sigterm_as_ctrl_c
 def trace_import(
     source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
     fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],

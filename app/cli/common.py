@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,6 +73,31 @@ def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
             raise typer.Abort() from None
 
     return wrapper
+
+
+def sigterm_as_ctrl_c(command: Callable[P, None]) -> Callable[P, None]:
+    """While the command works, SIGTERM (`kill PID`, `timeout`, a supervisor) acts as Ctrl-C does, as it
+    does for `corral run` and `corral serve`: one line, exit 130, and `advise` keeps what it simulated."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
+        try:
+            command(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return wrapper
+
+
+def _as_ctrl_c(signum: int, frame: Any) -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+        return
+    # Ctrl-C is ignored here (a background job) or left to the OS: SIGTERM does what it would have done.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextmanager
