@@ -348,3 +348,19 @@ def test_sigterm_mid_simulation_ends_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 130, stderr
     assert stderr.splitlines() == ["interrupted; out.json not written"]
     assert not (tmp_path / "out.json").exists()
+
+
+def test_dash_as_the_output_means_standard_output(tmp_path: Path) -> None:
+    """`--json -` (and trace import's `--out -`) was written to a file named `-`; the report now goes to
+    stdout, alone, so it can be piped (`| jq`), and the summary line stays on stderr."""
+    write_yaml(tmp_path / "w.yaml", make_workload(batches=1))
+    proc = corral("sim", "--workload", "w.yaml", "--json", "-", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["batches"] == 1
+    assert "1 batch" in proc.stderr
+    event = {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None}
+    (tmp_path / "r.json").write_text(json.dumps({"event_log": [event]}))
+    proc = corral("trace", "import", "--format", "corral-run", "r.json", "--out", "-", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["reward"] for line in proc.stdout.splitlines()] == [1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "w.yaml"]

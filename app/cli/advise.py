@@ -15,12 +15,14 @@ from app.cli.common import (
     check_plot,
     fail,
     interruptible_command,
+    is_stdout,
     output_path,
     progress_bar,
     say,
     sigterm_as_ctrl_c,
     write_json,
     write_plot,
+    write_stdout,
 )
 from app.cli.sim import checked_trace, load, simulation_errors, workload_inputs
 from app.sim.workload import WorkloadError
@@ -44,11 +46,11 @@ def trace_import(
     source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
     fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],
     out: Annotated[
-        Path, typer.Option("--out", help="the trace to write (JSON Lines)", parser=output_path)
+        Path, typer.Option("--out", help="the trace to write (JSON Lines); - for stdout", parser=output_path)
     ] = Path("trace.jsonl"),
 ) -> None:
     """Read trials (terminal-bench) or attempts (a `corral run` report) into a Corral trace."""
-    from app.sim.traces import import_corral_run, import_terminal_bench, write_trace
+    from app.sim.traces import import_corral_run, import_terminal_bench, trace_text, write_trace
 
     check_output(out, "--out")
     check_apart({"--out": out}, {"SOURCE": source})
@@ -59,10 +61,14 @@ def trace_import(
             result = import_corral_run(source)
     except WorkloadError as exc:
         fail(str(exc))
-    try:
-        written = write_trace(result.records, out)
-    except OSError as exc:
-        fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
+    if is_stdout(out):
+        write_stdout(trace_text(result.records))
+        written = len(result.records)
+    else:
+        try:
+            written = write_trace(result.records, out)
+        except OSError as exc:
+            fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     tasks = len({r["task"] for r in result.records})
     say(f"{written} attempts of {tasks} tasks → {out} (skipped: {skipped})")
@@ -74,7 +80,7 @@ def advise(
         Path | None, typer.Option(help="a Corral trace to replay instead of the workload's distributions")
     ] = None,
     json_out: Annotated[
-        Path, typer.Option("--json", help="where to write the advice", parser=output_path)
+        Path, typer.Option("--json", help="where to write the advice; - for stdout", parser=output_path)
     ] = Path("advice.json"),
     plot: Annotated[
         Path | None, typer.Option(help="PNG of current against advised settings", parser=output_path)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,9 +133,26 @@ def output_path(value: str | Path) -> Path:
     return Path(value)
 
 
+def is_stdout(path: Path | None) -> bool:
+    """`-` given as --json or --out: the report goes to standard output (every other line the command
+    prints goes to stderr). It used to be written to a file named `-`."""
+    return path is not None and path == Path("-")
+
+
+def write_stdout(text: str) -> None:
+    """`text` on standard output; a reader that stops early (`| head`) ends the output quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error again at exit
+
+
 def check_output(path: Path, flag: str) -> None:
     """Prove `path` can be written, before the work: create it (and missing parents), then remove
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""
+    if is_stdout(path):
+        return
     with _os_refusal(flag, path):
         _check_output(path, flag)
 
@@ -187,7 +205,7 @@ def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | 
         else:
             files.setdefault(real, name)
     for flag, path in outputs.items():
-        if path is None:
+        if path is None or is_stdout(path):
             continue
         with _os_refusal(flag, path):
             real = os.path.realpath(path)
@@ -232,6 +250,9 @@ def write_json(path: Path, data: Any) -> None:
         say(f"warning: {path}: no finite value at {', '.join(bad)}; written as null")
         data = _finite_or_none(data)
     text = json.dumps(data, indent=2, allow_nan=False)
+    if is_stdout(path):
+        write_stdout(text + "\n")
+        return
     try:
         target = _target(path)
         target.parent.mkdir(parents=True, exist_ok=True)

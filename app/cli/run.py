@@ -34,7 +34,7 @@ def run(
         typer.Option(help="run config (YAML); default: the one shipped with Corral (app/configs/local.yaml)"),
     ] = None,
     json_out: Annotated[
-        Path, typer.Option("--json", help="where to write the report", parser=output_path)
+        Path, typer.Option("--json", help="where to write the report; - for stdout", parser=output_path)
     ] = Path("run-report.json"),
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     duration: Annotated[

@@ -106,7 +106,7 @@ def sim(
     workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     json_out: Annotated[
-        Path, typer.Option("--json", help="where to write the report", parser=output_path)
+        Path, typer.Option("--json", help="where to write the report; - for stdout", parser=output_path)
     ] = Path("sim.json"),
     surplus: SurplusOption = None,
     max_staleness: StalenessOption = None,
@@ -192,7 +192,7 @@ def parse_sweep(text: str, flag: str, high: int) -> list[int]:
 
 def bench(
     json_out: Annotated[
-        Path, typer.Option("--json", help="where to write the bench report", parser=output_path)
+        Path, typer.Option("--json", help="where to write the bench report; - for stdout", parser=output_path)
     ],
     workload: Annotated[
         Path | None,

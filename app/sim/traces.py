@@ -292,11 +292,16 @@ def attempts_from_events(events: Iterable[Any]) -> tuple[list[dict[str, Any]], C
     return records, skipped
 
 
+def trace_text(records: Iterable[dict[str, Any]]) -> str:
+    """`records` as JSON Lines."""
+    return "".join(json.dumps(r, allow_nan=False) + "\n" for r in records)
+
+
 def write_trace(records: Iterable[dict[str, Any]], out: Path) -> int:
     """Write `records` as JSON Lines, atomically, creating missing parent directories."""
-    lines = [json.dumps(r, allow_nan=False) for r in records]
+    records = list(records)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.write_text(trace_text(records), encoding="utf-8")
     tmp.replace(out)
-    return len(lines)
+    return len(records)
