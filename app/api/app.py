@@ -1,8 +1,9 @@
 """The FastAPI app factory: `create_app(settings)` is the composition root of `corral serve`.
 
 Settings are built by the caller (or here, from the environment) and injected; nothing is read at
-import time. At start-up the database is migrated to head, the run manager is built and the runs the
-previous server left unfinished are resumed; at shutdown every run is stopped and its events flushed.
+import time. At start-up the database is migrated to head, rollouts that outlived their ended run are
+closed as `cancelled`, the run manager is built and the runs the previous server left unfinished are
+resumed; at shutdown every run is stopped and its events flushed.
 
 Routes: the run and trainer API (app.api.runs), `GET /healthz`, `GET /metrics` (Prometheus), and the
 OpenAPI docs at `/docs`. Bad input is a 4xx with a one-line message naming the field, never a 500.
@@ -45,6 +46,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(ServiceStore, settings.database_url)
+        closed = await asyncio.to_thread(store.close_ended_rollouts)
+        if closed:
+            log.warning("closed the rollouts left running by ended runs %s", ", ".join(closed))
         manager = RunManager(
             store, settings.data_dir, settings.ack_timeout_s, app.state.metrics, lanes_for(settings)
         )

@@ -9,7 +9,9 @@ predecessors published.
 Invariants:
 - a version is known only once a `VersionPublished` for it is in the stream: never published, no rollout;
 - a rollout is `running` until every engine in rotation has ended its step (`completed`, or `failed`
-  when a step failed), or `superseded` when a newer version is published first;
+  when a step failed), or `superseded` when a newer version is published first, or `cancelled` when the
+  run ends first: then each engine that had not loaded it is `cancelled` with the error `run ended`
+  (no rollout outlives its run as `running`);
 - both sources answer with the same keys (`ROLLOUT_KEYS`, `ENGINE_KEYS`); times are on the run's
   clock (`started_at`, `ended_at`) and in seconds from the run's first event (`began_s`, `ended_s`).
 """
@@ -25,11 +27,13 @@ from app.core.events import (
     EngineUpdateBegin,
     EngineUpdateEnd,
     Envelope,
+    RunEnded,
     RunStarted,
     VersionPublished,
 )
 
 OUT_OF_ROTATION = ("unhealthy", "stopped")  # as the sink: engine states a rollout does not wait for
+RUN_ENDED = "run ended"  # as the sink: why a step, and an engine's part in a rollout, was cancelled
 
 ROLLOUT_KEYS = (
     "rollout_id", "version", "path", "actor", "state", "superseded", "started_at", "ended_at",
@@ -43,7 +47,7 @@ class RolloutRow:
     version: int
     path: str | None
     actor: str
-    state: str  # running, completed, failed, superseded
+    state: str  # running, completed, failed, superseded, cancelled
     started_at: float | None
     ended_at: float | None = None
 
@@ -54,7 +58,7 @@ class StepRow:
 
     version: int
     engine: str
-    state: str  # updating, done, failed
+    state: str  # updating, done, failed, cancelled
     started_at: float | None
     ended_at: float | None = None
     error: str | None = None
@@ -114,6 +118,15 @@ class RolloutLog:
             if ev.state in OUT_OF_ROTATION:  # a rollout may have waited only on that engine
                 for version in sorted(self._running):
                     self._maybe_finish(version, t)
+        elif isinstance(ev, RunEnded):  # no engine will load anything more
+            for by_engine in self.steps.values():
+                for step in by_engine.values():
+                    if step.state == "updating":
+                        step.state, step.ended_at, step.error = "cancelled", t, RUN_ENDED
+            for version in self._running:
+                row = self.rollouts[version]
+                row.state, row.ended_at = "cancelled", t
+            self._running.clear()
 
     def _rollout(self, version: int, t: float, path: str | None = None, actor: str = "trainer") -> None:
         if version not in self.rollouts:
@@ -161,13 +174,18 @@ def rollout_answer(
         began = next((s.started_at for s in own if s.started_at is not None), None)
         ended = next((s.ended_at for s in own if s.state == "done" and s.ended_at is not None), None)
         failed = next((s for s in own if s.state == "failed"), None)
+        cancelled = next((s for s in own if s.state == "cancelled"), None)
         error = None
         if served.get(name, 0) >= version or any(s.state == "done" for s in own):
             state = "done"
+        elif cancelled is not None:  # the run ended under it, whatever the plan left behind
+            state, error = "cancelled", cancelled.error
         elif updating.get(name, -1) >= version or any(s.state == "updating" for s in own):
             state = "updating"
         elif failed is not None:
             state, error = "failed", failed.error
+        elif row.state == "cancelled":  # it never began before the run ended
+            state, error = "cancelled", RUN_ENDED
         else:
             state = "pending"
         out.append(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
@@ -29,7 +29,7 @@ from app.service.recorder import LiveView
 from app.service.rollouts import RolloutLog, RolloutRow, StepRow, rollout_answer
 from app.store.db import make_engine, make_sessionmaker
 from app.store.migrate import upgrade_to_head
-from app.store.models import RolloutStep, Run, RunState, WeightRollout
+from app.store.models import TERMINAL_RUN_STATES, EventRow, RolloutStep, Run, RunState, WeightRollout
 from app.store.repos import (
     BatchRepo,
     EngineRepo,
@@ -39,7 +39,7 @@ from app.store.repos import (
     RolloutRepo,
     RunRepo,
 )
-from app.store.sink import SqlEventSink
+from app.store.sink import UNFINISHED_STEP, SqlEventSink, close_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,28 @@ class ServiceStore:
     def unfinished_runs(self) -> list[RunRecord]:
         with self.session() as s:
             return [RunRecord.of(r) for r in RunRepo(s).unfinished()]
+
+    def close_ended_rollouts(self) -> list[str]:
+        """Close the rollouts that outlived their ended run as `running` (a store written before the
+        sink closed them at `run_ended`, or a run whose last events never reached it), as the sink
+        does, at the run's last stored event (`app.store.sink.close_rollouts`). The runs closed."""
+
+        def write(s: Session) -> list[str]:
+            ended = [state.value for state in TERMINAL_RUN_STATES]
+            running = select(WeightRollout.run_id).where(WeightRollout.state == "running")
+            unfinished = (
+                select(WeightRollout.run_id)
+                .join(RolloutStep, RolloutStep.rollout_id == WeightRollout.id)
+                .where(RolloutStep.state.in_(UNFINISHED_STEP))
+            )
+            query = select(Run.id).where(Run.state.in_(ended), Run.id.in_(running.union(unfinished)))
+            run_ids = list(s.scalars(query))
+            for run_id in run_ids:
+                last = s.scalar(select(func.max(EventRow.t)).where(EventRow.run_id == run_id))
+                close_rollouts(s.connection(), run_id, last)
+            return run_ids
+
+        return self._write(write)
 
     def set_state(
         self, run_id: str, state: RunState, error: str | None = None, at: float | None = None

@@ -270,7 +270,8 @@ class WeightRollout(Base):
     version: Mapped[int] = mapped_column(Integer)
     path: Mapped[str | None] = mapped_column(Text)  # None: a sentinel update
     actor: Mapped[str] = mapped_column(String(64), default="trainer")
-    state: Mapped[str] = mapped_column(String(16), default="running")  # running, completed, failed
+    # running, completed, failed, superseded, cancelled (its run ended first)
+    state: Mapped[str] = mapped_column(String(16), default="running")
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
 
@@ -282,7 +283,8 @@ class RolloutStep(Base):
         Integer, ForeignKey("weight_rollouts.id", ondelete="CASCADE"), primary_key=True
     )
     engine: Mapped[str] = mapped_column(String(64), primary_key=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending, updating, done, failed
+    # pending, updating, done, failed, cancelled (its run ended first: error "run ended")
+    state: Mapped[str] = mapped_column(String(16), default="pending")
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)

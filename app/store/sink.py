@@ -86,6 +86,8 @@ LANE_PHASE = {
     "cleanup": SpanPhase.CLEANUP,
 }
 OUT_OF_ROTATION = ("unhealthy", "stopped")  # engine states a rollout does not wait for
+RUN_ENDED = "run ended"  # why a step still under way when its run ended was cancelled
+UNFINISHED_STEP = ("pending", "updating")
 RUN_END_STATE = {
     "completed": RunState.COMPLETED,
     "duration": RunState.COMPLETED,
@@ -507,6 +509,7 @@ def _write_rare(conn: Connection, env: Envelope) -> None:
         if ev.policy:
             conn.execute(update(runs_t).where(runs_t.c.id == env.run_id).values(policy=dict(ev.policy)))
     elif isinstance(ev, RunEnded):
+        close_rollouts(conn, env.run_id, env.t)
         state = RUN_END_STATE.get(ev.reason, RunState.FAILED)
         conn.execute(
             update(runs_t)
@@ -572,7 +575,7 @@ def _maybe_finish_rollout(conn: Connection, run_id: str, rid: int, t: float) -> 
     stopped), has ended its step (done or failed); without registered engines, when no step is still
     updating."""
     steps = conn.execute(select(steps_t.c.engine, steps_t.c.state).where(steps_t.c.rollout_id == rid)).all()
-    if any(s.state in ("pending", "updating") for s in steps):
+    if any(s.state in UNFINISHED_STEP for s in steps):
         return
     query = select(engines_t.c.name).where(
         engines_t.c.run_id == run_id, engines_t.c.state.not_in(OUT_OF_ROTATION)
@@ -585,6 +588,22 @@ def _maybe_finish_rollout(conn: Connection, run_id: str, rid: int, t: float) -> 
         update(rollouts_t)
         .where(and_(rollouts_t.c.id == rid, rollouts_t.c.state == "running"))
         .values(state=state, ended_at=t)
+    )
+
+
+def close_rollouts(conn: Connection, run_id: str, t: float | None) -> None:
+    """The run has ended: its rollouts still running are `cancelled` at `t` (the run's clock), and every
+    engine step still under way is `cancelled` with the error `run ended` (nothing will end them now)."""
+    rollouts = select(rollouts_t.c.id).where(rollouts_t.c.run_id == run_id)
+    conn.execute(
+        update(steps_t)
+        .where(steps_t.c.rollout_id.in_(rollouts), steps_t.c.state.in_(UNFINISHED_STEP))
+        .values(state="cancelled", ended_at=t, error=RUN_ENDED)
+    )
+    conn.execute(
+        update(rollouts_t)
+        .where(rollouts_t.c.run_id == run_id, rollouts_t.c.state == "running")
+        .values(state="cancelled", ended_at=t)
     )
 
 

@@ -50,6 +50,7 @@ from app.sim.bound import lower_bound_s
 
 STRAGGLER_RATIO = 1.5
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
+SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -325,6 +326,12 @@ class RunViewBuilder:
                 self._engine(name)
         elif isinstance(ev, RunEnded):
             self.ended = ev.reason
+            # The engines stop with the run: an update under way ends here (its rollout is cancelled).
+            for name, (since, version) in self.open_updates.items():
+                self.updates.append((name, since, t, version))
+            self.open_updates.clear()
+            for row_e in self.engines.values():
+                row_e.state, row_e.target_version = "stopped", None
         elif isinstance(ev, GroupAdmitted):
             self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
         elif isinstance(ev, GroupReady):
@@ -431,12 +438,17 @@ class RunViewBuilder:
             for a, tr in by_attempt.items()
         }
         engines = {name: replace(e) for name, e in self.engines.items()}
+        # Once the run has ended, the owner's plan is as the run left it (an engine may still be listed
+        # updating): the stream's account of the engines' states wins.
+        keys = ("version", "in_flight") if self.ended is not None else SNAPSHOT_KEYS
         for snap in meta.engines:
             name = str(snap["name"])
             row_e = engines.setdefault(name, EngineRow(name))
-            for key in ("state", "version", "in_flight", "target_version"):
+            for key in keys:
                 if snap.get(key) is not None:
                     setattr(row_e, key, snap[key])
+            if self.ended is not None:
+                continue
             # `updating` (the owner's plan, ahead of the stored stream) settles an update the stream
             # has not closed yet; other states (draining, paused, unhealthy) come from the stream.
             if snap.get("updating") is True:

@@ -9,6 +9,7 @@ import httpx
 from api_support import make_run, wait_for
 
 from app.service.rollouts import ENGINE_KEYS, ROLLOUT_KEYS
+from app.service.schemas import small_workload
 
 
 def test_only_published_versions_have_rollouts_and_live_and_stored_answers_agree(api: httpx.Client) -> None:
@@ -45,3 +46,22 @@ def test_only_published_versions_have_rollouts_and_live_and_stored_answers_agree
     stored = {v: rollout(v) for v in (1, 5, 6)}  # the run has ended: answered from the store
     assert stored == live
     assert api.get(f"/api/runs/{run_id}/rollouts/2").status_code == 404
+
+
+def test_a_rollout_under_way_when_the_run_stops_ends_cancelled(api: httpx.Client) -> None:
+    """It said `running` for ever, live and stored: the engine still to update never would."""
+    workload = {**small_workload(), "engines": {"count": 2, "slots": 4, "update_s": 10.0}}
+    run_id = api.post("/api/runs", json=make_run(batches=None, workload=workload)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    paced = api.patch(f"/api/runs/{run_id}/policy", json={"max_updating_engines": 1})
+    assert paced.status_code == 200, paced.text  # one engine at a time: the second waits its turn
+    published = api.post(f"/api/runs/{run_id}/weights", json={"version": 1, "sentinel": True})
+    assert published.status_code == 202, published.text
+    assert published.json()["state"] == "running"
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", 60, what="stopped")
+    rollout = api.get(f"/api/runs/{run_id}/rollouts/1").json()  # from the store: the run has ended
+    assert rollout["state"] == "cancelled"
+    assert rollout["ended_at"] is not None
+    states = sorted((e["state"], e["error"]) for e in rollout["engines"])
+    assert states == [("cancelled", "run ended"), ("done", None)]  # the update under way finished

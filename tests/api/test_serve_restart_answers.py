@@ -13,11 +13,20 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, stored_run, wait_for
+from api_support import TOKEN, free_port, make_run, make_settings, serving, stored_run, wait_for
 from test_serve_restart import _healthy, corral_serve
 
 from app.client import CorralClient, RunEnded
+from app.core.events import (
+    EngineUpdateBegin,
+    Envelope,
+    Event,
+    GroupAdmitted,
+    RunStarted,
+    VersionPublished,
+)
 from app.service.store import ServiceStore
+from app.store.models import RunState
 from app.store.repos import BatchRepo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
@@ -176,3 +185,33 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             assert done.stdout == ""  # no batch: the loop ended at once
     finally:
         api.close()
+
+
+def test_a_rollout_left_running_by_a_run_that_had_ended_is_cancelled_at_start_up(tmp_path: Path) -> None:
+    """The store of a run that ended with a rollout under way (written before rollouts were closed at
+    the run's end, or with its last events dropped) said `running` for ever; a starting server closes
+    such rollouts as cancelled, at the run's last event."""
+    database = f"sqlite:///{tmp_path / 'corral.db'}"
+    store = ServiceStore(database)
+    try:
+        store.create_run("ended-1", "ended", make_run(), {})
+        timed: list[tuple[float, Event]] = [
+            (0.0, RunStarted(engines=("e0", "e1"))),
+            (1.0, VersionPublished(1, None, "trainer-1")),
+            (1.0, EngineUpdateBegin("e0", 1)),
+            (2.5, GroupAdmitted(0, 0, 2)),
+        ]
+        store.event_sink().write_batch([Envelope("ended-1", seq, t, ev) for seq, (t, ev) in enumerate(timed)])
+        store.set_state("ended-1", RunState.RUNNING)
+        store.set_state("ended-1", RunState.STOPPED)
+    finally:
+        store.close()
+    with serving(make_settings(tmp_path, database)) as url:
+        answer = httpx.get(f"{url}/api/runs/ended-1/rollouts/1", timeout=30)
+    assert answer.status_code == 200, answer.text
+    rollout = answer.json()
+    assert (rollout["state"], rollout["ended_at"]) == ("cancelled", 2.5)
+    assert [(e["engine"], e["state"], e["error"]) for e in rollout["engines"]] == [
+        ("e0", "cancelled", "run ended"),
+        ("e1", "cancelled", "run ended"),
+    ]

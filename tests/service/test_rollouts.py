@@ -10,6 +10,7 @@ from app.core.events import (
     EngineUpdateEnd,
     Envelope,
     Event,
+    RunEnded,
     RunStarted,
     VersionPublished,
 )
@@ -87,3 +88,41 @@ def test_a_version_published_again_after_a_resume_keeps_its_row() -> None:
         (9.0, VersionPublished(3, "/w/3", "resume")),  # a resumed run rolls its engines to it again
     )
     assert (log.rollouts[3].actor, log.rollouts[3].started_at) == ("trainer-1", 0.0)
+
+
+def test_a_rollout_still_running_when_the_run_ends_is_cancelled_saying_so() -> None:
+    """It said `running` forever, e0 `updating` and e1 `pending`: nothing would ever end them."""
+    log = make_log(
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (2.0, EngineUpdateBegin("e1", 1)),
+        (3.0, VersionPublished(2)),  # 1 is superseded while e1 still loads it
+        (3.0, EngineUpdateBegin("e0", 2)),
+        (4.0, RunEnded("stopped")),
+    )
+    # The runtime's plan may still list e0 as updating once the run has ended: the log's account wins.
+    second = answer(log, 2, served={"e0": 1, "e1": 0}, updating={"e0": 2})
+    assert (second["state"], second["ended_at"]) == ("cancelled", 4.0)
+    assert [(e["state"], e["error"]) for e in second["engines"]] == [
+        ("cancelled", "run ended"),  # updating when the run ended
+        ("cancelled", "run ended"),  # it never began
+    ]
+    first = answer(log, 1, served={"e0": 1, "e1": 0})
+    assert (first["state"], first["ended_at"]) == ("superseded", 3.0)
+    assert [(e["state"], e["error"]) for e in first["engines"]] == [
+        ("done", None),
+        ("cancelled", "run ended"),
+    ]
+    # A rollout that had ended keeps its account.
+    done = make_log(
+        (0.0, RunStarted(engines=("e0",))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (3.0, RunEnded("completed")),
+    )
+    completed = answer(done, 1, engines=["e0"], served={"e0": 1})
+    assert (completed["state"], completed["ended_at"]) == ("completed", 2.0)
+    assert [(e["state"], e["error"]) for e in completed["engines"]] == [("done", None)]

@@ -13,10 +13,16 @@ from app.core.events import (
     EVENT_TYPES,
     AttemptFinished,
     AttemptRestarted,
+    EngineUpdateBegin,
+    EngineUpdateEnd,
     Envelope,
+    Event,
     GroupDelivered,
     GroupDiscarded,
+    RunEnded,
+    RunStarted,
     SandboxOp,
+    VersionPublished,
 )
 from app.runtime.events import EventBus
 from app.store.models import (
@@ -113,6 +119,35 @@ def test_sink_projects_batches_engines_rollouts_policy_and_run(conn: Connection,
     assert stored_run.policy["max_staleness"] == 3
     assert stored_run.state == "completed"
     assert stored_run.ended_at is not None
+
+
+def test_a_rollout_still_running_when_the_run_ends_is_stored_cancelled(
+    conn: Connection, session: Session
+) -> None:
+    """It stayed `running` in the store, its engine's step `updating`, once the run had ended."""
+    timed: list[tuple[float, Event]] = [
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (2.0, EngineUpdateBegin("e1", 1)),
+        (3.0, VersionPublished(2)),  # 1 is superseded while e1 still loads it
+        (3.0, EngineUpdateBegin("e0", 2)),
+        (4.0, RunEnded("stopped")),
+    ]
+    ingest(conn, [Envelope("cut", seq, t, ev) for seq, (t, ev) in enumerate(timed)], batch=3)
+    rollouts = session.scalars(select(WeightRollout).where(WeightRollout.run_id == "cut")).all()
+    assert {r.version: (r.state, r.ended_at) for r in rollouts} == {
+        1: ("superseded", 3.0),
+        2: ("cancelled", 4.0),
+    }
+    ids = {r.id: r.version for r in rollouts}
+    steps = session.scalars(select(RolloutStep).where(RolloutStep.rollout_id.in_(ids))).all()
+    assert {(ids[s.rollout_id], s.engine): (s.state, s.error) for s in steps} == {
+        (1, "e0"): ("done", None),
+        (1, "e1"): ("cancelled", "run ended"),
+        (2, "e0"): ("cancelled", "run ended"),
+    }
 
 
 def table_snapshot(session: Session, run_id: str) -> dict[str, Any]:

@@ -251,3 +251,29 @@ def test_a_lane_resize_joins_the_audit_list_without_changing_the_policy():
     row = view.audit[-1]
     assert (row.actor, row.field, row.old, row.new) == ("adaptive lanes", "lanes.exec.slots", 2, 4)
     assert "lanes.exec.slots" not in view.policy
+
+
+def test_an_update_under_way_when_the_run_ends_is_not_shown_updating_for_ever():
+    """The engines table said `updating → v2` after the run had ended, from the stream and from the
+    owner's plan (which the run leaves as it was); the engines stop with the run, the update's bar ends."""
+    from app.core.events import RunEnded, RunStarted
+
+    events = [
+        Envelope("r", 0, 0.0, RunStarted(engines=("engine-0", "engine-1"))),
+        Envelope("r", 1, 1.0, EngineUpdateBegin("engine-1", 2)),
+        Envelope("r", 2, 3.0, RunEnded("stopped")),
+    ]
+    stale_plan = RunMeta(
+        engines=[
+            {"name": "engine-0", "version": 1, "in_flight": 0, "state": None, "updating": False},
+            {"name": "engine-1", "version": 1, "in_flight": 0, "state": None, "updating": True,
+             "target_version": 2},
+        ]
+    )  # fmt: skip
+    for meta in (None, stale_plan):
+        view = view_from_events("r", events, meta)
+        assert [(e.name, e.state, e.target_version) for e in view.engines] == [
+            ("engine-0", "stopped", None),
+            ("engine-1", "stopped", None),
+        ]
+        assert view.updates == [("engine-1", 1.0, 3.0, 2)]
