@@ -163,6 +163,18 @@ CASES: dict[str, Case] = {
         ["t.jsonl", "line 2", "not JSON"],
         {"w.json": workload(), "t.jsonl": json.dumps(GOOD_TRACE_LINE) + "\n{oops\n"},
     ),
+    "advise --trace that does not exist": Case(
+        ["advise", "--workload", "w.json", "--trace", "nope.jsonl", "--workers", "1"],
+        ["--trace nope.jsonl: cannot read", "No such file"],
+        {"w.json": workload()},
+        ["trace.path", "/nope.jsonl"],  # named as typed, not as the workload field with an absolute path
+    ),
+    "advise --trace with a bad field": Case(
+        ["advise", "--workload", "w.json", "--trace", "t.jsonl", "--workers", "1"],
+        ["--trace t.jsonl, line 1", "reward"],
+        {"w.json": workload(), "t.jsonl": json.dumps({"task": "a"}) + "\n"},
+        ["/t.jsonl"],
+    ),
     "advise on a workload whose trace has a bad line": Case(
         ["advise", "--workload", "w.json", "--workers", "1"],
         ["t.jsonl", "line 1", "reward"],

@@ -92,13 +92,14 @@ def advise(
 ) -> None:
     """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""
     from app.sim.advise import plot_advice
-    from app.sim.workload import TraceSpec, Workload
+    from app.sim.workload import TraceSpec, Workload, load_trace
 
     check_output(json_out, "--json")
     check_plot(plot)
     spec = load(workload)
     if trace is not None:
         try:
+            load_trace(trace, "--trace")  # refused as typed, not as the absolute trace.path below
             data = spec.model_dump(by_alias=True)
             data["trace"] = TraceSpec(path=trace.resolve())
             spec = checked_trace(Workload.model_validate(data))

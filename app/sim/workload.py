@@ -507,14 +507,17 @@ class _TraceLine(Strict):
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
 
 
-def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
-    """Read a JSON Lines trace: one recorded attempt per line, grouped by task."""
+def load_trace(path: Path, flag: str | None = None) -> dict[str, list[TraceAttempt]]:
+    """Read a JSON Lines trace: one recorded attempt per line, grouped by task. Refusals name it as the
+    workload's `trace.path`, or as `flag` (e.g. --trace) when the user gave it that way."""
+    name = f"{flag or 'trace'} {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise WorkloadError(f"trace.path: cannot read {path}: {exc.strerror}") from None
+        where = f"{name}: cannot read" if flag else f"trace.path: cannot read {path}"
+        raise WorkloadError(f"{where}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
-        raise WorkloadError(f"trace {path}: not UTF-8 text (byte {exc.start})") from None
+        raise WorkloadError(f"{name}: not UTF-8 text (byte {exc.start})") from None
     by_task: dict[str, list[TraceAttempt]] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -522,24 +525,24 @@ def load_trace(path: Path) -> dict[str, list[TraceAttempt]]:
         try:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise WorkloadError(f"trace {path}, line {lineno}: not JSON ({exc.msg})") from None
+            raise WorkloadError(f"{name}, line {lineno}: not JSON ({exc.msg})") from None
         except RecursionError:
-            raise WorkloadError(f"trace {path}, line {lineno}: not JSON (nested too deeply)") from None
+            raise WorkloadError(f"{name}, line {lineno}: not JSON (nested too deeply)") from None
         except ValueError:  # an integer longer than Python reads (sys.get_int_max_str_digits)
-            raise WorkloadError(f"trace {path}, line {lineno}: a number has too many digits") from None
+            raise WorkloadError(f"{name}, line {lineno}: a number has too many digits") from None
         if not isinstance(data, dict):
-            raise WorkloadError(f"trace {path}, line {lineno}: each line must be a JSON object")
+            raise WorkloadError(f"{name}, line {lineno}: each line must be a JSON object")
         try:
             rec = _TraceLine.model_validate(data)
         except ValidationError as exc:
-            raise WorkloadError(f"trace {path}, line {lineno}: {problems(exc)}") from None
+            raise WorkloadError(f"{name}, line {lineno}: {problems(exc)}") from None
         turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
         agent_s = sum(t.llm_s + t.tool_s for t in turns) if turns else rec.agent_s
         by_task.setdefault(rec.task, []).append(
             TraceAttempt(rec.task, rec.reset_s, agent_s, rec.validate_s, rec.cleanup_s, rec.reward, turns)
         )
     if not by_task:
-        raise WorkloadError(f"trace {path} is empty: it needs at least one recorded attempt")
+        raise WorkloadError(f"{name} is empty: it needs at least one recorded attempt")
     return by_task
 
 
