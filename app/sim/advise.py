@@ -253,6 +253,8 @@ def _search(
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]
             futures = [pool.submit(evaluate, workload, c, policy_name) for c in todo]
+            if on_run is not None and todo:
+                on_run(len(seen), planned)  # the round's count, before its first result
             for fut in futures:
                 outcome = fut.result()
                 seen[outcome.settings] = outcome
