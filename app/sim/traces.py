@@ -13,7 +13,8 @@ list holds the same records). A trial record has ISO-8601 timestamps `trial_star
 A trial missing a timestamp the agent phase needs is skipped and counted, never guessed; a missing
 timestamp of another phase counts that phase as 0. A results.json that is not a JSON object, a time that
 is not ISO-8601, a span that runs backwards or an `is_resolved` that is not a boolean (or null, which
-terminal-bench writes for an unresolved trial) skips that trial, counted with its reason.
+terminal-bench writes for an unresolved trial) skips that trial, counted with its reason. A directory
+beside a trial's with no results.json in it (a trial that never ended) is counted as not finished.
 
 A `corral run` report carries its event stream under `event_log`; each attempt's phases are summed from
 its sandbox operations (by lane) and model turns. A malformed event (not an object, a missing field, a
@@ -113,8 +114,9 @@ def _trial_line(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _trial_records(path: Path) -> list[Any]:
-    """The records in one results.json: the trial itself, or a run-level summary's `results`."""
+def _trial_records(path: Path) -> tuple[list[Any], bool]:
+    """The records in one results.json, and whether it is a run-level summary: the trial itself, or
+    the summary's `results`."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -122,7 +124,23 @@ def _trial_records(path: Path) -> list[Any]:
     except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an int too long
         raise _Skip("not JSON") from None
     results = data.get("results") if isinstance(data, dict) else None
-    return results if isinstance(results, list) else [data]
+    return (results, True) if isinstance(results, list) else ([data], False)
+
+
+NO_RESULTS = "no results.json (the trial did not finish)"
+
+
+def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> int:
+    """Directories beside a trial's that hold no results.json at any depth and that no record named:
+    trials of the same task that never wrote one (terminal-bench writes it when a trial ends)."""
+    unfinished = 0
+    for parent in {d.parent for d in trial_dirs}:
+        for sibling in parent.iterdir():
+            if sibling in trial_dirs or sibling.name in trial_names or not sibling.is_dir():
+                continue
+            if next(sibling.rglob("results.json"), None) is None:
+                unfinished += 1
+    return unfinished
 
 
 def import_terminal_bench(directory: Path) -> ImportResult:
@@ -131,15 +149,19 @@ def import_terminal_bench(directory: Path) -> ImportResult:
         raise WorkloadError(f"{directory}: not a directory")
     result = ImportResult()
     seen: set[tuple[str, str]] = set()
+    trial_dirs: set[Path] = set()
     # Trial files first, so a run-level summary of the same trials adds nothing twice.
     files = sorted(directory.rglob("results.json"), key=lambda p: (-len(p.parts), str(p)))
     for path in files:
         result.sources += 1
         try:
-            records = _trial_records(path)
+            records, summary = _trial_records(path)
         except _Skip as skip:
             result.skipped[str(skip)] += 1
+            trial_dirs.add(path.parent)
             continue
+        if not summary:
+            trial_dirs.add(path.parent)
         for record in records:
             if not isinstance(record, dict):
                 result.skipped["not an object"] += 1
@@ -153,6 +175,9 @@ def import_terminal_bench(directory: Path) -> ImportResult:
                 result.skipped[why] += 1
             else:
                 result.records.append(line)
+    unfinished = _unfinished_trials(trial_dirs, {name for _, name in seen})
+    if unfinished:
+        result.skipped[NO_RESULTS] += unfinished
     if not result.records:
         raise WorkloadError(
             f"{directory}: no usable terminal-bench trial found "

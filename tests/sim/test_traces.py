@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from app.sim.traces import attempts_from_events, import_corral_run, import_terminal_bench, write_trace
+from app.sim.traces import (
+    NO_RESULTS,
+    attempts_from_events,
+    import_corral_run,
+    import_terminal_bench,
+    write_trace,
+)
 from app.sim.workload import WorkloadError, load_trace
 
 
@@ -261,3 +267,20 @@ def test_missing_phase_times_count_as_zero_and_null_is_resolved_as_unresolved(tm
     assert result.records == [
         {"task": "t", "reset_s": 0.0, "agent_s": 270.0, "validate_s": 0.0, "cleanup_s": 21.5, "reward": 0.0}
     ]
+
+
+def test_a_trial_that_never_wrote_its_results_is_counted(tmp_path: Path) -> None:
+    run = write_run(tmp_path, [make_trial("t", "t.1-of-3", True), make_trial("t", "t.2-of-3", False)])
+    # The third trial was killed: its directory has logs but no results.json, and the run-level
+    # summary (written by write_run) does not name it.
+    (run / "t" / "t.3-of-3" / "agent-logs").mkdir(parents=True)
+    (run / "t" / "t.3-of-3" / "commands.txt").write_text("ls\n")
+    # A trial the summary names although its own file is missing is not counted twice.
+    summary = json.loads((run / "results.json").read_text())
+    summary["results"].append(make_trial("u", "u.1-of-1", True))
+    (run / "results.json").write_text(json.dumps(summary))
+    (run / "u" / "u.1-of-1").mkdir(parents=True)
+    (run / "t" / "t.1-of-3" / "sessions").mkdir()  # a trial's own subdirectory is no trial
+    result = import_terminal_bench(run)
+    assert len(result.records) == 3
+    assert result.skipped == {NO_RESULTS: 1}
