@@ -343,6 +343,26 @@ async def test_weight_update_then_corrupt_directories_are_refused(
         assert (await http.post("/reset_prefix_cache")).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "version",
+    ["٣", "³", "３", "3.0", "+3", "-3", " 3", "1_000", "9" * 5000, "", -1, 3.0, True, None, [3]],
+)
+async def test_a_weight_version_not_in_ascii_digits_is_a_400(
+    weights_engine: RunningEngine, version: Any
+) -> None:
+    # str.isdigit() took '٣' as version 3, and '³' passed it but made int() raise: a 500.
+    async with make_client(weights_engine) as http:
+        current = (await http.get("/weight_info")).json()["weight_version"]
+        assert (await http.post("/start_weight_update", json={})).status_code in (200, 409)
+        answer = await http.post("/finish_weight_update", json={"weight_version": version})
+        assert answer.status_code == 400, answer.text
+        assert "ASCII digits" in answer.json()["error"]
+        assert (await http.get("/weight_info")).json()["weight_version"] == current
+        # Close the session on the version the engine serves, as the next test expects.
+        closed = await http.post("/finish_weight_update", json={"weight_version": current})
+        assert closed.status_code == 200, closed.text
+
+
 async def test_sentinel_mode_swaps_only_the_marker(tmp_path_factory: pytest.TempPathFactory) -> None:
     tmp = tmp_path_factory.mktemp("sentinel")
     save_sentinel(tmp / "s", 11.0)

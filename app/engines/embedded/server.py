@@ -41,6 +41,7 @@ from app.engines.embedded.faults import ENV_FLAG as FAULTS_FLAG
 from app.engines.embedded.faults import install_faults
 from app.engines.embedded.model import SENTINEL, PolicyConfig, PolicyModel
 from app.engines.embedded.weights import WeightsError, load_checkpoint
+from app.validation import parse_int
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +143,23 @@ def _error(status: int, message: str, path: str) -> JSONResponse:
 
 
 def _parse_version(value: object) -> int:
-    if isinstance(value, bool):
-        raise BadRequest(400, f"weight_version must be a non-negative integer or digit string, got {value!r}")
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    raise BadRequest(
+    """A committed version: a non-negative int, or a string of ASCII digits (`str.isdigit` also takes
+    '٣' as 3, and '³', which `int` then refuses: a 500)."""
+    refusal = BadRequest(
         400,
-        f"weight_version must be a non-negative integer or digit string, got {value!r:.100} "
+        f"weight_version must be a non-negative integer or a string of ASCII digits, got {value!r:.100} "
         "(the embedded engine reports integer versions)",
     )
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise refusal
+        return value
+    if not isinstance(value, str) or value.startswith("-"):
+        raise refusal
+    try:
+        return parse_int(value)
+    except ValueError:  # not ASCII digits, or more digits than Python converts
+        raise refusal from None
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
