@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.outputs import save_figure
+
 COLOURS = {
     "delivered": "tab:green",
     "stale": "tab:red",
@@ -58,6 +60,5 @@ def plot_timeline(report: dict[str, Any], out: Path) -> None:
         "thick: running, thin: ready and waiting for its batch"
     )
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     plt.close(fig)

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from app import early_signals
+from app.outputs import write_text_atomically
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 P = ParamSpec("P")
@@ -254,11 +255,7 @@ def write_json(path: Path, data: Any) -> None:
         write_stdout(text + "\n")
         return
     try:
-        target = _target(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(target)
+        write_text_atomically(_target(path), text + "\n")
     except OSError as exc:
         fail(f"cannot write {path}: {exc.strerror or exc}")
 

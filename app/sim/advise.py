@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.children import die_with_parent
+from app.outputs import save_figure
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 
@@ -305,5 +306,5 @@ def plot_advice(advice: Advice, path: str) -> None:
     right.set_ylabel("mean batch collection time (s)")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.outputs import save_figure
+
 
 def plot_bench(result: dict[str, Any], out: Path) -> None:
     import matplotlib
@@ -53,8 +55,7 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
         ax4.set_ylabel("batch collection time (s)")
         ax4.set_title("full, minus one technique")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     plt.close(fig)
 
 
@@ -98,8 +99,7 @@ def plot_family(result: dict[str, Any], out: Path) -> None:
         ax.set_title(name)
         ax.set_ylabel("mean batch collection time (s, log)")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
 
 

@@ -37,6 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.outputs import write_text_atomically
 from app.sim.workload import WorkloadError
 
 FORMATS = ("terminal-bench", "corral-run")
@@ -325,8 +326,5 @@ def trace_text(records: Iterable[dict[str, Any]]) -> str:
 def write_trace(records: Iterable[dict[str, Any]], out: Path) -> int:
     """Write `records` as JSON Lines, atomically, creating missing parent directories."""
     records = list(records)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(trace_text(records), encoding="utf-8")
-    tmp.replace(out)
+    write_text_atomically(out, trace_text(records))
     return len(records)

@@ -1,0 +1,47 @@
+"""Output files are written whole or not at all, and leave no `.tmp` behind whatever ends the write."""
+
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from app.outputs import save_figure, write_atomically, write_text_atomically
+
+matplotlib.use("Agg")
+
+
+@pytest.mark.parametrize("ending", [KeyboardInterrupt, OSError, ValueError])
+def test_an_interrupted_write_keeps_the_old_file_and_leaves_no_tmp(tmp_path: Path, ending: type) -> None:
+    out = tmp_path / "report.json"
+    out.write_text("old\n")
+
+    def write(tmp: Path) -> None:
+        tmp.write_text("half of the new")
+        raise ending()
+
+    with pytest.raises(ending):
+        write_atomically(out, write)
+    assert out.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_a_write_creates_missing_directories_and_replaces_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b" / "trace.jsonl"
+    write_text_atomically(out, "one\n")
+    write_text_atomically(out, "two\n")
+    assert out.read_text() == "two\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["trace.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("name", "magic"), [("plot.png", b"\x89PNG"), ("plot.svg", b"<?xml"), ("plot", b"\x89PNG")]
+)
+def test_a_figure_is_saved_in_the_format_its_name_gives(tmp_path: Path, name: str, magic: bytes) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, tmp_path / name, dpi=50)
+    plt.close(fig)
+    assert (tmp_path / name).read_bytes().startswith(magic)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
