@@ -18,6 +18,9 @@ Invariants:
   meanwhile begin when the hold ends;
 - a drained engine (an operator took it out of rotation) takes no turns and no update, down or up,
   restarted or not, until it is put back; then the rolling update brings it to the newest version.
+- an engine that refused a version (it answered that it cannot load those weights) keeps serving the
+  version it had and is not offered the refused one again, by either plan: a newer publication is
+  offered to it as usual. Too stale for K on its old version, it takes no turns until then.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class UpdatePlan:
         self.too_stale: set[str] = set()  # serving, but more than K versions behind the newest
         self.held = False
         self.drained: set[str] = set()
+        self.refused: dict[str, int] = {}  # engine -> the newest version it refused to load
         self.max_seen_updating = 0
         self.updates_done = 0
 
@@ -153,6 +157,22 @@ class UpdatePlan:
         self._relag()
         return self._proceed()
 
+    def on_refused(self, engine: str, version: int) -> list[UpdateAction]:
+        """`engine` refused to load `version` (in an update, or while it was brought back after a
+        restart): it serves on at the version it had, and the update goes on to the other engines."""
+        if engine not in self.versions:
+            raise ValueError(f"unknown engine {engine!r}")
+        self.updating.pop(engine, None)
+        self.refused[engine] = max(version, self.refused.get(engine, -1))
+        return self._proceed()
+
+    def refuses(self, engine: str, version: int) -> bool:
+        """`engine` refused `version` or a newer one: it is not offered `version` again."""
+        return self.refused.get(engine, -1) >= version
+
+    def _behind(self, engine: str) -> bool:
+        return self.versions[engine] < self.target and not self.refuses(engine, self.target)
+
     def on_publish(self, version: int) -> list[UpdateAction]:
         if version <= self.target:
             return []
@@ -177,7 +197,8 @@ class UpdatePlan:
     def _stop_world_if_behind(self) -> list[UpdateAction]:
         if self.updating or self.held:
             return []
-        if all(v >= self.target for e, v in self.versions.items() if e not in self.down | self.drained):
+        out = self.down | self.drained
+        if not any(self._behind(e) for e in self.versions if e not in out):
             return []
         return self._stop_world()
 
@@ -185,7 +206,11 @@ class UpdatePlan:
         # In-flight work starts over even when no engine is up to update: engines come back at the
         # newest version, and the trajectories must not mix in turns of the old one.
         actions: list[UpdateAction] = [RestartInFlight()]
-        up = [e for e in self.versions if e not in self.down and e not in self.drained]
+        up = [
+            e
+            for e in self.versions
+            if e not in self.down and e not in self.drained and not self.refuses(e, self.target)
+        ]
         for engine in up:
             self.updating[engine] = self.target
             actions.append(BeginUpdate(engine, self.target))
@@ -199,7 +224,7 @@ class UpdatePlan:
         may_join = self.may_join
         self._mark_too_stale()
         out = self.down | self.drained
-        behind = [e for e, v in self.versions.items() if v < self.target and e not in out]
+        behind = [e for e in self.versions if e not in out and self._behind(e)]
         # Engines too stale to serve first (a stable sort: otherwise in engine order), without pacing.
         behind.sort(key=lambda e: e not in self.too_stale)
         for engine in behind:

@@ -14,6 +14,10 @@ Invariants:
   `turn_retries` times); the failed engine leaves routing at once, an update it runs is abandoned and
   the rolling update goes on; it is restarted (or waited for) with backoff and serves again only once
   it holds the newest published version; every engine step is bounded (`update_timeout_s`);
+- an engine that refuses a version (a 4xx to its load: weights it cannot load) while it still answers
+  its health check is not down: that update fails with the engine's reason, the engine resumes on the
+  version it had and is not offered the refused one again (nor brought to it after a restart); a
+  newer publication goes to it as usual. A bad checkpoint never costs an engine restart, nor the run;
 - a publication the engines could not load (no weights path where they load weights from disk) is
   refused to its caller before anything changes: a bad command never costs the run;
 - a stop, or the duration deadline, ends the trainer's wait and withdraws the batch request in the
@@ -62,7 +66,7 @@ from app.core.events import (
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, DiscardReason, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
-from app.engines.errors import EngineError
+from app.engines.errors import EngineError, EngineRequestError
 from app.lanes.adaptive import LaneAdapter
 from app.lanes.base import LaneName, Lanes
 from app.lanes.ops import LaneOp, SandboxHandle
@@ -855,19 +859,46 @@ class Runtime:
         return engine
 
     async def _catch_up(self, engine: Engine) -> int:
-        """Bring `engine` to the newest published version (again, if one is published meanwhile)."""
+        """Bring `engine` to the newest published version (again, if one is published meanwhile), or,
+        when it refuses that version, back to the version it served before; return the version."""
+        name = engine.name
         async with asyncio.timeout(self.faults.update_timeout_s):
             if self.supervisor is None:
                 await engine.resume()  # it may have gone down paused, in the middle of an update
             while True:
                 target = self.plan.target
-                if await engine.weight_version() != target:
-                    await engine.publish_weights(target, self._weights.get(target))
-                    self.state.engines[engine.name].versions.append((self.now(), target))
+                want = self.plan.versions[name] if self.plan.refuses(name, target) else target
+                if await engine.weight_version() != want:
+                    try:
+                        await engine.publish_weights(want, self._weights.get(want))
+                    except EngineRequestError as exc:
+                        if want != target:
+                            raise  # it refuses the version it served: a failed restart
+                        self._refused(name, target, exc)
+                        continue
+                    self.state.engines[name].versions.append((self.now(), want))
                 if self.plan.target == target:
-                    return target
+                    return want
 
     # -- weight publication --------------------------------------------------------------------
+
+    def _refused(self, name: str, version: int, error: EngineRequestError) -> None:
+        """`name` refused to load `version`: the update to it fails with the engine's reason, and the
+        engine keeps the version it had (`UpdatePlan.on_refused`)."""
+        now, reason = self.now(), str(error)
+        self._log.warning(
+            "engine %s refused version %d and serves on at version %d: %s",
+            name,
+            version,
+            self.plan.versions[name],
+            reason,
+        )
+        self.state.update_log.append((now, name, version, "failed"))
+        self.state.update_failures.append((now, name, version, reason))
+        self._publish(EngineUpdateEnd(name, version, ok=False, error=reason))
+        actions = self.plan.on_refused(name, version)
+        if not self._stopping:
+            self._do_updates(actions)
 
     def _free_slots_for_update(self, engine: str, updating: tuple[str, ...]) -> bool:
         """Free-slot pacing: `engine` may begin updating beside `updating` while the engines left serving
@@ -906,12 +937,20 @@ class Runtime:
         mode = PauseMode(self.policy.pause_mode.value) if self.plan.rolling else PauseMode.ABORT
         self.state.update_log.append((self.now(), engine.name, action.version, "begin"))
         self._publish(EngineUpdateBegin(engine.name, action.version))
+        refusal: EngineRequestError | None = None
         try:
             async with asyncio.timeout(self.faults.update_timeout_s):
                 await engine.pause(mode)
                 if mode is PauseMode.WAIT:
                     await self.pool.drained(engine.name)
-                await engine.publish_weights(action.version, self._weights.get(action.version))
+                try:
+                    await engine.publish_weights(action.version, self._weights.get(action.version))
+                except EngineRequestError as exc:
+                    # It answered that it cannot load these weights. Alive and healthy, it serves on at
+                    # its version: a restart would only load the same weights and be refused again.
+                    if not await self._probe(engine):
+                        raise
+                    refusal = exc
                 if not self.plan.held:  # held: the engine stays paused until the operator resumes
                     await engine.resume()
         except (EngineError, TimeoutError) as exc:  # fault tolerance: the engine leaves rotation
@@ -927,6 +966,11 @@ class Runtime:
         finally:
             if self._update_tasks.get(engine.name) is asyncio.current_task():
                 del self._update_tasks[engine.name]
+        if refusal is not None:
+            if engine.name in self.plan.updating and self.pool.epoch[engine.name] == epoch:
+                self._refused(engine.name, action.version, refusal)
+            self.pool.wake()
+            return
         record = self.state.engines[engine.name]
         record.updates += 1
         record.versions.append((self.now(), action.version))

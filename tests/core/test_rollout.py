@@ -205,3 +205,32 @@ def test_a_drained_engine_stays_out_through_updates_and_restarts_until_it_is_put
     assert plan.routable("a")
     with pytest.raises(ValueError, match="unknown engine"):
         plan.set_drained("z", True)
+
+
+def test_an_engine_that_refuses_a_version_serves_on_at_its_own_and_takes_the_next() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=True, max_updating=1, max_staleness=1)
+    assert plan.on_publish(1) == [BeginUpdate("a", 1)]
+    assert plan.on_refused("a", 1) == [BeginUpdate("b", 1)]  # the update goes on to the others
+    assert plan.routable("a")  # serving its own version, within K
+    assert plan.on_updated("b") == []  # a is not offered version 1 again
+    assert plan.versions == {"a": 0, "b": 1}
+    assert plan.on_publish(2) == [BeginUpdate("a", 2)]  # a newer version is offered as usual
+    assert plan.on_updated("a") == [BeginUpdate("b", 2)]
+    # More than K behind on a version it refused: it serves nothing until a newer one comes.
+    assert plan.on_refused("b", 2) == []
+    assert plan.on_publish(3) == [BeginUpdate("b", 3)]
+    assert plan.on_refused("b", 3) == [BeginUpdate("a", 3)]
+    assert plan.on_updated("a") == []
+    assert not plan.routable("b")
+    assert plan.on_publish(4)[0] == BeginUpdate("b", 4)
+
+
+def test_stop_the_world_does_not_offer_a_refused_version_again() -> None:
+    plan = UpdatePlan(["a", "b"], rolling=False)
+    assert plan.on_publish(1) == [RestartInFlight(), BeginUpdate("a", 1), BeginUpdate("b", 1)]
+    assert plan.on_refused("a", 1) == []
+    assert plan.on_updated("b") == []
+    assert plan.versions == {"a": 0, "b": 1}
+    plan.on_engine_down("b")
+    assert plan.on_engine_up("b", 1) == []  # nobody is behind but a, which refused version 1
+    assert plan.on_publish(2) == [RestartInFlight(), BeginUpdate("a", 2), BeginUpdate("b", 2)]

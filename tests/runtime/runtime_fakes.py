@@ -11,7 +11,7 @@ from typing import Any
 
 from app.core.config import PolicyConfig
 from app.engines.base import PauseMode, TurnRequest, TurnResult
-from app.engines.errors import EngineServerError, EngineUnavailable
+from app.engines.errors import EngineRequestError, EngineServerError, EngineUnavailable
 from app.lanes.base import LaneName
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.context import AttemptContext, AttemptOutcome
@@ -38,6 +38,7 @@ class FakeEngine:
     health_s: float = 0.0  # how long a health probe takes
     closed: bool = False  # aclose() was called: every call raises, as a closed HTTP client does
     disk: bool = False  # loads weights from disk: a publication without a path raises, as vLLM's client
+    refuse: set[int] = field(default_factory=set)  # versions whose weights it answers 400 to, staying up
     turns: int = 0
     published: list[int] = field(default_factory=list)
 
@@ -66,6 +67,13 @@ class FakeEngine:
         self._check("/update_weights")
         if self.disk and path is None:
             raise ValueError(f"engine {self.name}: the disk backend needs a checkpoint path")
+        if version in self.refuse:
+            raise EngineRequestError(
+                f"fake://{self.name}",
+                "/update_weights",
+                400,
+                f"refused weights (still serving version {self.version})",
+            )
         kind, self.update = self.update, None
         if kind == "hang":
             await asyncio.Event().wait()
@@ -98,6 +106,7 @@ class FakeSupervisor:
     failing: int = 0
     restarts: list[tuple[float, str]] = field(default_factory=list)
     engines: dict[str, FakeEngine] = field(default_factory=dict)
+    refuse: set[int] = field(default_factory=set)  # versions the engines it starts refuse
 
     async def restart(self, name: str) -> FakeEngine:
         self.restarts.append((asyncio.get_running_loop().time(), name))
@@ -105,7 +114,7 @@ class FakeSupervisor:
         if self.failing > 0:
             self.failing -= 1
             raise RuntimeError(f"{name} did not come up")
-        self.engines[name] = FakeEngine(name)
+        self.engines[name] = FakeEngine(name, refuse=set(self.refuse))
         return self.engines[name]
 
 

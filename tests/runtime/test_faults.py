@@ -32,6 +32,7 @@ from runtime_fakes import (
     states,
 )
 
+from app.core.events import EngineUpdateEnd, Envelope, TurnDone
 from app.runtime.engine_pool import EngineFaultConfig
 from app.sim.clock import run_virtual
 
@@ -206,6 +207,81 @@ def test_a_publication_without_weights_to_engines_that_load_from_disk_is_refused
     accounted(runtime)
     assert runtime.state.update_failures == []
     assert a.published[:3] == b.published[:3] == [1, 2, 3]  # the trainer's versions, with their paths
+
+
+def test_a_version_the_engines_refuse_fails_its_update_not_the_engines_nor_the_run() -> None:
+    """Every engine answers 400 to version 2's weights (a checkpoint they cannot load). Each was marked
+    down and restarted; each restart loaded version 2 again and was refused again, until after
+    `max_restarts` every engine was given up and the run stopped. Now each refusal fails that update
+    only: the engine serves on at version 1, never restarted, and takes version 3 when it comes."""
+    supervisor = FakeSupervisor(refuse={2})
+    a, b = FakeEngine("a", refuse={2}), FakeEngine("b", refuse={2})
+    faults = EngineFaultConfig(
+        update_timeout_s=5.0, max_restarts=2, restart_backoff_s=1.0, restart_backoff_max_s=4.0
+    )
+    trainer = FakeTrainer(weights="/ckpt")
+    runtime = make_runtime([a, b], supervisor, faults=faults, trainer=trainer, max_staleness=2)
+    turns: list[tuple[float, str, int]] = []
+    runtime.bus.subscribe(
+        lambda env: (
+            turns.append((env.t, env.event.engine, env.event.version))
+            if isinstance(env.event, TurnDone) and env.event.version >= 0
+            else None
+        )
+    )
+    run_virtual(run_with(runtime, 6))
+    assert len(runtime.state.batches) == 6
+    accounted(runtime)
+    assert runtime.state.error is None
+    assert runtime.state.given_up == {}
+    assert supervisor.restarts == []
+    assert runtime.state.engine_events == []  # neither engine ever left rotation
+    failures = [(engine, version) for _, engine, version, _ in runtime.state.update_failures]
+    assert sorted(failures) == [("a", 2), ("b", 2)]
+    assert all(
+        "400" in reason and "still serving version 1" in reason
+        for *_, reason in runtime.state.update_failures
+    )
+    # Each was offered version 2 once, then each newer version.
+    assert a.published[:4] == b.published[:4] == [1, 3, 4, 5]
+    assert 2 not in a.published + b.published
+    assert min(runtime.plan.versions.values()) >= 5
+    # Between the refusals and version 3, their turns were version 1's, and counted so.
+    t2 = next(t for t, v in trainer.published if v == 2)
+    t3 = next(t for t, v in trainer.published if v == 3)
+    assert {v for t, _, v in turns if t2 + 1 < t < t3} == {1}
+    assert all(b.max_staleness <= 2 for b in runtime.state.batches)
+
+
+def test_an_engine_restarted_while_a_version_it_refuses_comes_out_comes_back_at_its_version() -> None:
+    """Engine a dies once it has loaded version 1; version 2, which it cannot load, is published while
+    it restarts. Its catch-up to 2 is refused: it comes back at version 1 (not a failed restart, nor a
+    restart loop), and version 3 reaches it."""
+    supervisor = FakeSupervisor(start_s=3.0, refuse={2})
+    a, b = FakeEngine("a", refuse={2}), FakeEngine("b")
+    runtime = make_runtime([a, b], supervisor, trainer=FakeTrainer(weights="/ckpt"))
+
+    def kill_a_at_version_1(env: Envelope) -> None:
+        event = env.event
+        if isinstance(event, EngineUpdateEnd) and (event.engine, event.version) == ("a", 1):
+            a.down = True
+
+    runtime.bus.subscribe(kill_a_at_version_1)
+    run_virtual(run_with(runtime, 5))
+    assert len(runtime.state.batches) == 5
+    accounted(runtime)
+    assert [name for _, name in supervisor.restarts] == ["a"]
+    assert states(runtime, "a") == ["unhealthy", "restarting", "serving"]
+    (down_at, back_at) = [t for t, e, _, _ in runtime.state.engine_events if e == "a"][::2]
+    back = next(d for _, e, s, d in runtime.state.engine_events if e == "a" and s == "serving")
+    assert back == "back at version 1"
+    ((t, engine, version, reason),) = runtime.state.update_failures
+    assert (engine, version) == ("a", 2)
+    assert down_at < t < back_at  # refused by the restarted engine, while it was brought back
+    assert "400" in reason
+    fresh = supervisor.engines["a"]
+    assert fresh.published[:2] == [1, 3]
+    assert runtime.state.given_up == {}
 
 
 def test_engines_dying_all_at_once_do_not_use_up_a_turns_retries() -> None:

@@ -93,13 +93,16 @@ def back_at(handle: RunHandle) -> dict[str, Any] | None:
 
 
 @contextmanager
-def local_run(tmp_path: Path, **config: Any) -> Iterator[tuple[RunHandle, ServiceStore, RunEngines]]:
-    """A local run with the sentinel trainer, executing in this process until the block stops it."""
+def local_run(
+    tmp_path: Path, trainer: str = "sentinel", **config: Any
+) -> Iterator[tuple[RunHandle, ServiceStore, RunEngines]]:
+    """A local run with the sentinel trainer (or `trainer`), executing in this process until the block
+    stops it."""
     engines = RunEngines()
     store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
     manager = RunManager(store, tmp_path / "data", ack_timeout_s=30.0)
     spec = {"name": "supervised", "kind": "local", "config": {**make_config(), **config},
-            "trainer": "sentinel", "sentinel_step_s": 0.2}  # fmt: skip
+            "trainer": trainer, "sentinel_step_s": 0.2}  # fmt: skip
     try:
         handle = manager.get(manager.create(RunCreate.model_validate(spec)))
         assert handle is not None
@@ -196,6 +199,51 @@ def test_a_publication_without_weights_is_refused_and_the_run_goes_on(tmp_path: 
     )
     assert not any(r["path"] is None for r in rows_of(handle, "version_published"))
     assert ledger.lost == 0
+
+
+@pytest.mark.slow
+def test_weights_the_engines_refuse_fail_the_rollout_not_the_engines(tmp_path: Path) -> None:
+    """Engines of real weights (`sentinel: false`) sent sentinel weights (the dashboard's publish) each
+    answered 400, were marked down and restarted; each restart loaded the same weights and was refused
+    again, until after `max_restarts` every engine was given up and the run stopped. Now the rollout
+    fails with each engine's reason, the engines serve on at their version, never restarted, and a
+    version they can load reaches them."""
+    from app.engines.embedded.server import EmbeddedConfig, build_model
+    from app.engines.embedded.weights import save_weights
+
+    engines_config = {**make_config()["engines"], "sentinel": False, "max_restarts": 2}
+    with local_run(tmp_path, trainer="external", engines=engines_config) as (handle, _, engines):
+        wait_for(lambda: handle.state is RunState.RUNNING and len(engines()) == 2, 120, "the engines")
+        pids = engines()
+
+        def rollout(version: int) -> dict[str, Any]:
+            return handle.submit(handle.rollout, version).result(timeout=10)
+
+        def settled(version: int) -> dict[str, Any] | None:
+            answer = rollout(version)
+            return None if answer["state"] == "running" else answer
+
+        version = handle.submit(lambda: handle.runtime.version + 1).result(timeout=10)
+        sentinel = handle.sentinel_weights(version)
+        handle.submit(handle.publish, version, sentinel, "tester").result(timeout=10)
+        refused = wait_for(lambda: settled(version), 60, f"the rollout of version {version}")
+        assert refused["state"] == "failed"
+        assert [e["state"] for e in refused["engines"]] == ["failed", "failed"]
+        for engine in refused["engines"]:
+            assert engine["version"] == version - 1
+            assert "HTTP 400" in engine["error"]
+            assert "lacks" in engine["error"]
+
+        full = tmp_path / "full"
+        save_weights(build_model(EmbeddedConfig(layers=1, hidden=16)), full)
+        handle.submit(handle.publish, version + 1, str(full), "tester").result(timeout=10)
+        loaded = wait_for(lambda: settled(version + 1), 60, f"the rollout of version {version + 1}")
+        assert loaded["state"] == "completed", loaded
+        assert [e["version"] for e in loaded["engines"]] == [version + 1, version + 1]
+        assert engine_rows(handle) == []  # never unhealthy, never restarted
+        assert engines() == pids
+        assert handle.state is RunState.RUNNING, handle.error
+        stop(handle)
 
 
 @pytest.mark.slow
