@@ -19,9 +19,11 @@ node_modules/.package-lock.json: package.json package-lock.json
 	npm ci --no-audit --no-fund
 
 run: install
+	bash scripts/test-setup.sh run
 	$(BIN)/corral serve --demo
 
 run-once: install
+	bash scripts/test-setup.sh run
 	$(BIN)/corral run --json run-report.json
 
 test: install
