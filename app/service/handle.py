@@ -328,6 +328,7 @@ class RunHandle:
             updating=dict(plan.updating),
             t0=book.first_t,
             knobs=self.knobs,
+            run_ended=book.ended,
         )
 
     def drain_engine(self, name: str, actor: str) -> dict[str, Any]:

@@ -10,8 +10,9 @@ Invariants:
 - a version is known only once a `VersionPublished` for it is in the stream: never published, no rollout;
 - a rollout is `running` until every engine in rotation has ended its step (`completed`, or `failed`
   when a step failed), or `superseded` when a newer version is published first, or `cancelled` when the
-  run ends first: then each engine that had not loaded it is `cancelled` with the error `run ended`
-  (no rollout outlives its run as `running`);
+  run ends first (no rollout outlives its run as `running`);
+- once the run has ended, no engine of any rollout is `pending` or `updating`: each that had not loaded
+  the version is `cancelled` with the error `run ended` (a superseded rollout's too);
 - both sources answer with the same keys (`ROLLOUT_KEYS`, `ENGINE_KEYS`); times are on the run's
   clock (`started_at`, `ended_at`) and in seconds from the run's first event (`began_s`, `ended_s`).
 """
@@ -72,6 +73,7 @@ class RolloutLog:
         self.steps: dict[int, dict[str, StepRow]] = {}  # version -> engine -> its update to it
         self.engines: dict[str, str] = {}  # name -> state
         self.first_t: float | None = None
+        self.ended = False  # the run has ended (until a resumed run starts again)
         self._running: set[int] = set()
 
     @property
@@ -111,6 +113,7 @@ class RolloutLog:
                 self.engines.setdefault(ev.engine, "serving")
             self._maybe_finish(ev.version, t)
         elif isinstance(ev, RunStarted):
+            self.ended = False
             for name in ev.engines:
                 self.engines.setdefault(name, "serving")
         elif isinstance(ev, EngineStateChanged):
@@ -119,6 +122,7 @@ class RolloutLog:
                 for version in sorted(self._running):
                     self._maybe_finish(version, t)
         elif isinstance(ev, RunEnded):  # no engine will load anything more
+            self.ended = True
             for by_engine in self.steps.values():
                 for step in by_engine.values():
                     if step.state == "updating":
@@ -158,10 +162,12 @@ def rollout_answer(
     updating: Mapping[str, int],
     t0: float | None,
     knobs: Mapping[str, Any],
+    run_ended: bool = False,
 ) -> dict[str, Any]:
     """One rollout, engine by engine. `served`: each engine's version now (or when the run ended);
     `steps`: the engines' updates (those to this version or a newer one count); `updating`: engine ->
-    version it is loading; `t0`: the run's first event; `knobs`: the run's policy in force."""
+    version it is loading; `t0`: the run's first event; `knobs`: the run's policy in force;
+    `run_ended`: the run has ended, so an engine that never began this version never will."""
     version = row.version
     mine: dict[str, list[StepRow]] = {}
     newer = [s for s in steps if s.version >= version]
@@ -180,11 +186,11 @@ def rollout_answer(
             state = "done"
         elif cancelled is not None:  # the run ended under it, whatever the plan left behind
             state, error = "cancelled", cancelled.error
-        elif updating.get(name, -1) >= version or any(s.state == "updating" for s in own):
+        elif not run_ended and (updating.get(name, -1) >= version or any(s.state == "updating" for s in own)):
             state = "updating"
         elif failed is not None:
             state, error = "failed", failed.error
-        elif row.state == "cancelled":  # it never began before the run ended
+        elif row.state == "cancelled" or run_ended:  # it never began before the run ended
             state, error = "cancelled", RUN_ENDED
         else:
             state = "pending"

@@ -287,6 +287,7 @@ class ServiceStore:
                 updating={},
                 t0=first[0].t if first else None,
                 knobs=dict(run.policy or {}),
+                run_ended=run.state in TERMINAL_RUN_STATES,
             )
 
     # -- an ended run's account ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from app.core.events import (
@@ -15,6 +16,8 @@ from app.core.events import (
     VersionPublished,
 )
 from app.service.rollouts import ENGINE_KEYS, ROLLOUT_KEYS, RolloutLog, rollout_answer
+from app.service.store import ServiceStore
+from app.store.models import RunState
 
 
 def make_log(*timed: tuple[float, Event]) -> RolloutLog:
@@ -33,6 +36,7 @@ def answer(log: RolloutLog, version: int, **overrides: Any) -> dict[str, Any]:
         "updating": {},
         "t0": log.first_t,
         "knobs": {"max_updating_engines": 1, "pause_mode": "keep"},
+        "run_ended": log.ended,
     }
     fields.update(overrides)
     return rollout_answer(log.rollouts[version], **fields)
@@ -126,3 +130,61 @@ def test_a_rollout_still_running_when_the_run_ends_is_cancelled_saying_so() -> N
     completed = answer(done, 1, engines=["e0"], served={"e0": 1})
     assert (completed["state"], completed["ended_at"]) == ("completed", 2.0)
     assert [(e["state"], e["error"]) for e in completed["engines"]] == [("done", None)]
+
+
+def superseded_then_ended() -> list[tuple[float, Event]]:
+    """Version 1 is superseded while e0 loads it and e1 has not begun; the run ends while e0 loads 2."""
+    return [
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (1.5, VersionPublished(2)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (2.0, EngineUpdateBegin("e0", 2)),
+        (3.0, RunEnded("stopped")),
+    ]
+
+
+def test_an_engine_that_never_began_a_superseded_rollout_is_cancelled_when_the_run_ends() -> None:
+    """e1 stayed `pending` for ever in version 1's rollout: superseded, it was not closed at the run's
+    end as a cancelled rollout's engines are."""
+    timed = superseded_then_ended()
+    running = answer(make_log(*timed[:-1]), 1, served={"e0": 1, "e1": 0}, updating={"e0": 2})
+    assert [e["state"] for e in running["engines"]] == ["done", "pending"]  # the run goes on: it may yet
+    log = make_log(*timed)
+    # The runtime's plan may still list e0 as updating once the run has ended: the log's account wins.
+    first = answer(log, 1, served={"e0": 1, "e1": 0}, updating={"e0": 2})
+    assert (first["state"], first["ended_at"]) == ("superseded", 1.5)
+    assert [(e["state"], e["error"]) for e in first["engines"]] == [
+        ("done", None),
+        ("cancelled", "run ended"),
+    ]
+    second = answer(log, 2, served={"e0": 1, "e1": 0}, updating={"e0": 2})
+    assert [(e["state"], e["error"]) for e in second["engines"]] == [("cancelled", "run ended")] * 2
+
+
+def test_the_store_answers_a_superseded_rollout_of_an_ended_run_with_no_engine_pending(
+    tmp_path: Path,
+) -> None:
+    """As the live log, from the store, and from the store opened again (a restarted server)."""
+    database = f"sqlite:///{tmp_path / 'corral.db'}"
+    for opening in range(2):
+        store = ServiceStore(database)
+        try:
+            if opening == 0:
+                store.create_run("r", "ended", {"kind": "sim"}, {})
+                timed = superseded_then_ended()
+                sink = store.event_sink()
+                sink.write_batch([Envelope("r", seq, t, ev) for seq, (t, ev) in enumerate(timed)])
+                record = store.get_run("r")
+                assert record is not None
+                assert record.state == RunState.STOPPED  # set by the stream's run_ended
+            first = store.rollout("r", 1)
+        finally:
+            store.close()
+        assert first is not None
+        assert first["state"] == "superseded"
+        assert [(e["engine"], e["state"], e["error"]) for e in first["engines"]] == [
+            ("e0", "done", None),
+            ("e1", "cancelled", "run ended"),
+        ]
