@@ -171,13 +171,15 @@ class EngineUpdateBegin(Event):
 
 @dataclass(frozen=True, slots=True)
 class EngineUpdateEnd(Event):
-    """`ok` False: the step failed or timed out (`error` says which) and the engine left rotation."""
+    """`ok` False: the step failed or timed out (`error` says which) and the engine left rotation, or,
+    `refused`, the engine refused the weights and serves on at the version it had."""
 
     kind: ClassVar[str] = "engine_update_end"
     engine: str
     version: int
     ok: bool = True
     error: str = ""
+    refused: bool = False
 
 
 @dataclass(frozen=True, slots=True)

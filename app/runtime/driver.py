@@ -895,7 +895,7 @@ class Runtime:
         )
         self.state.update_log.append((now, name, version, "failed"))
         self.state.update_failures.append((now, name, version, reason))
-        self._publish(EngineUpdateEnd(name, version, ok=False, error=reason))
+        self._publish(EngineUpdateEnd(name, version, ok=False, error=reason, refused=True))
         actions = self.plan.on_refused(name, version)
         if not self._stopping:
             self._do_updates(actions)

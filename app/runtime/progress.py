@@ -182,6 +182,8 @@ class RunProgress:
             if event.ok:
                 return f"{event.engine} now serves policy version {event.version}"
             failed = f"{event.engine} failed to load policy version {event.version}"
+            if event.refused:
+                return f"{failed}, refused by the engine, which serves on at its version: {event.error}"
             return f"{failed} and left rotation: {event.error}"
         if isinstance(event, GroupDiscarded):
             self.ready.discard(event.group_id)

@@ -394,8 +394,8 @@ class RunViewBuilder:
             row_e.target_version = None
             if ev.ok:
                 row_e.version, row_e.state = ev.version, "serving"
-            else:
-                row_e.state = "unhealthy"
+            else:  # a refusal leaves the engine serving its version; another failure, out of rotation
+                row_e.state = "serving" if ev.refused else "unhealthy"
         elif isinstance(ev, EngineStateChanged):
             self._engine(ev.engine).state = ev.state
         elif isinstance(ev, BatchRequested):

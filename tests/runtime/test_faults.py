@@ -229,10 +229,16 @@ def test_a_version_the_engines_refuse_fails_its_update_not_the_engines_nor_the_r
             else None
         )
     )
+    ends: list[EngineUpdateEnd] = []
+    runtime.bus.subscribe(
+        lambda env: ends.append(env.event) if isinstance(env.event, EngineUpdateEnd) else None
+    )
     run_virtual(run_with(runtime, 6))
     assert len(runtime.state.batches) == 6
     accounted(runtime)
     assert runtime.state.error is None
+    assert sorted((e.engine, e.version) for e in ends if not e.ok) == [("a", 2), ("b", 2)]
+    assert all(e.refused for e in ends if not e.ok)  # the dashboard and progress: it serves on
     assert runtime.state.given_up == {}
     assert supervisor.restarts == []
     assert runtime.state.engine_events == []  # neither engine ever left rotation

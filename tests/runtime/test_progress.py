@@ -141,3 +141,20 @@ def test_a_lane_resize_and_a_live_policy_change_each_get_a_line() -> None:
     text = console.export_text()
     assert f"lane reset: 2 → 3 slots (configured 2; {why})" in text
     assert "max_staleness changed from 2 to 3 by operator" in text
+
+
+def test_a_refused_update_does_not_say_the_engine_left_rotation() -> None:
+    # An engine that refuses weights serves on (docs/faults.md); the line said it left rotation.
+    from app.core.events import EngineUpdateEnd, Envelope
+
+    progress, console = make_progress()
+    refused = EngineUpdateEnd("engine-0", 3, ok=False, error="HTTP 400: 'lacks 7 tensors'", refused=True)
+    progress.on_envelope(Envelope("run", 0, 1.0, refused))
+    progress.on_envelope(Envelope("run", 1, 2.0, EngineUpdateEnd("engine-1", 3, ok=False, error="timed out")))
+    text = console.export_text()
+    assert (
+        "engine-0 failed to load policy version 3, refused by the engine, which serves on at its version: "
+        "HTTP 400: 'lacks 7 tensors'"
+    ) in text
+    assert "engine-0 failed to load policy version 3 and left rotation" not in text
+    assert "engine-1 failed to load policy version 3 and left rotation: timed out" in text

@@ -277,3 +277,24 @@ def test_an_update_under_way_when_the_run_ends_is_not_shown_updating_for_ever():
             ("engine-1", "stopped", None),
         ]
         assert view.updates == [("engine-1", 1.0, 3.0, 2)]
+
+
+def test_an_engine_that_refused_weights_is_shown_serving_its_version_not_unhealthy():
+    """A failed update always showed the engine `unhealthy`: true when it left rotation (a timeout, a
+    5xx), not when it refused the weights and serves on at its version."""
+    from app.core.events import EngineUpdateEnd, RunStarted
+
+    events = [
+        Envelope("r", 0, 0.0, RunStarted(engines=("engine-0", "engine-1"))),
+        Envelope("r", 1, 1.0, EngineUpdateBegin("engine-0", 1)),
+        Envelope("r", 2, 2.0, EngineUpdateEnd("engine-0", 1)),
+        Envelope("r", 3, 3.0, EngineUpdateBegin("engine-0", 2)),
+        Envelope("r", 4, 4.0, EngineUpdateEnd("engine-0", 2, ok=False, error="HTTP 400", refused=True)),
+        Envelope("r", 5, 4.0, EngineUpdateBegin("engine-1", 2)),
+        Envelope("r", 6, 5.0, EngineUpdateEnd("engine-1", 2, ok=False, error="timed out")),
+    ]
+    view = view_from_events("r", events, None)
+    assert [(e.name, e.state, e.version, e.target_version) for e in view.engines] == [
+        ("engine-0", "serving", 1, None),
+        ("engine-1", "unhealthy", 0, None),
+    ]
