@@ -278,8 +278,11 @@ def _group(
 ) -> int:
     h = len(trajs) * (ROW_H + ROW_GAP)
     status = group.outcome
+    # A group cancelled because the run ended (or a stop) lost nothing to a fault: grey, not red.
+    cancelled = group.outcome == "cancelled"
     if group.discarded:
-        out.append(f'<rect x="0" y="{y - 1}" width="{GUTTER + plot_w}" height="{h + 1}" fill="#fde4e4"/>')
+        band = "#ececec" if cancelled else "#fde4e4"
+        out.append(f'<rect x="0" y="{y - 1}" width="{GUTTER + plot_w}" height="{h + 1}" fill="{band}"/>')
     elif group.straggler:
         out.append(f'<rect x="0" y="{y - 1}" width="{GUTTER + plot_w}" height="{h + 1}" fill="#fff1c9"/>')
     tags = []
@@ -303,9 +306,9 @@ def _group(
             f'<text x="40" y="{y + ROW_H - 2}" class="lbl" fill="{colour}">{escape(", ".join(tags))}</text>'
         )
     if group.discarded:
-        out.append(
-            f'<text x="4" y="{y + 2 * ROW_H}" class="lbl tag" fill="#a00000">✗ {escape(group.outcome)}</text>'
-        )
+        mark, colour = ("■", "#555555") if cancelled else ("✗", "#a00000")
+        label = f"{mark} {escape(group.outcome)}"
+        out.append(f'<text x="4" y="{y + 2 * ROW_H}" class="lbl tag" fill="{colour}">{label}</text>')
     for i, traj in enumerate(trajs):
         ry = y + i * (ROW_H + ROW_GAP)
         out.append(f'<text x="{GUTTER - 22}" y="{ry + ROW_H - 2}" class="lbl">a{traj.attempt}</text>')

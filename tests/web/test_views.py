@@ -487,3 +487,15 @@ async def test_the_wait_panel_names_the_phase_made_slow_in_a_simulated_replay():
     rows = re.findall(r"<tr><td>([^<]+)</td><td class=\"num\">", block.text)
     assert rows[0] == "sandbox resets"  # the largest share comes first
     assert re.search(r"The trainer waited [\d.]+ s over 2 batches: [\d.]+ s on sandbox resets,", block.text)
+
+
+@pytest.mark.parametrize(
+    "state", ["serving", "updating", "unhealthy", "draining", "paused", "restarting", "given_up", "stopped"]
+)
+def test_every_engine_state_has_a_marker_in_the_engines_table(state):
+    # An ended run shows its engines `stopped`, which had no marker (nor `restarting`, `given_up`): a bare
+    # word among the others' symbols. Each state the runtime, the service or the read model sets has one.
+    from pathlib import Path
+
+    css = (Path(__file__).resolve().parents[2] / "app" / "web" / "static" / "dashboard.css").read_text()
+    assert f".state.{state}::before {{ content: " in css

@@ -50,7 +50,7 @@ def test_stragglers_and_discarded_groups_are_labelled():
     svg = render_timeline(view)
     discarded = [g for g in view.groups if g.discarded]
     assert discarded
-    assert svg.count("✗ cancelled") == len(discarded)
+    assert svg.count("■ cancelled") == len(discarded)
     stragglers = [g for g in view.groups if g.straggler]
     assert svg.count("straggler") >= len(stragglers)
 
@@ -165,3 +165,18 @@ def test_batch_and_version_labels_never_overlap_and_zooming_in_shows_more(prefix
         counts.append(len(labels))
     assert counts[0] < marks  # at one screen's width some labels had no room
     assert counts[1] > counts[0]
+
+
+def test_a_cancelled_group_reads_apart_from_a_failed_one():
+    # Every discarded group had a red band and a red ✗: an ended run's cancelled groups (a stop, the
+    # run's end) looked like faults. Cancelled is grey with ■; failed and stale stay red with ✗.
+    view = make_view(groups=4, group_size=2, batch_groups=2)
+    cancelled, failed, stale = (
+        replace(view.groups[i], outcome=o) for i, o in enumerate(("cancelled", "failed", "stale"))
+    )
+    view = replace(view, groups=[cancelled, failed, stale, *view.groups[3:]])
+    root = ET.fromstring(render_timeline(view))
+    bands = [r.get("fill") for r in root.iter(f"{SVG}rect") if r.get("fill") in ("#ececec", "#fde4e4")]
+    assert bands == ["#ececec", "#fde4e4", "#fde4e4"]
+    labels = {t.text: t.get("fill") for t in root.iter(f"{SVG}text") if t.text and t.text[:1] in "■✗"}
+    assert labels == {"■ cancelled": "#555555", "✗ failed": "#a00000", "✗ stale": "#a00000"}
