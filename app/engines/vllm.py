@@ -174,8 +174,11 @@ def completion_tokens(transport: HTTPTransport, route: str, body: Mapping[str, A
     return tokens
 
 
+_MAX_VERSION_DIGITS = 18  # a version past 10^18 was not counted by a trainer
+
+
 def parse_version(transport: HTTPTransport, route: str, value: object) -> int | None:
-    """A weight version as Corral counts it: an int, or a string of decimal digits; None stays None.
+    """A weight version as Corral counts it: an int, or a string of ASCII digits; None stays None.
 
     vLLM types the version as an opaque string; Corral only ever writes `str(int)`. Anything else was
     written by someone outside Corral and cannot be ordered, so it is an error, not a guess.
@@ -184,8 +187,9 @@ def parse_version(transport: HTTPTransport, route: str, value: object) -> int | 
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().isdecimal():
-        return int(value.strip())
+    text = value.strip() if isinstance(value, str) else ""
+    if text.isascii() and text.isdigit() and len(text) <= _MAX_VERSION_DIGITS:
+        return int(text)
     raise transport.protocol_error(route, f"weight version {value!r:.100} is not an integer")
 
 

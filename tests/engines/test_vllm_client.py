@@ -122,8 +122,10 @@ async def test_weight_version_null_falls_back_to_known_version(stub: RunningStub
         assert await engine.weight_version() == 3
 
 
-async def test_weight_version_non_integer_is_protocol_error(stub: RunningStub) -> None:
-    stub.state.weight_version = "step-100"
+@pytest.mark.parametrize("reported", ["step-100", "٣", "３", "-3", "1" * 5000, 2.0, True])
+async def test_weight_version_non_integer_is_protocol_error(stub: RunningStub, reported: object) -> None:
+    """Only ASCII digits (or a JSON integer) are a version: `isdecimal` took '٣' and '３' as 3."""
+    stub.state.weight_version = reported
     async with make_engine(stub) as engine:
         with pytest.raises(EngineProtocolError, match="/weight_info"):
             await engine.weight_version()
