@@ -51,6 +51,7 @@ from app.sim.bound import lower_bound_s
 STRAGGLER_RATIO = 1.5
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
+POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -172,6 +173,7 @@ class RunView:
     pending_request: float | None = None  # when the trainer asked for a batch it has not got yet
     dropped_groups: int = 0  # ended groups no longer kept (a long live run keeps its latest)
     started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
+    pool_note: str | None = None  # the whole pool's state (every engine down, or given up), when it holds
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -266,6 +268,7 @@ class RunViewBuilder:
         self.durations: list[float] = []  # admission to completion of every completed group
         self.batches: list[BatchRow] = []
         self.engines: dict[str, EngineRow] = {}
+        self.pool: tuple[str, str] | None = None  # the whole pool's state and its detail, while not serving
         self.publications: list[tuple[float, int]] = []
         self.updates: list[tuple[str, float, float, int]] = []
         self.open_updates: dict[str, tuple[float, int]] = {}
@@ -332,6 +335,8 @@ class RunViewBuilder:
             self.open_updates.clear()
             for row_e in self.engines.values():
                 row_e.state, row_e.target_version = "stopped", None
+            if self.pool is not None and self.pool[0] != "given_up":  # why the run ended stays said
+                self.pool = None
         elif isinstance(ev, GroupAdmitted):
             self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
         elif isinstance(ev, GroupReady):
@@ -397,7 +402,10 @@ class RunViewBuilder:
             else:  # a refusal leaves the engine serving its version; another failure, out of rotation
                 row_e.state = "serving" if ev.refused else "unhealthy"
         elif isinstance(ev, EngineStateChanged):
-            self._engine(ev.engine).state = ev.state
+            if ev.engine == POOL:
+                self.pool = None if ev.state == "serving" else (ev.state, ev.detail or ev.state)
+            else:
+                self._engine(ev.engine).state = ev.state
         elif isinstance(ev, BatchRequested):
             self.pending = t
         elif isinstance(ev, BatchDelivered):
@@ -484,6 +492,7 @@ class RunViewBuilder:
             pending_request=self.pending if state in ("running", "paused", "stopping") else None,
             dropped_groups=self.dropped_groups,
             started_at=meta.started_at,
+            pool_note=self.pool[1] if self.pool is not None else None,
         )
 
 

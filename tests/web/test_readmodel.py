@@ -298,3 +298,36 @@ def test_an_engine_that_refused_weights_is_shown_serving_its_version_not_unhealt
         ("engine-0", "serving", 1, None),
         ("engine-1", "unhealthy", 0, None),
     ]
+
+
+def test_the_whole_pool_s_state_is_a_note_not_an_engine_named_star():
+    """The runtime records 'every engine down' (and its end, and 'every engine given up') under the
+    engine name `*`; the engines table showed it as a row, an engine named `*` in state all_down."""
+    from app.core.events import EngineStateChanged, RunEnded, RunStarted
+
+    events = [
+        Envelope("r", 0, 0.0, RunStarted(engines=("engine-0", "engine-1"))),
+        Envelope("r", 1, 1.0, EngineStateChanged("engine-0", "unhealthy")),
+        Envelope("r", 2, 1.0, EngineStateChanged("engine-1", "unhealthy")),
+        Envelope("r", 3, 1.0, EngineStateChanged("*", "all_down", "every engine is down; turns wait")),
+    ]
+    down = view_from_events("r", events)
+    assert [e.name for e in down.engines] == ["engine-0", "engine-1"]
+    assert down.pool_note == "every engine is down; turns wait"
+    html = make_env().get_template("run.html")
+    block = "".join(html.blocks["engines"](html.new_context({"view": down})))
+    assert "every engine is down" in block
+    assert 'data-engine="*"' not in block
+
+    back = [*events, Envelope("r", 4, 2.0, EngineStateChanged("*", "serving", "an engine is back"))]
+    assert view_from_events("r", back).pool_note is None
+    # Still down when the run ended: the note is about a live pool, and the engines are stopped.
+    assert view_from_events("r", [*events, Envelope("r", 4, 3.0, RunEnded("stopped"))]).pool_note is None
+    given_up = [
+        *events,
+        Envelope("r", 4, 2.0, EngineStateChanged("*", "given_up", "every engine was given up")),
+        Envelope("r", 5, 3.0, RunEnded("error")),
+    ]
+    view = view_from_events("r", given_up)
+    assert [e.name for e in view.engines] == ["engine-0", "engine-1"]
+    assert view.pool_note == "every engine was given up"
