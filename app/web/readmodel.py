@@ -52,6 +52,8 @@ STRAGGLER_RATIO = 1.5
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
+OUTCOMES = ("completed", "stopped", "failed")  # an ended run's states
+END_REASONS = {"completed": "completed", "duration": "completed", "stopped": "stopped", "error": "failed"}
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -178,13 +180,24 @@ class RunView:
     # -- figures ----------------------------------------------------------------------------------
 
     @property
+    def outcome(self) -> str | None:
+        """How an ended run ended (completed, stopped or failed); None while it has not ended."""
+        if self.state in OUTCOMES:
+            return self.state
+        if self.state.startswith("ended (") and self.state.endswith(")"):  # from the stream alone
+            return END_REASONS.get(self.state[len("ended (") : -1], "stopped")
+        return None
+
+    @property
     def badge(self) -> str:
-        """The state badge's style: live (running), paused, ended (stopped, completed, failed), replay."""
+        """The state badge's style: live (running), paused, completed, stopped, failed, replay."""
         if self.source == "replay":
             return "replay"
         if self.state in ("running", "stopping", "created"):
             return "live"
-        return "paused" if self.state == "paused" else "ended"
+        if self.state == "paused":
+            return "paused"
+        return self.outcome or "ended"
 
     @property
     def policy_short(self) -> dict[str, Any]:

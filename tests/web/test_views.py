@@ -499,3 +499,31 @@ def test_every_engine_state_has_a_marker_in_the_engines_table(state):
 
     css = (Path(__file__).resolve().parents[2] / "app" / "web" / "static" / "dashboard.css").read_text()
     assert f".state.{state}::before {{ content: " in css
+
+
+@pytest.mark.parametrize(
+    ("state", "badge"),
+    [
+        ("running", "live"),
+        ("stopping", "live"),
+        ("paused", "paused"),
+        ("completed", "completed"),
+        ("stopped", "stopped"),
+        ("failed", "failed"),
+        ("ended (completed)", "completed"),
+        ("ended (duration)", "completed"),
+        ("ended (stopped)", "stopped"),
+        ("ended (error)", "failed"),
+    ],
+)
+def test_each_outcome_of_a_run_has_its_own_badge(state, badge):
+    # Failed, completed and stopped runs shared one grey 'ended' badge on the runs list and the run page.
+    from pathlib import Path
+
+    view = view_from_events("r", synthetic_run(groups=2, group_size=2, batch_groups=1), RunMeta(state=state))
+    assert view.badge == badge
+    css = (Path(__file__).resolve().parents[2] / "app" / "web" / "static" / "dashboard.css").read_text()
+    assert re.search(rf"\.badge\.{badge} \{{ background: #[0-9a-f]{{6}};", css)
+    assert f".badge.{badge}::before {{ content: " in css
+    page = Dashboard(AccessConfig(None, None)).render("runs.html", {"runs": [view], "launch": {}}, "runs")
+    assert f'<span class="badge {badge}">{state}</span>' in page
