@@ -57,8 +57,11 @@ VENDOR = {  # served path -> file installed by `npm ci` (package.json)
     "htmx.min.js": NODE_MODULES / "htmx.org" / "dist" / "htmx.min.js",
     "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
 }
-RUN_BLOCKS = ("summary", "wait", "timeline", "trainer", "engines", "lanes", "policy")
 LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
+# The actions a live run offers (stop, publish, the policy form), sent only when the run ends: a swap
+# on every change would clear what an operator is typing.
+CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control")
+RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
@@ -292,6 +295,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
+        shown: list[str | None] = [None]  # the outcome the page's controls were last rendered for
 
         def blocks() -> list[tuple[str, str]]:
             view = backend.view(run_id)
@@ -299,7 +303,11 @@ def make_router(dash: Dashboard) -> APIRouter:
                 return []
             ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             ctx["operator"] = is_operator(request, dash.access)
-            return [(b, dash.render("run.html", ctx, b)) for b in LIVE_BLOCKS]
+            names: tuple[str, ...] = LIVE_BLOCKS
+            if view.outcome != shown[0]:
+                shown[0] = view.outcome
+                names = (*LIVE_BLOCKS, *CONTROL_BLOCKS)
+            return [(b, dash.render("run.html", ctx, b)) for b in names]
 
         def version() -> object:
             return backend.version(run_id)

@@ -199,6 +199,12 @@ def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
         assert time.monotonic() < deadline
         time.sleep(0.2)
     sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
+    # The live controls go as the run ends (the stream swaps them out), and stay gone on a reload.
+    for _ in range(2):
+        for name in ("Stop the run after this step", "Publish weights", "Apply live"):
+            sync_api.expect(page.get_by_role("button", name=name)).to_have_count(0)
+        sync_api.expect(page.locator("#policy-final")).to_be_visible()
+        page.reload()
     page.context.close()
 
 

@@ -527,3 +527,39 @@ def test_each_outcome_of_a_run_has_its_own_badge(state, badge):
     assert f".badge.{badge}::before {{ content: " in css
     page = Dashboard(AccessConfig(None, None)).render("runs.html", {"runs": [view], "launch": {}}, "runs")
     assert f'<span class="badge {badge}">{state}</span>' in page
+
+
+@pytest.mark.parametrize("state", ["completed", "stopped", "failed", "ended (stopped)"])
+async def test_an_ended_run_offers_no_live_controls_and_shows_its_final_policy(state):
+    # An ended run's page still offered 'Stop the run after this step', 'Publish weights' and the
+    # policy form's 'Apply live', each refused once pressed.
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    view = replace(view_from_events("live-1", events, RunMeta(state=state)), source="live")
+    client, _ = make_client(live=OneRun(view))
+    async with client:
+        await sign_in(client)
+        page = await client.get("/runs/live-1")
+        blocks = {
+            name: (await client.get(f"/runs/live-1/block/{name}")).text
+            for name in ("stop_control", "publish_control", "policy_control")
+        }
+    assert page.status_code == 200
+    for gone in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
+        assert gone not in page.text
+    assert 'id="policy-final"' in page.text
+    assert 'Final: <b>K</b> = <span id="current-k">3</span>' in page.text
+    assert "<form" not in blocks["stop_control"] + blocks["publish_control"] + blocks["policy_control"]
+    assert 'id="policy-final"' in blocks["policy_control"]
+
+
+async def test_a_running_run_offers_its_live_controls():
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    view = replace(view_from_events("live-1", events, RunMeta(state="running")), source="live")
+    client, _ = make_client(live=OneRun(view))
+    async with client:
+        await sign_in(client)
+        page = await client.get("/runs/live-1")
+    for shown in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
+        assert shown in page.text
+    assert 'id="policy-final"' not in page.text
+    assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page.text
