@@ -8,6 +8,10 @@ the run's clock: the running loop's time by default) and hands it to two kinds o
   must be cheap, and an exception in one propagates to the publisher (it is a bug, not a fault). A
   subscriber may name cheaper handlers for some exact event types, or none for kinds it ignores
   (`subscribe(fn, by_type)`); the bus picks each type's handlers once.
+- **Observers** (`observe(fn, name)`): subscribers that only watch the run (the dashboard's live view,
+  the API's rollout answers, progress lines). A bug in one must not cost the run: its exception is
+  caught, counted in `observer_errors` (the run report's `event_observer_errors`) and logged, the
+  first with its traceback.
 - **Sinks** (`add_sink(sink)`): buffered and batched, for the SQL store, the live stream to the
   browser and the metrics. Each sink has its own bounded buffer and its own worker thread that calls
   `sink.write_batch(envelopes)` with up to `batch_size` envelopes, as soon as that many are buffered or
@@ -167,6 +171,7 @@ class EventBus:
         self._subscribers: list[tuple[Subscriber, dict[type[Event], Subscriber | None]]] = []
         self._dispatch: dict[type[Event], tuple[Subscriber, ...]] = {}  # per event type, built on first use
         self._sinks: list[_SinkWorker] = []
+        self.observer_errors: dict[str, int] = {}  # exceptions raised by each observer, by name
 
     @property
     def published(self) -> int:
@@ -186,6 +191,33 @@ class EventBus:
         types, a handler to call instead (None: none), e.g. a cheaper one for the frequent kinds."""
         self._subscribers.append((fn, dict(by_type or {})))
         self._dispatch.clear()
+
+    def observe(
+        self, fn: Subscriber, name: str, by_type: Mapping[type[Event], Subscriber | None] | None = None
+    ) -> None:
+        """`subscribe` for what only watches the run: an exception in `fn` (or a `by_type` handler) is
+        counted under `name` and logged, and the event goes on to the others."""
+
+        def guarded(handler: Subscriber) -> Subscriber:
+            def call(env: Envelope) -> None:
+                try:
+                    handler(env)
+                except Exception:
+                    failed = self.observer_errors[name] = self.observer_errors.get(name, 0) + 1
+                    if failed == 1:
+                        log.exception(
+                            "run %s: event observer %s failed on %s (seq %d); the run goes on, and its "
+                            "further failures are counted",
+                            self.run_id,
+                            name,
+                            type(env.event).__name__,
+                            env.seq,
+                        )
+
+            return call
+
+        handlers = {cls: None if h is None else guarded(h) for cls, h in (by_type or {}).items()}
+        self.subscribe(guarded(fn), handlers)
 
     def _handlers(self, cls: type[Event]) -> tuple[Subscriber, ...]:
         handlers = []

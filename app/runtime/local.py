@@ -199,7 +199,7 @@ async def _run(
                     weights_from_disk=True,  # embedded engines, through the vLLM client
                 )
                 stop.runtime = runtime
-                runtime.bus.subscribe(progress.on_envelope)
+                runtime.bus.observe(progress.on_envelope, "progress")
                 runtime.bus.subscribe(event_log.on_envelope)
                 state = await _start_and_collect(
                     runtime, engines, stop, serving_cpus, all_cpus, batches, duration_s, progress

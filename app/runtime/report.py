@@ -9,7 +9,8 @@ tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.re
 `max_groups_in_flight` counts live groups (in flight + ready: what B + S caps in the default admission
 mode); `max_groups_running` counts groups in flight only (what B + S caps in the in-flight mode).
 `event_sinks` (when the run's bus had sinks) says per sink how many envelopes were written, dropped
-(full buffer), failed (the sink raised) or left unflushed at close.
+(full buffer), failed (the sink raised) or left unflushed at close; `event_observer_errors` (only when
+some were raised) how many exceptions each observer of the run raised (app.runtime.events).
 
 Invariants:
 - the runtime's report and `report_from_events(envelopes, static)` over the same run's stored
@@ -402,6 +403,8 @@ def build_report(acc: ReportAccumulator, static: ReportStatic, bus: EventBus | N
     run's `bus`, its sinks' counts too (close the bus first, so that they are final)."""
     if bus is not None and bus.stats():
         static = replace(static, extra={**static.extra, "event_sinks": bus.stats()})
+    if bus is not None and bus.observer_errors:
+        static = replace(static, extra={**static.extra, "event_observer_errors": dict(bus.observer_errors)})
     return acc.report(static)
 
 

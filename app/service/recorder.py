@@ -144,10 +144,11 @@ class RunRecorder:
         self.view = view if view is not None else LiveView()
         self.rollouts = rollouts if rollouts is not None else RolloutLog()
         self.recent = RecentEvents(first_seq)
-        self.bus.subscribe(self.view.on_envelope)
+        # They only watch the run (the dashboard, the API's answers): a bug in one must not cost it.
+        self.bus.observe(self.view.on_envelope, "live view")
         # The frequent kinds touch no rollout (and never open a stream: its first event is not one).
-        self.bus.subscribe(self.rollouts.on_envelope, {TurnDone: None, SandboxOp: None})
-        self.bus.subscribe(self.recent.on_envelope)
+        self.bus.observe(self.rollouts.on_envelope, "rollouts", {TurnDone: None, SandboxOp: None})
+        self.bus.observe(self.recent.on_envelope, "recent events")
 
     def publish(self, event: Event) -> Envelope:
         return self.bus.publish(event)

@@ -179,3 +179,26 @@ def test_two_sinks_need_two_names() -> None:
     with pytest.raises(ValueError, match="already attached"):
         bus.add_sink(RecordingSink(), name="sse")
     bus.close()
+
+
+def test_an_observer_error_is_counted_logged_once_and_the_others_still_get_the_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An observer only watches the run (the dashboard's view): its bug must not reach the publisher."""
+    bus = make_bus()
+    after: list[int] = []
+
+    def broken(env: Envelope) -> None:
+        raise KeyError("view bug")
+
+    bus.observe(broken, "live view", {GroupAdmitted: broken, BatchRequested: None})
+    bus.subscribe(lambda env: after.append(env.seq))
+    with caplog.at_level("ERROR", logger="app.runtime.events"):
+        for _ in range(3):
+            bus.publish(GroupAdmitted(0, 0, 2))
+        bus.publish(BatchRequested(0))  # the observer takes none of these
+    assert after == [0, 1, 2, 3]
+    assert bus.observer_errors == {"live view": 3}
+    failures = [r for r in caplog.records if "event observer live view failed" in r.getMessage()]
+    assert len(failures) == 1
+    assert failures[0].exc_info is not None

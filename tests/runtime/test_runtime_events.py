@@ -27,6 +27,7 @@ from app.core.events import (
     Ledger,
     RunEnded,
     SandboxOp,
+    TurnDone,
     envelope_from_dict,
 )
 from app.core.scheduler import DiscardReason, GroupRecord, GroupState, Scheduler
@@ -510,3 +511,28 @@ def test_a_sandbox_gets_one_cleanup_exactly_when_an_op_started_on_it() -> None:
     assert never, "the workload should cancel some attempts while their reset queues"
     assert set(cleaned) == started
     assert set(cleaned.values()) == {1}
+
+
+def test_an_observer_that_raises_on_every_turn_costs_the_run_nothing() -> None:
+    """The dashboard's live view raising (a bug in it) failed every attempt that published a turn, until
+    the run gave up; an observer's errors are now counted in the report, and the run is unchanged."""
+    clean = make_runtime(ScriptedSource(default=Try(turn_s=2.0)))
+    expected = run_report(clean, batches=3)
+
+    def broken_view(env: Envelope) -> None:
+        if isinstance(env.event, TurnDone):
+            raise AttributeError("the view's bug")
+
+    runtime = make_runtime(ScriptedSource(default=Try(turn_s=2.0)))
+    runtime.bus.observe(broken_view, "live view")
+    envelopes = capture(runtime)
+    run_virtual(runtime.run(batches=3))
+    report = build_report(runtime.report_acc, ReportStatic("test"), runtime.bus)
+    turns = sum(isinstance(env.event, TurnDone) for env in envelopes)
+    assert turns > 0
+    assert report["event_observer_errors"] == {"live view": turns}
+    assert report["batches"] == expected["batches"] == 3
+    assert report["batch_collection_s"] == expected["batch_collection_s"]
+    for key in ("delivered_groups", "discarded_groups", "turns", "lost_groups"):
+        assert report[key] == expected[key], key
+    assert report["discarded_groups"]["failed"] == 0
