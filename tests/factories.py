@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.core.events import EngineUpdateBegin, EngineUpdateEnd, Event, RunEnded, RunStarted, VersionPublished
 from app.tasks.spec import TaskSpec
 
 
@@ -54,3 +55,18 @@ def make_echo_task(root: Path, **overrides: Any) -> TaskSpec:
     }
     fields.update(overrides)
     return TaskSpec(**fields)
+
+
+def make_run_ended_mid_rollout() -> list[tuple[float, Event]]:
+    """Timed events of a run stopped while its weights rolled out: version 1 is superseded while e1
+    still loads it, and e0 is loading version 2 when the run ends at t = 4."""
+    return [
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (1.0, VersionPublished(1)),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (2.0, EngineUpdateBegin("e1", 1)),
+        (3.0, VersionPublished(2)),
+        (3.0, EngineUpdateBegin("e0", 2)),
+        (4.0, RunEnded("stopped")),
+    ]

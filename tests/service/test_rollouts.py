@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from factories import make_run_ended_mid_rollout
+
 from app.core.events import (
     EngineStateChanged,
     EngineUpdateBegin,
@@ -96,16 +98,7 @@ def test_a_version_published_again_after_a_resume_keeps_its_row() -> None:
 
 def test_a_rollout_still_running_when_the_run_ends_is_cancelled_saying_so() -> None:
     """It said `running` forever, e0 `updating` and e1 `pending`: nothing would ever end them."""
-    log = make_log(
-        (0.0, RunStarted(engines=("e0", "e1"))),
-        (1.0, VersionPublished(1)),
-        (1.0, EngineUpdateBegin("e0", 1)),
-        (2.0, EngineUpdateEnd("e0", 1)),
-        (2.0, EngineUpdateBegin("e1", 1)),
-        (3.0, VersionPublished(2)),  # 1 is superseded while e1 still loads it
-        (3.0, EngineUpdateBegin("e0", 2)),
-        (4.0, RunEnded("stopped")),
-    )
+    log = make_log(*make_run_ended_mid_rollout())
     # The runtime's plan may still list e0 as updating once the run has ended: the log's account wins.
     second = answer(log, 2, served={"e0": 1, "e1": 0}, updating={"e0": 2})
     assert (second["state"], second["ended_at"]) == ("cancelled", 4.0)

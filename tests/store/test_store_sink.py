@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from factories import make_run_ended_mid_rollout
 from run_events import batches_of, make_run_events
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.orm import Session
@@ -13,16 +14,10 @@ from app.core.events import (
     EVENT_TYPES,
     AttemptFinished,
     AttemptRestarted,
-    EngineUpdateBegin,
-    EngineUpdateEnd,
     Envelope,
-    Event,
     GroupDelivered,
     GroupDiscarded,
-    RunEnded,
-    RunStarted,
     SandboxOp,
-    VersionPublished,
 )
 from app.runtime.events import EventBus
 from app.store.models import (
@@ -125,16 +120,7 @@ def test_a_rollout_still_running_when_the_run_ends_is_stored_cancelled(
     conn: Connection, session: Session
 ) -> None:
     """It stayed `running` in the store, its engine's step `updating`, once the run had ended."""
-    timed: list[tuple[float, Event]] = [
-        (0.0, RunStarted(engines=("e0", "e1"))),
-        (1.0, VersionPublished(1)),
-        (1.0, EngineUpdateBegin("e0", 1)),
-        (2.0, EngineUpdateEnd("e0", 1)),
-        (2.0, EngineUpdateBegin("e1", 1)),
-        (3.0, VersionPublished(2)),  # 1 is superseded while e1 still loads it
-        (3.0, EngineUpdateBegin("e0", 2)),
-        (4.0, RunEnded("stopped")),
-    ]
+    timed = make_run_ended_mid_rollout()
     ingest(conn, [Envelope("cut", seq, t, ev) for seq, (t, ev) in enumerate(timed)], batch=3)
     rollouts = session.scalars(select(WeightRollout).where(WeightRollout.run_id == "cut")).all()
     assert {r.version: (r.state, r.ended_at) for r in rollouts} == {
