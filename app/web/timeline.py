@@ -80,28 +80,20 @@ STYLE = (
 )
 
 
-def legend_svg(phases: tuple[str, ...] | None = None) -> str:
-    """Swatches with the timeline's fills and their labels, one line."""
+def legend_html(phases: tuple[str, ...] | None = None) -> str:
+    """Swatches with the timeline's fills and their labels, each item on its own so that the legend
+    wraps at the page's width instead of scrolling."""
     names = phases or tuple(p for p in PHASE_STYLE if not p.startswith("group_"))
-    x = 0
-    parts = []
-    for p in names:
-        label = PHASE_STYLE[p][0]
-        parts.append(
-            f'<rect x="{x}" y="3" width="22" height="12" fill="url(#pat-{p})" class="sp"/>'
-            f'<text x="{x + 27}" y="13" class="ax">{escape(label)}</text>'
-        )
-        x += 34 + 6 * len(label)
-    parts.append(f'<line x1="{x}" y1="2" x2="{x}" y2="16" class="pub"/>')
-    parts.append(f'<text x="{x + 5}" y="13" class="ax">weights published</text>')
-    x += 120
-    parts.append(f'<line x1="{x}" y1="2" x2="{x}" y2="16" class="bat"/>')
-    parts.append(f'<text x="{x + 5}" y="13" class="ax">batch delivered</text>')
-    x += 105
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="timeline legend" '
-        f'width="{x}" height="18">{DEFS}{STYLE}{"".join(parts)}</svg>'
-    )
+    svg = '<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="14" aria-hidden="true">{}</svg>'
+    items = [
+        svg.format(22, f'<rect x="0" y="1" width="22" height="12" fill="url(#pat-{p})" class="sp"/>')
+        + escape(PHASE_STYLE[p][0])
+        for p in names
+    ]
+    for kind, label in (("pub", "weights published"), ("bat", "batch delivered")):
+        items.append(svg.format(8, f'<line x1="4" y1="0" x2="4" y2="14" class="{kind}"/>') + label)
+    defs = f'<svg xmlns="http://www.w3.org/2000/svg" class="legend-defs">{DEFS}{STYLE}</svg>'
+    return defs + "".join(f'<span class="legend-item">{item}</span>' for item in items)
 
 
 def _tick_step(duration: float, px_per_s: float) -> float:

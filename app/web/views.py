@@ -47,7 +47,7 @@ from app.web.security import (
     set_csrf_cookie,
     set_token_cookie,
 )
-from app.web.timeline import MAX_ZOOM, legend_svg, render_timeline
+from app.web.timeline import MAX_ZOOM, legend_html, render_timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
@@ -157,7 +157,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
         "view": view,
         "zoom": zoom,
         "timeline": Lazy(lambda: render_timeline(view, zoom)),
-        "legend": Lazy(lambda: legend_svg(None if view.detailed else ("group_running", "group_ready"))),
+        "legend": Lazy(lambda: legend_html(None if view.detailed else ("group_running", "group_ready"))),
         "collection_chart": Lazy(
             lambda: charts.bar_chart(
                 "batch collection time per step",

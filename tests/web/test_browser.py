@@ -231,6 +231,23 @@ def test_timeline_bars_grow_without_a_reload(browser: object, server: str, run_i
     page.context.close()
 
 
+def test_the_timeline_legend_fits_the_page_without_scrolling(
+    browser: object, server: str, run_id: str
+) -> None:
+    # At 1400 px the legend was one line wider than its box, clipped behind a horizontal scroll bar.
+    page = new_page(browser, server, signed_in=False)
+    page.goto(f"{server}/runs/{run_id}")
+    legend = page.locator(".legend")
+    sync_api.expect(legend).to_contain_text("batch delivered")
+    assert page.evaluate("(e) => e.scrollWidth <= e.clientWidth", legend.element_handle())
+    right = page.evaluate("(e) => e.getBoundingClientRect().right", legend.element_handle())
+    for label in ("reset", "cleanup", "weights published", "policy version changes"):
+        item = legend.get_by_text(label, exact=False).first
+        sync_api.expect(item).to_be_visible()
+        assert page.evaluate("(e) => e.getBoundingClientRect().right", item.element_handle()) <= right
+    page.context.close()
+
+
 def test_publish_weights_moves_engines_one_by_one(
     browser: object, server: str, run_id: str, api: httpx.Client
 ) -> None:

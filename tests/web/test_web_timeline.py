@@ -8,7 +8,7 @@ import pytest
 
 from app.web.readmodel import GroupRow, view_from_events
 from app.web.synthetic import synthetic_run
-from app.web.timeline import MAX_GROUPS, PHASE_STYLE, legend_svg, render_timeline
+from app.web.timeline import MAX_GROUPS, PHASE_STYLE, legend_html, render_timeline
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -74,7 +74,7 @@ def test_live_trajectories_end_in_an_in_progress_span_up_to_now():
 
 
 def test_legend_names_every_phase():
-    legend = legend_svg()
+    legend = legend_html()
     for p, (label, _, _) in PHASE_STYLE.items():
         if not p.startswith("group_"):
             assert label in legend
