@@ -238,6 +238,11 @@ CASES: dict[str, Case] = {
             **SUITE,
         },
     ),
+    "run engines.sentinel false with the sentinel trainer": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["engines.sentinel: false loads real weights", "sentinel weights", "set engines.sentinel: true"],
+        {"c.yaml": run_config().replace("cpus: [0]}", "cpus: [0], sentinel: false}"), **SUITE},
+    ),
     "empty run config": Case(
         ["run", "--config", "c.yaml", "--json", "o.json"],
         ["run config c.yaml is empty", "{}"],

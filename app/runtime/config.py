@@ -2,7 +2,9 @@
 
 Invariants: every number is finite and every size has an upper bound (below); a count is a real
 integer (`true` or `2.0` is refused, not coerced); `load_config` refuses a bad file with one line
-naming the field, and checks that `sandbox.base_dir` is a writable directory before any engine starts.
+naming the field, and checks that `sandbox.base_dir` is a writable directory before any engine starts;
+it refuses engines that could load none of the versions `corral run`'s trainer publishes
+(`sentinel_trainer_problem`), which would stall the run once they were K versions behind.
 """
 
 from __future__ import annotations
@@ -114,7 +116,12 @@ class EnginesConfig(_Strict):
     layers: int = _count(2, 1, MAX_LAYERS, "GRU layers of the embedded policy")
     hidden: int = _count(64, 8, MAX_HIDDEN, "hidden size of the embedded policy")
     max_tokens: int = _count(32, 1, MAX_TOKENS, "tokens generated per turn (real CPU work)")
-    sentinel: bool = Field(True, strict=True, description="weight updates swap only a marker tensor")
+    sentinel: bool = Field(
+        True,
+        strict=True,
+        description="weight updates swap only a marker tensor; false: real weights, loaded only from full "
+        "checkpoints (the built-in sentinel trainer publishes none)",
+    )
     startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", least=1.0)
     # Engine faults (docs/faults.md): a failed or hung engine leaves rotation and is restarted.
     update_timeout_s: float = _seconds(
@@ -270,13 +277,33 @@ class LocalRunConfig(_Strict):
         return self
 
 
+def sentinel_trainer_problem(
+    engines: EnginesConfig, field: str, trainer: str, instead: str = ""
+) -> str | None:
+    """Why engines of this config cannot load what the built-in sentinel trainer (`trainer`, as the
+    caller names it) publishes, or None.
+
+    That trainer publishes checkpoints of the sentinel tensor alone (`save_sentinel`). A sentinel engine
+    takes that tensor from any checkpoint that holds it (every embedded policy's does); an engine of
+    real weights (`engines.sentinel: false`) loads a checkpoint only whole and refuses every one of
+    those, so it serves on at its first version until every engine is more than K versions behind and
+    no turn can run (docs/faults.md)."""
+    if engines.sentinel:
+        return None
+    return (
+        f"{field}: false loads real weights, but {trainer} publishes sentinel weights the engines refuse "
+        f"(every version, so the run would stall once they are K versions behind); set {field}: true{instead}"
+    )
+
+
 def default_config_path() -> Path:
     """The config shipped in the package, so `corral run` works from any directory."""
     return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
 def load_config(path: Path) -> LocalRunConfig:
-    """Read and validate a run config; refuse it with one line naming the file and the field."""
+    """Read and validate a run config for the built-in sentinel trainer (`corral run`'s, and `corral
+    serve --demo`'s); refuse it with one line naming the file and the field."""
     try:
         data = read_document(Path(path), f"run config {path}")
     except DocumentError as exc:
@@ -289,6 +316,9 @@ def load_config(path: Path) -> LocalRunConfig:
         config = LocalRunConfig.model_validate(data)
     except ValidationError as exc:
         raise LocalRunError(f"{path}: {problems(exc)}") from None
+    problem = sentinel_trainer_problem(config.engines, "engines.sentinel", "corral run's trainer")
+    if problem is not None:
+        raise LocalRunError(f"{path}: {problem}")
     if config.sandbox.base_dir is not None:
         check_writable_dir(Path(config.sandbox.base_dir), "sandbox.base_dir")
     return config

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from app.core.config import PauseModeName, PolicyName
-from app.runtime.config import LocalRunConfig
+from app.runtime.config import LocalRunConfig, sentinel_trainer_problem
 from app.sim.workload import Workload
 from app.validation import in_flight_problem
 
@@ -119,6 +119,15 @@ class RunCreate(_Input):
                 raise ValueError(problem)
         elif self.workload is not None:
             raise ValueError("workload is for kind 'sim'; a local run takes a config")
+        elif self.config is not None and self.trainer is TrainerKind.SENTINEL:
+            problem = sentinel_trainer_problem(
+                self.config.engines,
+                "config.engines.sentinel",
+                "trainer 'sentinel'",
+                ", or trainer 'external' with a trainer that publishes full checkpoints",
+            )
+            if problem is not None:
+                raise ValueError(problem)
         if self.ready_surplus is not None and self.policy is not PolicyName.FULL:
             raise ValueError("ready_surplus: only policy full admits in flight and keeps ready groups apart")
         if self.speed != 1.0 and self.kind is not RunKind.SIM:

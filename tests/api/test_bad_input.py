@@ -44,6 +44,11 @@ CREATE_CASES = [
     ({"workload": {"trajectory": {"llm_s": 1e300}}}, "workload.trajectory.llm_s"),
     ({"kind": "local", "config": {"engines": {"count": 100_000}}}, "config.engines.count"),
     ({"kind": "local", "config": {"engines": {"cpus": [4096]}}}, "config"),
+    # every version the sentinel trainer publishes would be refused, until the run stalled
+    (
+        {"kind": "local", "trainer": "sentinel", "config": {"engines": {"sentinel": False}}},
+        "config.engines.sentinel: false loads real weights, but trainer 'sentinel'",
+    ),
     # (B + S) × G past the simulator's bound through the overrides: the server hung building millions
     ({"groups_per_batch": 4096, "group_size": 1024}, "(B + S) × G = (4096 + 2) × 1024"),
     ({"surplus_groups": 100_000, "group_size": 1024}, "trajectories in flight"),

@@ -119,6 +119,23 @@ def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> Non
             load_config(write_config(tmp_path, CONFIG + bad_sandbox + "\n"))
 
 
+def test_engines_of_real_weights_are_refused_since_the_trainer_publishes_only_sentinel_weights(
+    tmp_path: Path,
+) -> None:
+    # Each engine refused every sentinel version and served on at version 0: once K versions behind,
+    # no turn could run and the run stalled.
+    bad = write_config(tmp_path, CONFIG.replace("max_tokens: 8}", "max_tokens: 8, sentinel: false}"))
+    with pytest.raises(LocalRunError) as refused:
+        load_config(bad)
+    assert str(refused.value) == (
+        f"{bad}: engines.sentinel: false loads real weights, but corral run's trainer publishes sentinel "
+        "weights the engines refuse (every version, so the run would stall once they are K versions "
+        "behind); set engines.sentinel: true"
+    )
+    good = write_config(tmp_path, CONFIG.replace("max_tokens: 8}", "max_tokens: 8, sentinel: true}"))
+    assert load_config(good).engines.sentinel
+
+
 def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, CONFIG.replace("include: [fix-off-by-one", "include: [no-such-task"))
     proc = subprocess.run(

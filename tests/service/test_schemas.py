@@ -1,0 +1,40 @@
+"""A run is refused at creation, before any engine starts, when its trainer and engines cannot work
+together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app.service.schemas import RunCreate
+
+
+def make_local_run(*, trainer: str, sentinel: bool, **overrides: Any) -> dict[str, Any]:
+    return {"kind": "local", "trainer": trainer, "config": {"engines": {"sentinel": sentinel}}, **overrides}
+
+
+def test_the_sentinel_trainer_with_engines_of_real_weights_is_refused_naming_both() -> None:
+    # Every version it publishes would be refused, and the run would stall once K versions behind.
+    with pytest.raises(ValidationError) as raised:
+        RunCreate.model_validate(make_local_run(trainer="sentinel", sentinel=False))
+    message = raised.value.errors()[0]["msg"]
+    assert "config.engines.sentinel: false loads real weights" in message
+    assert "trainer 'sentinel' publishes sentinel weights the engines refuse" in message
+    assert "set config.engines.sentinel: true, or trainer 'external'" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("trainer", "sentinel"),
+    [
+        ("sentinel", True),  # sentinel engines load the sentinel tensor
+        ("external", False),  # an external trainer may publish full checkpoints
+        ("external", True),  # sentinel engines take the sentinel tensor of a full checkpoint
+    ],
+)
+def test_trainers_whose_versions_the_engines_can_load_are_accepted(trainer: str, sentinel: bool) -> None:
+    spec = RunCreate.model_validate(make_local_run(trainer=trainer, sentinel=sentinel))
+    assert spec.config is not None
+    assert spec.config.engines.sentinel is sentinel
