@@ -18,6 +18,8 @@ Invariants:
   its health check is not down: that update fails with the engine's reason, the engine resumes on the
   version it had and is not offered the refused one again (nor brought to it after a restart); a
   newer publication goes to it as usual. A bad checkpoint never costs an engine restart, nor the run;
+  when every engine refused the newest version and is more than K behind it, no turn can run, and the
+  run says so (a warning, once a version) rather than stall without a word;
 - a publication the engines could not load (no weights path where they load weights from disk) is
   refused to its caller before anything changes: a bad command never costs the run;
 - a stop, or the duration deadline, ends the trainer's wait and withdraws the batch request in the
@@ -257,6 +259,7 @@ class Runtime:
         self._update_tasks: dict[str, asyncio.Task[None]] = {}
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._all_down_since: float | None = None
+        self._stall_said = 0  # the newest version whose refusal by every engine stalled the run, said
         self._health_watch: asyncio.Task[None] | None = None
         self._adapting: asyncio.Task[None] | None = None
         self._down_at_start: dict[str, str] = {}  # engines dead before the run began: restarted first
@@ -899,6 +902,24 @@ class Runtime:
         actions = self.plan.on_refused(name, version)
         if not self._stopping:
             self._do_updates(actions)
+        self._say_if_stalled_by_refusals()
+
+    def _say_if_stalled_by_refusals(self) -> None:
+        """Every engine (but drained ones) refused the newest version and serves one more than K behind
+        it: no turn can run until a version they load is published or K is raised. Say so, once a
+        version; the run stalled without a word."""
+        plan, target = self.plan, self.plan.target
+        engines = [e for e in plan.versions if e not in plan.drained]
+        if self._stall_said >= target or not engines:
+            return
+        if all(e in plan.too_stale and plan.refuses(e, target) for e in engines):
+            self._stall_said = target
+            self._log.warning(
+                "every engine refused version %d and serves a version more than K = %s behind it: no turn "
+                "can run until a version they can load is published or K is raised",
+                target,
+                plan.max_staleness,
+            )
 
     def _free_slots_for_update(self, engine: str, updating: tuple[str, ...]) -> bool:
         """Free-slot pacing: `engine` may begin updating beside `updating` while the engines left serving

@@ -290,6 +290,30 @@ def test_an_engine_restarted_while_a_version_it_refuses_comes_out_comes_back_at_
     assert runtime.state.given_up == {}
 
 
+def test_every_engine_too_stale_on_a_version_they_refused_says_the_run_is_stalled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With K = 0, both engines refuse version 1 and serve on at version 0: no turn can run. The run
+    stalled without a word; now it says why, once, and goes on when a version they load comes."""
+    a, b = FakeEngine("a", refuse={1}), FakeEngine("b", refuse={1})
+    runtime = make_runtime([a, b], trainer=FakeTrainer(weights="/ckpt"), max_staleness=0)
+
+    async def publish_a_version_they_load() -> None:
+        await asyncio.sleep(60)
+        runtime.publish(2, "/ckpt/v2", "operator")
+
+    with caplog.at_level("WARNING", logger="app.runtime.driver"):
+        run_virtual(run_with(runtime, 3, publish_a_version_they_load()))
+    assert len(runtime.state.batches) == 3
+    accounted(runtime)
+    stalled = [r.getMessage() for r in caplog.records if "no turn can run" in r.getMessage()]
+    assert stalled == [
+        "every engine refused version 1 and serves a version more than K = 0 behind it: no turn can run "
+        "until a version they can load is published or K is raised"
+    ]
+    assert a.published[:2] == b.published[:2] == [2, 3]
+
+
 def test_engines_dying_all_at_once_do_not_use_up_a_turns_retries() -> None:
     """Each turn may meet every engine, dead but not yet known to be, before all are marked down."""
     engines = [FakeEngine(name) for name in "abcd"]
