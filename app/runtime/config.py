@@ -301,6 +301,13 @@ def default_config_path() -> Path:
     return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
+def default_config_data() -> object:
+    """The fields of the shipped config (`default_config_path`), unvalidated: a run created without a
+    config validates them as its own, so a refusal names the run's field."""
+    path = default_config_path()
+    return read_document(path, f"run config {path}")
+
+
 def load_config(path: Path) -> LocalRunConfig:
     """Read and validate a run config for the built-in sentinel trainer (`corral run`'s, and `corral
     serve --demo`'s); refuse it with one line naming the file and the field."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from app.core.config import PauseModeName, PolicyName
-from app.runtime.config import LocalRunConfig, sentinel_trainer_problem
+from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
 from app.validation import in_flight_problem
 
@@ -67,7 +67,9 @@ class RunCreate(_Input):
     kind: RunKind = RunKind.SIM
     policy: PolicyName = Field(PolicyName.FULL, description="rung of the ablation ladder")
     workload: Workload | None = Field(None, description="sim: workload spec; default: a small one")
-    config: LocalRunConfig | None = Field(None, description="local: run config; default: app/configs")
+    config: LocalRunConfig | None = Field(
+        None, description="local: run config; default: app/configs/local.yaml"
+    )
     batches: StrictInt | None = Field(
         None, ge=1, le=1_000_000, description="trainer steps; none: until stopped"
     )
@@ -96,9 +98,11 @@ class RunCreate(_Input):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_workload(cls, data: Any) -> Any:
+    def _default_workload_or_config(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("kind", "sim") == "sim" and data.get("workload") is None:
             return {**data, "workload": small_workload()}
+        if isinstance(data, dict) and data.get("kind") == "local" and data.get("config") is None:
+            return {**data, "config": default_config_data()}
         return data
 
     @model_validator(mode="after")

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from app.runtime.config import default_config_path, load_config
+from app.service.ports import run_policy
 from app.service.schemas import RunCreate
 
 
@@ -38,3 +40,12 @@ def test_trainers_whose_versions_the_engines_can_load_are_accepted(trainer: str,
     spec = RunCreate.model_validate(make_local_run(trainer=trainer, sentinel=sentinel))
     assert spec.config is not None
     assert spec.config.engines.sentinel is sentinel
+
+
+@pytest.mark.parametrize("body", [{"kind": "local"}, {"kind": "local", "config": None}])
+def test_a_local_run_without_a_config_takes_the_shipped_one(body: dict[str, Any]) -> None:
+    # Its config stayed None and creating the run failed an assertion: a 500 from POST /api/runs.
+    spec = RunCreate.model_validate(body)
+    assert spec.config == load_config(default_config_path())
+    assert run_policy(spec).groups_per_batch == spec.config.batch.groups
+    assert RunCreate.model_validate(spec.model_dump(mode="json")) == spec  # stored, then resumed
