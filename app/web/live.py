@@ -130,7 +130,8 @@ class ManagerRuns:
         policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
         label, started_at = str(record.get("name", "")), record.get("started_at")
         if handle is None:
-            return RunMeta(state=state, policy=policy, label=label, started_at=started_at)
+            stored = _stored_lanes(record.get("config") or {})
+            return RunMeta(state=state, policy=policy, lanes=stored, label=label, started_at=started_at)
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
         lanes: list[dict[str, Any]] = []
@@ -259,6 +260,21 @@ def _live_key(handle: Any) -> object:
         tuple(sorted(dict(getattr(runtime.pool, "active", {})).items())),
         tuple(sorted(handle.knobs.items())),
     )
+
+
+def _stored_lanes(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The lanes of a run not executing here, from its stored config: each lane's configured slots (a
+    sim run's workload, a local run's config; its slots unless adaptive lanes resized it); the CPU
+    set is not stored (it is worked out at start)."""
+    spec = (config.get("workload") or {}).get("lanes") or (config.get("config") or {}).get("lanes")
+    if not isinstance(spec, Mapping):
+        return []
+    lanes = []
+    for name in ("reset", "exec", "validate", "cleanup"):
+        slots = spec.get(name, spec.get(f"{name}_"))
+        if isinstance(slots, int):
+            lanes.append({"name": name, "configured_slots": slots, "cpus": "not recorded"})
+    return lanes
 
 
 def _lanes_config(handle: Any) -> dict[str, dict[str, Any]]:

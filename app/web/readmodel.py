@@ -289,6 +289,7 @@ class RunViewBuilder:
         self.staleness: dict[int, int] = defaultdict(int)
         self.lane_waits: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LANE_WAITS_KEPT))
         self.lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
+        self.lane_slots: dict[str, tuple[int, int]] = {}  # slots, configured: adaptive lanes' latest resize
         self.pending: float | None = None
         self.waits = WaitAccumulator()
         self._tokens = 0  # since the last batch
@@ -350,6 +351,8 @@ class RunViewBuilder:
                 row_e.state, row_e.target_version = "stopped", None
             if self.pool is not None and self.pool[0] != "given_up":  # why the run ended stays said
                 self.pool = None
+            # The lanes close with the run: nothing runs or queues in them any more.
+            self.lane_now = dict.fromkeys(self.lane_now, (0, 0))
         elif isinstance(ev, GroupAdmitted):
             self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
         elif isinstance(ev, GroupReady):
@@ -443,6 +446,7 @@ class RunViewBuilder:
             self.policy_changes[ev.field] = ev.new
         elif isinstance(ev, LaneResized):
             self.audit.append(AuditRow(t, "adaptive lanes", f"lanes.{ev.lane}.slots", ev.old, ev.new))
+            self.lane_slots[ev.lane] = (ev.new, ev.configured)
 
     def view(self, meta: RunMeta | None = None) -> RunView:
         """A snapshot: copies of the rows, safe to render while the builder goes on folding."""
@@ -490,7 +494,12 @@ class RunViewBuilder:
             trajectories=trajs,
             batches=list(self.batches),
             engines=sorted(engines.values(), key=lambda e: e.name),
-            lanes=_lanes(meta.lanes, {k: list(v) for k, v in self.lane_waits.items()}, dict(self.lane_now)),
+            lanes=_lanes(
+                meta.lanes,
+                {k: list(v) for k, v in self.lane_waits.items()},
+                dict(self.lane_now),
+                dict(self.lane_slots),
+            ),
             publications=list(self.publications),
             updates=updates,
             audit=list(self.audit),
@@ -579,8 +588,10 @@ def _lanes(
     snapshots: Sequence[Mapping[str, Any]],
     waits: Mapping[str, list[float]],
     latest: Mapping[str, tuple[int | None, int | None]] | None = None,
+    resized: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[LaneRow]:
-    """Lane rows: the owner's snapshot where given, else the stream's latest op (busy, queue depth)."""
+    """Lane rows: the owner's snapshot where it gives a figure, else the stream's: busy and queue depth
+    at the latest op (0 once the run has ended), slots at the latest resize."""
     known = [str(s["name"]) for s in snapshots]
     names = known + [n for n in waits if n not in known]
     by_name = {str(s["name"]): s for s in snapshots}
@@ -589,18 +600,23 @@ def _lanes(
         snap = by_name.get(name, {})
         p99 = snap.get("p99_wait_s")
         busy, depth = (latest or {}).get(name, (None, None))
+        slots, configured = (resized or {}).get(name, (None, None))
         rows.append(
             LaneRow(
                 name,
                 cpus=_cpus(snap.get("cpus", "")),
                 busy=snap.get("busy", busy),
-                slots=snap.get("slots"),
+                slots=_first(snap.get("slots"), _first(slots, snap.get("configured_slots"))),
                 queue_depth=snap.get("queue_depth", depth),
                 p99_wait_s=p99 if p99 is not None else _p99(waits.get(name, [])),
-                configured_slots=snap.get("configured_slots"),
+                configured_slots=_first(snap.get("configured_slots"), configured),
             )
         )
     return rows
+
+
+def _first(value: Any, otherwise: Any) -> Any:
+    return value if value is not None else otherwise
 
 
 def _cpus(cpus: object) -> str:

@@ -112,3 +112,34 @@ async def test_publishing_from_the_dashboard_gives_disk_engines_weights_to_load(
     assert handle.state.value == "running"
     await runs.stop(run_id, "tester")
     await asyncio.to_thread(wait_for, lambda: handle.state.value == "stopped", 60)
+
+
+async def test_an_ended_run_s_lanes_after_a_restart_show_what_was_stored_and_nothing_queued(tmp_path):
+    # After a restart an ended run's Lanes table said '—' for its CPU set and slots, and the queue depth
+    # its last operation saw (1 or more) as if work still queued.
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    manager = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
+    runs = ManagerRuns(lambda: manager)
+    try:
+        run_id = await runs.launch({"policy": "full", "name": "lanes-test"}, "tester")
+        await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).batches) >= 2)
+        await runs.stop(run_id, "tester")
+        await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "stopped")
+        ended_here = {lane.name: lane for lane in runs.view(run_id).lanes}
+    finally:
+        manager.shutdown()
+
+    restarted = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
+    try:
+        view = ManagerRuns(lambda: restarted).view(run_id)
+    finally:
+        restarted.shutdown()
+    assert view is not None
+    assert view.state == "stopped"
+    lanes = {lane.name: lane for lane in view.lanes}
+    assert set(lanes) == set(ended_here) == {"reset", "exec", "validate", "cleanup"}
+    for name, lane in lanes.items():
+        assert (lane.busy, lane.queue_depth) == (0, 0)
+        assert lane.slots == ended_here[name].slots  # the run config's, as stored
+        assert lane.cpus == "not recorded"
+        assert (ended_here[name].busy, ended_here[name].queue_depth) == (0, 0)

@@ -331,3 +331,27 @@ def test_the_whole_pool_s_state_is_a_note_not_an_engine_named_star():
     view = view_from_events("r", given_up)
     assert [e.name for e in view.engines] == ["engine-0", "engine-1"]
     assert view.pool_note == "every engine was given up"
+
+
+def test_an_ended_run_s_lanes_have_nothing_queued_and_keep_their_latest_slots():
+    """Without the owner's snapshot (after a restart) an ended run's lanes showed the busy slots and
+    queue depth its last operation saw, as if work still queued, and no slots."""
+    from app.core.events import RunEnded, RunStarted, SandboxOp
+
+    events = [
+        Envelope("r", 0, 0.0, RunStarted(lanes=("reset", "exec"))),
+        Envelope("r", 1, 1.0, SandboxOp(0, 0, "exec", 0.5, 0.8, 1.0, busy=2, queue_depth=3)),
+        Envelope("r", 2, 1.5, LaneResized("exec", 2, 3, 2)),
+    ]
+    stored = RunMeta(
+        lanes=[{"name": "reset", "configured_slots": 4}, {"name": "exec", "configured_slots": 2}]
+    )
+    running = {lane.name: lane for lane in view_from_events("r", events, stored).lanes}
+    assert (running["exec"].busy, running["exec"].queue_depth) == (2, 3)
+    ended = {
+        lane.name: lane
+        for lane in view_from_events("r", [*events, Envelope("r", 3, 2.0, RunEnded("stopped"))], stored).lanes
+    }
+    assert (ended["exec"].busy, ended["exec"].queue_depth) == (0, 0)
+    assert (ended["exec"].slots, ended["exec"].configured_slots) == (3, 2)  # resized, the stream says
+    assert (ended["reset"].slots, ended["reset"].configured_slots) == (4, 4)  # as configured
