@@ -58,8 +58,8 @@ VENDOR = {  # served path -> file installed by `npm ci` (package.json)
     "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
 }
 LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
-# The actions a live run offers (stop, publish, the policy form), sent only when the run ends: a swap
-# on every change would clear what an operator is typing.
+# The actions a live run offers (stop, publish, the policy form), sent only when the run starts
+# stopping or ends: a swap on every change would clear what an operator is typing.
 CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control")
 RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
@@ -295,7 +295,8 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
-        shown: list[str | None] = [None]  # the outcome the page's controls were last rendered for
+        # The outcome, and whether it was stopping, that the page's controls were last rendered for
+        shown: list[tuple[str | None, bool]] = [(None, False)]
 
         def blocks() -> list[tuple[str, str]]:
             view = backend.view(run_id)
@@ -304,8 +305,9 @@ def make_router(dash: Dashboard) -> APIRouter:
             ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             ctx["operator"] = is_operator(request, dash.access)
             names: tuple[str, ...] = LIVE_BLOCKS
-            if view.outcome != shown[0]:
-                shown[0] = view.outcome
+            controls = (view.outcome, view.state == "stopping")
+            if controls != shown[0]:
+                shown[0] = controls
                 names = (*LIVE_BLOCKS, *CONTROL_BLOCKS)
             return [(b, dash.render("run.html", ctx, b)) for b in names]
 

@@ -563,3 +563,22 @@ async def test_a_running_run_offers_its_live_controls():
         assert shown in page.text
     assert 'id="policy-final"' not in page.text
     assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page.text
+
+
+async def test_a_stopping_run_says_so_and_offers_no_live_controls():
+    # A run asked to stop still offered 'Stop the run after this step' (a second stop changes nothing),
+    # 'Publish weights' and 'Apply live' (a stopping run takes no new version and no policy change: a
+    # 409 once pressed).
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    view = replace(view_from_events("live-1", events, RunMeta(state="stopping")), source="live")
+    client, _ = make_client(live=OneRun(view))
+    async with client:
+        await sign_in(client)
+        page = await client.get("/runs/live-1")
+        stop_block = (await client.get("/runs/live-1/block/stop_control")).text
+    assert page.status_code == 200
+    for gone in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
+        assert gone not in page.text
+    assert 'id="stopping-note"' in page.text
+    assert 'id="stopping-note"' in stop_block
+    assert 'id="policy-stopping"' in page.text
