@@ -529,56 +529,53 @@ def test_each_outcome_of_a_run_has_its_own_badge(state, badge):
     assert f'<span class="badge {badge}">{state}</span>' in page
 
 
-@pytest.mark.parametrize("state", ["completed", "stopped", "failed", "ended (stopped)"])
-async def test_an_ended_run_offers_no_live_controls_and_shows_its_final_policy(state):
-    # An ended run's page still offered 'Stop the run after this step', 'Publish weights' and the
-    # policy form's 'Apply live', each refused once pressed.
+CONTROL_NAMES = ("stop_control", "publish_control", "policy_control")
+LIVE_CONTROLS = ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"')
+
+
+async def live_run_page(state: str) -> tuple[str, dict[str, str]]:
+    """The run page of a live run in `state`, signed in, and its control blocks as the stream sends them."""
     events = synthetic_run(groups=4, group_size=2, batch_groups=2)
     view = replace(view_from_events("live-1", events, RunMeta(state=state)), source="live")
     client, _ = make_client(live=OneRun(view))
     async with client:
         await sign_in(client)
         page = await client.get("/runs/live-1")
-        blocks = {
-            name: (await client.get(f"/runs/live-1/block/{name}")).text
-            for name in ("stop_control", "publish_control", "policy_control")
-        }
-    assert page.status_code == 200
-    for gone in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
-        assert gone not in page.text
-    assert 'id="policy-final"' in page.text
-    assert 'Final: <b>K</b> = <span id="current-k">3</span>' in page.text
-    assert "<form" not in blocks["stop_control"] + blocks["publish_control"] + blocks["policy_control"]
+        assert page.status_code == 200
+        blocks = {name: (await client.get(f"/runs/live-1/block/{name}")).text for name in CONTROL_NAMES}
+    return page.text, blocks
+
+
+@pytest.mark.parametrize("state", ["completed", "stopped", "failed", "ended (stopped)"])
+async def test_an_ended_run_offers_no_live_controls_and_shows_its_final_policy(state):
+    # An ended run's page still offered 'Stop the run after this step', 'Publish weights' and the
+    # policy form's 'Apply live', each refused once pressed.
+    page, blocks = await live_run_page(state)
+    for gone in LIVE_CONTROLS:
+        assert gone not in page
+    assert 'id="policy-final"' in page
+    assert 'Final: <b>K</b> = <span id="current-k">3</span>' in page
+    assert "<form" not in "".join(blocks.values())
     assert 'id="policy-final"' in blocks["policy_control"]
 
 
 async def test_a_running_run_offers_its_live_controls():
-    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
-    view = replace(view_from_events("live-1", events, RunMeta(state="running")), source="live")
-    client, _ = make_client(live=OneRun(view))
-    async with client:
-        await sign_in(client)
-        page = await client.get("/runs/live-1")
-    for shown in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
-        assert shown in page.text
-    assert 'id="policy-final"' not in page.text
-    assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page.text
+    page, blocks = await live_run_page("running")
+    for shown in LIVE_CONTROLS:
+        assert shown in page
+    assert 'id="policy-final"' not in page
+    assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page
+    assert all("<form" in block for block in blocks.values())
 
 
 async def test_a_stopping_run_says_so_and_offers_no_live_controls():
     # A run asked to stop still offered 'Stop the run after this step' (a second stop changes nothing),
     # 'Publish weights' and 'Apply live' (a stopping run takes no new version and no policy change: a
     # 409 once pressed).
-    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
-    view = replace(view_from_events("live-1", events, RunMeta(state="stopping")), source="live")
-    client, _ = make_client(live=OneRun(view))
-    async with client:
-        await sign_in(client)
-        page = await client.get("/runs/live-1")
-        stop_block = (await client.get("/runs/live-1/block/stop_control")).text
-    assert page.status_code == 200
-    for gone in ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"'):
-        assert gone not in page.text
-    assert 'id="stopping-note"' in page.text
-    assert 'id="stopping-note"' in stop_block
-    assert 'id="policy-stopping"' in page.text
+    page, blocks = await live_run_page("stopping")
+    for gone in LIVE_CONTROLS:
+        assert gone not in page
+    assert 'id="stopping-note"' in page
+    assert 'id="stopping-note"' in blocks["stop_control"]
+    assert 'id="policy-stopping"' in page
+    assert "<form" not in "".join(blocks.values())
