@@ -68,12 +68,13 @@ def in_flight_problem(groups: int, group_size: int, surplus: int) -> str | None:
     )
 
 
-def parse_int(text: str) -> int:
-    """`text` as an integer typed in ASCII digits, with an optional leading '-'; ValueError otherwise.
+def parse_int(text: str, signed: bool = True) -> int:
+    """`text` as an integer typed in ASCII digits, with an optional leading '-' when `signed`;
+    ValueError otherwise (and for more digits than Python converts).
 
-    For numbers typed as text (form fields, CLI lists): `int()` alone also takes other scripts' digits
-    ('٣', '３'), '_' between digits ('1_000'), a '+' and surrounding whitespace."""
-    digits = text.removeprefix("-")
+    For numbers typed as text (form fields, CLI lists, weight versions): `int()` alone also takes other
+    scripts' digits ('٣', '３'), '_' between digits ('1_000'), a '+' and surrounding whitespace."""
+    digits = text.removeprefix("-") if signed else text
     if not (digits.isascii() and digits.isdigit()):
         raise ValueError(f"not an integer: {text!r}")
     return int(text)

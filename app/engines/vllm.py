@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -31,6 +32,7 @@ from app.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from app.validation import parse_int
 
 # The disk backend takes no init info; vLLM still requires the key (400 without it).
 DISK_INIT_INFO: dict[str, Any] = {}
@@ -188,8 +190,9 @@ def parse_version(transport: HTTPTransport, route: str, value: object) -> int | 
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     text = value.strip() if isinstance(value, str) else ""
-    if text.isascii() and text.isdigit() and len(text) <= _MAX_VERSION_DIGITS:
-        return int(text)
+    if len(text) <= _MAX_VERSION_DIGITS:
+        with contextlib.suppress(ValueError):
+            return parse_int(text, signed=False)
     raise transport.protocol_error(route, f"weight version {value!r:.100} is not an integer")
 
 

@@ -32,9 +32,7 @@ from app.core.events import (
     RunStarted,
     VersionPublished,
 )
-
-OUT_OF_ROTATION = ("unhealthy", "stopped")  # as the sink: engine states a rollout does not wait for
-RUN_ENDED = "run ended"  # as the sink: why a step, and an engine's part in a rollout, was cancelled
+from app.store.sink import OUT_OF_ROTATION, RUN_ENDED  # the live answer words them as the store does
 
 ROLLOUT_KEYS = (
     "rollout_id", "version", "path", "actor", "state", "superseded", "started_at", "ended_at",

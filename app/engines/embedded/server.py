@@ -154,10 +154,10 @@ def _parse_version(value: object) -> int:
         if value < 0:
             raise refusal
         return value
-    if not isinstance(value, str) or value.startswith("-"):
+    if not isinstance(value, str):
         raise refusal
     try:
-        return parse_int(value)
+        return parse_int(value, signed=False)
     except ValueError:  # not ASCII digits, or more digits than Python converts
         raise refusal from None
 
