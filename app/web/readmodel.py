@@ -47,13 +47,13 @@ from app.core.events import (
     envelope_from_dict,
 )
 from app.sim.bound import lower_bound_s
+from app.store.sink import RUN_END_STATE
 
 STRAGGLER_RATIO = 1.5
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
 OUTCOMES = ("completed", "stopped", "failed")  # an ended run's states
-END_REASONS = {"completed": "completed", "duration": "completed", "stopped": "stopped", "error": "failed"}
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -185,7 +185,8 @@ class RunView:
         if self.state in OUTCOMES:
             return self.state
         if self.state.startswith("ended (") and self.state.endswith(")"):  # from the stream alone
-            return END_REASONS.get(self.state[len("ended (") : -1], "stopped")
+            ended = RUN_END_STATE.get(self.state[len("ended (") : -1])  # the store's word for it
+            return ended.value if ended is not None else "stopped"
         return None
 
     @property
