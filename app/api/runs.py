@@ -181,6 +181,8 @@ async def publish_weights(
         raise HTTPException(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
     if body.sentinel:
+        if (problem := handle.sentinel_problem()) is not None:
+            raise HTTPException(422, f"sentinel: {problem}")
         if handle.runtime is not None and body.version <= handle.runtime.version:
             raise HTTPException(422, f"version: {body.version} is not newer than the published version "
                                      f"{handle.runtime.version}")  # fmt: skip

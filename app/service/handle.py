@@ -35,6 +35,7 @@ from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
 from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.engines.errors import EngineError
+from app.runtime.config import sentinel_trainer_problem
 from app.runtime.driver import Runtime
 from app.service.gateway import RunClosedError, TrainerGateway
 from app.service.paced import PacedLoop
@@ -448,10 +449,28 @@ class RunHandle:
 
     # -- the built-in sentinel trainer, one client of the gateway ---------------------------------------
 
+    def sentinel_problem(self) -> str | None:
+        """Why this run's engines cannot take a sentinel version, or None: engines of real weights
+        (`engines.sentinel: false`) refuse every checkpoint of the sentinel tensor alone, one engine
+        after another, and the run stalls once they are K versions behind. The rule is the launch
+        check's (`sentinel_trainer_problem`); the advice differs, since a running run keeps its engines."""
+        if self.spec.config is None:  # a simulated run: its engines take any version
+            return None
+        if sentinel_trainer_problem(self.spec.config.engines, "engines.sentinel", "sentinel: true") is None:
+            return None
+        return (
+            "this run's engines load real weights (config.engines.sentinel: false) and refuse sentinel "
+            "weights, every version, so the run would stall once they are K versions behind; publish "
+            f"full checkpoints instead (POST /api/runs/{self.run_id}/weights with a path)"
+        )
+
     def sentinel_weights(self, version: int) -> str | None:
         """Where a sentinel `version` lives for engines that load weights from disk (a local run's
         embedded engines): a directory written here; None where a sentinel needs no files (sim).
+        ValueError (`sentinel_problem`), before anything is written, for engines that would refuse it.
         Blocking: call it off the run's loop."""
+        if (problem := self.sentinel_problem()) is not None:
+            raise ValueError(problem)
         if self.ports is None or self.ports.weights_dir is None:
             return None
         target = self.ports.weights_dir / f"v{version}"

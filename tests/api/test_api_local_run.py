@@ -71,3 +71,34 @@ def _embedded_engines_of(parent: int) -> list[int]:
         if ppid == parent and b"app.engines.embedded" in cmd:
             found.append(int(entry))
     return found
+
+
+@pytest.mark.slow
+def test_a_sentinel_publication_to_engines_of_real_weights_is_refused_up_front(
+    server: str, backend_url: str
+) -> None:
+    """Engines of real weights (engines.sentinel: false) refuse every sentinel checkpoint, one by one,
+    until the run stalls K versions behind: the publication is turned away before any is written."""
+    if backend_url.startswith("postgresql"):
+        pytest.skip("one backend is enough for the real engines; the API is the same")
+    config = make_local_config()
+    config["engines"] = {**config["engines"], "sentinel": False}  # type: ignore[dict-item]
+    auth = {"Authorization": "Bearer test-operator-token"}
+    with httpx.Client(base_url=server, headers=auth, timeout=30) as api:
+        created = api.post("/api/runs", json={"name": "real", "kind": "local", "config": config})
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        try:
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", 240, "running")
+            refused = api.post(f"/api/runs/{run_id}/weights", json={"version": 1, "sentinel": True})
+            assert refused.status_code == 422, refused.text
+            detail = refused.json()["detail"]
+            assert detail.startswith("sentinel: ")
+            assert "config.engines.sentinel: false" in detail
+            assert "\n" not in detail
+            run = api.get(f"/api/runs/{run_id}").json()
+            assert run["live"]["trainer_version"] == 0  # nothing was published
+            assert api.get(f"/api/runs/{run_id}/rollouts/1").status_code == 404
+        finally:
+            api.post(f"/api/runs/{run_id}/stop")
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", 120, "stopped")

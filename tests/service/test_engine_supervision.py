@@ -207,9 +207,11 @@ def test_weights_the_engines_refuse_fail_the_rollout_not_the_engines(tmp_path: P
     answered 400, were marked down and restarted; each restart loaded the same weights and was refused
     again, until after `max_restarts` every engine was given up and the run stopped. Now the rollout
     fails with each engine's reason, the engines serve on at their version, never restarted, and a
-    version they can load reaches them."""
+    version they can load reaches them. (The dashboard's publish and the API's `sentinel: true` are
+    now refused up front for such engines; a checkpoint of the sentinel tensor alone given by path, as
+    an external trainer may, still reaches them.)"""
     from app.engines.embedded.server import EmbeddedConfig, build_model
-    from app.engines.embedded.weights import save_weights
+    from app.engines.embedded.weights import save_sentinel, save_weights
 
     engines_config = {**make_config()["engines"], "sentinel": False, "max_restarts": 2}
     with local_run(tmp_path, trainer="external", engines=engines_config) as (handle, _, engines):
@@ -224,8 +226,12 @@ def test_weights_the_engines_refuse_fail_the_rollout_not_the_engines(tmp_path: P
             return None if answer["state"] == "running" else answer
 
         version = handle.submit(lambda: handle.runtime.version + 1).result(timeout=10)
-        sentinel = handle.sentinel_weights(version)
-        handle.submit(handle.publish, version, sentinel, "tester").result(timeout=10)
+        with pytest.raises(ValueError, match=r"config\.engines\.sentinel: false"):
+            handle.sentinel_weights(version)  # the dashboard's publish: refused, nothing written
+        assert not (handle.work_dir / "weights" / f"v{version}").exists()
+        sentinel = tmp_path / "sentinel"
+        save_sentinel(sentinel, float(version))
+        handle.submit(handle.publish, version, str(sentinel), "tester").result(timeout=10)
         refused = wait_for(lambda: settled(version), 60, f"the rollout of version {version}")
         assert refused["state"] == "failed"
         assert [e["state"] for e in refused["engines"]] == ["failed", "failed"]
