@@ -103,6 +103,18 @@ CASES: dict[str, Case] = {
     "--duration nan": Case(["run", "--duration", "nan", "--json", "o.json"], ["--duration", "finite"]),
     "--duration inf": Case(["run", "--duration", "inf", "--json", "o.json"], ["--duration", "finite"]),
     "--duration -1": Case(["run", "--duration", "-1", "--json", "o.json"], ["--duration"]),
+    # A denormal or sub-second duration was taken: the run started its engines and stopped at once, no batch.
+    "--duration 1e-320": Case(
+        ["run", "--duration", "1e-320", "--json", "o.json"], ["--duration", "1e-320", "≥ 1"]
+    ),
+    "--duration 0.5": Case(["run", "--duration", "0.5", "--json", "o.json"], ["--duration", "0.5", "≥ 1"]),
+    "--duration 1_0": Case(
+        ["run", "--duration", "1_0", "--json", "o.json"], ["--duration", "'1_0'", "not a number"]
+    ),
+    "--duration ' 5'": Case(
+        ["run", "--duration", " 5", "--json", "o.json"], ["--duration", "' 5'", "not a number"]
+    ),
+    "--duration 1e400": Case(["run", "--duration", "1e400", "--json", "o.json"], ["--duration", "finite"]),
     # -- sizes ----------------------------------------------------------------------------------------
     "run engines.count 1e9": Case(
         ["run", "--config", "c.yaml", "--json", "o.json"],
@@ -589,6 +601,7 @@ def test_bad_input_is_refused_in_one_line_naming_the_field(
     [
         "workload step_s .inf",
         "--duration nan",
+        "--duration 1e-320",
         "engine --port 70000",
         "--surplus 1e8",
         "sim --plot x.foo",

@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -232,13 +233,32 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
     check_output(path, flag)
 
 
-def check_finite(value: float | None, flag: str, *, low: float, high: float) -> None:
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_NON_FINITE = re.compile(r"[+-]?(nan|inf|infinity)", re.IGNORECASE)
+
+
+def seconds(value: str | float) -> float:
+    """A number of seconds as typed (typer's `parser` for a duration flag): a plain decimal number in
+    ASCII digits (`600`, `0.5`, `1e3`). `float()` alone also takes '_' between digits (`1_0` is 10),
+    surrounding whitespace and other scripts' digits. 'nan' and 'inf' pass, for `check_seconds` to
+    refuse by name."""
+    if isinstance(value, float):
+        return value
+    if not (_DECIMAL.fullmatch(value) or _NON_FINITE.fullmatch(value)):
+        raise typer.BadParameter(f"{value!r} is not a number of seconds; give e.g. 600 or 2.5")
+    return float(value)
+
+
+def check_seconds(value: float | None, flag: str, *, low: float, high: float) -> None:
+    """A duration flag: finite, and within [low, high] seconds (a denormal such as 1e-320 is not a
+    duration anyone means)."""
     if value is None:
         return
     if not math.isfinite(value):
         fail(f"{flag} must be a finite number of seconds, not {value}")
-    if not low < value <= high:
-        fail(f"{flag} must be > {low:,.0f} and ≤ {high:,.0f}, not {value:g}")
+    if not low <= value <= high:
+        shown = f"{value:,.0f}" if value.is_integer() else repr(value)  # repr: 1e-320 as typed
+        fail(f"{flag} must be ≥ {low:g} s and ≤ {high:,.0f} s, not {shown}")
 
 
 def write_json(path: Path, data: Any) -> None:

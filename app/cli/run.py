@@ -13,19 +13,23 @@ import typer
 
 from app.cli.common import (
     check_apart,
-    check_finite,
     check_output,
     check_plot,
+    check_seconds,
     err,
     fail,
     finish,
     output_path,
     say,
+    seconds,
 )
 from app.core.config import PolicyName
 from app.runtime.config import MAX_RUN_BATCHES, LocalRunError, default_config_path, load_config
 
 MAX_RUN_S = 365 * 24 * 3600.0
+# Shortest --duration: the deadline counts from when the engines are up, and a batch takes at least a
+# trainer step; below a second the run can only start its engines and stop, with no batch.
+MIN_RUN_S = 1.0
 
 
 def run(
@@ -38,7 +42,12 @@ def run(
     ] = Path("run-report.json"),
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     duration: Annotated[
-        float | None, typer.Option(help=f"stop after this many seconds (at most {MAX_RUN_S:.0f})")
+        float | None,
+        typer.Option(
+            help=f"stop after this many seconds, counted once the engines are up "
+            f"({MIN_RUN_S:g} to {MAX_RUN_S:.0f})",
+            parser=seconds,
+        ),
     ] = None,
     batches: Annotated[
         int | None,
@@ -57,7 +66,7 @@ def run(
     report."""
     from app.runtime.local import run_local
 
-    check_finite(duration, "--duration", low=0, high=MAX_RUN_S)
+    check_seconds(duration, "--duration", low=MIN_RUN_S, high=MAX_RUN_S)
     check_output(json_out, "--json")
     check_plot(plot)
     path = config if config is not None else default_config_path()
