@@ -15,8 +15,11 @@ Definitions shown on the pages:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
+import json
+import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -50,6 +53,7 @@ from app.sim.bound import lower_bound_s
 from app.store.sink import RUN_END_STATE
 
 STRAGGLER_RATIO = 1.5
+REFUSALS_KEPT = 50  # the latest weight refusals a view lists
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
@@ -116,6 +120,37 @@ class EngineRow:
 
 
 @dataclass(frozen=True, slots=True)
+class RefusalRow:
+    """An engine refused to load a version (a 4xx from a healthy engine): it serves on at its own."""
+
+    t: float
+    engine: str
+    version: int
+    reason: str  # as the engine client said it (app.engines.errors): URL, route, status, body
+
+    @property
+    def summary(self) -> str:
+        """The reason for a reader: the status, the route and the engine's own message, when the
+        reason is an engine client's 4xx with a JSON body that carries one; else the reason as is."""
+        found = _REJECTED.match(self.reason)
+        if found is None:
+            return self.reason
+        route, status, body = found.group(2), found.group(3), found.group(4)
+        try:
+            text = ast.literal_eval(body)
+            said = json.loads(text) if isinstance(text, str) else None
+        except (ValueError, SyntaxError, RecursionError):
+            return self.reason
+        message = next((said[k] for k in ("error", "detail") if isinstance(said, dict) and k in said), None)
+        if not isinstance(message, str):
+            return self.reason
+        return f"HTTP {status} from {route}: {message}"
+
+
+_REJECTED = re.compile(r"engine (\S+) (\S+): request rejected with HTTP (\d+): (.*)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
 class LaneRow:
     name: str
     cpus: str = ""
@@ -176,6 +211,11 @@ class RunView:
     dropped_groups: int = 0  # ended groups no longer kept (a long live run keeps its latest)
     started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
     pool_note: str | None = None  # the whole pool's state (every engine down, or given up), when it holds
+    refusals: list[RefusalRow] = field(default_factory=list)  # the latest, oldest first
+    refusals_total: int = 0  # every refusal of the run, those no longer kept included
+    refused: dict[str, int] = field(default_factory=dict)  # engine -> the newest version it refused
+    newest_version: int = 0  # the newest version published (or served)
+    stall_note: str | None = None  # every engine refused the newest version and is more than K behind
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -286,6 +326,9 @@ class RunViewBuilder:
         self.publications: list[tuple[float, int]] = []
         self.updates: list[tuple[str, float, float, int]] = []
         self.open_updates: dict[str, tuple[float, int]] = {}
+        self.refusals: deque[RefusalRow] = deque(maxlen=REFUSALS_KEPT)
+        self.refusals_total = 0
+        self.refused: dict[str, int] = {}  # engine -> the newest version it refused (not offered again)
         self.audit: list[AuditRow] = []
         self.staleness: dict[int, int] = defaultdict(int)
         self.lane_waits: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LANE_WAITS_KEPT))
@@ -418,6 +461,10 @@ class RunViewBuilder:
                 row_e.version, row_e.state = ev.version, "serving"
             else:  # a refusal leaves the engine serving its version; another failure, out of rotation
                 row_e.state = "serving" if ev.refused else "unhealthy"
+            if ev.refused:
+                self.refusals.append(RefusalRow(t, ev.engine, ev.version, ev.error))
+                self.refusals_total += 1
+                self.refused[ev.engine] = max(ev.version, self.refused.get(ev.engine, -1))
         elif isinstance(ev, EngineStateChanged):
             if ev.engine == POOL:
                 self.pool = None if ev.state == "serving" else (ev.state, ev.detail or ev.state)
@@ -482,6 +529,9 @@ class RunViewBuilder:
             elif snap.get("updating") is False and row_e.state == "updating":
                 row_e.state, row_e.target_version = "serving", None
         updates = list(self.updates) + [(n, since, now, v) for n, (since, v) in self.open_updates.items()]
+        rows = sorted(engines.values(), key=lambda e: e.name)
+        ended = self.ended is not None or state in OUTCOMES
+        newest = max([v for _, v in self.publications] + [e.version for e in rows], default=0)
         attribution = self.waits.result() if self.batches else None
         _mark_groups(groups, attribution, self.durations)
         return RunView(
@@ -494,7 +544,7 @@ class RunViewBuilder:
             groups=list(groups.values()),
             trajectories=trajs,
             batches=list(self.batches),
-            engines=sorted(engines.values(), key=lambda e: e.name),
+            engines=rows,
             lanes=_lanes(
                 meta.lanes,
                 {k: list(v) for k, v in self.lane_waits.items()},
@@ -516,7 +566,33 @@ class RunViewBuilder:
             dropped_groups=self.dropped_groups,
             started_at=meta.started_at,
             pool_note=self.pool[1] if self.pool is not None else None,
+            refusals=list(self.refusals),
+            refusals_total=self.refusals_total,
+            refused=dict(self.refused),
+            newest_version=newest,
+            stall_note=_stall_note(rows, self.refused, newest, policy.get("max_staleness"), ended),
         )
+
+
+def _stall_note(
+    engines: Sequence[EngineRow], refused: Mapping[str, int], newest: int, k: object, ended: bool
+) -> str | None:
+    """What the runtime warns of (app.runtime.driver): every engine not drained refused the newest
+    version (or a newer one) and serves one more than K behind it, so no turn can run. None otherwise."""
+    if not isinstance(k, int) or isinstance(k, bool):
+        return None
+    rotation = [e for e in engines if e.state != "draining"]
+    stalled = all(refused.get(e.name, -1) >= newest and newest - e.version > k for e in rotation)
+    if not rotation or not stalled:
+        return None
+    served = ", ".join(sorted({f"v{e.version}" for e in rotation}))
+    said = (
+        f"every engine refused v{newest} and serves {served}, more than K = {k} versions behind it, so no "
+        "turn can run"
+    )
+    if ended:
+        return f"The run was stalled when it ended: {said}."
+    return f"Stalled: {said}. Publish a version the engines can load, or raise K."
 
 
 def _observed_bound(

@@ -152,7 +152,8 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     b = view.batches
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
-    target = max([e.target_version or 0 for e in view.engines] + engines_versions, default=0)
+    target = max([e.target_version or 0 for e in view.engines] + [view.newest_version], default=0)
+    refused_by = view.refused
     return {
         "view": view,
         "zoom": zoom,
@@ -203,6 +204,8 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
         "wait_batches": list(attribution.batches)[-12:][::-1] if attribution else [],
         "publish_target": target,
         "engines_done": sum(1 for v in engines_versions if v >= target),
+        "engines_refused": sum(1 for e in view.engines if e.version < target <= refused_by.get(e.name, -1)),
+        "refused_by": refused_by,
         "policy_fields": POLICY_FIELDS,
     }
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from app.engines.embedded.weights import save_sentinel
 from app.service.manager import RunManager
 from app.service.store import ServiceStore
 from app.web.backend import ActionRefused
@@ -143,3 +144,94 @@ async def test_an_ended_run_s_lanes_after_a_restart_show_what_was_stored_and_not
         assert lane.slots == ended_here[name].slots  # the run config's, as stored
         assert lane.cpus == "not recorded"
         assert (ended_here[name].busy, ended_here[name].queue_depth) == (0, 0)
+
+
+def refusing_local_run(manager, max_staleness):
+    """A local run of one embedded engine that loads real weights (engines.sentinel: false), so it
+    refuses every checkpoint of the sentinel tensor alone."""
+    import os
+
+    from app.service.schemas import RunCreate
+
+    cpus = sorted(os.sched_getaffinity(0))
+    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
+    config = {
+        "batch": {"groups": 1, "group_size": 2},
+        "policy": {"surplus_groups": 1, "max_staleness": max_staleness, "max_updating_engines": 1},
+        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8,
+                    "sentinel": False},
+        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
+    }  # fmt: skip
+    return manager.create(RunCreate.model_validate({"name": "refuses", "kind": "local", "config": config}))
+
+
+async def run_page_blocks(runs, run_id):
+    """The run page and its engines and summary blocks, as the dashboard serves them over `runs`."""
+    import httpx
+    from fastapi import FastAPI
+
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, mount_dashboard
+
+    app = FastAPI()
+    mount_dashboard(app, Dashboard(AccessConfig(None, None), live=runs))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        page = (await client.get(f"/runs/{run_id}")).text
+        blocks = {b: (await client.get(f"/runs/{run_id}/block/{b}")).text for b in ("engines", "summary")}
+    return page, blocks
+
+
+@pytest.mark.slow
+async def test_a_run_stalled_by_refused_weights_says_so_live_and_after_a_restart(tmp_path):
+    # Engines that refuse every publication (sentinel weights to engines of real weights) stall the run
+    # once they are more than K behind; the runtime only logged it and the run page showed nothing.
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    manager = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
+    runs = ManagerRuns(lambda: manager)
+    try:
+        run_id = refusing_local_run(manager, max_staleness=0)
+        handle = manager.get(run_id)
+        await asyncio.to_thread(wait_for, lambda: handle.state.value == "running", 120)
+        # An external trainer publishes a checkpoint of the sentinel tensor alone (the API's weights
+        # route with a path), which these engines refuse.
+        weights = tmp_path / "v1"
+        save_sentinel(weights, 1.0)
+        await handle.call(handle.publish, 1, str(weights), "trainer")
+        await asyncio.to_thread(wait_for, lambda: runs.view(run_id).refusals, 60)
+        view = runs.view(run_id)
+        (refusal,) = view.refusals
+        assert (refusal.engine, refusal.version) == ("engine-0", 1)
+        assert "lacks" in refusal.reason
+        assert view.stall_note is not None
+        assert view.stall_note.startswith("Stalled: every engine refused v1")
+        page, blocks = await run_page_blocks(runs, run_id)
+        for html in (page, blocks["engines"]):
+            assert 'id="refusals"' in html
+            assert "lacks" in html
+            assert 'id="stall-note"' in html
+            assert "Weights v1: 0 of 1 engines loaded, 1 refused." in html
+        assert 'id="stall-summary"' in blocks["summary"]
+        await runs.stop(run_id, "tester")
+        await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "stopped", 60)
+    finally:
+        manager.shutdown()
+
+    restarted = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
+    try:
+        runs = ManagerRuns(lambda: restarted)
+        view = runs.view(run_id)
+        page, blocks = await run_page_blocks(runs, run_id)
+    finally:
+        restarted.shutdown()
+    assert view is not None
+    assert view.state == "stopped"
+    assert [(r.engine, r.version, r.reason) for r in view.refusals] == [
+        (refusal.engine, refusal.version, refusal.reason)
+    ]
+    assert view.stall_note is not None
+    assert view.stall_note.startswith("The run was stalled when it ended: every engine refused v1")
+    assert 'id="refusals"' in blocks["engines"]
+    assert "lacks" in blocks["engines"]
+    assert "The run was stalled when it ended" in page

@@ -355,3 +355,93 @@ def test_an_ended_run_s_lanes_have_nothing_queued_and_keep_their_latest_slots():
     assert (ended["exec"].busy, ended["exec"].queue_depth) == (0, 0)
     assert (ended["exec"].slots, ended["exec"].configured_slots) == (3, 2)  # resized, the stream says
     assert (ended["reset"].slots, ended["reset"].configured_slots) == (4, 4)  # as configured
+
+
+def refusing_run(k, *later):
+    """Two engines that each refuse version 1 while serving version 0, under K = `k`; then `later`."""
+    from app.core.events import EngineUpdateEnd, RunStarted, VersionPublished
+
+    events = [
+        RunStarted(engines=("e0", "e1"), policy={"max_staleness": k}),
+        VersionPublished(1),
+        EngineUpdateBegin("e0", 1),
+        EngineUpdateEnd("e0", 1, ok=False, error="HTTP 400: checkpoint lacks layer.0", refused=True),
+        EngineUpdateBegin("e1", 1),
+        EngineUpdateEnd("e1", 1, ok=False, error="HTTP 422: bad shape", refused=True),
+        *later,
+    ]
+    return [Envelope("r", i, float(i), ev) for i, ev in enumerate(events)]
+
+
+def test_refused_weights_are_listed_and_a_run_they_stall_says_so():
+    # The runtime only logged each refusal and the stall; the view carried neither.
+    view = view_from_events("r", refusing_run(0))
+    assert [(r.engine, r.version, r.reason) for r in view.refusals] == [
+        ("e0", 1, "HTTP 400: checkpoint lacks layer.0"),
+        ("e1", 1, "HTTP 422: bad shape"),
+    ]
+    assert view.refused == {"e0": 1, "e1": 1}
+    assert view.newest_version == 1
+    assert view.stall_note == (
+        "Stalled: every engine refused v1 and serves v0, more than K = 0 versions behind it, so no turn "
+        "can run. Publish a version the engines can load, or raise K."
+    )
+    ended = view_from_events("r", refusing_run(0), RunMeta(state="stopped"))
+    assert ended.stall_note is not None
+    assert ended.stall_note.startswith("The run was stalled when it ended")
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        [],  # K = 1: v0 is within K of v1, the engines still serve
+        [PolicyChanged("max_staleness", 0, 1, "operator")],  # K raised past the gap
+    ],
+)
+def test_refusals_within_k_or_after_k_is_raised_do_not_stall(later):
+    k = 1 if not later else 0
+    view = view_from_events("r", refusing_run(k, *later))
+    assert len(view.refusals) == 2
+    assert view.stall_note is None
+
+
+def test_a_newer_version_loaded_or_a_drained_engine_s_refusal_ends_the_stall():
+    from app.core.events import EngineStateChanged, EngineUpdateEnd, VersionPublished
+
+    loaded = [VersionPublished(2), EngineUpdateBegin("e0", 2), EngineUpdateEnd("e0", 2)]
+    assert view_from_events("r", refusing_run(0, *loaded)).stall_note is None
+    # a newer version published but not offered yet: the engines may load it, so no stall is claimed
+    assert view_from_events("r", refusing_run(0, VersionPublished(2))).stall_note is None
+    # a drained engine is out of rotation: the one left still refuses, so the run is still stalled
+    drained = view_from_events("r", refusing_run(0, EngineStateChanged("e1", "draining")))
+    assert drained.stall_note is not None
+
+
+def test_the_engines_block_lists_refusals_and_the_stall():
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    view = view_from_events("r", refusing_run(0), RunMeta(state="running"))
+    html = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "engines")
+    assert 'id="stall-note"' in html
+    assert "Stalled: every engine refused v1" in html
+    assert "Weights v1: 0 of 2 engines loaded, 2 refused." in html
+    row = r'<tr><td>(\w+)</td><td class="num">v(\d+)</td><td class="num">([\d.]+ s)</td>'
+    assert re.findall(row, html) == [("e1", "1", "5.0 s"), ("e0", "1", "3.0 s")]  # newest first
+    assert "checkpoint lacks layer.0" in html
+    assert html.count('class="refused"') == 2
+
+
+def test_a_refusal_s_reason_reads_as_the_engine_s_own_message():
+    from app.engines.errors import EngineRequestError
+    from app.web.readmodel import RefusalRow
+
+    body = '{"error":"refused weights (still serving version 0): checkpoint \'/w/v1\' lacks 7 tensors"}'
+    error = EngineRequestError("http://127.0.0.1:4000", "/update_weights", 400, body)
+    row = RefusalRow(1.0, "e0", 1, str(error))
+    assert row.summary == (
+        "HTTP 400 from /update_weights: refused weights (still serving version 0): checkpoint '/w/v1' "
+        "lacks 7 tensors"
+    )
+    for other in ("timed out", str(EngineRequestError("http://e", "/update_weights", 422, "not json"))):
+        assert RefusalRow(1.0, "e0", 1, other).summary == other
