@@ -79,37 +79,30 @@ async def test_a_bad_launch_form_names_the_field(runs, form, field):
 
 
 @pytest.mark.slow
-async def test_publishing_from_the_dashboard_gives_disk_engines_weights_to_load(runs):
+@pytest.mark.parametrize("sentinel", [True, False])
+async def test_the_dashboard_publishes_weights_disk_engines_load_or_is_refused(runs, sentinel):
     # The dashboard published without a path: an engine that loads weights from disk refused the
     # update with a ValueError that failed the whole run. Now it is a sentinel version with its files,
-    # as the API's `sentinel: true`; engines of real weights refuse those, and only the rollout fails.
-    import os
-
-    from app.service.schemas import RunCreate
-
-    cpus = sorted(os.sched_getaffinity(0))
-    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
-    config = {
-        "batch": {"groups": 1, "group_size": 2},
-        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
-        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8,
-                    "sentinel": False},
-        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
-        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
-    }  # fmt: skip
+    # as the API's `sentinel: true`, which sentinel engines load; engines of real weights would refuse
+    # it, every version, so the dashboard refuses to publish it (a 422 note) and nothing changes.
     manager = runs.manager
-    run_id = manager.create(RunCreate.model_validate({"name": "disk", "kind": "local", "config": config}))
+    run_id = disk_local_run(manager, max_staleness=2, sentinel=sentinel)
     handle = manager.get(run_id)
     await asyncio.to_thread(wait_for, lambda: handle.state.value == "running", 120)
-    await runs.publish(run_id, "tester")
 
     def rollout():
         return handle.submit(handle.rollout, 1).result(10)
 
-    await asyncio.to_thread(wait_for, lambda: rollout()["state"] != "running", 60)
-    assert rollout()["path"] is not None
-    assert rollout()["state"] == "failed"
-    assert "lacks" in rollout()["engines"][0]["error"]
+    if sentinel:
+        await runs.publish(run_id, "tester")
+        await asyncio.to_thread(wait_for, lambda: rollout()["state"] != "running", 60)
+        assert rollout()["path"] is not None
+        assert rollout()["state"] == "completed"
+    else:
+        with pytest.raises(ValueError, match=r"engines\.sentinel: false"):
+            await runs.publish(run_id, "tester")
+        assert handle.runtime.version == 0
+        assert runs.view(run_id).publications == []
     assert handle.state.value == "running"
     await runs.stop(run_id, "tester")
     await asyncio.to_thread(wait_for, lambda: handle.state.value == "stopped", 60)
@@ -146,9 +139,9 @@ async def test_an_ended_run_s_lanes_after_a_restart_show_what_was_stored_and_not
         assert (ended_here[name].busy, ended_here[name].queue_depth) == (0, 0)
 
 
-def refusing_local_run(manager, max_staleness):
-    """A local run of one embedded engine that loads real weights (engines.sentinel: false), so it
-    refuses every checkpoint of the sentinel tensor alone."""
+def disk_local_run(manager, max_staleness, sentinel=False):
+    """A local run of one embedded engine, which loads weights from disk: of real weights by default
+    (engines.sentinel: false), so it refuses every checkpoint of the sentinel tensor alone."""
     import os
 
     from app.service.schemas import RunCreate
@@ -159,7 +152,7 @@ def refusing_local_run(manager, max_staleness):
         "batch": {"groups": 1, "group_size": 2},
         "policy": {"surplus_groups": 1, "max_staleness": max_staleness, "max_updating_engines": 1},
         "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8,
-                    "sentinel": False},
+                    "sentinel": sentinel},
         "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
         "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
     }  # fmt: skip
@@ -191,7 +184,7 @@ async def test_a_run_stalled_by_refused_weights_says_so_live_and_after_a_restart
     manager = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
     runs = ManagerRuns(lambda: manager)
     try:
-        run_id = refusing_local_run(manager, max_staleness=0)
+        run_id = disk_local_run(manager, max_staleness=0)
         handle = manager.get(run_id)
         await asyncio.to_thread(wait_for, lambda: handle.state.value == "running", 120)
         # An external trainer publishes a checkpoint of the sentinel tensor alone (the API's weights
