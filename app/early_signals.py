@@ -8,21 +8,26 @@ remembered instead of raising `KeyboardInterrupt` in the middle of an import. Th
 - `release`: the default handlers come back and the caller learns what was held (every other command
   then ends as if interrupted: exit 130).
 
-This module imports only the standard library: it must be cheap enough to run first.
+This module must be cheap enough to run first: until `hold` runs, a Ctrl-C is Python's own traceback.
+Importing it loads no module the interpreter has not loaded already at start-up (`_signal`, `sys`, `os`;
+tests/test_early_signals.py checks): not `signal` (its enums), `threading`, `contextlib` nor `typing`,
+which took about 2.5 ms of the ~18 ms between exec and `hold` (README: a Ctrl-C in the first second of
+`corral run`); most of the rest is Python's own start-up, before any of Corral's code runs.
 """
 
 from __future__ import annotations
 
-import signal
+import _signal
+import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from types import FrameType
-from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType, TracebackType
+    from typing import Any
+
+STOP_SIGNALS = (_signal.SIGINT, _signal.SIGTERM)
 
 _held: list[int] = []
 _previous: dict[int, Any] = {}
@@ -37,17 +42,17 @@ def is_command_process() -> bool:
     a program that imports it (a test runner): only then does it take over process-wide things."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    return path is None or Path(path).stem == "corral"
+    return path is None or os.path.splitext(os.path.basename(path))[0] == "corral"
 
 
 def hold() -> None:
     """Remember stop signals from now on instead of acting on them. A signal this process was started
     ignoring (a shell's background job ignores SIGINT) stays ignored."""
     for sig in STOP_SIGNALS:
-        current = signal.getsignal(sig)
-        if current in (signal.SIG_IGN, _remember):
+        current = _signal.getsignal(sig)
+        if current in (_signal.SIG_IGN, _remember):
             continue
-        _previous[sig] = signal.signal(sig, _remember)
+        _previous[sig] = _signal.signal(sig, _remember)
 
 
 def take() -> list[int]:
@@ -60,35 +65,44 @@ def take() -> list[int]:
 def release() -> list[int]:
     """Put the handlers back as they were before `hold`; return the signals held meanwhile."""
     for sig, handler in _previous.items():
-        if signal.getsignal(sig) is _remember:
-            signal.signal(sig, handler)
+        if _signal.getsignal(sig) is _remember:
+            _signal.signal(sig, handler)
     _previous.clear()
     return take()
 
 
-@contextmanager
-def interruptible_once(on_first: Callable[[], None] | None = None) -> Iterator[None]:
+class interruptible_once:  # a context manager, not `contextlib.contextmanager`: see the module's note
     """Ctrl-C acts once; further presses (users press it twice) are ignored until the block ends, so
     that what the block does after the first (unwinding a simulation, writing what was computed so
     far) is not broken half-way. The first press raises KeyboardInterrupt, or calls `on_first` instead
     (to stop at a safe point of the caller's choosing). Only where Ctrl-C would raise
     KeyboardInterrupt anyway: in the main thread (only it gets signals), under Python's default handler
     (not when SIGINT is ignored, nor under a handler of the caller's own)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
 
-    def first(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if on_first is None:
+    def __init__(self, on_first: Callable[[], None] | None = None) -> None:
+        self._on_first = on_first
+        self._installed = False
+
+    def __enter__(self) -> None:
+        import threading
+
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler
+        ):
+            return
+        _signal.signal(_signal.SIGINT, self._first)
+        self._installed = True
+
+    def _first(self, signum: int, frame: FrameType | None) -> None:
+        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+        if self._on_first is None:
             raise KeyboardInterrupt
-        on_first()
+        self._on_first()
 
-    signal.signal(signal.SIGINT, first)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._installed:
+            self._installed = False
+            _signal.signal(_signal.SIGINT, _signal.default_int_handler)

@@ -3,8 +3,11 @@ released, and a signal the process was started ignoring stays ignored."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 
 from app import early_signals
 
@@ -32,3 +35,31 @@ def test_a_signal_the_process_ignores_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# Run as `python -c` (the command process, as the console script is): which modules are still looked
+# up while a Ctrl-C would raise KeyboardInterrupt, i.e. before `hold`?
+WATCH_IMPORTS = """
+import json, sys, _signal
+found = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+            found.append(name)
+        return None
+sys.meta_path.insert(0, Watch())
+from app.cli import main
+print(json.dumps(found))
+"""
+
+
+def test_corral_holds_ctrl_c_before_it_imports_anything_but_its_own_first_module() -> None:
+    """Until `hold`, a Ctrl-C is Python's own KeyboardInterrupt traceback (README: the first ~N ms of
+    `corral run`). The entry point used to import `signal`, `threading` and `typing` (and, outside an
+    editable install, `contextlib` and `pathlib`) first, about 3 ms of that window; now it holds as soon
+    as its own three modules are found."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WATCH_IMPORTS], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["app", "app.cli", "app.early_signals"]
