@@ -161,6 +161,11 @@ class EngineTurnFailed(RuntimeError):
     """A turn met more engine failures than `EngineFaultConfig.turn_retries` allows."""
 
 
+class EngineStoppedAnswering(Exception):
+    """An engine in the middle of a weight update failed its health check: it is down, whatever its
+    update was waiting for."""
+
+
 class _AttemptContext:
     """The agent's window onto the runtime for one attempt (see app.runtime.context)."""
 
@@ -750,6 +755,31 @@ class Runtime:
                 if not healthy and self.pool.epoch[name] == epoch and self.plan.up(name):
                     self._engine_down(name, "health check failed")
 
+    async def _while_answering(self, engine: Engine, work: Coroutine[Any, Any, T]) -> T:
+        """Await `work` (a weight update's steps) while the health watch, if on, goes on probing
+        `engine`: a frozen engine (a stopped process, which takes connections and never answers) fails
+        the update within a probe, not at `update_timeout_s`, so that the rolling update goes on. Left
+        to the timeout, it held the rolling update for `update_timeout_s` (two minutes by default), and
+        the groups on the engines it held back went stale."""
+        interval = self.faults.health_interval_s
+        if interval is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=interval)
+                if done:
+                    return task.result()
+                if not await self._probe(engine) and not task.done():
+                    limit = self.faults.health_timeout_s
+                    raise EngineStoppedAnswering(
+                        f"stopped answering /health within {limit:g}s during the update"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+
     async def _probe(self, engine: Engine) -> bool:
         try:
             async with asyncio.timeout(self.faults.health_timeout_s):
@@ -958,23 +988,28 @@ class Runtime:
         mode = PauseMode(self.policy.pause_mode.value) if self.plan.rolling else PauseMode.ABORT
         self.state.update_log.append((self.now(), engine.name, action.version, "begin"))
         self._publish(EngineUpdateBegin(engine.name, action.version))
-        refusal: EngineRequestError | None = None
+
+        async def steps() -> EngineRequestError | None:
+            await engine.pause(mode)
+            if mode is PauseMode.WAIT:
+                await self.pool.drained(engine.name)
+            refusal: EngineRequestError | None = None
+            try:
+                await engine.publish_weights(action.version, self._weights.get(action.version))
+            except EngineRequestError as exc:
+                # It answered that it cannot load these weights. Alive and healthy, it serves on at
+                # its version: a restart would only load the same weights and be refused again.
+                if not await self._probe(engine):
+                    raise
+                refusal = exc
+            if not self.plan.held:  # held: the engine stays paused until the operator resumes
+                await engine.resume()
+            return refusal
+
         try:
             async with asyncio.timeout(self.faults.update_timeout_s):
-                await engine.pause(mode)
-                if mode is PauseMode.WAIT:
-                    await self.pool.drained(engine.name)
-                try:
-                    await engine.publish_weights(action.version, self._weights.get(action.version))
-                except EngineRequestError as exc:
-                    # It answered that it cannot load these weights. Alive and healthy, it serves on at
-                    # its version: a restart would only load the same weights and be refused again.
-                    if not await self._probe(engine):
-                        raise
-                    refusal = exc
-                if not self.plan.held:  # held: the engine stays paused until the operator resumes
-                    await engine.resume()
-        except (EngineError, TimeoutError) as exc:  # fault tolerance: the engine leaves rotation
+                refusal = await self._while_answering(engine, steps())
+        except (EngineError, TimeoutError, EngineStoppedAnswering) as exc:  # the engine leaves rotation
             timed_out = isinstance(exc, TimeoutError)
             reason = f"timed out after {self.faults.update_timeout_s:g}s" if timed_out else str(exc)
             now = self.now()

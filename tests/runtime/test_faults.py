@@ -9,6 +9,7 @@ version, a hung or failing update times out and the rolling update goes on to th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -143,6 +144,36 @@ def test_an_engine_failing_its_health_check_is_found_by_the_health_watch() -> No
     assert first[2:] == ("unhealthy", "health check failed")
     assert 3.5 <= first[0] <= 4.5 + 1e-9  # within one probe interval
     assert states(runtime, "b")[:3] == ["unhealthy", "restarting", "serving"]
+
+
+def test_an_engine_that_freezes_during_its_update_is_found_by_the_health_watch_not_the_timeout() -> None:
+    """A stopped process (SIGSTOP, a machine swapping) takes connections and answers nothing: its update
+    never ends and its health probes time out. The update fails within a probe, not at
+    `update_timeout_s`, and the rolling update goes on to the other engine."""
+
+    class FreezesOnUpdate(FakeEngine):
+        async def publish_weights(self, version: int, path: str | None) -> None:
+            self.health_s = 1e6  # from now on no probe is answered, and neither is this
+            await asyncio.Event().wait()
+
+    a, b = FreezesOnUpdate("a"), FakeEngine("b")
+
+    faults = EngineFaultConfig(update_timeout_s=600.0, health_interval_s=1.0, health_timeout_s=2.0)
+    runtime = make_runtime([a, b], FakeSupervisor(), faults)
+    run_virtual(run_with(runtime, 4))
+    assert len(runtime.state.batches) == 4
+    accounted(runtime)
+    log = runtime.state.update_log
+    begun = next(t for t, e, _, p in log if e == "a" and p == "begin")
+    (failure,) = runtime.state.update_failures
+    t_failed, engine, version, reason = failure
+    assert (engine, version) == ("a", 1)
+    assert reason == "stopped answering /health within 2s during the update"
+    assert t_failed - begun <= 1.0 + 2.0 + 1e-9  # one interval and one probe's timeout, not 600 s
+    assert any(t == t_failed and e == "b" and p == "begin" for t, e, _, p in log)  # goes on at once
+    assert states(runtime, "a")[:3] == ["unhealthy", "restarting", "serving"]
+    ends = [env for env in runtime.state.update_log if env[1] == "a" and env[3] in ("end", "failed")]
+    assert ends[0][3] == "failed"
 
 
 def test_the_health_watch_probes_the_restarted_engine_not_its_closed_client() -> None:
@@ -491,6 +522,35 @@ def test_update_that_hangs_times_out_during_corral_run(tmp_path: Path) -> None:
     assert failed[0]["error"] == "timed out after 10s"
     begun = next(u for u in report["update_log"] if u["engine"] == "engine-1" and u["phase"] == "begin")
     assert failed[0]["t"] - begun["t"] >= 9.99  # not before update_timeout_s
+    assert_recovered(report, "engine-1")
+
+
+@pytest.mark.slow
+def test_an_engine_stopped_during_its_update_is_restarted_within_a_probe_during_corral_run(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP to an engine whose update is under way: the update would wait `update_timeout_s` (60 s
+    here), holding the rolling update; the health probes find the engine within seconds."""
+    config = FAST_CONFIG.replace("update_timeout_s: 3", "update_timeout_s: 60")
+    run = CorralRun(tmp_path, ["--batches", "50"], config=config, env={"CORRAL_ENGINE_DEBUG": "1"})
+    try:
+        _, second = run.wait_engines_ready()
+        url = f"http://127.0.0.1:{run.engine_port(second)}/debug/fault"
+        httpx.post(url, json={"update": "hang"}, timeout=5)  # its update to version 1 stays under way
+        run.wait_line(r"engine-0 now serves policy version 1\b")  # engine-1's update begins after it
+        os.kill(second, signal.SIGSTOP)
+        stopped = time.monotonic()
+        run.wait_line(r"engine-1 is unhealthy", timeout_s=60)
+        found_s = next(t for t, line in run.lines if "engine-1 is unhealthy" in line) - stopped
+        report = run_until_recovered(run)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(second, signal.SIGCONT)
+        run.kill()
+    assert found_s < 20.0, found_s  # a probe interval (1 s) and a probe timeout (5 s), not 60 s
+    failed = [u for u in report["update_log"] if u["phase"] == "failed"]
+    assert [(u["engine"], u["version"]) for u in failed] == [("engine-1", 1)]
+    assert failed[0]["error"] == "stopped answering /health within 5s during the update"
     assert_recovered(report, "engine-1")
 
 
