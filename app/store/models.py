@@ -291,9 +291,13 @@ class RolloutStep(Base):
 
 
 class Lane(Base):
+    """A lane of a run as it started: its CPU set (worked out at start, so not in the run's config) and
+    its configured slots. `cpus` is a cpulist ("2-3,6"), or "unpinned"; Text, since a host's list can
+    run past any fixed width ("0,2,4,...,254")."""
+
     __tablename__ = "lanes"
 
     run_id: Mapped[str] = _run_fk()
     name: Mapped[str] = mapped_column(String(32), primary_key=True)
-    cpus: Mapped[str] = mapped_column(String(200), default="")  # a cpulist, e.g. "2-3,6"
+    cpus: Mapped[str] = mapped_column(Text, default="")
     slots: Mapped[int] = mapped_column(Integer)

@@ -9,6 +9,10 @@ to `RunsBackend`.
 - What the stream does not carry comes from the run's handle when it executes here: its state and
   knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
   busy slots, queue depth, slots and CPU set.
+- A lane's CPU set is worked out as its run starts and is in no event: the first view of a run
+  executing here records each lane's CPU set and configured slots in the store's `lanes` table, and a
+  run not executing here (ended before a restart) shows what was recorded ("not recorded" where
+  nothing was). A failed write (SQLite busy) is tried again at the next view; it never fails a page.
 - Actions call the handle's commands on the run's loop (`handle.call`), as the API does; refusals
   (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
   with the handle's message.
@@ -20,13 +24,18 @@ cost one build; a run not executing here is re-read from the store at most every
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 from app.core.events import envelope_from_dict
+from app.cpulist import format_cpu_list
+from app.store.repos import LaneRepo
 from app.validation import parse_int
 from app.web.backend import ActionRefused
 from app.web.readmodel import RunMeta, RunView, RunViewBuilder
@@ -37,6 +46,9 @@ KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
+NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +60,8 @@ class _RunCache:
     built_at: float = float("-inf")
     fetched_at: float = float("-inf")
     lock: threading.Lock = field(default_factory=threading.Lock)
+    lanes_recorded: bool = False  # this run's lane CPU sets are in the store (written here)
+    stored_cpus: dict[str, str] | None = None  # the lane CPU sets the store holds, once read
 
 
 class ManagerRuns:
@@ -114,7 +128,7 @@ class ManagerRuns:
         handle = manager.get(run_id)
         if time.monotonic() - entry.fetched_at >= (VIEW_TTL_S if handle is not None else IDLE_REFETCH_S):
             self._fetch(run_id)
-        meta = self._meta(record, handle)
+        meta = self._meta(record, handle, entry)
         key = (entry.last_seq, meta.state, repr(meta.engines), repr(meta.lanes), repr(meta.policy))
         with entry.lock:
             fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
@@ -124,13 +138,15 @@ class ManagerRuns:
             entry.key, entry.view, entry.built_at = key, view, time.monotonic()
             return view
 
-    def _meta(self, record: Mapping[str, Any], handle: Any) -> RunMeta:
+    def _meta(self, record: Mapping[str, Any], handle: Any, entry: _RunCache) -> RunMeta:
         state = str(record.get("state", "unknown"))
         policy = dict(record.get("policy") or {})
         policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
         label, started_at = str(record.get("name", "")), record.get("started_at")
         if handle is None:
-            stored = _stored_lanes(record.get("config") or {})
+            if entry.stored_cpus is None:
+                entry.stored_cpus = self._stored_cpus(str(record.get("id", entry.builder.run_id)))
+            stored = _stored_lanes(record.get("config") or {}, entry.stored_cpus)
             return RunMeta(state=state, policy=policy, lanes=stored, label=label, started_at=started_at)
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
@@ -165,6 +181,8 @@ class ManagerRuns:
                         "cpus": lane.get("cpus", ""),
                     }
                 )
+            if not entry.lanes_recorded and config:
+                entry.lanes_recorded = self._record_lanes(handle.run_id, config)
         return RunMeta(
             state=state,
             policy={**policy, **dict(handle.knobs)},
@@ -174,6 +192,25 @@ class ManagerRuns:
             label=label,
             started_at=started_at,
         )
+
+    def _record_lanes(self, run_id: str, lanes: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Store each lane's CPU set and configured slots; False when the store was busy (SQLite's
+        lock held by the event sink past its timeout): the next view tries again."""
+        try:
+            with self.manager.store.session() as session:
+                repo = LaneRepo(session)
+                for name, lane in lanes.items():
+                    configured = lane.get("configured")
+                    slots = int(configured if configured is not None else lane["slots"])
+                    repo.set(run_id, name, str(lane["cpus"]), slots)
+        except OperationalError as exc:
+            log.info("run %s: lane CPU sets not recorded yet (%s); tried again at the next view", run_id, exc)
+            return False
+        return True
+
+    def _stored_cpus(self, run_id: str) -> dict[str, str]:
+        with self.manager.store.session() as session:
+            return {lane.name: lane.cpus for lane in LaneRepo(session).list(run_id)}
 
     # -- acting ---------------------------------------------------------------------------------
 
@@ -262,18 +299,20 @@ def _live_key(handle: Any) -> object:
     )
 
 
-def _stored_lanes(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _stored_lanes(config: Mapping[str, Any], cpus: Mapping[str, str]) -> list[dict[str, Any]]:
     """The lanes of a run not executing here, from its stored config: each lane's configured slots (a
-    sim run's workload, a local run's config; its slots unless adaptive lanes resized it); the CPU
-    set is not stored (it is worked out at start)."""
+    sim run's workload, a local run's config; its slots unless adaptive lanes resized it) and the CPU
+    set recorded as it ran (`cpus`; worked out at start, so not in the config)."""
     spec = (config.get("workload") or {}).get("lanes") or (config.get("config") or {}).get("lanes")
     if not isinstance(spec, Mapping):
-        return []
+        spec = {}
     lanes = []
     for name in ("reset", "exec", "validate", "cleanup"):
         slots = spec.get(name, spec.get(f"{name}_"))
         if isinstance(slots, int):
-            lanes.append({"name": name, "configured_slots": slots, "cpus": "not recorded"})
+            lanes.append({"name": name, "configured_slots": slots, "cpus": cpus.get(name, NOT_RECORDED)})
+        elif name in cpus:
+            lanes.append({"name": name, "cpus": cpus[name]})
     return lanes
 
 
@@ -286,7 +325,7 @@ def _lanes_config(handle: Any) -> dict[str, dict[str, Any]]:
         name: {
             "slots": lane["slots"],
             "configured": lane.get("configured"),
-            "cpus": ",".join(str(c) for c in lane["cpus"] or ()) or "unpinned",
+            "cpus": format_cpu_list(lane["cpus"]) if lane["cpus"] else "unpinned",
         }
         for name, lane in describe().items()
     }

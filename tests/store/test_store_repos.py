@@ -180,6 +180,18 @@ def test_lanes_are_set_and_replaced(session: Session) -> None:
     ]
 
 
+def test_a_lane_s_cpu_set_of_any_length_is_stored(session: Session) -> None:
+    # `cpus` was a VARCHAR(200): Postgres refused every other CPU of a 256-CPU host (a 460-character list).
+    from app.cpulist import format_cpu_list
+
+    run_id = make_run(session)
+    cpus = format_cpu_list(range(0, 256, 2))
+    assert len(cpus) > 200
+    LaneRepo(session).set(run_id, "exec", cpus, 4)
+    session.expire_all()
+    assert [(ln.name, ln.cpus) for ln in LaneRepo(session).list(run_id)] == [("exec", cpus)]
+
+
 def test_the_timeline_pages_by_sequence_number(conn: Connection, session: Session) -> None:
     run = make_run_events("pages")
     SqlEventSink(conn).write_batch(run.envelopes)

@@ -135,7 +135,7 @@ async def test_an_ended_run_s_lanes_after_a_restart_show_what_was_stored_and_not
     for name, lane in lanes.items():
         assert (lane.busy, lane.queue_depth) == (0, 0)
         assert lane.slots == ended_here[name].slots  # the run config's, as stored
-        assert lane.cpus == "not recorded"
+        assert lane.cpus == ended_here[name].cpus  # as recorded while it ran
         assert (ended_here[name].busy, ended_here[name].queue_depth) == (0, 0)
 
 
