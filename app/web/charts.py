@@ -48,6 +48,7 @@ def _axis(top: float, unit: str) -> str:
 
 
 _SMALL_END = 'text-anchor="end" style="font:10px sans-serif"'
+_SMALL_MID = 'text-anchor="middle" style="font:10px sans-serif"'
 
 
 def _num(v: float) -> str:
@@ -59,6 +60,17 @@ def _empty(title: str) -> str:
     return _head(title) + note + "</svg>"
 
 
+def _x_label(text: str) -> str:
+    """What the horizontal axis counts, under its tick labels."""
+    if not text:
+        return ""
+    x = PAD_L + (W - PAD_L - PAD_R) / 2
+    return (
+        f'<text x="{x:.1f}" y="{H - 3}" text-anchor="middle" style="font:10px sans-serif" fill="#444">'
+        f"{escape(text)}</text>"
+    )
+
+
 def bar_chart(
     title: str,
     labels: Sequence[str],
@@ -66,13 +78,15 @@ def bar_chart(
     unit: str = "",
     reference: float | None = None,
     reference_label: str = "",
+    x_label: str = "",
 ) -> str:
+    """Bars labelled underneath; `x_label` says what the labels are (a trainer step, a staleness)."""
     if not values:
         return _empty(title)
     top = max([*values, reference or 0.0]) or 1.0
     span_w = (W - PAD_L - PAD_R) / len(values)
     plot_h = H - PAD_T - PAD_B
-    parts = [_head(title), _axis(top, unit)]
+    parts = [_head(title), _axis(top, unit), _x_label(x_label)]
     for i, (label, v) in enumerate(zip(labels, values, strict=True)):
         h = v / top * plot_h
         x = PAD_L + i * span_w + 1
@@ -82,7 +96,7 @@ def bar_chart(
         )
         if len(values) <= 24:
             parts.append(
-                f'<text x="{x + span_w / 2:.1f}" y="{H - PAD_B + 12}" text-anchor="middle" '
+                f'<text x="{x + span_w / 2:.1f}" y="{H - PAD_B + 11}" text-anchor="middle" '
                 f'style="font:9px sans-serif">{escape(label)}</text>'
             )
     if reference is not None:
@@ -97,8 +111,13 @@ def bar_chart(
 
 
 def line_chart(
-    title: str, points: Sequence[tuple[float, float]], unit: str = "", top: float | None = None
+    title: str,
+    points: Sequence[tuple[float, float]],
+    unit: str = "",
+    top: float | None = None,
+    x_label: str = "",
 ) -> str:
+    """A line over time (seconds from 0, marked at both ends); `x_label` says what the time is."""
     if not points:
         return _empty(title)
     top = top if top is not None else (max(v for _, v in points) or 1.0)
@@ -119,7 +138,9 @@ def line_chart(
         + _axis(top, unit)
         + f'<polyline points="{path}" fill="none" stroke="#4a78b5" stroke-width="2"/>'
         + dots
-        + f'<text x="{W - PAD_R}" y="{H - 6}" {_SMALL_END}>{t_max:.0f} s</text>'
+        + f'<text x="{PAD_L}" y="{H - PAD_B + 11}" {_SMALL_MID}>0 s</text>'
+        + f'<text x="{W - PAD_R}" y="{H - PAD_B + 11}" {_SMALL_END}>{t_max:.0f} s</text>'
+        + _x_label(x_label)
         + "</svg>"
     )
 

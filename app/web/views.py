@@ -167,6 +167,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 " s",
                 view.lower_bound_s,
                 f"lower bound {view.lower_bound_s:.1f} s" if view.lower_bound_s is not None else "",
+                x_label="trainer step",
             )
         ),
         "tokens_chart": Lazy(
@@ -176,6 +177,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                     [str(x.index) for x in b if x.tokens_per_s is not None],
                     [x.tokens_per_s for x in b if x.tokens_per_s is not None],
                     "",
+                    x_label="trainer step",
                 )
                 if any(x.tokens_per_s is not None for x in b)
                 else charts.bar_chart("tokens/s per step", [], [])
@@ -184,9 +186,10 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
         "idle_chart": Lazy(
             lambda: charts.line_chart(
                 "trainer idle fraction over time",
-                [(x.delivered, x.idle_fraction) for x in b if x.idle_fraction is not None],
-                "",
-                top=1.0,
+                [(x.delivered, 100 * x.idle_fraction) for x in b if x.idle_fraction is not None],
+                "%",
+                top=100.0,
+                x_label="run time at each batch",
             )
         ),
         "staleness_chart": Lazy(
@@ -195,6 +198,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 [str(k) for k in view.staleness],
                 [float(v) for v in view.staleness.values()],
                 "",
+                x_label="versions behind (bar height: groups)",
             )
         ),
         "wait_bar": Lazy(lambda: charts.phase_bar(attribution.phases) if attribution else ""),

@@ -579,3 +579,23 @@ async def test_a_stopping_run_says_so_and_offers_no_live_controls():
     assert 'id="stopping-note"' in blocks["stop_control"]
     assert 'id="policy-stopping"' in page
     assert "<form" not in "".join(blocks.values())
+
+
+def test_the_trainer_charts_say_what_their_axes_count_and_idle_is_a_percentage():
+    # The staleness histogram's bars were labelled 0, 1, 2 like the per-step charts beside it, with
+    # nothing saying one axis counts trainer steps and the other versions behind; the idle chart ran
+    # from 0 to 1 while the summary above it said 91%.
+    view = view_from_events(
+        "r", synthetic_run(groups=6, group_size=2, batch_groups=2), RunMeta(state="running")
+    )
+    html = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "trainer")
+    charts = dict(re.findall(r'aria-label="([^"]+)"(.*?)</svg>', html, re.DOTALL))
+    assert ">trainer step</text>" in charts["batch collection time per step"]
+    assert ">trainer step</text>" in charts["tokens/s per step"]
+    assert ">versions behind (bar height: groups)</text>" in charts["staleness of delivered groups"]
+    idle = charts["trainer idle fraction over time"]
+    assert ">100%</text>" in idle
+    assert ">0 s</text>" in idle
+    assert ">run time at each batch</text>" in idle
+    last = view.batches[-1].idle_fraction
+    assert f"{view.batches[-1].delivered:.1f} s: {100 * last:.3g}%</title>" in idle
