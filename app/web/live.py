@@ -246,6 +246,13 @@ class ManagerRuns:
                     data[name] = parse_int(raw)
                 except ValueError:
                     raise ValueError(f"{name}: expected a whole number, got {raw!r}") from None
+        if data.get("policy") == "sync" and data.get("surplus_groups", 0) != 0:
+            # The sync rung has no surplus (app.core.config.PolicyConfig.ladder sets S = 0): the run
+            # would start with S = 0 and the page show it, whatever was asked.
+            raise ValueError(
+                f"surplus_groups: policy sync runs without surplus (S = 0), got {data['surplus_groups']}; "
+                "leave S empty, or choose completion, lanes or full"
+            )
         try:
             spec = RunCreate.model_validate(data)
         except ValidationError as exc:

@@ -70,6 +70,8 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
         ({"groups_per_batch": "\uff13"}, "groups_per_batch: expected a whole number"),  # fullwidth 3
         ({"batches": "\u0967\u0968"}, "batches: expected a whole number"),  # Devanagari 12
         ({"surplus_groups": "1_0"}, "surplus_groups: expected a whole number"),
+        # the sync rung sets S = 0: this launched a run showing S = 0 with nothing said
+        ({"policy": "sync", "surplus_groups": "1"}, "surplus_groups: policy sync runs without surplus"),
     ],
 )
 async def test_a_bad_launch_form_names_the_field(runs, form, field):
