@@ -54,6 +54,10 @@ from app.store.sink import RUN_END_STATE
 
 STRAGGLER_RATIO = 1.5
 REFUSALS_KEPT = 50  # the latest weight refusals a view lists
+NO_GROUPS_NOTE = (
+    "This report has no group timeline (corral sim writes one with --plot; corral run always does): "
+    "its batches, engines, lanes and wait attribution are shown, its groups are not."
+)
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
@@ -216,6 +220,7 @@ class RunView:
     refused: dict[str, int] = field(default_factory=dict)  # engine -> the newest version it refused
     newest_version: int = 0  # the newest version published (or served)
     stall_note: str | None = None  # every engine refused the newest version and is more than K behind
+    timeline_note: str | None = None  # why a replay has no group timeline
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -808,6 +813,10 @@ def _int_or_none(value: object, name: str) -> int | None:
 
 def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -> RunView:
     rows = report.get("groups_timeline")
+    note = None
+    if rows is None and isinstance(report.get("batch_collection_s"), Mapping):
+        # `corral sim` without --plot: its batches, engines, lanes and wait attribution, no groups
+        rows, note = [], NO_GROUPS_NOTE
     if not isinstance(rows, list):
         raise ReportError("groups_timeline: missing; run corral sim with --plot or corral run")
     groups: list[GroupRow] = []
@@ -904,6 +913,7 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
         lower_bound_s=meta.lower_bound_s,
         label=meta.label,
         detailed=False,
+        timeline_note=note,
     )
 
 

@@ -445,3 +445,30 @@ def test_a_refusal_s_reason_reads_as_the_engine_s_own_message():
     )
     for other in ("timed out", str(EngineRequestError("http://e", "/update_weights", 422, "not json"))):
         assert RefusalRow(1.0, "e0", 1, other).summary == other
+
+
+def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engines_and_lanes():
+    # A plain `corral sim` report (no --plot) was refused ('groups_timeline: missing') although the
+    # runs page offers to browse corral sim reports.
+    from factories import make_workload_data
+
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+    from app.web.readmodel import NO_GROUPS_NOTE
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    workload = Workload.model_validate(make_workload_data())
+    report = simulate(workload, policy_for(workload, "full"), "full")
+    assert "groups_timeline" not in report
+    view = view_from_report("plain", report)
+    assert view.timeline_note == NO_GROUPS_NOTE
+    assert view.groups == []
+    assert [b.wait_s for b in view.batches] == pytest.approx(report["batch_collection_s"]["per_batch"])
+    assert {e.name for e in view.engines} == set(report["engines"])
+    assert {lane.name for lane in view.lanes} == set(report["lanes"])
+    assert view.attribution is not None
+    page = Dashboard(AccessConfig(None, None)).render(
+        "run.html", {**run_context(view), "csrf": "", "csrf_field": ""}
+    )
+    assert 'id="timeline-note"' in page
