@@ -152,7 +152,8 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     b = view.batches
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
-    target = max([e.target_version or 0 for e in view.engines] + [view.newest_version], default=0)
+    # the newest version published, or loaded (a replay without its event log knows only the latter)
+    target = max([e.target_version or 0 for e in view.engines] + engines_versions + [view.newest_version])
     refused_by = view.refused
     return {
         "view": view,

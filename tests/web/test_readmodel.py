@@ -472,3 +472,7 @@ def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engin
         "run.html", {**run_context(view), "csrf": "", "csrf_field": ""}
     )
     assert 'id="timeline-note"' in page
+    # it said 'Weights v0: 2 of 2 engines loaded': the newest version came from publications alone
+    newest = max(e["final_version"] for e in report["engines"].values())
+    loaded = sum(1 for e in report["engines"].values() if e["final_version"] == newest)
+    assert f"Weights v{newest}: {loaded} of {len(report['engines'])} engines loaded." in page
