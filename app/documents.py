@@ -1,21 +1,54 @@
 """Reading a user's YAML or JSON file (a run config, a workload, a task's task.yaml) into plain data.
 
-Invariant: whatever is wrong with the file (missing, unreadable, not UTF-8, not valid YAML or JSON, a
-key given twice in one mapping, a value Python cannot hold, nesting too deep to parse), the refusal is
-one line that names the file, never a traceback. What the data must look like is the caller's to check.
+Invariant: whatever is wrong with the file (missing, unreadable, larger than `MAX_DOCUMENT_BYTES` or
+endless, not UTF-8, not valid YAML or JSON, a key given twice in one mapping, a value Python cannot
+hold, nesting too deep to parse), the refusal is one line that names the file, never a traceback, and
+comes before the file fills memory. What the data must look like is the caller's to check.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import yaml
+
+from app.validation import MAX_DOCUMENT_BYTES, human_bytes
 
 
 class DocumentError(ValueError):
     """The file cannot be read or parsed; the message is one line naming it."""
+
+
+class TooLarge(ValueError):
+    """The file holds more than the bytes its reader takes (`read_text_at_most`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"larger than {human_bytes(limit)}")
+        self.limit = limit
+
+
+def read_text_at_most(path: Path, limit: int) -> str:
+    """The whole of `path` as UTF-8 text, reading at most `limit` bytes of it: a larger file, or an
+    endless one (/dev/zero, a pipe that never ends), raises `TooLarge` before it fills memory. Raises
+    OSError and UnicodeDecodeError as `Path.read_text` does."""
+    with path.open("rb") as f:
+        check_size(f, limit)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(limit)
+    return data.decode("utf-8")
+
+
+def check_size(f: BinaryIO, limit: int) -> None:
+    """Raise `TooLarge` for an open regular file of more than `limit` bytes, before reading any."""
+    status = os.fstat(f.fileno())
+    if stat.S_ISREG(status.st_mode) and status.st_size > limit:
+        raise TooLarge(limit)
 
 
 class _DuplicateKey(ValueError):
@@ -81,9 +114,11 @@ def read_document(path: Path, what: str, json_suffix: bool = False) -> object:
     """Parse `path` as YAML (as JSON when `json_suffix` and its name ends in .json). `what` names the
     file in refusals, e.g. "workload w.yaml"."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_at_most(path, MAX_DOCUMENT_BYTES)
     except UnicodeDecodeError as exc:
         raise DocumentError(f"{what} is not UTF-8 text (byte {exc.start})") from None
+    except TooLarge as exc:
+        raise DocumentError(f"{what} is {exc}; is it the right file?") from None
     except OSError as exc:
         raise DocumentError(f"cannot read {what}: {exc.strerror or exc}") from None
     as_json = json_suffix and path.suffix == ".json"

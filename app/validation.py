@@ -37,6 +37,11 @@ MAX_SWEEP_VALUES = 32
 # 62 MB above the import baseline with 10,000 short trajectories live, about 6 KB each.
 MAX_TRAJECTORIES_IN_FLIGHT = 1_000_000
 SIM_BYTES_PER_TRAJECTORY = 6_200
+# Input files, read whole: a document (workload, run config, task.yaml) is a few KB, and PyYAML parses
+# about 0.1 to 1 MB a second; a `corral run` report with its event stream is about 3 KB an attempt.
+# Past these, it is the wrong file (or /dev/zero, a pipe that never ends), refused before it fills memory.
+MAX_DOCUMENT_BYTES = 4_000_000
+MAX_REPORT_BYTES = 2_000_000_000
 
 
 _URL_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*):[^@/]*@")

@@ -364,3 +364,40 @@ def test_dash_as_the_output_means_standard_output(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line)["reward"] for line in proc.stdout.splitlines()] == [1.0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "w.yaml"]
+
+
+def _limit_memory() -> None:
+    """In the child: at most 3 GB of address space, so reading an endless input fails fast."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["sim", "--workload", "/dev/zero"], ["workload /dev/zero", "larger than 4 MB"]),
+        (["run", "--config", "/dev/zero"], ["run config /dev/zero", "larger than 4 MB"]),
+        (["sim", "--workload", "big.yaml"], ["workload big.yaml", "larger than 4 MB"]),
+        (["trace", "import", "--format", "corral-run", "/dev/zero"], ["/dev/zero", "not a JSON report"]),
+        (["trace", "import", "--format", "corral-run", "big.json"], ["big.json", "larger than 2 GB"]),
+    ],
+    ids=["workload /dev/zero", "config /dev/zero", "workload of 5 MB", "report /dev/zero", "report of 2 GB"],
+)
+def test_an_endless_or_huge_input_is_refused_by_its_size(
+    tmp_path: Path, args: list[str], needles: list[str]
+) -> None:
+    """Every input was read whole into memory first: `--workload /dev/zero` (or a multi-GB file given by
+    mistake) grew until a MemoryError traceback or the OOM killer, and a 5 MB YAML file took minutes to
+    parse. A document (workload, run config, task.yaml) is now read up to 4 MB, a report up to 2 GB."""
+    (tmp_path / "big.yaml").write_text("seed: 1\n" + ("#" * 99 + "\n") * 50_000)  # 5 MB of comments
+    with (tmp_path / "big.json").open("wb") as f:  # sparse: 2 GB + 1 byte, no disk used
+        f.write(b'{"event_log": [')
+        f.truncate(2_000_000_001)
+    proc = subprocess.run(
+        [str(CORRAL), *args, *(["--json", "o.json"] if args[0] != "trace" else ["--out", "t.jsonl"])],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False, preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert_refused(proc, *needles)
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml"]

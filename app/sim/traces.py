@@ -22,6 +22,9 @@ wrong type, a non-finite number) refuses the whole report, naming its index: the
 `corral run` writes. An attempt that failed, or one with an op or turn that ends before it starts, is
 skipped and counted with its reason, like a bad trial.
 
+A report, and each results.json, is read up to `MAX_REPORT_BYTES` (app/validation.py); a larger
+results.json, or one that is not a regular file (a pipe, a link to a device), is skipped and counted.
+
 Invariant: every record written has finite, non-negative durations; every trial file, trial or
 attempt not imported is counted with its reason.
 """
@@ -37,8 +40,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.documents import TooLarge, check_size, read_text_at_most
 from app.outputs import write_text_atomically
 from app.sim.workload import WorkloadError
+from app.validation import MAX_REPORT_BYTES
 
 FORMATS = ("terminal-bench", "corral-run")
 
@@ -118,10 +123,14 @@ def _trial_line(record: dict[str, Any]) -> dict[str, Any]:
 def _trial_records(path: Path) -> tuple[list[Any], bool]:
     """The records in one results.json, and whether it is a run-level summary: the trial itself, or
     the summary's `results`."""
+    if not path.is_file():  # a pipe would block the import, a device (/dev/zero) never end
+        raise _Skip("not a regular file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_at_most(path, MAX_REPORT_BYTES))
     except OSError as exc:
         raise _Skip(f"unreadable ({exc.strerror or exc})") from None
+    except TooLarge as exc:
+        raise _Skip(str(exc)) from None
     except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an int too long
         raise _Skip("not JSON") from None
     results = data.get("results") if isinstance(data, dict) else None
@@ -190,9 +199,11 @@ def import_terminal_bench(directory: Path) -> ImportResult:
 def import_corral_run(report_path: Path) -> ImportResult:
     """A `corral run` report's event stream → one trace line per finished attempt."""
     try:
-        report = json.loads(report_path.read_text(encoding="utf-8"))
+        report = json.loads(_report_text(report_path))
     except OSError as exc:
         raise WorkloadError(f"{report_path}: cannot read: {exc.strerror}") from None
+    except TooLarge as exc:
+        raise WorkloadError(f"{report_path}: {exc}; is it a corral run report?") from None
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, an int too long
         raise WorkloadError(f"{report_path}: not a JSON report ({exc})") from None
     events = report.get("event_log") if isinstance(report, dict) else None
@@ -208,6 +219,23 @@ def import_corral_run(report_path: Path) -> ImportResult:
             f"{report_path}: no finished attempt in its events (skipped: {dict(result.skipped) or 'none'})"
         )
     return result
+
+
+def _report_text(path: Path) -> str:
+    """A report's text, read up to `MAX_REPORT_BYTES`. What does not begin as a JSON object does (after
+    whitespace) is refused from its first bytes: /dev/zero would otherwise be read to the limit."""
+    with path.open("rb") as f:
+        check_size(f, MAX_REPORT_BYTES)
+        head = f.read(65_536)
+        start = head.lstrip()[:1]
+        if start and start != b"{":
+            shown = repr(chr(start[0])) if 32 < start[0] < 127 else f"byte 0x{start[0]:02x}"
+            raise ValueError(f"a corral run report begins with '{{', this one with {shown}")
+        rest = f.read(MAX_REPORT_BYTES + 1 - len(head)) if len(head) == 65_536 else b""
+    data = head + rest
+    if len(data) > MAX_REPORT_BYTES:
+        raise TooLarge(MAX_REPORT_BYTES)
+    return data.decode("utf-8")
 
 
 def _shown(value: object) -> str:
