@@ -55,9 +55,11 @@ def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def _empty(title: str) -> str:
-    note = f'<text x="{PAD_L}" y="{H / 2}" style="font:11px sans-serif">no data yet</text>'
-    return _head(title) + note + "</svg>"
+def _empty(title: str, note: str = "no data yet") -> str:
+    """A chart with nothing to draw says so: `note` is "no data yet" for a run that may still bring
+    some, or why it never will (a replayed report that does not carry it)."""
+    text = f'<text x="{PAD_L}" y="{H / 2}" style="font:11px sans-serif">{escape(note)}</text>'
+    return _head(title) + text + "</svg>"
 
 
 def _x_label(text: str) -> str:
@@ -79,10 +81,11 @@ def bar_chart(
     reference: float | None = None,
     reference_label: str = "",
     x_label: str = "",
+    empty: str = "no data yet",
 ) -> str:
     """Bars labelled underneath; `x_label` says what the labels are (a trainer step, a staleness)."""
     if not values:
-        return _empty(title)
+        return _empty(title, empty)
     top = max([*values, reference or 0.0]) or 1.0
     span_w = (W - PAD_L - PAD_R) / len(values)
     plot_h = H - PAD_T - PAD_B
@@ -116,10 +119,11 @@ def line_chart(
     unit: str = "",
     top: float | None = None,
     x_label: str = "",
+    empty: str = "no data yet",
 ) -> str:
     """A line over time (seconds from 0, marked at both ends); `x_label` says what the time is."""
     if not points:
-        return _empty(title)
+        return _empty(title, empty)
     top = top if top is not None else (max(v for _, v in points) or 1.0)
     t_max = max(t for t, _ in points) or 1.0
     plot_w, plot_h = W - PAD_L - PAD_R, H - PAD_T - PAD_B

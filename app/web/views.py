@@ -155,6 +155,8 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     # the newest version published, or loaded (a replay without its event log knows only the latter)
     target = max([e.target_version or 0 for e in view.engines] + engines_versions + [view.newest_version])
     refused_by = view.refused
+    # a replay brings no more data: an empty chart says its report does not carry it
+    empty = "not in this report" if view.source == "replay" else "no data yet"
     return {
         "view": view,
         "zoom": zoom,
@@ -169,6 +171,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 view.lower_bound_s,
                 f"lower bound {view.lower_bound_s:.1f} s" if view.lower_bound_s is not None else "",
                 x_label="trainer step",
+                empty=empty,
             )
         ),
         "tokens_chart": Lazy(
@@ -181,7 +184,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                     x_label="trainer step",
                 )
                 if any(x.tokens_per_s is not None for x in b)
-                else charts.bar_chart("tokens/s per step", [], [])
+                else charts.bar_chart("tokens/s per step", [], [], empty=empty)
             )
         ),
         "idle_chart": Lazy(
@@ -191,6 +194,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 "%",
                 top=100.0,
                 x_label="run time at each batch",
+                empty=empty,
             )
         ),
         "staleness_chart": Lazy(
@@ -200,6 +204,7 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
                 [float(v) for v in view.staleness.values()],
                 "",
                 x_label="versions behind (bar height: groups)",
+                empty=empty,
             )
         ),
         "wait_bar": Lazy(lambda: charts.phase_bar(attribution.phases) if attribution else ""),

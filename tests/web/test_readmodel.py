@@ -476,3 +476,7 @@ def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engin
     newest = max(e["final_version"] for e in report["engines"].values())
     loaded = sum(1 for e in report["engines"].values() if e["final_version"] == newest)
     assert f"Weights v{newest}: {loaded} of {len(report['engines'])} engines loaded." in page
+    # a replay's empty charts said 'no data yet', as if more would come
+    trainer = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "trainer")
+    assert "no data yet" not in trainer
+    assert trainer.count(">not in this report</text>") == 2  # tokens/s and staleness: no groups, no turns
