@@ -26,11 +26,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.core.config import PauseModeName
+from app.core.config import PauseModeName, PolicyConfig, UpdatePacing
 from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
 from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
@@ -77,6 +77,8 @@ class RunHandle:
         self._lanes = lanes  # how a local run gets its lanes (None: in-process)
         self.spec = spec
         self.policy = run_policy(spec)
+        if resume is not None:
+            self.policy = resumed_policy(self.policy, resume.policy)
         # The loop exists before its thread runs it: the run's clock is its time, readable from any
         # thread, so events published before the start (orphans of a resumed run) are on that clock.
         start = resume.last_t if resume is not None else 0.0
@@ -494,6 +496,24 @@ class RunHandle:
             if not runtime.stop_requested and runtime.version < version:
                 self._publish(version, path, "sentinel-trainer")
             self.gateway.ack(offer.batch_id, "sentinel-trainer")
+
+
+LIVE_KNOBS = ("surplus_groups", "max_staleness", "max_updating_engines", "pause_mode")  # PolicyPatch's
+
+
+def resumed_policy(policy: PolicyConfig, stored: Mapping[str, Any]) -> PolicyConfig:
+    """A resumed run's policy: its spec's (`policy`), with the knobs changed live (`set_policy`, stored
+    by their `PolicyChanged` events) and the ready cap its first start resolved (`run_policy`: B + S
+    for an external trainer, which the stored spec no longer tells from one given as null) taken from
+    the stored policy (`stored`), so a restart undoes neither."""
+    changes: dict[str, object] = {
+        k: stored[k] for k in LIVE_KNOBS if k in stored and stored[k] != getattr(policy, k)
+    }
+    if "max_updating_engines" in changes:  # set by hand: kept as given, not free-slot paced (set_policy)
+        changes["update_pacing"] = UpdatePacing.FIXED
+    if "ready_surplus" in stored:
+        changes["ready_surplus"] = stored["ready_surplus"]
+    return policy.with_changes(**changes) if changes else policy
 
 
 def _continue_numbering(runtime: Runtime, first_group: int, first_batch: int) -> None:

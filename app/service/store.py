@@ -88,6 +88,8 @@ class ResumePoint:
     weights_path: str | None
     open_groups: frozenset[int]
     last_t: float  # where the run's clock had got to
+    # The stored policy: what it was created with, and every knob changed live since (`resumed_policy`)
+    policy: dict[str, Any] = field(default_factory=dict, compare=False)
     # The stored stream replayed: the resumed run's live view and rollouts go on from these.
     view: LiveView = field(default_factory=LiveView, compare=False)
     rollouts: RolloutLog = field(default_factory=RolloutLog, compare=False)
@@ -217,6 +219,7 @@ class ServiceStore:
             version = rollouts.latest_version(run_id) or 0
             latest = rollouts.by_version(run_id, version) if version else None
             path = latest.path if latest is not None else None
+            policy = dict(RunRepo(s).require(run_id).policy or {})
         seen = ledger.admitted | set(ledger.ended)
         return ResumePoint(
             next_seq=next_seq,
@@ -226,6 +229,7 @@ class ServiceStore:
             weights_path=path,
             open_groups=frozenset(ledger.open_groups | orphans),
             last_t=last_t,
+            policy=policy,
             view=view,
             rollouts=book,
         )

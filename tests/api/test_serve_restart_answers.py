@@ -215,3 +215,54 @@ def test_a_rollout_left_running_by_a_run_that_had_ended_is_cancelled_at_start_up
         ("e0", "cancelled", "run ended"),
         ("e1", "cancelled", "run ended"),
     ]
+
+
+def test_a_resumed_run_keeps_the_policy_changed_live_and_its_ready_cap(tmp_path: Path) -> None:
+    """K, S and the rollout pace changed live (PATCH) were stored, but a run resumed after a kill -9
+    went back to the values it was created with, and an external trainer's run lost its cap on ready
+    groups (ready_surplus B + S became none), writing both over the stored policy."""
+    env, url, database = _serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    changes = {"max_staleness": 5, "surplus_groups": 3, "max_updating_engines": 2, "pause_mode": "abort"}
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None, speed=8.0)).json()["id"]
+            before = api.get(f"/api/runs/{run_id}").json()["policy"]
+            assert before["ready_surplus"] == before["groups_per_batch"] + before["surplus_groups"]
+            changed = api.patch(f"/api/runs/{run_id}/policy", json=changes)
+            assert changed.status_code == 200, changed.text
+            expected = {**before, **changes}
+            knobs = [*changes, "ready_surplus"]
+
+            def starts() -> list[dict[str, Any]]:
+                store = ServiceStore(database, migrate=False)
+                try:
+                    events = store.timeline(run_id, -1, 100_000)
+                finally:
+                    store.close()
+                return [e for e in events if e["kind"] == "run_started"]
+
+            def stored_changes() -> bool:
+                policy = stored_run(database, run_id).policy
+                return all(policy[k] == expected[k] for k in knobs)
+
+            wait_for(stored_changes, what="the changes in the store")
+            wait_for(starts, what="the run's start in the store")
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            view = api.get(f"/api/runs/{run_id}").json()
+            assert view["state"] == "running"
+            assert {k: view["policy"][k] for k in knobs} == {k: expected[k] for k in knobs}
+
+            resumed = wait_for(lambda: starts()[1:], what="the resumed run's start in the store")
+            assert {k: resumed[0]["policy"][k] for k in knobs} == {k: expected[k] for k in knobs}
+            assert stored_changes()
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+        assert stored_changes()
+    finally:
+        api.close()
