@@ -330,6 +330,21 @@ CASES: dict[str, Case] = {
     "trace import of a name too long": Case(
         ["trace", "import", "--format", "corral-run", LONG + ".json", "--out", "t.jsonl"], ["too long"]
     ),
+    # -- a directory where a file belongs: it was refused as if the output were inside an input --------
+    "run --config the current directory": Case(
+        ["run", "--config", ".", "--json", "o.json"], ["--config .", "is a directory"], absent=["inside"]
+    ),
+    "trace import --format corral-run of a directory": Case(
+        ["trace", "import", "--format", "corral-run", "tb", "--out", "t.jsonl"],
+        ["SOURCE tb", "is a directory", "--format terminal-bench"],
+        {"tb/run/t1/results.json": "{}"},
+        absent=["inside"],
+    ),
+    "trace import --format terminal-bench of a file": Case(
+        ["trace", "import", "--format", "terminal-bench", "r.json", "--out", "t.jsonl"],
+        ["r.json", "not a directory", "--format corral-run"],
+        {"r.json": "{}"},
+    ),
     # -- nonsense -------------------------------------------------------------------------------------
     'engine --cpus ""': Case(["engine", "--cpus", ""], ["--cpus", "empty"]),
     "empty surplus sweep": Case(

@@ -53,6 +53,7 @@ def trace_import(
     from app.sim.traces import import_corral_run, import_terminal_bench, trace_text, write_trace
 
     check_output(out, "--out")
+    _check_source(source, fmt)
     check_apart({"--out": out}, {"SOURCE": source})
     try:
         if fmt is TraceFormat.TERMINAL_BENCH:
@@ -72,6 +73,21 @@ def trace_import(
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     tasks = len({r["task"] for r in result.records})
     say(f"{written} attempts of {tasks} tasks → {out} (skipped: {skipped})")
+
+
+def _check_source(source: Path, fmt: TraceFormat) -> None:
+    """A directory given as a report (or a file as a run directory): say so and name the other format,
+    before `check_apart` would call the output 'inside' it."""
+    if fmt is TraceFormat.CORRAL_RUN and source.is_dir():
+        fail(
+            f"SOURCE {source}: is a directory; a corral run report is a file "
+            "(a terminal-bench run directory takes --format terminal-bench)"
+        )
+    if fmt is TraceFormat.TERMINAL_BENCH and source.exists() and not source.is_dir():
+        fail(
+            f"SOURCE {source}: not a directory; a terminal-bench run is one "
+            "(a corral run report takes --format corral-run)"
+        )
 
 
 def advise(

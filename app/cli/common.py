@@ -188,6 +188,14 @@ def _target(path: Path) -> Path:
     return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
+def check_not_a_directory(path: Path, flag: str, what: str) -> None:
+    """An input file given as a directory (`--config .`), refused as such: `check_apart` would call
+    the outputs inside it."""
+    with _os_refusal(flag, path):
+        if path.is_dir():
+            fail(f"{flag} {path}: is a directory; give {what}")
+
+
 def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | None]) -> None:
     """Refuse an output path that is one of the command's inputs (the workload, a trace, a config) or
     another of its outputs: writing it would destroy the file read, or the other output. `inputs` and

@@ -13,6 +13,7 @@ import typer
 
 from app.cli.common import (
     check_apart,
+    check_not_a_directory,
     check_output,
     check_plot,
     check_seconds,
@@ -70,6 +71,7 @@ def run(
     check_output(json_out, "--json")
     check_plot(plot)
     path = config if config is not None else default_config_path()
+    check_not_a_directory(path, "--config", "the run config file")
     check_apart({"--json": json_out, "--plot": plot}, {"--config": path})
     try:
         cfg = load_config(path)
