@@ -46,6 +46,7 @@ KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
+SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
 NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
 
 log = logging.getLogger(__name__)
@@ -250,8 +251,8 @@ class ManagerRuns:
             # The sync rung has no surplus (app.core.config.PolicyConfig.ladder sets S = 0): the run
             # would start with S = 0 and the page show it, whatever was asked.
             raise ValueError(
-                f"surplus_groups: policy sync runs without surplus (S = 0), got {data['surplus_groups']}; "
-                "leave S empty, or choose completion, lanes or full"
+                SYNC_SURPLUS.format(data["surplus_groups"]) + "; leave S empty, or choose "
+                "completion, lanes or full"
             )
         try:
             spec = RunCreate.model_validate(data)
@@ -286,6 +287,8 @@ class ManagerRuns:
             raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
         if (problem := handle.patch_problem(patch)) is not None:
             raise ValueError(problem)
+        if patch.surplus_groups not in (None, 0) and handle.spec.policy == "sync":
+            raise ValueError(SYNC_SURPLUS.format(patch.surplus_groups))
         knobs = await self._call(handle, handle.set_policy, patch, actor)
         await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
 

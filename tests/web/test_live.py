@@ -230,3 +230,18 @@ async def test_a_run_stalled_by_refused_weights_says_so_live_and_after_a_restart
     assert 'id="refusals"' in blocks["engines"]
     assert "lacks" in blocks["engines"]
     assert "The run was stalled when it ended" in page
+
+
+async def test_a_sync_run_refuses_a_surplus_from_the_policy_form(runs):
+    # The sync rung has no surplus (S = 0); the policy form set S = 3 on it live and the run went on
+    # admitting groups beyond B, no longer the rung it was launched as.
+    run_id = await runs.launch({"policy": "sync", "name": "sync-s"}, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "running")
+    with pytest.raises(
+        ValueError, match=r"surplus_groups: policy sync runs without surplus \(S = 0\), got 3"
+    ):
+        await runs.set_policy(run_id, {"surplus_groups": 3}, "tester")
+    await runs.set_policy(run_id, {"max_staleness": 4, "surplus_groups": 0}, "tester")  # K still changes
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).policy["max_staleness"] == 4)
+    assert runs.view(run_id).policy["surplus_groups"] == 0
+    await runs.stop(run_id, "tester")
