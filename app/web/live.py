@@ -75,6 +75,7 @@ class ManagerRuns:
         self._cache: dict[str, _RunCache] = {}
         self._lock = threading.Lock()
         self.launch_defaults = dict(launch_defaults or {"kind": "sim", "trainer": "sentinel"})
+        self._placeholders: dict[str, str] | None = None
 
     @property
     def manager(self) -> Any:
@@ -261,6 +262,22 @@ class ManagerRuns:
             where = ".".join(str(p) for p in err.get("loc", ())) or "run"
             raise ValueError(f"{where}: {err.get('msg', 'invalid')}") from None
         return str(await asyncio.to_thread(self.manager.create, spec))
+
+    def launch_placeholders(self) -> dict[str, str]:
+        """What each empty launch field takes, for the form to show: the default run's B, G, S, K
+        (policy full; sync's S is 0 whatever the default)."""
+        if self._placeholders is None:
+            from app.service.ports import run_policy
+            from app.service.schemas import RunCreate
+
+            policy = run_policy(RunCreate.model_validate(self.launch_defaults))
+            self._placeholders = {
+                "groups_per_batch": f"default {policy.groups_per_batch}",
+                "group_size": f"default {policy.group_size}",
+                "surplus_groups": f"default {policy.surplus_groups} (sync: 0)",
+                "max_staleness": f"default {policy.max_staleness}",
+            }
+        return self._placeholders
 
     async def publish(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id)

@@ -145,7 +145,12 @@ class Lazy:
 
 
 def runs_context(dash: Dashboard) -> dict[str, Any]:
-    return {"runs": dash.views(), "launch": dash.default_launch}
+    placeholders = getattr(dash.live, "launch_placeholders", None)
+    return {
+        "runs": dash.views(),
+        "launch": dash.default_launch,
+        "placeholders": placeholders() if placeholders is not None else {},
+    }
 
 
 def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:

@@ -245,3 +245,35 @@ async def test_a_sync_run_refuses_a_surplus_from_the_policy_form(runs):
     await asyncio.to_thread(wait_for, lambda: runs.view(run_id).policy["max_staleness"] == 4)
     assert runs.view(run_id).policy["surplus_groups"] == 0
     await runs.stop(run_id, "tester")
+
+
+async def test_the_launch_form_shows_the_values_its_empty_fields_take(runs):
+    # Every field said 'default', with nothing saying what that was: a run launched empty showed B, G,
+    # S and K the operator first saw on its page.
+    import html
+    import re
+
+    import httpx
+    from fastapi import FastAPI
+
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, mount_dashboard
+
+    app = FastAPI()
+    mount_dashboard(app, Dashboard(AccessConfig(None, None), live=runs))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        page = (await client.get("/")).text
+    shown = {
+        name: html.unescape(text)
+        for name, text in re.findall(r'name="(\w+)" type="number" min="\d+" placeholder="([^"]*)"', page)
+    }
+    run_id = await runs.launch({}, "tester")
+    policy = runs.view(run_id).policy_short
+    assert shown == {
+        "groups_per_batch": f"default {policy['B']}",
+        "group_size": f"default {policy['G']}",
+        "surplus_groups": f"default {policy['S']} (sync: 0)",
+        "max_staleness": f"default {policy['K']}",
+        "batches": "until stopped",
+    }
+    await runs.stop(run_id, "tester")
