@@ -7,6 +7,7 @@ traceback; good input writes reports with every contract key, and a seed reprodu
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -401,3 +402,52 @@ def test_an_endless_or_huge_input_is_refused_by_its_size(
     assert_refused(proc, *needles)
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_corral_serve_stopped_by_a_signal_says_what_became_of_its_runs(tmp_path: Path, sig: int) -> None:
+    """SIGTERM (a supervisor's stop, `docker stop`, `kill PID`) to `corral serve` did stop the server and
+    its runs (uvicorn's graceful shutdown), then uvicorn raised the signal again under its default
+    action: the process died by it (exit -15, 143 in a shell) before the lines Ctrl-C ends with (each
+    run's end state, where runs are kept). SIGTERM now ends it as Ctrl-C does."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+        "CORRAL_OWNERS_DIR": str(tmp_path / "owners"),
+    }
+    proc = subprocess.Popen(
+        [str(CORRAL), "serve", "--port", str(port), "--demo", "--demo-kind", "sim"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json():
+                    break  # serving, and the demo run is there
+            except (httpx.TransportError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "corral serve did not start"
+            time.sleep(0.1)
+        os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "(demo): stopped" in stderr, stderr
+    assert stderr.splitlines()[-1].startswith("corral serve: stopped; runs and their events are kept"), stderr

@@ -44,7 +44,9 @@ app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options"
     interruptible_command(engine)
 )
 app.command()(run)  # takes the stop signals held since start-up itself: it stops with a report
-app.command()(interruptible_command(serve))
+# SIGTERM as Ctrl-C: uvicorn stops gracefully on either, then raises the signal again under the handler
+# it found; SIGTERM's default action would kill the process before serve says what became of its runs.
+app.command()(interruptible_command(sigterm_as_ctrl_c(serve)))
 app.command()(interruptible_command(worker))
 app.command()(interruptible_command(sigterm_as_ctrl_c(advise)))
 app.add_typer(trace_app, name="trace")
