@@ -48,6 +48,8 @@ def _axis(top: float, unit: str) -> str:
 
 
 _SMALL_END = 'text-anchor="end" style="font:10px sans-serif"'
+# a white outline under a label drawn over the bars, so it reads on blue as on white
+_HALO = 'stroke="#fff" stroke-width="3" paint-order="stroke"'
 _SMALL_MID = 'text-anchor="middle" style="font:10px sans-serif"'
 
 
@@ -108,7 +110,7 @@ def bar_chart(
             f'<line x1="{PAD_L}" y1="{y:.1f}" x2="{W - PAD_R}" y2="{y:.1f}" stroke="#b00020" '
             f'stroke-dasharray="5 3" stroke-width="1.5"><title>{escape(reference_label)}</title></line>'
             f'<text x="{W - PAD_R}" y="{y - 3:.1f}" text-anchor="end" style="font:10px sans-serif" '
-            f'fill="#b00020">{escape(reference_label)}</text>'
+            f'fill="#b00020" {_HALO}>{escape(reference_label)}</text>'
         )
     return "".join(parts) + "</svg>"
 

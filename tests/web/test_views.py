@@ -597,5 +597,10 @@ def test_the_trainer_charts_say_what_their_axes_count_and_idle_is_a_percentage()
     assert ">100%</text>" in idle
     assert ">0 s</text>" in idle
     assert ">run time at each batch</text>" in idle
+    # the lower bound's label is drawn over the bars: dark red on blue was hard to read without a halo
+    collection = charts["batch collection time per step"]
+    bound = re.search(r'<text [^>]*fill="#b00020"([^>]*)>lower bound', collection)
+    assert bound is not None
+    assert 'paint-order="stroke"' in bound.group(1)
     last = view.batches[-1].idle_fraction
     assert f"{view.batches[-1].delivered:.1f} s: {100 * last:.3g}%</title>" in idle
