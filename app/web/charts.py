@@ -38,12 +38,15 @@ def _head(title: str, w: int = W, h: int = H) -> str:
 
 
 def _axis(top: float, unit: str) -> str:
+    """The axes, with 0 and the top value written level with the heights they mark (and a faint line
+    at the top value), so a mark at the top reads as that value, not above it."""
     y0, y1 = H - PAD_B, PAD_T
     return (
+        f'<line x1="{PAD_L}" y1="{y1}" x2="{W - PAD_R}" y2="{y1}" stroke="#e6e6e6"/>'
         f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#444"/>'
         f'<line x1="{PAD_L}" y1="{y0}" x2="{PAD_L}" y2="{y1}" stroke="#444"/>'
-        f'<text x="{PAD_L - 4}" y="{y1 + 8}" {_SMALL_END}>{_num(top)}{unit}</text>'
-        f'<text x="{PAD_L - 4}" y="{y0}" {_SMALL_END}>0</text>'
+        f'<text x="{PAD_L - 4}" y="{y1 + 3.5}" {_SMALL_END}>{_num(top)}{unit}</text>'
+        f'<text x="{PAD_L - 4}" y="{y0 + 3.5}" {_SMALL_END}>0{unit}</text>'
     )
 
 

@@ -604,3 +604,15 @@ def test_the_trainer_charts_say_what_their_axes_count_and_idle_is_a_percentage()
     assert 'paint-order="stroke"' in bound.group(1)
     last = view.batches[-1].idle_fraction
     assert f"{view.batches[-1].delivered:.1f} s: {100 * last:.3g}%</title>" in idle
+
+
+def test_a_chart_s_top_value_is_written_level_with_the_top():
+    # The top value was written 8 px below the top, so a point at 100% idle sat above its '100%'.
+    from app.web import charts
+
+    svg = charts.line_chart("idle", [(1.0, 100.0), (2.0, 50.0)], "%", top=100.0)
+    top = float(re.search(r'<text [^>]*y="([\d.]+)"[^>]*>100%</text>', svg).group(1))
+    dot = float(re.search(r'<circle cx="[\d.]+" cy="([\d.]+)"[^>]*><title>1.0 s: 100%', svg).group(1))
+    assert dot == charts.PAD_T
+    assert 0 < top - dot < 5  # a 10 px label's middle, on the line
+    assert f'y1="{charts.PAD_T}" x2="{charts.W - charts.PAD_R}" y2="{charts.PAD_T}" stroke="#e6e6e6"' in svg
