@@ -121,6 +121,7 @@ class EngineRow:
     version: int = 0
     in_flight: int | None = None
     target_version: int | None = None  # the version being loaded while updating
+    too_stale: bool = False  # serving, but more than K behind the newest version: it takes no turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,6 +538,12 @@ class RunViewBuilder:
         rows = sorted(engines.values(), key=lambda e: e.name)
         ended = self.ended is not None or state in OUTCOMES
         newest = max([v for _, v in self.publications] + [e.version for e in rows], default=0)
+        k = policy.get("max_staleness")
+        if not ended and isinstance(k, int) and not isinstance(k, bool):
+            # the runtime routes no turn to such an engine (app.core.rollout): every turn it served
+            # would make its group too stale at once
+            for row_e in rows:
+                row_e.too_stale = row_e.state == "serving" and newest - row_e.version > k
         attribution = self.waits.result() if self.batches else None
         _mark_groups(groups, attribution, self.durations)
         return RunView(

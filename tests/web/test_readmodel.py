@@ -480,3 +480,30 @@ def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engin
     trainer = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "trainer")
     assert "no data yet" not in trainer
     assert trainer.count(">not in this report</text>") == 2  # tokens/s and staleness: no groups, no turns
+
+
+def test_an_engine_more_than_k_behind_is_marked_as_taking_no_turns():
+    # Such an engine showed '● serving' with 0 turns in flight and nothing saying the runtime routes it
+    # none (every turn it served would make its group too stale at once).
+    from app.core.events import EngineUpdateEnd, RunStarted, VersionPublished
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    events = [
+        RunStarted(engines=("e0", "e1"), policy={"max_staleness": 1}),
+        VersionPublished(1),
+        EngineUpdateBegin("e0", 1),
+        EngineUpdateEnd("e0", 1),
+        VersionPublished(2),
+        EngineUpdateBegin("e0", 2),
+        EngineUpdateEnd("e0", 2),
+    ]
+    envs = [Envelope("r", i, float(i), ev) for i, ev in enumerate(events)]
+    view = view_from_events("r", envs, RunMeta(state="running"))
+    assert [(e.name, e.version, e.too_stale) for e in view.engines] == [("e0", 2, False), ("e1", 0, True)]
+    html = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "engines")
+    assert html.count("too stale: no turns") == 1
+    # within K again (K raised), or once the run has ended, nothing is marked
+    raised = [*envs, Envelope("r", 7, 7.0, PolicyChanged("max_staleness", 1, 2, "operator"))]
+    assert not any(e.too_stale for e in view_from_events("r", raised, RunMeta(state="running")).engines)
+    assert not any(e.too_stale for e in view_from_events("r", envs, RunMeta(state="stopped")).engines)
