@@ -77,7 +77,13 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
     mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
-    app.add_api_route("/healthz", healthz, methods=["GET"], tags=["ops"])
+    app.add_api_route(
+        "/healthz",
+        healthz,
+        methods=["GET"],
+        tags=["ops"],
+        responses={503: {"description": "the database, the broker or an executing run's engine is down"}},
+    )
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
     return app
 

@@ -33,9 +33,30 @@ from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing
 from app.service.gateway import RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, RunManager
-from app.service.schemas import AckResult, PolicyPatch, RunAction, RunCreate, WeightsPublish
+from app.service.schemas import (
+    AckResult,
+    PolicyPatch,
+    Problem,
+    RunAction,
+    RunCreate,
+    ValidationProblem,
+    WeightsPublish,
+)
 
-router = APIRouter(prefix="/api/runs", tags=["runs"])
+# The refusals every route may give, as the OpenAPI documents them: the bodies the API answers with
+# (app.api.app's handlers), not FastAPI's default list of validation errors.
+ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "an action without the operator token"},
+    403: {"model": Problem, "description": "an action with a token that is not the operator token"},
+    404: {"model": Problem, "description": "no such run (or batch, rollout, engine of it)"},
+    409: {
+        "model": Problem,
+        "description": "not allowed in the run's state (ended, stopping, not executing here)",
+    },
+    422: {"model": ValidationProblem, "description": "refused input, naming the field"},
+}
+
+router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
 
 NO_MORE_BATCHES = "; no more batches"
 

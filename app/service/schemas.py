@@ -207,3 +207,17 @@ class Problem(BaseModel):
     """An error: `detail` says what is wrong, naming the field."""
 
     detail: str
+
+
+class FieldProblem(BaseModel):
+    field: str = Field(description="where, as typed: `workload.batch.groups`, `path.run_id`, `body`")
+    problem: str = Field(description="the field and what is wrong with it, in one line")
+
+
+class ValidationProblem(BaseModel):
+    """Refused input (422): `detail` says what is wrong in one line, naming the field; `errors` lists each
+    problem of a request that failed validation (absent when the request was valid but its values
+    cannot apply, as a version not newer than the published one)."""
+
+    detail: str
+    errors: list[FieldProblem] = Field(default_factory=list)

@@ -128,3 +128,49 @@ def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:
         "/healthz",
         "/metrics",
     } <= paths
+
+
+def test_the_openapi_docs_describe_the_error_answers_the_api_gives(api: httpx.Client) -> None:
+    """The OpenAPI documented 422 as FastAPI's list of validation errors, while the API answers
+    `{"detail": "<one line>", "errors": [...]}`, and left 401, 403, 404 and 409 (and /healthz's 503)
+    undocumented: a client generated from it misread every refusal."""
+    from app.service.schemas import Problem, ValidationProblem
+
+    spec = api.get("/openapi.json").json()
+    components = spec["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+
+    def documented(method: str, path: str, status: int, body: dict[str, object]) -> None:
+        answers = spec["paths"][path][method]["responses"]
+        assert str(status) in answers, f"{method} {path} does not document {status}"
+        ref = answers[str(status)]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        model = {"Problem": Problem, "ValidationProblem": ValidationProblem}[ref]
+        assert set(body) <= set(components[ref]["properties"])
+        model.model_validate(body)  # the answer is what the docs say it is
+
+    run_id = api.post("/api/runs", json=make_run(batches=1, trainer="sentinel", sentinel_step_s=0)).json()[
+        "id"
+    ]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed", what="completed")
+    cases = [
+        ("get", "/api/runs/{run_id}", api.get("/api/runs/nope"), 404),
+        ("get", "/api/runs/{run_id}", api.get("/api/runs/n%20o"), 422),
+        ("post", "/api/runs", api.post("/api/runs", json={"speed": "fast"}), 422),
+        ("post", "/api/runs/{run_id}/stop", api.post(f"/api/runs/{run_id}/stop"), 409),
+        ("post", "/api/runs/{run_id}/stop", httpx.post(f"{api.base_url}/api/runs/{run_id}/stop"), 401),
+        (
+            "post",
+            "/api/runs/{run_id}/stop",
+            httpx.post(
+                f"{api.base_url}/api/runs/{run_id}/stop", headers={"Authorization": "Bearer wrong-token"}
+            ),
+            403,
+        ),
+        ("patch", "/api/runs/{run_id}/policy", api.patch(f"/api/runs/{run_id}/policy", json={}), 422),
+        ("get", "/api/runs/{run_id}/rollouts/{rid}", api.get(f"/api/runs/{run_id}/rollouts/99"), 404),
+        ("get", "/api/runs/{run_id}/batches/next", api.get("/api/runs/nope/batches/next"), 404),
+    ]
+    for method, path, answer, status in cases:
+        assert answer.status_code == status, (path, answer.text)
+        documented(method, path, status, answer.json())
+    assert "503" in spec["paths"]["/healthz"]["get"]["responses"]
