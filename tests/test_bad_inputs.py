@@ -748,6 +748,26 @@ def test_output_check_leaves_nothing_behind(tmp_path: Path) -> None:
     assert listing(tmp_path) == {"kept.json"}
 
 
+def test_an_output_that_cannot_be_replaced_is_refused_before_the_work(tmp_path: Path) -> None:
+    """An existing --json that its directory lets us write beside but not replace (immutable here; for a
+    user, another user's file in a sticky /tmp alike) passed the check, which only created a file beside
+    it: the whole simulation ran, then 'cannot write r.json: Operation not permitted'."""
+    write_files(tmp_path, {"w.json": workload(), "r.json": "old"})
+    if subprocess.run(["chattr", "+i", str(tmp_path / "r.json")], capture_output=True).returncode:
+        pytest.skip("no chattr +i on this file system")
+    try:
+        proc = subprocess.run(
+            [str(CORRAL), "sim", "--workload", "w.json", "--json", "r.json"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "r.json")], check=True)
+    case = Case([], ["--json r.json", "cannot replace it", "Operation not permitted"])
+    assert_one_line_refusal(proc.returncode, proc.stdout, proc.stderr, case)
+    assert (tmp_path / "r.json").read_text() == "old"
+    assert listing(tmp_path) == {"w.json", "r.json"}
+
+
 def test_run_summary_without_batches_says_so() -> None:
     from app.cli.common import summary_line
 

@@ -3,8 +3,9 @@ JSON reports and the progress bar.
 
 Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; text
 from the user (paths, values) is never read as rich markup; an output path is proven writable (and
-left as it was) before any work starts, is a regular file or a new one (a link is written through), and
-is none of the command's inputs or other outputs; a report is strict JSON (no NaN or Infinity).
+left as it was) before any work starts, replaceable if it exists, is a regular file or a new one (a
+link is written through), and is none of the command's inputs or other outputs; a report is strict
+JSON (no NaN or Infinity).
 """
 
 from __future__ import annotations
@@ -181,6 +182,25 @@ def _check_output(path: Path, flag: str) -> None:
     finally:
         for parent in reversed(created):
             parent.rmdir()
+    if path.exists():
+        _check_replaceable(path, probe, flag)
+
+
+def _check_replaceable(path: Path, aside: Path, flag: str) -> None:
+    """`write_json` renames its new file over `path`: prove that works (an immutable file, or another
+    user's in a sticky directory such as /tmp, can be written beside but not replaced) by moving it to
+    `aside` (the probe's name, free) and back. Its content, inode and modification time stay."""
+    problem = None
+    try:
+        try:
+            os.rename(path, aside)
+        except OSError as exc:
+            problem = exc.strerror or str(exc)
+    finally:  # also after a Ctrl-C between the two renames
+        if os.path.lexists(aside) and not os.path.lexists(path):
+            os.rename(aside, path)
+    if problem is not None:
+        fail(f"{flag} {path}: cannot replace it: {problem}")
 
 
 def _target(path: Path) -> Path:
