@@ -723,6 +723,23 @@ def test_a_report_is_written_through_a_symbolic_link(
     assert json.loads((tmp_path / "reports" / "r.json").read_text())["batches"] == 2
 
 
+def test_an_output_under_a_dangling_link_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder of the --json path that is a link to nothing: the check tried to create it, and blamed
+    'out/r.json.tmp is in the way; remove it', a file that does not exist."""
+    write_files(tmp_path, {"w.json": workload()})
+    (tmp_path / "out").symlink_to(tmp_path / "gone" / "dir")
+    code, out, err = corral_in_process(
+        ["sim", "--workload", "w.json", "--json", "out/r.json"], tmp_path, monkeypatch, capsys
+    )
+    case = Case(
+        [], ["--json out/r.json", "out is a link to", "gone/dir", "does not exist"], absent=["in the way"]
+    )
+    assert_one_line_refusal(code, out, err, case)
+    assert listing(tmp_path) == {"w.json", "out"}
+
+
 def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
     """A key brought in by `<<: *anchor` and given again in the mapping is an override, not a key given
     twice; the same text as an integer and as a string are two keys."""

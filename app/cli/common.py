@@ -168,8 +168,12 @@ def _check_output(path: Path, flag: str) -> None:
         fail(f"{flag} {path}: is not a regular file (a device, pipe or socket); give a file name")
     created: list[Path] = []
     probe = path.with_name(path.name + ".tmp")  # write_json writes here first, then renames
+    missing = [p for p in path.parents if not p.exists()]
+    for parent in missing:
+        if parent.is_symlink():  # a link to nothing: mkdir would fail with "exists"
+            fail(f"{flag} {path}: {parent} is a link to {os.readlink(parent)}, which does not exist")
     try:
-        for parent in reversed([p for p in path.parents if not p.exists()]):
+        for parent in reversed(missing):
             parent.mkdir()
             created.append(parent)
         with probe.open("x"):
