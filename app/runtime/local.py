@@ -5,10 +5,13 @@ CPUs when lanes are pinned), local sandboxes whose lanes are pinned to the other
 task suite and the shell agent. The trainer here publishes a new sentinel-weights version every step,
 so rolling publication is exercised for real; the GRPO training loop replaces it later.
 
-Stopping (SIGINT from a terminal's Ctrl-C, or SIGTERM): the first signal ends the run after the current
-trainer step (during start-up: at once); a second one stops at once. Either way the report is written
-and says where the stop landed (`stop`). Engines and sandbox commands run in their own sessions, so a
-Ctrl-C sent to the terminal's process group reaches only this process, which owns their shutdown.
+Stopping (SIGINT from a terminal's Ctrl-C, SIGTERM, or SIGHUP when the terminal goes away): the first
+signal ends the run after the current trainer step (during start-up: at once); a second one stops at
+once. Either way the report is written and says where the stop landed (`stop`). After a hangup, what
+would have gone to the lost terminal goes to /dev/null (a write there fails, which would end the
+shutdown before the report is written). A SIGHUP ignored at start (`nohup`) stays ignored. Engines
+and sandbox commands run in their own sessions, so a Ctrl-C sent to the terminal's process group
+reaches only this process, which owns their shutdown.
 
 Invariants: every engine process this module starts is stopped (by process group) when the run ends,
 however it ends; every sandbox is cleaned up by the runtime; a run that is stopped still returns a
@@ -52,7 +55,7 @@ from app.tasks.spec import TaskSpec
 
 __all__ = ["LocalRunError", "load_config", "run_local"]
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _VERSION_QUERY_S = 5.0
 _PRINTED = {"batch", "engine_updated", "group_discarded", "engine_state", "engine_update_failed"}
 
@@ -71,10 +74,31 @@ class _StopSignals:
         self.task: asyncio.Future[Any] | None = None  # what a stop cancels: start-up, then the run
         self.engines: EngineProcesses | None = None
         self.shutting_down = False  # the engines are being stopped: a second signal kills them
+        self.hung_up = False
+        # Standard output and error where they are a terminal, told now: a hung-up terminal no longer
+        # says it is one.
+        self._terminal_fds = [fd for fd in (1, 2) if _isatty(fd)]
 
     def early(self, signum: int, frame: FrameType | None) -> None:
         """Before the event loop runs: remember the signal; start-up then ends at once."""
+        self.on_signal(signum)
+
+    def on_signal(self, signum: int) -> None:
+        if signum == signal.SIGHUP and not self.hung_up:
+            self.hung_up = True
+            self._detach_from_terminal()
         self.fire()
+
+    def _detach_from_terminal(self) -> None:
+        """The terminal hung up: every write to it fails (EIO), and the first failed line would end the
+        run before its report is written. What went to it goes to /dev/null from now on."""
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                for fd in self._terminal_fds:
+                    os.dup2(devnull, fd)
+            finally:
+                os.close(devnull)
 
     def fire(self) -> None:
         self.count += 1
@@ -111,7 +135,20 @@ class _StopSignals:
             "phase": self.phase_at_first,
             "engines_updating": self.updating_at_first,
             "forced": self.count >= 2,
+            "hung_up": self.hung_up,  # SIGHUP: the terminal went away, its output went to /dev/null
         }
+
+
+def _stop_signals() -> list[signal.Signals]:
+    """The stop signals this process acts on: all but one it ignores (SIGHUP under `nohup`)."""
+    return [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def run_local(
@@ -126,7 +163,7 @@ def run_local(
             console.print(text, highlight=False, markup=False)
 
     stop = _StopSignals(say)
-    previous = {sig: signal.signal(sig, stop.early) for sig in _STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, stop.early) for sig in _stop_signals()}
     for _ in early_signals.take():  # a Ctrl-C while corral was still loading stops the start-up too
         stop.fire()
     if early_signals.is_command_process():
@@ -155,8 +192,9 @@ async def _run(
 ) -> dict[str, Any]:
     wall = time.perf_counter()
     loop = asyncio.get_running_loop()
-    for sig in _STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.fire)
+    taken = _stop_signals()
+    for sig in taken:
+        loop.add_signal_handler(sig, stop.on_signal, sig)
     all_cpus = sorted(os.sched_getaffinity(0))
     serving_cpus = config.engines.cpus if policy.pinned_lanes else all_cpus
     lane_cpus = tuple(config.lanes.cpus)
@@ -212,7 +250,7 @@ async def _run(
                 stop.shutting_down = True
                 await asyncio.to_thread(engines.stop)  # the loop keeps taking signals meanwhile
     finally:
-        for sig in _STOP_SIGNALS:
+        for sig in taken:
             loop.remove_signal_handler(sig)
             # Until run_local returns, a late signal is acknowledged, never a KeyboardInterrupt that
             # would lose the report (asyncio's removal put the default handler back).

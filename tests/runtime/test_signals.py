@@ -342,3 +342,22 @@ def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path:
     if cgroups is not None:
         assert [g.name for g in cgroups[0].iterdir() if g.name.endswith(f"-{first.pid}")] == []
     assert list(owners.iterdir()) == []  # the second run ended cleanly: no registration is left
+
+
+@pytest.mark.slow
+def test_closing_the_terminal_window_stops_the_run_and_still_leaves_a_report(tmp_path: Path) -> None:
+    """A terminal window closed, or an ssh session dropped, mid-run: the kernel sends SIGHUP to the
+    run's process group, and every later write to the terminal fails with EIO. The run stops as on a
+    Ctrl-C, writes its report, and leaves no engine nor sandbox process behind."""
+    run = CorralRun(tmp_path, ["--batches", "50"], terminal=True)
+    try:
+        run.wait_line(BATCH_LINE)
+        run.hang_up()
+        report = run.finish(timeout_s=90)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["stopped_early"] is True
+    assert report["stop"]["hung_up"] is True
+    assert report["stop"]["signals"] >= 1
+    assert 1 <= report["batches"] < 50
