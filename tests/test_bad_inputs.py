@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import stat
@@ -831,6 +832,32 @@ def test_help_explains_s_and_k_and_lists_every_option(
     code, out, _ = corral_in_process(["--version"], tmp_path, monkeypatch, capsys)
     assert code == 0
     assert out.startswith("corral ")
+
+
+def help_text(command: str, cwd: Path) -> str:
+    """`corral COMMAND --help` from the console script, one space between words (and none where a line
+    broke after a hyphen)."""
+    proc = subprocess.run(
+        [str(CORRAL), *command.split(), "--help"],
+        capture_output=True, text=True, timeout=60, cwd=cwd, check=True,
+    )  # fmt: skip
+    return " ".join(re.sub(r"-\n\s+", "-", proc.stdout).split())
+
+
+@pytest.mark.parametrize("command", ["sim", "bench", "advise"])
+def test_workload_help_names_the_built_in_workloads_it_takes(command: str, tmp_path: Path) -> None:
+    """`--workload design` runs the built-in workload of that name (README: `--workload FILE|NAME`);
+    --help said only 'workload spec, YAML or JSON'."""
+    from app.sim.family import FAMILY
+
+    assert f"built-in one by name: {', '.join(FAMILY)}" in help_text(command, tmp_path)
+    out = tmp_path / "o.json"
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "design", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["batches"] > 0
 
 
 def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from app.cli.common import (
     write_plot,
     write_stdout,
 )
-from app.cli.sim import checked_trace, load, simulation_errors, workload_inputs
+from app.cli.sim import WORKLOAD_HELP, checked_trace, load, simulation_errors, workload_inputs
 from app.sim.workload import WorkloadError
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def _check_source(source: Path, fmt: TraceFormat) -> None:
 
 
 def advise(
-    workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
+    workload: Annotated[Path, typer.Option(help=WORKLOAD_HELP)],
     trace: Annotated[
         Path | None, typer.Option(help="a Corral trace to replay instead of the workload's distributions")
     ] = None,

@@ -28,6 +28,7 @@ from app.cli.common import (
     write_plot,
 )
 from app.core.config import AdmissionMode, PolicyName
+from app.sim.family import FAMILY
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
 from app.validation import (
     MAX_STALENESS,
@@ -39,6 +40,9 @@ from app.validation import (
 )
 
 FLAGS = {"surplus_groups": "--surplus", "max_staleness": "--max-staleness"}
+WORKLOAD_HELP = (
+    f"workload spec, YAML or JSON (docs/simulator.md), or a built-in one by name: {', '.join(FAMILY)}"
+)
 
 SurplusOption = Annotated[
     int | None,
@@ -103,7 +107,7 @@ def check_surplus(spec: Workload, surplus: int, flag: str) -> None:
 
 
 def sim(
-    workload: Annotated[Path, typer.Option(help="workload spec, YAML or JSON (docs/simulator.md)")],
+    workload: Annotated[Path, typer.Option(help=WORKLOAD_HELP)],
     policy: Annotated[PolicyName, typer.Option(help="rung of the ablation ladder")] = PolicyName.FULL,
     json_out: Annotated[
         Path, typer.Option("--json", help="where to write the report; - for stdout", parser=output_path)
@@ -196,7 +200,7 @@ def bench(
     ],
     workload: Annotated[
         Path | None,
-        typer.Option(help="workload spec; default: the built-in terminal-bench-style workload"),
+        typer.Option(help=f"{WORKLOAD_HELP}; default: the built-in terminal-bench-style workload"),
     ] = None,
     plot: Annotated[
         Path | None,
