@@ -33,6 +33,8 @@ MAX_SIM_ENGINES = 10_000
 MAX_SLOTS = 1_000_000
 MAX_CORES = 1_000_000
 MAX_SWEEP_VALUES = 32
+# `corral advise` without --workers: one simulation per CPU it may use, at most this many.
+MAX_DEFAULT_WORKERS = 8
 # (B + S) × G: trajectories the simulator keeps live at once. `python -m benchmarks.scale` peaks at
 # 62 MB above the import baseline with 10,000 short trajectories live, about 6 KB each.
 MAX_TRAJECTORIES_IN_FLIGHT = 1_000_000

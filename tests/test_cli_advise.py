@@ -222,3 +222,33 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
         '("complete": false)'
     ]
     assert leftover.stdout.strip() == ""
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to one")
+def test_advise_runs_one_simulation_per_cpu_it_may_use_by_default(tmp_path: Path) -> None:
+    """--help said 'default: the CPU count'; advise took os.cpu_count(), capped at 8, so under
+    `taskset -c 0` (or a cpuset) it started a worker per CPU of the machine on one CPU. It now takes the
+    CPUs this process may use, at most 8, and --help says so (and that --plot takes any image format)."""
+    import os
+    import time
+
+    help_text = " ".join(corral("advise", "--help", cwd=tmp_path).stdout.split())
+    assert "default: the CPUs this process may use, at most 8" in help_text
+    assert "PNG of" not in help_text
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1",
+         "--json", "advice.json"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )  # fmt: skip
+    most = 0
+    while proc.poll() is None:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        try:
+            most = max(most, len(children.read_text().split()))
+        except OSError:
+            break
+        time.sleep(0.02)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert most == 1, f"{most} worker processes on one CPU"

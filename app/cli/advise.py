@@ -26,6 +26,7 @@ from app.cli.common import (
 )
 from app.cli.sim import WORKLOAD_HELP, checked_trace, load, simulation_errors, workload_inputs
 from app.sim.workload import WorkloadError
+from app.validation import MAX_DEFAULT_WORKERS
 
 if TYPE_CHECKING:
     from app.sim.advise import Advice
@@ -99,11 +100,21 @@ def advise(
         Path, typer.Option("--json", help="where to write the advice; - for stdout", parser=output_path)
     ] = Path("advice.json"),
     plot: Annotated[
-        Path | None, typer.Option(help="PNG of current against advised settings", parser=output_path)
+        Path | None,
+        typer.Option(
+            help="write an image of current against advised settings (.png, .svg, .pdf ...)",
+            parser=output_path,
+        ),
     ] = None,
     passes: Annotated[int, typer.Option(min=1, max=5, help="rounds over the knobs")] = 2,
     workers: Annotated[
-        int | None, typer.Option(min=1, max=64, help="parallel simulations; default: the CPU count")
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="parallel simulations; default: the CPUs this process may use, "
+            f"at most {MAX_DEFAULT_WORKERS}",
+        ),
     ] = None,
 ) -> None:
     """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""

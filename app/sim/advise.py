@@ -28,6 +28,7 @@ from app.children import die_with_parent
 from app.outputs import save_figure
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
+from app.validation import MAX_DEFAULT_WORKERS
 
 TIE_FRACTION = 0.01
 LANES = ("reset", "exec", "validate", "cleanup")
@@ -217,6 +218,12 @@ def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool) -> A
     return Advice(current, top, sorted(seen.values(), key=_rank), complete)
 
 
+def default_workers() -> int:
+    """One simulation per CPU this process may use (its affinity: `taskset`, a cpuset), at most
+    `MAX_DEFAULT_WORKERS`; `os.cpu_count()` would count the machine's."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_WORKERS))
+
+
 def advise(
     workload: Workload,
     policy_name: str = "full",
@@ -227,7 +234,7 @@ def advise(
 ) -> Advice:
     """Coordinate descent over the knobs; `on_run(done, planned)` reports progress. A Ctrl-C raises
     `AdviceInterrupted` with the advice from what was simulated so far."""
-    workers = workers or max(1, min(os.cpu_count() or 1, 8))
+    workers = workers or default_workers()
     start = current_settings(workload)
     seen: dict[Settings, Outcome] = {}
     try:
