@@ -252,3 +252,17 @@ def test_advise_runs_one_simulation_per_cpu_it_may_use_by_default(tmp_path: Path
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert most == 1, f"{most} worker processes on one CPU"
+
+
+def test_trace_import_of_a_real_corral_run_report_names_each_attempt_by_its_task(tmp_path: Path) -> None:
+    """A `corral run` report's events do not name tasks (group_admitted's task is ''): the import named
+    each group's attempts 'task-<index>', one made-up task per group, so the 10 real tasks of this run
+    became 40 and the simulator replayed groups, not tasks. The report's group_tasks names them."""
+    report = EXAMPLES.parent / "docs" / "runs" / "pair3-full.json"
+    done = corral("trace", "import", "--format", "corral-run", str(report), "--out", "t.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    tasks = {line["task"] for line in lines}
+    assert tasks <= set(json.loads(report.read_text())["group_tasks"].values())
+    assert 1 < len(tasks) <= 10
+    assert f"{len(lines)} attempts of {len(tasks)} tasks" in done.stderr

@@ -17,10 +17,10 @@ terminal-bench writes for an unresolved trial) skips that trial, counted with it
 beside a trial's with no results.json in it (a trial that never ended) is counted as not finished.
 
 A `corral run` report carries its event stream under `event_log`; each attempt's phases are summed from
-its sandbox operations (by lane) and model turns. A malformed event (not an object, a missing field, a
-wrong type, a non-finite number) refuses the whole report, naming its index: the report is not what
-`corral run` writes. An attempt that failed, or one with an op or turn that ends before it starts, is
-skipped and counted with its reason, like a bad trial.
+its sandbox operations (by lane) and model turns, and its task is named by the report's `group_tasks`.
+A malformed event (not an object, a missing field, a wrong type, a non-finite number) refuses the whole
+report, naming its index: the report is not what `corral run` writes. An attempt that failed, or one
+with an op or turn that ends before it starts, is skipped and counted with its reason, like a bad trial.
 
 A report, and each results.json, is read up to `MAX_REPORT_BYTES` (app/validation.py); a larger
 results.json, or one that is not a regular file (a pipe, a link to a device), is skipped and counted.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -209,9 +209,12 @@ def import_corral_run(report_path: Path) -> ImportResult:
     events = report.get("event_log") if isinstance(report, dict) else None
     if not isinstance(events, list):
         raise WorkloadError(f"{report_path}: no `event_log` list; write it with a current `corral run`")
+    names = report.get("group_tasks", {})
+    if not isinstance(names, dict) or not all(isinstance(v, str) and v for v in names.values()):
+        raise WorkloadError(f"{report_path}: group_tasks is {_shown(names)}, not an object of task names")
     result = ImportResult(sources=1)
     try:
-        result.records, result.skipped = attempts_from_events(events)
+        result.records, result.skipped = attempts_from_events(events, names)
     except WorkloadError as exc:
         raise WorkloadError(f"{report_path}: {exc}") from None
     if not result.records:
@@ -271,9 +274,15 @@ def _name(ev: dict[str, Any], i: int, name: str) -> str:
     return value
 
 
-def attempts_from_events(events: Iterable[Any]) -> tuple[list[dict[str, Any]], Counter[str]]:
+def attempts_from_events(
+    events: Iterable[Any], group_tasks: Mapping[str, str] | None = None
+) -> tuple[list[dict[str, Any]], Counter[str]]:
     """One trace line per finished attempt, in finishing order, and what was skipped, by reason.
-    Raises `WorkloadError` naming the first malformed event by its index."""
+    Raises `WorkloadError` naming the first malformed event by its index.
+
+    A line's task is its group's: the group_admitted event's `task`, else the report's `group_tasks`
+    (group id → task name: `corral run`'s events leave `task` empty), else `task-<task_index>`."""
+    named = group_tasks or {}
     tasks: dict[int, str] = {}
     phases: dict[tuple[int, int], dict[str, float]] = {}
     turns: dict[tuple[int, int], list[dict[str, float]]] = {}
@@ -286,7 +295,8 @@ def attempts_from_events(events: Iterable[Any]) -> tuple[list[dict[str, Any]], C
             raise WorkloadError(f"event_log[{i}] is {_shown(ev)}, not an event object")
         kind = ev.get("kind")
         if kind == "group_admitted":
-            tasks[_integer(ev, i, "group_id")] = str(ev.get("task") or f"task-{ev.get('task_index')}")
+            gid = _integer(ev, i, "group_id")
+            tasks[gid] = str(ev.get("task") or named.get(str(gid)) or f"task-{ev.get('task_index')}")
             continue
         if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted"):
             continue
@@ -324,7 +334,7 @@ def attempts_from_events(events: Iterable[Any]) -> tuple[list[dict[str, Any]], C
                     turn["llm_s"] = round(turn["llm_s"], 3)
             agent = sum(t["llm_s"] for t in attempt_turns) + tool
             finished[key] = record = {
-                "task": tasks.get(key[0], f"group-{key[0]}"),
+                "task": tasks.get(key[0]) or named.get(str(key[0])) or f"group-{key[0]}",
                 "reset_s": round(lanes.get("reset", 0.0), 3),
                 "agent_s": round(agent, 3),
                 "validate_s": round(lanes.get("validate", 0.0), 3),
