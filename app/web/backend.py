@@ -42,6 +42,10 @@ class RunsBackend(Protocol):
 
     async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None: ...
 
+    async def pause(self, run_id: str, actor: str) -> None: ...
+
+    async def resume(self, run_id: str, actor: str) -> None: ...
+
     async def stop(self, run_id: str, actor: str) -> None: ...
 
 
@@ -105,6 +109,12 @@ class ReplayStore:
         raise ActionRefused("a replay is read-only")
 
     async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
+        raise ActionRefused("a replay is read-only")
+
+    async def pause(self, run_id: str, actor: str) -> None:
+        raise ActionRefused("a replay is read-only")
+
+    async def resume(self, run_id: str, actor: str) -> None:
         raise ActionRefused("a replay is read-only")
 
     async def stop(self, run_id: str, actor: str) -> None:

@@ -309,6 +309,14 @@ class ManagerRuns:
         knobs = await self._call(handle, handle.set_policy, patch, actor)
         await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
 
+    async def pause(self, run_id: str, actor: str) -> None:
+        handle = self._handle(run_id)
+        await self._call(handle, handle.pause)
+
+    async def resume(self, run_id: str, actor: str) -> None:
+        handle = self._handle(run_id)
+        await self._call(handle, handle.resume)
+
     async def stop(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id, starting_ok=True)
         await self._call(handle, handle.stop)

@@ -9,7 +9,7 @@ Routes (all HTML; the JSON API lives under /api and is not this module's):
   POST /login, /logout           set or clear the token cookie
   POST /runs                     launch a run          POST /replays           load a report as a replay
   POST /runs/{id}/publish        publish weights       POST /runs/{id}/policy  change K and S
-  POST /runs/{id}/stop           stop the run
+  POST /runs/{id}/pause, resume  pause or resume the run   POST /runs/{id}/stop    stop the run
 
 Every POST checks the CSRF double-submit token; every action needs the operator token (403 with the
 reason otherwise). Forms work without JavaScript (303 back to the page); with htmx the answer is the
@@ -61,7 +61,9 @@ LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
 # The actions a live run offers (stop, publish, the policy form), sent only when the run starts
 # stopping or ends: a swap on every change would clear what an operator is typing.
 CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control")
-RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS)
+# Pause or Resume, whichever the run's state offers: sent whenever that state changes (no typed input).
+PAUSE_BLOCK = "pause_control"
+RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
@@ -313,8 +315,10 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
-        # The outcome, and whether it was stopping, that the page's controls were last rendered for
+        # The outcome, and whether it was stopping, that the page's controls were last rendered for,
+        # and the state its Pause / Resume control was
         shown: list[tuple[str | None, bool]] = [(None, False)]
+        paused_shown: list[tuple[str | None, str] | None] = [None]
 
         def blocks() -> list[tuple[str, str]]:
             view = backend.view(run_id)
@@ -326,7 +330,10 @@ def make_router(dash: Dashboard) -> APIRouter:
             controls = (view.outcome, view.state == "stopping")
             if controls != shown[0]:
                 shown[0] = controls
-                names = (*LIVE_BLOCKS, *CONTROL_BLOCKS)
+                names = (*names, *CONTROL_BLOCKS)
+            if (view.outcome, view.state) != paused_shown[0]:
+                paused_shown[0] = (view.outcome, view.state)
+                names = (*names, PAUSE_BLOCK)
             return [(b, dash.render("run.html", ctx, b)) for b in names]
 
         def version() -> object:
@@ -448,6 +455,22 @@ def make_router(dash: Dashboard) -> APIRouter:
             return "Publishing new weights: the engines load them one at a time."
 
         return await act(request, run_id, start)
+
+    @router.post("/runs/{run_id}/pause")
+    async def pause(request: Request, run_id: str) -> Response:
+        async def hold(backend: RunsBackend, form: dict[str, str]) -> str:
+            await backend.pause(run_id, "operator")
+            return "Paused: no turn starts and no update begins until it is resumed."
+
+        return await act(request, run_id, hold)
+
+    @router.post("/runs/{run_id}/resume")
+    async def resume(request: Request, run_id: str) -> Response:
+        async def go_on(backend: RunsBackend, form: dict[str, str]) -> str:
+            await backend.resume(run_id, "operator")
+            return "Resumed."
+
+        return await act(request, run_id, go_on)
 
     @router.post("/runs/{run_id}/stop")
     async def stop(request: Request, run_id: str) -> Response:

@@ -208,6 +208,59 @@ def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
     page.context.close()
 
 
+def test_a_run_paused_through_the_api_is_resumed_and_paused_again_from_its_page(
+    browser: object, server: str, api: httpx.Client
+) -> None:
+    # A run paused through the API (POST /api/runs/{id}/pause) showed nothing on its page to resume
+    # it with: an operator at the browser could not. Its page now offers Resume (live, without a
+    # reload), and a running run Pause.
+    created = api.post("/api/runs", json=make_run_spec(name="pause-demo"))
+    assert created.status_code == 201, created.text
+    paused_id = str(created.json()["id"])
+
+    def state() -> str:
+        return str(api.get(f"/api/runs/{paused_id}").json()["state"])
+
+    def wait_state(want: str) -> None:
+        deadline = time.monotonic() + 30
+        while state() != want:
+            assert time.monotonic() < deadline, f"the run did not become {want}: {state()}"
+            time.sleep(0.2)
+
+    wait_state("running")
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{paused_id}")
+    pause, resume = page.get_by_role("button", name="Pause"), page.get_by_role("button", name="Resume")
+    sync_api.expect(pause).to_have_count(1)
+    sync_api.expect(resume).to_have_count(0)
+    assert api.post(f"/api/runs/{paused_id}/pause").status_code == 200
+    sync_api.expect(resume).to_have_count(1)  # swapped in by the live stream
+    sync_api.expect(pause).to_have_count(0)
+    sync_api.expect(page.locator("#run-state")).to_have_text("paused")
+    sync_api.expect(page.locator("#paused-note")).to_be_visible()
+
+    resume.click()
+    sync_api.expect(page.locator("#pause-msg")).to_contain_text("Resumed")
+    wait_state("running")
+    sync_api.expect(page.locator("#run-state")).to_have_text("running")
+    sync_api.expect(pause).to_have_count(1)
+
+    pause.click()
+    sync_api.expect(page.locator("#pause-msg")).to_contain_text("Paused")
+    wait_state("paused")
+    sync_api.expect(resume).to_have_count(1)
+    page.reload()
+    sync_api.expect(resume).to_have_count(1)
+
+    # A stopped run offers neither.
+    page.get_by_role("button", name="Stop the run after this step").click()
+    wait_state("stopped")
+    sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
+    sync_api.expect(pause).to_have_count(0)
+    sync_api.expect(resume).to_have_count(0)
+    page.context.close()
+
+
 def test_timeline_bars_grow_without_a_reload(browser: object, server: str, run_id: str) -> None:
     page = new_page(browser, server, signed_in=False)
     page.goto(f"{server}/runs/{run_id}")

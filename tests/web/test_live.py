@@ -58,6 +58,30 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
         await runs.publish(run_id, "tester")
 
 
+async def test_a_run_is_paused_and_resumed_from_the_dashboard(runs):
+    # The dashboard could stop a run but neither pause nor resume one (only the API could).
+    run_id = await runs.launch({"policy": "full", "name": "pause-test"}, "tester")
+    await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).batches) >= 1)
+    handle = runs.manager.get(run_id)
+    await runs.pause(run_id, "tester")
+    assert handle.state.value == "paused"
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "paused")
+    now = handle.loop.time()
+    await asyncio.sleep(0.5)
+    assert handle.loop.time() == now  # a simulated run's clock stands still while paused
+    with pytest.raises(ActionRefused, match="is paused; this needs it running"):
+        await runs.pause(run_id, "tester")
+    await runs.resume(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "running")
+    await asyncio.to_thread(wait_for, lambda: handle.loop.time() > now)
+    with pytest.raises(ActionRefused, match="is running; this needs it paused"):
+        await runs.resume(run_id, "tester")
+    await runs.stop(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state in ("stopped", "completed"))
+    with pytest.raises(ActionRefused):
+        await runs.resume(run_id, "tester")
+
+
 @pytest.mark.parametrize(
     ("form", "field"),
     [

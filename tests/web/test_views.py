@@ -1,5 +1,6 @@
 import asyncio
 import html
+import itertools
 import json
 import re
 import threading
@@ -7,7 +8,7 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from app.core.events import Envelope, PolicyChanged
 from app.web.backend import ActionRefused
@@ -15,7 +16,15 @@ from app.web.readmodel import GroupRow, RunMeta, view_from_events
 from app.web.security import AccessConfig
 from app.web.synthetic import synthetic_run
 from app.web.timeline import MAX_GROUPS
-from app.web.views import Dashboard, Feed, _changes, mount_dashboard, parse_policy_form, run_context
+from app.web.views import (
+    Dashboard,
+    Feed,
+    _changes,
+    make_router,
+    mount_dashboard,
+    parse_policy_form,
+    run_context,
+)
 
 OPERATOR = "operator-token-123"
 
@@ -55,6 +64,12 @@ class FakeRuns:
         for name, value in changes.items():
             self._append(PolicyChanged(name, None, value, actor))
         self.calls.append(("policy", dict(changes)))
+
+    async def pause(self, run_id, actor):
+        self.calls.append(("pause", run_id))
+
+    async def resume(self, run_id, actor):
+        raise ActionRefused(f"run {run_id} is running; this needs it paused")
 
     async def stop(self, run_id, actor):
         raise ActionRefused("the run has ended")
@@ -529,8 +544,14 @@ def test_each_outcome_of_a_run_has_its_own_badge(state, badge):
     assert f'<span class="badge {badge}">{state}</span>' in page
 
 
-CONTROL_NAMES = ("stop_control", "publish_control", "policy_control")
-LIVE_CONTROLS = ("Stop the run after this step", "Publish weights", "Apply live", 'id="policy-form"')
+CONTROL_NAMES = ("stop_control", "publish_control", "policy_control", "pause_control")
+LIVE_CONTROLS = (
+    "Stop the run after this step",
+    "Publish weights",
+    "Apply live",
+    'id="policy-form"',
+    ">Pause<",
+)
 
 
 async def live_run_page(state: str) -> tuple[str, dict[str, str]]:
@@ -566,6 +587,84 @@ async def test_a_running_run_offers_its_live_controls():
     assert 'id="policy-final"' not in page
     assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page
     assert all("<form" in block for block in blocks.values())
+
+
+async def test_a_paused_run_offers_resume_and_its_other_live_controls():
+    # A run paused through the API showed no way to resume it: the page had no Resume (nor Pause).
+    page, blocks = await live_run_page("paused")
+    assert 'id="resume-btn"' in page
+    assert 'action="/runs/live-1/resume"' in blocks["pause_control"]
+    assert 'id="paused-note"' in page
+    assert 'id="pause-btn"' not in page
+    for shown in ("Stop the run after this step", "Publish weights", "Apply live"):
+        assert shown in page  # a paused run takes a new version, a policy change and a stop
+
+
+async def test_pause_and_resume_reach_the_backend_and_say_what_happened():
+    runs = FakeRuns(synthetic_run(groups=2, group_size=2, batch_groups=1))
+    client, _ = make_client(live=runs)
+    async with client:
+        token = await sign_in(client)
+        headers = {"HX-Request": "true"}
+        paused = await client.post("/runs/live-1/pause", data={"csrf_token": token}, headers=headers)
+        assert paused.status_code == 200
+        assert "Paused" in paused.text
+        resumed = await client.post("/runs/live-1/resume", data={"csrf_token": token}, headers=headers)
+        assert resumed.status_code == 409  # FakeRuns: the run is not paused
+        assert "refused: run live-1 is running" in html.unescape(resumed.text)
+        replay = await client.post("/runs/replay-1/pause", data={"csrf_token": token}, headers=headers)
+        assert replay.status_code == 409
+        anonymous, _ = make_client(live=runs)
+        async with anonymous:
+            denied = await anonymous.post(
+                "/runs/live-1/pause", data={"csrf_token": await csrf_of(anonymous)}, headers=headers
+            )
+        assert denied.status_code == 403
+    assert runs.calls == [("pause", "live-1")]
+
+
+async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_changes():
+    # The stream re-sent the controls only when a run began stopping or ended: a run paused through the
+    # API kept showing Pause (and a resumed one Resume) until a reload.
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    versions = itertools.count()
+
+    class Switching(OneRun):
+        state = "running"
+
+        def view(self, run_id):
+            return replace(view_from_events("live-1", events, RunMeta(state=self.state)), source="live")
+
+        def version(self, run_id):
+            return next(versions)  # a change at every poll
+
+    backend = Switching(None)
+    router = make_router(Dashboard(AccessConfig(None, None), live=backend, stream_interval_s=0.0))
+    stream = next(r.endpoint for r in router.routes if getattr(r, "path", "") == "/runs/{run_id}/stream")
+
+    async def receive():
+        await asyncio.sleep(3600)  # the client never leaves
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/runs/live-1/stream",
+        "headers": [],
+        "query_string": b"",
+    }
+    response = await stream(Request(scope, receive), "live-1")
+    pauses, summaries = [], 0
+    async for msg in response.body_iterator:
+        summaries += msg["event"] == "summary"
+        if msg["event"] == "pause_control":
+            pauses.append(msg["data"])
+        if summaries == 3:  # three polls at one state: the control went once
+            summaries = 0
+            backend.state = {"running": "paused", "paused": "running"}[backend.state]
+            if len(pauses) == 3:
+                break
+    assert ["pause-btn" in d for d in pauses] == [True, False, True]
+    assert ["resume-btn" in d for d in pauses] == [False, True, False]
 
 
 async def test_a_stopping_run_says_so_and_offers_no_live_controls():
