@@ -451,3 +451,31 @@ def test_corral_serve_stopped_by_a_signal_says_what_became_of_its_runs(tmp_path:
     assert "Traceback" not in stderr
     assert "(demo): stopped" in stderr, stderr
     assert stderr.splitlines()[-1].startswith("corral serve: stopped; runs and their events are kept"), stderr
+
+
+@pytest.mark.parametrize("command", ["sim", "bench"])
+def test_ctrl_c_while_the_plot_is_drawn_says_the_report_was_written(tmp_path: Path, command: str) -> None:
+    """The report is written, then the plot drawn (about a second): a Ctrl-C then ended the command
+    with a bare 'interrupted', though the report was there, complete."""
+    import os
+    import time
+
+    write_yaml(tmp_path / "w.yaml", make_workload_data(seed=5, batches=5))
+    sweeps = ["--surplus-sweep", "0", "--staleness-sweep", "2"] if command == "bench" else []
+    proc = subprocess.Popen(
+        [str(CORRAL), command, "--workload", "w.yaml", "--json", "r.json", "--plot", "r.png", *sweeps],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "r.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == "interrupted; r.json written, r.png not written", stderr
+    assert "Traceback" not in stderr
+    assert json.loads((tmp_path / "r.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "w.yaml"]

@@ -138,7 +138,7 @@ def advise(
     with early_signals.interruptible_once(), simulation_errors():  # a second Ctrl-C must not break the save
         advice = _search(spec, passes, workers, json_out)
         write_json(json_out, advice.as_dict())
-        write_plot(lambda out: plot_advice(advice, str(out)), plot)
+        write_plot(lambda out: plot_advice(advice, str(out)), plot, written=json_out)
         if not advice.complete:  # what was simulated is kept: it cost minutes
             say(
                 f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → "

@@ -346,9 +346,12 @@ def summary_line(report: dict[str, Any], json_out: Path, detail: str) -> str:
     )
 
 
-def write_plot(draw: Callable[[Path], None], path: Path | None, flag: str = "--plot") -> None:
+def write_plot(
+    draw: Callable[[Path], None], path: Path | None, flag: str = "--plot", written: Path | None = None
+) -> None:
     """Draw a plot to `path` (nothing when None), creating the missing parents that `check_output`
-    proved could be created; a failure is one line, never a traceback."""
+    proved could be created; a failure is one line, never a traceback. `written`: the report already
+    written, which a Ctrl-C while the plot is drawn (a second or more) ends the command saying."""
     if path is None:
         return
     try:
@@ -356,6 +359,12 @@ def write_plot(draw: Callable[[Path], None], path: Path | None, flag: str = "--p
         draw(path)
     except (OSError, ValueError) as exc:
         fail(f"{flag} {path}: cannot write the plot: {getattr(exc, 'strerror', None) or exc}")
+    except KeyboardInterrupt:
+        if written is None:
+            raise
+        report = "the report (standard output)" if is_stdout(written) else str(written)
+        say(f"interrupted; {report} written, {path} not written")
+        raise typer.Exit(130) from None
 
 
 def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: str) -> None:
@@ -363,7 +372,7 @@ def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: st
     from app.plots import plot_timeline
 
     write_json(json_out, report)
-    write_plot(lambda out: plot_timeline(report, out), plot)
+    write_plot(lambda out: plot_timeline(report, out), plot, written=json_out)
     say(summary_line(report, json_out, detail))
 
 

@@ -253,10 +253,10 @@ def bench(
             progress.update(task, description=f"bench: {label}", completed=done, total=total)
 
         result = run_bench(spec, s_values, k_values, on_run=on_run, peers=peers)
-    write_json(json_out, result)
-    from app.sim.plot import plot_bench
+    from app.sim.plot import plot_bench  # before the report: a Ctrl-C in between would say nothing of it
 
-    write_plot(lambda out: plot_bench(result, out), plot)
+    write_json(json_out, result)
+    write_plot(lambda out: plot_bench(result, out), plot, written=json_out)
     err.print(ladder_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
@@ -276,10 +276,10 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
             progress.update(task, description=f"bench: {label}", completed=done, total=total)
 
         result = run_family(peers=peers, on_run=on_run)
-    write_json(json_out, result)
     from app.sim.plot import plot_family
 
-    write_plot(lambda out: plot_family(result, out), plot)
+    write_json(json_out, result)
+    write_plot(lambda out: plot_family(result, out), plot, written=json_out)
     for name, data in result["workloads"].items():
         means = ", ".join(f"{rung} {row['mean_s']:.1f}" for rung, row in data["rungs"].items())
         err.print(f"{name}: {means}", markup=False)
