@@ -479,3 +479,37 @@ def test_ctrl_c_while_the_plot_is_drawn_says_the_report_was_written(tmp_path: Pa
     assert "Traceback" not in stderr
     assert json.loads((tmp_path / "r.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "w.yaml"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sim", "--workload", "w.yaml", "--json", "-"],
+        ["trace", "import", "--format", "corral-run", "r.json", "--out", "-"],
+    ],
+    ids=["sim --json -", "trace import --out -"],
+)
+def test_a_report_to_a_full_or_closed_standard_output_is_one_line(tmp_path: Path, args: list[str]) -> None:
+    """`--json -` with standard output on a full disk (here /dev/full) or closed (`>&-`) ended in a
+    traceback (OSError: No space left on device; 'NoneType' object has no attribute 'write'). A closed
+    one is now refused before the work, a full one named when the write fails."""
+    import os
+
+    write_yaml(tmp_path / "w.yaml", make_workload(batches=1))
+    event = {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None}
+    (tmp_path / "r.json").write_text(json.dumps({"event_log": [event]}))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [str(CORRAL), *args], stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
+            check=False,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: cannot write the report to standard output: No space left on device"
+    ]
+    proc = subprocess.run(
+        [str(CORRAL), *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120, check=False,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"error: {args[-2]} -: standard output is closed"], proc.stderr

@@ -143,18 +143,36 @@ def is_stdout(path: Path | None) -> bool:
 
 
 def write_stdout(text: str) -> None:
-    """`text` on standard output; a reader that stops early (`| head`) ends the output quietly."""
+    """`text` on standard output; a reader that stops early (`| head`) ends the output quietly, any
+    other failure (a full disk under `> file`) is one line."""
+    if sys.stdout is None:
+        fail("cannot write the report to standard output: it is closed")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error again at exit
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered is dropped
+        fail(f"cannot write the report to standard output: {exc.strerror or exc}")
+
+
+def _stdout_closed() -> bool:
+    if sys.stdout is None:
+        return True
+    try:
+        os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return True
+    return False
 
 
 def check_output(path: Path, flag: str) -> None:
     """Prove `path` can be written, before the work: create it (and missing parents), then remove
     whatever the check created. Refuses a directory, an unwritable place, a name the OS refuses."""
     if is_stdout(path):
+        if _stdout_closed():  # `>&-`: the report would be lost after the work
+            fail(f"{flag} -: standard output is closed")
         return
     with _os_refusal(flag, path):
         _check_output(path, flag)
