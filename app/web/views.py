@@ -152,6 +152,7 @@ def runs_context(dash: Dashboard) -> dict[str, Any]:
         "runs": dash.views(),
         "launch": dash.default_launch,
         "placeholders": placeholders() if placeholders is not None else {},
+        "launch_kind": (getattr(dash.live, "launch_defaults", None) or {}).get("kind"),
     }
 
 

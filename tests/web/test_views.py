@@ -148,6 +148,22 @@ async def test_runs_page_lists_live_runs_and_replays_with_labelled_fields():
     assert "corral_csrf" in r.headers["set-cookie"]
 
 
+async def test_the_launch_form_says_it_launches_a_simulated_run():
+    # The runs page's form launched a simulated run (the live backend's default) and said nothing of it:
+    # next to the demo's local run, a first-time user took it for a real one.
+    runs = FakeRuns(synthetic_run(groups=2, group_size=2, batch_groups=1))
+    runs.launch_defaults = {"kind": "sim", "trainer": "sentinel"}
+    client, _ = make_client(live=runs)
+    async with client:
+        page = (await client.get("/")).text
+    assert 'id="launch-kind">A simulated run:' in page
+    assert "&#34;kind&#34;: &#34;local&#34;" in page or '"kind": "local"' in page
+    runs.launch_defaults = {"kind": "local"}
+    client, _ = make_client(live=runs)
+    async with client:
+        assert 'id="launch-kind"' not in (await client.get("/")).text
+
+
 async def test_run_page_and_blocks_render():
     client, _ = make_client()
     async with client:
