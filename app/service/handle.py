@@ -42,10 +42,9 @@ from app.service.paced import PacedLoop
 from app.service.ports import LanesFactory, RunPorts, open_ports, run_policy
 from app.service.recorder import RunRecorder
 from app.service.rollouts import rollout_answer
-from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind
+from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind, surplus_problem
 from app.service.store import ResumePoint
 from app.store.models import TERMINAL_RUN_STATES, RunState
-from app.validation import in_flight_problem
 
 log = logging.getLogger(__name__)
 
@@ -269,14 +268,18 @@ class RunHandle:
         return self.runtime.version if self.runtime is not None else 0
 
     def patch_problem(self, patch: PolicyPatch) -> str | None:
-        """Why `patch` cannot apply to this run whatever its state: a simulated run's S must keep
-        (B + S) × G within the simulator's bound (B and G are fixed for the run's life)."""
-        if patch.surplus_groups is None or self.spec.kind is not RunKind.SIM:
+        """Why `patch` cannot apply to this run whatever its state: its S must be one the run's own
+        config would take (`surplus_problem`: none on the sync rung, a local run's config's bound, a
+        simulated run's (B + S) × G within the simulator's; B and G are fixed for the run's life)."""
+        if patch.surplus_groups is None:
             return None
-        problem = in_flight_problem(
-            self.policy.groups_per_batch, self.policy.group_size, patch.surplus_groups
+        return surplus_problem(
+            self.spec.kind,
+            self.spec.policy,
+            patch.surplus_groups,
+            self.policy.groups_per_batch,
+            self.policy.group_size,
         )
-        return None if problem is None else f"surplus_groups: {problem}"
 
     def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)

@@ -14,9 +14,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from app.core.config import PauseModeName, PolicyName
+from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
 from app.validation import in_flight_problem
+
+SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
+LOCAL_SURPLUS = "surplus_groups: a local run takes S up to {:,}, got {:,}"
 
 
 class _Input(BaseModel):
@@ -26,6 +30,21 @@ class _Input(BaseModel):
 class RunKind(StrEnum):
     SIM = "sim"  # the production runtime on the simulator's engines and sandboxes, paced to the wall clock
     LOCAL = "local"  # the embedded default: embedded engines, local sandboxes, the built-in tasks
+
+
+def surplus_problem(
+    kind: RunKind, policy: PolicyName, surplus: int, groups: int, group_size: int
+) -> str | None:
+    """Why S = `surplus`, asked of a run (at its creation or live), is more than the run's own config
+    would take: none on the sync rung (`PolicyConfig.ladder` sets its S to 0); a local run's config's
+    bound (app.runtime.config.MAX_SURPLUS); a simulated run's (B + S) × G within the simulator's."""
+    if policy is PolicyName.SYNC and surplus != 0:
+        return SYNC_SURPLUS.format(surplus)
+    if kind is RunKind.LOCAL and surplus > LOCAL_MAX_SURPLUS:
+        return LOCAL_SURPLUS.format(LOCAL_MAX_SURPLUS, surplus)
+    if kind is RunKind.SIM and (problem := in_flight_problem(groups, group_size, surplus)) is not None:
+        return f"surplus_groups: {problem}"
+    return None
 
 
 class OrchestratorKind(StrEnum):
@@ -129,6 +148,23 @@ class RunCreate(_Input):
                 "config.engines.sentinel",
                 "trainer 'sentinel'",
                 ", or trainer 'external' with a trainer that publishes full checkpoints",
+            )
+            if problem is not None:
+                raise ValueError(problem)
+        if self.surplus_groups is not None:  # as a live change of S would be (RunHandle.patch_problem)
+            batch = (
+                self.workload.batch
+                if self.workload is not None
+                else self.config.batch
+                if self.config
+                else None
+            )
+            problem = surplus_problem(
+                self.kind,
+                self.policy,
+                self.surplus_groups,
+                self.groups_per_batch or (batch.groups if batch else 1),
+                self.group_size or (batch.group_size if batch else 2),
             )
             if problem is not None:
                 raise ValueError(problem)

@@ -42,6 +42,20 @@ def test_a_local_run_delivers_batches_to_an_external_trainer(server: str, backen
             rollout = corral.publish(run_id, batch.publish_version, sentinel=True)
             assert [e["engine"] for e in rollout["engines"]] == ["engine-0"]
             corral.ack(run_id, batch.batch_id)
+            if step == 0:
+                # A local run's config takes S up to 4,096; a live change took up to 100,000 (100,061
+                # groups admitted, both engines down, the event sink full, the server would not stop).
+                refused = httpx.patch(
+                    f"{server}/api/runs/{run_id}/policy",
+                    json={"surplus_groups": 100_000},
+                    headers={"Authorization": "Bearer test-operator-token"},
+                    timeout=30,
+                )
+                assert refused.status_code == 422, refused.text
+                assert (
+                    refused.json()["detail"] == "surplus_groups: a local run takes S up to 4,096, got 100,000"
+                )
+                assert corral.run(run_id)["policy"]["surplus_groups"] == 1
             if step == 0:  # the engines hold their turns while paused, and take them up again
                 assert corral.pause(run_id)["state"] == "paused"
                 assert corral.run(run_id)["state"] == "paused"

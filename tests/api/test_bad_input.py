@@ -52,6 +52,16 @@ CREATE_CASES = [
     # (B + S) × G past the simulator's bound through the overrides: the server hung building millions
     ({"groups_per_batch": 4096, "group_size": 1024}, "(B + S) × G = (4096 + 2) × 1024"),
     ({"surplus_groups": 100_000, "group_size": 1024}, "trajectories in flight"),
+    # the sync rung has no surplus: the run started with S = 0 whatever was asked (the dashboard refused it)
+    (
+        {"policy": "sync", "surplus_groups": 3},
+        "surplus_groups: policy sync runs without surplus (S = 0), got 3",
+    ),
+    # a local run's config takes S up to 4,096; the override took up to 100,000
+    (
+        {"kind": "local", "surplus_groups": 100_000},
+        "surplus_groups: a local run takes S up to 4,096, got 100,000",
+    ),
     ({"name": ""}, "name"),
     ({"name": "x" * 500}, "name"),
 ]
@@ -110,6 +120,18 @@ def test_a_surplus_past_the_simulators_bound_is_refused_live(api: httpx.Client) 
     assert refused.json()["detail"].startswith("surplus_groups: (B + S) × G = (2 + 10000) × 100 = 1,000,200")
     assert api.get(f"/api/runs/{run_id}").json()["policy"]["surplus_groups"] == 2
     assert api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": 3}).status_code == 200
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+
+
+def test_a_sync_runs_surplus_cannot_be_changed_live(api: httpx.Client) -> None:
+    # The dashboard refused it; the API took it, and the sync run admitted groups beyond its batch.
+    run_id = api.post("/api/runs", json=make_run(batches=None, policy="sync")).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    refused = api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": 3})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"] == "surplus_groups: policy sync runs without surplus (S = 0), got 3"
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["surplus_groups"] == 0
+    assert api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": 0}).status_code == 200
     assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
 
 
