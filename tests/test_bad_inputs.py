@@ -860,6 +860,12 @@ def test_workload_help_names_the_built_in_workloads_it_takes(command: str, tmp_p
     assert json.loads(out.read_text())["batches"] > 0
 
 
+def test_worker_help_says_the_orchestrator_default_concurrency(tmp_path: Path) -> None:
+    """`--orchestrator` takes no --cpus and runs one pool process unless told (workers/main.py's
+    `-c`); --help gave only 'default: one per CPU of --cpus'."""
+    assert "default: one per CPU of --cpus; 1 with --orchestrator" in help_text("worker", tmp_path)
+
+
 def test_progress_lines_are_rounded_and_plain(tmp_path: Path) -> None:
     from rich.console import Console
 

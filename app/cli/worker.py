@@ -32,7 +32,11 @@ def worker(
     ] = None,
     concurrency: Annotated[
         int | None,
-        typer.Option(min=1, max=MAX_CONCURRENCY, help="pool processes; default: one per CPU of --cpus"),
+        typer.Option(
+            min=1,
+            max=MAX_CONCURRENCY,
+            help="pool processes; default: one per CPU of --cpus; 1 with --orchestrator",
+        ),
     ] = None,
     orchestrator: Annotated[
         bool, typer.Option("--orchestrator", help="serve the orchestrator queue instead of a lane")
