@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.core.events import RunEnded
+from app.core.events import BatchDelivered, GroupDelivered, RunEnded
 from app.metrics import CorralMetrics
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
@@ -123,17 +123,36 @@ class RunManager:
             recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
 
     def _start(self, run_id: str, spec: RunCreate, point: ResumePoint | None) -> RunHandle:
+        offers = OfferFiles(self.data_dir / run_id / "offers")
+        kept = offers.load() if point is not None else []
+        if point is not None and kept:
+            # A kept batch the store never got: the resumed run numbers its groups and batches after
+            # it, or its next batch would take the kept one's id (and the trainer's ack of it).
+            point = dataclasses.replace(
+                point,
+                group_offset=max(
+                    [point.group_offset]
+                    + [
+                        int(g["group_id"]) + 1
+                        for o in kept
+                        for g in o.payload.get("groups", [])
+                        if "group_id" in g
+                    ]
+                ),
+                batch_offset=max([point.batch_offset] + [o.index + 1 for o in kept]),
+            )
         handle = RunHandle(
             run_id, spec, self.data_dir / run_id, self.ack_timeout_s, self._on_state, point, self.lanes
         )
         self._attach_sinks(handle.recorder)
-        if point is not None and point.open_groups:
-            handle.recorder.orphan_open_groups(
-                set(point.open_groups), "in flight when the control plane stopped"
-            )
-        offers = OfferFiles(self.data_dir / run_id / "offers")
         if point is not None:
-            for offer in offers.load():  # handed out before the restart and never acked: again
+            open_groups = set(point.open_groups)
+            for offer in kept:
+                if offer.index not in point.delivered_batches:
+                    open_groups -= _record_kept_delivery(handle.recorder, offer, open_groups, point.last_t)
+            if open_groups:
+                handle.recorder.orphan_open_groups(open_groups, "in flight when the control plane stopped")
+            for offer in kept:  # handed out before the restart and never acked: again
                 handle.gateway.restore(offer)
             # the trainer's counters go on from the store's, as the run's own counters do
             stored = self.store.figures(run_id)
@@ -324,3 +343,29 @@ def _log_failure(future: Any) -> None:
     exc = future.exception()
     if exc is not None:
         log.warning("store mirror write failed: %r", exc)
+
+
+def _record_kept_delivery(recorder: RunRecorder, offer: Offer, open_groups: set[int], t: float) -> set[int]:
+    """A batch handed out and kept (its offer file) whose delivery never reached the store: the
+    process died with the events buffered. The kept offer proves the delivery, and it is offered
+    again, so its groups still open in the stored stream are recorded delivered in it (not orphaned),
+    and the batch delivered, at the run's last stored time `t`. The groups it covers."""
+    payload = offer.payload
+    groups = [g for g in payload.get("groups", []) if isinstance(g, dict) and "group_id" in g]
+    ids = [int(g["group_id"]) for g in groups]
+    for group in groups:
+        if int(group["group_id"]) in open_groups:
+            rewards = tuple(float(r) for r in group.get("rewards", ()))
+            behind = int(group.get("staleness", 0))
+            recorder.publish(GroupDelivered(int(group["group_id"]), offer.index, behind, rewards))
+    staleness = tuple(int(g.get("staleness", 0)) for g in groups)
+    version = int(payload.get("trainer_version", 0))
+    recorder.publish(BatchDelivered(offer.index, tuple(ids), version, t, t, staleness))
+    log.warning(
+        "run %s: batch %s was handed out before the restart but its delivery never reached the store; "
+        "recorded delivered from its kept offer (groups %s)",
+        recorder.run_id,
+        offer.batch_id,
+        ids,
+    )
+    return set(ids)

@@ -90,6 +90,7 @@ class ResumePoint:
     last_t: float  # where the run's clock had got to
     # The stored policy: what it was created with, and every knob changed live since (`resumed_policy`)
     policy: dict[str, Any] = field(default_factory=dict, compare=False)
+    delivered_batches: frozenset[int] = frozenset()  # the batches whose delivery the store holds
     # The stored stream replayed: the resumed run's live view and rollouts go on from these.
     view: LiveView = field(default_factory=LiveView, compare=False)
     rollouts: RolloutLog = field(default_factory=RolloutLog, compare=False)
@@ -230,6 +231,7 @@ class ServiceStore:
             open_groups=frozenset(ledger.open_groups | orphans),
             last_t=last_t,
             policy=policy,
+            delivered_batches=frozenset(b.batch_index for b in batches if b.delivered_at is not None),
             view=view,
             rollouts=book,
         )

@@ -27,7 +27,7 @@ from app.core.events import (
 )
 from app.service.store import ServiceStore
 from app.store.models import RunState
-from app.store.repos import BatchRepo
+from app.store.repos import BatchRepo, GroupRepo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
@@ -265,4 +265,70 @@ def test_a_resumed_run_keeps_the_policy_changed_live_and_its_ready_cap(tmp_path:
             assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
         assert stored_changes()
     finally:
+        api.close()
+
+
+def test_a_batch_kept_for_the_trainer_but_whose_delivery_the_store_never_got_is_recorded_delivered(
+    tmp_path: Path,
+) -> None:
+    """A batch handed out, kept as a file, and then the server killed before its delivery reached the
+    store (its events buffered, here behind a locked database): the restarted server offered it again,
+    yet recorded its groups `orphaned` and the batch never delivered, so the trainer trained on groups
+    the account says were discarded and its ack was not stored. Now the kept offer is the proof of the
+    delivery: its groups are recorded delivered in that batch, and the ack is stored."""
+    import sqlite3
+
+    env, url, database = _serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    store = ServiceStore(database, migrate=False)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            # at speed 1 the first batch takes a few seconds: the store is locked before it comes
+            run_id = api.post("/api/runs", json=make_run(batches=None, speed=1.0)).json()["id"]
+            wait_for(lambda: store.timeline(run_id, -1, 10), what="the run's first events in the store")
+            lock = sqlite3.connect(tmp_path / "corral.db", timeout=30, isolation_level=None)
+            lock.execute("BEGIN EXCLUSIVE")  # the store takes no more writes: events stay buffered
+            try:
+                batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+                kept = tmp_path / "data" / run_id / "offers" / f"{batch['batch_id']}.json"
+                wait_for(kept.exists, what="the kept offer")
+                first.send_signal(signal.SIGKILL)
+                assert first.wait(10) == -signal.SIGKILL
+            finally:
+                lock.execute("ROLLBACK")
+                lock.close()
+        groups = sorted(g["group_id"] for g in batch["groups"])
+        with store.session() as s:
+            stored = BatchRepo(s).get(run_id, batch["index"])
+            assert stored is None or stored.delivered_at is None  # the delivery died with the server
+        assert set(groups) <= store.resume_point(run_id).open_groups
+
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            assert again["batch_id"] == batch["batch_id"]
+            acked = api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack")
+            assert acked.status_code == 200, acked.text
+            # the resumed run numbers its batches and groups after the kept one (not from the store's)
+            fresh = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            assert fresh["index"] > batch["index"]
+            assert fresh["batch_id"] != batch["batch_id"]
+            assert min(g["group_id"] for g in fresh["groups"]) > max(groups)
+            assert api.post(f"/api/runs/{run_id}/batches/{fresh['batch_id']}/ack").status_code == 200
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", 60, "stopped")
+        ledger, _ = store.ledger(run_id)
+        assert ledger.lost == 0
+        with store.session() as s:
+            ends = {g.group_id: (g.state, g.reason, g.batch_index) for g in GroupRepo(s).list(run_id)}
+            assert [ends[g] for g in groups] == [("delivered", None, batch["index"])] * len(groups)
+            stored = BatchRepo(s).get(run_id, batch["index"])
+            assert stored is not None
+            assert stored.delivered_at is not None
+            assert sorted(stored.group_ids) == groups
+            assert stored.acked_at is not None
+    finally:
+        store.close()
         api.close()

@@ -2,13 +2,16 @@
 deployments (Postgres with Celery lane workers on Redis; SQLite with in-process lanes).
 
 The run resumes in the new server and delivers batches again. Every group the store had admitted before
-the crash ends exactly once: the ones open at the crash are discarded as `orphaned`, the others were
-delivered or discarded with a reason; the stored stream has no gap. The killed server's embedded engines
+the crash ends exactly once: the ones open at the crash are discarded as `orphaned`, except those of a
+batch handed to the trainer and kept (its offer file) whose delivery the store had not got, which are
+recorded delivered in it; the others were delivered or discarded with a reason; the stored stream has
+no gap. The killed server's embedded engines
 do not outlive it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -106,11 +109,19 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
         ops_before = len(op_results_on(REDIS_URL, host)) if celery else 0
         crashed = ServiceStore(db, migrate=False)
         try:  # the resumed run's live counters go on from these (not from zero)
-            stored_batches = sum(
-                e["kind"] == "batch_delivered" for e in crashed.timeline(run_id, -1, 1_000_000)
-            )
+            delivered_at_crash = {
+                e["batch_index"]
+                for e in crashed.timeline(run_id, -1, 1_000_000)
+                if e["kind"] == "batch_delivered"
+            }
         finally:
             crashed.close()
+        stored_batches = len(delivered_at_crash)
+        # Batches handed to the trainer and kept as files whose delivery the store had not got: the
+        # restart records them delivered (the trainer has them), their groups too, not orphaned.
+        offers = [json.loads(f.read_text()) for f in (data / run_id / "offers").glob("*.json")]
+        kept = [o for o in offers if o["index"] not in delivered_at_crash]
+        kept_groups = {g["group_id"] for o in kept for g in o["groups"]}
 
         start_serve(procs, env, "serve-2")
         wait_for(lambda: healthy(url), 120, f"corral serve to restart; log:\n{procs.tail('serve-2')}")
@@ -118,7 +129,9 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
         # "created" while its engines start again, then running
         wait_for(lambda: corral.run(run_id)["state"] == "running", 120, "the resumed run to run")
         wait_for(
-            lambda: corral.run(run_id)["live"]["batches"] > stored_batches, 240, "a batch of the resumed run"
+            lambda: corral.run(run_id)["live"]["batches"] > stored_batches + len(kept),
+            240,
+            "a batch of the resumed run",
         )
         resumed_batch_at = time.monotonic() - t0
         corral.stop(run_id)
@@ -143,7 +156,10 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
                 for gid in open_at_crash:
                     group = repo.get(run_id, gid)
                     assert group is not None
-                    assert (group.state, group.reason) == ("discarded", "orphaned")
+                    if gid in kept_groups:
+                        assert (group.state, group.reason) == ("delivered", None)
+                    else:
+                        assert (group.state, group.reason) == ("discarded", "orphaned")
                 groups = repo.list(run_id)
             assert all(g.state == "delivered" or (g.state == "discarded" and g.reason) for g in groups)
             assert len(groups) == ledger.admitted_count
@@ -155,6 +171,7 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
         finally:
             store.close()
     print(
-        f"{deployment}: killed at {killed_at:.1f} s with {len(open_at_crash)} group(s) in flight; "
+        f"{deployment}: killed at {killed_at:.1f} s with {len(open_at_crash)} group(s) in flight "
+        f"({len(open_at_crash & kept_groups)} in {len(kept)} kept batch(es) the store had not got); "
         f"resumed run's batch at {resumed_batch_at:.1f} s; total {time.monotonic() - t0:.1f} s"
     )
