@@ -449,37 +449,37 @@ def make_router(dash: Dashboard) -> APIRouter:
             return RedirectResponse(f"/runs/{run_id}", 303)
         return _note(message, status)
 
-    @router.post("/runs/{run_id}/publish")
-    async def publish(request: Request, run_id: str) -> Response:
-        async def start(backend: RunsBackend, form: dict[str, str]) -> str:
-            await backend.publish(run_id, "operator")
-            return "Publishing new weights: the engines load them one at a time."
+    # The run controls that take no form field: the route's last segment, the backend's call, and what
+    # the page says once it is done.
+    Call = Callable[[RunsBackend, str], Awaitable[None]]
+    controls: dict[str, tuple[Call, str]] = {
+        "publish": (
+            lambda backend, run_id: backend.publish(run_id, "operator"),
+            "Publishing new weights: the engines load them one at a time.",
+        ),
+        "pause": (
+            lambda backend, run_id: backend.pause(run_id, "operator"),
+            "Paused: no turn starts and no update begins until it is resumed.",
+        ),
+        "resume": (lambda backend, run_id: backend.resume(run_id, "operator"), "Resumed."),
+        "stop": (
+            lambda backend, run_id: backend.stop(run_id, "operator"),
+            "Stopping after the current trainer step.",
+        ),
+    }
 
-        return await act(request, run_id, start)
+    def control(call: Call, said: str) -> Callable[[Request, str], Awaitable[Response]]:
+        async def route(request: Request, run_id: str) -> Response:
+            async def do(backend: RunsBackend, form: dict[str, str]) -> str:
+                await call(backend, run_id)
+                return said
 
-    @router.post("/runs/{run_id}/pause")
-    async def pause(request: Request, run_id: str) -> Response:
-        async def hold(backend: RunsBackend, form: dict[str, str]) -> str:
-            await backend.pause(run_id, "operator")
-            return "Paused: no turn starts and no update begins until it is resumed."
+            return await act(request, run_id, do)
 
-        return await act(request, run_id, hold)
+        return route
 
-    @router.post("/runs/{run_id}/resume")
-    async def resume(request: Request, run_id: str) -> Response:
-        async def go_on(backend: RunsBackend, form: dict[str, str]) -> str:
-            await backend.resume(run_id, "operator")
-            return "Resumed."
-
-        return await act(request, run_id, go_on)
-
-    @router.post("/runs/{run_id}/stop")
-    async def stop(request: Request, run_id: str) -> Response:
-        async def end(backend: RunsBackend, form: dict[str, str]) -> str:
-            await backend.stop(run_id, "operator")
-            return "Stopping after the current trainer step."
-
-        return await act(request, run_id, end)
+    for name, (call, said) in controls.items():
+        router.add_api_route(f"/runs/{{run_id}}/{name}", control(call, said), methods=["POST"], name=name)
 
     @router.post("/runs/{run_id}/policy")
     async def policy(request: Request, run_id: str) -> Response:
