@@ -382,16 +382,26 @@ def _limit_memory() -> None:
         (["sim", "--workload", "big.yaml"], ["workload big.yaml", "larger than 4 MB"]),
         (["trace", "import", "--format", "corral-run", "/dev/zero"], ["/dev/zero", "not a JSON report"]),
         (["trace", "import", "--format", "corral-run", "big.json"], ["big.json", "larger than 2 GB"]),
+        (["advise", "--workload", "w.yaml", "--trace", "/dev/zero"], ["--trace /dev/zero", "a device"]),
     ],
-    ids=["workload /dev/zero", "config /dev/zero", "workload of 5 MB", "report /dev/zero", "report of 2 GB"],
+    ids=[
+        "workload /dev/zero",
+        "config /dev/zero",
+        "workload of 5 MB",
+        "report /dev/zero",
+        "report of 2 GB",
+        "advise --trace /dev/zero",
+    ],
 )
 def test_an_endless_or_huge_input_is_refused_by_its_size(
     tmp_path: Path, args: list[str], needles: list[str]
 ) -> None:
     """Every input was read whole into memory first: `--workload /dev/zero` (or a multi-GB file given by
     mistake) grew until a MemoryError traceback or the OOM killer, and a 5 MB YAML file took minutes to
-    parse. A document (workload, run config, task.yaml) is now read up to 4 MB, a report up to 2 GB."""
+    parse. A document (workload, run config, task.yaml) is now read up to 4 MB, a report up to 2 GB;
+    advise's --trace may not be a device."""
     (tmp_path / "big.yaml").write_text("seed: 1\n" + ("#" * 99 + "\n") * 50_000)  # 5 MB of comments
+    write_yaml(tmp_path / "w.yaml", make_workload())
     with (tmp_path / "big.json").open("wb") as f:  # sparse: 2 GB + 1 byte, no disk used
         f.write(b'{"event_log": [')
         f.truncate(2_000_000_001)
@@ -401,7 +411,7 @@ def test_an_endless_or_huge_input_is_refused_by_its_size(
     )  # fmt: skip
     assert_refused(proc, *needles)
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml", "w.yaml"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
