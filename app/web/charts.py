@@ -56,6 +56,11 @@ _HALO = 'stroke="#fff" stroke-width="3" paint-order="stroke"'
 _SMALL_MID = 'text-anchor="middle" style="font:10px sans-serif"'
 
 
+def _label_width(text: str) -> float:
+    """About how wide `text` is in the charts' 10 px sans-serif (0.56 em a character)."""
+    return 5.6 * len(text)
+
+
 def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
@@ -108,12 +113,18 @@ def bar_chart(
                 f'style="font:9px sans-serif">{escape(label)}</text>'
             )
     if reference is not None:
+        # The line crosses the bars; its label goes in the title row, after a sample of the line, where
+        # no bar reaches it (drawn beside the line it sat on the last bars).
         y = H - PAD_B - reference / top * plot_h
+        label = escape(reference_label)
         parts.append(
             f'<line x1="{PAD_L}" y1="{y:.1f}" x2="{W - PAD_R}" y2="{y:.1f}" stroke="#b00020" '
-            f'stroke-dasharray="5 3" stroke-width="1.5"><title>{escape(reference_label)}</title></line>'
-            f'<text x="{W - PAD_R}" y="{y - 3:.1f}" text-anchor="end" style="font:10px sans-serif" '
-            f'fill="#b00020" {_HALO}>{escape(reference_label)}</text>'
+            f'stroke-dasharray="5 3" stroke-width="1.5"><title>{label}</title></line>'
+            f'<text x="{W - PAD_R}" y="14" text-anchor="end" style="font:10px sans-serif" '
+            f'fill="#b00020">{label}</text>'
+            f'<line x1="{W - PAD_R - _label_width(reference_label) - 22}" y1="10.5" '
+            f'x2="{W - PAD_R - _label_width(reference_label) - 4}" y2="10.5" stroke="#b00020" '
+            f'stroke-dasharray="5 3" stroke-width="1.5"/>'
         )
     return "".join(parts) + "</svg>"
 
