@@ -7,7 +7,8 @@
   `already_acked: true`);
 - `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update),
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
-- `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode}`;
+- `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode}`
+  (answered once the changes are in the store, so a crash right after still resumes with them);
 - `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`.
 
 Answers: 422 for input that fails validation (the message names the field), 404 for an unknown run,
@@ -20,6 +21,7 @@ store.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 from pathlib import Path
 from typing import Annotated, Any
@@ -59,6 +61,9 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
 
 NO_MORE_BATCHES = "; no more batches"
+POLICY_STORED_WAIT_S = 5.0  # how long a PATCH of the policy waits for its changes to reach the store
+
+log = logging.getLogger(__name__)
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -243,8 +248,15 @@ async def patch_policy(
     handle = live_handle(manager, run_id)
     if (problem := handle.patch_problem(patch)) is not None:
         raise HTTPException(422, problem)
-    knobs = await _on_run(handle, handle.set_policy, patch, actor)
-    await run_in_threadpool(manager.store.set_policy, run_id, knobs)
+
+    def change() -> tuple[dict[str, Any], int]:  # on the run's loop: the changes, and the last event yet
+        return handle.set_policy(patch, actor), handle.recorder.bus.published - 1
+
+    knobs, seq = await _on_run(handle, change)
+    # The store's policy is written by the event sink, from the PolicyChanged events in the order they
+    # were made (a write of its own here could land after a later PATCH's); answer once they are in.
+    if not await run_in_threadpool(handle.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
+        log.warning("run %s: policy changed, not yet in the store after %.0f s", run_id, POLICY_STORED_WAIT_S)
     return {"id": run_id, "policy": knobs, "actor": actor}
 
 

@@ -39,7 +39,7 @@ from app.metrics import CorralMetrics
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
-from app.service.recorder import RunRecorder
+from app.service.recorder import RunRecorder, StoredMark
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
@@ -118,7 +118,8 @@ class RunManager:
         return resumed
 
     def _attach_sinks(self, recorder: RunRecorder) -> None:
-        recorder.bus.add_sink(self.store.event_sink(), name="store")
+        recorder.stored = StoredMark(self.store.event_sink())
+        recorder.bus.add_sink(recorder.stored, name="store")
         if self.metrics is not None:
             recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from app.core.events import (
     TurnDone,
     VersionPublished,
 )
-from app.runtime.events import EventBus
+from app.runtime.events import EventBus, EventSink
 from app.service.rollouts import RolloutLog
 
 
@@ -127,6 +127,30 @@ class RecentEvents:
             return self._rows[start : start + limit]
 
 
+class StoredMark:
+    """A run's store sink, noting the highest sequence number its writes have got to (written, or
+    failed on: done with either way), so that an answer can wait until what it changed is stored."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self.sink = sink
+        self._seq = -1
+        self._cond = threading.Condition()
+
+    def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        try:
+            self.sink.write_batch(envelopes)
+        finally:
+            if envelopes:
+                with self._cond:
+                    self._seq = max(self._seq, envelopes[-1].seq)
+                    self._cond.notify_all()
+
+    def wait(self, seq: int, timeout_s: float) -> bool:
+        """Whether the store's writes got to `seq` within `timeout_s`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._seq >= seq, timeout_s)
+
+
 class RunRecorder:
     """One run's bus with its live view and rollout log; the manager attaches the store and metrics
     sinks. A resumed run passes the view and log its stored stream left (`ResumePoint`)."""
@@ -144,6 +168,7 @@ class RunRecorder:
         self.view = view if view is not None else LiveView()
         self.rollouts = rollouts if rollouts is not None else RolloutLog()
         self.recent = RecentEvents(first_seq)
+        self.stored: StoredMark | None = None  # the store's sink, once the manager attaches it
         # They only watch the run (the dashboard, the API's answers): a bug in one must not cost it.
         self.bus.observe(self.view.on_envelope, "live view")
         # The frequent kinds touch no rollout (and never open a stream: its first event is not one).
@@ -152,6 +177,11 @@ class RunRecorder:
 
     def publish(self, event: Event) -> Envelope:
         return self.bus.publish(event)
+
+    def wait_stored(self, seq: int, timeout_s: float) -> bool:
+        """Block until the event numbered `seq` is in the store (the sink writes in order); False when
+        `timeout_s` passed first (a sink far behind, or one that dropped it)."""
+        return self.stored is None or self.stored.wait(seq, timeout_s)
 
     def orphan_open_groups(self, open_groups: set[int], detail: str) -> int:
         """Close the groups a crashed incarnation left open: discarded with reason `orphaned`."""

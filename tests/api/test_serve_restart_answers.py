@@ -26,7 +26,7 @@ from app.core.events import (
     VersionPublished,
 )
 from app.service.store import ServiceStore
-from app.store.models import RunState
+from app.store.models import Run, RunState
 from app.store.repos import BatchRepo, GroupRepo
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
@@ -329,6 +329,55 @@ def test_a_batch_kept_for_the_trainer_but_whose_delivery_the_store_never_got_is_
             assert stored.delivered_at is not None
             assert sorted(stored.group_ids) == groups
             assert stored.acked_at is not None
+    finally:
+        store.close()
+        api.close()
+
+
+def test_concurrent_policy_changes_are_stored_as_they_were_made_before_the_answer(tmp_path: Path) -> None:
+    """The API wrote each PATCH's knobs to the store itself, beside the event sink's ordered write of
+    the same changes: with PATCHes at once, the stored policy could be an older one than the live run's
+    (for up to a sink flush), and a kill -9 then resumed the run with stale knobs. Now a PATCH answers
+    once its changes are in the store, written in the order they were made."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env, url, database = _serve_env(tmp_path)
+    log = tmp_path / "serve.log"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    api = httpx.Client(base_url=url, headers=headers, timeout=60)
+    store = ServiceStore(database, migrate=False)
+    knobs = ("max_staleness", "surplus_groups")
+
+    def patch(value: int) -> None:
+        change = {"max_staleness": value, "surplus_groups": value % 7}
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+            answer = client.patch(f"/api/runs/{run_id}/policy", json=change)
+        assert answer.status_code == 200, answer.text
+
+    def stored() -> dict[str, Any]:
+        with store.session() as s:
+            policy = s.get(Run, run_id).policy  # type: ignore[union-attr]
+            s.expire_all()
+        return {k: policy[k] for k in knobs}
+
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None, speed=8.0)).json()["id"]
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+            with ThreadPoolExecutor(8) as pool:
+                for round_ in range(12):
+                    list(pool.map(patch, range(20 * round_ + 1, 20 * round_ + 17)))
+                    live = {k: api.get(f"/api/runs/{run_id}").json()["policy"][k] for k in knobs}
+                    assert stored() == live, f"round {round_}"
+            first.send_signal(signal.SIGKILL)  # at once: nothing more flushed
+            assert first.wait(10) == -signal.SIGKILL
+
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            view = api.get(f"/api/runs/{run_id}").json()
+            assert {k: view["policy"][k] for k in knobs} == live
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
     finally:
         store.close()
         api.close()
