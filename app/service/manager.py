@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.core.events import BatchDelivered, GroupDelivered, RunEnded
+from app.cpulist import format_cpu_list
 from app.metrics import CorralMetrics
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
@@ -68,6 +69,7 @@ class RunManager:
         self.metrics = metrics
         self.handles: dict[str, RunHandle] = {}
         self._records: dict[str, RunRecord] = {}  # rows of executing runs, so a GET needs no query
+        self._lanes_stored: set[str] = set()  # runs whose lanes' CPU sets this server stored
         # Runs that ended before this server started, with batches never acked: see `ended_gateway`.
         self._ended: dict[str, TrainerGateway] = {}
         self._ended_lock = threading.Lock()
@@ -244,6 +246,17 @@ class RunManager:
             started, ended = stamped(state, record.started_at, record.ended_at, at)
             self._records[handle.run_id] = dataclasses.replace(record, started_at=started, ended_at=ended)
         self._mirror(self._write_state, handle.run_id, state, error, at)
+        if (
+            state is RunState.RUNNING
+            and handle.run_id not in self._lanes_stored
+            and handle.runtime is not None
+        ):
+            # A lane's CPU set is worked out as the run starts and is in no event: stored now, so a
+            # run nobody watched still shows it after a restart.
+            lanes = described_lanes(handle.runtime.lanes)
+            if lanes:
+                self._lanes_stored.add(handle.run_id)
+                self._mirror(self.store.set_lanes, handle.run_id, lanes)
         if state in TERMINAL_RUN_STATES and self.metrics is not None:
             self.metrics.forget_run(handle.run_id, handle.live())
 
@@ -370,3 +383,17 @@ def _record_kept_delivery(recorder: RunRecorder, offer: Offer, open_groups: set[
         ids,
     )
     return set(ids)
+
+
+def described_lanes(lanes: Any) -> dict[str, tuple[str, int]]:
+    """Each lane's CPU set ("unpinned" for none) and configured slots, when the run's lanes describe
+    themselves (in-process lanes do; others: nothing), as the store's `lanes` table keeps them."""
+    describe = getattr(lanes, "describe", None)
+    if describe is None:
+        return {}
+    out = {}
+    for name, lane in describe().items():
+        configured = lane.get("configured")
+        slots = int(configured if configured is not None else lane["slots"])
+        out[name] = (format_cpu_list(lane["cpus"]) if lane["cpus"] else "unpinned", slots)
+    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,6 +36,7 @@ from app.store.repos import (
     EventRepo,
     GroupRepo,
     IllegalTransitionError,
+    LaneRepo,
     RolloutRepo,
     RunRepo,
 )
@@ -179,6 +180,16 @@ class ServiceStore:
         def write(s: Session) -> None:
             run = RunRepo(s).require(run_id)
             run.policy = {**(run.policy or {}), **policy}
+
+        self._write(write)
+
+    def set_lanes(self, run_id: str, lanes: Mapping[str, tuple[str, int]]) -> None:
+        """Store each lane's CPU set and configured slots (`described_lanes`), over what was stored."""
+
+        def write(s: Session) -> None:
+            repo = LaneRepo(s)
+            for name, (cpus, slots) in lanes.items():
+                repo.set(run_id, name, cpus, slots)
 
         self._write(write)
 
