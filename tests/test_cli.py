@@ -414,6 +414,57 @@ def test_an_endless_or_huge_input_is_refused_by_its_size(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml", "w.yaml"]
 
 
+def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_path: Path) -> None:
+    """A terminal window closed (or an ssh session dropped) under `corral serve`: SIGHUP to its process
+    group, and every later write to the terminal fails. It killed the server at once, its runs cut
+    off mid-step (left 'running' in the store for the next start to resume) and its sandboxes left for
+    the next start to sweep; it now stops as on Ctrl-C: each run stopped and stored so, exit 0."""
+    import os
+    import socket
+    import sqlite3
+    import time
+
+    import httpx
+    from terminal_proc import OnTerminal
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+        "CORRAL_OWNERS_DIR": str(tmp_path / "owners"),
+    }
+    window = OnTerminal(
+        [str(CORRAL), "serve", "--port", str(port), "--demo", "--demo-kind", "sim"], cwd=tmp_path, env=env
+    )
+    proc = window.proc
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, window.text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json():
+                    break  # serving, and the demo run is there
+            except (httpx.TransportError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "corral serve did not start"
+            time.sleep(0.1)
+        window.hang_up()
+        proc.wait(timeout=60)
+    finally:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, window.text()
+    assert leftover.stdout.strip() == ""
+    with sqlite3.connect(tmp_path / "corral.db") as db:
+        states = [state for (state,) in db.execute("SELECT state FROM runs")]
+    assert states == ["stopped"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
 def test_corral_serve_stopped_by_a_signal_says_what_became_of_its_runs(tmp_path: Path, sig: int) -> None:
     """SIGTERM (a supervisor's stop, `docker stop`, `kill PID`) to `corral serve` did stop the server and

@@ -224,6 +224,36 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert leftover.stdout.strip() == ""
 
 
+def test_closing_the_terminal_window_keeps_what_advise_simulated(tmp_path: Path) -> None:
+    """A terminal window closed (or an ssh session dropped) mid-search: SIGHUP to the process group,
+    and every later write to the terminal fails. It used to kill `corral advise` and its workers at
+    once, losing every simulation it had run; now it ends as on Ctrl-C, with the partial advice
+    written and no worker left."""
+    import os
+    import time
+
+    from terminal_proc import OnTerminal
+
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 3}))  # about a second a simulation
+    argv = ["advise", "--workload", "w.json", "--passes", "5", "--workers", "2", "--json", "a.json"]
+    window = OnTerminal([str(CORRAL), *argv], cwd=tmp_path)
+    proc = window.proc
+    try:
+        time.sleep(12)  # several settings simulated by now, out of about a hundred
+        window.hang_up()
+        proc.wait(timeout=60)
+    finally:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, window.text()
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["complete"] is False
+    assert 1 <= len(advice["evaluated"]) < 100
+    assert leftover.stdout.strip() == ""
+
+
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to one")
 def test_advise_runs_one_simulation_per_cpu_it_may_use_by_default(tmp_path: Path) -> None:
     """--help said 'default: the CPU count'; advise took os.cpu_count(), capped at 8, so under

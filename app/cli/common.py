@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from app import early_signals
+from app import early_signals, terminal
 from app.outputs import write_text_atomically
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -81,16 +81,28 @@ def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
 
 
 def sigterm_as_ctrl_c(command: Callable[P, None]) -> Callable[P, None]:
-    """While the command works, SIGTERM (`kill PID`, `timeout`, a supervisor) acts as Ctrl-C does, as it
-    does for `corral run` and `corral serve`: one line, exit 130, and `advise` keeps what it simulated."""
+    """While the command works, SIGTERM (`kill PID`, `timeout`, a supervisor) and SIGHUP (its terminal
+    closed, an ssh session dropped) act as Ctrl-C does, as they do for `corral run`: one line, exit
+    130, `advise` keeps what it simulated, and `serve` says what became of its runs. After SIGHUP what
+    went to the lost terminal goes to /dev/null (app.terminal), so that its first line does not fail
+    the command. A SIGHUP ignored at start (`nohup`) stays ignored."""
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
-        previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
+        fds = terminal.terminal_fds()
+
+        def hangup(signum: int, frame: Any) -> None:
+            terminal.detach(fds)
+            _as_ctrl_c(signum, frame)
+
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _as_ctrl_c)}
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, hangup)
         try:
             command(*args, **kwargs)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     return wrapper
 
@@ -100,9 +112,9 @@ def _as_ctrl_c(signum: int, frame: Any) -> None:
     if callable(handler):
         handler(signal.SIGINT, frame)
         return
-    # Ctrl-C is ignored here (a background job) or left to the OS: SIGTERM does what it would have done.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    # Ctrl-C is ignored here (a background job) or left to the OS: the signal does what it would have done.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 @contextmanager

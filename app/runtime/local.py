@@ -33,7 +33,7 @@ from typing import Any
 
 from rich.console import Console
 
-from app import early_signals
+from app import early_signals, terminal
 from app.agent.loop import ShellAgent, ShellAgentConfig
 from app.core.config import PolicyConfig
 from app.core.events import Envelope
@@ -75,9 +75,7 @@ class _StopSignals:
         self.engines: EngineProcesses | None = None
         self.shutting_down = False  # the engines are being stopped: a second signal kills them
         self.hung_up = False
-        # Standard output and error where they are a terminal, told now: a hung-up terminal no longer
-        # says it is one.
-        self._terminal_fds = [fd for fd in (1, 2) if _isatty(fd)]
+        self._terminal_fds = terminal.terminal_fds()  # where the terminal is, told before it can hang up
 
     def early(self, signum: int, frame: FrameType | None) -> None:
         """Before the event loop runs: remember the signal; start-up then ends at once."""
@@ -86,19 +84,8 @@ class _StopSignals:
     def on_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP and not self.hung_up:
             self.hung_up = True
-            self._detach_from_terminal()
+            terminal.detach(self._terminal_fds)  # app.terminal: else the next line would fail the run
         self.fire()
-
-    def _detach_from_terminal(self) -> None:
-        """The terminal hung up: every write to it fails (EIO), and the first failed line would end the
-        run before its report is written. What went to it goes to /dev/null from now on."""
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                for fd in self._terminal_fds:
-                    os.dup2(devnull, fd)
-            finally:
-                os.close(devnull)
 
     def fire(self) -> None:
         self.count += 1
@@ -142,13 +129,6 @@ class _StopSignals:
 def _stop_signals() -> list[signal.Signals]:
     """The stop signals this process acts on: all but one it ignores (SIGHUP under `nohup`)."""
     return [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
-
-
-def _isatty(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False
 
 
 def run_local(

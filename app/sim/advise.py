@@ -190,10 +190,12 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
 
 
 def _exit_on_interrupt() -> None:
-    """In each worker: Ctrl-C (sent to the whole process group) ends the worker at once and quietly;
-    the parent gets the same signal and says what happened. A worker also ends with its parent: a
-    SIGTERM or SIGKILL to `corral advise` alone used to leave the workers running for minutes."""
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    """In each worker: Ctrl-C, or the terminal hanging up (SIGHUP), both sent to the whole process
+    group, end the worker at once and quietly; the parent gets the same signal and says what happened.
+    A worker also ends with its parent: a SIGTERM or SIGKILL to `corral advise` alone used to leave the
+    workers running for minutes."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: os._exit(130))
     die_with_parent()
 
 

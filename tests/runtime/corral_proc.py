@@ -5,16 +5,13 @@ signal tests (tests/runtime/test_faults.py, tests/runtime/test_signals.py)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
-import pty
 import re
 import signal
 import subprocess
 import sys
-import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from terminal_proc import OnTerminal
 
 # Small and fast: 2 engines, B = 2 groups of G = 2, quick built-in tasks, short trainer steps.
 FAST_CONFIG = """
@@ -87,7 +85,6 @@ class CorralRun:
     # On a terminal of its own (a pseudo-terminal it controls, stdin, stdout and stderr on it), as in a
     # terminal window: `hang_up` then closes the window.
     terminal: bool = False
-    _master: int | None = None
 
     def __post_init__(self) -> None:
         self.report_path = self.tmp / "report.json"
@@ -97,20 +94,11 @@ class CorralRun:
                 "--json", str(self.report_path), *self.args]  # fmt: skip
         self.started = time.monotonic()
         env = {**os.environ, **self.env}
+        self._done = threading.Event()
         if self.terminal:
-            self._master, slave = pty.openpty()
-            try:
-                self.proc = subprocess.Popen(
-                    argv,
-                    stdin=slave,
-                    stdout=slave,
-                    stderr=slave,
-                    start_new_session=True,  # then the pty becomes its controlling terminal
-                    preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
-                    env={**env, "COLUMNS": "200"},
-                )
-            finally:
-                os.close(slave)
+            self._window = OnTerminal(argv, env=env)
+            self.proc = self._window.proc  # type: ignore[assignment]
+            self.lines = self._window.lines  # read by the window
         else:
             self.proc = subprocess.Popen(
                 argv,
@@ -120,30 +108,12 @@ class CorralRun:
                 start_new_session=True,
                 env=env,
             )
-        self._done = threading.Event()
-        threading.Thread(target=self._read_terminal if self.terminal else self._read, daemon=True).start()
+            threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def _read_terminal(self) -> None:
-        assert self._master is not None
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(self._master, 4096)
-            except OSError:  # EIO: the other side is gone; EBADF: hung up by the test
-                break
-            if not chunk:
-                break
-            pending += chunk
-            *whole, pending = pending.split(b"\n")
-            for line in whole:
-                self.lines.append((time.monotonic(), line.decode(errors="replace").rstrip("\r")))
-
     def hang_up(self) -> None:
-        """Close the terminal window: the kernel hangs the terminal up, sends SIGHUP (and SIGCONT) to its
-        foreground process group, and every later write to it fails with EIO."""
-        assert self._master is not None
-        os.close(self._master)
+        """Close the run's terminal window (app.terminal): SIGHUP to its process group."""
+        self._window.hang_up()
 
     @property
     def pid(self) -> int:
