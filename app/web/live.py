@@ -15,7 +15,8 @@ to `RunsBackend`.
   nothing was). A failed write (SQLite busy) is tried again at the next view; it never fails a page.
 - Actions call the handle's commands on the run's loop (`handle.call`), as the API does; refusals
   (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
-  with the handle's message.
+  with the handle's message. A policy change answers once the event sink has stored it (the sink
+  writes the run's policy, in the order the changes were made; nothing here writes it).
 
 Views are cached per (run, last sequence number, live snapshot) for `VIEW_TTL_S`, so many open pages
 cost one build; a run not executing here is re-read from the store at most every `IDLE_REFETCH_S`.
@@ -47,6 +48,7 @@ VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however man
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
 SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
+POLICY_STORED_WAIT_S = 5.0  # how long a policy change waits for its changes to reach the store
 NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
 
 log = logging.getLogger(__name__)
@@ -306,8 +308,18 @@ class ManagerRuns:
             raise ValueError(problem)
         if patch.surplus_groups not in (None, 0) and handle.spec.policy == "sync":
             raise ValueError(SYNC_SURPLUS.format(patch.surplus_groups))
-        knobs = await self._call(handle, handle.set_policy, patch, actor)
-        await asyncio.to_thread(self.manager.store.set_policy, run_id, knobs)
+
+        def change() -> int:  # on the run's loop: the last event yet, its PolicyChanged ones included
+            handle.set_policy(patch, actor)
+            return int(handle.recorder.bus.published) - 1
+
+        seq = await self._call(handle, change)
+        # The store's policy is written by the event sink, from the PolicyChanged events in the order
+        # they were made (a write of its own here could land after a later change's): answer once in.
+        if not await asyncio.to_thread(handle.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
+            log.warning(
+                "run %s: policy changed, not yet in the store after %.0f s", run_id, POLICY_STORED_WAIT_S
+            )
 
     async def pause(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id)

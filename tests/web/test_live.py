@@ -301,3 +301,41 @@ async def test_the_launch_form_shows_the_values_its_empty_fields_take(runs):
         "batches": "until stopped",
     }
     await runs.stop(run_id, "tester")
+
+
+async def test_concurrent_policy_changes_from_the_dashboard_are_stored_as_made_before_the_answer(tmp_path):
+    # The dashboard wrote each change's knobs to the store itself, beside the event sink's ordered write
+    # of the same changes: with changes at once, the stored policy could be older than the live run's
+    # (for up to a sink flush), and a kill -9 then resumed the run with stale knobs. Now each change
+    # answers once it is in the store, written in the order the changes were made.
+    from app.store.models import Run
+
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    manager = RunManager(ServiceStore(db), tmp_path / "data", 30.0)
+    runs = ManagerRuns(lambda: manager)
+    reader = ServiceStore(db, migrate=False)
+    knobs = ("max_staleness", "surplus_groups")
+
+    def stored(run_id):
+        with reader.session() as s:
+            policy = s.get(Run, run_id).policy
+        return {k: policy[k] for k in knobs}
+
+    try:
+        run_id = await runs.launch({"policy": "full", "name": "policy-race"}, "tester")
+        await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "running")
+        handle = manager.get(run_id)
+        for round_ in range(12):
+            values = range(20 * round_ + 1, 20 * round_ + 17)
+            await asyncio.gather(
+                *(
+                    runs.set_policy(run_id, {"max_staleness": v, "surplus_groups": v % 7}, "tester")
+                    for v in values
+                )
+            )
+            live = {k: handle.knobs[k] for k in knobs}
+            assert await asyncio.to_thread(stored, run_id) == live, f"round {round_}"
+        await runs.stop(run_id, "tester")
+    finally:
+        reader.engine.dispose()
+        manager.shutdown()
