@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -414,18 +415,10 @@ def test_an_endless_or_huge_input_is_refused_by_its_size(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "big.yaml", "w.yaml"]
 
 
-def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_path: Path) -> None:
-    """A terminal window closed (or an ssh session dropped) under `corral serve`: SIGHUP to its process
-    group, and every later write to the terminal fails. It killed the server at once, its runs cut
-    off mid-step (left 'running' in the store for the next start to resume) and its sandboxes left for
-    the next start to sweep; it now stops as on Ctrl-C: each run stopped and stored so, exit 0."""
+def _demo_serve(tmp_path: Path) -> tuple[list[str], dict[str, str], int]:
+    """argv and environment of a `corral serve --demo` (simulated) kept in `tmp_path`, on a free port."""
     import os
     import socket
-    import sqlite3
-    import time
-
-    import httpx
-    from terminal_proc import OnTerminal
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -436,21 +429,42 @@ def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_
         "CORRAL_DATA_DIR": str(tmp_path / "data"),
         "CORRAL_OWNERS_DIR": str(tmp_path / "owners"),
     }
-    window = OnTerminal(
-        [str(CORRAL), "serve", "--port", str(port), "--demo", "--demo-kind", "sim"], cwd=tmp_path, env=env
-    )
+    return [str(CORRAL), "serve", "--port", str(port), "--demo", "--demo-kind", "sim"], env, port
+
+
+def _wait_demo_served(proc: subprocess.Popen[Any], port: int, output: Callable[[], str]) -> None:
+    """Until the server answers and its demo run is there."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, output()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json():
+                return
+        except (httpx.TransportError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "corral serve did not start"
+        time.sleep(0.1)
+
+
+def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_path: Path) -> None:
+    """A terminal window closed (or an ssh session dropped) under `corral serve`: SIGHUP to its process
+    group, and every later write to the terminal fails. It killed the server at once, its runs cut
+    off mid-step (left 'running' in the store for the next start to resume) and its sandboxes left for
+    the next start to sweep; it now stops as on Ctrl-C: each run stopped and stored so, exit 0."""
+    import os
+    import sqlite3
+
+    from terminal_proc import OnTerminal
+
+    argv, env, port = _demo_serve(tmp_path)
+    window = OnTerminal(argv, cwd=tmp_path, env=env)
     proc = window.proc
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, window.text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json():
-                    break  # serving, and the demo run is there
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "corral serve did not start"
-            time.sleep(0.1)
+        _wait_demo_served(proc, port, window.text)
         window.hang_up()
         proc.wait(timeout=60)
     finally:
@@ -472,36 +486,14 @@ def test_corral_serve_stopped_by_a_signal_says_what_became_of_its_runs(tmp_path:
     action: the process died by it (exit -15, 143 in a shell) before the lines Ctrl-C ends with (each
     run's end state, where runs are kept). SIGTERM now ends it as Ctrl-C does."""
     import os
-    import socket
-    import time
 
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {
-        **os.environ,
-        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
-        "CORRAL_DATA_DIR": str(tmp_path / "data"),
-        "CORRAL_OWNERS_DIR": str(tmp_path / "owners"),
-    }
+    argv, env, port = _demo_serve(tmp_path)
     proc = subprocess.Popen(
-        [str(CORRAL), "serve", "--port", str(port), "--demo", "--demo-kind", "sim"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json():
-                    break  # serving, and the demo run is there
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "corral serve did not start"
-            time.sleep(0.1)
+        _wait_demo_served(proc, port, lambda: proc.communicate()[1])
         os.kill(proc.pid, sig)
         _, stderr = proc.communicate(timeout=60)
     finally:

@@ -32,7 +32,9 @@ from app.store.repos import BatchRepo, GroupRepo
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
 
-def _serve_env(tmp_path: Path) -> tuple[dict[str, str], str, str]:
+def _serve_env(tmp_path: Path) -> tuple[dict[str, str], str, str, Path, httpx.Client]:
+    """A `corral serve` kept in `tmp_path` on a free port: its environment, URL, database, log file, and
+    an API client holding the operator token."""
     port = free_port()
     database = f"sqlite:///{tmp_path / 'corral.db'}"
     env = {
@@ -42,7 +44,9 @@ def _serve_env(tmp_path: Path) -> tuple[dict[str, str], str, str]:
         "CORRAL_PORT": str(port),
         "CORRAL_DATA_DIR": str(tmp_path / "data"),
     }
-    return env, f"http://127.0.0.1:{port}", database
+    url = f"http://127.0.0.1:{port}"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    return env, url, database, tmp_path / "serve.log", api
 
 
 def _train(api: httpx.Client, run_id: str, steps: int) -> list[str]:
@@ -67,9 +71,7 @@ def _consistent(api: httpx.Client, run_id: str) -> dict[str, Any] | None:
 
 
 def test_a_resumed_run_counts_on_from_the_store_and_takes_a_repeated_ack(tmp_path: Path) -> None:
-    env, url, database = _serve_env(tmp_path)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, database, log, api = _serve_env(tmp_path)
     store = ServiceStore(database, migrate=False)
     try:
         with corral_serve(env, log) as first:
@@ -115,9 +117,7 @@ def test_a_resumed_run_counts_on_from_the_store_and_takes_a_repeated_ack(tmp_pat
 
 
 def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> None:
-    env, url, database = _serve_env(tmp_path)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, database, log, api = _serve_env(tmp_path)
     try:
         with corral_serve(env, log) as first:
             wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
@@ -221,9 +221,7 @@ def test_a_resumed_run_keeps_the_policy_changed_live_and_its_ready_cap(tmp_path:
     """K, S and the rollout pace changed live (PATCH) were stored, but a run resumed after a kill -9
     went back to the values it was created with, and an external trainer's run lost its cap on ready
     groups (ready_surplus B + S became none), writing both over the stored policy."""
-    env, url, database = _serve_env(tmp_path)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, database, log, api = _serve_env(tmp_path)
     changes = {"max_staleness": 5, "surplus_groups": 3, "max_updating_engines": 2, "pause_mode": "abort"}
     try:
         with corral_serve(env, log) as first:
@@ -278,9 +276,7 @@ def test_a_batch_kept_for_the_trainer_but_whose_delivery_the_store_never_got_is_
     delivery: its groups are recorded delivered in that batch, and the ack is stored."""
     import sqlite3
 
-    env, url, database = _serve_env(tmp_path)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, database, log, api = _serve_env(tmp_path)
     store = ServiceStore(database, migrate=False)
     try:
         with corral_serve(env, log) as first:
@@ -341,10 +337,8 @@ def test_concurrent_policy_changes_are_stored_as_they_were_made_before_the_answe
     once its changes are in the store, written in the order they were made."""
     from concurrent.futures import ThreadPoolExecutor
 
-    env, url, database = _serve_env(tmp_path)
-    log = tmp_path / "serve.log"
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    api = httpx.Client(base_url=url, headers=headers, timeout=60)
+    env, url, database, log, api = _serve_env(tmp_path)
+    headers = dict(api.headers)
     store = ServiceStore(database, migrate=False)
     knobs = ("max_staleness", "surplus_groups")
 
