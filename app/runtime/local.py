@@ -201,7 +201,8 @@ async def _run(
             source = TaskSource(tasks, factory, agent, config.seed)
             runtime: Runtime | None = None
             try:
-                progress.starting(config, serving_cpus, pinned_lanes=policy.pinned_lanes)
+                if not stop.count:  # else it said "start-up abandoned" already: no "starting" after it
+                    progress.starting(config, serving_cpus, pinned_lanes=policy.pinned_lanes)
                 engines.start()  # returns at once; a stop during start-up stops them again
                 runtime = Runtime(
                     policy=policy,

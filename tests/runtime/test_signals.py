@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from corral_proc import BATCH_LINE, CorralRun
+from corral_proc import BATCH_LINE, FAST_CONFIG, CorralRun
 from runtime_fakes import FakeEngine, FakeSandbox, accounted, make_runtime
 
 from app.engines.base import TurnRequest
@@ -361,3 +361,24 @@ def test_closing_the_terminal_window_stops_the_run_and_still_leaves_a_report(tmp
     assert report["stop"]["hung_up"] is True
     assert report["stop"]["signals"] >= 1
     assert 1 <= report["batches"] < 50
+
+
+def test_a_ctrl_c_while_corral_loads_is_not_followed_by_a_starting_line(tmp_path: Path) -> None:
+    """A Ctrl-C held while `corral run` was still loading: it said "start-up abandoned, stopping the
+    engines", then "starting 2 embedded engines", as if the stop had been missed."""
+    config = tmp_path / "run.yaml"
+    config.write_text(FAST_CONFIG)
+    code = (
+        "import os, signal; from app import early_signals; early_signals.hold(); "
+        "os.kill(os.getpid(), signal.SIGINT); from app.cli import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", "--config", str(config), "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "start-up abandoned" in done.stderr
+    assert "starting" not in done.stderr.split("start-up abandoned", 1)[1], done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["batches"] == 0
+    assert report["stop"]["phase"] == "startup"
