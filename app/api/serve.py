@@ -2,8 +2,9 @@
 
 `--demo` also starts a demo run collecting batches with the built-in sentinel trainer: embedded engines,
 local sandboxes and the built-in tasks (`--demo-kind local`, the default), or a simulated workload
-(`--demo-kind sim`). The URL and the operator token are printed at start; a token generated here
-(CORRAL_OPERATOR_TOKEN unset) lasts as long as the process.
+(`--demo-kind sim`). The URL and the operator token are printed at start, and the demo run's
+dashboard page once it is created; a token generated here (CORRAL_OPERATOR_TOKEN unset) lasts as long
+as the process.
 
 Ctrl-C (or SIGTERM) stops every run and flushes its events; after a crash (kill -9), the next start
 resumes the runs that were executing.
@@ -11,7 +12,7 @@ resumes the runs that were executing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -19,6 +20,8 @@ from pydantic import ValidationError
 from app.cli.common import check_database, fail, say, settings_problem
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from fastapi import FastAPI
 
     from app.service.schemas import RunCreate
@@ -67,11 +70,31 @@ def serve(
         say(f"operator token (generated for this process): {settings.operator_token}")
     else:
         say("operator token: from CORRAL_OPERATOR_TOKEN")
-    if spec is not None:
-        say(f"demo run: {spec.kind.value}, {spec.trainer.value} trainer; see GET {url}/api/runs")
     app = create_app(settings, demo=spec)
+    if spec is not None:
+        _say_demo_page(app, spec, url)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     _say_goodbye(app, database)
+
+
+def _say_demo_page(app: FastAPI, spec: RunCreate, url: str) -> None:
+    """Once the app has started (the demo run is created then): the demo run's dashboard page."""
+    from contextlib import asynccontextmanager
+
+    started = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(served: FastAPI) -> AsyncIterator[Any]:
+        async with started(served) as state:
+            run_id = getattr(app.state, "demo_run", None)
+            if run_id is None:  # runs resumed here: no demo run is added to them
+                say(f"demo run: not started (runs resumed here); the runs page: {url}/")
+            else:
+                kind = f"{spec.kind.value}, {spec.trainer.value} trainer"
+                say(f"demo run {run_id}: {kind}; open {url}/runs/{run_id} (API: {url}/api/runs/{run_id})")
+            yield state
+
+    app.router.lifespan_context = lifespan
 
 
 def _say_goodbye(app: FastAPI, database: str) -> None:

@@ -125,6 +125,11 @@ def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
             what="the demo's batches in GET /api/runs/{id}",
         )
         assert batches >= 1
+        # The banner pointed a first-time user at JSON (GET /api/runs); it names the run's page.
+        page = f"{url}/runs/{demo['id']}"
+        wait_for(lambda: f"demo run {demo['id']}" in log.read_text(), 30, what="the demo banner")
+        assert f"demo run {demo['id']}: sim, sentinel trainer; open {page}" in log.read_text()
+        assert httpx.get(page, timeout=10).status_code == 200
         assert proc.poll() is None
     printed = log.read_text()
     assert f"corral serve: {url}" in printed
