@@ -251,6 +251,26 @@ CASES: dict[str, Case] = {
             **SUITE,
         },
     ),
+    # A denormal timeout or wait was taken: every update "timed out after 1e-300s" and the engines
+    # restarted in a loop. Each seconds field has a least real value.
+    **{
+        f"run engines.{name} {value}": Case(
+            ["run", "--config", "c.yaml", "--json", "o.json"],
+            [f"engines.{name}", *needles],
+            {"c.yaml": run_config().replace("count: 1,", f"count: 1, {name}: {value},"), **SUITE},
+        )
+        for name, value, needles in [
+            ("update_timeout_s", "1.0e-300", ["greater than or equal to 1"]),
+            ("update_timeout_s", "0.5", ["greater than or equal to 1"]),
+            ("health_timeout_s", "1.0e-300", ["greater than or equal to 0.1"]),
+            ("health_timeout_s", ".nan", ["finite"]),
+            ("health_interval_s", ".inf", ["finite"]),
+            ("restart_backoff_s", "1.0e-300", ["greater than or equal to 0.1"]),
+            ("restart_backoff_max_s", "0.01", ["greater than or equal to 0.1"]),
+            ("startup_timeout_s", "1.0e-300", ["greater than or equal to 1"]),
+            ("update_timeout_s", "-.inf", ["finite"]),
+        ]
+    },
     "run engines.sentinel false with the sentinel trainer": Case(
         ["run", "--config", "c.yaml", "--json", "o.json"],
         ["engines.sentinel: false loads real weights", "sentinel weights", "set engines.sentinel: true"],

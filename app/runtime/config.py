@@ -124,13 +124,16 @@ class EnginesConfig(_Strict):
     )
     startup_timeout_s: float = _seconds(60.0, "seconds an engine may take to become healthy", least=1.0)
     # Engine faults (docs/faults.md): a failed or hung engine leaves rotation and is restarted.
+    # Each has a least value below which it is no real setting (a 1e-300 s update timeout failed every
+    # update and restarted the engines in a loop): an update pauses, loads and resumes an engine (≥ 1 s);
+    # a health answer crosses loopback HTTP (≥ 0.1 s); a restart wait under 0.1 s is a restart loop.
     update_timeout_s: float = _seconds(
-        120.0, "seconds one engine's weight update (pause, load, resume) may take", positive=True
+        120.0, "seconds one engine's weight update (pause, load, resume) may take", least=1.0
     )
-    health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", positive=True)
+    health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", least=0.1)
     health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", least=0.1)
-    restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", positive=True)
-    restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", positive=True)
+    restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", least=0.1)
+    restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", least=0.1)
     turn_retries: int = _count(3, 0, 100, "failures of one turn on engines that stay up, before it fails")
     max_restarts: int = _count(
         10, 0, 1000, "restarts in a row that fail or do not last before an engine is given up; 0: never"
