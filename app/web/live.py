@@ -9,10 +9,10 @@ to `RunsBackend`.
 - What the stream does not carry comes from the run's handle when it executes here: its state and
   knobs, its clock now, each engine's in-flight turns and the plan's updating engines, and each lane's
   busy slots, queue depth, slots and CPU set.
-- A lane's CPU set is worked out as its run starts and is in no event: the first view of a run
-  executing here records each lane's CPU set and configured slots in the store's `lanes` table, and a
-  run not executing here (ended before a restart) shows what was recorded ("not recorded" where
-  nothing was). A failed write (SQLite busy) is tried again at the next view; it never fails a page.
+- A lane's CPU set is worked out as its run starts and is in no event: the service stores each lane's
+  CPU set and configured slots as the run starts executing in this server (`described_lanes`), and a
+  run not executing here (ended before a restart) shows what was stored ("not recorded" where
+  nothing was: a run executed by a worker).
 - Actions call the handle's commands on the run's loop (`handle.call`), as the API does; refusals
   (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
   with the handle's message. A policy change answers once the event sink has stored it (the sink
@@ -32,10 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
-
 from app.core.events import envelope_from_dict
-from app.cpulist import format_cpu_list
+from app.service.manager import described_lanes
+from app.service.schemas import SYNC_SURPLUS
 from app.store.repos import LaneRepo
 from app.validation import parse_int
 from app.web.backend import ActionRefused
@@ -47,7 +46,6 @@ KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
-SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
 POLICY_STORED_WAIT_S = 5.0  # how long a policy change waits for its changes to reach the store
 NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
 
@@ -63,7 +61,6 @@ class _RunCache:
     built_at: float = float("-inf")
     fetched_at: float = float("-inf")
     lock: threading.Lock = field(default_factory=threading.Lock)
-    lanes_recorded: bool = False  # this run's lane CPU sets are in the store (written here)
     stored_cpus: dict[str, str] | None = None  # the lane CPU sets the store holds, once read
 
 
@@ -172,7 +169,7 @@ class ManagerRuns:
                         "target_version": updating.get(name),
                     }
                 )
-            config = _lanes_config(handle)
+            config = _lanes_config(runtime.lanes)
             for name, stats in runtime.lanes.stats().items():
                 lane = config.get(name, {})
                 lanes.append(
@@ -185,8 +182,6 @@ class ManagerRuns:
                         "cpus": lane.get("cpus", ""),
                     }
                 )
-            if not entry.lanes_recorded and config:
-                entry.lanes_recorded = self._record_lanes(handle.run_id, config)
         return RunMeta(
             state=state,
             policy={**policy, **dict(handle.knobs)},
@@ -196,21 +191,6 @@ class ManagerRuns:
             label=label,
             started_at=started_at,
         )
-
-    def _record_lanes(self, run_id: str, lanes: Mapping[str, Mapping[str, Any]]) -> bool:
-        """Store each lane's CPU set and configured slots; False when the store was busy (SQLite's
-        lock held by the event sink past its timeout): the next view tries again."""
-        try:
-            with self.manager.store.session() as session:
-                repo = LaneRepo(session)
-                for name, lane in lanes.items():
-                    configured = lane.get("configured")
-                    slots = int(configured if configured is not None else lane["slots"])
-                    repo.set(run_id, name, str(lane["cpus"]), slots)
-        except OperationalError as exc:
-            log.info("run %s: lane CPU sets not recorded yet (%s); tried again at the next view", run_id, exc)
-            return False
-        return True
 
     def _stored_cpus(self, run_id: str) -> dict[str, str]:
         with self.manager.store.session() as session:
@@ -306,8 +286,6 @@ class ManagerRuns:
             raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
         if (problem := handle.patch_problem(patch)) is not None:
             raise ValueError(problem)
-        if patch.surplus_groups not in (None, 0) and handle.spec.policy == "sync":
-            raise ValueError(SYNC_SURPLUS.format(patch.surplus_groups))
 
         def change() -> int:  # on the run's loop: the last event yet, its PolicyChanged ones included
             handle.set_policy(patch, actor)
@@ -363,16 +341,14 @@ def _stored_lanes(config: Mapping[str, Any], cpus: Mapping[str, str]) -> list[di
     return lanes
 
 
-def _lanes_config(handle: Any) -> dict[str, dict[str, Any]]:
-    """Each lane's slots and CPU set, when the run's lanes describe themselves (in-process lanes do)."""
-    describe = getattr(handle.runtime.lanes, "describe", None)
-    if describe is None:
+def _lanes_config(lanes: Any) -> dict[str, dict[str, Any]]:
+    """Each lane's slots now, configured slots and CPU set (as the service stores them:
+    `described_lanes`), when the run's lanes describe themselves (in-process lanes do)."""
+    described = described_lanes(lanes)
+    if not described:
         return {}
+    now = lanes.describe()
     return {
-        name: {
-            "slots": lane["slots"],
-            "configured": lane.get("configured"),
-            "cpus": format_cpu_list(lane["cpus"]) if lane["cpus"] else "unpinned",
-        }
-        for name, lane in describe().items()
+        name: {"slots": now[name]["slots"], "configured": configured, "cpus": cpus}
+        for name, (cpus, configured) in described.items()
     }
