@@ -18,6 +18,9 @@ from app.validation import hide_password
 DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg")
 
 
+MIN_ACK_TIMEOUT_S = 0.1
+
+
 def _default_database_url() -> str:
     return f"sqlite:///{Path.cwd() / 'corral.db'}"
 
@@ -25,7 +28,8 @@ def _default_database_url() -> str:
 class Settings(BaseSettings):
     """Where state lives, where lanes run, who may act, and where the API listens."""
 
-    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="forbid", frozen=True)
+    # Every number is finite: `nan` was refused as "less than or equal to 86400", `inf` by its bound.
+    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="forbid", frozen=True, allow_inf_nan=False)
 
     database_url: str = Field(
         default_factory=_default_database_url,
@@ -59,8 +63,13 @@ class Settings(BaseSettings):
         default_factory=lambda: Path.cwd() / "corral-data",
         description="run work directories, weights and sandbox scratch",
     )
+    # At least MIN_ACK_TIMEOUT_S: a trainer fetches and acks over HTTP, and 1e-320 offered every batch
+    # again at once, forever.
     ack_timeout_s: float = Field(
-        60.0, gt=0, le=86400, description="an offered batch not acked in this time is offered again"
+        60.0,
+        ge=MIN_ACK_TIMEOUT_S,
+        le=86400,
+        description="an offered batch not acked in this time is offered again",
     )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
 

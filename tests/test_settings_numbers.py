@@ -1,0 +1,49 @@
+"""Numeric settings of `corral serve` (CORRAL_ACK_TIMEOUT_S, CORRAL_PORT): a value that is not a finite
+number, or below its least real value, is refused in one line naming the variable, exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", **env}
+    return subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", "serve"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("CORRAL_ACK_TIMEOUT_S", "nan", "finite number"),
+        ("CORRAL_ACK_TIMEOUT_S", "inf", "finite number"),
+        ("CORRAL_ACK_TIMEOUT_S", "-inf", "finite number"),
+        # A denormal was taken: every offered batch was offered again at once, forever.
+        ("CORRAL_ACK_TIMEOUT_S", "1e-320", "greater than or equal to 0.1"),
+        ("CORRAL_ACK_TIMEOUT_S", "0.01", "greater than or equal to 0.1"),
+        ("CORRAL_ACK_TIMEOUT_S", "1e9", "less than or equal to 86400"),
+        ("CORRAL_PORT", "nan", "integer"),
+        ("CORRAL_PORT", "0", "greater than or equal to 1"),
+    ],
+)
+def test_a_bad_number_is_refused_in_one_line_naming_the_variable(
+    tmp_path: Path, name: str, value: str, needle: str
+) -> None:
+    proc = serve(tmp_path, **{name: value})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {name}: "), lines[0]
+    assert needle in lines[0]
+    assert f"'{value}'" in lines[0]
+    assert "Traceback" not in proc.stderr
