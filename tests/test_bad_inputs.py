@@ -970,3 +970,55 @@ def test_every_number_has_an_upper_bound_and_a_row_in_docs_limits(model: type[Ba
     doc = (Path(__file__).parent.parent / "docs" / "limits.md").read_text()
     missing = [row for row in limit_rows(schema, DISTRIBUTIONS) if row not in doc]
     assert missing == [], "docs/limits.md lacks these rows (`python -m app.validation` prints them)"
+
+
+def _limit_memory() -> None:
+    """In the child: at most 3 GB of address space, so reading an endless input fails fast."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+@pytest.mark.parametrize(
+    ("trace", "needles"),
+    [
+        ("/dev/zero", ["trace /dev/zero", "is a device, not a file"]),
+        ("big.jsonl", ["trace big.jsonl", "larger than 256 MB"]),
+    ],
+    ids=["device", "a file of 256 MB + 1 byte"],
+)
+def test_a_workload_trace_that_would_fill_memory_is_refused(
+    tmp_path: Path, trace: str, needles: list[str]
+) -> None:
+    """load_trace read a trace whole: `trace: /dev/zero` grew until a MemoryError traceback (or the OOM
+    killer), a multi-GB file given by mistake too. A device is now refused before any reading, a file
+    of more than 256 MB from its size, in one line."""
+    (tmp_path / "w.json").write_text(workload(trace=trace))
+    with (tmp_path / "big.jsonl").open("wb") as f:  # sparse: no disk used
+        f.truncate(256_000_001)
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "w.json", "--json", "o.json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False, preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: ")
+    assert all(n in proc.stderr for n in needles), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "w.json"]
+
+
+def test_a_trace_of_good_lines_is_still_read_line_by_line(tmp_path: Path) -> None:
+    """Reading a trace a line at a time keeps what the whole-file read gave: blank lines skipped, a
+    bad line named by its number, a bad byte by its offset."""
+    from app.sim.workload import WorkloadError, load_trace
+
+    good = json.dumps(GOOD_TRACE_LINE)
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{good}\n\n{json.dumps({**GOOD_TRACE_LINE, 'task': 'b'})}")  # no final newline
+    assert sorted((k, len(v)) for k, v in load_trace(path).items()) == [("a", 1), ("b", 1)]
+    path.write_text(f"{good}\n{{bad\n")
+    with pytest.raises(WorkloadError, match=r"trace .*t\.jsonl, line 2: not JSON"):
+        load_trace(path)
+    path.write_bytes(f"{good}\n".encode() + b"\xff\n")
+    with pytest.raises(WorkloadError, match=rf"not UTF-8 text \(byte {len(good) + 1}\)"):
+        load_trace(path)

@@ -13,15 +13,17 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import random
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.documents import DocumentError, read_document
+from app.documents import DocumentError, TooLarge, check_size, read_document
 from app.lanes.adaptive import AdaptiveLanesSpec
 from app.sim.lanes import LaneSharing, LaneWeights
 from app.validation import (
@@ -507,19 +509,47 @@ class _TraceLine(Strict):
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
 
 
+# A trace line is about 100 bytes an attempt (more with turns) and holds about 3 times that in memory
+# once read: 256 MB is some 2.5 million attempts, read in about a minute.
+MAX_TRACE_BYTES = 256_000_000
+
+
+def _trace_lines(path: Path, name: str, where: str) -> Iterator[tuple[int, str]]:
+    """The lines of a trace file with their numbers, read one at a time and at most `MAX_TRACE_BYTES` in
+    all: a device (/dev/zero) is refused before any reading, a larger regular file from its size, an
+    endless pipe at the limit, so none fills memory."""
+    try:
+        with Path(path).open("rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise WorkloadError(f"{name}: is a device, not a file")
+            check_size(f, MAX_TRACE_BYTES)
+            offset = 0
+            lineno = 0
+            while raw := f.readline(MAX_TRACE_BYTES - offset + 1):
+                lineno += 1
+                if offset + len(raw) > MAX_TRACE_BYTES:
+                    raise TooLarge(MAX_TRACE_BYTES)
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise WorkloadError(f"{name}: not UTF-8 text (byte {offset + exc.start})") from None
+                offset += len(raw)
+                yield lineno, line
+    except TooLarge as exc:
+        raise WorkloadError(f"{name} is {exc}; is it the right file?") from None
+    except OSError as exc:
+        what = f"{name}: cannot read" if where != "trace.path" else f"trace.path: cannot read {path}"
+        raise WorkloadError(f"{what}: {exc.strerror or exc}") from None
+
+
 def load_trace(path: Path, flag: str | None = None) -> dict[str, list[TraceAttempt]]:
     """Read a JSON Lines trace: one recorded attempt per line, grouped by task. Refusals name it as the
-    workload's `trace.path`, or as `flag` (e.g. --trace) when the user gave it that way."""
+    workload's `trace.path`, or as `flag` (e.g. --trace) when the user gave it that way; a device, or a
+    file of more than `MAX_TRACE_BYTES`, is refused before it fills memory."""
     name = f"{flag or 'trace'} {path}"
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        where = f"{name}: cannot read" if flag else f"trace.path: cannot read {path}"
-        raise WorkloadError(f"{where}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise WorkloadError(f"{name}: not UTF-8 text (byte {exc.start})") from None
     by_task: dict[str, list[TraceAttempt]] = {}
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in _trace_lines(path, name, flag or "trace.path"):
         if not line.strip():
             continue
         try:
