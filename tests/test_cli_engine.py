@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,3 +85,86 @@ def test_vllm_backend_needs_a_model_and_unknown_backends_are_refused() -> None:
     proc = corral("engine", "--backend", "sglang-ish")
     assert proc.returncode == 2
     assert "--backend" in proc.stderr
+
+
+def wait_healthy(proc: subprocess.Popen[str], port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "engine did not become healthy"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+def test_a_stop_signal_stops_the_embedded_engine_with_one_line(sig: signal.Signals) -> None:
+    """SIGTERM (a supervisor, `kill PID`) killed `corral engine` by the signal: exit -15 and no word.
+    Every stop signal now shuts the server down as Ctrl-C does, says so in one line, exit 0."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CORRAL, "engine", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_healthy(proc, port)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (out, err)
+    assert out.splitlines()[-1] == f"corral engine: stopped; no longer serving on http://127.0.0.1:{port}"
+    assert "Traceback" not in err
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+
+
+FAKE_VLLM = """#!{python}
+import os, signal, sys, time
+open({pidfile!r}, "w").write(str(os.getpid()))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_sigterm_stops_vllm_serve_with_the_engine_command(tmp_path: Path) -> None:
+    """`corral engine --backend vllm` died by SIGTERM and left `vllm serve` running, orphaned, on its
+    GPU. It now stops vLLM (SIGTERM, then SIGKILL after a grace), says so in one line, exit 0."""
+    pidfile = tmp_path / "vllm.pid"
+    fake = tmp_path / "vllm"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable, pidfile=str(pidfile)))
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    port = str(free_port())
+    proc = subprocess.Popen(
+        [*CORRAL, "engine", "--backend", "vllm", "--model", "m", "--port", port],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    vllm_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the fake vllm did not start"
+            time.sleep(0.1)
+        vllm_pid = int(pidfile.read_text())
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (out, err)
+        assert out.splitlines()[-1] == "corral engine: stopped vllm serve m (its exit status 0)"
+        assert "Traceback" not in err
+        assert not Path(f"/proc/{vllm_pid}").exists(), "vllm serve was left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if vllm_pid is not None and Path(f"/proc/{vllm_pid}").exists():
+            os.kill(vllm_pid, signal.SIGKILL)

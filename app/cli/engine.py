@@ -1,16 +1,22 @@
 """`corral engine`: serve the embedded torch engine here, or `vllm serve` with the RL routes on a GPU host.
 
-The port is checked (range, and free to bind) before anything heavy loads.
+The port is checked (range, and free to bind) before anything heavy loads. Ctrl-C, SIGTERM and SIGHUP
+stop it alike (`sigterm_as_ctrl_c`): the server shuts down, `vllm serve` is stopped with it (never left
+behind), one line says so, exit 0.
 """
 
 from __future__ import annotations
 
+import subprocess
 from enum import StrEnum
 from typing import Annotated
 
 import typer
 
-from app.cli.common import fail
+from app.cli.common import fail, sigterm_as_ctrl_c
+
+# How long a stopping `vllm serve` may take to shut its engine processes down before it is killed.
+VLLM_STOP_GRACE_S = 30.0
 
 
 class Backend(StrEnum):
@@ -18,6 +24,7 @@ class Backend(StrEnum):
     VLLM = "vllm"
 
 
+@sigterm_as_ctrl_c
 def engine(
     ctx: typer.Context,
     backend: Annotated[
@@ -43,7 +50,10 @@ def engine(
         if model is not None:
             fail("--model is for --backend vllm; the embedded engine serves its own small policy")
         argv = ["--port", str(port), "--host", host, *(["--cpus", cpus] if cpus is not None else [])]
-        raise typer.Exit(embedded_main([*argv, *ctx.args], prog="corral engine"))
+        code = embedded_main([*argv, *ctx.args], prog="corral engine")
+        # uvicorn returns once a stop signal (Ctrl-C, SIGTERM, SIGHUP) has shut it down gracefully.
+        typer.echo(f"corral engine: stopped; no longer serving on http://{host}:{port}")
+        raise typer.Exit(code)
     from app.engines.vllm_launch import VLLMNotInstalledError, launch_vllm
 
     if not model:
@@ -60,4 +70,24 @@ def engine(
     typer.echo(
         f"corral engine: vllm serve {model} on http://{host}:{port} (ready when GET /health answers 200)"
     )
-    raise typer.Exit(proc.wait())
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM / SIGHUP as one: vLLM stops too, not left behind
+        code = stop_child(proc)
+        typer.echo(f"corral engine: stopped vllm serve {model} (its exit status {code})")
+        raise typer.Exit(0) from None
+    raise typer.Exit(code)
+
+
+def stop_child(proc: subprocess.Popen[bytes], grace_s: float = VLLM_STOP_GRACE_S) -> int:
+    """Ask `proc` to stop (SIGTERM; vLLM shuts its engine processes down on it), kill it after
+    `grace_s`, and return its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+    while True:
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        except KeyboardInterrupt:  # a second Ctrl-C: do not wait for the graceful stop
+            proc.kill()
