@@ -40,6 +40,7 @@ __all__ = [
     "check_host",
     "make_celery",
     "queue_name",
+    "reach_problem",
 ]
 
 
@@ -63,6 +64,27 @@ class BrokerSettings(BaseSettings):
             return broker_urls(self.broker_url, self.result_backend)
         except LaneOpError as exc:
             raise BrokerError(str(exc)) from None
+
+
+# How long `corral worker` waits for the broker (and a Redis result backend) to answer before it refuses
+# to start: Celery itself would retry 100 times over many minutes, a multi-line warning each time.
+REACH_TIMEOUT_S = 5.0
+
+
+def reach_problem(url: str, variable: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the broker or result backend at `url` cannot be reached now (one line naming `variable`, the
+    password hidden), or None. One connection attempt, no retries."""
+    from kombu.connection import Connection
+
+    from app.validation import hide_password
+
+    try:
+        with Connection(url, connect_timeout=timeout_s) as conn:  # type: ignore[no-untyped-call]
+            conn.ensure_connection(max_retries=0, timeout=timeout_s)
+    except Exception as exc:  # kombu and its transports raise their own kinds
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        return f"{variable} {hide_password(url)}: cannot connect ({reason})"
+    return None
 
 
 def queue_name(host: str, lane: LaneName | str) -> str:

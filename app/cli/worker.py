@@ -1,7 +1,8 @@
 """`corral worker`: a Celery worker for one sandbox lane of one host, or for run orchestrators.
 
 Every flag is checked (and the process pinned) before Celery starts, so a bad flag is a one-line
-refusal with exit code 2, never a traceback.
+refusal with exit code 2, never a traceback; so is a broker (or result backend) that does not answer
+within a few seconds, which Celery would retry for many minutes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -17,6 +18,9 @@ from pydantic import ValidationError
 from app.cli.common import check_database, fail, settings_problem
 from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.lanes.base import LaneName
+
+if TYPE_CHECKING:
+    from workers.celery_app import BrokerSettings
 
 MAX_CONCURRENCY = 256
 DEFAULT_STATE_DIR = Path("/var/tmp/corral-lane-state")
@@ -90,6 +94,7 @@ def worker(
             except ValidationError as exc:
                 fail(settings_problem(exc))
             check_database(database_url)
+        check_reachable(settings)
         run_orchestrator_worker(settings, concurrency or 1, entry or DEFAULT_ENTRY, loglevel.upper())
         return
     if entry is not None:
@@ -122,6 +127,7 @@ def worker(
             probe.unlink()
         except OSError as exc:
             fail(f"--state-dir: {state_dir} is not a writable directory ({exc.strerror})")
+    check_reachable(settings)
     from workers.main import run_lane_worker
 
     run_lane_worker(
@@ -135,3 +141,16 @@ def worker(
         docker_image,
         state_dir,
     )
+
+
+def check_reachable(settings: BrokerSettings) -> None:
+    """Refuse to start, in one line, when the broker or the result backend does not answer within a
+    few seconds: Celery would retry for many minutes, several lines a try, and then exit."""
+    from workers.celery_app import reach_problem
+
+    broker, backend = settings.urls()
+    problem = reach_problem(broker, "CORRAL_BROKER_URL")
+    if problem is None and backend != broker:
+        problem = reach_problem(backend, "CORRAL_RESULT_BACKEND")
+    if problem is not None:
+        fail(problem)

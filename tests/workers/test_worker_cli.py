@@ -3,7 +3,11 @@ Celery worker starts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +71,49 @@ def test_bad_worker_input_is_refused_in_one_line(
     assert len(lines) == 1, out.err
     assert lines[0].startswith("error: "), out.err
     assert needle in lines[0], out.err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (GOOD, {"CORRAL_BROKER_URL": "redis://127.0.0.1:1/0"}, "CORRAL_BROKER_URL redis://127.0.0.1:1/0"),
+        (
+            GOOD,
+            {"CORRAL_BROKER_URL": "amqp://guest:secret@127.0.0.1:1//", "CORRAL_RESULT_BACKEND": REDIS},
+            "CORRAL_BROKER_URL amqp://guest:***@127.0.0.1:1//",
+        ),
+        (
+            GOOD,
+            {"CORRAL_RESULT_BACKEND": "redis://127.0.0.1:1/0"},
+            "CORRAL_RESULT_BACKEND redis://127.0.0.1:1/0",
+        ),
+        (
+            ["worker", "--orchestrator"],
+            {"CORRAL_BROKER_URL": "redis://127.0.0.1:1/0"},
+            "CORRAL_BROKER_URL redis://127.0.0.1:1/0",
+        ),
+    ],
+    ids=["redis broker", "amqp broker", "redis backend", "orchestrator"],
+)
+def test_an_unreachable_broker_is_refused_at_once_in_one_line(
+    args: list[str], env: dict[str, str], needle: str, tmp_path: Path
+) -> None:
+    """Celery retried an unreachable broker 100 times over many minutes, several warning lines a try.
+    The worker now tries once, for a few seconds, and refuses in one line, exit code 2."""
+    full = {k: v for k, v in os.environ.items() if k not in ("CORRAL_RESULT_BACKEND",)}
+    full.update({"CORRAL_BROKER_URL": REDIS, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", **env})
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {needle}: cannot connect ("), lines[0]
+    assert "secret" not in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 30
