@@ -11,7 +11,6 @@ import typer
 from app import early_signals
 from app.cli.common import (
     check_apart,
-    check_not_a_device,
     check_output,
     check_plot,
     fail,
@@ -126,7 +125,6 @@ def advise(
     check_plot(plot)
     spec = load(workload)
     if trace is not None:
-        check_not_a_device(trace, "--trace")  # load_trace reads it whole
         try:
             load_trace(trace, "--trace")  # refused as typed, not as the absolute trace.path below
             data = spec.model_dump(by_alias=True)

@@ -17,7 +17,6 @@ import math
 import os
 import re
 import signal
-import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -249,19 +248,6 @@ def check_not_a_directory(path: Path, flag: str, what: str) -> None:
     with _os_refusal(flag, path):
         if path.is_dir():
             fail(f"{flag} {path}: is a directory; give {what}")
-
-
-def check_not_a_device(path: Path, flag: str) -> None:
-    """An input read whole that is a device (/dev/zero, /dev/urandom) would be read until memory ran
-    out: refused. A pipe stays allowed (`--trace <(generate)`); a missing file is its reader's to say."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        fail(f"{flag} {path}: {exc.strerror or exc}")
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        fail(f"{flag} {path}: is a device, not a file")
 
 
 def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | None]) -> None:
