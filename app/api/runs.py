@@ -21,7 +21,6 @@ store.
 from __future__ import annotations
 
 import asyncio
-import logging
 import statistics
 from pathlib import Path
 from typing import Annotated, Any
@@ -61,9 +60,6 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
 
 NO_MORE_BATCHES = "; no more batches"
-POLICY_STORED_WAIT_S = 5.0  # how long a PATCH of the policy waits for its changes to reach the store
-
-log = logging.getLogger(__name__)
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -248,15 +244,8 @@ async def patch_policy(
     handle = live_handle(manager, run_id)
     if (problem := handle.patch_problem(patch)) is not None:
         raise HTTPException(422, problem)
-
-    def change() -> tuple[dict[str, Any], int]:  # on the run's loop: the changes, and the last event yet
-        return handle.set_policy(patch, actor), handle.recorder.bus.published - 1
-
-    knobs, seq = await _on_run(handle, change)
-    # The store's policy is written by the event sink, from the PolicyChanged events in the order they
-    # were made (a write of its own here could land after a later PATCH's); answer once they are in.
-    if not await run_in_threadpool(handle.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
-        log.warning("run %s: policy changed, not yet in the store after %.0f s", run_id, POLICY_STORED_WAIT_S)
+    knobs, seq = await _on_run(handle, handle.set_policy_marked, patch, actor)
+    await handle.policy_stored(seq)  # answered once the changes are in the store
     return {"id": run_id, "policy": knobs, "actor": actor}
 
 

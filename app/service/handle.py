@@ -47,6 +47,7 @@ from app.service.store import ResumePoint
 from app.store.models import TERMINAL_RUN_STATES, RunState
 
 log = logging.getLogger(__name__)
+POLICY_STORED_WAIT_S = 5.0  # how long a policy change waits for its changes to reach the store
 
 T = TypeVar("T")
 
@@ -280,6 +281,21 @@ class RunHandle:
             self.policy.groups_per_batch,
             self.policy.group_size,
         )
+
+    def set_policy_marked(self, patch: PolicyPatch, actor: str) -> tuple[dict[str, Any], int]:
+        """`set_policy` (on the run's loop), with the sequence number of the last event published by then:
+        its `PolicyChanged` events are at or before it, for `policy_stored` to wait on."""
+        return self.set_policy(patch, actor), self.recorder.bus.published - 1
+
+    async def policy_stored(self, seq: int) -> None:
+        """Wait, at most `POLICY_STORED_WAIT_S`, until the event numbered `seq` is in the store (a warning
+        when it is not). The store's policy is written by the event sink from the `PolicyChanged` events
+        in the order they were made; a write of the caller's own could land after a later change's, and a
+        kill -9 would then resume with stale knobs. The API and the dashboard answer after this."""
+        if not await asyncio.to_thread(self.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
+            log.warning(
+                "run %s: policy changed, not yet in the store after %.0f s", self.run_id, POLICY_STORED_WAIT_S
+            )
 
     def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)

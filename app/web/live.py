@@ -25,7 +25,6 @@ cost one build; a run not executing here is re-read from the store at most every
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -46,10 +45,7 @@ KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
-POLICY_STORED_WAIT_S = 5.0  # how long a policy change waits for its changes to reach the store
 NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -286,18 +282,8 @@ class ManagerRuns:
             raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
         if (problem := handle.patch_problem(patch)) is not None:
             raise ValueError(problem)
-
-        def change() -> int:  # on the run's loop: the last event yet, its PolicyChanged ones included
-            handle.set_policy(patch, actor)
-            return int(handle.recorder.bus.published) - 1
-
-        seq = await self._call(handle, change)
-        # The store's policy is written by the event sink, from the PolicyChanged events in the order
-        # they were made (a write of its own here could land after a later change's): answer once in.
-        if not await asyncio.to_thread(handle.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
-            log.warning(
-                "run %s: policy changed, not yet in the store after %.0f s", run_id, POLICY_STORED_WAIT_S
-            )
+        _, seq = await self._call(handle, handle.set_policy_marked, patch, actor)
+        await handle.policy_stored(seq)  # answered once the changes are in the store
 
     async def pause(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id)
