@@ -51,13 +51,11 @@ def _count(default: int, low: int, high: int, description: str = "") -> Any:
     return Field(default, ge=low, le=high, strict=True, description=f"{description} ({low}..{high})".strip())
 
 
-def _seconds(default: float, description: str, *, positive: bool = False, least: float = 0.0) -> Any:
-    """Finite seconds up to MAX_SECONDS: ≥ 0, > 0 (`positive`), or ≥ `least` where less makes no sense."""
+def _seconds(default: float, description: str, *, least: float = 0.0) -> Any:
+    """Finite seconds up to MAX_SECONDS: ≥ 0, or ≥ `least` where less makes no sense."""
     if least:
         described = f"{description} (≥ {least:g})"
         return Field(default, ge=least, le=MAX_SECONDS, strict=True, description=described)
-    if positive:
-        return Field(default, gt=0, le=MAX_SECONDS, strict=True, description=description)
     return Field(default, ge=0, le=MAX_SECONDS, strict=True, description=description)
 
 
