@@ -269,6 +269,9 @@ class Runtime:
         self._adapting: asyncio.Task[None] | None = None
         self._down_at_start: dict[str, str] = {}  # engines dead before the run began: restarted first
         self.phase = "startup"  # startup, collecting, trainer_step, stopping: where a stop landed
+        # Called once the run executes (its task group open, its first groups admitted): from then on a
+        # live change (S, K, a publication, a pause) has somewhere to start what it decides.
+        self.on_collecting: Callable[[], None] | None = None
         # The clock: the running loop's, looked up per call until `run` binds the loop it runs on (a
         # lookup per call was a measurable share of the simulator's time).
         self._time: Callable[[], float] = _loop_time
@@ -304,6 +307,8 @@ class Runtime:
                 if self.lane_adapter is not None:
                     self._adapting = tg.create_task(self.lane_adapter.run())
                 self._apply(self.scheduler.on_start(self.now()))
+                if self.on_collecting is not None:
+                    self.on_collecting()
                 await self._trainer_loop(batches, duration_s)
                 self._begin_shutdown()
         except asyncio.CancelledError:

@@ -158,7 +158,8 @@ class RunHandle:
             final = {"completed": RunState.COMPLETED, "stopped": RunState.STOPPED}.get(
                 reason, RunState.FAILED
             )
-            if self.runtime is None:  # it ended before the runtime ran, so nobody recorded its end
+            if self.runtime is None or self.runtime.phase == "startup":
+                # It ended before the runtime ran (stopped while starting), so nobody recorded its end.
                 self.recorder.publish(RunEnded(reason, detail))
             self.recorder.close()
             self._set_state(final, self.error)
@@ -188,7 +189,9 @@ class RunHandle:
             if resume is not None:
                 _continue_numbering(runtime, resume.group_offset, resume.batch_offset)
             self.runtime = runtime
-            self._set_state(RunState.RUNNING, None)
+            # "running" once the runtime executes, not before its first step: a command sent the moment
+            # the state says so (a change of K starts groups) needs the runtime's task group.
+            runtime.on_collecting = lambda: self._set_state(RunState.RUNNING, None)
             batches = self.spec.batches or UNTIL_STOPPED
             try:
                 async with asyncio.TaskGroup() as tg:
