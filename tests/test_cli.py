@@ -314,15 +314,23 @@ def test_ctrl_c_while_a_command_reads_its_input_ends_in_one_line(args: list[str]
 
     fifo = tmp_path / "in.yaml"
     os.mkfifo(fifo)
+    # PYTHONFAULTHANDLER: a command still there 60 s after the Ctrl-C is sent SIGABRT, and its threads'
+    # Python stacks are what the failure shows (it hung once in a full run, and not since).
     proc = subprocess.Popen(
         [str(CORRAL), *args],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     writer = wait_for_reader(fifo, proc)
     try:
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
-        stdout, stderr = proc.communicate(timeout=60)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)
+            _, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"no end 60 s after the Ctrl-C; its stacks:\n{stderr}")
     finally:
         os.close(writer)
     assert proc.returncode == 130, stderr
