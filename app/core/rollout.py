@@ -46,6 +46,12 @@ UpdateAction = BeginUpdate | RestartInFlight
 MayJoin = Callable[[str, tuple[str, ...]], bool]
 
 
+def too_stale(version: int, newest: int, max_staleness: int | None) -> bool:
+    """An engine at `version` is too stale to serve while `newest` is published: every turn it served
+    would make its group more than K versions behind at once. Never without a K."""
+    return max_staleness is not None and newest - version > max_staleness
+
+
 class UpdatePlan:
     def __init__(
         self,
@@ -130,11 +136,9 @@ class UpdatePlan:
 
     def _mark_too_stale(self) -> None:
         k = self.max_staleness
-        self.too_stale = (
-            set()
-            if k is None
-            else {e for e, v in self.versions.items() if self.target - v > k and e not in self.updating}
-        )
+        self.too_stale = {
+            e for e, v in self.versions.items() if too_stale(v, self.target, k) and e not in self.updating
+        }
 
     @property
     def all_down(self) -> bool:

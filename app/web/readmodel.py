@@ -49,6 +49,7 @@ from app.core.events import (
     VersionPublished,
     envelope_from_dict,
 )
+from app.core.rollout import too_stale
 from app.sim.bound import lower_bound_s
 from app.store.sink import RUN_END_STATE
 
@@ -540,10 +541,8 @@ class RunViewBuilder:
         newest = max([v for _, v in self.publications] + [e.version for e in rows], default=0)
         k = policy.get("max_staleness")
         if not ended and isinstance(k, int) and not isinstance(k, bool):
-            # the runtime routes no turn to such an engine (app.core.rollout): every turn it served
-            # would make its group too stale at once
-            for row_e in rows:
-                row_e.too_stale = row_e.state == "serving" and newest - row_e.version > k
+            for row_e in rows:  # the runtime routes no turn to such an engine (app.core.rollout)
+                row_e.too_stale = row_e.state == "serving" and too_stale(row_e.version, newest, k)
         attribution = self.waits.result() if self.batches else None
         _mark_groups(groups, attribution, self.durations)
         return RunView(
