@@ -180,6 +180,7 @@ class EngineUpdateEnd(Event):
     ok: bool = True
     error: str = ""
     refused: bool = False
+    said: str = ""  # a refusal's reason for a reader: status, route and the engine's own message
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ never retry; the runtime decides (retry, route elsewhere, mark the engine down).
 
 from __future__ import annotations
 
+import json
+
 BODY_EXCERPT_CHARS = 500
 
 
@@ -35,6 +37,19 @@ class EngineRequestError(_EngineHTTPStatusError):
     """HTTP 4xx: the engine rejected the request (bad body, wrong phase (409), route not mounted (404))."""
 
     kind = "request rejected with HTTP"
+
+    @property
+    def summary(self) -> str:
+        """The rejection for a reader: the status, the route and the engine's own message, when the body
+        is JSON with one (an `error` or `detail` string); else the whole message."""
+        try:
+            said = json.loads(self.body)
+        except (ValueError, RecursionError):
+            return str(self)
+        message = next((said[k] for k in ("error", "detail") if isinstance(said, dict) and k in said), None)
+        if not isinstance(message, str):
+            return str(self)
+        return f"HTTP {self.status} from {self.route}: {message}"
 
 
 class EngineServerError(_EngineHTTPStatusError):

@@ -933,7 +933,9 @@ class Runtime:
         )
         self.state.update_log.append((now, name, version, "failed"))
         self.state.update_failures.append((now, name, version, reason))
-        self._publish(EngineUpdateEnd(name, version, ok=False, error=reason, refused=True))
+        self._publish(
+            EngineUpdateEnd(name, version, ok=False, error=reason, refused=True, said=error.summary)
+        )
         actions = self.plan.on_refused(name, version)
         if not self._stopping:
             self._do_updates(actions)

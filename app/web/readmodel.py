@@ -15,11 +15,8 @@ Definitions shown on the pages:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import itertools
-import json
-import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -133,27 +130,11 @@ class RefusalRow:
     engine: str
     version: int
     reason: str  # as the engine client said it (app.engines.errors): URL, route, status, body
+    said: str = ""  # the same for a reader (`EngineRequestError.summary`); empty in streams before it
 
     @property
     def summary(self) -> str:
-        """The reason for a reader: the status, the route and the engine's own message, when the
-        reason is an engine client's 4xx with a JSON body that carries one; else the reason as is."""
-        found = _REJECTED.match(self.reason)
-        if found is None:
-            return self.reason
-        route, status, body = found.group(2), found.group(3), found.group(4)
-        try:
-            text = ast.literal_eval(body)
-            said = json.loads(text) if isinstance(text, str) else None
-        except (ValueError, SyntaxError, RecursionError):
-            return self.reason
-        message = next((said[k] for k in ("error", "detail") if isinstance(said, dict) and k in said), None)
-        if not isinstance(message, str):
-            return self.reason
-        return f"HTTP {status} from {route}: {message}"
-
-
-_REJECTED = re.compile(r"engine (\S+) (\S+): request rejected with HTTP (\d+): (.*)", re.DOTALL)
+        return self.said or self.reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,7 +450,7 @@ class RunViewBuilder:
             else:  # a refusal leaves the engine serving its version; another failure, out of rotation
                 row_e.state = "serving" if ev.refused else "unhealthy"
             if ev.refused:
-                self.refusals.append(RefusalRow(t, ev.engine, ev.version, ev.error))
+                self.refusals.append(RefusalRow(t, ev.engine, ev.version, ev.error, ev.said))
                 self.refusals_total += 1
                 self.refused[ev.engine] = max(ev.version, self.refused.get(ev.engine, -1))
         elif isinstance(ev, EngineStateChanged):

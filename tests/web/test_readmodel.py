@@ -433,18 +433,31 @@ def test_the_engines_block_lists_refusals_and_the_stall():
 
 
 def test_a_refusal_s_reason_reads_as_the_engine_s_own_message():
+    # The read model parsed the message string back (a regex, then ast.literal_eval of the body's repr):
+    # the error now says it itself, and the event carries it.
+    from app.core.events import EngineUpdateEnd, Envelope, envelope_from_dict
     from app.engines.errors import EngineRequestError
-    from app.web.readmodel import RefusalRow
 
     body = '{"error":"refused weights (still serving version 0): checkpoint \'/w/v1\' lacks 7 tensors"}'
     error = EngineRequestError("http://127.0.0.1:4000", "/update_weights", 400, body)
-    row = RefusalRow(1.0, "e0", 1, str(error))
-    assert row.summary == (
+    said = (
         "HTTP 400 from /update_weights: refused weights (still serving version 0): checkpoint '/w/v1' "
         "lacks 7 tensors"
     )
-    for other in ("timed out", str(EngineRequestError("http://e", "/update_weights", 422, "not json"))):
-        assert RefusalRow(1.0, "e0", 1, other).summary == other
+    assert error.summary == said
+    for other in (
+        EngineRequestError("http://e", "/update_weights", 422, "not json"),
+        EngineRequestError("http://e", "/update_weights", 400, '{"error": 7}'),
+        EngineRequestError("http://e", "/update_weights", 400, '["error"]'),
+    ):
+        assert other.summary == str(other)
+    event = EngineUpdateEnd("e0", 1, ok=False, error=str(error), refused=True, said=error.summary)
+    stored = envelope_from_dict(Envelope("r", 3, 3.0, event).to_dict())  # a stream written and read back
+    view = view_from_events("r", [*refusing_run(0)[:3], stored], RunMeta(state="running"))
+    assert [(r.engine, r.summary, r.reason) for r in view.refusals] == [("e0", said, str(error))]
+    old = {k: v for k, v in stored.to_dict().items() if k != "said"}  # stored before events carried it
+    view = view_from_events("r", [*refusing_run(0)[:3], envelope_from_dict(old)], RunMeta(state="running"))
+    assert [r.summary for r in view.refusals] == [str(error)]
 
 
 def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engines_and_lanes():
