@@ -52,11 +52,17 @@ ORCHESTRATOR_TASK = "corral.run_orchestrator"
 # message not acked within this time is delivered again.
 VISIBILITY_TIMEOUT_S = 4 * 3600
 RESULT_TTL_S = 24 * 3600
+# A broker or result backend that stops answering (Redis restarted) is waited out for about a minute:
+# a worker whose op ends meanwhile stores its result once it is back, and a client's poll or send waits
+# instead of failing the op. Backoff doubles from 10 ms to at most 2 s between tries, with jitter.
+OUTAGE_RETRIES = 60
+OUTAGE_RETRY_MAX_S = 2.0
 
 
 def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = ()) -> Celery:
     """A Celery app as Corral's clients and workers both configure it: JSON only, late acks with a
-    prefetch of 1, redelivery when a pool process dies, results kept `RESULT_TTL_S`."""
+    prefetch of 1, redelivery when a pool process dies, results kept `RESULT_TTL_S`, and about a minute
+    of broker or result-backend outage waited out (`OUTAGE_RETRIES`)."""
     app = Celery("corral", broker=broker_url, backend=result_backend, include=list(include))
     app.conf.update(
         task_acks_late=True,
@@ -74,6 +80,17 @@ def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = (
         broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
         result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
         broker_connection_retry_on_startup=True,
+        # Celery's defaults give up on the first refused connection when a worker stores a result (the
+        # op's outcome was lost with a Redis restart) and after 0.6 s when a client sends an op.
+        result_backend_always_retry=True,
+        result_backend_max_retries=OUTAGE_RETRIES,
+        result_backend_max_sleep_between_retries_ms=int(OUTAGE_RETRY_MAX_S * 1000),
+        task_publish_retry_policy={
+            "max_retries": OUTAGE_RETRIES // 2,
+            "interval_start": 0,
+            "interval_step": 0.5,
+            "interval_max": OUTAGE_RETRY_MAX_S,
+        },
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
     )

@@ -1,0 +1,122 @@
+"""A Redis restart under running lane ops: the workers reconnect, an op that ends while Redis is down has
+its result stored once it is back, and the run's client waits the outage out instead of failing the op.
+The test runs its own `redis-server` on a free port (this machine's Redis on 6379 serves the rest of the
+suite), keeping nothing on disk, as the machine's does."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery_cluster import WORKER_CPUS, Workers, broker_env
+from factories import make_echo_task
+
+from app.lanes.celery import CeleryLanes
+from app.lanes.ops import LaneOp
+from app.sandboxes.local import LocalSandboxFactory
+from workers.celery_app import make_celery
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    """A `redis-server` of this test's own, stopped and started again on the same port."""
+
+    def __init__(self, port: int, work: Path) -> None:
+        self.port, self.work = port, work
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly",
+             "no", "--dir", str(self.work)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "redis-server did not answer"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+    def restart(self, down_s: float) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[Redis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on PATH (Debian's redis-server package)")
+    server = Redis(free_port(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("op_s", "down_s"),
+    [(4, 2), (1, 4)],
+    ids=["redis-back-before-the-op-ends", "redis-down-as-the-op-ends"],
+)
+async def test_lane_ops_go_on_through_a_redis_restart(
+    op_s: int, down_s: int, redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path
+) -> None:
+    # With Celery's defaults, an op that ended while Redis was down lost its result (the worker tried
+    # to store it once: "Exception raised outside body: ConnectionError"), and the client's poll raised
+    # redis' ConnectionError, failing the attempt.
+    url = f"redis://127.0.0.1:{redis.port}/0"
+    host = f"r{uuid.uuid4().hex[:8]}"
+    (tmp_path / "logs").mkdir()
+    workers = Workers(tmp_path / "logs")
+    app = make_celery(url, url)
+    lanes = CeleryLanes(app, (host,))
+    try:
+        procs = [
+            workers.start("--lane", lane, "--cpus", WORKER_CPUS, "--host", host, env=broker_env(url, url))
+            for lane in ("reset", "exec", "cleanup")
+        ]
+        handle = lanes.attach(LocalSandboxFactory(base_dir).create("restart"))
+        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+        slow = asyncio.create_task(
+            lanes.run_op(LaneOp.exec(handle, f"echo started > started.txt; sleep {op_s}; echo done", 60))
+        )
+        started = base_dir / "restart" / "started.txt"
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline, "the op never started"
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(redis.restart, down_s)  # it comes back empty: nothing on disk
+
+        assert (await asyncio.wait_for(slow, 120)).output.strip() == "done"
+        after = await lanes.run_op(LaneOp.exec(handle, "echo after", 30))  # sent once Redis is back
+        assert after.output.strip() == "after"
+        await lanes.run_op(LaneOp.cleanup(handle))
+        assert [p.poll() for p in procs] == [None, None, None], workers.logs()
+    finally:
+        lanes.close()
+        workers.stop()
