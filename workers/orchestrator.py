@@ -79,6 +79,15 @@ def run_lease(client: redis.Redis, run_id: str, lease_s: float = LEASE_S) -> Ite
             try:
                 lock.reacquire()
             except redis.exceptions.LockNotOwnedError:
+                # The key is gone (Redis restarted empty, or it expired while Redis was away) or another
+                # holder has it: a key nobody holds is taken back, so the run keeps its one orchestrator.
+                try:
+                    retaken = lock.acquire(blocking=False)
+                except redis.exceptions.RedisError:
+                    retaken = False
+                if retaken:
+                    log.warning("run %s: lease had lapsed (Redis restarted?); taken again", run_id)
+                    continue
                 log.error("run %s: lease lost (renewed too late); another orchestrator may take it", run_id)
                 return
             except redis.exceptions.RedisError as exc:  # fault tolerance: try again next period

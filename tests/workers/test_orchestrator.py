@@ -88,6 +88,28 @@ def test_a_lost_lease_is_reported_not_renewed_behind_a_new_holders_back(
     taker.release()
 
 
+def test_a_lease_lost_with_redis_s_data_is_taken_again(
+    client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A Redis restart that keeps nothing on disk removes the key: the holder logged "lease lost" and
+    # stopped renewing, so the run went on with no lease and a redelivery could start a second
+    # orchestrator for it.
+    run_id = uuid.uuid4().hex
+    key = f"corral:orchestrator:{run_id}"
+    with run_lease(client, run_id, lease_s=0.6):
+        client.delete(key)  # what a Redis restart leaves
+        time.sleep(0.5)  # a renewal period passes
+        token = client.get(key)
+        assert token is not None
+        time.sleep(0.7)  # more than the lease: still held, so renewed
+        assert client.get(key) == token
+        with pytest.raises(LeaseHeld, match=run_id), run_lease(client, run_id, lease_s=0.6):
+            pass
+    assert client.get(key) is None  # released at the end
+    assert f"run {run_id}: lease had lapsed (Redis restarted?); taken again" in caplog.text
+    assert "lease lost" not in caplog.text
+
+
 def test_an_orchestrator_worker_whose_database_cannot_be_opened_says_so_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
