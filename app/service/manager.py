@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import RunRecorder, StoredMark
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
+from app.store.db import through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
 
@@ -230,10 +232,13 @@ class RunManager:
         log.warning("run %s not resumed: %s", record.id, detail)
 
     def _mirror(self, fn: Any, *args: Any) -> None:
+        # A database that is away (Postgres restarting) is waited out: each write is its own transaction,
+        # so one tried again stores nothing twice, and the writes after it wait their turn.
+        write = functools.partial(through_outage, functools.partial(fn, *args), "store writer")
         try:
-            future = self._writer.submit(fn, *args)
+            future = self._writer.submit(write)
         except RuntimeError:  # the writer has shut down (a run outlived `shutdown`): write here
-            fn(*args)
+            write()
             return
         future.add_done_callback(_log_failure)
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -24,6 +26,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 DEFAULT_DATABASE_URL = "sqlite:///./corral.db"
+
+# A database that stops answering (Postgres restarted, a failover) is waited out this long by a run's
+# writers before a write counts as failed; what they have to write meanwhile stays buffered.
+OUTAGE_S = 60.0
+OUTAGE_RETRY_MAX_S = 2.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # JSON columns hold strict JSON on both backends (Postgres refuses NaN; SQLite would store it)
 _strict_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
@@ -99,3 +109,45 @@ def scratch_database(backend: str, postgres_url: str, tmp_dir: Path) -> Iterator
                 c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     finally:
         admin.dispose()
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Is `exc` the database being away rather than refusing the write: a connection lost or refused, or
+    Postgres starting up or shutting down (SQLSTATE classes 08 and 57P)? SQLite's errors never are (its
+    busy timeout already waits out a writer)."""
+    from sqlalchemy.exc import DBAPIError
+
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    code = getattr(exc.orig, "sqlstate", "")  # psycopg's; None for a failure of the connection itself
+    return code is None or str(code).startswith(("08", "57P"))
+
+
+def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S) -> T:
+    """`write()`, tried again while the database is away (`is_outage`), for at most `outage_s`; then (or
+    on any other error) its error is raised. `write` must be safe to repeat: a failed transaction
+    stored nothing."""
+    delay, deadline = 0.1, None
+    while True:
+        try:
+            result = write()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + outage_s
+                reason = " ".join(str(getattr(exc, "orig", exc)).split())[:200]
+                log.warning(
+                    "%s: the database is not answering (%s); trying again for %.0f s", what, reason, outage_s
+                )
+            if now >= deadline:
+                raise
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, OUTAGE_RETRY_MAX_S)
+            continue
+        if deadline is not None:
+            log.warning("%s: the database answers again", what)
+        return result

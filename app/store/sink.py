@@ -51,6 +51,7 @@ from app.core.events import (
     TurnDone,
     VersionPublished,
 )
+from app.store.db import through_outage
 from app.store.models import (
     TERMINAL_GROUP_STATES,
     TERMINAL_RUN_STATES,
@@ -633,10 +634,17 @@ class SqlEventSink:
         self.duplicates = 0  # re-delivered events skipped
 
     def write_batch(self, envelopes: Sequence[Envelope]) -> None:
+        """Store `envelopes` in one transaction. A database that is away (Postgres restarting) is waited
+        out (`through_outage`): the batch is tried again, which stores nothing twice."""
         if not envelopes:
             return
-        with self._transaction() as conn:
-            new = ingest(conn, envelopes)
+
+        def write() -> int:
+            with self._transaction() as conn:
+                return ingest(conn, envelopes)
+
+        # Inside a caller's transaction a lost connection cannot be tried again: the caller's to handle.
+        new = write() if isinstance(self._bind, Connection) else through_outage(write, "event sink")
         self.written += new
         self.duplicates += len(envelopes) - new
 

@@ -1,0 +1,102 @@
+"""The real Postgres going away under a run's event sink, and coming back: what it had to write is
+stored once the database answers again, nothing twice (the outage: tests/db_relay.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from db_relay import CuttableRelay, postgres_answers
+from run_events import make_run_events
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+from store_backends import POSTGRES_URL
+
+from app.runtime.events import EventBus
+from app.store.db import make_engine, scratch_database, through_outage
+from app.store.migrate import upgrade_to_head
+from app.store.repos import EventRepo, GroupRepo
+from app.store.sink import SqlEventSink
+
+
+@pytest.fixture
+def relayed(tmp_path: Path) -> Iterator[tuple[CuttableRelay, Engine, Engine]]:
+    """A scratch database; a relay to its server; an engine through the relay and one straight to it."""
+    if not postgres_answers(POSTGRES_URL):
+        pytest.skip("no Postgres answering (the outage tests need the real server)")
+    with scratch_database("postgres", POSTGRES_URL, tmp_path) as url:
+        upgrade_to_head(url)
+        direct = make_url(url)
+        relay = CuttableRelay((direct.host or "127.0.0.1", direct.port or 5432))
+        through = make_engine(
+            direct.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
+        )
+        straight = make_engine(url)
+        try:
+            yield relay, through, straight
+        finally:
+            relay.cut()
+            through.dispose()
+            straight.dispose()
+
+
+def test_events_published_while_postgres_is_away_are_stored_once_it_is_back(
+    relayed: tuple[CuttableRelay, Engine, Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The sink tried each batch once: the batches of a 3 s outage were counted failed and never stored
+    # (a run's history with holes: groups with no ending, batches missing).
+    relay, through, straight = relayed
+    run = make_run_events("outage", groups=40)
+    times = iter([env.t for env in run.envelopes])
+    half = len(run.envelopes) // 2
+    caplog.set_level(logging.WARNING, "app.store.db")
+    with EventBus("outage", clock=lambda: next(times)) as bus:
+        bus.add_sink(SqlEventSink(through), name="store", batch_size=20, flush_interval_s=0.02)
+        for env in run.envelopes[:half]:
+            bus.publish(env.event)
+        time.sleep(0.5)  # written
+        relay.cut()
+        for env in run.envelopes[half:]:
+            bus.publish(env.event)
+            time.sleep(0.002)
+        time.sleep(3)  # the sink meets the outage
+        relay.restore()
+    stats = bus.stats()["store"]
+    assert (stats["written"], stats["failed"], stats["dropped"]) == (len(run.envelopes), 0, 0), stats
+    with Session(straight) as s:
+        assert EventRepo(s).load_envelopes("outage") == run.envelopes
+        assert GroupRepo(s).account("outage").delivered == len(run.delivered)
+    assert "event sink: the database is not answering" in caplog.text
+    assert "event sink: the database answers again" in caplog.text
+
+
+def test_an_outage_longer_than_the_wait_fails_the_write_with_the_database_s_error(
+    relayed: tuple[CuttableRelay, Engine, Engine],
+) -> None:
+    relay, through, _ = relayed
+    relay.cut()
+    started = time.monotonic()
+    with pytest.raises(OperationalError):
+        through_outage(lambda: through.connect().close(), "probe", outage_s=1.0)
+    assert time.monotonic() - started >= 1.0  # it waited, and gave up
+
+
+def test_an_error_of_the_write_itself_is_not_waited_on(relayed: tuple[CuttableRelay, Engine, Engine]) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.exc import ProgrammingError
+
+    _, through, _ = relayed
+
+    def bad() -> None:
+        with through.connect() as c:
+            c.execute(text("SELECT * FROM no_such_table"))
+
+    started = time.monotonic()
+    with pytest.raises(ProgrammingError):
+        through_outage(bad, "probe", outage_s=30.0)
+    assert time.monotonic() - started < 10  # raised at once, not after the outage wait
