@@ -12,6 +12,7 @@ OpenAPI docs at `/docs`. Bad input is a 4xx with a one-line message naming the f
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,7 +21,8 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException
 
 from app.api.runs import router as runs_router
@@ -30,6 +32,7 @@ from app.service.ports import lanes_for
 from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
+from app.store.db import is_outage
 from app.web.views import dashboard_for, mount_dashboard
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ def create_app(
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
     mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
     app.add_api_route(
@@ -132,6 +136,24 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         errors = [{"field": "body", "problem": problem}]
         return JSONResponse(status_code=422, content={"detail": problem, "errors": errors})
     return await http_exception_handler(request, exc)
+
+
+DATABASE_RETRY_AFTER_S = 5
+
+
+async def _database_error(request: Request, exc: DBAPIError) -> Response:
+    """A database that is away (Postgres restarting) answers 503 with one line and a Retry-After, not a
+    500 and a traceback per request; any other database error is the bug it is."""
+    if not is_outage(exc):
+        raise exc
+    reason = " ".join(str(exc.orig).split())[:200]
+    log.warning("%s %s: the database is not answering (%s)", request.method, request.url.path, reason)
+    detail = f"the database is not answering ({reason}); try again in a few seconds"
+    headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+    if "text/html" in request.headers.get("accept", ""):  # a page in a browser
+        body = f"<!doctype html><title>Corral: database unavailable</title><p>{html.escape(detail)}</p>"
+        return HTMLResponse(body, status_code=503, headers=headers)
+    return JSONResponse(status_code=503, content={"detail": detail}, headers=headers)
 
 
 async def healthz(request: Request) -> JSONResponse:

@@ -55,6 +55,7 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
         "description": "not allowed in the run's state (ended, stopping, not executing here)",
     },
     422: {"model": ValidationProblem, "description": "refused input, naming the field"},
+    503: {"model": Problem, "description": "the database is not answering; try again after Retry-After"},
 }
 
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
