@@ -21,7 +21,8 @@ Stats: `queue_depth` is the broker's count of messages waiting in the lane's que
 of the queue), `busy` the ops of this client a worker has started and not finished, waits are measured
 from the publish to the worker's start (wall clocks: same host or NTP-synchronised hosts). `stats` may
 be called from any thread, often (run views); it asks the broker at most once per `depth_ttl_s` and
-answers from that count in between.
+answers from that count in between. A broker that cannot be reached leaves the last counts standing
+(logged once) and is asked again only after `DEPTH_RETRY_S`: a run view waits for no broker outage.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 
 from celery import Celery, states
 from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
 
 from app.lanes.base import LaneName, LaneSlot, LaneStats
 from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, decode_result, handle_of
@@ -57,6 +59,7 @@ RESULT_TTL_S = 24 * 3600
 # instead of failing the op. Backoff doubles from 10 ms to at most 2 s between tries, with jitter.
 OUTAGE_RETRIES = 60
 OUTAGE_RETRY_MAX_S = 2.0
+DEPTH_RETRY_S = 30.0  # after a broker that could not be reached for queue depths
 
 
 def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = ()) -> Celery:
@@ -188,7 +191,8 @@ class CeleryLanes:
         self._start_timeout_s = start_timeout_s
         self._op_timeout_s = op_timeout_s
         self._depth_ttl_s = depth_ttl_s
-        self._depth_at: float | None = None
+        self._depth_at: float | None = None  # when the broker is next asked for queue depths
+        self._depth_failed = False
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
@@ -276,11 +280,25 @@ class CeleryLanes:
 
     def stats(self) -> dict[str, LaneStats]:
         now = time.monotonic()
-        if self._depth_at is None or now - self._depth_at >= self._depth_ttl_s:
-            self._depth_at = now
-            for lane, stats in self._stats.items():
-                stats.queue_depth = sum(self.queue_depth(host, lane) for host in self.hosts)
-                stats.max_queue_depth = max(stats.max_queue_depth, stats.queue_depth)
+        if self._depth_at is None or now >= self._depth_at:
+            self._depth_at = now + self._depth_ttl_s
+            try:
+                depths = {
+                    lane: sum(self.queue_depth(host, lane) for host in self.hosts) for lane in self._stats
+                }
+            except OperationalError as exc:  # kombu's: the broker cannot be reached (a Redis restart)
+                self._depth_at = time.monotonic() + DEPTH_RETRY_S
+                if not self._depth_failed:
+                    log.warning(
+                        "lane queue depths: the broker cannot be reached (%s); the last counts stand", exc
+                    )
+                self._depth_failed = True
+            else:
+                self._depth_failed = False
+                for lane, depth in depths.items():
+                    stats = self._stats[lane]
+                    stats.queue_depth = depth
+                    stats.max_queue_depth = max(stats.max_queue_depth, depth)
         return {lane.value: s for lane, s in self._stats.items()}
 
     # -- internals ----------------------------------------------------------------------------------
@@ -288,6 +306,7 @@ class CeleryLanes:
     def queue_depth(self, host: str, lane: LaneName) -> int:
         """Messages waiting in one queue, as the broker counts them (0 for a queue never declared)."""
         with self.celery.connection_for_read() as conn:
+            conn.ensure_connection(max_retries=0)  # one try: a caller waits for no reconnection loop
             try:
                 ok = conn.default_channel.queue_declare(queue=lane_queue(host, lane), passive=True)
             except conn.channel_errors:

@@ -18,7 +18,8 @@ import pytest
 from celery_cluster import WORKER_CPUS, Workers, broker_env
 from factories import make_echo_task
 
-from app.lanes.celery import CeleryLanes
+from app.lanes.base import LaneName
+from app.lanes.celery import LANE_OP_TASK, CeleryLanes, lane_queue
 from app.lanes.ops import LaneOp
 from app.sandboxes.local import LocalSandboxFactory
 from workers.celery_app import make_celery
@@ -120,3 +121,31 @@ async def test_lane_ops_go_on_through_a_redis_restart(
     finally:
         lanes.close()
         workers.stop()
+
+
+def test_lane_stats_keep_their_last_counts_while_redis_is_away(
+    redis: Redis, base_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run view (GET /api/runs/{id}, the dashboard) asks the lanes for their queue depths: with Redis
+    # away that call waited 6 s for kombu's reconnection loop and raised OperationalError (a 500).
+    import app.lanes.celery as celery_lanes
+
+    monkeypatch.setattr(celery_lanes, "DEPTH_RETRY_S", 0.0)  # ask the broker again at every call
+    url = f"redis://127.0.0.1:{redis.port}/0"
+    host = f"q{uuid.uuid4().hex[:8]}"  # no worker serves it: what is sent stays queued
+    app = make_celery(url, url)
+    lanes = CeleryLanes(app, (host,), depth_ttl_s=0.0)
+    try:
+        handle = lanes.attach(LocalSandboxFactory(base_dir).create("queued"))
+        for _ in range(2):
+            op = LaneOp.exec(handle, "true", 5)
+            app.send_task(LANE_OP_TASK, args=[op.to_dict()], queue=lane_queue(host, LaneName.EXEC))
+        assert lanes.stats()["exec"].queue_depth == 2
+        redis.stop()
+        assert lanes.stats()["exec"].queue_depth == 2  # the last count stands
+        assert lanes.stats()["exec"].max_queue_depth == 2
+        assert caplog.text.count("lane queue depths: the broker cannot be reached") == 1  # said once
+        redis.start()  # back, empty: nothing on disk
+        assert lanes.stats()["exec"].queue_depth == 0
+    finally:
+        lanes.close()
