@@ -122,7 +122,14 @@ def is_outage(exc: BaseException) -> bool:
     if exc.connection_invalidated:
         return True
     code = getattr(exc.orig, "sqlstate", "")  # psycopg's; None for a failure of the connection itself
-    return code is None or str(code).startswith(("08", "57P"))
+    if code is None:
+        # libpq gives a refused connection no code, and neither a server that refuses this client (a
+        # database dropped, a wrong password): those are not waited on.
+        return not any(refusal in str(exc.orig) for refusal in _NOT_AN_OUTAGE)
+    return str(code).startswith(("08", "57P"))
+
+
+_NOT_AN_OUTAGE = ("does not exist", "authentication failed", "password")
 
 
 def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S) -> T:

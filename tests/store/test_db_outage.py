@@ -100,3 +100,17 @@ def test_an_error_of_the_write_itself_is_not_waited_on(relayed: tuple[CuttableRe
     with pytest.raises(ProgrammingError):
         through_outage(bad, "probe", outage_s=30.0)
     assert time.monotonic() - started < 10  # raised at once, not after the outage wait
+
+
+def test_a_database_that_does_not_exist_is_not_waited_on(tmp_path: Path) -> None:
+    # libpq gives it no SQLSTATE, as it gives none to a refused connection: it was waited on for 60 s.
+    if not postgres_answers(POSTGRES_URL):
+        pytest.skip("no Postgres answering (the outage tests need the real server)")
+    missing = make_engine(make_url(POSTGRES_URL).set(database="corral_no_such_db").render_as_string(False))
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="does not exist"):
+            through_outage(lambda: missing.connect().close(), "probe", outage_s=30.0)
+        assert time.monotonic() - started < 10  # raised at once, not after the outage wait
+    finally:
+        missing.dispose()
