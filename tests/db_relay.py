@@ -7,8 +7,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 from sqlalchemy.engine import make_url
+
+from app.store.db import scratch_database
 
 
 class CuttableRelay:
@@ -77,3 +83,26 @@ def postgres_answers(url_text: str) -> bool:
     except OSError:
         return False
     return True
+
+
+@dataclass
+class RelayedDatabase:
+    url: str  # straight to the server
+    relayed_url: str  # through the relay
+    relay: CuttableRelay
+
+
+@contextlib.contextmanager
+def relayed_database(postgres_url: str, tmp_path: Path) -> Iterator[RelayedDatabase]:
+    """A scratch database on the server of `postgres_url`, and a relay to it (cut at the end); skips the
+    test when no Postgres answers."""
+    if not postgres_answers(postgres_url):
+        pytest.skip("no Postgres answering (the outage tests need the real server)")
+    with scratch_database("postgres", postgres_url, tmp_path) as url:
+        direct = make_url(url)
+        relay = CuttableRelay((direct.host or "127.0.0.1", direct.port or 5432))
+        relayed = direct.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
+        try:
+            yield RelayedDatabase(url, relayed, relay)
+        finally:
+            relay.cut()

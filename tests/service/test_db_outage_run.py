@@ -6,15 +6,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
-from db_relay import CuttableRelay, postgres_answers
-from sqlalchemy.engine import make_url
+from db_relay import relayed_database
 from sqlalchemy.orm import Session
 
 from app.service.manager import RunManager
 from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
-from app.store.db import make_engine, scratch_database
+from app.store.db import make_engine
 from app.store.models import RunState
 from app.store.repos import EventRepo, GroupRepo, RunRepo
 
@@ -24,13 +22,9 @@ POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 def test_a_run_through_a_postgres_outage_is_stored_whole(tmp_path: Path) -> None:
     # The store writer tried each write once: the run's end state, written while Postgres was away,
     # was lost (a run shown running forever after), and the event sink dropped the batches it met.
-    if not postgres_answers(POSTGRES_URL):
-        pytest.skip("no Postgres answering (the outage tests need the real server)")
-    with scratch_database("postgres", POSTGRES_URL, tmp_path) as url:
-        direct = make_url(url)
-        relay = CuttableRelay((direct.host or "127.0.0.1", direct.port or 5432))
-        relayed = direct.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
-        store = ServiceStore(relayed)
+    with relayed_database(POSTGRES_URL, tmp_path) as db:
+        url, relay = db.url, db.relay
+        store = ServiceStore(db.relayed_url)
         manager = RunManager(store, tmp_path / "data", 30.0)
         try:
             spec = {"name": "outage", "kind": "sim", "speed": 10.0, "trainer": "sentinel", "batches": 3}

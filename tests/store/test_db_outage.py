@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from db_relay import CuttableRelay, postgres_answers
+from db_relay import CuttableRelay, postgres_answers, relayed_database
 from run_events import make_run_events
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from store_backends import POSTGRES_URL
 
 from app.runtime.events import EventBus
-from app.store.db import make_engine, scratch_database, through_outage
+from app.store.db import make_engine, through_outage
 from app.store.migrate import upgrade_to_head
 from app.store.repos import EventRepo, GroupRepo
 from app.store.sink import SqlEventSink
@@ -27,20 +27,14 @@ from app.store.sink import SqlEventSink
 @pytest.fixture
 def relayed(tmp_path: Path) -> Iterator[tuple[CuttableRelay, Engine, Engine]]:
     """A scratch database; a relay to its server; an engine through the relay and one straight to it."""
-    if not postgres_answers(POSTGRES_URL):
-        pytest.skip("no Postgres answering (the outage tests need the real server)")
-    with scratch_database("postgres", POSTGRES_URL, tmp_path) as url:
-        upgrade_to_head(url)
-        direct = make_url(url)
-        relay = CuttableRelay((direct.host or "127.0.0.1", direct.port or 5432))
-        through = make_engine(
-            direct.set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
-        )
-        straight = make_engine(url)
+    with relayed_database(POSTGRES_URL, tmp_path) as db:
+        upgrade_to_head(db.url)
+        through = make_engine(db.relayed_url)
+        straight = make_engine(db.url)
+        relay = db.relay
         try:
             yield relay, through, straight
         finally:
-            relay.cut()
             through.dispose()
             straight.dispose()
 
