@@ -32,7 +32,7 @@ from app.service.ports import lanes_for
 from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
-from app.store.db import is_outage
+from app.store.db import is_outage, outage_reason
 from app.web.views import dashboard_for, mount_dashboard
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ async def _database_error(request: Request, exc: DBAPIError) -> Response:
     500 and a traceback per request; any other database error is the bug it is."""
     if not is_outage(exc):
         raise exc
-    reason = " ".join(str(exc.orig).split())[:200]
+    reason = outage_reason(exc)
     log.warning("%s %s: the database is not answering (%s)", request.method, request.url.path, reason)
     detail = f"the database is not answering ({reason}); try again in a few seconds"
     headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}

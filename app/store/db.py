@@ -132,6 +132,11 @@ def is_outage(exc: BaseException) -> bool:
 _NOT_AN_OUTAGE = ("does not exist", "authentication failed", "password")
 
 
+def outage_reason(exc: BaseException) -> str:
+    """The driver's words for a database that is away, on one line and at most 200 characters."""
+    return " ".join(str(getattr(exc, "orig", exc)).split())[:200]
+
+
 def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S) -> T:
     """`write()`, tried again while the database is away (`is_outage`), for at most `outage_s`; then (or
     on any other error) its error is raised. `write` must be safe to repeat: a failed transaction
@@ -146,9 +151,11 @@ def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S
             now = time.monotonic()
             if deadline is None:
                 deadline = now + outage_s
-                reason = " ".join(str(getattr(exc, "orig", exc)).split())[:200]
                 log.warning(
-                    "%s: the database is not answering (%s); trying again for %.0f s", what, reason, outage_s
+                    "%s: the database is not answering (%s); trying again for %.0f s",
+                    what,
+                    outage_reason(exc),
+                    outage_s,
                 )
             if now >= deadline:
                 raise
