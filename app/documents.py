@@ -8,8 +8,10 @@ comes before the file fills memory. What the data must look like is the caller's
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import select
 import stat
 import sys
 from pathlib import Path
@@ -36,12 +38,65 @@ def read_text_at_most(path: Path, limit: int) -> str:
     """The whole of `path` as UTF-8 text, reading at most `limit` bytes of it: a larger file, or an
     endless one (/dev/zero, a pipe that never ends), raises `TooLarge` before it fills memory. Raises
     OSError and UnicodeDecodeError as `Path.read_text` does."""
-    with path.open("rb") as f:
+    with open_input(path) as f:
         check_size(f, limit)
         data = f.read(limit + 1)
     if len(data) > limit:
         raise TooLarge(limit)
     return data.decode("utf-8")
+
+
+# How long a read of a pipe or device waits before it looks again whether a signal came.
+POLL_S = 0.2
+
+
+class _PolledReader(io.RawIOBase):
+    """A pipe or character device read with `select` in slices of `POLL_S`. A Ctrl-C that lands
+    after the interpreter last looked for signals but before a plain `read(2)` began is noted by
+    Python's handler and then never acted on, since that read is not interrupted: `corral sim
+    --workload <(slow)` then ignored the Ctrl-C until the writer wrote. Here the wait ends within
+    `POLL_S`, and the interpreter raises the pending KeyboardInterrupt."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        while True:
+            ready, _, _ = select.select([self._fd], [], [], POLL_S)
+            if not ready:
+                continue
+            try:
+                data = os.read(self._fd, len(buffer))
+            except BlockingIOError:  # another reader of the same pipe took what was there
+                continue
+            buffer[: len(data)] = data
+            return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+def open_input(path: Path) -> BinaryIO:
+    """`path` opened to read as bytes. A pipe (`<(generate)`, a named FIFO) or a character device is
+    opened without blocking and read through `_PolledReader`, so a Ctrl-C ends the wait for a writer
+    or for data however it lands; a regular file is opened as usual. Raises OSError as `open` does."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0  # let open() say why
+    if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        return path.open("rb")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return io.BufferedReader(_PolledReader(fd))
 
 
 def check_size(f: BinaryIO, limit: int) -> None:

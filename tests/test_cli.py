@@ -341,6 +341,53 @@ def test_ctrl_c_while_a_command_reads_its_input_ends_in_one_line(args: list[str]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.yaml"]
 
 
+# A child that reads `argv[1]` with `argv[2]` while one of its own threads takes a SIGINT: Python's
+# handler notes it, but the main thread's read is not interrupted, as with a Ctrl-C that lands just
+# before a read begins (the race behind a hang of the FIFO test above in CI).
+_MISSED_SIGNAL_CHILD = """
+import signal, sys, threading, time
+from pathlib import Path
+from app.documents import read_document
+from app.sim.traces import import_corral_run
+from app.sim.workload import load_trace
+
+def poke():
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+threading.Thread(target=poke).start()
+reader = {"document": lambda p: read_document(p, "w"), "report": import_corral_run, "trace": load_trace}
+try:
+    reader[sys.argv[2]](Path(sys.argv[1]))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("reader", ["document", "report", "trace"])
+def test_a_signal_that_misses_the_read_of_a_pipe_still_ends_it(reader: str, tmp_path: Path) -> None:
+    """A pipe's reader must act on a SIGINT that Python noted while no read was interrupted by it (it
+    waited for the writer for ever)."""
+    import os
+
+    fifo = tmp_path / "in.yaml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MISSED_SIGNAL_CHILD, str(fifo), reader],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    writer = wait_for_reader(fifo, proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the reader still waited on its pipe 30 s after the SIGINT")
+    finally:
+        os.close(writer)
+    assert (proc.returncode, stdout, stderr) == (0, "interrupted\n", "")
+
+
 def test_sigterm_mid_simulation_ends_in_one_line(tmp_path: Path) -> None:
     """SIGTERM to `corral sim` alone acts as Ctrl-C (it killed the command silently)."""
     import os

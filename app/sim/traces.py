@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.documents import TooLarge, check_size, read_text_at_most
+from app.documents import TooLarge, check_size, open_input, read_text_at_most
 from app.outputs import write_text_atomically
 from app.sim.workload import WorkloadError
 from app.validation import MAX_REPORT_BYTES
@@ -227,7 +227,7 @@ def import_corral_run(report_path: Path) -> ImportResult:
 def _report_text(path: Path) -> str:
     """A report's text, read up to `MAX_REPORT_BYTES`. What does not begin as a JSON object does (after
     whitespace) is refused from its first bytes: /dev/zero would otherwise be read to the limit."""
-    with path.open("rb") as f:
+    with open_input(path) as f:
         check_size(f, MAX_REPORT_BYTES)
         head = f.read(65_536)
         start = head.lstrip()[:1]

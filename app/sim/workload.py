@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.documents import DocumentError, TooLarge, check_size, read_document
+from app.documents import DocumentError, TooLarge, check_size, open_input, read_document
 from app.lanes.adaptive import AdaptiveLanesSpec
 from app.sim.lanes import LaneSharing, LaneWeights
 from app.validation import (
@@ -519,7 +519,7 @@ def _trace_lines(path: Path, name: str, where: str) -> Iterator[tuple[int, str]]
     all: a device (/dev/zero) is refused before any reading, a larger regular file from its size, an
     endless pipe at the limit, so none fills memory."""
     try:
-        with Path(path).open("rb") as f:
+        with open_input(Path(path)) as f:
             mode = os.fstat(f.fileno()).st_mode
             if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
                 raise WorkloadError(f"{name}: is a device, not a file")
