@@ -116,6 +116,7 @@ class RunHandle:
         self._stopped_starting = False  # stopped before its runtime ran (engines still coming up)
         self._pausing = asyncio.Lock()
         self.done = threading.Event()
+        self.flushing = threading.Event()  # it has ended, and its last events are being stored
         self.started_wall: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class RunHandle:
             if self.runtime is None or self.runtime.phase == "startup":
                 # It ended before the runtime ran (stopped while starting), so nobody recorded its end.
                 self.recorder.publish(RunEnded(reason, detail))
+            self.flushing.set()
             self.recorder.close()
             self._set_state(final, self.error)
             self.done.set()

@@ -41,7 +41,7 @@ from app.metrics import CorralMetrics
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
-from app.service.recorder import RunRecorder, StoredMark
+from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
 from app.store.db import through_outage
@@ -333,14 +333,26 @@ class RunManager:
     # -- shutting down -------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop every run still executing and wait for each to end and flush its events."""
+        """Stop every run still executing and wait up to `timeout_s` for each to end; a run that has
+        ended and is storing its last events (the database away) is waited for up to `CLOSE_WAIT_S`
+        more, so no event and no end state is lost with the process."""
         for handle in list(self.handles.values()):
             with contextlib.suppress(RunNotLiveError, IllegalRunStateError, TimeoutError):
                 handle.submit(handle.stop).result(timeout=5)  # refused: already ending, or not started
         deadline = time.monotonic() + timeout_s
         for handle in list(self.handles.values()):
-            if not handle.join(max(0.1, deadline - time.monotonic())):
-                log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
+            if handle.join(max(0.1, deadline - time.monotonic())):
+                continue
+            if handle.flushing.is_set():
+                # Its thread is a daemon: returning now would lose the events it still holds, and its end.
+                log.warning(
+                    "run %s has ended; waiting up to %.0f s more for its last events to be stored",
+                    handle.run_id,
+                    CLOSE_WAIT_S,
+                )
+                if handle.join(CLOSE_WAIT_S + 5.0):
+                    continue
+            log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
         self._writer.shutdown(wait=True)
 
 

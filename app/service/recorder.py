@@ -39,6 +39,9 @@ from app.runtime.events import EventBus, EventSink
 from app.service.rollouts import RolloutLog
 from app.store.db import OUTAGE_S
 
+# How long closing a run's recorder waits for its sinks: a database outage is waited out (`OUTAGE_S`).
+CLOSE_WAIT_S = OUTAGE_S + 10.0
+
 
 @dataclass
 class LiveView:
@@ -190,7 +193,7 @@ class RunRecorder:
             self.publish(GroupDiscarded(gid, "orphaned", detail))
         return len(open_groups)
 
-    def close(self, timeout_s: float = OUTAGE_S + 10.0) -> dict[str, dict[str, Any]]:
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> dict[str, dict[str, Any]]:
         """Flush and stop the sinks. The store's may be waiting out a database outage (`OUTAGE_S`): the
         run's last events are waited for rather than counted unflushed."""
         return self.bus.close(timeout_s)
