@@ -575,16 +575,16 @@ def test_every_engine_down_waits_then_recovers_during_corral_run(tmp_path: Path)
 @pytest.mark.slow
 def test_kill_9_of_an_engine_during_start_up_restarts_it(tmp_path: Path) -> None:
     """Killed before it first answers (torch is still loading), the engine is restarted like one
-    killed later: the run starts without it and brings it back at the current version."""
-    run = CorralRun(tmp_path, ["--batches", "3"])
+    killed later: the run starts without it and brings it back at the current version. (With
+    `--batches 3` the run could end on the other engine before the restart was done: a full test
+    run here saw 'restarting' and no 'serving'.)"""
+    run = CorralRun(tmp_path, ["--batches", "50"])
     try:
         victim, _ = run.engine_pids()
         os.kill(victim, signal.SIGKILL)
-        report = run.finish(timeout_s=180)
-        assert run.leftovers() == []
+        report = run_until_recovered(run)
     finally:
         run.kill()
-    assert report["batches"] == 3
     assert report["engine_restarts"] == {"engine-0": 1, "engine-1": 0}
     first = next(e for e in report["engine_events"] if e["engine"] == "engine-0")
     assert first["state"] == "unhealthy"
