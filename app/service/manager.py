@@ -343,16 +343,17 @@ class RunManager:
         for handle in list(self.handles.values()):
             if handle.join(max(0.1, deadline - time.monotonic())):
                 continue
-            if handle.flushing.is_set():
-                # Its thread is a daemon: returning now would lose the events it still holds, and its end.
-                log.warning(
-                    "run %s has ended; waiting up to %.0f s more for its last events to be stored",
-                    handle.run_id,
-                    CLOSE_WAIT_S,
-                )
-                if handle.join(CLOSE_WAIT_S + 5.0):
-                    continue
-            log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
+            if not handle.flushing.is_set():
+                log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
+                continue
+            # Its thread is a daemon: returning now would lose the events it still holds, and its end.
+            log.warning(
+                "run %s has ended; waiting up to %.0f s more for its last events to be stored",
+                handle.run_id,
+                CLOSE_WAIT_S,
+            )
+            if not handle.join(CLOSE_WAIT_S + 5.0):
+                log.warning("run %s: its last events and end state may be lost, unstored", handle.run_id)
         self._writer.shutdown(wait=True)
 
 
