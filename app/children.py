@@ -8,6 +8,7 @@ left orphaned. Linux only (prctl PR_SET_PDEATHSIG); elsewhere it does nothing.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 
@@ -20,3 +21,14 @@ def die_with_parent() -> None:
     the parent process."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def quiet_worker() -> None:
+    """A simulation worker's initializer (`ProcessPoolExecutor(initializer=quiet_worker)`): Ctrl-C, or
+    the terminal hanging up (SIGHUP), both sent to the whole process group, end the worker at once and
+    quietly, where each worker used to print its own KeyboardInterrupt traceback; the parent gets the
+    same signal and says what happened. The worker also ends with its parent (`die_with_parent`): a
+    SIGTERM or SIGKILL to the parent alone used to leave the workers running for minutes."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: os._exit(130))
+    die_with_parent()

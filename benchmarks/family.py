@@ -41,6 +41,12 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _plot(result: dict[str, Any], path: Path) -> None:
+    from app.sim.plot import plot_family
+
+    plot_family(result, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workloads", default=",".join(FAMILY), help="comma-separated built-in names")
@@ -68,21 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     known = None
     if args.reuse is not None:
         known = {n: d["rungs"] for n, d in json.loads(args.reuse.read_text())["workloads"].items()}
-    result = run_family(
-        names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes), known=known
+    from benchmarks import interruptible, write_results
+
+    result = interruptible(
+        lambda: run_family(
+            names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes), known=known
+        )
     )
+    if result is None:
+        return 130
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print(table(result))
     for name, data in result["workloads"].items():
         for line in data["findings"]:
             print(f"!!! {name}: {line}")
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        from app.sim.plot import plot_family
-
-        plot_family(result, args.plot)
+    write_results(result, args.json_out, args.plot, _plot)
     print(f"{len(names)} workloads in {result['wall_s']} s", file=sys.stderr)
     return 0
 

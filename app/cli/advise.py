@@ -117,7 +117,7 @@ def advise(
         ),
     ] = None,
 ) -> None:
-    """Sweep S, K, updating engines and lane slots by simulation; recommend the fastest settings."""
+    """Sweep S, K, updating engines, lane slots and serving cores by simulation; recommend the fastest."""
     from app.sim.advise import plot_advice
     from app.sim.workload import TraceSpec, Workload, load_trace
 
@@ -148,13 +148,15 @@ def advise(
     cur, rec = advice.current, advice.recommended
     say(
         f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "
-        f"updating={cur.settings.updating()} lanes={dict(cur.settings.lane_slots)} → "
+        f"updating={cur.settings.updating()} lanes={dict(cur.settings.lane_slots)} "
+        f"serving cores={cur.settings.serving_cores} → "
         f"{cur.batch_collection_s:.1f} s, idle {cur.trainer_idle_fraction:.0%}, "
         f"wasted {cur.wasted_trajectory_s:,.0f} traj-s"
     )
     say(
         f"advised: S={rec.settings.surplus_groups} K={rec.settings.max_staleness} "
-        f"updating={rec.settings.updating()} lanes={dict(rec.settings.lane_slots)} → "
+        f"updating={rec.settings.updating()} lanes={dict(rec.settings.lane_slots)} "
+        f"serving cores={rec.settings.serving_cores} → "
         f"{rec.batch_collection_s:.1f} s, idle {rec.trainer_idle_fraction:.0%}, "
         f"wasted {rec.wasted_trajectory_s:,.0f} traj-s"
     )

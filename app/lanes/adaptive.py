@@ -53,8 +53,12 @@ class AdaptiveLanesSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
-    step: float = Field(0.25, gt=0, le=4, description="growth or shrink per decision, × configured slots")
-    max_factor: float = Field(4.0, ge=1, le=64, description="largest slots, × configured slots")
+    # step 1 and max_factor 16 (were 0.25 and 4): with slots following cores, the cores a lane can get
+    # bound its slots, and a lane configured far below its demand (3 reset slots for 48 groups) grew
+    # too slowly and too little; measured on the workload family and on random workloads in
+    # docs/simulator.md ("Adaptive lane slots").
+    step: float = Field(1.0, gt=0, le=4, description="growth or shrink per decision, × configured slots")
+    max_factor: float = Field(16.0, ge=1, le=64, description="largest slots, × configured slots")
     reweight: bool = Field(
         True, description="work-conserving lanes: guaranteed shares follow running + queued demand"
     )

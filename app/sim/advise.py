@@ -1,5 +1,6 @@
-"""`corral advise`: search S, K, the number of updating engines and the lane concurrency for the
-settings that minimise mean batch collection time on a workload, by simulating each candidate.
+"""`corral advise`: search S, K, the number of updating engines, the lane concurrency and, where lanes
+are pinned, how the cores split between serving and sandboxes, for the settings that minimise mean batch
+collection time on a workload, by simulating each candidate.
 
 The search is coordinate descent from the workload's own settings, which are simulated exactly as
 the hand-written config runs (`full` with its own defaults: adaptive lanes, its update pacing and
@@ -16,15 +17,15 @@ match the best found, rather than recommending a change inside the noise of the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import signal
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.children import die_with_parent
+from app.children import quiet_worker
 from app.outputs import save_figure
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
@@ -43,12 +44,17 @@ class Settings:
     max_staleness: int
     max_updating_engines: int | None  # None: the policy's own default (the hand-written config)
     lane_slots: tuple[tuple[str, int], ...]
+    # Cores behind the serving/sandbox boundary for serving (`cpus.serving`); the rest are the sandbox
+    # cores. None: the workload's own.
+    serving_cores: int | None = None
 
     def with_knob(self, knob: str, value: int | None) -> Settings:
         if knob == "max_updating_engines":
             return dataclasses.replace(self, max_updating_engines=value)
         if value is None:
             raise ValueError(f"{knob} needs a value")
+        if knob == "serving_cores":
+            return dataclasses.replace(self, serving_cores=value)
         if knob in LANES:
             slots = tuple((lane, value if lane == knob else n) for lane, n in self.lane_slots)
             return dataclasses.replace(self, lane_slots=slots)
@@ -69,7 +75,7 @@ class Settings:
         return "policy default" if self.max_updating_engines is None else str(self.max_updating_engines)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.as_policy(), "lanes": dict(self.lane_slots)}
+        return {**self.as_policy(), "lanes": dict(self.lane_slots), "serving_cores": self.serving_cores}
 
 
 @dataclass
@@ -134,11 +140,24 @@ def current_settings(workload: Workload) -> Settings:
         max_staleness=workload.policy.max_staleness,
         max_updating_engines=None,
         lane_slots=tuple(workload.lanes.slots().items()),
+        serving_cores=workload.cpus.serving,
     )
 
 
-def knob_grid(workload: Workload, best: Settings) -> dict[str, list[int | None]]:
-    """The values tried for each knob around `best` (always including its current value)."""
+def serving_grid(workload: Workload, current: int) -> list[int]:
+    """Serving cores to try: the engines' CPU demand (`engines.count × cpus.engine_demand`) × ¾, 1, 1¼
+    and 1½, and the current split, within what leaves the four lanes a core each. A serving set below
+    its engines' demand slows every model turn; one above it leaves cores idle that sandboxes queue
+    for, since the boundary is hard (random workloads, docs/simulator.md)."""
+    demand = workload.engines.count * workload.cpus.engine_demand
+    most = workload.cpus.total - 4
+    values = {current} | {math.ceil(demand * f) for f in (0.75, 1.0, 1.25, 1.5)}
+    return sorted(v for v in values if 1 <= v <= most)
+
+
+def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[str, list[int | None]]:
+    """The values tried for each knob around `best` (always including its current value); the serving
+    cores only where lanes are pinned (`pinned`), since shared CPUs have no boundary to move."""
     b = workload.batch.groups
     engines = workload.engines.count
     surplus = {0, b // 4, b // 2, b, 2 * b, 3 * b, best.surplus_groups}
@@ -153,6 +172,8 @@ def knob_grid(workload: Workload, best: Settings) -> dict[str, list[int | None]]
     }
     for lane, slots in best.lane_slots:
         grid[lane] = list(sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)}))
+    if pinned:
+        grid["serving_cores"] = list(serving_grid(workload, best.serving_cores or workload.cpus.serving))
     return grid
 
 
@@ -164,6 +185,8 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
         "surplus_groups": settings.surplus_groups,
         "max_staleness": settings.max_staleness,
     }
+    if settings.serving_cores is not None:
+        data["cpus"] = {**data["cpus"], "serving": settings.serving_cores}
     if workload.trace is not None:
         data["trace"] = workload.trace  # already resolved; keep the object, not a relative path
     return Workload.model_validate(data)
@@ -187,16 +210,6 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
         wasted_trajectory_s=round(sum(report["wasted_trajectory_s"].values()), 3),
         lower_bound_s=report["lower_bound_s"],
     )
-
-
-def _exit_on_interrupt() -> None:
-    """In each worker: Ctrl-C, or the terminal hanging up (SIGHUP), both sent to the whole process
-    group, end the worker at once and quietly; the parent gets the same signal and says what happened.
-    A worker also ends with its parent: a SIGTERM or SIGKILL to `corral advise` alone used to leave the
-    workers running for minutes."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: os._exit(130))
-    die_with_parent()
 
 
 def _rank(outcome: Outcome) -> tuple[float, float]:
@@ -258,7 +271,7 @@ def _search(
 ) -> None:
     """The coordinate descent of `advise`, recording every outcome in `seen` as it arrives."""
     planned = 1
-    with ProcessPoolExecutor(max_workers=workers, initializer=_exit_on_interrupt) as pool:
+    with ProcessPoolExecutor(max_workers=workers, initializer=quiet_worker) as pool:
 
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]
@@ -273,8 +286,9 @@ def _search(
 
         run_all([start])
         best = start
+        pinned = policy_for(workload, policy_name).pinned_lanes
         for _ in range(passes):
-            grid = knob_grid(workload, best)
+            grid = knob_grid(workload, best, pinned)
             for knob in knobs or grid:
                 values = grid[knob]
                 planned += sum(1 for v in values if best.with_knob(knob, v) not in seen)

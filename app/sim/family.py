@@ -153,7 +153,9 @@ def run_family(
     if processes > 1:
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        with ProcessPoolExecutor(processes) as pool:
+        from app.children import quiet_worker
+
+        with ProcessPoolExecutor(processes, initializer=quiet_worker) as pool:
             futures = {pool.submit(_simulate_rung, *task): key for key, task in todo}
             for done, future in enumerate(as_completed(futures)):
                 summaries[futures[future]] = future.result()

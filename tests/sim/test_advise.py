@@ -54,3 +54,30 @@ def test_the_current_candidate_is_the_hand_written_config_as_it_runs() -> None:
     assert policy.adaptive_lanes  # the sweep runs full as it is, adaptive lanes included
     report = simulate(workload, policy, "full")
     assert outcome.batch_collection_s == report["batch_collection_s"]["mean"]
+
+
+def test_a_serving_set_below_its_engines_demand_is_advised_up() -> None:
+    """Two engines of 2 cores each behind a 1-core serving set: every model turn crawls. The serving
+    cores are a knob where lanes are pinned, and the advice moves the boundary."""
+    import dataclasses
+
+    from app.sim.advise import serving_grid
+    from app.sim.workload import Workload
+
+    base = load_workload(EXAMPLES / "small-trace.yaml")
+    data = base.model_dump(by_alias=True)
+    data["cpus"] = {**data["cpus"], "serving": 1}
+    data["trace"] = base.trace
+    workload = Workload.model_validate(data)
+    start = current_settings(workload)
+    assert start.serving_cores == 1
+    assert serving_grid(workload, 1) == [1, 3, 4, 5, 6]  # demand 4 × ¾, 1, 1¼, 1½, and the current
+    assert "serving_cores" in knob_grid(workload, start)
+    assert "serving_cores" not in knob_grid(workload, start, pinned=False)
+    advice = advise(workload, passes=1, workers=2, knobs=["serving_cores"])
+    chosen = advice.recommended.settings
+    assert chosen.serving_cores is not None
+    assert chosen.serving_cores >= 3
+    assert dataclasses.replace(chosen, serving_cores=1) == start  # only the boundary moved
+    assert advice.recommended.batch_collection_s < advice.current.batch_collection_s
+    assert advice.as_dict()["recommended"]["settings"]["serving_cores"] == chosen.serving_cores

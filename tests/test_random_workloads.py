@@ -1,0 +1,163 @@
+"""benchmarks/random_workloads.py: random workloads that are valid and repeatable, a summary computed from
+the rungs it ran, and a command line that refuses bad flags and unwritable outputs before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from app.sim.workload import Workload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def rw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(REPO))  # benchmarks/ is imported from the checkout
+    from benchmarks import random_workloads
+
+    return random_workloads
+
+
+def test_every_drawn_workload_is_valid_and_repeats(rw: ModuleType) -> None:
+    specs = [rw.random_workload(i) for i in range(300)]
+    for spec in specs:
+        Workload.model_validate(spec)  # raises on a workload the simulator would refuse
+    assert specs[5] == rw.random_workload(5)
+    assert rw.random_workload(5, seed=1) != specs[5]
+    # The ranges reach both ends the benchmark is for: starved and ample sandbox cores, and serving
+    # sets below and above the engines' demand.
+    feats = [rw.features(spec) for spec in specs]
+    assert min(f["sandbox_cores_per_trajectory"] for f in feats) < 0.1
+    assert max(f["sandbox_cores_per_trajectory"] for f in feats) > 1.5
+    serving = [f["serving_over_engine_demand"] for f in feats]
+    assert min(serving) < 1 < max(serving)
+    assert {f["max_staleness"] for f in feats} == {1, 2, 4, 6}
+
+
+def row(mean: float) -> dict[str, Any]:
+    return {"mean_s": float(mean)}
+
+
+def test_the_summary_counts_what_the_rungs_say(rw: ModuleType) -> None:
+    sized = rw.SIZED
+    workloads = {
+        "r0": {"rungs": {"sync": row(300), "completion": row(200), "full": row(100), "areal": row(120),
+                         sized: row(90)}},
+        "r1": {"rungs": {"sync": row(300), "completion": row(310), "full": row(150), "areal": row(100),
+                         sized: row(99)}},
+    }  # fmt: skip
+    s = rw.summary(workloads)
+    assert s["full_best"] == 1
+    assert s["ladder_holds"] == 1  # r1: completion is slower than sync
+    assert s["full_over_best_other"] == {"r0": pytest.approx(100 / 120, abs=1e-4), "r1": 1.5}
+    assert s["full_over_best_other_worst"] == {"workload": "r1", "ratio": 1.5}
+    assert s["full_over_sync_median"] == pytest.approx((100 / 300 + 150 / 300) / 2, abs=1e-4)
+    # The sized variant is not one of the rungs `full` is judged against; it has its own line.
+    assert s["sized_serving"]["full_best"] == 2
+    assert s["sized_serving"]["over_best_other_worst"] == {"workload": "r1", "ratio": 0.99}
+
+
+def test_the_sized_variant_moves_only_the_boundary(rw: ModuleType) -> None:
+    for index in range(50):
+        spec = rw.random_workload(index)
+        sized = rw.sized_serving(spec)
+        demand = spec["engines"]["count"] * spec["cpus"]["engine_demand"]
+        assert sized["cpus"]["total"] == spec["cpus"]["total"]
+        assert sized["cpus"]["serving"] >= min(demand, spec["cpus"]["total"] - 4)
+        assert {k: v for k, v in sized.items() if k != "cpus"} == {
+            k: v for k, v in spec.items() if k != "cpus"
+        }
+        Workload.model_validate(sized)
+
+
+def test_a_short_run_simulates_every_rung_on_the_same_workload(rw: ModuleType) -> None:
+    seen: list[str] = []
+    result = rw.run(1, peers=False, batches=2, on_run=lambda label, done, total: seen.append(label))
+    data = result["workloads"]["r0"]
+    assert set(data["rungs"]) == {"sync", "completion", "lanes", "full", rw.SIZED}
+    assert len(seen) == 5
+    for summary in data["rungs"].values():
+        assert summary["lost_groups"] == 0
+        assert summary["mean_s"] > 0
+    assert data["spec"]["batches"] == 2
+    full = data["rungs"]["full"]["mean_s"]
+    best_other = min(r["mean_s"] for name, r in data["rungs"].items() if not name.startswith("full"))
+    assert result["summary"]["full_best"] == (1 if full <= best_other else 0)
+    sized = data["rungs"][rw.SIZED]["mean_s"]
+    assert result["summary"]["sized_serving"]["over_best_other"]["r0"] == round(sized / best_other, 4)
+    assert any("r0" in line for line in rw.lines(result))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.random_workloads", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_bad_flags_and_unwritable_outputs_are_refused_before_any_work(tmp_path: Path) -> None:
+    bad = run_cli("--count", "0")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: --count")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    out = run_cli("--count", "1", "--json", str(blocked / "out.json"))
+    assert out.returncode == 2
+    assert "--json" in out.stderr
+    assert "[1/" not in out.stderr  # no simulation began
+    assert "Traceback" not in out.stderr
+
+
+def test_the_command_writes_its_json_and_plot(tmp_path: Path) -> None:
+    out = run_cli("--count", "1", "--batches", "2", "--no-peers", "--json", str(tmp_path / "r.json"),
+                  "--plot", str(tmp_path / "r.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["summary"]["workloads"] == 1
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "full is best in" in out.stdout
+
+
+def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None:
+    """A Ctrl-C in a terminal signals the whole process group: the workers too. Each used to print its
+    own KeyboardInterrupt traceback; now they end quietly and the command says one line."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.random_workloads", "--count", "4", "--processes", "2",
+         "--json", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        time.sleep(4)  # imports done, workers started and simulating
+        assert proc.poll() is None
+        workers = subprocess.run(
+            ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(workers) >= 3  # the command and its two workers
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130
+    assert "interrupted: nothing written" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert left == []
