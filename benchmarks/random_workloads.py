@@ -2,14 +2,15 @@
 
 The workload family (benchmarks/family.py) is five hand-made workloads. Users bring their own traces,
 CPU budgets, lane slots and staleness bounds, so this draws `--count` workloads at random from wide
-ranges (below) and runs on each, on the same seeded draws: the ladder (sync, completion, lanes, full)
+ranges (below) and runs on each, on the same seeded draws: the ladder (sync, completion, lanes, full),
 `full` with its serving set sized to its engines' CPU demand (the same cores in all; what `corral
-advise` tries), and the equal-resource peer rungs of docs/peers.md (areal, which `skyrl` equals in the
-simulator, prime-rl, pipelinerl, slime). It prints one line per workload, every place where the
-ladder is out of order or another rung beats `full` (`!!!`), and a summary: in how many workloads
-`full` is best, and the median and worst ratio of `full` to the best other rung (the ladder and the
-peers), for `full` as configured and with its serving set sized. Exit code 0 either way: the findings are
-results, not failures.
+advise` tries), `full` with lanes that also run on the serving cores serving leaves idle
+(`lanes.borrow_serving_cpus`), and the equal-resource peer rungs of docs/peers.md (areal, which
+`skyrl` equals in the simulator, prime-rl, pipelinerl, slime). It prints one line per workload,
+every place where the ladder is out of order or another rung beats `full` (`!!!`), and a summary: in
+how many workloads `full` is best, and the median and worst ratio of `full` to the best other rung
+(the ladder and the peers), for `full` as configured and for each variant. Exit code 0 either way:
+the findings are results, not failures.
 
 What a workload draws (`random_workload`; seeded by `--seed` and the workload's index):
 - B in {8, 16, 32}, G in {4, 8}, S = B × {0.5, 1, 2, 3}, K in {1, 2, 4, 6}, 8 batches;
@@ -52,6 +53,14 @@ PEER_RUNGS = ["areal", "prime-rl", "pipelinerl", "slime"]
 # `full` with the serving/sandbox boundary moved to the engines' CPU demand (the same cores in all):
 # what an operator who sizes the serving set to its engines runs, and what `corral advise` tries.
 SIZED = "full (serving = engine demand)"
+
+
+# `full` with lanes that also run on the serving cores serving leaves idle (`lanes.borrow_serving_cpus`).
+BORROWING = "full (borrowing serving CPUs)"
+
+
+def borrowing(spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "lanes": {**spec["lanes"], "borrow_serving_cpus": True}}
 
 
 def sized_serving(spec: dict[str, Any]) -> dict[str, Any]:
@@ -150,11 +159,12 @@ def _simulate(seed: int, index: int, batches: int, rung: str) -> dict[str, Any]:
 
     spec = random_workload(index, seed, batches)
     draws = TrajectorySource(Workload.model_validate(spec))  # the serving split draws nothing
-    workload = Workload.model_validate(sized_serving(spec) if rung == SIZED else spec)
+    variant = {SIZED: sized_serving, BORROWING: borrowing}.get(rung)
+    workload = Workload.model_validate(variant(spec) if variant else spec)
     if rung in PEER_RUNGS:
         policy = peer_policy(workload, rung)
     else:
-        policy = policy_for(workload, PolicyName.FULL.value if rung == SIZED else rung)
+        policy = policy_for(workload, PolicyName.FULL.value if variant else rung)
     return summarise(simulate(workload, policy, rung, trajectories=draws))
 
 
@@ -171,7 +181,7 @@ def run(
 ) -> dict[str, Any]:
     """Every rung on `count` random workloads; per workload its spec, features, rungs and findings, and
     a summary over all of them."""
-    rungs = [rung.value for rung in LADDER_RUNGS] + [SIZED] + (PEER_RUNGS if peers else [])
+    rungs = [rung.value for rung in LADDER_RUNGS] + [SIZED, BORROWING] + (PEER_RUNGS if peers else [])
     plan = [(index, rung) for index in range(count) for rung in rungs]
     results: dict[tuple[int, str], dict[str, Any]] = {}
     if processes > 1:
@@ -215,17 +225,19 @@ def run(
 def summary(workloads: dict[str, Any]) -> dict[str, Any]:
     """How `full` fares: workloads where it is best, where the ladder holds, and its ratio to the best
     other rung (above 1: another rung is faster) and to `sync`. The other rungs are the ladder and the
-    peers; `full` with its serving set sized to its engines is compared with them on its own."""
+    peers; each variant of `full` (sized serving, borrowing serving CPUs) is compared with them on its
+    own, under its name."""
     to_best: dict[str, float] = {}
-    sized_to_best: dict[str, float] = {}
+    variants: dict[str, dict[str, float]] = {}
     to_sync: dict[str, float] = {}
     ladder_holds = 0
     for name, data in workloads.items():
         mean = {rung: row["mean_s"] for rung, row in data["rungs"].items()}
         others = [m for rung, m in mean.items() if not rung.startswith(PolicyName.FULL.value)]
         to_best[name] = mean["full"] / min(others)
-        if SIZED in mean:
-            sized_to_best[name] = mean[SIZED] / min(others)
+        for variant in (SIZED, BORROWING):
+            if variant in mean:
+                variants.setdefault(variant, {})[name] = mean[variant] / min(others)
         to_sync[name] = mean["full"] / mean["sync"]
         ladder_holds += mean["full"] <= mean["completion"] <= mean["sync"]
     worst = max(to_best, key=lambda name: to_best[name])
@@ -237,14 +249,15 @@ def summary(workloads: dict[str, Any]) -> dict[str, Any]:
         "full_over_best_other_worst": {"workload": worst, "ratio": round(to_best[worst], 4)},
         "full_over_sync_median": round(statistics.median(to_sync.values()), 4),
         "full_over_best_other": {name: round(ratio, 4) for name, ratio in to_best.items()},
+        "variants": {},
     }
-    if sized_to_best:
-        worst_sized = max(sized_to_best, key=lambda name: sized_to_best[name])
-        out["sized_serving"] = {
-            "full_best": sum(ratio <= 1.0 for ratio in sized_to_best.values()),
-            "over_best_other_median": round(statistics.median(sized_to_best.values()), 4),
-            "over_best_other_worst": {"workload": worst_sized, "ratio": round(sized_to_best[worst_sized], 4)},
-            "over_best_other": {name: round(ratio, 4) for name, ratio in sized_to_best.items()},
+    for variant, ratios in variants.items():
+        worst_v = max(ratios, key=lambda name: ratios[name])
+        out["variants"][variant] = {
+            "full_best": sum(ratio <= 1.0 for ratio in ratios.values()),
+            "over_best_other_median": round(statistics.median(ratios.values()), 4),
+            "over_best_other_worst": {"workload": worst_v, "ratio": round(ratios[worst_v], 4)},
+            "over_best_other": {name: round(ratio, 4) for name, ratio in ratios.items()},
         }
     return out
 
@@ -268,10 +281,9 @@ def lines(result: dict[str, Any]) -> list[str]:
         f"{s['full_over_best_other_median']:.3f}, worst {worst['ratio']:.3f} ({worst['workload']}); "
         f"full / sync: median {s['full_over_sync_median']:.3f}"
     )
-    if "sized_serving" in s:
-        z = s["sized_serving"]
+    for variant, z in s["variants"].items():
         out.append(
-            f"{SIZED}: best in {z['full_best']} of {s['workloads']}; / best other rung: median "
+            f"{variant}: best in {z['full_best']} of {s['workloads']}; / best other rung: median "
             f"{z['over_best_other_median']:.3f}, worst {z['over_best_other_worst']['ratio']:.3f} "
             f"({z['over_best_other_worst']['workload']})"
         )
@@ -280,7 +292,7 @@ def lines(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per workload, sorted: `full`'s mean over the best other rung's (below 1: `full` wins), and the
-    same for `full` with its serving set sized to its engines' demand."""
+    same for each variant of `full`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,23 +300,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     s = result["summary"]
     ratios = sorted(s["full_over_best_other"].items(), key=lambda kv: kv[1])
-    sized = s.get("sized_serving", {}).get("over_best_other", {})
     names = [n for n, _ in ratios]
-    x = range(len(names))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * len(ratios) + 2), 4.5))
+    variants = list(s["variants"].items())
+    width = 0.8 / (1 + len(variants))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(ratios) + 2), 4.5))
     colours = ["tab:green" if r <= 1.0 else "tab:red" for _, r in ratios]
-    ax.bar(
-        [i - 0.2 for i in x],
-        [r for _, r in ratios],
-        width=0.4,
-        color=colours,
-        label="full as configured (red: another rung is faster)",
-    )
-    if sized:
-        ax.bar([i + 0.2 for i in x], [sized[n] for n in names], width=0.4, color="tab:blue", alpha=0.6,
-               label=SIZED)  # fmt: skip
+    ax.bar([i - 0.4 + width / 2 for i in range(len(names))], [r for _, r in ratios], width=width,
+           color=colours, label="full as configured (red: another rung is faster)")  # fmt: skip
+    for k, ((variant, z), colour) in enumerate(zip(variants, ["tab:blue", "tab:purple"], strict=False)):
+        offset = -0.4 + width * (k + 1.5)
+        ax.bar([i + offset for i in range(len(names))], [z["over_best_other"][n] for n in names],
+               width=width, color=colour, alpha=0.6, label=variant)  # fmt: skip
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(x), names, rotation=90)
+    ax.set_xticks(list(range(len(names))), names, rotation=90)
     ax.set_ylabel("÷ best other rung (mean batch collection time)")
     ax.set_title(f"{len(ratios)} random workloads: below 1, full is faster than every other rung")
     ax.legend(fontsize=8)

@@ -60,8 +60,8 @@ def test_the_summary_counts_what_the_rungs_say(rw: ModuleType) -> None:
     assert s["full_over_best_other_worst"] == {"workload": "r1", "ratio": 1.5}
     assert s["full_over_sync_median"] == pytest.approx((100 / 300 + 150 / 300) / 2, abs=1e-4)
     # The sized variant is not one of the rungs `full` is judged against; it has its own line.
-    assert s["sized_serving"]["full_best"] == 2
-    assert s["sized_serving"]["over_best_other_worst"] == {"workload": "r1", "ratio": 0.99}
+    assert s["variants"][sized]["full_best"] == 2
+    assert s["variants"][sized]["over_best_other_worst"] == {"workload": "r1", "ratio": 0.99}
 
 
 def test_the_sized_variant_moves_only_the_boundary(rw: ModuleType) -> None:
@@ -81,8 +81,8 @@ def test_a_short_run_simulates_every_rung_on_the_same_workload(rw: ModuleType) -
     seen: list[str] = []
     result = rw.run(1, peers=False, batches=2, on_run=lambda label, done, total: seen.append(label))
     data = result["workloads"]["r0"]
-    assert set(data["rungs"]) == {"sync", "completion", "lanes", "full", rw.SIZED}
-    assert len(seen) == 5
+    assert set(data["rungs"]) == {"sync", "completion", "lanes", "full", rw.SIZED, rw.BORROWING}
+    assert len(seen) == 6
     for summary in data["rungs"].values():
         assert summary["lost_groups"] == 0
         assert summary["mean_s"] > 0
@@ -91,7 +91,12 @@ def test_a_short_run_simulates_every_rung_on_the_same_workload(rw: ModuleType) -
     best_other = min(r["mean_s"] for name, r in data["rungs"].items() if not name.startswith("full"))
     assert result["summary"]["full_best"] == (1 if full <= best_other else 0)
     sized = data["rungs"][rw.SIZED]["mean_s"]
-    assert result["summary"]["sized_serving"]["over_best_other"]["r0"] == round(sized / best_other, 4)
+    assert result["summary"]["variants"][rw.SIZED]["over_best_other"]["r0"] == round(sized / best_other, 4)
+    borrowing = data["rungs"][rw.BORROWING]
+    assert borrowing["lost_groups"] == 0
+    assert result["summary"]["variants"][rw.BORROWING]["over_best_other"]["r0"] == round(
+        borrowing["mean_s"] / best_other, 4
+    )
     assert any("r0" in line for line in rw.lines(result))
 
 

@@ -1,5 +1,6 @@
 """`corral advise`: search S, K, the number of updating engines, the lane concurrency and, where lanes
-are pinned, how the cores split between serving and sandboxes, for the settings that minimise mean batch
+are pinned, how the cores split between serving and sandboxes and whether the lanes may borrow the
+serving cores serving leaves idle, for the settings that minimise mean batch
 collection time on a workload, by simulating each candidate.
 
 The search is coordinate descent from the workload's own settings, which are simulated exactly as
@@ -27,6 +28,7 @@ from typing import Any
 
 from app.children import quiet_worker
 from app.outputs import save_figure
+from app.sim.lanes import LaneSharing
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 from app.validation import MAX_DEFAULT_WORKERS
@@ -47,6 +49,9 @@ class Settings:
     # Cores behind the serving/sandbox boundary for serving (`cpus.serving`); the rest are the sandbox
     # cores. None: the workload's own.
     serving_cores: int | None = None
+    # Lanes also run on the serving cores serving leaves idle (`lanes.borrow_serving_cpus`). None: the
+    # workload's own.
+    borrow_serving_cpus: bool | None = None
 
     def with_knob(self, knob: str, value: int | None) -> Settings:
         if knob == "max_updating_engines":
@@ -55,6 +60,8 @@ class Settings:
             raise ValueError(f"{knob} needs a value")
         if knob == "serving_cores":
             return dataclasses.replace(self, serving_cores=value)
+        if knob == "borrow_serving_cpus":
+            return dataclasses.replace(self, borrow_serving_cpus=bool(value))
         if knob in LANES:
             slots = tuple((lane, value if lane == knob else n) for lane, n in self.lane_slots)
             return dataclasses.replace(self, lane_slots=slots)
@@ -75,7 +82,12 @@ class Settings:
         return "policy default" if self.max_updating_engines is None else str(self.max_updating_engines)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.as_policy(), "lanes": dict(self.lane_slots), "serving_cores": self.serving_cores}
+        return {
+            **self.as_policy(),
+            "lanes": dict(self.lane_slots),
+            "serving_cores": self.serving_cores,
+            "borrow_serving_cpus": self.borrow_serving_cpus,
+        }
 
 
 @dataclass
@@ -141,6 +153,7 @@ def current_settings(workload: Workload) -> Settings:
         max_updating_engines=None,
         lane_slots=tuple(workload.lanes.slots().items()),
         serving_cores=workload.cpus.serving,
+        borrow_serving_cpus=workload.lanes.borrow_serving_cpus,
     )
 
 
@@ -174,6 +187,9 @@ def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[s
         grid[lane] = list(sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)}))
     if pinned:
         grid["serving_cores"] = list(serving_grid(workload, best.serving_cores or workload.cpus.serving))
+        if workload.lanes.sharing is LaneSharing.WORK_CONSERVING:
+            own = int(bool(best.borrow_serving_cpus))
+            grid["borrow_serving_cpus"] = [own, 1 - own]  # the current value first
     return grid
 
 
@@ -187,6 +203,8 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
     }
     if settings.serving_cores is not None:
         data["cpus"] = {**data["cpus"], "serving": settings.serving_cores}
+    if settings.borrow_serving_cpus is not None:
+        data["lanes"]["borrow_serving_cpus"] = settings.borrow_serving_cpus
     if workload.trace is not None:
         data["trace"] = workload.trace  # already resolved; keep the object, not a relative path
     return Workload.model_validate(data)

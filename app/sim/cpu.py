@@ -22,13 +22,20 @@ idle rest goes to the others in proportion to their weights (work-conserving). W
 demand d > a runs at (a / d)·1 / (1 + θ(d / a − 1)): its own threads contend for its allocation, as
 runnable threads of one cgroup do inside its share.
 
+With a `lender` (`lanes.borrow_serving_cpus`, work-conserving lanes only) the sandbox pool also runs
+on the serving cores that serving leaves idle, as lanes given the serving CPUs at a CPU weight far
+below serving's do: its cores are its own plus max(0, serving cores − serving demand), so serving
+always has every core it asks for, and the sandbox cores move whenever the engines' demand does. Work
+on borrowed cores still slows serving as a neighbour does: a serving stream's rate is divided by
+1 + γ·min(1, borrowed cores in use / serving cores), γ = the lender's `interference`.
+
 Work runs in streams. All jobs of a stream progress at the stream's rate times its own factor (0 while
 an engine is paused with `keep`). Each stream tracks the service every one of its jobs has received so
 far, so a rate change costs O(streams), not O(jobs).
 
 Invariants: a job of `work` seconds never finishes sooner than `work` seconds after it starts; in a
 `LanePool`, a lane with demand d gets at least min(d, g) cores and the allocations never exceed the
-pool's cores.
+pool's cores (its own plus, with a lender, the lender's idle cores at that moment).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import asyncio
 import heapq
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from app.sim.clock import VirtualTimeLoop
@@ -72,6 +79,38 @@ class CpuPool:
         self.rate = 1.0
         self.serving_factor = 1.0  # slow-down of serving from co-located sandbox work
         self.streams: list[Stream] = []
+        self.borrower: LanePool | None = None  # a sandbox pool running on this pool's idle cores
+        self.borrowed = 0.0  # cores of this pool the borrower uses now
+
+    def idle_cores(self) -> float:
+        return self.cores - self.demand if self.demand < self.cores else 0.0
+
+    def retime(self, change: Callable[[], None]) -> None:
+        """Settle every stream's service at the current time, apply `change` to the pool, and give every
+        stream its new rate: how anything that changes a pool's rates is carried out."""
+        now = _now()
+        for s in self.streams:
+            s.settle(now)
+        change()
+        for s in self.streams:
+            s.rate_changed(now)
+
+    def set_borrowed(self, cores: float) -> None:
+        """The borrower now uses `cores` of this pool's idle cores: serving slows as with a neighbour."""
+        if cores == self.borrowed:
+            return
+
+        def lend() -> None:
+            self.borrowed = cores
+            self.serving_factor = self._serving_factor()
+
+        self.retime(lend)
+
+    def _serving_factor(self) -> float:
+        neighbours = self.sandbox_demand + self.borrowed
+        if self.interference and neighbours:
+            return 1.0 / (1.0 + self.interference * min(1.0, neighbours / self.cores))
+        return 1.0
 
     def stream(self, name: str, serving: bool = False) -> Stream:
         stream = Stream(self, name, serving)
@@ -87,6 +126,8 @@ class CpuPool:
         new_demand = self.demand + delta
         if self.rate == 1.0 and new_demand <= self.cores and not (sandbox and self.interference):
             self.demand = new_demand  # nothing changes speed: the common, uncontended case
+            if self.borrower is not None:
+                self.borrower.lender_changed()
             return
         now = _now()
         for s in self.streams:
@@ -97,12 +138,11 @@ class CpuPool:
             if abs(self.sandbox_demand) < _EPS:
                 self.sandbox_demand = 0.0
         self.rate = _oversubscribed_rate(self.demand, self.cores, self.thrash)
-        if self.interference and self.sandbox_demand:
-            self.serving_factor = 1.0 / (1.0 + self.interference * min(1.0, self.sandbox_demand / self.cores))
-        else:
-            self.serving_factor = 1.0
+        self.serving_factor = self._serving_factor()
         for s in self.streams:
             s.rate_changed(now)
+        if self.borrower is not None:
+            self.borrower.lender_changed()
 
 
 class LanePool(CpuPool):
@@ -115,6 +155,7 @@ class LanePool(CpuPool):
         guarantees: Mapping[str, float],
         borrow: bool = True,
         thrash: float = 0.0,
+        lender: CpuPool | None = None,
     ) -> None:
         super().__init__(name, cores, thrash)
         if not guarantees or any(not math.isfinite(g) or g <= 0 for g in guarantees.values()):
@@ -126,6 +167,38 @@ class LanePool(CpuPool):
         self.lanes: dict[str, Stream] = {}
         self.allocation: dict[str, float] = dict.fromkeys(guarantees, 0.0)
         self.max_borrowed = 0.0  # the most cores any lane held beyond its guarantee
+        self.own_cores = cores
+        self.lender = lender
+        self.max_lent = 0.0  # the most of the lender's cores the lanes used at once
+        if lender is not None:
+            if not borrow:
+                raise ValueError(f"CPU pool {name!r}: partitioned lanes cannot borrow serving cores")
+            lender.borrower = self
+            self.cores = cores + lender.idle_cores()
+
+    def lender_changed(self) -> None:
+        """The lender's demand moved: the cores it leaves idle, and so this pool's, follow."""
+        assert self.lender is not None
+        cores = self.own_cores + self.lender.idle_cores()
+        if cores == self.cores:
+            return
+
+        def resize() -> None:
+            self.cores = cores
+            self.allocation = self._allocate()
+
+        self.retime(resize)
+        self._lend()
+
+    def _lend(self) -> None:
+        """Tell the lender how many of its cores the lanes use now (the demand beyond our own cores)."""
+        if self.lender is None:
+            return
+        used = min(self.demand, self.cores) - self.own_cores
+        used = used if used > 0.0 else 0.0
+        if used > self.max_lent:
+            self.max_lent = used
+        self.lender.set_borrowed(used)
 
     def stream(self, name: str, serving: bool = False) -> Stream:
         if name not in self.guarantees:
@@ -156,6 +229,8 @@ class LanePool(CpuPool):
             borrowed = demand - self.guarantees[name]
             if borrowed > self.max_borrowed:
                 self.max_borrowed = borrowed
+            if self.lender is not None and (total > self.own_cores or old_total > self.own_cores):
+                self._lend()
             return
         if not self.borrow and stream.demand <= self.guarantees[stream.name] and stream.rate == 1.0:
             self.allocation[stream.name] = stream.demand
@@ -168,6 +243,7 @@ class LanePool(CpuPool):
             self.max_borrowed = max(self.max_borrowed, alloc - self.guarantees[name])
         for s in self.streams:
             s.rate_changed(now)
+        self._lend()
 
     def set_guarantees(self, weights: Mapping[str, float]) -> None:
         """New guaranteed shares: the sandbox cores split in proportion to `weights` (work-conserving
@@ -180,7 +256,8 @@ class LanePool(CpuPool):
         now = _now()
         for s in self.streams:
             s.settle(now)
-        self.guarantees = {lane: self.cores * w / total for lane, w in weights.items()}
+        # Guaranteed shares are of the pool's own cores: cores borrowed from serving come and go.
+        self.guarantees = {lane: self.own_cores * w / total for lane, w in weights.items()}
         self.allocation = self._allocate()
         for s in self.streams:
             s.rate_changed(now)

@@ -113,6 +113,13 @@ VARIANTS: dict[str, tuple[Callable[[Workload], dict[str, Any]], dict[str, Any]]]
     "full (fixed lanes)": (_same, {"adaptive_lanes": False}),
     "full (partitioned lanes)": (lambda w: {"lanes": {"sharing": "partitioned"}}, {"adaptive_lanes": False}),
     "full (S = K·B)": (_staleness_surplus, {}),
+    # The real runtime's `lanes.borrow_serving_cpus`: lanes also run on the serving cores serving leaves
+    # idle (off by default, as in the runtime: the hard boundary is the design).
+    "full (borrowing serving CPUs)": (lambda w: {"lanes": {"borrow_serving_cpus": True}}, {}),
+    "full (S = K·B, borrowing serving CPUs)": (
+        lambda w: {**_staleness_surplus(w), "lanes": {"borrow_serving_cpus": True}},
+        {},
+    ),
 }
 
 

@@ -5,7 +5,8 @@ CPU pools by policy and `lanes.sharing` (the model is in app.sim.cpu):
   operation, with serving interference; lanes have no slot limit;
 - pinned lanes: serving gets `cpus.serving` cores of its own (the hard boundary) and the rest form
   the sandbox pool. `work_conserving`: one `LanePool` whose lanes are guaranteed their weight's share
-  and borrow idle cores; `partitioned`: each lane owns whole cores (`lane_cpu_split`) and never borrows.
+  and borrow idle cores (with `lanes.borrow_serving_cpus`, idle serving cores too, serving first);
+  `partitioned`: each lane owns whole cores (`lane_cpu_split`) and never borrows.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class SimPorts:
             out["lane_sharing"] = "work_conserving" if self.sandbox.borrow else "partitioned"
             out["lane_guaranteed_cores"] = {k: round(v, 3) for k, v in self.configured_guarantees.items()}
             out["lane_max_borrowed_cores"] = round(self.sandbox.max_borrowed, 3)
+            if self.sandbox.lender is not None:
+                out["lane_max_serving_cores_used"] = round(self.sandbox.max_lent, 3)
         else:
             out["lane_sharing"] = "shared"
         if self.controller is not None:
@@ -86,7 +89,9 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
     sandbox: LanePool | None = None
     adaptive = workload.lanes.adaptive or (AdaptiveLanesSpec() if policy.adaptive_lanes else None)
     if policy.pinned_lanes:
-        serving = CpuPool("serving", cpus.serving, cpus.thrash)
+        borrowing = workload.lanes.borrow_serving_cpus
+        # Lanes on the serving cores slow serving as neighbours do (γ); without them nothing co-locates.
+        serving = CpuPool("serving", cpus.serving, cpus.thrash, cpus.interference if borrowing else 0.0)
         if workload.lanes.sharing is LaneSharing.PARTITIONED:
             guarantees = {lane: float(len(ids)) for lane, ids in split.items()}
             sandbox = LanePool("sandbox", sum(guarantees.values()), guarantees, False, cpus.thrash)
@@ -96,7 +101,8 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
                 share = adaptive.background_share
                 guarantees = {lane: g * (1 - share) for lane, g in guarantees.items()}
                 guarantees[BACKGROUND] = share * (cpus.total - cpus.serving)
-            sandbox = LanePool("sandbox", cpus.total - cpus.serving, guarantees, True, cpus.thrash)
+            lender = serving if borrowing else None
+            sandbox = LanePool("sandbox", cpus.total - cpus.serving, guarantees, True, cpus.thrash, lender)
         streams = {lane: sandbox.stream(lane) for lane in split}
     else:
         serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)

@@ -258,6 +258,19 @@ class LanesSpec(Strict):
         None, description="guaranteed share per lane; default: slots × per-operation demand"
     )
     adaptive: AdaptiveLanesSpec | None = Field(None, description="lane slots that follow measured demand")
+    borrow_serving_cpus: bool = Field(
+        False,
+        description="work-conserving pinned lanes also run on the serving cores serving leaves idle, at a "
+        "weight far below serving's (the real runtime's `lanes.borrow_serving_cpus`)",
+    )
+
+    @model_validator(mode="after")
+    def _borrow_needs_sharing(self) -> LanesSpec:
+        if self.borrow_serving_cpus and self.sharing is LaneSharing.PARTITIONED:
+            raise ValueError(
+                "borrow_serving_cpus needs work_conserving lanes: partitioned lanes own their cores"
+            )
+        return self
 
     def slots(self) -> dict[str, int]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}

@@ -74,6 +74,8 @@ def test_a_serving_set_below_its_engines_demand_is_advised_up() -> None:
     assert serving_grid(workload, 1) == [1, 3, 4, 5, 6]  # demand 4 × ¾, 1, 1¼, 1½, and the current
     assert "serving_cores" in knob_grid(workload, start)
     assert "serving_cores" not in knob_grid(workload, start, pinned=False)
+    assert knob_grid(workload, start)["borrow_serving_cpus"] == [0, 1]  # the workload's own (off) first
+    assert start.borrow_serving_cpus is False
     advice = advise(workload, passes=1, workers=2, knobs=["serving_cores"])
     chosen = advice.recommended.settings
     assert chosen.serving_cores is not None
@@ -81,3 +83,15 @@ def test_a_serving_set_below_its_engines_demand_is_advised_up() -> None:
     assert dataclasses.replace(chosen, serving_cores=1) == start  # only the boundary moved
     assert advice.recommended.batch_collection_s < advice.current.batch_collection_s
     assert advice.as_dict()["recommended"]["settings"]["serving_cores"] == chosen.serving_cores
+
+
+def test_borrowing_is_a_knob_that_reaches_the_workload() -> None:
+    from app.sim.advise import _workload_with
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    start = current_settings(workload)
+    borrowing = start.with_knob("borrow_serving_cpus", 1)
+    assert borrowing.borrow_serving_cpus is True
+    assert _workload_with(workload, borrowing).lanes.borrow_serving_cpus is True
+    assert _workload_with(workload, start).lanes.borrow_serving_cpus is False
+    assert evaluate(workload, borrowing).batch_collection_s > 0

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.sim.clock import SimulationDeadlock, run_virtual
-from app.sim.cpu import CpuPool
+from app.sim.cpu import CpuPool, LanePool
 
 
 def finish_times(
@@ -74,3 +74,75 @@ def test_virtual_clock_reports_a_deadlock() -> None:
 
     with pytest.raises(SimulationDeadlock):
         run_virtual(stuck())
+
+
+def run_borrowing(
+    engine: tuple[float, float, float] | None,
+    lanes: list[tuple[float, float, float]],
+    interference: float = 0.0,
+) -> tuple[list[float], float | None, LanePool]:
+    """An engine job (start, work, demand) on a 4-core serving pool and lane jobs (start, work, demand) on a
+    2-core sandbox pool that borrows serving's idle cores; returns the lane jobs' and the engine job's
+    finish times, and the sandbox pool."""
+    serving = CpuPool("serving", 4, interference=interference)
+    sandbox = LanePool("sandbox", 2, {"exec": 2.0}, lender=serving)
+    serve, lane = serving.stream("engine", serving=True), sandbox.stream("exec")
+
+    async def main() -> tuple[list[float], float | None]:
+        loop = asyncio.get_running_loop()
+        done = [0.0] * len(lanes)
+        served: list[float] = []
+
+        async def job(i: int, start: float, work: float, demand: float) -> None:
+            await asyncio.sleep(start)
+            await lane.run(work, demand)
+            done[i] = loop.time()
+
+        async def engine_job(start: float, work: float, demand: float) -> None:
+            await asyncio.sleep(start)
+            serving.change_demand(demand)
+            await serve.run(work)
+            serving.change_demand(-demand)
+            served.append(loop.time())
+
+        async with asyncio.TaskGroup() as tg:
+            for i, spec in enumerate(lanes):
+                tg.create_task(job(i, *spec))
+            if engine is not None:
+                tg.create_task(engine_job(*engine))
+        return done, (served[0] if served else None)
+
+    done, served = run_virtual(main())
+    return done, served, sandbox
+
+
+def test_lanes_borrow_the_serving_cores_serving_leaves_idle() -> None:
+    # Four one-core jobs on 2 sandbox cores and 4 idle serving cores: each runs at full speed.
+    done, _, sandbox = run_borrowing(None, [(0, 10, 1)] * 4)
+    assert done == pytest.approx([10] * 4)
+    assert sandbox.max_lent == pytest.approx(2.0)
+    # Without a lender the same jobs share 2 cores (half speed, and the oversubscription loss is off).
+    alone = finish_times([("sb", 10, 1)] * 4, LanePool("sandbox", 2, {"sb": 2.0}))
+    assert alone == pytest.approx([20] * 4)
+
+
+def test_serving_takes_its_cores_back_and_is_never_slowed_below_them() -> None:
+    # Lanes want 6 cores; serving starts a 3-core job at t = 4 for 10 s: the lanes drop to 2 + 1 cores.
+    done, served, sandbox = run_borrowing((4, 10, 3), [(0, 30, 6)])
+    assert served == pytest.approx(14)  # serving ran at full speed: it had every core it asked for
+    # The lane job: 4 s at full speed (6 cores), 10 s at 3/6, then full speed: 4 + 5 = 9 s of work by
+    # t = 14, the remaining 21 s at full speed.
+    assert done == pytest.approx([35])
+    assert sandbox.max_lent == pytest.approx(4.0)
+    assert sandbox.cores == pytest.approx(6.0)  # all 4 serving cores idle again
+
+
+def test_borrowed_cores_slow_serving_as_neighbours_do() -> None:
+    # γ = 0.5 and 1 borrowed core in use out of 4 serving cores: serving runs at 1 / (1 + 0.5 / 4).
+    _, served, _ = run_borrowing((0, 9, 1), [(0, 100, 3)], interference=0.5)
+    assert served == pytest.approx(9 * (1 + 0.5 * 1 / 4))
+
+
+def test_partitioned_lanes_cannot_borrow() -> None:
+    with pytest.raises(ValueError, match="cannot borrow"):
+        LanePool("sandbox", 2, {"exec": 2.0}, borrow=False, lender=CpuPool("serving", 4))

@@ -245,3 +245,10 @@ def test_trace_workload_simulates_end_to_end(trace_file: Path) -> None:
     assert report["max_groups_running"] <= 2 + 2  # B + S caps groups in flight (in-flight admission)
     assert report["max_staleness"] <= 2
     assert len(report["batch_collection_s"]["per_batch"]) == 2
+
+
+def test_borrowing_serving_cpus_needs_work_conserving_lanes() -> None:
+    ok = Workload.model_validate({"lanes": {"borrow_serving_cpus": True}})
+    assert ok.lanes.borrow_serving_cpus
+    with pytest.raises(ValueError, match="borrow_serving_cpus needs work_conserving lanes"):
+        Workload.model_validate({"lanes": {"borrow_serving_cpus": True, "sharing": "partitioned"}})
