@@ -11,6 +11,11 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,3 +37,24 @@ def quiet_worker() -> None:
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: os._exit(130))
     die_with_parent()
+
+
+def map_in_workers(
+    fn: Callable[..., R],
+    tasks: Iterable[tuple[K, tuple[Any, ...]]],
+    processes: int,
+    on_done: Callable[[K, int, int], None] | None = None,
+) -> dict[K, R]:
+    """`fn(*args)` for each (key, args) of `tasks` in `processes` worker processes (`quiet_worker`s),
+    by key; `on_done(key, done, total)` after each, in the order they finish."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    todo = list(tasks)
+    results: dict[K, R] = {}
+    with ProcessPoolExecutor(processes, initializer=quiet_worker) as pool:
+        futures = {pool.submit(fn, *args): key for key, args in todo}
+        for done, future in enumerate(as_completed(futures)):
+            results[futures[future]] = future.result()
+            if on_done is not None:
+                on_done(futures[future], done + 1, len(todo))
+    return results

@@ -185,19 +185,14 @@ def run(
     plan = [(index, rung) for index in range(count) for rung in rungs]
     results: dict[tuple[int, str], dict[str, Any]] = {}
     if processes > 1:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from app.children import map_in_workers
 
-        from app.children import quiet_worker
+        def finished(task: tuple[int, str], done: int, total: int) -> None:
+            if on_run is not None:
+                on_run(f"r{task[0]} {task[1]}", done, total)
 
-        with ProcessPoolExecutor(processes, initializer=quiet_worker) as pool:
-            futures = {
-                pool.submit(_simulate, seed, index, batches, rung): (index, rung) for index, rung in plan
-            }
-            for done, future in enumerate(as_completed(futures)):
-                results[futures[future]] = future.result()
-                if on_run is not None:
-                    index, rung = futures[future]
-                    on_run(f"r{index} {rung}", done + 1, len(plan))
+        tasks = [((index, rung), (seed, index, batches, rung)) for index, rung in plan]
+        results = map_in_workers(_simulate, tasks, processes, finished)
     else:
         for done, (index, rung) in enumerate(plan):
             results[(index, rung)] = _simulate(seed, index, batches, rung)
@@ -335,15 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.count, args.batches, args.processes) < 1 or args.seed < 0 or not all(limits):
         print("error: --count and --batches must be 1–1000, --seed 0–2^31, --processes 1–64", file=sys.stderr)
         return 2
-    from benchmarks import check_outputs
+    from benchmarks import check_outputs, interruptible, write_results
 
     check_outputs(json=args.json_out, plot=args.plot)
     started = time.perf_counter()
 
     def on_run(label: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
-
-    from benchmarks import interruptible, write_results
 
     result = interruptible(
         lambda: run(args.count, args.seed, not args.no_peers, args.processes, on_run, args.batches)

@@ -145,21 +145,14 @@ def advise(
                 f'{json_out} ("complete": false)'
             )
             raise typer.Exit(130)
-    cur, rec = advice.current, advice.recommended
-    say(
-        f"current: S={cur.settings.surplus_groups} K={cur.settings.max_staleness} "
-        f"updating={cur.settings.updating()} lanes={dict(cur.settings.lane_slots)} "
-        f"serving cores={cur.settings.serving_cores} borrowing={cur.settings.borrow_serving_cpus} → "
-        f"{cur.batch_collection_s:.1f} s, idle {cur.trainer_idle_fraction:.0%}, "
-        f"wasted {cur.wasted_trajectory_s:,.0f} traj-s"
-    )
-    say(
-        f"advised: S={rec.settings.surplus_groups} K={rec.settings.max_staleness} "
-        f"updating={rec.settings.updating()} lanes={dict(rec.settings.lane_slots)} "
-        f"serving cores={rec.settings.serving_cores} borrowing={rec.settings.borrow_serving_cpus} → "
-        f"{rec.batch_collection_s:.1f} s, idle {rec.trainer_idle_fraction:.0%}, "
-        f"wasted {rec.wasted_trajectory_s:,.0f} traj-s"
-    )
+    for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
+        s = outcome.settings
+        say(
+            f"{label}: S={s.surplus_groups} K={s.max_staleness} updating={s.updating()} "
+            f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
+            f"{outcome.batch_collection_s:.1f} s, idle {outcome.trainer_idle_fraction:.0%}, "
+            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s"
+        )
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
 
 

@@ -170,7 +170,8 @@ def serving_grid(workload: Workload, current: int) -> list[int]:
 
 def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[str, list[int | None]]:
     """The values tried for each knob around `best` (always including its current value); the serving
-    cores only where lanes are pinned (`pinned`), since shared CPUs have no boundary to move."""
+    cores and borrowing only where lanes are pinned (`pinned`), since shared CPUs have no boundary to
+    move, and borrowing only with work-conserving lanes."""
     b = workload.batch.groups
     engines = workload.engines.count
     surplus = {0, b // 4, b // 2, b, 2 * b, 3 * b, best.surplus_groups}

@@ -253,14 +253,13 @@ class LanePool(CpuPool):
         total = sum(weights.values())
         if set(weights) != set(self.guarantees) or not total > 0 or not math.isfinite(total):
             raise ValueError(f"CPU pool {self.name!r}: weights {dict(weights)} must be positive per lane")
-        now = _now()
-        for s in self.streams:
-            s.settle(now)
-        # Guaranteed shares are of the pool's own cores: cores borrowed from serving come and go.
-        self.guarantees = {lane: self.own_cores * w / total for lane, w in weights.items()}
-        self.allocation = self._allocate()
-        for s in self.streams:
-            s.rate_changed(now)
+
+        def reweigh() -> None:
+            # Guaranteed shares are of the pool's own cores: cores borrowed from serving come and go.
+            self.guarantees = {lane: self.own_cores * w / total for lane, w in weights.items()}
+            self.allocation = self._allocate()
+
+        self.retime(reweigh)
 
     def entitlement(self, lane: str) -> float:
         """The cores `lane` would get if it wanted every core, the other lanes' demand as it is."""

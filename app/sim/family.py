@@ -158,16 +158,13 @@ def run_family(
             unique.setdefault(keys[task], task)
     todo = list(unique.items())
     if processes > 1:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from app.children import map_in_workers
 
-        from app.children import quiet_worker
+        def finished(key: str, done: int, total: int) -> None:
+            if on_run is not None:
+                on_run(" ".join(unique[key]), done, total)
 
-        with ProcessPoolExecutor(processes, initializer=quiet_worker) as pool:
-            futures = {pool.submit(_simulate_rung, *task): key for key, task in todo}
-            for done, future in enumerate(as_completed(futures)):
-                summaries[futures[future]] = future.result()
-                if on_run is not None:
-                    on_run(" ".join(unique[futures[future]]), done + 1, len(todo))
+        summaries.update(map_in_workers(_simulate_rung, todo, processes, finished))
     else:
         for done, (key, task) in enumerate(todo):
             if on_run is not None:
