@@ -505,6 +505,15 @@ def _wait_demo_served(proc: subprocess.Popen[Any], port: int, output: Callable[[
         time.sleep(0.1)
 
 
+def _assert_serve_stopped_cleanly(proc: subprocess.Popen[Any], stderr: str, run: str = "demo") -> None:
+    """Exit 0, no traceback or error line, the run stopped, and the goodbye line last."""
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "ERROR" not in stderr, stderr
+    assert f"({run}): stopped" in stderr, stderr
+    assert stderr.splitlines()[-1].startswith("corral serve: stopped; runs and their events are kept"), stderr
+
+
 def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_path: Path) -> None:
     """A terminal window closed (or an ssh session dropped) under `corral serve`: SIGHUP to its process
     group, and every later write to the terminal fails. It killed the server at once, its runs cut
@@ -555,10 +564,110 @@ def test_corral_serve_stopped_by_a_signal_says_what_became_of_its_runs(tmp_path:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, stderr
-    assert "Traceback" not in stderr
-    assert "(demo): stopped" in stderr, stderr
-    assert stderr.splitlines()[-1].startswith("corral serve: stopped; runs and their events are kept"), stderr
+    _assert_serve_stopped_cleanly(proc, stderr)
+
+
+def test_ctrl_c_twice_to_corral_serve_with_a_live_page_open_stops_each_run_cleanly(tmp_path: Path) -> None:
+    """Two Ctrl-Cs to the process group within uvicorn's 0.1 s tick (a user pressing twice): uvicorn took
+    the second as "force quit" and skipped the app's shutdown, so the runs were stopped only by the
+    cancellation of every task at exit, under uvicorn's lifespan traceback. A dashboard page's live
+    stream open meanwhile was cut off without its last message ("ASGI callable returned without
+    completing response"). Now the app's shutdown runs, the stream ends cleanly, and serve says so."""
+    import os
+    import sqlite3
+    import threading
+    import time
+
+    import httpx
+
+    argv, env, port = _demo_serve(tmp_path)
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    streamed: list[int] = []
+
+    def watch() -> None:  # the runs page, open in a browser: its live stream until the server ends it
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/stream", timeout=60) as response:
+            streamed.append(response.status_code)
+            for _ in response.iter_bytes():
+                pass
+
+    try:
+        _wait_demo_served(proc, port, lambda: proc.communicate()[1])
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        deadline = time.monotonic() + 30
+        while not streamed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert streamed == [200]
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.02)  # not at once: a signal still pending would absorb the second
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        watcher.join(timeout=10)
+        assert not watcher.is_alive()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _assert_serve_stopped_cleanly(proc, stderr)
+    with sqlite3.connect(tmp_path / "corral.db") as db:
+        assert [state for (state,) in db.execute("SELECT state FROM runs")] == ["stopped"]
+
+
+def test_a_trainer_long_polling_when_corral_serve_stops_is_told_so_at_once(tmp_path: Path) -> None:
+    """uvicorn waits for open requests before the app's shutdown: a trainer's long-poll for the next
+    batch (up to 300 s) held a Ctrl-C'd server until it timed out, with the runs still going. It now
+    answers 503 (ask again once the server is back) as the server starts to stop."""
+    import os
+    import threading
+    import time
+
+    import httpx
+
+    argv, env, port = _demo_serve(tmp_path)
+    argv = argv[: argv.index("--demo")]
+    env = {**env, "CORRAL_OPERATOR_TOKEN": "trainer-token", "CORRAL_ACK_TIMEOUT_S": "600"}
+    auth = {"Authorization": "Bearer trainer-token"}
+    base = f"http://127.0.0.1:{port}/api/runs"
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    answers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                created = httpx.post(base, json={"name": "t", "kind": "sim"}, headers=auth, timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "corral serve did not start"
+                time.sleep(0.1)
+        assert created.status_code == 201, created.text
+        run = created.json()["id"]
+        first = httpx.get(f"{base}/{run}/batches/next", params={"timeout": 60}, headers=auth, timeout=90)
+        assert first.status_code == 200, first.text
+
+        def poll() -> None:  # the first batch is neither acked nor expired: this one waits
+            url = f"{base}/{run}/batches/next"
+            answers.append(httpx.get(url, params={"timeout": 300}, headers=auth, timeout=320).status_code)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        time.sleep(1.0)
+        assert answers == []
+        os.kill(proc.pid, signal.SIGINT)
+        poller.join(timeout=60)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert answers == [503], stderr
+    _assert_serve_stopped_cleanly(proc, stderr, run="t")
 
 
 @pytest.mark.parametrize("command", ["sim", "bench"])

@@ -74,6 +74,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,7 +32,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing
-from app.service.gateway import RunClosedError, TrainerGateway, UnknownBatchError
+from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, RunManager
 from app.service.schemas import (
@@ -129,6 +130,7 @@ async def stop_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str
 
 @router.get("/{run_id}/batches/next", responses={204: {"description": "no batch within the timeout"}})
 async def next_batch(
+    request: Request,
     run_id: RunId,
     manager: Manager,
     _: Viewer,
@@ -144,7 +146,7 @@ async def next_batch(
     else:
         gateway = await run_in_threadpool(_ended_gateway, manager, run_id)
     try:
-        offer = await gateway.next_batch(timeout)
+        offer = await _unless_stopping(gateway.next_batch(timeout), request.app.state.stopping)
     except RunClosedError as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}){NO_MORE_BATCHES}"
@@ -152,6 +154,29 @@ async def next_batch(
     if offer is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
     return {**offer.payload, "delivery": offer.deliveries, "ack_timeout_s": gateway.ack_timeout_s}
+
+
+async def _unless_stopping(
+    waiting: Coroutine[Any, Any, Offer | None], stopping: asyncio.Event
+) -> Offer | None:
+    """The long-poll's answer, or 503 as soon as the server starts to stop: the server waits for open
+    requests before it stops the runs, and a trainer asks again once it is back. A batch taken as
+    the stop came is handed out, not dropped."""
+    poll = asyncio.ensure_future(waiting)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait([poll, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not poll.done():
+            poll.cancel()  # the gateway takes nothing while it waits: cancelled, it has handed out nothing
+    if poll.done() and not poll.cancelled():
+        return poll.result()
+    raise HTTPException(
+        status.HTTP_503_SERVICE_UNAVAILABLE,
+        "the server is stopping; ask for the next batch again once it is back",
+        headers={"Retry-After": "5"},
+    )
 
 
 def _ended_gateway(manager: RunManager, run_id: str) -> TrainerGateway:

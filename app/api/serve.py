@@ -6,8 +6,8 @@ local sandboxes and the built-in tasks (`--demo-kind local`, the default), or a 
 dashboard page once it is created; a token generated here (CORRAL_OPERATOR_TOKEN unset) lasts as long
 as the process.
 
-Ctrl-C (or SIGTERM) stops every run and flushes its events; after a crash (kill -9), the next start
-resumes the runs that were executing.
+Ctrl-C (or SIGTERM), once or more, stops every run and flushes its events (app.api.graceful); after a
+crash (kill -9), the next start resumes the runs that were executing.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ def serve(
     demo_kind: Annotated[str, typer.Option(help="demo run: local (embedded engines) or sim")] = "local",
 ) -> None:
     """Serve the control plane: runs, the trainer API, /metrics, /healthz and the docs at /docs."""
-    import uvicorn
-
     from app.api.app import create_app
+    from app.api.graceful import GracefulServer
     from app.settings import load_settings
 
     overrides: dict[str, object] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
@@ -73,7 +72,11 @@ def serve(
     app = create_app(settings, demo=spec)
     if spec is not None:
         _say_demo_page(app, spec, url)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    # Not uvicorn.run: a second Ctrl-C there skips the app's shutdown, which stops the runs.
+    server = GracefulServer(
+        app, on_stop=app.state.stopping.set, host=settings.host, port=settings.port, log_level="warning"
+    )
+    server.run()
     _say_goodbye(app, database)
 
 

@@ -26,6 +26,7 @@ from html import escape
 from pathlib import Path
 from typing import Annotated, Any, Protocol
 
+import anyio
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -346,7 +347,7 @@ def make_router(dash: Dashboard) -> APIRouter:
             # heaviest block, so it follows the run at most every `timeline_interval_s`.
             Feed(version, lambda: [("timeline", "")], dash.timeline_interval_s),
         ]
-        return EventSourceResponse(_changes(request, feeds, dash.stream_interval_s))
+        return _live_stream(request, feeds, dash.stream_interval_s)
 
     @router.get("/stream")
     async def runs_stream(request: Request) -> Response:
@@ -360,7 +361,7 @@ def make_router(dash: Dashboard) -> APIRouter:
             ctx = {**runs_context(dash), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             return [("runs", dash.render("runs.html", ctx, "runs"))]
 
-        return EventSourceResponse(_changes(request, [Feed(key, blocks)], dash.stream_interval_s))
+        return _live_stream(request, [Feed(key, blocks)], dash.stream_interval_s)
 
     @router.get("/login", response_class=HTMLResponse)
     def login_page(request: Request) -> Response:
@@ -541,18 +542,35 @@ class _Client(Protocol):
     async def is_disconnected(self) -> bool: ...
 
 
-async def _changes(request: _Client, feeds: list[Feed], interval_s: float) -> AsyncIterator[dict[str, str]]:
-    """The live stream: every `interval_s`, each feed's blocks if due; until the client goes. Keys and
-    blocks are computed in a worker thread, off the event loop."""
+# How long a live stream may take to end on its own once the server stops, before it is cut off. Cut off,
+# it ends without its last message and uvicorn logs "ASGI callable returned without completing response".
+STREAM_STOP_GRACE_S = 5.0
+
+
+def _live_stream(request: _Client, feeds: list[Feed], interval_s: float) -> Response:
+    """A page's live stream, which ends cleanly when the server stops (sse-starlette sets `stopping`)."""
+    stopping = anyio.Event()
+    changes = _changes(request, feeds, interval_s, stopping)
+    return EventSourceResponse(changes, shutdown_event=stopping, shutdown_grace_period=STREAM_STOP_GRACE_S)
+
+
+async def _changes(
+    request: _Client, feeds: list[Feed], interval_s: float, stopping: anyio.Event | None = None
+) -> AsyncIterator[dict[str, str]]:
+    """The live stream: every `interval_s`, each feed's blocks if due; until the client goes or the
+    server stops. Keys and blocks are computed in a worker thread, off the event loop."""
     loop = asyncio.get_running_loop()
-    while not await request.is_disconnected():
+    if stopping is None:
+        stopping = anyio.Event()
+    while not stopping.is_set() and not await request.is_disconnected():
         for feed in feeds:
             current = await asyncio.to_thread(feed.key)
             if current != feed.last and loop.time() - feed.sent_at >= feed.min_interval_s:
                 feed.last, feed.sent_at = current, loop.time()
                 for name, html in await asyncio.to_thread(feed.blocks):
                     yield {"event": name, "data": html}
-        await asyncio.sleep(interval_s)
+        with anyio.move_on_after(interval_s):
+            await stopping.wait()
 
 
 def dashboard_for(settings: Any, get_manager: Callable[[], Any]) -> Dashboard:
