@@ -47,6 +47,7 @@ class LaneStats:
     completed: int = 0
     wait_s_total: float = 0.0
     wait_s_max: float = 0.0
+    resent: int = 0  # ops sent again after the broker lost them (app.lanes.lost_ops)
 
     @property
     def wait_s_mean(self) -> float:

@@ -15,7 +15,9 @@ Invariants:
 - with `start_timeout_s`, an op no worker has started in that time (its host is down, or its lane has
   no worker) is revoked and fails with `LaneStartTimeout`, so an attempt never hangs on a lost host;
   with `op_timeout_s`, an op not finished in that time fails with `LaneOpTimeout` (on Redis, an op whose
-  whole worker died mid-op comes back only after the visibility timeout: this bounds the wait).
+  whole worker died mid-op comes back only after the visibility timeout: this bounds the wait);
+- an op a Redis broker lost in a restart (it came back empty) is sent again once no queue and no worker
+  holds it, never while a worker may still run it (app.lanes.lost_ops).
 
 Stats: `queue_depth` is the broker's count of messages waiting in the lane's queues (on Redis the LLEN
 of the queue), `busy` the ops of this client a worker has started and not finished, waits are measured
@@ -23,11 +25,14 @@ from the publish to the worker's start (wall clocks: same host or NTP-synchronis
 be called from any thread, often (run views); it asks the broker at most once per `depth_ttl_s` and
 answers from that count in between. A broker that cannot be reached leaves the last counts standing
 (logged once) and is asked again only after `DEPTH_RETRY_S`: a run view waits for no broker outage.
+`resent` counts the ops sent again after a broker restart lost them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import re
 import time
@@ -39,6 +44,7 @@ from celery import Celery, states
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
+from app.lanes import lost_ops
 from app.lanes.base import LaneName, LaneSlot, LaneStats
 from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, decode_result, handle_of
 from app.sandboxes.base import Sandbox
@@ -127,6 +133,12 @@ def broker_urls(broker_url: str | None, result_backend: str | None) -> tuple[str
     return broker_url, backend
 
 
+def _queue(op: LaneOp[Any]) -> str:
+    if op.host is None:
+        raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: handle.host is not set")
+    return lane_queue(op.host, op.lane)
+
+
 def check_lane_host(host: str) -> str:
     """A lane host name as queue names need it; `LaneOpError` names the bad one."""
     if not HOST_NAME.match(host):
@@ -196,6 +208,7 @@ class CeleryLanes:
         self._placed: dict[str, str] = {}  # sandbox id -> host, until its cleanup op has run
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
+        self._epoch = lost_ops.BrokerEpoch(celery)
 
     @classmethod
     def connect(
@@ -230,8 +243,7 @@ class CeleryLanes:
     async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
         # `on_start` fires once a poll sees the worker's STARTED mark (or the result, for an op done
         # between two polls): the op's wait in its lane's queue ends then, to within one poll.
-        if op.host is None:
-            raise LaneOpError(f"op {op.name.value} on sandbox {op.handle.id!r}: handle.host is not set")
+        _queue(op)  # refuses an op whose handle has no host, before anything is counted
         stats = self._stats[op.lane]
         started = False
 
@@ -246,14 +258,8 @@ class CeleryLanes:
 
         sent_at = time.time()
         try:
-            result = await asyncio.to_thread(
-                self.celery.send_task,
-                LANE_OP_TASK,
-                args=[op.to_dict()],
-                queue=lane_queue(op.host, op.lane),
-                task_id=op.op_id,
-            )
-            envelope = await self._wait(result, op, mark_started)
+            result, epoch = await asyncio.to_thread(self._send, op)
+            envelope = await self._wait(result, op, mark_started, epoch)
         finally:
             if started:
                 stats.busy -= 1
@@ -283,9 +289,7 @@ class CeleryLanes:
         if self._depth_at is None or now >= self._depth_at:
             self._depth_at = now + self._depth_ttl_s
             try:
-                depths = {
-                    lane: sum(self.queue_depth(host, lane) for host in self.hosts) for lane in self._stats
-                }
+                depths = self._queue_depths()
             except OperationalError as exc:  # kombu's: the broker cannot be reached (a Redis restart)
                 self._depth_at = time.monotonic() + DEPTH_RETRY_S
                 if not self._depth_failed:
@@ -303,15 +307,61 @@ class CeleryLanes:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def queue_depth(self, host: str, lane: LaneName) -> int:
-        """Messages waiting in one queue, as the broker counts them (0 for a queue never declared)."""
+    def _send(self, op: LaneOp[Any]) -> tuple[AsyncResult, str | None]:
+        """Publish the op (its id is the task id); with the Redis broker's run_id it went to, or
+        `lost_ops.UNKNOWN` when the broker was restarted around the send (app.lanes.lost_ops)."""
+        before = self._epoch.now()
+        result = self.celery.send_task(LANE_OP_TASK, args=[op.to_dict()], queue=_queue(op), task_id=op.op_id)
+        after = self._epoch.now()
+        return result, (after if before == after else lost_ops.UNKNOWN)
+
+    async def _resend_if_lost(self, op: LaneOp[Any], result: AsyncResult, epoch: str | None) -> str | None:
+        """The op's epoch after a check: sent again (same id) if the broker lost it in a restart."""
+        if epoch is None:
+            return None
+        latest = await asyncio.to_thread(self._epoch.latest)
+        if latest is None or latest == epoch:
+            return epoch
+        try:
+            holder = await asyncio.to_thread(lost_ops.held, self.celery, op.op_id, _queue(op))
+        except Exception as exc:  # the broker is away again, or a worker's answer is garbled: ask later
+            log.warning("op %s: could not look for it after a broker restart (%s)", op.op_id, exc)
+            return epoch
+        if holder is None:
+            return epoch  # no worker of its queue answered: ask again at the next check
+        if holder or await asyncio.to_thread(lambda: result.state) != states.PENDING:
+            return latest  # still queued or held, or it has started or ended meanwhile
+        log.warning(
+            "op %s (%s) was lost with the broker's restart (it came back empty); sent again",
+            op.op_id,
+            op.name.value,
+        )
+        self._stats[op.lane].resent += 1
+        _, epoch = await asyncio.to_thread(self._send, op)
+        return epoch
+
+    def _queue_depths(self) -> dict[LaneName, int]:
+        """Messages waiting in each lane's queues over all hosts, as the broker counts them (0 for a queue
+        never declared), over one connection."""
+        depths = dict.fromkeys(self._stats, 0)
         with self.celery.connection_for_read() as conn:
             conn.ensure_connection(max_retries=0)  # one try: a caller waits for no reconnection loop
+            channel = conn.channel()
             try:
-                ok = conn.default_channel.queue_declare(queue=lane_queue(host, lane), passive=True)
-            except conn.channel_errors:
-                return 0
-            return int(ok.message_count)
+                for lane, host in itertools.product(depths, self.hosts):
+                    try:
+                        ok = channel.queue_declare(queue=lane_queue(host, lane), passive=True)
+                    except conn.channel_errors:
+                        # AMQP closes the channel on a passive declare of a missing queue: take another
+                        with contextlib.suppress(Exception):
+                            channel.close()
+                        channel = conn.channel()
+                        continue
+                    depths[lane] += int(ok.message_count)
+            finally:
+                with contextlib.suppress(Exception):
+                    channel.close()
+        return depths
 
     async def _settled(
         self,
@@ -319,9 +369,10 @@ class CeleryLanes:
         deadline: float | None = None,
         on_started: Callable[[], None] | None = None,
         start_deadline: float | None = None,
+        on_pending: Callable[[], Awaitable[None]] | None = None,
     ) -> bool:
         """Poll until the op is done (True) or `deadline` passes (False); raise `LaneStartTimeout` if it
-        is still waiting in its queue at `start_deadline`."""
+        is still waiting in its queue at `start_deadline`. `on_pending` runs while it is pending."""
         delay, most = self._poll
         loop = asyncio.get_running_loop()
         while True:
@@ -335,17 +386,28 @@ class CeleryLanes:
                 return False
             if state == states.PENDING and start_deadline is not None and now >= start_deadline:
                 raise LaneStartTimeout(f"no worker started op {result.id} in {self._start_timeout_s} s")
+            if state == states.PENDING and on_pending is not None:
+                await on_pending()
             await asyncio.sleep(delay)
             delay = min(delay * 2, most)
 
     async def _wait(
-        self, result: AsyncResult, op: LaneOp[Any], on_started: Callable[[], None]
+        self, result: AsyncResult, op: LaneOp[Any], on_started: Callable[[], None], epoch: str | None
     ) -> dict[str, Any]:
         now = asyncio.get_running_loop().time()
         start_deadline = None if self._start_timeout_s is None else now + self._start_timeout_s
         deadline = None if self._op_timeout_s is None else now + self._op_timeout_s
+
+        next_look = now + lost_ops.EPOCH_CHECK_S
+
+        async def look_for_it() -> None:  # while it is pending: lost in a broker restart?
+            nonlocal epoch, next_look
+            if epoch is not None and asyncio.get_running_loop().time() >= next_look:
+                epoch = await self._resend_if_lost(op, result, epoch)
+                next_look = asyncio.get_running_loop().time() + lost_ops.EPOCH_CHECK_S
+
         try:
-            if not await self._settled(result, deadline, on_started, start_deadline):
+            if not await self._settled(result, deadline, on_started, start_deadline, look_for_it):
                 await asyncio.to_thread(self.celery.control.revoke, op.op_id)
                 raise LaneOpTimeout(f"op {op.op_id} ({op.name.value}) not done in {self._op_timeout_s} s")
         except LaneStartTimeout:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery_cluster import WORKER_CPUS, Workers, broker_env
@@ -79,6 +80,13 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
         server.stop()
 
 
+def _lanes_on(redis: Redis, tmp_path: Path, **options: Any) -> tuple[str, str, Workers, CeleryLanes]:
+    """The Redis URL, a host name of this test's own, its workers (none started yet) and its lanes."""
+    url, host = f"redis://127.0.0.1:{redis.port}/0", f"r{uuid.uuid4().hex[:8]}"
+    (tmp_path / "logs").mkdir()
+    return url, host, Workers(tmp_path / "logs"), CeleryLanes(make_celery(url, url), (host,), **options)
+
+
 @pytest.mark.parametrize(
     ("op_s", "down_s"),
     [(4, 2), (1, 4)],
@@ -90,12 +98,7 @@ async def test_lane_ops_go_on_through_a_redis_restart(
     # With Celery's defaults, an op that ended while Redis was down lost its result (the worker tried
     # to store it once: "Exception raised outside body: ConnectionError"), and the client's poll raised
     # redis' ConnectionError, failing the attempt.
-    url = f"redis://127.0.0.1:{redis.port}/0"
-    host = f"r{uuid.uuid4().hex[:8]}"
-    (tmp_path / "logs").mkdir()
-    workers = Workers(tmp_path / "logs")
-    app = make_celery(url, url)
-    lanes = CeleryLanes(app, (host,))
+    url, host, workers, lanes = _lanes_on(redis, tmp_path)
     try:
         procs = [
             workers.start("--lane", lane, "--cpus", WORKER_CPUS, "--host", host, env=broker_env(url, url))
@@ -116,6 +119,45 @@ async def test_lane_ops_go_on_through_a_redis_restart(
         assert (await asyncio.wait_for(slow, 120)).output.strip() == "done"
         after = await lanes.run_op(LaneOp.exec(handle, "echo after", 30))  # sent once Redis is back
         assert after.output.strip() == "after"
+        await lanes.run_op(LaneOp.cleanup(handle))
+        assert [p.poll() for p in procs] == [None, None, None], workers.logs()
+    finally:
+        lanes.close()
+        workers.stop()
+
+
+async def test_an_op_still_queued_when_redis_comes_back_empty_is_sent_again_and_none_runs_twice(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path
+) -> None:
+    # One exec slot: a slow op runs while a second waits in Redis. Redis keeps nothing on disk, so the
+    # restart took the waiting op with it, and its attempt waited for ever (a run stuck at B + S). The
+    # running op's STARTED mark went too: it must not be taken for lost and run a second time.
+    url, host, workers, lanes = _lanes_on(redis, tmp_path, depth_ttl_s=0.0)
+    try:
+        env = broker_env(url, url)
+        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+        procs = [workers.start("--lane", lane, *one_slot, env=env) for lane in ("reset", "exec", "cleanup")]
+        handle = lanes.attach(LocalSandboxFactory(base_dir).create("lost"))
+        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+        slow = asyncio.create_task(
+            lanes.run_op(LaneOp.exec(handle, "echo run >> slow-runs.txt; sleep 6; echo done", 60))
+        )
+        runs = base_dir / "lost" / "slow-runs.txt"
+        deadline = time.monotonic() + 60
+        while not runs.exists():
+            assert time.monotonic() < deadline, "the slow op never started"
+            await asyncio.sleep(0.02)
+        queued = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> queued-runs.txt", 30)))
+        while lanes.stats()["exec"].queue_depth != 1:
+            assert time.monotonic() < deadline, "the second op never waited in its queue"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(redis.restart, 1.0)  # back empty: the queued op's message is gone
+
+        assert (await asyncio.wait_for(slow, 120)).output.strip() == "done"
+        await asyncio.wait_for(queued, 120)
+        assert runs.read_text() == "run\n"  # the running op was found with its worker, not sent again
+        assert (base_dir / "lost" / "queued-runs.txt").read_text() == "run\n"
+        assert lanes.stats()["exec"].resent == 1
         await lanes.run_op(LaneOp.cleanup(handle))
         assert [p.poll() for p in procs] == [None, None, None], workers.logs()
     finally:

@@ -1,0 +1,102 @@
+"""Ops a Redis broker lost in a restart: found and sent again, never run twice at once.
+
+A Redis that keeps nothing on disk comes back empty from a restart: the ops still waiting in its queues
+are gone (and so are the messages a worker had taken but not acked), while a client polling one of them
+would see it pending for ever. Redis's `run_id` (INFO server) is new at every start, so:
+- `BrokerEpoch` reads it, at most once per `EPOCH_CHECK_S` for all of a client's ops, and before and
+  after each send; an op whose send did not see one run_id throughout is marked unknown;
+- an op still pending under another run_id than its own (or an unknown one) is looked for, in this
+  order: in its queue (every priority list), in the broker's unacked messages, then with the workers
+  that consume its queue (`inspect().query_task`: the ops they have reserved or are running); its result
+  is read once more last;
+- it is sent again (same id) only when a worker of its queue answered and none of these holds it. With
+  no worker of its queue answering (not yet reconnected, or its host down), nothing is decided and it is
+  looked for again at the next check: a worker still running it could not say so.
+
+Only the order of the checks guards against a race: a message moves from the queue to a worker, never
+back while the worker lives, so an op found in neither place after both were read in that order is not
+held. If it was sent twice anyway (a worker that took it and died unseen), the worker's own check of a
+stored result (workers.lane_tasks) keeps the second delivery from running it again once the first is
+done. On a broker that keeps its queues (RabbitMQ: durable), nothing is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+log = logging.getLogger(__name__)
+
+EPOCH_CHECK_S = 2.0
+INSPECT_TIMEOUT_S = 1.0
+UNKNOWN = ""  # an op's epoch when its send did not see one run_id throughout
+
+
+class BrokerEpoch:
+    """The Redis broker's run_id: new at every start of the server, so a change means it was restarted."""
+
+    def __init__(self, celery: Celery, check_s: float = EPOCH_CHECK_S) -> None:
+        self.celery = celery
+        self.check_s = check_s
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._value: str | None = None
+        self.redis = _is_redis(celery)
+
+    def now(self) -> str | None:
+        """The run_id read now, or None where the broker cannot be reached (or is not Redis)."""
+        if not self.redis:
+            return None
+        try:
+            with self.celery.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=0)
+                return str(conn.default_channel.client.info("server")["run_id"])
+        except Exception:  # the broker is away (restarting): no answer is no change yet
+            return None
+
+    def latest(self) -> str | None:
+        """The run_id as read at most `check_s` ago: one read serves every op waiting."""
+        with self._lock:
+            if self._read_at is not None and time.monotonic() - self._read_at < self.check_s:
+                return self._value
+            self._read_at = time.monotonic()
+        value = self.now()
+        with self._lock:
+            self._value = value
+        return value
+
+
+def _is_redis(celery: Celery) -> bool:
+    with celery.connection_for_write() as conn:
+        return str(getattr(conn.transport, "driver_type", "")) == "redis"
+
+
+def held(celery: Celery, op_id: str, queue: str) -> bool | None:
+    """Whether the broker or a worker of `queue` holds the op (True), neither does (False), or no worker
+    of `queue` answered (None: undecided)."""
+    with celery.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=0)
+        channel: Any = conn.default_channel
+        client = channel.client
+        steps = getattr(channel, "priority_steps", [0])
+        lists = {channel._q_for_pri(queue, p) for p in steps} if hasattr(channel, "_q_for_pri") else {queue}
+        for name in lists:
+            if any(op_id.encode() in raw for raw in client.lrange(name, 0, -1)):
+                return True
+        unacked = getattr(channel, "unacked_key", "unacked")
+        if any(op_id.encode() in raw for raw in client.hvals(unacked)):
+            return True
+    consumers = celery.control.inspect(timeout=INSPECT_TIMEOUT_S).active_queues() or {}
+    workers = [w for w, queues in consumers.items() if any(q.get("name") == queue for q in queues)]
+    if not workers:
+        return None
+    found = celery.control.inspect(destination=workers, timeout=INSPECT_TIMEOUT_S).query_task(op_id) or {}
+    if any(op_id in tasks for tasks in found.values()):
+        return True
+    if not set(workers) <= set(found):
+        return None  # a worker that saw the queue did not answer now: it may hold the op
+    return False
