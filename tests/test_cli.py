@@ -730,3 +730,27 @@ def test_a_report_to_a_full_or_closed_standard_output_is_one_line(tmp_path: Path
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"error: {args[-2]} -: standard output is closed"], proc.stderr
+
+
+@pytest.mark.parametrize(("engine_demand", "noted"), [(2.0, True), (1.0, False)])
+def test_sim_notes_serving_cores_below_what_the_busy_engines_use(
+    tmp_path: Path, engine_demand: float, noted: bool
+) -> None:
+    """On each random workload whose serving cores were fewer than its busy engines use, `full` lost to
+    a rung that shares CPUs, and nothing said why. The note comes after the results."""
+    write_yaml(
+        tmp_path / "w.yaml",
+        make_workload_data(cpus={"total": 8, "serving": 2, "engine_demand": engine_demand}),
+    )
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "w.yaml", "--json", "r.json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    if noted:
+        assert last.startswith("note: cpus.serving is 2 cores, below the 4 that 2 busy engines use"), last
+        assert "`corral advise` sweeps the split" in last
+    else:
+        assert "note:" not in proc.stderr, proc.stderr
+        assert last.startswith("full: 2 batches"), last

@@ -24,6 +24,7 @@ from app.cli.common import (
     interrupt_says,
     output_path,
     progress_bar,
+    say,
     write_json,
     write_plot,
 )
@@ -66,9 +67,31 @@ StalenessOption = Annotated[
 
 def load(workload: Path | None) -> Workload:
     try:
-        return checked_trace(load_workload(workload))
+        spec = checked_trace(load_workload(workload))
     except WorkloadError as exc:
         fail(str(exc))
+    return spec
+
+
+def say_serving_note(spec: Workload) -> None:
+    """After a simulation's results: the note below, if it applies."""
+    if (note := serving_note(spec)) is not None:
+        say(note)
+
+
+def serving_note(spec: Workload) -> str | None:
+    """A note when the serving cores are fewer than the engines use when busy: behind the hard boundary of
+    pinned lanes the engines then slow down, while sandbox cores may sit idle (found by the random
+    workloads benchmark: `full` lost to rungs that share CPUs on each such workload)."""
+    cpus, engines = spec.cpus, spec.engines
+    demand = engines.count * cpus.engine_demand
+    if cpus.serving >= demand or cpus.serving >= cpus.total or spec.lanes.borrow_serving_cpus:
+        return None
+    return (
+        f"note: cpus.serving is {cpus.serving} cores, below the {demand:g} that {engines.count} busy engines "
+        f"use ({engines.count} × cpus.engine_demand {cpus.engine_demand:g}): behind the hard boundary of "
+        "pinned lanes (`lanes`, `full`) their turns slow down; `corral advise` sweeps the split"
+    )
 
 
 @contextmanager
@@ -169,6 +192,7 @@ def sim(
             timeline=plot is not None,
         )
     finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
+    say_serving_note(spec)
 
 
 def parse_sweep(text: str, flag: str, high: int) -> list[int]:
@@ -260,6 +284,7 @@ def bench(
     err.print(ladder_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
+    say_serving_note(spec)
 
 
 def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
