@@ -218,6 +218,7 @@ class CeleryLanes:
         return cls(make_celery(broker_url, result_backend), hosts, **options)
 
     def close(self) -> None:
+        self._epoch.close()
         self.celery.close()
 
     # -- the Lanes port ---------------------------------------------------------------------------
@@ -323,8 +324,10 @@ class CeleryLanes:
         if latest is None or latest == epoch:
             return epoch
         try:
-            holder = await asyncio.to_thread(lost_ops.held, self.celery, op.op_id, _queue(op))
-        except Exception as exc:  # the broker is away again, or a worker's answer is garbled: ask later
+            client = self._epoch.client
+            assert client is not None  # an epoch was read: the broker is one Redis
+            holder = await asyncio.to_thread(lost_ops.held, self.celery, client, op.op_id, _queue(op))
+        except lost_ops.BROKER_ERRORS as exc:  # the broker is away again: ask at the next check
             log.warning("op %s: could not look for it after a broker restart (%s)", op.op_id, exc)
             return epoch
         if holder is None:
