@@ -612,6 +612,8 @@ def test_ctrl_c_twice_to_corral_serve_with_a_live_page_open_stops_each_run_clean
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     _assert_serve_stopped_cleanly(proc, stderr)
+    assert stderr.count("corral serve: stopping: ") == 1, stderr
+    assert stderr.count("corral serve: already stopping") == 1, stderr
     with sqlite3.connect(tmp_path / "corral.db") as db:
         assert [state for (state,) in db.execute("SELECT state FROM runs")] == ["stopped"]
 

@@ -167,11 +167,11 @@ async def _unless_stopping(
     try:
         await asyncio.wait([poll, stop], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        stop.cancel()
-        if not poll.done():
-            poll.cancel()  # the gateway takes nothing while it waits: cancelled, it has handed out nothing
-    if poll.done() and not poll.cancelled():
-        return poll.result()
+        for task in (poll, stop):
+            task.cancel()  # nothing for a task already done; the gateway hands out nothing while it waits
+        await asyncio.gather(poll, stop, return_exceptions=True)  # neither outlives the request
+    if not poll.cancelled():
+        return poll.result()  # a batch, None, or the gateway's error (the run has ended)
     raise HTTPException(
         status.HTTP_503_SERVICE_UNAVAILABLE,
         "the server is stopping; ask for the next batch again once it is back",
