@@ -40,11 +40,9 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, app: Any, on_stop: Callable[[], None] | None = None, **config: Any) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=STOP_WAIT_S, **config))
         self.on_stop = on_stop
-        self.stop_signals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.stop_signals += 1
         first = not self.should_exit
         self.should_exit = True
         if self._loop is None:

@@ -67,10 +67,9 @@ StalenessOption = Annotated[
 
 def load(workload: Path | None) -> Workload:
     try:
-        spec = checked_trace(load_workload(workload))
+        return checked_trace(load_workload(workload))
     except WorkloadError as exc:
         fail(str(exc))
-    return spec
 
 
 def say_serving_note(spec: Workload) -> None:
@@ -83,8 +82,7 @@ def serving_note(spec: Workload) -> str | None:
     """A note when the serving cores are fewer than the engines use when busy: behind the hard boundary of
     pinned lanes the engines then slow down, while sandbox cores may sit idle (found by the random
     workloads benchmark: `full` lost to rungs that share CPUs on each such workload)."""
-    cpus, engines = spec.cpus, spec.engines
-    demand = engines.count * cpus.engine_demand
+    cpus, engines, demand = spec.cpus, spec.engines, spec.serving_demand
     if cpus.serving >= demand or cpus.serving >= cpus.total or spec.lanes.borrow_serving_cpus:
         return None
     return (

@@ -316,10 +316,8 @@ class CeleryLanes:
         after = self._epoch.now()
         return result, (after if before == after else lost_ops.UNKNOWN)
 
-    async def _resend_if_lost(self, op: LaneOp[Any], result: AsyncResult, epoch: str | None) -> str | None:
+    async def _resend_if_lost(self, op: LaneOp[Any], result: AsyncResult, epoch: str) -> str | None:
         """The op's epoch after a check: sent again (same id) if the broker lost it in a restart."""
-        if epoch is None:
-            return None
         latest = await asyncio.to_thread(self._epoch.latest)
         if latest is None or latest == epoch:
             return epoch
@@ -340,8 +338,8 @@ class CeleryLanes:
             op.name.value,
         )
         self._stats[op.lane].resent += 1
-        _, epoch = await asyncio.to_thread(self._send, op)
-        return epoch
+        _, sent_under = await asyncio.to_thread(self._send, op)
+        return sent_under
 
     def _queue_depths(self) -> dict[LaneName, int]:
         """Messages waiting in each lane's queues over all hosts, as the broker counts them (0 for a queue

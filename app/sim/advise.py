@@ -162,7 +162,7 @@ def serving_grid(workload: Workload, current: int) -> list[int]:
     and 1½, and the current split, within what leaves the four lanes a core each. A serving set below
     its engines' demand slows every model turn; one above it leaves cores idle that sandboxes queue
     for, since the boundary is hard (random workloads, docs/simulator.md)."""
-    demand = workload.engines.count * workload.cpus.engine_demand
+    demand = workload.serving_demand
     most = workload.cpus.total - 4
     values = {current} | {math.ceil(demand * f) for f in (0.75, 1.0, 1.25, 1.5)}
     return sorted(v for v in values if 1 <= v <= most)

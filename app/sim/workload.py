@@ -364,6 +364,12 @@ class Workload(Strict):
                 raise ValueError(f"faults.{i}.engine: {fault.engine} is not below engines.count")
         return self
 
+    @property
+    def serving_demand(self) -> float:
+        """Cores the engines' serving loops use when every engine is busy: `engines.count ×
+        cpus.engine_demand`."""
+        return self.engines.count * self.cpus.engine_demand
+
 
 @dataclass(frozen=True)
 class Turn:
