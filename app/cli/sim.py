@@ -6,7 +6,7 @@ trajectories in flight within the simulator's memory limit, sweep lists non-empt
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,23 +72,48 @@ def load(workload: Path | None) -> Workload:
         fail(str(exc))
 
 
-def say_serving_note(spec: Workload) -> None:
+def say_serving_note(spec: Workload, report: Mapping[str, Any] | None) -> None:
     """After a simulation's results: the note below, if it applies."""
-    if (note := serving_note(spec)) is not None:
+    if (note := serving_note(spec, report)) is not None:
         say(note)
 
 
-def serving_note(spec: Workload) -> str | None:
-    """A note when the serving cores are fewer than the engines use when busy: behind the hard boundary of
-    pinned lanes the engines then slow down, while sandbox cores may sit idle (found by the random
-    workloads benchmark: `full` lost to rungs that share CPUs on each such workload)."""
+def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str | None:
+    """A note when the serving/sandbox split behind the hard boundary of pinned lanes held the run back,
+    found by the random workloads benchmark, where `full` lost to rungs that share CPUs and nothing
+    said why:
+    - the serving cores are fewer than the engines use when busy: the engines slow down while sandbox
+      cores may sit idle;
+    - the serving cores are more than the busy engines use, lane queues were the largest part of the
+      trainer's wait in `report` (`full`'s run) and at their peak the lanes ran operations asking for
+      every sandbox core: the spare serving cores sat idle while sandbox work queued (on one such
+      workload `full` was slower than `completion`, 298.5 s against 258.7 s)."""
     cpus, engines, demand = spec.cpus, spec.engines, spec.serving_demand
-    if cpus.serving >= demand or cpus.serving >= cpus.total or spec.lanes.borrow_serving_cpus:
+    if cpus.serving >= cpus.total or spec.lanes.borrow_serving_cpus:
         return None
+    busy = f"{engines.count} busy engines use ({engines.count} × cpus.engine_demand {cpus.engine_demand:g})"
+    if cpus.serving < demand:
+        return (
+            f"note: cpus.serving is {cpus.serving} cores, below the {demand:g} that {busy}: behind the "
+            "hard boundary of pinned lanes (`lanes`, `full`) their turns slow down; `corral advise` sweeps "
+            "the split"
+        )
+    report = report or {}
+    waits = report.get("wait_attribution") or {}
+    spare = cpus.serving - demand
+    if spare < 1 or waits.get("largest") != "lane_queue":
+        return None
+    # Lane queues from too few slots, not too few cores, are not this: more cores would not shorten them.
+    by_lane = cpus.sandbox_demand.by_lane()
+    peak = sum(lane["max_busy"] * by_lane[name] for name, lane in report.get("lanes", {}).items())
+    if peak < cpus.total - cpus.serving:
+        return None
+    queued = waits["phases"]["lane_queue"]
     return (
-        f"note: cpus.serving is {cpus.serving} cores, below the {demand:g} that {engines.count} busy engines "
-        f"use ({engines.count} × cpus.engine_demand {cpus.engine_demand:g}): behind the hard boundary of "
-        "pinned lanes (`lanes`, `full`) their turns slow down; `corral advise` sweeps the split"
+        f"note: cpus.serving is {cpus.serving} cores, {spare:g} more than the {demand:g} that {busy}, while "
+        f"lane queues held the trainer for {queued:.1f} s of its {waits['total_s']:.1f} s wait: behind the "
+        "hard boundary of pinned lanes the spare serving cores sit idle; `lanes.borrow_serving_cpus: true` "
+        "lends the cores the engines leave idle to the lanes, and `corral advise` sweeps both"
     )
 
 
@@ -190,7 +215,7 @@ def sim(
             timeline=plot is not None,
         )
     finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
-    say_serving_note(spec)
+    say_serving_note(spec, report)
 
 
 def parse_sweep(text: str, flag: str, high: int) -> list[int]:
@@ -282,7 +307,7 @@ def bench(
     err.print(ladder_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
-    say_serving_note(spec)
+    say_serving_note(spec, result["policies"].get("full"))
 
 
 def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
