@@ -17,6 +17,7 @@ from app.core.config import PauseModeName, PolicyName
 from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
+from app.tasks.loader import builtin_task_names
 from app.validation import in_flight_problem
 
 SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
@@ -44,6 +45,26 @@ def surplus_problem(
         return LOCAL_SURPLUS.format(LOCAL_MAX_SURPLUS, surplus)
     if kind is RunKind.SIM and (problem := in_flight_problem(groups, group_size, surplus)) is not None:
         return f"surplus_groups: {problem}"
+    return None
+
+
+NO_SERVER_FILES = "a run created through the API cannot read or write server files"
+
+
+def server_files_problem(config: LocalRunConfig) -> str | None:
+    """Why a local run's config, sent through the API, would reach files of the server's own choosing
+    that are not the API's to give: a task suite directory (a failed load listed the directory's
+    entries in the run's error, readable by any viewer) or a directory for sandboxes' work. A run
+    created through the API takes the built-in suite, and an `include` naming no task of it is
+    refused here rather than failing the run once started."""
+    if config.tasks.suite != "builtin":
+        return f"config.tasks.suite: {NO_SERVER_FILES}; only 'builtin' is taken (corral run reads others)"
+    if config.sandbox.base_dir is not None:
+        return f"config.sandbox.base_dir: {NO_SERVER_FILES}; the server's temporary directory is used"
+    if config.tasks.include:
+        known = builtin_task_names()
+        if unknown := sorted(set(config.tasks.include) - known):
+            return f"config.tasks.include: unknown tasks {unknown}; the built-in suite has {sorted(known)}"
     return None
 
 
@@ -131,7 +152,7 @@ class RunCreate(_Input):
                 raise ValueError("config is for kind 'local'; a sim run takes a workload")
             assert self.workload is not None
             if self.workload.trace is not None:
-                raise ValueError("workload.trace: a run created through the API cannot read server files")
+                raise ValueError(f"workload.trace: {NO_SERVER_FILES}")
             # The workload checks its own B, G and S; the overrides can go past the same bound.
             problem = in_flight_problem(
                 self.groups_per_batch or self.workload.batch.groups,
@@ -142,6 +163,8 @@ class RunCreate(_Input):
                 raise ValueError(problem)
         elif self.workload is not None:
             raise ValueError("workload is for kind 'sim'; a local run takes a config")
+        elif self.config is not None and (problem := server_files_problem(self.config)) is not None:
+            raise ValueError(problem)
         elif self.config is not None and self.trainer is TrainerKind.SENTINEL:
             problem = sentinel_trainer_problem(
                 self.config.engines,

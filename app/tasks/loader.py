@@ -20,6 +20,7 @@ problem), so a bad suite is fixed in one pass rather than one error at a time.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -110,6 +111,12 @@ class _TaskFile(_Strict):
 def builtin_suite_path() -> Path:
     """The directory of Corral's built-in offline task suite."""
     return Path(__file__).resolve().parent / "builtin"
+
+
+@functools.cache
+def builtin_task_names() -> frozenset[str]:
+    """The names of the built-in suite's tasks (it ships with the package and does not change)."""
+    return frozenset(task.name for task in load_suite(builtin_suite_path()))
 
 
 def load_task(path: str | os.PathLike[str]) -> TaskSpec:

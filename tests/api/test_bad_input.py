@@ -44,6 +44,17 @@ CREATE_CASES = [
     ({"workload": {"trajectory": {"llm_s": 1e300}}}, "workload.trajectory.llm_s"),
     ({"kind": "local", "config": {"engines": {"count": 100_000}}}, "config.engines.count"),
     ({"kind": "local", "config": {"engines": {"cpus": [4096]}}}, "config"),
+    # a suite directory of the server's: the run failed and its error listed the directory's entries
+    (
+        {"kind": "local", "config": {"tasks": {"suite": "/etc"}}},
+        "config.tasks.suite: a run created through the API cannot read or write server files",
+    ),
+    ({"kind": "local", "config": {"sandbox": {"base_dir": "/etc"}}}, "config.sandbox.base_dir"),
+    # refused at creation, not a run that fails once started
+    (
+        {"kind": "local", "config": {"tasks": {"include": ["count-primes", "no-such-task"]}}},
+        "config.tasks.include: unknown tasks ['no-such-task']; the built-in suite has",
+    ),
     # every version the sentinel trainer publishes would be refused, until the run stalled
     (
         {"kind": "local", "trainer": "sentinel", "config": {"engines": {"sentinel": False}}},
