@@ -38,7 +38,7 @@ import contextlib
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -272,6 +272,9 @@ class Runtime:
         # Called once the run executes (its task group open, its first groups admitted): from then on a
         # live change (S, K, a publication, a pause) has somewhere to start what it decides.
         self.on_collecting: Callable[[], None] | None = None
+        # Awaited before the first batch is asked for: a resumed run's trainer steps on the batches it
+        # had handed out before the restart (app.service.gateway.TrainerGateway.restored_steps).
+        self.before_batches: Callable[[], Awaitable[None]] | None = None
         # The clock: the running loop's, looked up per call until `run` binds the loop it runs on (a
         # lookup per call was a measurable share of the simulator's time).
         self._time: Callable[[], float] = _loop_time
@@ -356,6 +359,9 @@ class Runtime:
         loop = asyncio.get_running_loop()
         deadline = None if duration_s is None else self.state.started_at + duration_s
         n = 0
+        if self.before_batches is not None:
+            self.phase = "trainer_step"
+            await self.before_batches()
         while (batches is None or n < batches) and not self._stop_requested:
             requested = self.now()
             self._batch_waiter = loop.create_future()

@@ -78,6 +78,7 @@ class TrainerGateway:
         self._lock = threading.Lock()
         self._offers: dict[str, Offer] = {}
         self._waiters: list[_Waiter] = []
+        self._restored: list[Offer] = []  # handed out before a restart and not acked then
         self._closed: str | None = None
         self.stats = GatewayStats()
         self.on_offer: Callable[[Offer], None] | None = None
@@ -110,8 +111,23 @@ class TrainerGateway:
     def restore(self, offer: Offer) -> None:
         """Re-offer a batch that a previous incarnation of the run handed out and never saw acked."""
         with self._lock:
-            self._offers.setdefault(offer.batch_id, offer)
+            if offer.batch_id not in self._offers:
+                self._offers[offer.batch_id] = offer
+                self._restored.append(offer)
         self.notify()
+
+    async def restored_steps(self) -> None:
+        """A resumed run's trainer steps on its restored batches: wait until each is acked and the
+        version it trains towards is published, as the step that offered it did before the restart.
+        Without it the resumed run asked for its next batch at once and offered it beside the restored
+        one, towards the same version (a trainer publishing that version twice was refused)."""
+        with self._lock:
+            restored = list(self._restored)
+        target = max((int(o.payload["publish_version"]) for o in restored), default=0)
+        while self._closed is None and not (
+            all(o.acked for o in restored) and self._published_version() >= target
+        ):
+            await self.wait_changed(None)
 
     # -- the trainer's side ------------------------------------------------------------------------
 

@@ -190,6 +190,7 @@ class RunHandle:
             resume = self._resume
             if resume is not None:
                 _continue_numbering(runtime, resume.group_offset, resume.batch_offset)
+                runtime.before_batches = self.gateway.restored_steps
             self.runtime = runtime
             # "running" once the runtime executes, not before its first step: a command sent the moment
             # the state says so (a change of K starts groups) needs the runtime's task group.

@@ -156,9 +156,21 @@ def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp
             again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
             assert again["batch_id"] == taken["batch_id"]
             assert again["groups"] == taken["groups"]
+            # The trainer is still on that batch's step: the resumed run offers no other batch until
+            # it is acked and its version published (it offered the next one at once, towards the
+            # same version, and the trainer's second publication of that version was refused).
+            nothing = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 3})
+            assert nothing.status_code == 204, nothing.text
             acked = api.post(f"/api/runs/{run_id}/batches/{again['batch_id']}/ack").json()
             assert acked["already_acked"] is False
             wait_for(lambda: not kept.exists(), what="the acked offer's file removed")
+            nothing = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 3})
+            assert nothing.status_code == 204, nothing.text  # acked, but its version not published yet
+            publish = {"version": again["publish_version"], "sentinel": True}
+            assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202, publish
+            following = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            assert following["index"] == again["index"] + 1
+            assert following["publish_version"] == again["publish_version"] + 1
             api.post(f"/api/runs/{run_id}/stop")
     finally:
         api.close()

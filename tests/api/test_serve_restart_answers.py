@@ -307,6 +307,8 @@ def test_a_batch_kept_for_the_trainer_but_whose_delivery_the_store_never_got_is_
             assert again["batch_id"] == batch["batch_id"]
             acked = api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack")
             assert acked.status_code == 200, acked.text
+            publish = {"version": again["publish_version"], "sentinel": True}  # the step's end, as a trainer
+            assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202
             # the resumed run numbers its batches and groups after the kept one (not from the store's)
             fresh = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
             assert fresh["index"] > batch["index"]
