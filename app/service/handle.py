@@ -141,7 +141,7 @@ class RunHandle:
             if self._stopped_starting and isinstance(exc, asyncio.CancelledError):
                 reason, detail = "stopped", "stopped while its engines were starting"
             else:  # the run failed: recorded as its end, with the reason
-                detail = f"{type(exc).__name__}: {exc}"
+                detail = failure_detail(exc)
                 log.exception("run %s failed", self.run_id)
                 self.error = detail
         finally:
@@ -546,3 +546,11 @@ def _continue_numbering(runtime: Runtime, first_group: int, first_batch: int) ->
     the store. (The scheduler has no public parameter for this yet; these are its two counters.)"""
     runtime.scheduler._next_group = first_group
     runtime.scheduler._batches = first_batch
+
+
+def failure_detail(exc: BaseException) -> str:
+    """What ended a failed run, in words: the errors inside the task groups' exception groups, each once
+    (a run's error read "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)")."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return f"{type(exc).__name__}: {exc}"
+    return "; ".join(dict.fromkeys(failure_detail(inner) for inner in exc.exceptions))

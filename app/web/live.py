@@ -140,11 +140,14 @@ class ManagerRuns:
         policy = dict(record.get("policy") or {})
         policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
         label, started_at = str(record.get("name", "")), record.get("started_at")
+        error = record.get("error") or None
         if handle is None:
             if entry.stored_cpus is None:
                 entry.stored_cpus = self._stored_cpus(str(record.get("id", entry.builder.run_id)))
             stored = _stored_lanes(record.get("config") or {}, entry.stored_cpus)
-            return RunMeta(state=state, policy=policy, lanes=stored, label=label, started_at=started_at)
+            return RunMeta(
+                state=state, policy=policy, lanes=stored, label=label, started_at=started_at, error=error
+            )
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
         lanes: list[dict[str, Any]] = []
@@ -186,6 +189,7 @@ class ManagerRuns:
             now=now,
             label=label,
             started_at=started_at,
+            error=error,
         )
 
     def _stored_cpus(self, run_id: str) -> dict[str, str]:

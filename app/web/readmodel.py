@@ -169,6 +169,7 @@ class RunMeta:
     now: float | None = None  # the run's clock now (live runs), for open spans and idle fraction
     label: str = ""
     started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
+    error: str | None = None  # why the run failed, as its owner recorded it
 
 
 @dataclass
@@ -204,6 +205,7 @@ class RunView:
     newest_version: int = 0  # the newest version published (or served)
     stall_note: str | None = None  # every engine refused the newest version and is more than K behind
     timeline_note: str | None = None  # why a replay has no group timeline
+    error: str | None = None  # why a failed run failed (its record: a run failing at start has no events)
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -563,6 +565,7 @@ class RunViewBuilder:
             refused=dict(self.refused),
             newest_version=newest,
             stall_note=_stall_note(rows, self.refused, newest, policy.get("max_staleness"), ended),
+            error=meta.error,
         )
 
 

@@ -1,15 +1,22 @@
 """ManagerRuns against the service's real run manager (SQLite store, a paced simulated run)."""
 
 import asyncio
+import html
+import re
 import time
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
 from app.engines.embedded.weights import save_sentinel
 from app.service.manager import RunManager
+from app.service.schemas import RunCreate, small_workload
 from app.service.store import ServiceStore
 from app.web.backend import ActionRefused
 from app.web.live import ManagerRuns
+from app.web.security import AccessConfig
+from app.web.views import Dashboard, mount_dashboard
 
 
 @pytest.fixture
@@ -339,3 +346,28 @@ async def test_concurrent_policy_changes_from_the_dashboard_are_stored_as_made_b
     finally:
         reader.engine.dispose()
         manager.shutdown()
+
+
+async def test_a_failed_run_s_page_says_why_it_failed(runs):
+    # The page of a failed run showed its badge and empty panels; why it failed was only in the API,
+    # and there it read "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)".
+    workload = small_workload()
+    workload["trajectory"]["p_infra_error"] = 0.999  # groups fail in a row: the run cannot fill a batch
+    spec = RunCreate.model_validate(
+        {"name": "doomed", "workload": workload, "speed": 1000, "trainer": "sentinel"}
+    )
+    run_id = runs.manager.create(spec)
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "failed", 120)
+    error = runs.manager.view(run_id)["error"]
+    # the error itself, not the task group's wrapper ("ExceptionGroup: unhandled errors in a TaskGroup")
+    assert error.startswith("RunCannotProceed: 101 groups in a row failed and none completed"), error
+
+    app = FastAPI()
+    mount_dashboard(app, Dashboard(AccessConfig("op-token", None), live=runs))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        page = await client.get(f"/runs/{run_id}")
+    assert page.status_code == 200
+    assert '<span class="badge failed" id="run-state">failed</span>' in page.text
+    shown = re.search(r'<p class="flash error" id="run-error" role="alert">(.*?)</p>', page.text, re.S)
+    assert shown is not None, page.text[:2000]
+    assert html.unescape(shown.group(1)) == f'<b>Why it failed:</b> <span class="run-error">{error}</span>'
