@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException
 
+from app.api.body_limit import BodyLimit
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
 from app.service.manager import RunManager
@@ -77,6 +78,7 @@ def create_app(
     app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
+    app.add_middleware(BodyLimit)  # before any route reads a body: a huge one is a 413, not memory
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]

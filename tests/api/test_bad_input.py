@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +14,11 @@ from api_support import TOKEN, make_run, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.api.body_limit import limit_for
 from app.client import CorralClient
 from app.service.schemas import small_workload
+from app.validation import MAX_DOCUMENT_BYTES, human_bytes
+from app.web.backend import MAX_REPORT_BYTES
 
 CREATE_CASES = [
     ({"bogus": 1}, "bogus: unknown field"),
@@ -106,6 +110,40 @@ def test_malformed_bodies_are_422(api: httpx.Client, content: str | bytes, names
     answer = api.post("/api/runs", content=content, headers={"Content-Type": "application/json"})
     assert answer.status_code == 422, answer.text
     assert names.lower() in answer.json()["detail"].lower()
+
+
+def _runs(api: httpx.Client) -> int:
+    return len(api.get("/api/runs").json())
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_past_the_cap_is_a_413_and_starts_nothing(api: httpx.Client, chunked: bool) -> None:
+    # An 80 MB body (a valid run after 80 MB of spaces) was read whole, parsed and a run created: 201.
+    body = b" " * (MAX_DOCUMENT_BYTES + 1) + json.dumps(make_run()).encode()
+    before = _runs(api)
+    content: bytes | Iterator[bytes] = body
+    if chunked:  # no Content-Length: counted as it arrives
+        content = iter([body[i : i + 65536] for i in range(0, len(body), 65536)])
+    answer = api.post("/api/runs", content=content, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 413, answer.text
+    assert answer.json() == {"detail": f"request body: larger than {human_bytes(MAX_DOCUMENT_BYTES)}"}
+    assert _runs(api) == before
+
+
+def test_a_chunked_body_under_the_cap_reaches_the_app_whole(api: httpx.Client) -> None:
+    body = json.dumps(make_run(batches=1)).encode() + b" " * 200_000
+    chunks = iter([body[i : i + 4096] for i in range(0, len(body), 4096)])
+    answer = api.post("/api/runs", content=chunks, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 201, answer.text
+    api.post(f"/api/runs/{answer.json()['id']}/stop")
+
+
+def test_a_report_upload_has_the_report_s_cap_not_the_json_one(api: httpx.Client) -> None:
+    # 5 MB is past the JSON cap but within a report's: it reaches the route (refused there: no CSRF).
+    report = b'{"policy": "full"' + b" " * 5_000_000 + b"}"
+    answer = api.post("/replays", files={"report": ("r.json", report, "application/json")})
+    assert answer.status_code == 403, answer.text
+    assert limit_for("/replays") > MAX_REPORT_BYTES
 
 
 def test_a_slow_sim_run_whose_next_timer_is_far_off_runs(api: httpx.Client) -> None:
