@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -108,6 +109,9 @@ def celery_dispatch(settings: Settings) -> Callable[[str], None]:
     return dispatch
 
 
+NAMES_ITS_FIELD = re.compile(r"[A-Za-z_][\w.]*(, [A-Za-z_][\w.]*)*: ")  # "surplus_groups: ...", "a, b: ..."
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """422 with one line per problem, each naming its field (`body.workload.batch.groups: ...`)."""
     problems = []
@@ -118,10 +122,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             problems.append(f"body: not valid JSON at character {where}" + (f" ({why})" if why else ""))
             continue
         loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        message = str(error.get("msg", "invalid"))
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's wording
         if error.get("type") == "extra_forbidden":
             message = "unknown field"
-        problems.append(f"{loc}: {message}")
+        if loc == "body" and NAMES_ITS_FIELD.match(message):
+            problems.append(message)  # a check across fields names the one it refuses: not "body"
+        else:
+            problems.append(f"{loc}: {message}")
     return JSONResponse(
         status_code=422,
         content={"detail": "; ".join(problems), "errors": [{"field": p.split(":")[0], "problem": p}

@@ -18,7 +18,7 @@ from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
 from app.tasks.loader import builtin_task_names
-from app.validation import in_flight_problem
+from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, in_flight_problem
 
 SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
 LOCAL_SURPLUS = "surplus_groups: a local run takes S up to {:,}, got {:,}"
@@ -125,8 +125,8 @@ class RunCreate(_Input):
     )
     groups_per_batch: StrictInt | None = Field(None, ge=1, le=4096, description="B")
     group_size: StrictInt | None = Field(None, ge=2, le=1024, description="G")
-    surplus_groups: StrictInt | None = Field(None, ge=0, le=100_000, description="S")
-    max_staleness: StrictInt | None = Field(None, ge=0, le=10_000, description="K")
+    surplus_groups: StrictInt | None = Field(None, ge=0, le=MAX_SURPLUS, description="S")
+    max_staleness: StrictInt | None = Field(None, ge=0, le=MAX_RUN_STALENESS, description="K")
     ready_surplus: StrictInt | None = Field(
         None,
         ge=0,
@@ -149,7 +149,7 @@ class RunCreate(_Input):
     def _kind_matches(self) -> RunCreate:
         if self.kind is RunKind.SIM:
             if self.config is not None:
-                raise ValueError("config is for kind 'local'; a sim run takes a workload")
+                raise ValueError("config: for kind 'local' only; a sim run takes a workload")
             assert self.workload is not None
             if self.workload.trace is not None:
                 raise ValueError(f"workload.trace: {NO_SERVER_FILES}")
@@ -159,10 +159,11 @@ class RunCreate(_Input):
                 self.group_size or self.workload.batch.group_size,
                 self.workload.policy.surplus_groups if self.surplus_groups is None else self.surplus_groups,
             )
-            if problem is not None:
-                raise ValueError(problem)
+            if problem is not None:  # only overrides can cause it: name those given
+                knobs = ("groups_per_batch", "group_size", "surplus_groups")
+                raise ValueError(f"{', '.join(k for k in knobs if getattr(self, k) is not None)}: {problem}")
         elif self.workload is not None:
-            raise ValueError("workload is for kind 'sim'; a local run takes a config")
+            raise ValueError("workload: for kind 'sim' only; a local run takes a config")
         elif self.config is not None and (problem := server_files_problem(self.config)) is not None:
             raise ValueError(problem)
         elif self.config is not None and self.trainer is TrainerKind.SENTINEL:
@@ -194,10 +195,10 @@ class RunCreate(_Input):
         if self.ready_surplus is not None and self.policy is not PolicyName.FULL:
             raise ValueError("ready_surplus: only policy full admits in flight and keeps ready groups apart")
         if self.speed != 1.0 and self.kind is not RunKind.SIM:
-            raise ValueError("speed applies to sim runs only")
+            raise ValueError("speed: applies to sim runs only")
         if self.orchestrator is OrchestratorKind.CELERY and self.trainer is TrainerKind.EXTERNAL:
             raise ValueError(
-                "orchestrator celery runs with the sentinel trainer only: the trainer API reaches runs "
+                "orchestrator: celery runs with the sentinel trainer only: the trainer API reaches runs "
                 "executing in the API server"
             )
         return self
@@ -215,8 +216,8 @@ class RunCreate(_Input):
 class PolicyPatch(_Input):
     """Live changes: S and K, and the pace of weight rollouts."""
 
-    max_staleness: StrictInt | None = Field(None, ge=0, le=10_000, description="K")
-    surplus_groups: StrictInt | None = Field(None, ge=0, le=100_000, description="S")
+    max_staleness: StrictInt | None = Field(None, ge=0, le=MAX_RUN_STALENESS, description="K")
+    surplus_groups: StrictInt | None = Field(None, ge=0, le=MAX_SURPLUS, description="S")
     max_updating_engines: StrictInt | None = Field(
         None, ge=1, le=1024, description="engines updating at once"
     )

@@ -34,7 +34,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.staticfiles import StaticFiles
 
 from app.core.attribution import PHASE_LABELS
-from app.validation import parse_int
+from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
 from app.web.readmodel import ReportError, RunView
@@ -66,6 +66,7 @@ CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control")
 PAUSE_BLOCK = "pause_control"
 RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
+POLICY_MAX = {"max_staleness": MAX_RUN_STALENESS, "surplus_groups": MAX_SURPLUS}  # as the API takes them
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
 Zoom = Annotated[float, Query(ge=1.0, le=MAX_ZOOM, allow_inf_nan=False)]
@@ -518,8 +519,8 @@ def parse_policy_form(form: Mapping[str, str]) -> dict[str, int]:
             value = parse_int(raw)
         except ValueError:
             raise ValueError(f"{name} ({short}): expected a whole number, got {raw!r}") from None
-        if not 0 <= value <= 1_000_000:
-            raise ValueError(f"{name} ({short}): must be between 0 and 1000000, got {value}")
+        if not 0 <= value <= POLICY_MAX[name]:
+            raise ValueError(f"{name} ({short}): must be between 0 and {POLICY_MAX[name]:,}, got {value:,}")
         changes[name] = value
     if not changes:
         raise ValueError("policy: set K or S")

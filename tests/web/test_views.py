@@ -444,6 +444,9 @@ async def test_a_report_with_a_non_finite_number_is_refused(number):
     [
         ({}, "set K or S"),
         ({"max_staleness": "-1"}, "max_staleness (K): must be between"),
+        # the bound the API holds to, not a million (a K of 50,000 passed here, then failed in the API)
+        ({"max_staleness": "50000"}, "max_staleness (K): must be between 0 and 10,000, got 50,000"),
+        ({"surplus_groups": "100001"}, "surplus_groups (S): must be between 0 and 100,000, got 100,001"),
         ({"surplus_groups": "1e9"}, "surplus_groups (S): expected a whole number"),
         ({"surplus_groups": "inf"}, "surplus_groups (S): expected a whole number"),
         # int() takes other scripts' digits, '_' and '+': these were applied as K = 3 and S = 1000
