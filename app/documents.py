@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import select
 import stat
 import sys
@@ -154,6 +155,15 @@ class _StrictLoader(yaml.SafeLoader):
                 raise _DuplicateKey(f"{key_node.value!r} is given twice in one mapping (line {line})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1, which PyYAML reads, takes `1e3` and `1.0e308` for strings (its floats need a dot and a signed
+# exponent): `step_s: 1e3` was refused as "not a valid number". JSON and YAML 1.2 read them as numbers.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def _json_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:

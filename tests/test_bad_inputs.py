@@ -484,6 +484,17 @@ CASES: dict[str, Case] = {
             + json.dumps(GOOD_TRACE_LINE).replace(": 5,", ": 5" + "0" * 5000 + ","),
         },
     ),
+    # -- an empty argument: an empty path read as '.', the current directory ---------------------------
+    "an empty workload path": Case(["sim", "--workload", ""], ["error: --workload: is empty"]),
+    "an empty report path": Case(
+        ["sim", "--workload", "default", "--json", ""], ["error: --json: is empty"], absent=["directory"]
+    ),
+    "an empty --flag= value": Case(["bench", "--workload="], ["error: --workload: is empty"]),
+    # it imported from the current directory
+    "an empty trace directory": Case(
+        ["trace", "import", "--format", "terminal-bench", "", "--out", "t.jsonl"],
+        ["error: argument 5: is empty"],
+    ),
     # -- a key given twice: PyYAML and json kept the last one silently -----------------------------
     "workload YAML with a key twice": Case(
         ["sim", "--workload", "w.yaml"],

@@ -35,7 +35,7 @@ def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> No
     )
     done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "1 attempts of 1 tasks" in done.stderr
+    assert "1 attempt of 1 task → " in done.stderr
     line = json.loads((tmp_path / "t.jsonl").read_text())
     assert line["agent_s"] == 180.0
     assert line["reward"] == 1.0
@@ -114,7 +114,7 @@ def test_trace_import_counts_what_it_skips_and_writes_nothing_negative(tmp_path:
         "trace", "import", "--format", "corral-run", "report.json", "--out", "t.jsonl", cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    assert "1 attempts of 1 tasks" in done.stderr
+    assert "1 attempt of 1 task → " in done.stderr
     assert "(skipped: 1 a sandbox op ends before it starts)" in done.stderr
     line = json.loads((tmp_path / "t.jsonl").read_text())
     assert (line["reset_s"], line["agent_s"]) == (2.0, 3.0)
@@ -139,7 +139,7 @@ def test_trace_import_counts_every_trial_file_it_skips(tmp_path: Path) -> None:
     done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     skipped = "1 is_resolved is not a boolean, 2 not JSON, 1 not an object"
-    assert f"1 attempts of 1 tasks → t.jsonl (skipped: {skipped})" in done.stderr
+    assert f"1 attempt of 1 task → t.jsonl (skipped: {skipped})" in done.stderr
     assert json.loads((tmp_path / "t.jsonl").read_text())["task"] == "good"
 
 
@@ -295,4 +295,4 @@ def test_trace_import_of_a_real_corral_run_report_names_each_attempt_by_its_task
     tasks = {line["task"] for line in lines}
     assert tasks <= set(json.loads(report.read_text())["group_tasks"].values())
     assert 1 < len(tasks) <= 10
-    assert f"{len(lines)} attempts of {len(tasks)} tasks" in done.stderr
+    assert f"{len(lines)} attempts of {len(tasks)} tasks" in done.stderr, (len(lines), len(tasks))

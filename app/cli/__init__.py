@@ -85,7 +85,25 @@ def _root(
         leftovers.declare_owner()
 
 
+def empty_argument(argv: list[str]) -> str | None:
+    """Why the command line has an empty argument, or None. Every value `corral` takes is a path, a
+    number, a name or a list, none of them empty; an empty path read as '.' (the current directory:
+    `trace import ""` imported from it, `--json ""` said '.: is a directory')."""
+    for i, arg in enumerate(argv):
+        if arg == "":
+            before = argv[i - 1] if i else ""
+            where = before if before.startswith("-") else f"argument {i + 1}"
+            return f"{where}: is empty"
+        if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:
+            return f"{arg[:-1]}: is empty"
+    return None
+
+
 def main() -> None:
+    if (problem := empty_argument(sys.argv[1:])) is not None:
+        err.print(f"error: {problem}", markup=False)
+        early_signals.release()
+        sys.exit(2)
     try:
         code = app(standalone_mode=False)
     except TyperException as exc:  # click's usage errors: a bad flag, value or command

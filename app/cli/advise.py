@@ -73,7 +73,8 @@ def trace_import(
             fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     tasks = len({r["task"] for r in result.records})
-    say(f"{written} attempts of {tasks} tasks → {out} (skipped: {skipped})")
+    attempts = f"{written} attempt{'' if written == 1 else 's'}"
+    say(f"{attempts} of {tasks} task{'' if tasks == 1 else 's'} → {out} (skipped: {skipped})")
 
 
 def _check_source(source: Path, fmt: TraceFormat) -> None:

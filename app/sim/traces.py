@@ -42,7 +42,7 @@ from typing import Any
 
 from app.documents import TooLarge, check_size, open_input, read_text_at_most
 from app.outputs import write_text_atomically
-from app.sim.workload import WorkloadError
+from app.sim.workload import WorkloadError, trace_line_problem
 from app.validation import MAX_REPORT_BYTES
 
 FORMATS = ("terminal-bench", "corral-run")
@@ -181,6 +181,8 @@ def import_terminal_bench(directory: Path) -> ImportResult:
                 continue
             seen.add(key)
             line, why = terminal_bench_record(record)
+            if line is not None and (unloadable := trace_line_problem(line)) is not None:
+                line, why = None, unloadable  # it would be refused by the simulator that reads it
             if line is None:
                 result.skipped[why] += 1
             else:
@@ -346,11 +348,10 @@ def attempts_from_events(
     records: list[dict[str, Any]] = []
     # Judged once every event is in: a cleanup that runs backwards may come after its attempt reports.
     for key, line in done:
-        finite = all(math.isfinite(line[f"{phase}_s"]) for phase in ("reset", "agent", "validate", "cleanup"))
         if key in backwards:
             skipped[backwards[key]] += 1
-        elif not finite:
-            skipped["durations too large to count"] += 1
+        elif (unloadable := trace_line_problem(line)) is not None:
+            skipped[unloadable] += 1
         else:
             records.append(line)
     return records, skipped

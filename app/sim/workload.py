@@ -16,7 +16,7 @@ import math
 import os
 import random
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -526,6 +526,21 @@ class _TraceLine(Strict):
     cleanup_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
     reward: float = Field(strict=True)
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
+
+
+def trace_line_problem(data: Mapping[str, Any]) -> str | None:
+    """Why `load_trace` would refuse `data` as a trace line, in a few words that group alike lines (a
+    span beyond `MAX_SECONDS`, as a trial with a far-future end has), or None: an importer keeps only
+    lines the simulator then loads."""
+    try:
+        _TraceLine.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(p) for p in error["loc"])
+        if error["type"] in ("less_than_equal", "finite_number") and field.endswith("_s"):
+            return f"{field} over {MAX_SECONDS:,.0f} s"
+        return f"{field}: {error['msg']}"
+    return None
 
 
 # A trace line is about 100 bytes an attempt (more with turns) and holds about 3 times that in memory

@@ -203,7 +203,7 @@ def test_durations_too_large_to_add_up_are_skipped() -> None:
     events[3:4] = [make_op("exec", -1e308, 1e308)]
     records, skipped = attempts_from_events(events)
     assert records == []
-    assert skipped == {"durations too large to count": 1, "attempt failed": 1}
+    assert skipped == {"agent_s over 1,000,000 s": 1, "attempt failed": 1}
 
 
 def test_every_trial_file_not_imported_is_counted_with_its_reason(tmp_path: Path) -> None:
@@ -245,6 +245,8 @@ BAD_TRIALS = {
     ),
     "is_resolved a word": ({"is_resolved": "yes"}, "is_resolved is not a boolean"),
     "is_resolved a number": ({"is_resolved": 1}, "is_resolved is not a boolean"),
+    # imported, and then the simulator refused the whole trace at this line (agent_s: 251,698,233,594 s)
+    "an agent end far off": ({"agent_ended_at": "9999-12-31T23:59:59+00:00"}, "agent_s over 1,000,000 s"),
 }
 
 
@@ -258,6 +260,9 @@ def test_a_trial_with_bad_times_or_outcome_is_skipped_with_its_reason(
     result = import_terminal_bench(run)
     assert [r["task"] for r in result.records] == ["good"]
     assert result.skipped == {why: 1}
+    out = tmp_path / "trace.jsonl"  # what is imported loads
+    assert write_trace(result.records, out) == 1
+    assert list(load_trace(out)) == ["good"]
 
 
 def test_missing_phase_times_count_as_zero_and_null_is_resolved_as_unresolved(tmp_path: Path) -> None:

@@ -252,3 +252,17 @@ def test_borrowing_serving_cpus_needs_work_conserving_lanes() -> None:
     assert ok.lanes.borrow_serving_cpus
     with pytest.raises(ValueError, match="borrow_serving_cpus needs work_conserving lanes"):
         Workload.model_validate({"lanes": {"borrow_serving_cpus": True, "sharing": "partitioned"}})
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
+    # YAML 1.1 read `1e3` as a string, and the workload refused it as "not a valid number".
+    path = tmp_path / "w.yaml"
+    data = make_workload_data(trainer={"step_s": "STEP"}, trajectory={"timeout_s": "TIMEOUT"})
+    text = json.dumps(data).replace('"STEP"', "1e3").replace('"TIMEOUT"', "6.0E+1")  # JSON is YAML too
+    path.write_text(text)
+    spec = load_workload(path)
+    assert spec.trainer.step_s == 1000.0
+    assert spec.trajectory.timeout_s == 60.0
+    path.write_text(text.replace("1e3", "1e400"))  # past a float's range: infinity, refused as any
+    with pytest.raises(WorkloadError, match=r"trainer\.step_s"):
+        load_workload(path)
