@@ -485,15 +485,15 @@ CASES: dict[str, Case] = {
         },
     ),
     # -- an empty argument: an empty path read as '.', the current directory ---------------------------
-    "an empty workload path": Case(["sim", "--workload", ""], ["error: --workload: is empty"]),
+    "an empty workload path": Case(["sim", "--workload", ""], ["error: --workload: empty"]),
     "an empty report path": Case(
-        ["sim", "--workload", "default", "--json", ""], ["error: --json: is empty"], absent=["directory"]
+        ["sim", "--workload", "default", "--json", ""], ["error: --json: empty"], absent=["directory"]
     ),
-    "an empty --flag= value": Case(["bench", "--workload="], ["error: --workload: is empty"]),
+    "an empty --flag= value": Case(["bench", "--workload="], ["error: --workload: empty"]),
     # it imported from the current directory
     "an empty trace directory": Case(
         ["trace", "import", "--format", "terminal-bench", "", "--out", "t.jsonl"],
-        ["error: argument 5: is empty"],
+        ["error: argument 5: empty"],
     ),
     # -- a key given twice: PyYAML and json kept the last one silently -----------------------------
     "workload YAML with a key twice": Case(

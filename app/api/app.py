@@ -35,7 +35,7 @@ from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
 from app.store.db import is_outage, outage_reason
-from app.web.views import dashboard_for, mount_dashboard
+from app.web.views import dashboard_for, error_page, mount_dashboard
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def celery_dispatch(settings: Settings) -> Callable[[str], None]:
 NAMES_ITS_FIELD = re.compile(r"[A-Za-z_][\w.]*(, [A-Za-z_][\w.]*)*: ")  # "surplus_groups: ...", "a, b: ..."
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     """422 with one line per problem, each naming its field (`body.workload.batch.groups: ...`)."""
     problems = []
     for error in exc.errors():
@@ -121,7 +121,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             why = (error.get("ctx") or {}).get("error", "")
             problems.append(f"body: not valid JSON at character {where}" + (f" ({why})" if why else ""))
             continue
-        loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        where = error.get("loc", ())
+        if where[:1] in (("query",), ("path",)):  # a query or path parameter: its name alone
+            where = where[1:]
+        loc = ".".join(str(p) for p in where if p != "body") or "body"
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")  # pydantic's wording
         if error.get("type") == "extra_forbidden":
             message = "unknown field"
@@ -129,6 +132,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
             problems.append(message)  # a check across fields names the one it refuses: not "body"
         else:
             problems.append(f"{loc}: {message}")
+    if (page := error_page(request, "; ".join(problems), 422)) is not None:
+        return page
     return JSONResponse(
         status_code=422,
         content={"detail": "; ".join(problems), "errors": [{"field": p.split(":")[0], "problem": p}

@@ -93,9 +93,9 @@ def empty_argument(argv: list[str]) -> str | None:
         if arg == "":
             before = argv[i - 1] if i else ""
             where = before if before.startswith("-") else f"argument {i + 1}"
-            return f"{where}: is empty"
+            return f"{where}: empty"
         if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:
-            return f"{arg[:-1]}: is empty"
+            return f"{arg[:-1]}: empty"
     return None
 
 

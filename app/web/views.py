@@ -585,6 +585,7 @@ def dashboard_for(settings: Any, get_manager: Callable[[], Any]) -> Dashboard:
 def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:
     """Add the dashboard's routes, its static files and the npm-installed vendor scripts to `app`."""
     app.include_router(make_router(dash))
+    app.state.dashboard = dash  # its pages' own error answers are pages too (app.api.app)
     app.mount("/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
     @app.get("/vendor/{name}", include_in_schema=False)
@@ -595,3 +596,14 @@ def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:
             return Response(f"{name}: {missing}", status_code=404, media_type="text/plain")
         headers = {"Cache-Control": "max-age=3600"}
         return Response(path.read_bytes(), media_type="text/javascript", headers=headers)
+
+
+def error_page(request: Request, message: str, status: int) -> HTMLResponse | None:
+    """A dashboard page's refusal as a page (a bad `?zoom=` typed into the address bar showed raw
+    JSON), or None for a request that is not a dashboard page's: the API's, and anything without a
+    dashboard mounted."""
+    dash = getattr(request.app.state, "dashboard", None)
+    path = request.url.path
+    if not isinstance(dash, Dashboard) or path.startswith(("/api/", "/healthz", "/metrics", "/docs")):
+        return None
+    return _error(dash, request, message, status)

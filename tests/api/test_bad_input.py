@@ -116,6 +116,20 @@ def test_malformed_bodies_are_422(api: httpx.Client, content: str | bytes, names
     assert names.lower() in answer.json()["detail"].lower()
 
 
+@pytest.mark.parametrize("zoom", ["0", "nan", "x"])
+def test_a_bad_query_on_a_dashboard_page_is_a_page(api: httpx.Client, zoom: str) -> None:
+    # Typed into the address bar, it showed the API's JSON.
+    run_id = api.post("/api/runs", json=make_run(batches=1)).json()["id"]
+    answer = api.get(f"/runs/{run_id}", params={"zoom": zoom})
+    assert answer.status_code == 422
+    assert answer.headers["content-type"].startswith("text/html")
+    assert '<p class="flash error" role="alert">zoom: ' in answer.text
+    assert '<a href="/">Back to the runs</a>' in answer.text
+    api_answer = api.get(f"/api/runs/{run_id}/timeline", params={"limit": zoom})  # the API's stays JSON
+    assert api_answer.status_code == 422
+    assert api_answer.json()["detail"].startswith("limit: ")
+
+
 def _runs(api: httpx.Client) -> int:
     return len(api.get("/api/runs").json())
 
