@@ -135,7 +135,7 @@ def _sim_ports(spec: RunCreate, policy: PolicyConfig) -> RunPorts:
         engines=engines,
         engine_slots=workload.engines.slots,
         lanes=InProcessLanes.from_config(lane_config, policy.pinned_lanes),
-        source=SimSource(TrajectorySource(workload), lane_cpus),
+        source=SimSource(TrajectorySource(workload), lane_cpus, record=True),
         weights_dir=None,
     )
 

@@ -172,27 +172,41 @@ class SimSandbox:
 
 
 class SimAgent:
-    """Plays a drawn trajectory: reset, turns of engine time then tool time, capped, then validation."""
+    """Plays a drawn trajectory: reset, turns of engine time then tool time, capped, then validation.
+    With `record`, each turn leaves a transcript entry (its policy version, tokens and times), as a real
+    agent's does: a trainer taking a simulated run's batches sees the versions it trains on."""
 
-    __slots__ = ("trajectory",)  # one per attempt: no instance dict
+    __slots__ = ("record", "trajectory")  # one per attempt: no instance dict
 
-    def __init__(self, trajectory: Trajectory) -> None:
+    def __init__(self, trajectory: Trajectory, record: bool = False) -> None:
         self.trajectory = trajectory
+        self.record = record
 
     async def run(self, ctx: AttemptContext) -> AttemptOutcome:
         await ctx.reset()
         turns = 0
         timed_out = False
+        transcript: list[dict[str, object]] = []
         try:
             async with asyncio.timeout(self.trajectory.timeout_s):
                 for turn in self.trajectory.turns:
-                    await ctx.generate(TurnRequest(prompt="", meta={"llm_s": turn.llm_s}))
+                    result = await ctx.generate(TurnRequest(prompt="", meta={"llm_s": turn.llm_s}))
+                    if self.record:
+                        transcript.append(
+                            {
+                                "turn": turns,
+                                "weight_version": result.weight_version,
+                                "tokens": result.tokens,
+                                "llm_s": turn.llm_s,
+                                "tool_s": turn.tool_s,
+                            }
+                        )
                     await ctx.exec("", turn.tool_s + 1.0)
                     turns += 1
         except TimeoutError:
             timed_out = True
         reward = await ctx.validate()
-        return AttemptOutcome(reward=reward, turns=turns, timed_out=timed_out)
+        return AttemptOutcome(reward=reward, turns=turns, timed_out=timed_out, transcript=transcript)
 
 
 class SimTrainer:
@@ -210,15 +224,16 @@ _SIM_TASK = TaskSpec(name="sim", instruction="", root=Path("."), validation="tru
 class SimSource:
     """Attempts for the runtime, built from seeded trajectory draws."""
 
-    def __init__(self, trajectories: TrajectorySource, lanes: SimLaneCpus) -> None:
+    def __init__(self, trajectories: TrajectorySource, lanes: SimLaneCpus, record: bool = False) -> None:
         self.trajectories = trajectories
         self._lanes = lanes
+        self._record = record  # transcripts: for a trainer taking the batches (the service's sim runs)
 
     def make_attempt(
         self, group_id: int, task_index: int, attempt: int
     ) -> tuple[Agent, TaskSpec | None, Sandbox]:
         trajectory = self.trajectories.trajectory(task_index, attempt)
-        return SimAgent(trajectory), _SIM_TASK, SimSandbox(trajectory, self._lanes)
+        return SimAgent(trajectory, self._record), _SIM_TASK, SimSandbox(trajectory, self._lanes)
 
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:

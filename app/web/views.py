@@ -457,7 +457,8 @@ def make_router(dash: Dashboard) -> APIRouter:
     controls: dict[str, tuple[Call, str]] = {
         "publish": (
             lambda backend, run_id: backend.publish(run_id, "operator"),
-            "Publishing new weights: the engines load them one at a time.",
+            "Publishing new weights: a rolling update, a few engines at a time (the Engines table shows "
+            "each one's version).",
         ),
         "pause": (
             lambda backend, run_id: backend.pause(run_id, "operator"),

@@ -176,3 +176,18 @@ def test_ready_surplus_is_for_policy_full_only(server: str) -> None:
         answer = api.post("/api/runs", json=make_run(policy="sync", ready_surplus=4))
         assert answer.status_code == 422
         assert "ready_surplus: only policy full" in answer.text
+
+
+def test_a_simulated_run_s_batches_carry_each_turn_s_policy_version(server: str) -> None:
+    # Its trajectories had "turns": [] and "policy_versions": [], where the docs show both filled in.
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as api:
+        run_id = api.post("/api/runs", json=make_run(batches=1)).json()["id"]
+        batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30}).json()
+        trajectories = [t for g in batch["groups"] for t in g["trajectories"]]
+        assert trajectories
+        for t in trajectories:
+            assert t["turn_count"] >= 1
+            assert len(t["turns"]) == len(t["policy_versions"]) == t["turn_count"], t
+            assert all(v <= batch["trainer_version"] for v in t["policy_versions"]), t
+            assert all(turn["tokens"] > 0 for turn in t["turns"]), t
+        api.post(f"/api/runs/{run_id}/stop")
