@@ -157,6 +157,14 @@ def cannot_proceed(exc: BaseException) -> RunCannotProceed | None:
     return None
 
 
+def failure_detail(exc: BaseException) -> str:
+    """What ended a failed run, in words: the errors inside the task groups' exception groups, each once
+    (a run's error read "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)")."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return f"{type(exc).__name__}: {exc}"
+    return "; ".join(dict.fromkeys(failure_detail(inner) for inner in exc.exceptions))
+
+
 class EngineTurnFailed(RuntimeError):
     """A turn met more engine failures than `EngineFaultConfig.turn_retries` allows."""
 
@@ -541,7 +549,7 @@ class Runtime:
     def _publish_run_ended(self, exc: BaseException | None) -> None:
         batches, _ = self._run_target
         if exc is not None and not isinstance(exc, asyncio.CancelledError):
-            reason, detail = "error", f"{type(exc).__name__}: {exc}"
+            reason, detail = "error", failure_detail(exc)
         elif self._stop_requested or exc is not None:
             reason, detail = "stopped", ""
         elif batches is not None and self.scheduler.batches_delivered >= batches:

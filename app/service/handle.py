@@ -36,7 +36,7 @@ from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.engines.errors import EngineError
 from app.runtime.config import sentinel_trainer_problem
-from app.runtime.driver import Runtime
+from app.runtime.driver import Runtime, failure_detail
 from app.service.gateway import RunClosedError, TrainerGateway
 from app.service.paced import PacedLoop
 from app.service.ports import LanesFactory, RunPorts, open_ports, run_policy
@@ -546,11 +546,3 @@ def _continue_numbering(runtime: Runtime, first_group: int, first_batch: int) ->
     the store. (The scheduler has no public parameter for this yet; these are its two counters.)"""
     runtime.scheduler._next_group = first_group
     runtime.scheduler._batches = first_batch
-
-
-def failure_detail(exc: BaseException) -> str:
-    """What ended a failed run, in words: the errors inside the task groups' exception groups, each once
-    (a run's error read "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)")."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return f"{type(exc).__name__}: {exc}"
-    return "; ".join(dict.fromkeys(failure_detail(inner) for inner in exc.exceptions))

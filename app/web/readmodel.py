@@ -205,6 +205,7 @@ class RunView:
     newest_version: int = 0  # the newest version published (or served)
     stall_note: str | None = None  # every engine refused the newest version and is more than K behind
     timeline_note: str | None = None  # why a replay has no group timeline
+    unanswered_s: float = 0.0  # an ended run's last request, never answered: the trainer waited to the end
     error: str | None = None  # why a failed run failed (its record: a run failing at start has no events)
 
     # -- figures ----------------------------------------------------------------------------------
@@ -249,7 +250,8 @@ class RunView:
         elapsed = self.now - self.t0
         if elapsed <= 0:
             return None
-        return (sum(b.wait_s for b in self.batches) + (self.waiting_s or 0.0)) / elapsed
+        waited = sum(b.wait_s for b in self.batches) + (self.waiting_s or 0.0) + self.unanswered_s
+        return waited / elapsed
 
     @property
     def span_count(self) -> int:
@@ -557,6 +559,7 @@ class RunViewBuilder:
             label=meta.label,
             last_seq=self.last_seq,
             pending_request=self.pending if state in ("running", "paused", "stopping") else None,
+            unanswered_s=max(now - self.pending, 0.0) if ended and self.pending is not None else 0.0,
             dropped_groups=self.dropped_groups,
             started_at=meta.started_at,
             pool_note=self.pool[1] if self.pool is not None else None,

@@ -359,6 +359,11 @@ async def test_a_failed_run_s_page_says_why_it_failed(runs):
     run_id = runs.manager.create(spec)
     await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state == "failed", 120)
     error = runs.manager.view(run_id)["error"]
+    # no batch ever came: the trainer was idle the whole run (the page said 0%, counting only answers);
+    # and the run's end in its own stream says why, as its record does
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).idle_fraction == pytest.approx(1.0, abs=0.02))
+    ended = runs.manager.store.timeline(run_id, -1, 100_000)[-1]
+    assert (ended["kind"], ended["reason"], ended["detail"]) == ("run_ended", "error", error)
     # the error itself, not the task group's wrapper ("ExceptionGroup: unhandled errors in a TaskGroup")
     assert error.startswith("RunCannotProceed: 101 groups in a row failed and none completed"), error
 
