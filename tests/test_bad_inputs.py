@@ -167,8 +167,13 @@ CASES: dict[str, Case] = {
         ["sim", "--workload", "w.json", "--plot", "x.foo"], ["--plot", "x.foo", "png"], {"w.json": workload()}
     ),
     "bench --plot without an extension": Case(
-        ["bench", "--json", "b.json", "--plot", "ladder"], ["--plot", "ladder", "no extension"]
+        ["bench", "--json", "b.json", "--plot", "ladder"], ["--plot", "ladder", "has no image extension"]
     ),
+    # both said "no extension is not an image format"
+    "sim --plot a directory": Case(
+        ["sim", "--workload", "default", "--plot", "d"], ["--plot d: is a directory"], {"d/f": "x"}
+    ),
+    "sim --plot -": Case(["sim", "--workload", "default", "--plot", "-"], ["not written to standard output"]),
     "run --plot x.foo": Case(["run", "--json", "o.json", "--plot", "x.foo"], ["--plot", "x.foo"]),
     # advise's simulations run in worker processes: a bad trace line was a worker's traceback
     "advise --trace with a bad line": Case(

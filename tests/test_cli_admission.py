@@ -42,7 +42,11 @@ def test_in_flight_admission_caps_only_groups_in_flight(tmp_path: Path) -> None:
     ("args", "needle"),
     [
         (["--admission", "live", "--ready-surplus", "2"], "--ready-surplus: only with --admission in_flight"),
-        (["--policy", "sync", "--ready-surplus", "2"], "--ready-surplus: only with --admission in_flight"),
+        (
+            ["--policy", "sync", "--ready-surplus", "2"],
+            "--ready-surplus: only with --admission in_flight (policy sync admits live unless told "
+            "otherwise)",
+        ),
         (["--admission", "sideways"], "--admission"),
         (["--admission", "in_flight", "--ready-surplus", "-1"], "--ready-surplus"),
     ],

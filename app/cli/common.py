@@ -289,9 +289,14 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = path.suffix.lower().removeprefix(".")
+    if is_stdout(path):
+        fail(f"{flag} -: a plot is not written to standard output; give a file name, e.g. plot.png")
+    if os.path.isdir(path):  # not Path.is_dir: it raises on a name the OS refuses (too long)
+        fail(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'plot.png'}")
     if suffix not in formats:
-        given = f"'.{suffix}'" if suffix else "no extension"
-        fail(f"{flag} {path}: {given} is not an image format; use one of {', '.join(formats)}")
+        if not suffix:
+            fail(f"{flag} {path}: the name has no image extension; end it with one of {', '.join(formats)}")
+        fail(f"{flag} {path}: '.{suffix}' is not an image format; use one of {', '.join(formats)}")
     check_output(path, flag)
 
 

@@ -204,7 +204,8 @@ def sim(
     except ValidationError as exc:
         fail(problems(exc, FLAGS))
     if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
-        fail("--ready-surplus: only with --admission in_flight")
+        why = "" if admission is not None else f" (policy {policy.value} admits live unless told otherwise)"
+        fail(f"--ready-surplus: only with --admission in_flight{why}")
     with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
         report = simulate(
