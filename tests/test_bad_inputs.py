@@ -353,6 +353,16 @@ CASES: dict[str, Case] = {
     "bench --plot with a name too long": Case(
         ["bench", "--json", "b.json", "--plot", LONG + ".png"], ["--plot", "too long"]
     ),
+    # they said "nonexist: not a directory" and "not a JSON report (Expecting value: line 1 column 1 ...)"
+    "trace import of a directory that does not exist": Case(
+        ["trace", "import", "--format", "terminal-bench", "nonexist", "--out", "t.jsonl"],
+        ["nonexist: no such directory"],
+    ),
+    "trace import of an empty report": Case(
+        ["trace", "import", "--format", "corral-run", "r.json", "--out", "t.jsonl"],
+        ["r.json: not a JSON report (the file is empty)"],
+        {"r.json": ""},
+    ),
     "trace import of a name too long": Case(
         ["trace", "import", "--format", "corral-run", LONG + ".json", "--out", "t.jsonl"], ["too long"]
     ),

@@ -14,10 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.core.config import LanesConfig
-from app.cpulist import MAX_CPU
+from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
 from app.validation import MAX_SECONDS, MAX_SEED, human_bytes, problems
@@ -87,7 +95,14 @@ def engines_memory_problem(count: int, layers: int, hidden: int) -> str | None:
     )
 
 
-_CpuList = list[Annotated[int, Field(ge=0, le=MAX_CPU, strict=True)]]
+def _cpu_list_text(value: object) -> object:
+    """A CPU list may be written as the kernel writes it ('0-3,6'), as `--cpus` takes it, or as a list."""
+    return parse_cpu_list(value) if isinstance(value, str) else value
+
+
+_CpuList = Annotated[
+    list[Annotated[int, Field(ge=0, le=MAX_CPU, strict=True)]], BeforeValidator(_cpu_list_text)
+]
 
 
 class BatchConfig(_Strict):
@@ -109,7 +124,9 @@ class PolicyKnobs(_Strict):
 
 class EnginesConfig(_Strict):
     count: int = Field(2, ge=1, strict=True, description=f"embedded engine processes (1..{MAX_ENGINES})")
-    cpus: _CpuList = Field(default_factory=lambda: [0], description="serving CPU set (pinned policies)")
+    cpus: _CpuList = Field(
+        default_factory=lambda: [0], description="serving CPU set (pinned policies): [0, 1] or '0-1'"
+    )
     slots: int = _count(8, 1, MAX_ENGINE_SLOTS, "concurrent turns per engine")
     layers: int = _count(2, 1, MAX_LAYERS, "GRU layers of the embedded policy")
     hidden: int = _count(64, 8, MAX_HIDDEN, "hidden size of the embedded policy")
@@ -178,7 +195,9 @@ class LaneWeightsConfig(_Strict):
 
 
 class LocalLanesConfig(_Strict):
-    cpus: _CpuList = Field(default_factory=lambda: [1], description="CPU set of the sandbox lanes")
+    cpus: _CpuList = Field(
+        default_factory=lambda: [1], description="CPU set of the sandbox lanes: [1] or '1-3,6'"
+    )
     reset: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent resets")
     exec: int = _count(2, 1, MAX_LANE_SLOTS, "concurrent tool calls")
     validate_: int = Field(1, ge=1, le=MAX_LANE_SLOTS, strict=True, alias="validate")

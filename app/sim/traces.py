@@ -156,7 +156,8 @@ def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> int:
 def import_terminal_bench(directory: Path) -> ImportResult:
     """Every trial under `directory` (any depth), each counted once by (task, trial name)."""
     if not directory.is_dir():
-        raise WorkloadError(f"{directory}: not a directory")
+        missing = not directory.exists() and not directory.is_symlink()
+        raise WorkloadError(f"{directory}: " + ("no such directory" if missing else "not a directory"))
     result = ImportResult()
     seen: set[tuple[str, str]] = set()
     trial_dirs: set[Path] = set()
@@ -236,6 +237,8 @@ def _report_text(path: Path) -> str:
         if start and start != b"{":
             shown = repr(chr(start[0])) if 32 < start[0] < 127 else f"byte 0x{start[0]:02x}"
             raise ValueError(f"a corral run report begins with '{{', this one with {shown}")
+        if not start:
+            raise ValueError("the file is empty" if not head else "the file is only whitespace")
         rest = f.read(MAX_REPORT_BYTES + 1 - len(head)) if len(head) == 65_536 else b""
     data = head + rest
     if len(data) > MAX_REPORT_BYTES:

@@ -49,3 +49,17 @@ def test_a_local_run_without_a_config_takes_the_shipped_one(body: dict[str, Any]
     assert spec.config == load_config(default_config_path())
     assert run_policy(spec).groups_per_batch == spec.config.batch.groups
     assert RunCreate.model_validate(spec.model_dump(mode="json")) == spec  # stored, then resumed
+
+
+def test_a_run_config_takes_cpu_lists_as_the_kernel_writes_them() -> None:
+    # `--cpus 0-1` was taken, `lanes.cpus: '0-1'` in the config refused as "Input should be a valid list".
+    spec = RunCreate.model_validate(
+        {
+            "kind": "local",
+            "config": {"engines": {"cpus": "0"}, "lanes": {"cpus": "0-1", "borrow_serving_cpus": True}},
+        }
+    )
+    assert spec.config is not None
+    assert (spec.config.engines.cpus, spec.config.lanes.cpus) == ([0], [0, 1])
+    with pytest.raises(ValidationError, match="'0-x' in CPU list '0-x' is not a CPU number"):
+        RunCreate.model_validate({"kind": "local", "config": {"engines": {"cpus": "0-x"}}})
