@@ -230,6 +230,12 @@ def test_bench_writes_ladder_sweeps_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| sync |" in proc.stderr
+    # the sweeps are printed too, each row from the JSON (they were only in the JSON)
+    first = result["sweeps"]["surplus"][0]
+    assert f"| S = 0 | {first['batch_collection_s']:.1f} | {first['p90_s']:.1f} |" in proc.stderr
+    for k in (1, 2):
+        assert f"| K = {k}, S = " in proc.stderr
+    assert "| without rolling |" in proc.stderr
 
 
 def test_staleness_sweep_rows_name_their_k() -> None:

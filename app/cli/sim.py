@@ -306,6 +306,7 @@ def bench(
     write_json(json_out, result)
     write_plot(lambda out: plot_bench(result, out), plot, written=json_out)
     err.print(ladder_table(result), markup=False)
+    err.print(sweep_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
     say_serving_note(spec, result["policies"].get("full"))
@@ -334,6 +335,25 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
         err.print(f"{name}: {means}", markup=False)
         for line in data["findings"]:
             err.print(f"!!! {name}: {line}", markup=False)
+
+
+def sweep_table(result: dict[str, Any]) -> str:
+    """The S and K sweeps and the ablations of `full`, one row each (they were only in the JSON)."""
+    rows = [
+        "| full with | mean (s) | p90 (s) | idle | stale | wasted trajectory-s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    sweeps = result["sweeps"]
+    named = [(f"S = {r['surplus_groups']}", r) for r in sweeps["surplus"]]
+    named += [(f"K = {r['max_staleness']}, S = {r['surplus_groups']}", r) for r in sweeps["max_staleness"]]
+    named += [(label.removeprefix("full "), r) for label, r in sweeps["ablations"].items()]
+    for label, r in named:
+        wasted = sum(r["wasted_trajectory_s"].values())  # by reason
+        rows.append(
+            f"| {label} | {r['batch_collection_s']:.1f} | {r['p90_s']:.1f} "
+            f"| {r['trainer_idle_fraction']:.0%} | {r['discarded_groups']['stale']} | {wasted:.0f} |"
+        )
+    return "\n".join(rows)
 
 
 def ladder_table(result: dict[str, Any]) -> str:
