@@ -643,7 +643,7 @@ def test_a_trainer_long_polling_when_corral_serve_stops_is_told_so_at_once(tmp_p
         argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    answers: list[int] = []
+    answers: list[tuple[int, float]] = []
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -660,8 +660,12 @@ def test_a_trainer_long_polling_when_corral_serve_stops_is_told_so_at_once(tmp_p
         assert first.status_code == 200, first.text
 
         def poll() -> None:  # the first batch is neither acked nor expired: this one waits
-            url = f"{base}/{run}/batches/next"
-            answers.append(httpx.get(url, params={"timeout": 300}, headers=auth, timeout=320).status_code)
+            from app.client import CorralClient, ServerUnavailable
+
+            client = CorralClient(f"http://127.0.0.1:{port}", token="trainer-token", timeout_s=320)
+            with client, pytest.raises(ServerUnavailable) as raised:  # the client says: ask again later
+                client.next_batch(run, timeout=300)
+            answers.append((raised.value.status, raised.value.retry_after_s))
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
@@ -674,7 +678,7 @@ def test_a_trainer_long_polling_when_corral_serve_stops_is_told_so_at_once(tmp_p
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert answers == [503], stderr
+    assert answers == [(503, 5.0)], stderr
     _assert_serve_stopped_cleanly(proc, stderr, run="t")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["AsyncCorralClient", "Batch", "CorralClient", "CorralError", "RunEnded"]
+__all__ = ["AsyncCorralClient", "Batch", "CorralClient", "CorralError", "RunEnded", "ServerUnavailable"]
 
 TERMINAL_STATES = frozenset({"stopped", "failed", "completed"})
 
@@ -38,6 +38,18 @@ class CorralError(RuntimeError):
 
 class RunEnded(CorralError):
     """The run ended and has no batch left to hand out."""
+
+
+class ServerUnavailable(CorralError):
+    """503: the server is stopping (a pending long-poll is answered so) or its database is away. Ask
+    again after `retry_after_s`; once the server has stopped, the next call fails to connect."""
+
+    def __init__(self, status: int, detail: str, retry_after_s: float) -> None:
+        super().__init__(status, detail)
+        self.retry_after_s = retry_after_s
+
+
+DEFAULT_RETRY_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,18 @@ def _answer(response: httpx.Response) -> Any:
         detail = response.text
     if response.status_code == 409 and "has ended" in detail:
         raise RunEnded(409, detail)
+    if response.status_code == 503:
+        raise ServerUnavailable(503, detail, _retry_after_s(response.headers.get("Retry-After")))
     raise CorralError(response.status_code, detail)
+
+
+def _retry_after_s(value: str | None) -> float:
+    """Retry-After in seconds (the server sends a number of them); the default for anything else."""
+    try:
+        seconds = float(value) if value is not None else DEFAULT_RETRY_AFTER_S
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S
+    return seconds if 0 <= seconds <= 3600 else DEFAULT_RETRY_AFTER_S
 
 
 def _publish_body(version: int, path: str | None, sentinel: bool) -> dict[str, Any]:

@@ -37,7 +37,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery import Celery, states
@@ -66,6 +66,16 @@ RESULT_TTL_S = 24 * 3600
 OUTAGE_RETRIES = 60
 OUTAGE_RETRY_MAX_S = 2.0
 DEPTH_RETRY_S = 30.0  # after a broker that could not be reached for queue depths
+
+
+@dataclass
+class _HolderWatch:
+    """What `_resend_if_holder_died` keeps of one op between its checks."""
+
+    next_at: float
+    holder: str | None = None
+    misses: int = 0
+    given_up: set[str] = field(default_factory=set)  # workers it was sent again from
 
 
 def make_celery(broker_url: str, result_backend: str, include: Sequence[str] = ()) -> Celery:
@@ -341,6 +351,56 @@ class CeleryLanes:
         _, sent_under = await asyncio.to_thread(self._send, op)
         return sent_under
 
+    async def _resend_if_holder_died(self, op: LaneOp[Any], result: AsyncResult, watch: _HolderWatch) -> None:
+        """One check of a started op's worker: sent again (same id) once the worker has missed
+        `HOLDER_MISSES` pings in a row that others answered and no worker of its queue holds the op."""
+        try:
+            holder = await asyncio.to_thread(lost_ops.holder_of, result)
+            if holder is None or holder in watch.given_up:
+                return  # no mark to go by, or sent again already from this one: its new start is awaited
+            if holder != watch.holder:
+                watch.holder, watch.misses = holder, 0
+            dead = await asyncio.to_thread(lost_ops.dead_holder, self.celery, holder)
+            if dead is None:
+                return  # no worker answered: the broker, not this worker, is in doubt
+            watch.misses = watch.misses + 1 if dead else 0
+            if watch.misses < lost_ops.HOLDER_MISSES:
+                return
+            if (
+                await asyncio.to_thread(lost_ops.held_by_a_worker, self.celery, op.op_id, _queue(op))
+                is not False
+            ):
+                return  # a live worker holds it, or none of its queue answered: ask again later
+            if await asyncio.to_thread(lambda: result.state) != states.STARTED:
+                return  # it ended meanwhile
+            log.warning(
+                "op %s (%s): its worker %s stopped answering (killed?) with it started; sent again",
+                op.op_id,
+                op.name.value,
+                holder,
+            )
+            if self._epoch.client is not None:
+                await asyncio.to_thread(lost_ops.drop_unacked, self.celery, self._epoch.client, op.op_id)
+            watch.given_up.add(holder)
+            self._stats[op.lane].resent += 1
+            await asyncio.to_thread(self._send, op)
+        except lost_ops.BROKER_ERRORS as exc:  # the broker is away: ask at the next check
+            log.warning("op %s: could not check its worker (%s)", op.op_id, exc)
+
+    async def _holder_gone(self, result: AsyncResult) -> bool:
+        """Whether a started op's worker does not answer while others do: cancelled, its op would be
+        waited for `cancel_grace_s` for nothing."""
+        try:
+            if await asyncio.to_thread(lambda: result.state) != states.STARTED:
+                return False
+            holder = await asyncio.to_thread(lost_ops.holder_of, result)
+            return (
+                holder is not None
+                and await asyncio.to_thread(lost_ops.dead_holder, self.celery, holder) is True
+            )
+        except lost_ops.BROKER_ERRORS:
+            return False
+
     def _queue_depths(self) -> dict[LaneName, int]:
         """Messages waiting in each lane's queues over all hosts, as the broker counts them (0 for a queue
         never declared), over one connection."""
@@ -370,10 +430,11 @@ class CeleryLanes:
         deadline: float | None = None,
         on_started: Callable[[], None] | None = None,
         start_deadline: float | None = None,
-        on_pending: Callable[[], Awaitable[None]] | None = None,
+        on_waiting: Callable[[str], Awaitable[None]] | None = None,
     ) -> bool:
         """Poll until the op is done (True) or `deadline` passes (False); raise `LaneStartTimeout` if it
-        is still waiting in its queue at `start_deadline`. `on_pending` runs while it is pending."""
+        is still waiting in its queue at `start_deadline`. `on_waiting(state)` runs while it is pending
+        or started."""
         delay, most = self._poll
         loop = asyncio.get_running_loop()
         while True:
@@ -387,8 +448,8 @@ class CeleryLanes:
                 return False
             if state == states.PENDING and start_deadline is not None and now >= start_deadline:
                 raise LaneStartTimeout(f"no worker started op {result.id} in {self._start_timeout_s} s")
-            if state == states.PENDING and on_pending is not None:
-                await on_pending()
+            if on_waiting is not None:
+                await on_waiting(state)
             await asyncio.sleep(delay)
             delay = min(delay * 2, most)
 
@@ -400,12 +461,18 @@ class CeleryLanes:
         deadline = None if self._op_timeout_s is None else now + self._op_timeout_s
 
         next_look = now + lost_ops.EPOCH_CHECK_S
+        watch = _HolderWatch(next_at=now + lost_ops.HOLDER_CHECK_S)
 
-        async def look_for_it() -> None:  # while it is pending: lost in a broker restart?
+        async def look_for_it(state: str) -> None:
             nonlocal epoch, next_look
-            if epoch is not None and asyncio.get_running_loop().time() >= next_look:
-                epoch = await self._resend_if_lost(op, result, epoch)
-                next_look = asyncio.get_running_loop().time() + lost_ops.EPOCH_CHECK_S
+            loop_now = asyncio.get_running_loop().time()
+            if state == states.PENDING:  # lost in a broker restart?
+                if epoch is not None and loop_now >= next_look:
+                    epoch = await self._resend_if_lost(op, result, epoch)
+                    next_look = asyncio.get_running_loop().time() + lost_ops.EPOCH_CHECK_S
+            elif state == states.STARTED and loop_now >= watch.next_at:  # its worker killed?
+                await self._resend_if_holder_died(op, result, watch)
+                watch.next_at = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S
 
         try:
             if not await self._settled(result, deadline, on_started, start_deadline, look_for_it):
@@ -416,6 +483,8 @@ class CeleryLanes:
             raise
         except asyncio.CancelledError:
             await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+            if await self._holder_gone(result):  # a dead worker's op never settles: a stop would wait
+                raise
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s
             if not await self._settled(result, deadline):
                 log.warning(

@@ -18,6 +18,15 @@ back while the worker lives, so an op found in neither place after both were rea
 held. If it was sent twice anyway (a worker that took it and died unseen), the worker's own check of a
 stored result (workers.lane_tasks) keeps the second delivery from running it again once the first is
 done. On a broker that keeps its queues (RabbitMQ: durable), nothing is checked.
+
+Ops a dead worker held. A worker killed whole (`kill -9` of its process group, its host lost) leaves
+the op it had started in the broker's unacked messages, redelivered only after the visibility timeout
+(4 h): its attempt waited that long, and a stop waited on it until the server gave up, the run left
+`stopping`. So an op marked STARTED has its worker (the mark's `hostname`) pinged at most every
+`HOLDER_CHECK_S`; after `HOLDER_MISSES` checks in a row without its answer while other workers answer
+(`dead_holder`), it is sent again (same id) when a worker of its queue answered and none of them holds
+it (`held_by_a_worker`); its stale message is dropped from the unacked ones (`drop_unacked`). A
+cancelled op whose worker does not answer is not waited for.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from redis.exceptions import RedisError
 log = logging.getLogger(__name__)
 
 EPOCH_CHECK_S = 2.0
+HOLDER_CHECK_S = 10.0
+HOLDER_MISSES = 3  # checks in a row without the holder's answer (about 30 s) before it is taken for dead
 INSPECT_TIMEOUT_S = 1.0
 READ_TIMEOUT_S = 2.0
 # What a broker that is away (or restarting) raises: kombu's errors (its connections), redis-py's, the
@@ -102,6 +113,28 @@ def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
         return True
     if any(needle in raw for raw in client.hvals(unacked)):
         return True
+    return held_by_a_worker(celery, op_id, queue)
+
+
+def holder_of(result: Any) -> str | None:
+    """The worker that marked the op STARTED (Celery's STARTED meta: its node name), or None."""
+    info = result.info
+    hostname = info.get("hostname") if isinstance(info, dict) else None
+    return hostname if isinstance(hostname, str) else None
+
+
+def dead_holder(celery: Celery, worker: str) -> bool | None:
+    """Whether `worker` failed to answer a ping that other workers answered (True), answered (False),
+    or no worker answered at all (None: the broker or the network, not the worker, is in doubt)."""
+    replies = celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}
+    if not replies:
+        return None
+    return worker not in replies
+
+
+def held_by_a_worker(celery: Celery, op_id: str, queue: str) -> bool | None:
+    """Whether a live worker of `queue` has the op reserved or running (True), none of them has (False),
+    or none answered (None)."""
     consumers = celery.control.inspect(timeout=INSPECT_TIMEOUT_S).active_queues() or {}
     workers = [w for w, queues in consumers.items() if any(q.get("name") == queue for q in queues)]
     if not workers:
@@ -112,3 +145,19 @@ def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
     if not set(workers) <= set(found):
         return None  # a worker that saw the queue did not answer now: it may hold the op
     return False
+
+
+def drop_unacked(celery: Celery, client: Redis, op_id: str) -> int:
+    """Remove the op's messages from the broker's unacked ones (a dead worker's, about to be sent again):
+    left there, the broker would deliver it again after its visibility timeout. Returns how many."""
+    with celery.connection_for_write() as conn:
+        conn.ensure_connection(max_retries=0)
+        channel: Any = conn.default_channel
+        unacked = getattr(channel, "unacked_key", "unacked")
+        index = getattr(channel, "unacked_index_key", "unacked_index")
+    needle = op_id.encode()
+    tags = [tag for tag, raw in client.hgetall(unacked).items() if needle in raw]
+    for tag in tags:
+        client.hdel(unacked, tag)
+        client.zrem(index, tag)
+    return len(tags)

@@ -51,6 +51,10 @@ from app.store.repos import stamped
 log = logging.getLogger(__name__)
 
 ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
+# How long a stopping control plane waits for each run to end: longer than a cancelled lane op is waited
+# for on a worker that answers (CeleryLanes' cancel_grace_s, 60 s). At 30 s, a run whose op outlived it
+# was left `stopping` in the store.
+RUN_STOP_WAIT_S = 75.0
 
 __all__ = ["IllegalRunStateError", "RunManager", "RunNotLiveError"]
 
@@ -332,7 +336,7 @@ class RunManager:
 
     # -- shutting down -------------------------------------------------------------------------------
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = RUN_STOP_WAIT_S) -> None:
         """Stop every run still executing and wait up to `timeout_s` for each to end; a run that has
         ended and is storing its last events (the database away) is waited for up to `CLOSE_WAIT_S`
         more, so no event and no end state is lost with the process."""

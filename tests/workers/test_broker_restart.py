@@ -1,12 +1,15 @@
 """A Redis restart under running lane ops: the workers reconnect, an op that ends while Redis is down has
 its result stored once it is back, and the run's client waits the outage out instead of failing the op.
 The test runs its own `redis-server` on a free port (this machine's Redis on 6379 serves the rest of the
-suite), keeping nothing on disk, as the machine's does."""
+suite), keeping nothing on disk, as the machine's does. Also here, as it loses ops the same way: a worker
+killed whole with an op it had started."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -18,7 +21,9 @@ from typing import Any
 import pytest
 from celery_cluster import WORKER_CPUS, Workers, broker_env
 from factories import make_echo_task
+from redis import Redis as RedisClient
 
+from app.lanes import lost_ops
 from app.lanes.base import LaneName
 from app.lanes.celery import LANE_OP_TASK, CeleryLanes, lane_queue
 from app.lanes.ops import LaneOp
@@ -191,3 +196,73 @@ def test_lane_stats_keep_their_last_counts_while_redis_is_away(
         assert lanes.stats()["exec"].queue_depth == 0
     finally:
         lanes.close()
+
+
+async def _started_then_worker_killed(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> tuple[str, str, Workers, CeleryLanes, Any, asyncio.Task[Any], Path]:
+    """An exec op started on a one-slot worker, whose whole worker (main process and pool) is then
+    killed with SIGKILL, as `kill -9 -<pgid>` does."""
+    monkeypatch.setattr(lost_ops, "HOLDER_CHECK_S", 1.0)  # checks each second, not each 10 s
+    url, host, workers, lanes = _lanes_on(redis, tmp_path)
+    env = broker_env(url, url)
+    one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+    for lane in ("reset", "cleanup"):
+        workers.start("--lane", lane, *one_slot, env=env)
+    doomed = workers.start("--lane", "exec", *one_slot, env=env)
+    handle = lanes.attach(LocalSandboxFactory(base_dir).create(name))
+    await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+    op = asyncio.create_task(
+        lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt; sleep 4; echo done", 120))
+    )
+    runs = base_dir / name / "runs.txt"
+    deadline = time.monotonic() + 60
+    while not runs.exists():
+        assert time.monotonic() < deadline, "the op never started"
+        await asyncio.sleep(0.02)
+    os.killpg(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    return url, host, workers, lanes, handle, op, runs
+
+
+async def test_an_op_whose_worker_was_killed_whole_is_sent_again(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its message stayed in Redis's unacked ones, delivered again only after the 4 h visibility timeout:
+    # the attempt waited that long, and a stop of the run waited on it until the server gave up.
+    url, host, workers, lanes, handle, op, runs = await _started_then_worker_killed(
+        redis, tmp_path, base_dir, task_root, monkeypatch, "killed"
+    )
+    try:
+        workers.start("--lane", "exec", "--cpus", WORKER_CPUS, "--host", host, env=broker_env(url, url))
+        assert (await asyncio.wait_for(op, 120)).output.strip() == "done"
+        assert runs.read_text() == "run\nrun\n"  # killed half-way once, then run whole
+        assert lanes.stats()["exec"].resent == 1
+        client = RedisClient.from_url(url)
+        assert not [raw for raw in client.hvals("unacked") if b"sleep 4" in raw]  # not delivered again in 4 h
+        client.close()
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        lanes.close()
+        workers.stop()
+
+
+async def test_a_cancelled_op_whose_worker_was_killed_is_not_waited_for(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Cancelled (the run stopping), it was waited for 60 s (cancel_grace_s) though nothing could end
+    # it, and `corral serve` gave up on the run after 30 s: the run was left `stopping`.
+    _, _, workers, lanes, handle, op, _ = await _started_then_worker_killed(
+        redis, tmp_path, base_dir, task_root, monkeypatch, "cancelled"
+    )
+    try:
+        await asyncio.sleep(0.5)
+        began = time.monotonic()
+        op.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(op, 120)
+        assert time.monotonic() - began < 15  # a ping's time, not cancel_grace_s
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        lanes.close()
+        workers.stop()
