@@ -14,7 +14,8 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,23 @@ def _lanes_on(redis: Redis, tmp_path: Path, **options: Any) -> tuple[str, str, W
     return url, host, Workers(tmp_path / "logs"), CeleryLanes(make_celery(url, url), (host,), **options)
 
 
+async def _slow_op_started(
+    lanes: CeleryLanes, sandbox: Path, task_root: Path, sleep_s: float
+) -> tuple[Any, asyncio.Task[Any], Path]:
+    """A sandbox at `sandbox`, reset, and an exec op in it that writes a line to `runs.txt` each time
+    it starts, sleeps `sleep_s` and says done; returned once it has started."""
+    handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
+    await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+    command = f"echo run >> runs.txt; sleep {sleep_s:g}; echo done"
+    op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, command, 120)))
+    runs = sandbox / "runs.txt"
+    deadline = time.monotonic() + 60
+    while not runs.exists():
+        assert time.monotonic() < deadline, "the op never started"
+        await asyncio.sleep(0.02)
+    return handle, op, runs
+
+
 @pytest.mark.parametrize(
     ("op_s", "down_s"),
     [(4, 2), (1, 4)],
@@ -142,16 +160,8 @@ async def test_an_op_still_queued_when_redis_comes_back_empty_is_sent_again_and_
         env = broker_env(url, url)
         one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
         procs = [workers.start("--lane", lane, *one_slot, env=env) for lane in ("reset", "exec", "cleanup")]
-        handle = lanes.attach(LocalSandboxFactory(base_dir).create("lost"))
-        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
-        slow = asyncio.create_task(
-            lanes.run_op(LaneOp.exec(handle, "echo run >> slow-runs.txt; sleep 6; echo done", 60))
-        )
-        runs = base_dir / "lost" / "slow-runs.txt"
+        handle, slow, runs = await _slow_op_started(lanes, base_dir / "lost", task_root, sleep_s=6)
         deadline = time.monotonic() + 60
-        while not runs.exists():
-            assert time.monotonic() < deadline, "the slow op never started"
-            await asyncio.sleep(0.02)
         queued = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> queued-runs.txt", 30)))
         while lanes.stats()["exec"].queue_depth != 1:
             assert time.monotonic() < deadline, "the second op never waited in its queue"
@@ -198,71 +208,60 @@ def test_lane_stats_keep_their_last_counts_while_redis_is_away(
         lanes.close()
 
 
-async def _started_then_worker_killed(
-    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> tuple[str, str, Workers, CeleryLanes, Any, asyncio.Task[Any], Path]:
+@dataclass
+class KilledWorker:
+    url: str
+    host: str
+    workers: Workers
+    lanes: CeleryLanes
+    handle: Any
+    op: asyncio.Task[Any]  # the exec op, started on the killed worker
+    runs: Path  # a line per time the op started
+
+
+@pytest.fixture
+async def killed_worker(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[KilledWorker]:
     """An exec op started on a one-slot worker, whose whole worker (main process and pool) is then
     killed with SIGKILL, as `kill -9 -<pgid>` does."""
     monkeypatch.setattr(lost_ops, "HOLDER_CHECK_S", 1.0)  # checks each second, not each 10 s
     url, host, workers, lanes = _lanes_on(redis, tmp_path)
-    env = broker_env(url, url)
-    one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
-    for lane in ("reset", "cleanup"):
-        workers.start("--lane", lane, *one_slot, env=env)
-    doomed = workers.start("--lane", "exec", *one_slot, env=env)
-    handle = lanes.attach(LocalSandboxFactory(base_dir).create(name))
-    await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
-    op = asyncio.create_task(
-        lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt; sleep 4; echo done", 120))
-    )
-    runs = base_dir / name / "runs.txt"
-    deadline = time.monotonic() + 60
-    while not runs.exists():
-        assert time.monotonic() < deadline, "the op never started"
-        await asyncio.sleep(0.02)
-    os.killpg(doomed.pid, signal.SIGKILL)
-    doomed.wait()
-    return url, host, workers, lanes, handle, op, runs
+    try:
+        env = broker_env(url, url)
+        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+        for lane in ("reset", "cleanup"):
+            workers.start("--lane", lane, *one_slot, env=env)
+        doomed = workers.start("--lane", "exec", *one_slot, env=env)
+        handle, op, runs = await _slow_op_started(lanes, base_dir / "killed", task_root, sleep_s=4)
+        os.killpg(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        yield KilledWorker(url, host, workers, lanes, handle, op, runs)
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        lanes.close()
+        workers.stop()
 
 
-async def test_an_op_whose_worker_was_killed_whole_is_sent_again(
-    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_an_op_whose_worker_was_killed_whole_is_sent_again(killed_worker: KilledWorker) -> None:
     # Its message stayed in Redis's unacked ones, delivered again only after the 4 h visibility timeout:
     # the attempt waited that long, and a stop of the run waited on it until the server gave up.
-    url, host, workers, lanes, handle, op, runs = await _started_then_worker_killed(
-        redis, tmp_path, base_dir, task_root, monkeypatch, "killed"
-    )
-    try:
-        workers.start("--lane", "exec", "--cpus", WORKER_CPUS, "--host", host, env=broker_env(url, url))
-        assert (await asyncio.wait_for(op, 120)).output.strip() == "done"
-        assert runs.read_text() == "run\nrun\n"  # killed half-way once, then run whole
-        assert lanes.stats()["exec"].resent == 1
-        client = RedisClient.from_url(url)
-        assert not [raw for raw in client.hvals("unacked") if b"sleep 4" in raw]  # not delivered again in 4 h
-        client.close()
-        await lanes.run_op(LaneOp.cleanup(handle))
-    finally:
-        lanes.close()
-        workers.stop()
+    k = killed_worker
+    k.workers.start("--lane", "exec", "--cpus", WORKER_CPUS, "--host", k.host, env=broker_env(k.url, k.url))
+    assert (await asyncio.wait_for(k.op, 120)).output.strip() == "done"
+    assert k.runs.read_text() == "run\nrun\n"  # killed half-way once, then run whole
+    assert k.lanes.stats()["exec"].resent == 1
+    client = RedisClient.from_url(k.url)
+    assert not [raw for raw in client.hvals("unacked") if b"sleep 4" in raw]  # not delivered again in 4 h
+    client.close()
 
 
-async def test_a_cancelled_op_whose_worker_was_killed_is_not_waited_for(
-    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_cancelled_op_whose_worker_was_killed_is_not_waited_for(killed_worker: KilledWorker) -> None:
     # Cancelled (the run stopping), it was waited for 60 s (cancel_grace_s) though nothing could end
     # it, and `corral serve` gave up on the run after 30 s: the run was left `stopping`.
-    _, _, workers, lanes, handle, op, _ = await _started_then_worker_killed(
-        redis, tmp_path, base_dir, task_root, monkeypatch, "cancelled"
-    )
-    try:
-        await asyncio.sleep(0.5)
-        began = time.monotonic()
-        op.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(op, 120)
-        assert time.monotonic() - began < 15  # a ping's time, not cancel_grace_s
-        await lanes.run_op(LaneOp.cleanup(handle))
-    finally:
-        lanes.close()
-        workers.stop()
+    await asyncio.sleep(0.5)
+    began = time.monotonic()
+    killed_worker.op.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(killed_worker.op, 120)
+    assert time.monotonic() - began < 15  # a ping's time, not cancel_grace_s
