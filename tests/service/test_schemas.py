@@ -3,6 +3,7 @@ together."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,3 +64,20 @@ def test_a_run_config_takes_cpu_lists_as_the_kernel_writes_them() -> None:
     assert (spec.config.engines.cpus, spec.config.lanes.cpus) == ([0], [0, 1])
     with pytest.raises(ValidationError, match="'0-x' in CPU list '0-x' is not a CPU number"):
         RunCreate.model_validate({"kind": "local", "config": {"engines": {"cpus": "0-x"}}})
+
+
+def test_a_stored_run_config_spells_its_fields_as_the_input_does(tmp_path: Path) -> None:
+    # The API echoed `lanes.validate_` and `sandbox_demand.validate_` back, where the input says `validate`.
+    from app.service.manager import RunManager
+    from app.service.store import ServiceStore
+
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'c.db'}"), tmp_path / "data", 30.0)
+    try:
+        run_id = manager.create(RunCreate.model_validate({"kind": "sim", "batches": 1, "speed": 100.0}))
+        config = manager.view(run_id)["config"]
+        assert "validate" in config["workload"]["lanes"]
+        assert "validate" in config["workload"]["cpus"]["sandbox_demand"]
+        assert "'validate_'" not in str(config)
+        assert RunCreate.model_validate(config).workload == RunCreate.model_validate({"kind": "sim"}).workload
+    finally:
+        manager.shutdown()
