@@ -806,3 +806,18 @@ def test_sim_notes_spare_serving_cores_while_lanes_queue_for_cores(
     borrowing, last = _sim_mean_and_last_line(tmp_path, "borrowing", data)
     assert last.startswith("full: 2 batches"), last  # the note is not given where its advice is taken
     assert borrowing < 0.8 * mean, (borrowing, mean)
+
+
+def test_a_file_named_as_a_built_in_workload_is_read_and_said_so(tmp_path: Path) -> None:
+    # A file `default` in the current directory was read instead of the built-in, without a word.
+    write_yaml(tmp_path / "default", make_workload_data())
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "default", "--json", "r.json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        proc.stderr.splitlines()[0]
+        == "note: reading the file default, not the built-in workload 'default' of that name"
+    )
+    assert json.loads((tmp_path / "r.json").read_text())["batches"] == make_workload_data()["batches"]

@@ -66,6 +66,8 @@ StalenessOption = Annotated[
 
 
 def load(workload: Path | None) -> Workload:
+    if workload is not None and str(workload) in FAMILY and workload.exists():
+        say(f"note: reading the file {workload}, not the built-in workload {str(workload)!r} of that name")
     try:
         return checked_trace(load_workload(workload))
     except WorkloadError as exc:
