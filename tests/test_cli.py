@@ -821,3 +821,33 @@ def test_a_file_named_as_a_built_in_workload_is_read_and_said_so(tmp_path: Path)
         == "note: reading the file default, not the built-in workload 'default' of that name"
     )
     assert json.loads((tmp_path / "r.json").read_text())["batches"] == make_workload_data()["batches"]
+
+
+def test_a_ctrl_c_that_cuts_an_import_short_while_the_plot_is_drawn_is_an_interrupt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Seen on a slow machine: the Ctrl-C landed in matplotlib's C extension's initialisation, which
+    # raised ImportError "initialization failed" from it, and the command ended with that traceback.
+    import typer
+
+    from app.cli.common import write_plot
+
+    def draw(path: Path) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    report = tmp_path / "r.json"
+    with pytest.raises(typer.Exit) as ended:
+        write_plot(draw, tmp_path / "p.png", written=report)
+    assert ended.value.exit_code == 130
+    assert (
+        capsys.readouterr().err.strip() == f"interrupted; {report} written, {tmp_path / 'p.png'} not written"
+    )
+
+    def broken(path: Path) -> None:
+        raise ImportError("no module named matplotlib")  # not an interrupt: it stays what it is
+
+    with pytest.raises(ImportError, match="no module named"):
+        write_plot(broken, tmp_path / "p.png", written=report)

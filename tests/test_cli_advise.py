@@ -44,7 +44,7 @@ def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> No
 def test_bad_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
     missing = corral("trace", "import", "--format", "terminal-bench", "nope", cwd=tmp_path)
     assert missing.returncode == 2
-    assert "nope: not a directory" in missing.stderr
+    assert "nope: no such directory" in missing.stderr
     unwritable = corral("advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--json", "/proc/x.json",
                         cwd=tmp_path)  # fmt: skip
     assert unwritable.returncode == 2

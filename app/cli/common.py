@@ -75,8 +75,19 @@ def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
             command(*args, **kwargs)
         except KeyboardInterrupt:
             raise typer.Abort() from None
+        except ImportError as exc:
+            if not interrupted_import(exc):
+                raise
+            raise typer.Abort() from None
 
     return wrapper
+
+
+def interrupted_import(exc: ImportError) -> bool:
+    """Whether a Ctrl-C cut an import short: in a C extension's initialisation (matplotlib's `_image`,
+    while a plot is drawn) Python raises ImportError 'initialization failed' from the KeyboardInterrupt,
+    which a handler of KeyboardInterrupt does not catch (a traceback reached the user)."""
+    return isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt)
 
 
 def sigterm_as_ctrl_c(command: Callable[P, None]) -> Callable[P, None]:
@@ -394,9 +405,11 @@ def write_plot(
         draw(path)
     except (OSError, ValueError) as exc:
         fail(f"{flag} {path}: cannot write the plot: {getattr(exc, 'strerror', None) or exc}")
-    except KeyboardInterrupt:
-        if written is None:
+    except (KeyboardInterrupt, ImportError) as exc:
+        if isinstance(exc, ImportError) and not interrupted_import(exc):
             raise
+        if written is None:
+            raise KeyboardInterrupt from None
         report = "the report (standard output)" if is_stdout(written) else str(written)
         say(f"interrupted; {report} written, {path} not written")
         raise typer.Exit(130) from None

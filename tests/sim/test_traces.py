@@ -75,8 +75,11 @@ def test_imported_trace_loads_in_the_simulator(tmp_path: Path) -> None:
 def test_a_directory_without_trials_is_refused(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="no usable terminal-bench trial"):
         import_terminal_bench(tmp_path)
-    with pytest.raises(WorkloadError, match="not a directory"):
+    with pytest.raises(WorkloadError, match="missing: no such directory"):
         import_terminal_bench(tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WorkloadError, match="file: not a directory"):
+        import_terminal_bench(tmp_path / "file")
 
 
 def make_op(lane: str, start: float, end: float, attempt: int = 0) -> dict:
