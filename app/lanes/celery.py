@@ -68,6 +68,10 @@ OUTAGE_RETRY_MAX_S = 2.0
 DEPTH_RETRY_S = 30.0  # after a broker that could not be reached for queue depths
 
 
+class _HolderGone(Exception):
+    """A cancelled op's worker does not answer: its op is not waited for."""
+
+
 @dataclass
 class _HolderWatch:
     """What `_resend_if_holder_died` keeps of one op between its checks."""
@@ -219,6 +223,7 @@ class CeleryLanes:
         self._stats = {lane: LaneStats() for lane in LaneName}
         self._on_done = on_done
         self._epoch = lost_ops.BrokerEpoch(celery)
+        self._live = lost_ops.LiveWorkers(celery)
 
     @classmethod
     def connect(
@@ -360,7 +365,7 @@ class CeleryLanes:
                 return  # no mark to go by, or sent again already from this one: its new start is awaited
             if holder != watch.holder:
                 watch.holder, watch.misses = holder, 0
-            dead = await asyncio.to_thread(lost_ops.dead_holder, self.celery, holder)
+            dead = await asyncio.to_thread(self._live.dead, holder)
             if dead is None:
                 return  # no worker answered: the broker, not this worker, is in doubt
             watch.misses = watch.misses + 1 if dead else 0
@@ -391,13 +396,8 @@ class CeleryLanes:
         """Whether a started op's worker does not answer while others do: cancelled, its op would be
         waited for `cancel_grace_s` for nothing."""
         try:
-            if await asyncio.to_thread(lambda: result.state) != states.STARTED:
-                return False
             holder = await asyncio.to_thread(lost_ops.holder_of, result)
-            return (
-                holder is not None
-                and await asyncio.to_thread(lost_ops.dead_holder, self.celery, holder) is True
-            )
+            return holder is not None and await asyncio.to_thread(self._live.dead, holder) is True
         except lost_ops.BROKER_ERRORS:
             return False
 
@@ -483,10 +483,21 @@ class CeleryLanes:
             raise
         except asyncio.CancelledError:
             await asyncio.to_thread(self.celery.control.revoke, op.op_id)
-            if await self._holder_gone(result):  # a dead worker's op never settles: a stop would wait
-                raise
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s
-            if not await self._settled(result, deadline):
+            next_check = asyncio.get_running_loop().time()
+
+            async def unless_gone(state: str) -> None:  # a dead worker's op never settles: not waited for
+                nonlocal next_check
+                if state == states.STARTED and asyncio.get_running_loop().time() >= next_check:
+                    next_check = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S / 4
+                    if await self._holder_gone(result):
+                        raise _HolderGone
+
+            try:
+                settled = await self._settled(result, deadline, on_waiting=unless_gone)
+            except _HolderGone:
+                settled = True
+            if not settled:
                 log.warning(
                     "op %s (%s) still running %.0f s after its cancellation",
                     op.op_id,

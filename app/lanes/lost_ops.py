@@ -22,11 +22,12 @@ done. On a broker that keeps its queues (RabbitMQ: durable), nothing is checked.
 Ops a dead worker held. A worker killed whole (`kill -9` of its process group, its host lost) leaves
 the op it had started in the broker's unacked messages, redelivered only after the visibility timeout
 (4 h): its attempt waited that long, and a stop waited on it until the server gave up, the run left
-`stopping`. So an op marked STARTED has its worker (the mark's `hostname`) pinged at most every
-`HOLDER_CHECK_S`; after `HOLDER_MISSES` checks in a row without its answer while other workers answer
-(`dead_holder`), it is sent again (same id) when a worker of its queue answered and none of them holds
-it (`held_by_a_worker`); its stale message is dropped from the unacked ones (`drop_unacked`). A
-cancelled op whose worker does not answer is not waited for.
+`stopping`. So the workers are pinged at most every `HOLDER_CHECK_S`, once for all of a client's ops
+(`LiveWorkers`), and each op marked STARTED is checked against its worker (the mark's `hostname`):
+after `HOLDER_MISSES` checks in a row without its answer while other workers answer, it is sent again
+(same id) when a worker of its queue answered and none of them holds it (`held_by_a_worker`); its
+stale message is dropped from the unacked ones (`drop_unacked`). A cancelled op whose worker does not
+answer is not waited for.
 """
 
 from __future__ import annotations
@@ -123,13 +124,35 @@ def holder_of(result: Any) -> str | None:
     return hostname if isinstance(hostname, str) else None
 
 
-def dead_holder(celery: Celery, worker: str) -> bool | None:
-    """Whether `worker` failed to answer a ping that other workers answered (True), answered (False),
-    or no worker answered at all (None: the broker or the network, not the worker, is in doubt)."""
-    replies = celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}
-    if not replies:
-        return None
-    return worker not in replies
+class LiveWorkers:
+    """The workers that answer a ping, asked at most once per `check_s` for all of a client's ops (a
+    ping waits `INSPECT_TIMEOUT_S` for the answers: one per op would fill the threads it runs in)."""
+
+    def __init__(self, celery: Celery, check_s: float | None = None) -> None:
+        self.celery = celery
+        self.check_s = check_s
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._value: frozenset[str] | None = None
+
+    def latest(self) -> frozenset[str] | None:
+        """The workers that answered the latest ping, or None where none did."""
+        check_s = HOLDER_CHECK_S if self.check_s is None else self.check_s
+        with self._lock:
+            if self._read_at is not None and time.monotonic() - self._read_at < check_s:
+                return self._value
+            self._read_at = time.monotonic()
+        replies = self.celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}
+        value = frozenset(replies) or None
+        with self._lock:
+            self._value = value
+        return value
+
+    def dead(self, worker: str) -> bool | None:
+        """Whether `worker` did not answer a ping that other workers answered (True), answered (False),
+        or no worker answered at all (None: the broker or the network, not the worker, is in doubt)."""
+        live = self.latest()
+        return None if live is None else worker not in live
 
 
 def held_by_a_worker(celery: Celery, op_id: str, queue: str) -> bool | None:
