@@ -415,9 +415,14 @@ CASES: dict[str, Case] = {
     # -- messages name what the user typed ------------------------------------------------------
     "--surplus -1 names the flag": Case(
         ["sim", "--workload", "w.json", "--surplus", "-1"],
-        ["--surplus"],
+        ["--surplus", "greater than or equal to 0, not '-1'"],  # the value typed, as files' refusals say
         {"w.json": workload()},
         ["surplus_groups"],
+    ),
+    "--max-staleness=abc names the flag and the value": Case(
+        ["sim", "--workload", "w.json", "--max-staleness=abc"],
+        ["--max-staleness", "not 'abc'"],
+        {"w.json": workload()},
     ),
     "engine refusals say corral engine": Case(
         ["engine", "--cpus", "0-x"], ["corral engine", "--cpus"], absent=["python -m", "app.engines"]

@@ -16,7 +16,7 @@ if early_signals.is_command_process():
 import errno
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.exceptions import TyperException
@@ -99,6 +99,19 @@ def empty_argument(argv: list[str]) -> str | None:
     return None
 
 
+def typed_value(argv: list[str], opts: Any) -> str | None:
+    """The value given on the command line for an option known by `opts` (`--surplus -1` or
+    `--surplus=-1`; the last one when given twice), or None."""
+    names = tuple(o for o in opts if isinstance(o, str) and o.startswith("-"))
+    found = None
+    for i, arg in enumerate(argv):
+        if arg in names and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif "=" in arg and arg.split("=", 1)[0] in names:
+            found = arg.split("=", 1)[1]
+    return found
+
+
 def main() -> None:
     if (problem := empty_argument(sys.argv[1:])) is not None:
         err.print(f"error: {problem}", markup=False)
@@ -110,6 +123,9 @@ def main() -> None:
         ctx = getattr(exc, "ctx", None)
         where = f"{ctx.command_path}: " if ctx is not None else ""
         message = " ".join(str(exc.format_message()).split()).replace(": Value error, ", ": ")
+        typed = typed_value(sys.argv[1:], getattr(getattr(exc, "param", None), "opts", ()))
+        if typed is not None and repr(typed) not in message and message.startswith("Invalid value"):
+            message += f", not {typed!r}"  # as a workload file's refusals say
         err.print(f"error: {where}{message}", markup=False)
         sys.exit(2)
     except typer.Abort:
