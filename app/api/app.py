@@ -132,13 +132,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
             problems.append(message)  # a check across fields names the one it refuses: not "body"
         else:
             problems.append(f"{loc}: {message}")
-    if (page := error_page(request, "; ".join(problems), 422)) is not None:
+    detail = "; ".join(problems)
+    if (page := error_page(request, detail, 422)) is not None:
         return page
     return JSONResponse(
         status_code=422,
-        content={"detail": "; ".join(problems), "errors": [{"field": p.split(":")[0], "problem": p}
-                                                           for p in problems]},
-    )  # fmt: skip
+        content={"detail": detail, "errors": [{"field": p.split(":")[0], "problem": p} for p in problems]},
+    )
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -385,7 +385,8 @@ class CeleryLanes:
                 holder,
             )
             if self._epoch.client is not None:
-                await asyncio.to_thread(lost_ops.drop_unacked, self.celery, self._epoch.client, op.op_id)
+                client = self._epoch.client
+                await asyncio.to_thread(lost_ops.drop_unacked, self.celery, client, op.op_id, _queue(op))
             watch.given_up.add(holder)
             self._stats[op.lane].resent += 1
             await asyncio.to_thread(self._send, op)
@@ -489,7 +490,7 @@ class CeleryLanes:
             async def unless_gone(state: str) -> None:  # a dead worker's op never settles: not waited for
                 nonlocal next_check
                 if state == states.STARTED and asyncio.get_running_loop().time() >= next_check:
-                    next_check = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S / 4
+                    next_check = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S
                     if await self._holder_gone(result):
                         raise _HolderGone
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 from celery import Celery
@@ -44,6 +46,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EPOCH_CHECK_S = 2.0
 HOLDER_CHECK_S = 10.0
@@ -56,6 +59,29 @@ BROKER_ERRORS = (KombuError, RedisError, OSError)
 UNKNOWN = ""  # an op's epoch when its send did not see one run_id throughout
 
 
+class Throttled(Generic[T]):
+    """`read()` done at most once per `period()` seconds for every caller: within it, callers get the
+    value last read (a caller that starts a read returns its own answer; one that comes meanwhile, the
+    one before). One read then serves every op waiting, whatever their number."""
+
+    def __init__(self, read: Callable[[], T | None], period: Callable[[], float]) -> None:
+        self._read = read
+        self._period = period
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._value: T | None = None
+
+    def latest(self) -> T | None:
+        with self._lock:
+            if self._read_at is not None and time.monotonic() - self._read_at < self._period():
+                return self._value
+            self._read_at = time.monotonic()
+        value = self._read()
+        with self._lock:
+            self._value = value
+        return value
+
+
 class BrokerEpoch:
     """The Redis broker's run_id: new at every start of the server, so a change means it was restarted.
 
@@ -65,9 +91,7 @@ class BrokerEpoch:
 
     def __init__(self, celery: Celery, check_s: float = EPOCH_CHECK_S) -> None:
         self.check_s = check_s
-        self._lock = threading.Lock()
-        self._read_at: float | None = None
-        self._value: str | None = None
+        self._latest = Throttled(self.now, lambda: self.check_s)
         url = celery.conf.broker_url
         scheme = urlsplit(url).scheme if isinstance(url, str) else ""
         self.client: Redis | None = None
@@ -86,29 +110,40 @@ class BrokerEpoch:
 
     def latest(self) -> str | None:
         """The run_id as read at most `check_s` ago: one read serves every op waiting."""
-        with self._lock:
-            if self._read_at is not None and time.monotonic() - self._read_at < self.check_s:
-                return self._value
-            self._read_at = time.monotonic()
-        value = self.now()
-        with self._lock:
-            self._value = value
-        return value
+        return self._latest.latest()
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
 
 
-def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
-    """Whether the broker or a worker of `queue` holds the op (True), neither does (False), or no worker
-    of `queue` answered (None: undecided). `client`: the broker's Redis."""
-    with celery.connection_for_write() as conn:  # the names kombu gives the queue's lists and unacked hash
+@dataclass(frozen=True)
+class _RedisNames:
+    """The keys kombu's Redis transport keeps a queue's messages and the unacked ones under."""
+
+    lists: frozenset[str]  # the queue's list per priority step
+    unacked: str  # hash: delivery tag -> message
+    unacked_index: str  # sorted set of the same tags
+
+
+def _redis_names(celery: Celery, queue: str) -> _RedisNames:
+    with celery.connection_for_write() as conn:
         conn.ensure_connection(max_retries=0)
         channel: Any = conn.default_channel
         steps = getattr(channel, "priority_steps", [0])
         lists = {channel._q_for_pri(queue, p) for p in steps} if hasattr(channel, "_q_for_pri") else {queue}
-        unacked = getattr(channel, "unacked_key", "unacked")
+        return _RedisNames(
+            frozenset(lists),
+            getattr(channel, "unacked_key", "unacked"),
+            getattr(channel, "unacked_index_key", "unacked_index"),
+        )
+
+
+def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
+    """Whether the broker or a worker of `queue` holds the op (True), neither does (False), or no worker
+    of `queue` answered (None: undecided). `client`: the broker's Redis."""
+    names = _redis_names(celery, queue)
+    lists, unacked = names.lists, names.unacked
     needle = op_id.encode()
     if any(needle in raw for name in sorted(lists) for raw in client.lrange(name, 0, -1)):
         return True
@@ -125,33 +160,22 @@ def holder_of(result: Any) -> str | None:
 
 
 class LiveWorkers:
-    """The workers that answer a ping, asked at most once per `check_s` for all of a client's ops (a
-    ping waits `INSPECT_TIMEOUT_S` for the answers: one per op would fill the threads it runs in)."""
+    """The workers that answer a ping, asked at most once per `HOLDER_CHECK_S` for all of a client's
+    ops (a ping waits `INSPECT_TIMEOUT_S` for the answers: one per op would fill the threads it runs
+    in)."""
 
-    def __init__(self, celery: Celery, check_s: float | None = None) -> None:
+    def __init__(self, celery: Celery) -> None:
         self.celery = celery
-        self.check_s = check_s
-        self._lock = threading.Lock()
-        self._read_at: float | None = None
-        self._value: frozenset[str] | None = None
+        self._latest = Throttled(self._ping, lambda: HOLDER_CHECK_S)  # looked up at each read
 
-    def latest(self) -> frozenset[str] | None:
-        """The workers that answered the latest ping, or None where none did."""
-        check_s = HOLDER_CHECK_S if self.check_s is None else self.check_s
-        with self._lock:
-            if self._read_at is not None and time.monotonic() - self._read_at < check_s:
-                return self._value
-            self._read_at = time.monotonic()
-        replies = self.celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}
-        value = frozenset(replies) or None
-        with self._lock:
-            self._value = value
-        return value
+    def _ping(self) -> frozenset[str] | None:
+        """The workers that answer a ping now, or None where none does."""
+        return frozenset(self.celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}) or None
 
     def dead(self, worker: str) -> bool | None:
         """Whether `worker` did not answer a ping that other workers answered (True), answered (False),
         or no worker answered at all (None: the broker or the network, not the worker, is in doubt)."""
-        live = self.latest()
+        live = self._latest.latest()
         return None if live is None else worker not in live
 
 
@@ -170,17 +194,13 @@ def held_by_a_worker(celery: Celery, op_id: str, queue: str) -> bool | None:
     return False
 
 
-def drop_unacked(celery: Celery, client: Redis, op_id: str) -> int:
+def drop_unacked(celery: Celery, client: Redis, op_id: str, queue: str) -> int:
     """Remove the op's messages from the broker's unacked ones (a dead worker's, about to be sent again):
     left there, the broker would deliver it again after its visibility timeout. Returns how many."""
-    with celery.connection_for_write() as conn:
-        conn.ensure_connection(max_retries=0)
-        channel: Any = conn.default_channel
-        unacked = getattr(channel, "unacked_key", "unacked")
-        index = getattr(channel, "unacked_index_key", "unacked_index")
+    names = _redis_names(celery, queue)
     needle = op_id.encode()
-    tags = [tag for tag, raw in client.hgetall(unacked).items() if needle in raw]
+    tags = [tag for tag, raw in client.hgetall(names.unacked).items() if needle in raw]
     for tag in tags:
-        client.hdel(unacked, tag)
-        client.zrem(index, tag)
+        client.hdel(names.unacked, tag)
+        client.zrem(names.unacked_index, tag)
     return len(tags)
