@@ -71,6 +71,21 @@ def release() -> list[int]:
     return take()
 
 
+def ignore_until_exit() -> None:
+    """The command has done its work and written its output: a stop signal from now on has nothing left
+    to stop, so it is ignored while the process exits. (Left to `release`, a Ctrl-C landing as `corral
+    run` exited killed the process, after a complete report: the shell said 130. A Python handler would
+    not do either: finalization puts the default one back.) Only in the command process, and only for
+    the signals being held."""
+    if not is_command_process():
+        return
+    for sig in _previous:
+        if _signal.getsignal(sig) is _remember:
+            _signal.signal(sig, _signal.SIG_IGN)
+    _previous.clear()
+    _held.clear()
+
+
 class interruptible_once:  # a context manager, not `contextlib.contextmanager`: see the module's note
     """Ctrl-C acts once; further presses (users press it twice) are ignored until the block ends, so
     that what the block does after the first (unwinding a simulation, writing what was computed so

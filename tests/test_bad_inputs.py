@@ -115,7 +115,9 @@ CASES: dict[str, Case] = {
     "--duration ' 5'": Case(
         ["run", "--duration", " 5", "--json", "o.json"], ["--duration", "' 5'", "not a number"]
     ),
-    "--duration 1e400": Case(["run", "--duration", "1e400", "--json", "o.json"], ["--duration", "finite"]),
+    "--duration 1e400": Case(
+        ["run", "--duration", "1e400", "--json", "o.json"], ["--duration", "'1e400'", "out of range"]
+    ),
     # -- sizes ----------------------------------------------------------------------------------------
     "run engines.count 1e9": Case(
         ["run", "--config", "c.yaml", "--json", "o.json"],

@@ -319,12 +319,18 @@ def seconds(value: str | float) -> float:
     """A number of seconds as typed (typer's `parser` for a duration flag): a plain decimal number in
     ASCII digits (`600`, `0.5`, `1e3`). `float()` alone also takes '_' between digits (`1_0` is 10),
     surrounding whitespace and other scripts' digits. 'nan' and 'inf' pass, for `check_seconds` to
-    refuse by name."""
+    refuse by name; a decimal too large for a float (`1e400`, which `float()` makes inf) is refused here,
+    as typed."""
     if isinstance(value, float):
         return value
-    if not (_DECIMAL.fullmatch(value) or _NON_FINITE.fullmatch(value)):
+    if _NON_FINITE.fullmatch(value):
+        return float(value)
+    if not _DECIMAL.fullmatch(value):
         raise typer.BadParameter(f"{value!r} is not a number of seconds; give e.g. 600 or 2.5")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise typer.BadParameter(f"{value!r} is out of range for a number of seconds")
+    return number
 
 
 def check_seconds(value: float | None, flag: str, *, low: float, high: float) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from app import early_signals
 from app.cli.common import (
     check_apart,
     check_not_a_directory,
@@ -95,7 +96,10 @@ def run(
         report = run_local(path, policy.value, duration_s=duration, batches=batches, console=err)
     except LocalRunError as exc:
         fail(str(exc))
-    finish(report, json_out, plot, f"{report['restarted_trajectories']} restarted trajectories")
+    try:
+        finish(report, json_out, plot, f"{report['restarted_trajectories']} restarted trajectories")
+    finally:
+        early_signals.ignore_until_exit()  # the report is written (or could not be): nothing left to stop
     if report.get("error"):  # the run could not go on (every engine given up): the report says why
         err.print(f"error: {report['error']}", markup=False)
         raise typer.Exit(1)

@@ -10,6 +10,7 @@ leaves no process behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -231,6 +232,31 @@ def test_ctrl_c_to_the_process_group_always_leaves_a_report(tmp_path: Path, mome
         assert report["stop"]["forced"] is True
     if moment.name == "shutdown":
         assert report["batches"] == 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_held_down_as_the_run_exits_still_ends_it_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C pressed again and again from the last batch until the process is gone: the first stops
+    the run, the rest land while it shuts its engines down, writes its report and exits. It still
+    exits 0 with the report whole. A press landing after the report was written used to end the exiting
+    interpreter, killed by SIGINT (a shell says 130)."""
+    run = CorralRun(tmp_path, ["--batches", "2"])
+    try:
+        run.wait_line(BATCH_LINE, count=2)
+        sent = 0
+        assert run.proc is not None
+        while run.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                run.ctrl_c()
+                sent += 1
+            time.sleep(0.002)
+        report = run.finish(timeout_s=5)
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert sent > 10, sent  # presses kept coming until the very end
+    assert report["batches"] == 2
+    assert report["stop"]["signals"] >= 1
 
 
 @pytest.mark.slow
