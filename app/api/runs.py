@@ -44,6 +44,7 @@ from app.service.schemas import (
     ValidationProblem,
     WeightsPublish,
 )
+from app.store.models import RunState
 
 # The refusals every route may give, as the OpenAPI documents them: the bodies the API answers with
 # (app.api.app's handlers), not FastAPI's default list of validation errors.
@@ -121,8 +122,20 @@ async def resume_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[s
 
 @router.post("/{run_id}/stop")
 async def stop_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
-    """End the run after the current step: live groups are discarded as cancelled, sandboxes cleaned."""
-    return await _act(run_id, RunAction.STOP, manager, actor)
+    """End the run after the current step: live groups are discarded as cancelled, sandboxes cleaned.
+    A run already stopping or stopped answers 200 with `already_stopped` (a retried or repeated stop
+    asks for what is under way); one that completed or failed answers 409."""
+    record = manager.store.get_run(run_id) if manager.get(run_id) is None else None
+    if record is not None and record.state == RunState.STOPPED.value:  # stopped before a restart
+        return {"id": run_id, "state": record.state, "actor": actor, "already_stopped": True}
+    handle = live_handle(manager, run_id)
+    try:
+        stopped = await handle.call(handle.stop)
+    except (RunNotLiveError, IllegalRunStateError) as exc:
+        if handle.state is not RunState.STOPPED:  # it completed or failed: a stop is too late
+            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+        stopped = False  # it ended stopped, before this call or while it waited for the run's loop
+    return {"id": run_id, "state": handle.state.value, "actor": actor, "already_stopped": not stopped}
 
 
 # -- the trainer API ---------------------------------------------------------------------------------

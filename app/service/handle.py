@@ -437,7 +437,11 @@ class RunHandle:
             except EngineError as exc:  # it died: the runtime restarts it; the run must go on
                 log.warning("engine %s: %s failed: %s", name, "pause" if paused else "resume", exc)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the run; False when it was already stopping or stopped (a second stop, from a
+        double-click or a retry, asks for what is under way: not an error)."""
+        if self.state in (RunState.STOPPING, RunState.STOPPED):
+            return False
         self._require(RunState.CREATED, RunState.RUNNING, RunState.PAUSED)
         if self.state is RunState.CREATED:
             # Still starting (engines coming up): nothing ran yet, so the start-up is cancelled, and
@@ -447,7 +451,7 @@ class RunHandle:
             self.gateway.close("stopped")
             if self._main_task is not None:
                 self._main_task.cancel()
-            return
+            return True
         if isinstance(self.loop, PacedLoop):
             self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
         elif self.state is RunState.PAUSED:
@@ -456,6 +460,7 @@ class RunHandle:
         self._set_state(RunState.STOPPING, None)
         self._runtime().request_stop()
         self.gateway.close("stopped")
+        return True
 
     def live(self) -> dict[str, Any]:
         """What the run looks like now (safe from any thread: it reads values the loop replaces)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
@@ -208,10 +209,13 @@ def test_commands_on_a_run_that_ended_here_say_it_has_ended(api: httpx.Client) -
     wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
     assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
     wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+    again = api.post(f"/api/runs/{run_id}/stop")  # asks for what happened: not an error
+    assert again.status_code == 200, again.text
+    assert again.json()["already_stopped"] is True
+    assert again.json()["state"] == "stopped"
     for method, path, body in [
         ("POST", "pause", None),
         ("POST", "resume", None),
-        ("POST", "stop", None),
         ("POST", "weights", {"version": 99, "sentinel": True}),
         ("PATCH", "policy", {"max_staleness": 1}),
         ("POST", "engines/engine-0/drain", None),
@@ -219,6 +223,27 @@ def test_commands_on_a_run_that_ended_here_say_it_has_ended(api: httpx.Client) -
         answer = api.request(method, f"/api/runs/{run_id}/{path}", json=body)
         assert answer.status_code == 409, (path, answer.text)
         assert answer.json()["detail"] == f"run {run_id!r} has ended (stopped)", path
+
+
+def test_stops_sent_together_all_answer_200_and_one_of_them_stopped_it(api: httpx.Client) -> None:
+    # A double-click or a client's retry: the second stop of a run already stopping was a 409 ("is
+    # stopping; this needs it created or running or paused"), which a script takes for a failure.
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: api.post(f"/api/runs/{run_id}/stop"), range(4)))
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert sorted(a.json()["already_stopped"] for a in answers) == [False, True, True, True]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+
+
+def test_a_stop_of_a_run_that_completed_is_refused(api: httpx.Client) -> None:
+    spec = make_run(batches=1, trainer="sentinel", sentinel_step_s=0)
+    run_id = api.post("/api/runs", json=spec).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed", what="completed")
+    refused = api.post(f"/api/runs/{run_id}/stop")
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["detail"] == f"run {run_id!r} has ended (completed)"
 
 
 @pytest.fixture(scope="module")
