@@ -331,6 +331,11 @@ async def timeline(
     return JSONResponse(body)
 
 
+# The trainer's figures are measured where the trainer is, on the wall clock, whatever clock the run
+# runs on (a simulated run's page counts simulated seconds and says so).
+TRAINER_CLOCK = "wall"
+
+
 @router.get("/{run_id}/metrics")
 def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
     handle = manager.get(run_id)
@@ -361,6 +366,7 @@ def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
             "acked": stats.acked,
             "idle_s": round(stats.trainer_idle_s, 6),
             "batch_wait_s_mean": round(statistics.fmean(waits), 6) if waits else None,
+            "clock": TRAINER_CLOCK,
         },
         "event_sinks": handle.recorder.bus.stats(),
     }
@@ -381,6 +387,7 @@ def _stored_metrics(run_id: str, state: str, figures: dict[str, Any]) -> dict[st
             "acked": figures["acked"],
             "idle_s": None,
             "batch_wait_s_mean": None,
+            "clock": TRAINER_CLOCK,
         },
         "event_sinks": None,
     }  # fmt: skip

@@ -46,6 +46,8 @@ class Offer:
     deliveries: int = 0
     acked: bool = False
     acked_by: str | None = None
+    taken_at: float | None = None  # first handed out (this gateway's clock)
+    acked_at: float | None = None
 
 
 @dataclass
@@ -166,6 +168,8 @@ class TrainerGateway:
                 continue
             if offer.deliveries:
                 self.stats.redelivered += 1
+            else:
+                offer.taken_at = now
             offer.deliveries += 1
             offer.leased_until = now + self.ack_timeout_s
             return offer, None
@@ -181,6 +185,7 @@ class TrainerGateway:
             if not already:
                 offer.acked = True
                 offer.acked_by = actor
+                offer.acked_at = self._clock()
                 self.stats.acked += 1
         if not already:
             if self.on_ack is not None:
@@ -195,6 +200,24 @@ class TrainerGateway:
     def pending(self) -> list[Offer]:
         with self._lock:
             return [o for o in self._offers.values() if not o.acked]
+
+    def holding(self) -> tuple[str, Offer, float] | None:
+        """What the run waits on its trainer for, if anything, oldest batch first: the trainer to take
+        it (`take`), to ack it (`ack`), or to publish the version it trains towards (`publish`), with
+        how long it has waited for that (seconds of this gateway's clock). A run's next trainer step
+        begins only once its batch is acked and that version published (`step`)."""
+        now = self._clock()
+        published = self._published_version()
+        with self._lock:
+            offers = list(self._offers.values())
+        for offer in offers:
+            if not offer.acked:
+                if offer.taken_at is None:
+                    return "take", offer, now - offer.offered_at
+                return "ack", offer, now - offer.taken_at
+            if published < int(offer.payload.get("publish_version", 0)):
+                return "publish", offer, now - (offer.acked_at or offer.offered_at)
+        return None
 
     def close(self, reason: str) -> None:
         """The run ended: waiting trainers are told so."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.events import envelope_from_dict
+from app.service.gateway import TrainerGateway
 from app.service.manager import described_lanes
 from app.service.schemas import SYNC_SURPLUS
 from app.store.repos import LaneRepo
@@ -126,7 +127,8 @@ class ManagerRuns:
         if time.monotonic() - entry.fetched_at >= (VIEW_TTL_S if handle is not None else IDLE_REFETCH_S):
             self._fetch(run_id)
         meta = self._meta(record, handle, entry)
-        key = (entry.last_seq, meta.state, repr(meta.engines), repr(meta.lanes), repr(meta.policy))
+        snapshot = (repr(meta.engines), repr(meta.lanes), repr(meta.policy), meta.trainer_note)
+        key = (entry.last_seq, meta.state, *snapshot)
         with entry.lock:
             fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
             if entry.view is not None and entry.key == key and fresh:
@@ -146,7 +148,13 @@ class ManagerRuns:
                 entry.stored_cpus = self._stored_cpus(str(record.get("id", entry.builder.run_id)))
             stored = _stored_lanes(record.get("config") or {}, entry.stored_cpus)
             return RunMeta(
-                state=state, policy=policy, lanes=stored, label=label, started_at=started_at, error=error
+                state=state,
+                policy=policy,
+                lanes=stored,
+                label=label,
+                started_at=started_at,
+                error=error,
+                clock_note=clock_note(record.get("config") or {}),
             )
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
@@ -190,6 +198,8 @@ class ManagerRuns:
             label=label,
             started_at=started_at,
             error=error,
+            clock_note=clock_note(record.get("config") or {}),
+            trainer_note=trainer_note(handle.gateway) if state in ("running", "paused") else None,
         )
 
     def _stored_cpus(self, run_id: str) -> dict[str, str]:
@@ -311,6 +321,7 @@ def _live_key(handle: Any) -> object:
         tuple(sorted(dict(runtime.plan.updating).items())),
         tuple(sorted(dict(getattr(runtime.pool, "active", {})).items())),
         tuple(sorted(handle.knobs.items())),
+        trainer_note(handle.gateway),
     )
 
 
@@ -342,3 +353,57 @@ def _lanes_config(lanes: Any) -> dict[str, dict[str, Any]]:
         name: {"slots": now[name]["slots"], "configured": configured, "cpus": cpus}
         for name, (cpus, configured) in described.items()
     }
+
+
+# A run waiting this long (wall seconds) on its trainer says so on its page; a trainer that takes, trains
+# on and acks a batch in less is working as it should.
+TRAINER_NOTE_AFTER_S = 10.0
+
+
+def trainer_note(gateway: TrainerGateway, after_s: float = TRAINER_NOTE_AFTER_S) -> str | None:
+    """What the run has been waiting on its trainer for, once it has waited `after_s`: the page showed
+    such a run as running, batches delivered, its clock stopped, with nothing saying it was held."""
+    held = gateway.holding()
+    if held is None or held[2] < after_s:
+        return None
+    what, offer, waited_s = held
+    waited = wall_duration(waited_s)
+    if what == "take":
+        return (
+            f"Batch {offer.index} has been ready for {waited} and the trainer has not taken it: the run "
+            "collects its next batch once the trainer takes and acks this one."
+        )
+    if what == "ack":
+        return (
+            f"The trainer took batch {offer.index} {waited} ago and has not acked it: the run collects its "
+            "next batch after the ack."
+        )
+    version = offer.payload.get("publish_version")
+    return (
+        f"Batch {offer.index} was acked {waited} ago; the run waits for the trainer to publish version "
+        f"{version} before it collects its next batch."
+    )
+
+
+def wall_duration(seconds: float) -> str:
+    """`42 s`, `9 min`, `2 h 5 min`: a wait as a person reads it, and coarse enough that the page showing
+    it changes once a minute after the first."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+def clock_note(config: Mapping[str, Any]) -> str | None:
+    """A simulated run's page counts its own clock's seconds, which run `speed` times as fast as the
+    wall clock; the API's trainer figures (`/metrics`: idle, batch wait) count the wall clock's."""
+    if config.get("kind") != "sim":
+        return None
+    speed = config.get("speed")
+    pace = f" (this run goes {speed:g}× as fast as the wall clock)" if isinstance(speed, int | float) else ""
+    return (
+        f"Times on this page are simulated seconds{pace}; the API's trainer figures (GET …/metrics) are "
+        "wall-clock seconds."
+    )

@@ -170,6 +170,8 @@ class RunMeta:
     label: str = ""
     started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
     error: str | None = None  # why the run failed, as its owner recorded it
+    clock_note: str | None = None  # whose seconds the page counts, where that is not the wall clock's
+    trainer_note: str | None = None  # what the run has long waited on its trainer for (live runs)
 
 
 @dataclass
@@ -207,6 +209,8 @@ class RunView:
     timeline_note: str | None = None  # why a replay has no group timeline
     unanswered_s: float = 0.0  # an ended run's last request, never answered: the trainer waited to the end
     error: str | None = None  # why a failed run failed (its record: a run failing at start has no events)
+    clock_note: str | None = None  # a simulated run's seconds are not the wall clock's
+    trainer_note: str | None = None  # the run waits on its trainer to take, ack or publish
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -569,6 +573,8 @@ class RunViewBuilder:
             newest_version=newest,
             stall_note=_stall_note(rows, self.refused, newest, policy.get("max_staleness"), ended),
             error=meta.error,
+            clock_note=meta.clock_note,
+            trainer_note=meta.trainer_note,
         )
 
 

@@ -118,3 +118,25 @@ def test_kept_offers_load_in_batch_order_and_a_damaged_file_is_skipped_and_kept(
     loaded = files.load()
     assert [o.batch_id for o in loaded] == ["r-b0", "r-b1", "r-b2"]
     assert all((tmp_path / "offers" / name).exists() for name in damaged)  # nothing deleted
+
+
+async def test_what_the_run_waits_on_its_trainer_for_and_since_when() -> None:
+    gateway, clock, published = make_gateway()
+    assert gateway.holding() is None  # nothing offered: the run waits on its groups, not its trainer
+    offer = gateway.offer(make_payload(0))
+    clock.now += 12
+    assert gateway.holding() == ("take", offer, 12)
+    taken = await gateway.next_batch(0)
+    assert taken is offer
+    clock.now += 5
+    assert gateway.holding() == ("ack", offer, 5)  # since it was taken, not since it was offered
+    clock.now += 20  # the lease ran out: handed out again, still waited on since the first take
+    assert await gateway.next_batch(0) is offer
+    assert gateway.holding() == ("ack", offer, 25)
+    gateway.ack(offer.batch_id)
+    clock.now += 3
+    assert gateway.holding() == ("publish", offer, 3)  # the step also waits for version 1
+    published["version"] = 1
+    assert gateway.holding() is None
+    second = gateway.offer(make_payload(1))
+    assert gateway.holding() == ("take", second, 0)

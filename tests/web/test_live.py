@@ -14,7 +14,7 @@ from app.service.manager import RunManager
 from app.service.schemas import RunCreate, small_workload
 from app.service.store import ServiceStore
 from app.web.backend import ActionRefused
-from app.web.live import ManagerRuns
+from app.web.live import ManagerRuns, trainer_note, wall_duration
 from app.web.security import AccessConfig
 from app.web.views import Dashboard, mount_dashboard
 
@@ -376,3 +376,29 @@ async def test_a_failed_run_s_page_says_why_it_failed(runs):
     shown = re.search(r'<p class="flash error" id="run-error" role="alert">(.*?)</p>', page.text, re.S)
     assert shown is not None, page.text[:2000]
     assert html.unescape(shown.group(1)) == f'<b>Why it failed:</b> <span class="run-error">{error}</span>'
+
+
+async def test_a_run_held_by_a_trainer_that_takes_no_batch_says_so(runs):
+    # An external trainer that never asks: the page showed the run running, one batch delivered and its
+    # clock stopped, with nothing saying that the run was held by its trainer.
+    spec = RunCreate.model_validate(
+        {"name": "held", "kind": "sim", "speed": 5.0, "workload": small_workload()}
+    )
+    run_id = runs.manager.create(spec)
+    await asyncio.to_thread(wait_for, lambda: runs.manager.get(run_id).gateway.pending())
+    handle = runs.manager.get(run_id)
+    assert trainer_note(handle.gateway) is None  # just offered: a trainer gets 10 s before the page says so
+    note = trainer_note(handle.gateway, after_s=0.0)
+    assert str(note).startswith("Batch 0 has been ready for 0 s and the trainer has not taken it")
+    page = runs.view(run_id)
+    assert "5× as fast as the wall clock" in str(page.clock_note)
+    offer = await handle.gateway.next_batch(0)
+    assert offer is not None
+    assert "The trainer took batch 0 0 s ago and has not acked it" in str(trainer_note(handle.gateway, 0.0))
+    await runs.stop(run_id, "tester")
+
+
+def test_waits_read_as_a_person_reads_them():
+    assert [wall_duration(s) for s in (0.4, 59.9, 60, 582, 3599, 3600, 7500)] == [
+        "0 s", "59 s", "1 min", "9 min", "59 min", "1 h 0 min", "2 h 5 min"
+    ]  # fmt: skip
