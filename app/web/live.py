@@ -28,7 +28,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.core.events import envelope_from_dict
@@ -141,21 +141,18 @@ class ManagerRuns:
         state = str(record.get("state", "unknown"))
         policy = dict(record.get("policy") or {})
         policy.setdefault("name", (record.get("config") or {}).get("policy", ""))
-        label, started_at = str(record.get("name", "")), record.get("started_at")
-        error = record.get("error") or None
+        config = record.get("config") or {}
+        about = RunMeta(  # what the run's record says, live or not
+            state=state,
+            label=str(record.get("name", "")),
+            started_at=record.get("started_at"),
+            error=record.get("error") or None,
+            clock_note=clock_note(config),
+        )
         if handle is None:
             if entry.stored_cpus is None:
                 entry.stored_cpus = self._stored_cpus(str(record.get("id", entry.builder.run_id)))
-            stored = _stored_lanes(record.get("config") or {}, entry.stored_cpus)
-            return RunMeta(
-                state=state,
-                policy=policy,
-                lanes=stored,
-                label=label,
-                started_at=started_at,
-                error=error,
-                clock_note=clock_note(record.get("config") or {}),
-            )
+            return replace(about, policy=policy, lanes=_stored_lanes(config, entry.stored_cpus))
         runtime = handle.runtime
         engines: list[dict[str, Any]] = []
         lanes: list[dict[str, Any]] = []
@@ -176,9 +173,9 @@ class ManagerRuns:
                         "target_version": updating.get(name),
                     }
                 )
-            config = _lanes_config(runtime.lanes)
+            lane_config = _lanes_config(runtime.lanes)
             for name, stats in runtime.lanes.stats().items():
-                lane = config.get(name, {})
+                lane = lane_config.get(name, {})
                 lanes.append(
                     {
                         "name": name,
@@ -189,16 +186,12 @@ class ManagerRuns:
                         "cpus": lane.get("cpus", ""),
                     }
                 )
-        return RunMeta(
-            state=state,
+        return replace(
+            about,
             policy={**policy, **dict(handle.knobs)},
             engines=engines,
             lanes=lanes,
             now=now,
-            label=label,
-            started_at=started_at,
-            error=error,
-            clock_note=clock_note(record.get("config") or {}),
             trainer_note=trainer_note(handle.gateway) if state in ("running", "paused") else None,
         )
 
