@@ -1,12 +1,20 @@
 """A trainer fed by Corral (`corral serve`): take a batch, train, publish the new version, ack it.
 
 python examples/trainer_loop.py --run RUN_ID --token OPERATOR_TOKEN [--url URL] [--steps N]
+
+It outlives the server: while the server is stopping, killed or restarting, each call is asked again
+after the delay the server (or the client) gives, and a restarted server hands out the batch it had not
+seen acked.
 """
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from app.client import CorralClient, RunEnded, ServerUnavailable
+from app.client import Batch, CorralClient, CorralError, RunEnded, ServerUnavailable
+
+T = TypeVar("T")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -15,24 +23,43 @@ parser.add_argument("--token", required=True)
 parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 
+
+def patiently(call: Callable[[], T]) -> T:
+    """`call()`, asked again for as long as the server is unavailable."""
+    while True:
+        try:
+            return call()
+        except ServerUnavailable as exc:  # stopping (503), or no answer at all (killed, restarting)
+            print(f"server unavailable ({exc.detail}); asking again in {exc.retry_after_s:g} s", flush=True)
+            time.sleep(exc.retry_after_s)
+
+
+def next_batch(corral: CorralClient) -> Batch | None:
+    """The next batch, or None once the run has ended."""
+    try:
+        while (batch := patiently(lambda: corral.next_batch(args.run, timeout=30))) is None:
+            pass  # nothing trainable yet: ask again
+    except RunEnded:
+        return None
+    return batch
+
+
 with CorralClient(args.url, token=args.token, actor="example-trainer") as corral:
     steps = 0
-    while steps < args.steps:
-        try:
-            while (batch := corral.next_batch(args.run, timeout=30)) is None:
-                pass  # nothing trainable yet: ask again
-        except RunEnded:
-            break
-        except ServerUnavailable as exc:  # stopping, or its database away: a restarted server goes on
-            print(f"server unavailable ({exc.detail}); asking again in {exc.retry_after_s:g} s")
-            time.sleep(exc.retry_after_s)
-            continue
+    while steps < args.steps and (batch := next_batch(corral)) is not None:
         rewards = batch.rewards  # each group's trajectories: turns, reward, advantage, policy versions
         # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
-        corral.publish(args.run, batch.publish_version, sentinel=True)  # or path="/weights/v7"
-        corral.ack(args.run, batch.batch_id)
+        try:
+            patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
+        except CorralError as exc:
+            # Published already: by this loop, before an answer it never got, or by an operator. The
+            # engines have this version or a newer one; the step still ends with the ack.
+            if exc.status != 422 or "is not newer than" not in exc.detail:
+                raise
+        patiently(lambda: corral.ack(args.run, batch.batch_id))
         steps += 1
         print(
             f"batch {batch.index}: {len(batch.groups)} groups, mean reward "
-            f"{sum(rewards) / len(rewards):.3f}, published v{batch.publish_version}"
+            f"{sum(rewards) / len(rewards):.3f}, published v{batch.publish_version}",
+            flush=True,
         )

@@ -224,9 +224,13 @@ def ack_batch(
     if gateway is not None:
         try:
             _, already = gateway.ack(batch_id, actor)
-            return AckResult(batch_id=batch_id, already_acked=already)
         except UnknownBatchError:
             pass  # handed out before a restart (and acked then, maybe): the store knows
+        else:
+            # Answered once the store has the ack and the batch's kept offer is gone: a kill -9 before
+            # that handed the acked batch out again after the restart.
+            manager.wait_written()
+            return AckResult(batch_id=batch_id, already_acked=already)
     stored = manager.ack_stored(run_id, batch_id)
     if stored is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}")
@@ -249,9 +253,10 @@ async def publish_weights(
                                      f"{handle.runtime.version}")  # fmt: skip
         path = await asyncio.to_thread(handle.sentinel_weights, body.version)
     try:
-        rollout = await _on_run(handle, handle.publish, body.version, path, actor)
+        rollout, seq = await _on_run(handle, handle.publish_marked, body.version, path, actor)
     except ValueError as exc:
         raise HTTPException(422, f"version: {str(exc).removeprefix('version ')}") from None
+    await handle.stored(seq, f"version {body.version} published")  # answered once it is in the store
     response.headers["Location"] = f"/api/runs/{run_id}/rollouts/{body.version}"
     return dict(rollout)
 
@@ -284,7 +289,7 @@ async def patch_policy(
     if (problem := handle.patch_problem(patch)) is not None:
         raise HTTPException(422, problem)
     knobs, seq = await _on_run(handle, handle.set_policy_marked, patch, actor)
-    await handle.policy_stored(seq)  # answered once the changes are in the store
+    await handle.stored(seq, "policy changed")  # answered once the changes are in the store
     return {"id": run_id, "policy": knobs, "actor": actor}
 
 

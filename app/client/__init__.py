@@ -14,7 +14,10 @@ A trainer loop::
 
 Errors: an answer that is not a success raises `CorralError` with the status and the server's one-line
 `detail`. `next_batch` returns None when no batch arrived within the timeout (204), and raises
-`RunEnded` once the run has ended and has nothing left to hand out.
+`RunEnded` once the run has ended and has nothing left to hand out. A server that is stopping answers
+503 (`ServerUnavailable`); one that cannot be reached or dropped the connection (killed, restarting)
+raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a trainer asks again after
+`retry_after_s` either way, and a restarted server hands out the batch it had not seen acked again.
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from typing import Any
 
 import httpx
 
-__all__ = ["AsyncCorralClient", "Batch", "CorralClient", "CorralError", "RunEnded", "ServerUnavailable"]
+__all__ = [
+    "AsyncCorralClient",
+    "Batch",
+    "CorralClient",
+    "CorralError",
+    "RunEnded",
+    "ServerUnavailable",
+    "ServerUnreachable",
+]
 
 TERMINAL_STATES = frozenset({"stopped", "failed", "completed"})
 
@@ -50,6 +61,15 @@ class ServerUnavailable(CorralError):
 
 
 DEFAULT_RETRY_AFTER_S = 5.0
+
+
+class ServerUnreachable(ServerUnavailable):
+    """No answer at all: the connection was refused, dropped or timed out (the server was killed, or is
+    restarting). `status` is 0 and `detail` says what the connection did."""
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        said = f"no answer from the server: {type(error).__name__}: {error}"
+        super().__init__(0, said, DEFAULT_RETRY_AFTER_S)
 
 
 @dataclass(frozen=True)
@@ -151,7 +171,11 @@ class CorralClient:
         self._http.close()
 
     def _call(self, method: str, url: str, **kwargs: Any) -> Any:
-        return _answer(self._http.request(method, url, **kwargs))
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(exc) from exc
+        return _answer(response)
 
     def runs(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/api/runs"))
@@ -241,7 +265,11 @@ class AsyncCorralClient:
         await self._http.aclose()
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
-        return _answer(await self._http.request(method, url, **kwargs))
+        try:
+            response = await self._http.request(method, url, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(exc) from exc
+        return _answer(response)
 
     async def runs(self) -> list[dict[str, Any]]:
         return list(await self._call("GET", "/api/runs"))

@@ -47,7 +47,8 @@ from app.service.store import ResumePoint
 from app.store.models import TERMINAL_RUN_STATES, RunState
 
 log = logging.getLogger(__name__)
-POLICY_STORED_WAIT_S = 5.0  # how long a policy change waits for its changes to reach the store
+# How long a policy change or a publication waits for its events to reach the store before it answers
+STORED_WAIT_S = 5.0
 
 T = TypeVar("T")
 
@@ -290,18 +291,26 @@ class RunHandle:
 
     def set_policy_marked(self, patch: PolicyPatch, actor: str) -> tuple[dict[str, Any], int]:
         """`set_policy` (on the run's loop), with the sequence number of the last event published by then:
-        its `PolicyChanged` events are at or before it, for `policy_stored` to wait on."""
-        return self.set_policy(patch, actor), self.recorder.bus.published - 1
+        its `PolicyChanged` events are at or before it, for `stored` to wait on."""
+        return self.set_policy(patch, actor), self._last_seq()
 
-    async def policy_stored(self, seq: int) -> None:
-        """Wait, at most `POLICY_STORED_WAIT_S`, until the event numbered `seq` is in the store (a warning
-        when it is not). The store's policy is written by the event sink from the `PolicyChanged` events
-        in the order they were made; a write of the caller's own could land after a later change's, and a
-        kill -9 would then resume with stale knobs. The API and the dashboard answer after this."""
-        if not await asyncio.to_thread(self.recorder.wait_stored, seq, POLICY_STORED_WAIT_S):
-            log.warning(
-                "run %s: policy changed, not yet in the store after %.0f s", self.run_id, POLICY_STORED_WAIT_S
-            )
+    def publish_marked(self, version: int, path: str | None, actor: str) -> tuple[dict[str, Any], int]:
+        """`publish`, with the sequence number its `VersionPublished` event has or precedes."""
+        return self.publish(version, path, actor), self._last_seq()
+
+    def _last_seq(self) -> int:
+        return self.recorder.bus.published - 1
+
+    async def stored(self, seq: int, what: str) -> None:
+        """Wait, at most `STORED_WAIT_S`, until the event numbered `seq` is in the store (a warning when
+        it is not); the API and the dashboard answer an operator or a trainer after this.
+        - The store's policy is written by the event sink from the `PolicyChanged` events in the order
+          they were made; a write of the caller's own could land after a later change's.
+        - A run resumed after a kill -9 goes on from what its store holds: a change or a publication
+          answered before it was stored could be lost with the process, and a trainer told that version 7
+          was published would then be offered the batches towards version 7 again."""
+        if not await asyncio.to_thread(self.recorder.wait_stored, seq, STORED_WAIT_S):
+            log.warning("run %s: %s, not yet in the store after %.0f s", self.run_id, what, STORED_WAIT_S)
 
     def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)

@@ -55,6 +55,8 @@ ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
 # for on a worker that answers (CeleryLanes' cancel_grace_s, 60 s). At 30 s, a run whose op outlived it
 # was left `stopping` in the store.
 RUN_STOP_WAIT_S = 75.0
+# How long an ack waits for the store to have it before it answers
+WRITTEN_WAIT_S = 5.0
 
 __all__ = ["IllegalRunStateError", "RunManager", "RunNotLiveError"]
 
@@ -236,6 +238,20 @@ class RunManager:
         recorder.publish(RunEnded("stopped", detail))
         recorder.close()
         log.warning("run %s not resumed: %s", record.id, detail)
+
+    def wait_written(self, timeout_s: float = WRITTEN_WAIT_S) -> bool:
+        """Wait until what was handed to the store writer so far is written (its writes run one at a
+        time, in order): whether it was, within `timeout_s` (a database that is away is waited out)."""
+        try:
+            done = self._writer.submit(lambda: None)
+        except RuntimeError:  # shut down: every write was done before
+            return True
+        try:
+            done.result(timeout_s)
+        except TimeoutError:
+            log.warning("store writes not done after %.0f s", timeout_s)
+            return False
+        return True
 
     def _mirror(self, fn: Any, *args: Any) -> None:
         # A database that is away (Postgres restarting) is waited out: each write is its own transaction,

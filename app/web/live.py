@@ -274,7 +274,8 @@ class ManagerRuns:
         # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
         # local run's) need its files; without a path they refuse the update.
         path = await asyncio.to_thread(handle.sentinel_weights, version)
-        await self._call(handle, handle.publish, version, path, actor)
+        _, seq = await self._call(handle, handle.publish_marked, version, path, actor)
+        await handle.stored(seq, f"version {version} published")
 
     async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
         from pydantic import ValidationError
@@ -290,7 +291,7 @@ class ManagerRuns:
         if (problem := handle.patch_problem(patch)) is not None:
             raise ValueError(problem)
         _, seq = await self._call(handle, handle.set_policy_marked, patch, actor)
-        await handle.policy_stored(seq)  # answered once the changes are in the store
+        await handle.stored(seq, "policy changed")  # answered once the changes are in the store
 
     async def pause(self, run_id: str, actor: str) -> None:
         handle = self._handle(run_id)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,22 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _on_sqlite(tmp_path: Path) -> tuple[dict[str, str], str, Path, httpx.Client]:
+    """A `corral serve` on SQLite in `tmp_path`, on a free port: its environment, URL and log file, and
+    an API client holding the operator token."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+        "CORRAL_OPERATOR_TOKEN": TOKEN,
+        "CORRAL_PORT": str(port),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+    url = f"http://127.0.0.1:{port}"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    return env, url, tmp_path / "serve.log", api
 
 
 def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
@@ -131,17 +148,7 @@ def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
 
 
 def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
-        "CORRAL_OPERATOR_TOKEN": TOKEN,
-        "CORRAL_PORT": str(port),
-        "CORRAL_DATA_DIR": str(tmp_path / "data"),
-    }
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, log, api = _on_sqlite(tmp_path)
     try:
         with corral_serve(env, log) as first:
             wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
@@ -174,3 +181,56 @@ def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp
             api.post(f"/api/runs/{run_id}/stop")
     finally:
         api.close()
+
+
+def test_the_readme_trainer_loop_outlives_a_kill_9_and_restart_of_the_server(tmp_path: Path) -> None:
+    """The shipped trainer loop, mid-run, while its server is killed with SIGKILL and started again: it
+    died with httpx's RemoteProtocolError (or ConnectError), since the client let transport errors
+    through and the loop only waited out a 503. Now it waits for the server, goes on with the resumed
+    run, and trains on every step it was asked for, each batch once."""
+    env, url, log, api = _on_sqlite(tmp_path)
+    example = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
+    steps = 8
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None, speed=8.0)).json()["id"]
+            trainer = subprocess.Popen(
+                [sys.executable, str(example), "--url", url, "--run", run_id, "--token", TOKEN,
+                 "--steps", str(steps)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=example.parents[1],
+            )  # fmt: skip
+
+            def trained() -> int:
+                return int((api.get(f"/api/runs/{run_id}").json()["live"] or {}).get("trainer_version", 0))
+
+            wait_for(lambda: trained() >= 2, 60, what="two trainer steps")
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+        time.sleep(3)  # the trainer finds no server for a while
+        with corral_serve(env, log) as second:
+            try:
+                out, err = trainer.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                out, err = trainer.communicate()
+                raise AssertionError(f"no end:\n{out}\n{err}\n{log.read_text()[-3000:]}") from None
+            assert trainer.returncode == 0, err
+            assert "Traceback" not in err
+            second.send_signal(signal.SIGTERM)
+            second.wait(60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        api.close()
+    assert "server unavailable (no answer from the server" in out
+    steps_done = [line for line in out.splitlines() if line.startswith("batch ")]
+    assert len(steps_done) == steps, out
+    # Each batch trained on once: an ack answered is in the store, so the restarted server hands out
+    # only the batch whose ack had no answer (the loop acks it again, then prints it). Before acks and
+    # publications waited for the store, the restarted server went back to batch 0 and version 1.
+    indices = [int(line.split(":")[0].removeprefix("batch ")) for line in steps_done]
+    assert indices == sorted(set(indices)), out

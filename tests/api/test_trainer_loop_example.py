@@ -29,3 +29,11 @@ def test_the_readme_trainer_loop_trains_on_three_batches(server: str, api: httpx
     # The run goes on (a fourth batch may be waiting, unacked); the three it handed out were acked.
     assert api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]["acked"] == 3
     api.post(f"/api/runs/{run_id}/stop")
+
+
+def test_the_readme_and_the_api_docs_show_the_example_as_it_is() -> None:
+    code = EXAMPLE.read_text()
+    body = code[code.index("import argparse") :]
+    for doc in ("README.md", "docs/api.md"):
+        text = (EXAMPLE.parents[1] / doc).read_text()
+        assert f"```python\n{body}```\n" in text, f"{doc} shows another trainer loop than {EXAMPLE.name}"
