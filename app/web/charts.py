@@ -1,15 +1,17 @@
-"""Small server-side SVG charts for the trainer panel and the wait attribution: bars, a line, and a
-stacked bar of phases. Each has a title and an accessible label; values are written on or beside the
-marks, so none needs colour to be read."""
+"""Small server-side SVG charts for the trainer panel and the wait attribution: bars, a histogram, a
+line, and a stacked bar of phases. Each has a title and an accessible label; values are written on or
+beside the marks, so none needs colour to be read."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from html import escape
 
 from app.core.attribution import PHASE_LABELS
 
 W, H = 360, 150
+MAX_BINS = 24  # a histogram's bars at most: wider ranges are binned
 PAD_L, PAD_R, PAD_T, PAD_B = 44, 10, 22, 26
 
 # Attribution phases share the timeline's fills where the phase exists there.
@@ -126,6 +128,60 @@ def bar_chart(
             f'x2="{W - PAD_R - _label_width(reference_label) - 4}" y2="10.5" stroke="#b00020" '
             f'stroke-dasharray="5 3" stroke-width="1.5"/>'
         )
+    return "".join(parts) + "</svg>"
+
+
+def _bin_width(lo: int, hi: int) -> int:
+    """The smallest 1-2-5 width (1, 2, 5, 10, 20, ...) that covers `lo`..`hi` in `MAX_BINS` bins."""
+    magnitude = 1
+    while True:
+        for mult in (1, 2, 5):
+            width = magnitude * mult
+            if (hi // width - lo // width) + 1 <= MAX_BINS:
+                return width
+        magnitude *= 10
+
+
+def histogram(
+    title: str,
+    counts: Mapping[int, int],
+    x_label: str = "",
+    empty: str = "no data yet",
+) -> str:
+    """How many of each whole number (a staleness), on an axis that runs evenly from 0 (or the least, if
+    below) to the largest: a bar a number, labelled under its middle, while that is at most `MAX_BINS`
+    bars, else a bar for each run of numbers of a 1-2-5 width, labelled with its first number at its
+    left edge (0 to 116: 24 bars of five, "0, 10, 20, ..."). Every n-th bar is labelled, n as small as
+    keeps the labels apart. (As a bar chart of the numbers present, 0 to 116 drew ~30 bars a pixel
+    wide, the 3 tallest at the far left, and, past 24 bars, no label at all.)"""
+    if not counts:
+        return _empty(title, empty)
+    lo, hi = min(0, *counts), max(counts)
+    width = _bin_width(lo, hi)
+    first = lo // width
+    bins = [0] * (hi // width - first + 1)
+    for value, n in counts.items():
+        bins[value // width - first] += n
+    starts = [(first + i) * width for i in range(len(bins))]
+    top = max(bins) or 1
+    span_w = (W - PAD_L - PAD_R) / len(bins)
+    every = math.ceil((max(_label_width(str(a)) for a in starts) + 4) / span_w)
+    plot_h, y0 = H - PAD_T - PAD_B, H - PAD_B
+    parts = [_head(title), _axis(top, ""), _x_label(x_label)]
+    for i, (start, n) in enumerate(zip(starts, bins, strict=True)):
+        h = n / top * plot_h
+        x = PAD_L + i * span_w
+        span = str(start) if width == 1 else f"{start}–{start + width - 1}"
+        parts.append(
+            f'<rect x="{x + 1:.1f}" y="{y0 - h:.1f}" width="{max(span_w - 2, 1):.1f}" height="{h:.1f}" '
+            f'fill="#4a78b5"><title>{span}: {n:,}</title></rect>'
+        )
+        if i % every:
+            continue
+        if width > 1:
+            parts.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{y0 + 3}" stroke="#444"/>')
+        at = x + span_w / 2 if width == 1 else x
+        parts.append(f'<text x="{at:.1f}" y="{y0 + 11}" {_SMALL_MID}>{start}</text>')
     return "".join(parts) + "</svg>"
 
 

@@ -5,6 +5,9 @@ completion order.
   phases stay distinguishable without hue; the legend uses the same fills;
 - a trajectory's policy version is marked where it changes (`v3` above the turn that first used it);
 - weight publications are dashed vertical lines, batch deliveries solid ones, both labelled on the axis;
+  the header's labels (batches, weight versions, time ticks) are each in a row of their own, thinned so
+  that none runs into another, and drawn after every line over the header's colour, so however many
+  marks cross the header no line strikes through a label;
 - straggler groups get an amber band and a label; discarded groups a red band and their reason;
 - a trajectory still running in a live run ends in a grey "in progress" span up to now;
 - every span has an SVG <title>, so hovering shows its details.
@@ -27,7 +30,8 @@ GUTTER = 150
 ROW_H = 11
 ROW_GAP = 2
 GROUP_GAP = 7
-AXIS_H = 46  # three label rows: batches (y 10), weight versions (y 21), then the time ticks
+AXIS_H = 46  # three label rows: batches (y 10), weight versions (y 21), then the time ticks (y 34)
+HEADER_FILL = "#f4f4f4"
 BASE_WIDTH = 1100
 MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
 MAX_GROUPS = 1000  # and at most this many groups: queued ones (no span yet) have no span to count
@@ -106,20 +110,35 @@ def _tick_step(duration: float, px_per_s: float) -> float:
 
 
 class _LabelRow:
-    """One row of axis labels (batches, or weight versions) that never overlap: a label that would run
-    into the one before it is left out, and its line keeps the hover title that names it."""
+    """One row of the header's labels (batches, weight versions, or time ticks) that never overlap: a
+    label that would run into the one before it is left out, and its line keeps the hover title that
+    names it. A label's box is `ASCENT_PX` above its baseline to `DESCENT_PX` below; the rows' baselines
+    are 11 px or more apart, so labels of different rows never meet either."""
 
     CHAR_PX = 6.0  # the axis font's widest digits, about
     GAP_PX = 4.0
+    ASCENT_PX = 9
+    DESCENT_PX = 2
 
-    def __init__(self) -> None:
+    def __init__(self, y: int, fill: str = "") -> None:
+        self.y = y
+        # a style, not a fill attribute: the .ax class's fill outranks an attribute
+        self._fill = f' style="fill:{fill}"' if fill else ""
         self._free_from = -math.inf
 
-    def fits(self, x: float, label: str) -> bool:
+    def place(self, x: float, label: str) -> str:
+        """The markup of `label` beside the mark at `x`, or "" when it has no room. It is backed by the
+        header's colour: drawn after the marks, it hides those that would cross it (hundreds of them on
+        a long run at one screen's width) and leaves its own, just left of it, in view."""
         if x + 2 < self._free_from:
-            return False
-        self._free_from = x + 2 + self.CHAR_PX * len(label) + self.GAP_PX
-        return True
+            return ""
+        width = self.CHAR_PX * len(label)
+        self._free_from = x + 2 + width + self.GAP_PX
+        return (
+            f'<rect x="{_f(x + 1)}" y="{self.y - self.ASCENT_PX}" width="{_f(width + 2)}" '
+            f'height="{self.ASCENT_PX + self.DESCENT_PX}" fill="{HEADER_FILL}"/>'
+            f'<text x="{_f(x + 2)}" y="{self.y}" class="ax"{self._fill}>{escape(label)}</text>'
+        )
 
 
 def _f(x: float) -> str:
@@ -194,18 +213,18 @@ def render_timeline(
         y += GROUP_GAP
     height = max(y, AXIS_H + 20)
 
-    axis: list[str] = [f'<rect x="0" y="0" width="{total_w}" height="{AXIS_H - 4}" fill="#f4f4f4"/>']
+    axis: list[str] = [f'<rect x="0" y="0" width="{total_w}" height="{AXIS_H - 4}" fill="{HEADER_FILL}"/>']
+    labels: list[str] = []  # drawn after every line, so that no line runs through one
     step = _tick_step(duration, px_per_s)
     first = math.ceil(t_from / step)
+    tick_labels = _LabelRow(AXIS_H - 12)
     # Counted, not summed: a step far below the run's times' resolution would never move `t` on.
     for i in range(min(math.floor((t_from + duration + 1e-9) / step) - first, MAX_TICKS) + 1):
         t = (first + i) * step
         x = x0 + t * px_per_s
-        axis.append(
-            f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>'
-            f'<text x="{_f(x + 2)}" y="{AXIS_H - 12}" class="ax">{t:g} s</text>'
-        )
-    batch_labels = _LabelRow()
+        axis.append(f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>')
+        labels.append(tick_labels.place(x, f"{t:g} s"))
+    batch_labels = _LabelRow(10)
     for b in view.batches:
         if b.delivered < t_from:
             continue
@@ -215,9 +234,8 @@ def render_timeline(
             f"<title>batch {b.index} delivered at {b.delivered:.1f} s after {b.wait_s:.1f} s of trainer wait"
             f"</title></line>"
         )
-        if batch_labels.fits(x, f"b{b.index}"):
-            axis.append(f'<text x="{_f(x + 2)}" y="10" class="ax">b{b.index}</text>')
-    version_labels = _LabelRow()
+        labels.append(batch_labels.place(x, f"b{b.index}"))
+    version_labels = _LabelRow(21, fill="#b00020")
     for t_pub, version in view.publications:
         if t_pub < t_from:
             continue
@@ -226,11 +244,11 @@ def render_timeline(
             f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{height}" class="pub">'
             f"<title>weights v{version} published at {t_pub:.1f} s</title></line>"
         )
-        if version_labels.fits(x, f"v{version}"):
-            axis.append(f'<text x="{_f(x + 2)}" y="21" class="ax" fill="#b00020">v{version}</text>')
+        labels.append(version_labels.place(x, f"v{version}"))
     if view.source == "live":
         x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
+    axis += labels
     note = ""
     if partial:
         note = (

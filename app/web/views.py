@@ -208,11 +208,9 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
             )
         ),
         "staleness_chart": Lazy(
-            lambda: charts.bar_chart(
+            lambda: charts.histogram(
                 "staleness of delivered groups",
-                [str(k) for k in view.staleness],
-                [float(v) for v in view.staleness.values()],
-                "",
+                view.staleness,
                 x_label="versions behind (bar height: groups)",
                 empty=empty,
             )

@@ -728,6 +728,51 @@ def test_the_trainer_charts_say_what_their_axes_count_and_idle_is_a_percentage()
     assert f"{view.batches[-1].delivered:.1f} s: {100 * last:.3g}%</title>" in idle
 
 
+def _staleness_chart(staleness: dict[int, int]) -> tuple[list[tuple[float, str]], list[str]]:
+    """The run page's staleness chart for a run whose delivered groups were `staleness` versions behind:
+    its x-axis tick labels (x, text), left to right, and its bars' hover titles."""
+    from app.web import charts
+
+    view = view_from_events(
+        "r", synthetic_run(groups=6, group_size=2, batch_groups=2), RunMeta(state="running")
+    )
+    context = run_context(replace(view, staleness=staleness))
+    page = Dashboard(AccessConfig(None, None)).render("run.html", context, "trainer")
+    chart = dict(re.findall(r'aria-label="([^"]+)"(.*?)</svg>', page, re.DOTALL))[
+        "staleness of delivered groups"
+    ]
+    ticks = re.findall(rf'<text x="([\d.]+)" y="{charts.H - charts.PAD_B + 11}"[^>]*>([^<]+)</text>', chart)
+    return [(float(x), text) for x, text in ticks], re.findall(r"<rect [^>]*><title>([^<]+)</title>", chart)
+
+
+def test_a_wide_staleness_range_is_binned_on_an_even_axis_with_tick_labels_that_do_not_overlap():
+    # After K was raised to 10000 delivered staleness ran from 0 to 116: the chart drew a bar for each
+    # of the ~40 numbers present, three tall ones a few pixels wide at the far left, and (past 24 bars)
+    # no tick label at all, only "versions behind".
+    from app.web import charts
+
+    staleness = {0: 900, 1: 1500, 2: 1200} | {v: 300 // v for v in range(3, 117, 3)} | {116: 1}
+    ticks, bars = _staleness_chart(staleness)
+    assert len(ticks) >= 4
+    values = [int(text) for _, text in ticks]
+    steps = {b - a for a, b in itertools.pairwise(values)}
+    assert values[0] == 0
+    assert len(steps) == 1  # evenly spaced
+    assert values[-1] <= 116 < values[-1] + 2 * steps.pop()
+    for (x1, t1), (x2, t2) in itertools.pairwise(ticks):
+        assert x2 - x1 >= (charts._label_width(t1) + charts._label_width(t2)) / 2 + 2, f"{t1} runs into {t2}"
+    assert len(bars) <= charts.MAX_BINS
+    assert sum(int(title.rsplit(": ", 1)[1].replace(",", "")) for title in bars) == sum(staleness.values())
+    assert bars[-1] == "115–119: 1"  # a bin's title names the numbers it counts
+
+
+def test_a_narrow_staleness_range_has_a_bar_and_a_label_for_every_number_present_or_not():
+    # A number no group was delivered at is an empty bar: 0 and 3 were drawn side by side, like 0 and 1.
+    ticks, bars = _staleness_chart({0: 5, 3: 2})
+    assert [text for _, text in ticks] == ["0", "1", "2", "3"]
+    assert bars == ["0: 5", "1: 0", "2: 0", "3: 2"]
+
+
 def test_a_chart_s_top_value_is_written_level_with_the_top():
     # The top value was written 8 px below the top, so a point at 100% idle sat above its '100%'.
     from app.web import charts

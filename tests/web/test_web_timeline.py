@@ -8,7 +8,7 @@ import pytest
 
 from app.web.readmodel import GroupRow, view_from_events
 from app.web.synthetic import synthetic_run
-from app.web.timeline import MAX_GROUPS, PHASE_STYLE, legend_html, render_timeline
+from app.web.timeline import AXIS_H, MAX_GROUPS, PHASE_STYLE, _LabelRow, legend_html, render_timeline
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -165,6 +165,61 @@ def test_batch_and_version_labels_never_overlap_and_zooming_in_shows_more(prefix
         counts.append(len(labels))
     assert counts[0] < marks  # at one screen's width some labels had no room
     assert counts[1] > counts[0]
+
+
+def _header_label_boxes(root: ET.Element) -> list[tuple[int, str, tuple[float, float, float, float]]]:
+    """Each text drawn in the header, with its place among the SVG's elements and its box (left, top,
+    right, bottom), as wide as the timeline reckons a label (`_LabelRow.CHAR_PX` a character) and as high
+    as the 10 px font's digits and lower case (9 px above the baseline, 2 below)."""
+    return [
+        (i, el.text, (x, y - 9, x + _LabelRow.CHAR_PX * len(el.text), y + 2))
+        for i, el in enumerate(root)
+        if el.tag == f"{SVG}text" and el.text and el.get("class") == "ax"
+        for x, y in [(float(el.get("x")), float(el.get("y")))]
+        if y < AXIS_H
+    ]
+
+
+def _crosses(line: ET.Element, box: tuple[float, float, float, float]) -> bool:
+    left, top, right, bottom = box
+    x, y1, y2 = float(line.get("x1")), float(line.get("y1")), float(line.get("y2"))
+    return left - 1 < x < right and y1 < bottom and y2 > top
+
+
+def _covers(rect: ET.Element, box: tuple[float, float, float, float]) -> bool:
+    left, top, right, bottom = box
+    x, y = float(rect.get("x", 0)), float(rect.get("y", 0))
+    w, h = float(rect.get("width")), float(rect.get("height"))
+    return x <= left - 1 and x + w >= right and y <= top and y + h >= bottom
+
+
+def test_a_long_run_s_header_labels_neither_overlap_nor_are_struck_through_by_its_marks():
+    # 700 batches and as many publications across one screen width: the rows of labels were thinned,
+    # but every batch and publication line was drawn over them, through the time ticks too, and the
+    # header read as a wall of struck-through "b548 v548" (a user's screenshot).
+    view = make_view(groups=1400, group_size=2, batch_groups=2)
+    svg = render_timeline(view, max_spans=10**6, max_groups=10**6)
+    root = ET.fromstring(svg)
+    elements = list(root)
+    assert sum(el.get("class") == "bat" for el in elements) == len(view.batches) == 700
+    assert sum(el.get("class") == "pub" for el in elements) == len(view.publications) == 700
+    labels = _header_label_boxes(root)
+    texts = [text for _, text, _ in labels]
+    ticks = [t for t in texts if t.endswith(" s")]
+    assert len(ticks) >= 8  # one about every 90 px, every one of them written
+    assert 10 < sum(t.startswith("b") for t in texts) < 700  # thinned, not dropped
+    assert 10 < sum(t.startswith("v") for t in texts) < 700
+    for (_, t1, (l1, t1_, r1, b1)), (_, t2, (l2, t2_, r2, b2)) in itertools.combinations(labels, 2):
+        assert not (l1 < r2 and l2 < r1 and t1_ < b2 and t2_ < b1), f"{t1} overlaps {t2}"
+    for i, text, box in labels:
+        for j, line in enumerate(elements):
+            if line.tag != f"{SVG}line" or not _crosses(line, box):
+                continue
+            covered = any(
+                el.tag == f"{SVG}rect" and el.get("fill") not in (None, "none") and _covers(el, box)
+                for el in elements[j + 1 : i]
+            )
+            assert covered, f"a line at x={line.get('x1')} strikes through {text}"
 
 
 def test_a_cancelled_group_reads_apart_from_a_failed_one():
