@@ -90,6 +90,9 @@ log = logging.getLogger(__name__)
 
 AttemptKey = tuple[int, int]
 T = TypeVar("T")
+# How long a stopping run waits for weight updates under way before it abandons them (the engines are
+# stopped by their owner). Left to `update_timeout_s`, a hung update held a Ctrl-C'd run for two minutes.
+UPDATE_STOP_GRACE_S = 5.0
 _LANE_VALUE = {lane: lane.value for lane in LaneName}  # `Enum.value` is a slow descriptor
 
 
@@ -341,6 +344,19 @@ class Runtime:
             self.bus.bind_loop(None)
         return self.state
 
+    async def _abandon_updates(self, updates: list[asyncio.Task[None]]) -> None:
+        """Give the weight updates under way as the run stops `UPDATE_STOP_GRACE_S`, then cancel those
+        still going (each logged; the run's events show the update begun and never ended)."""
+        _, going = await asyncio.wait(updates, timeout=UPDATE_STOP_GRACE_S)
+        for task in going:
+            engine = next((name for name, t in self._update_tasks.items() if t is task), "an engine")
+            self._log.warning(
+                "stopping: %s's weight update abandoned after %g s",
+                engine,
+                UPDATE_STOP_GRACE_S,
+            )
+            task.cancel()
+
     def _lane_resized(self, lane: str, old: int, new: int, why: str) -> None:
         assert self.lane_adapter is not None
         self._publish(LaneResized(lane, old, new, self.lane_adapter.controller.configured[lane], why))
@@ -361,6 +377,8 @@ class Runtime:
             self._health_watch.cancel()
         if self._adapting is not None:
             self._adapting.cancel()
+        if self._update_tasks and self._tg is not None:
+            self._tg.create_task(self._abandon_updates(list(self._update_tasks.values())))
         self._apply(self.scheduler.on_stop(self.now()))
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:

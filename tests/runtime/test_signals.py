@@ -260,6 +260,27 @@ def test_ctrl_c_held_down_as_the_run_exits_still_ends_it_cleanly(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_a_hung_weight_update_does_not_hold_a_ctrl_c_for_its_timeout(tmp_path: Path) -> None:
+    """engine-1's update hangs, with the default two-minute update timeout; one Ctrl-C. The run waited
+    for that timeout before it ended (123 s, measured by a user); a stopping run now gives updates
+    under way a few seconds, then abandons them, and says so."""
+    config = FAST_CONFIG.replace("update_timeout_s: 3", "update_timeout_s: 120")
+    run = CorralRun(tmp_path, ["--batches", "3"], env={"CORRAL_ENGINE_DEBUG": "1"}, config=config)
+    try:
+        during_weight_update(run)
+        signalled = time.monotonic()
+        run.ctrl_c()
+        report = run.finish(timeout_s=150)
+        took = time.monotonic() - signalled
+        assert run.leftovers() == []
+    finally:
+        run.kill()
+    assert report["stop"]["engines_updating"] == ["engine-1"]
+    assert took < 60, took  # the grace, the trainer step and the shutdown; not the 120 s timeout
+    assert "engine-1's weight update abandoned" in run.text()
+
+
+@pytest.mark.slow
 def test_kill_9_of_the_run_still_takes_its_engines_down(tmp_path: Path) -> None:
     """Engines run in their own sessions, so only PR_SET_PDEATHSIG ties them to the run: a run killed
     with SIGKILL (no cleanup at all) must still leave no engine, nor an engine's child, behind."""
