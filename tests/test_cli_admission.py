@@ -56,3 +56,27 @@ def test_bad_admission_flags_are_refused(tmp_path: Path, args: list[str], needle
     assert proc.returncode == 2
     assert needle in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("policy", ["full", "completion"])
+def test_attempts_that_take_no_time_end_the_simulation(tmp_path: Path, policy: str) -> None:
+    # A trace line of zeros (which `trace import` makes of a trial whose stamps are all equal): `full`
+    # admitted and completed groups without end at one instant, memory growing, and never finished.
+    trace = tmp_path / "zeros.jsonl"
+    line = {"task": "a", "reset_s": 0, "agent_s": 0, "validate_s": 0, "cleanup_s": 1, "reward": 1}
+    trace.write_text(json.dumps(line) + "\n")
+    workload = tmp_path / "w.yaml"
+    workload.write_text(
+        "batches: 2\nbatch: {groups: 2, group_size: 2}\npolicy: {surplus_groups: 2, max_staleness: 2}\n"
+        "engines: {count: 2, slots: 16}\ncpus: {total: 16, serving: 4}\n"
+        "lanes: {reset: 8, exec: 8, validate: 4, cleanup: 4}\ntrace: zeros.jsonl\n"
+    )
+    out = tmp_path / "r.json"
+    proc = corral("sim", "--workload", workload, "--policy", policy, "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["batches"] == 2
+    assert report["lost_groups"] == 0
+    k, b = 2, 2
+    # in flight ≤ B + S; ready ≤ (K + 1)·B
+    assert report["max_groups_in_flight"] <= (2 + 2) + (k + 1) * b, report["max_groups_in_flight"]

@@ -181,8 +181,8 @@ def sim(
         typer.Option(
             min=0,
             max=MAX_SURPLUS,
-            help="with --admission in_flight: room for ready groups beyond B + S; default: no cap (K ages "
-            "ready groups out)",
+            help="with --admission in_flight: room for ready groups beyond B + S; default: at most "
+            "(K + 1)·B ready groups",
         ),
     ] = None,
 ) -> None:

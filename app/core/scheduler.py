@@ -6,7 +6,8 @@ It owns no tasks, clocks or sockets: time arrives as the `now` argument.
 Invariants (checked by tests over random workloads and random live changes of S and K):
 - groups in flight + ready ≤ B + S at all times (S as currently set; lowering S admits nothing until
   the count falls below the new cap, it never evicts); in the in-flight admission mode, groups in
-  flight ≤ B + S and groups in flight + ready ≤ B + S + R (`ready_surplus`, when set);
+  flight ≤ B + S and groups in flight + ready ≤ B + S + R (`ready_surplus`, when set; without it,
+  ready groups ≤ (K + 1)·B, which only holds back groups that would go stale: `ready_cap`);
 - every delivered group has staleness ≤ K, where staleness = trainer version at consume − the oldest
   policy version of any turn in the group;
 - with completion order, batches take ready groups in the order they completed;
@@ -182,8 +183,23 @@ class Scheduler:
         extra = self.policy.ready_surplus
         return None if extra is None else self.capacity + extra
 
+    @property
+    def ready_cap(self) -> int | None:
+        """In-flight admission with no `ready_surplus`: ready groups ≤ (K + 1)·B. The next K + 1 batches
+        can take that many ready groups; a group admitted now would complete behind them (completion
+        order) and be chosen no sooner than batch K + 2 from now, K + 1 versions on, so stale. Admitting
+        it anyway cost work and memory for nothing, and when attempts take no time (a trace of zeros)
+        groups were admitted and completed without end at one instant: the run never advanced. None
+        where `live_cap` caps the ready groups instead."""
+        if self.policy.admission is AdmissionMode.LIVE or self.policy.ready_surplus is not None:
+            return None
+        return (self.max_staleness + 1) * self.policy.groups_per_batch
+
     def _can_admit(self) -> bool:
         if self.groups_running >= self.capacity:
+            return False
+        ready_cap = self.ready_cap
+        if ready_cap is not None and len(self._ready) >= ready_cap:
             return False
         cap = self.live_cap
         return cap is None or len(self.groups) < cap

@@ -61,6 +61,9 @@ def check_call(s: Scheduler, decisions: list, ready_before: dict[int, float], ol
         assert s.groups_running <= s.capacity, (s.groups_running, s.capacity)
         cap = s.live_cap
         assert cap is None or s.groups_live <= cap, (s.groups_live, cap)
+        # without R, a group is admitted only while fewer than (K + 1)·B are ready
+        ready_cap = s.ready_cap
+        assert ready_cap is None or s.groups_ready < ready_cap, (s.groups_ready, ready_cap)
     for batch in (d for d in decisions if isinstance(d, DeliverBatch)):
         assert len(batch.groups) == s.policy.groups_per_batch
         for group in batch.groups:
