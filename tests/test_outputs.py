@@ -45,3 +45,31 @@ def test_a_figure_is_saved_in_the_format_its_name_gives(tmp_path: Path, name: st
     plt.close(fig)
     assert (tmp_path / name).read_bytes().startswith(magic)
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_report_whose_directory_became_a_file_is_kept_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A user removed the report's directory during a run and put a file in its place: the finished
+    # run's report was lost, with "File exists" and exit 2 (the code of a refused input).
+    import json
+
+    import typer
+
+    from app.cli.common import write_json
+
+    out = tmp_path / "sub" / "report.json"
+    out.parent.mkdir()
+    out.parent.rmdir()
+    out.parent.write_text("a file now\n")
+    with pytest.raises(typer.Exit) as ended:
+        write_json(out, {"batches": 3, "policy": "full"})
+    assert ended.value.exit_code == 1
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"cannot write {out}: {out.parent} is not a directory; written to " in said
+    kept = Path(said.split("written to ")[1].split(" instead")[0])
+    try:
+        assert json.loads(kept.read_text()) == {"batches": 3, "policy": "full"}
+        assert kept.name.startswith("corral-report-")
+    finally:
+        kept.unlink()

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -361,7 +362,32 @@ def write_json(path: Path, data: Any) -> None:
     try:
         write_text_atomically(_target(path), text + "\n")
     except OSError as exc:
-        fail(f"cannot write {path}: {exc.strerror or exc}")
+        # The path was checked before the work began, so something changed it since (a directory
+        # removed, a disk filled): the work is not lost, it goes where it can, and the exit is 1, not
+        # the 2 of a refused input.
+        kept = _keep_elsewhere(path, text + "\n")
+        where = f"; written to {kept} instead" if kept is not None else "; it could not be written anywhere"
+        err.print(Text.assemble(("error:", "bold red"), f" cannot write {path}: {_why(path, exc)}{where}"))
+        raise typer.Exit(1) from None
+
+
+def _why(path: Path, exc: OSError) -> str:
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        return f"{parent} is not a directory"
+    return str(exc.strerror or exc)
+
+
+def _keep_elsewhere(path: Path, text: str) -> Path | None:
+    """`text` written to a new file in the temporary directory, named after `path`; None when that
+    fails too."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"corral-{path.stem}-", suffix=path.suffix or ".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError:
+        return None
+    return Path(name)
 
 
 def _finite_or_none(data: Any) -> Any:
