@@ -261,23 +261,24 @@ async def publish_weights(
     return dict(rollout)
 
 
-@router.get("/{run_id}/rollouts/{rid}")
+@router.get("/{run_id}/rollouts/{version}")
 async def get_rollout(
-    run_id: RunId, rid: Annotated[int, PathParam(ge=1, le=2**31 - 1)], manager: Manager, _: Viewer
+    run_id: RunId, version: Annotated[int, PathParam(ge=1, le=2**31 - 1)], manager: Manager, _: Viewer
 ) -> dict[str, Any]:
     handle = manager.get(run_id)
+    none = HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {version}")
     if handle is not None and handle.runtime is not None:
         try:
-            return dict(await handle.call(handle.rollout, rid))
+            return dict(await handle.call(handle.rollout, version))
         except KeyError:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {rid}") from None
+            raise none from None
         except RunNotLiveError:
             pass  # ended meanwhile: the store has its account
     if await run_in_threadpool(manager.store.get_run, run_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    stored = await run_in_threadpool(manager.store.rollout, run_id, rid)
+    stored = await run_in_threadpool(manager.store.rollout, run_id, version)
     if stored is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {rid}")
+        raise none
     return stored
 
 

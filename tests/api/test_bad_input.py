@@ -281,16 +281,16 @@ def run_id(server: str) -> Iterator[str]:
         ("GET", "batches/next?timeout=1e9", None, 422, "timeout"),
         ("GET", "batches/next?timeout=nan", None, 422, "timeout"),
         ("GET", "rollouts/7", None, 404, "rollout 7"),
-        ("GET", "rollouts/0", None, 422, "rid"),
+        ("GET", "rollouts/0", None, 422, "version"),
         ("GET", "timeline?since=-5", None, 422, "since"),
         ("GET", "timeline?since=100000000000000000000000", None, 422, "since"),
         ("GET", "timeline?limit=0", None, 422, "limit"),
-        ("GET", "rollouts/99999999999999999999", None, 422, "rid"),
+        ("GET", "rollouts/99999999999999999999", None, 422, "version"),
         # other scripts' digits, which Python's int() takes: numbers are ASCII here as in the dashboard
         ("PATCH", "policy", {"max_staleness": "\u0663"}, 422, "max_staleness"),
         ("GET", "timeline?since=\u0663", None, 422, "since"),
         ("GET", "batches/next?timeout=\uff13", None, 422, "timeout"),
-        ("GET", "rollouts/\u0663", None, 422, "rid"),
+        ("GET", "rollouts/\u0663", None, 422, "version"),
     ],
 )
 def test_bad_commands_on_a_run(
