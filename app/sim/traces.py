@@ -20,7 +20,10 @@ A `corral run` report carries its event stream under `event_log`; each attempt's
 its sandbox operations (by lane) and model turns, and its task is named by the report's `group_tasks`.
 A malformed event (not an object, a missing field, a wrong type, a non-finite number) refuses the whole
 report, naming its index: the report is not what `corral run` writes. An attempt that failed, or one
-with an op or turn that ends before it starts, is skipped and counted with its reason, like a bad trial.
+with an op or turn that ends before it starts, is skipped and counted with its reason, like a bad trial;
+so is an attempt cancelled because its group was discarded. A turn an engine fault cut short (it has an
+`error`; the attempt retried it) is left out of its attempt's model time, and each exec op's time goes to
+the turn that asked for it (the latest turn that started before the op).
 
 A report, and each results.json, is read up to `MAX_REPORT_BYTES` (app/validation.py); a larger
 results.json, or one that is not a regular file (a pipe, a link to a device), is skipped and counted.
@@ -31,6 +34,7 @@ attempt not imported is counted with its reason.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import Counter
@@ -290,7 +294,8 @@ def attempts_from_events(
     named = group_tasks or {}
     tasks: dict[int, str] = {}
     phases: dict[tuple[int, int], dict[str, float]] = {}
-    turns: dict[tuple[int, int], list[dict[str, float]]] = {}
+    turns: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (start, model time) of each turn
+    tools: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (start, time) of each exec op
     done: list[tuple[tuple[int, int], dict[str, Any]]] = []
     finished: dict[tuple[int, int], dict[str, Any]] = {}  # cleanup runs after the attempt reports
     backwards: dict[tuple[int, int], str] = {}  # the attempt's first span that ends before it starts
@@ -303,13 +308,16 @@ def attempts_from_events(
             gid = _integer(ev, i, "group_id")
             tasks[gid] = str(ev.get("task") or named.get(str(gid)) or f"task-{ev.get('task_index')}")
             continue
-        if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted"):
+        if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted", "attempt_cancelled"):
             continue
         key = (_integer(ev, i, "group_id"), _integer(ev, i, "attempt"))
-        if kind == "attempt_restarted":
+        if kind in ("attempt_restarted", "attempt_cancelled"):
             phases.pop(key, None)
             turns.pop(key, None)
+            tools.pop(key, None)
             backwards.pop(key, None)
+            if kind == "attempt_cancelled":
+                skipped["attempt cancelled (its group was discarded)"] += 1
         elif kind == "sandbox_op":
             lane = _name(ev, i, "lane")
             spent = _finite(ev, i, "end") - _finite(ev, i, "start")
@@ -319,24 +327,25 @@ def attempts_from_events(
                 finished[key]["cleanup_s"] = round(finished[key]["cleanup_s"] + spent, 3)
             else:
                 phases.setdefault(key, {})[lane] = phases.get(key, {}).get(lane, 0.0) + spent
+                if lane == "exec":
+                    tools.setdefault(key, []).append((_finite(ev, i, "start"), spent))
         elif kind == "turn":
-            spent = _finite(ev, i, "end") - _finite(ev, i, "start")
+            start = _finite(ev, i, "start")
+            spent = _finite(ev, i, "end") - start
             if spent < 0:
                 backwards.setdefault(key, "a turn ends before it starts")
-            turns.setdefault(key, []).append({"llm_s": spent, "tool_s": 0.0})
+            if not ev.get("error"):  # a turn an engine fault cut short is retried: the retry is the turn
+                turns.setdefault(key, []).append((start, spent))
         else:
             reward = _finite(ev, i, "reward")
             if ev.get("error"):
                 skipped["attempt failed"] += 1
-                backwards.pop(key, None)
+                for kept in (phases, turns, tools, backwards):
+                    kept.pop(key, None)
                 continue
             lanes = phases.pop(key, {})
-            attempt_turns = turns.pop(key, [])
+            attempt_turns = _turns_with_tools(turns.pop(key, []), tools.pop(key, []))
             tool = lanes.get("exec", 0.0)
-            if attempt_turns:
-                for turn in attempt_turns:
-                    turn["tool_s"] = round(tool / len(attempt_turns), 3)
-                    turn["llm_s"] = round(turn["llm_s"], 3)
             agent = sum(t["llm_s"] for t in attempt_turns) + tool
             finished[key] = record = {
                 "task": tasks.get(key[0]) or named.get(str(key[0])) or f"group-{key[0]}",
@@ -358,6 +367,23 @@ def attempts_from_events(
         else:
             records.append(line)
     return records, skipped
+
+
+def _turns_with_tools(
+    turns: list[tuple[float, float]], tools: list[tuple[float, float]]
+) -> list[dict[str, float]]:
+    """Each model turn with the tool calls it asked for: an exec op belongs to the latest turn that
+    started before it (an op before the first turn, to the first). A turn an engine fault cut short is
+    not among `turns`; its time is not model time."""
+    turns = sorted(turns)
+    starts = [start for start, _ in turns]
+    tool_s = [0.0] * len(turns)
+    for start, spent in tools if turns else ():
+        tool_s[max(bisect.bisect_right(starts, start) - 1, 0)] += spent
+    return [
+        {"llm_s": round(llm, 3), "tool_s": round(tool, 3)}
+        for (_, llm), tool in zip(turns, tool_s, strict=True)
+    ]
 
 
 def trace_text(records: Iterable[dict[str, Any]]) -> str:

@@ -123,6 +123,42 @@ def test_corral_run_events_give_one_line_per_finished_attempt() -> None:
     assert records == [COUNT_PRIMES]
 
 
+def test_each_turn_gets_the_tool_calls_it_asked_for_and_a_failed_turn_is_no_model_time() -> None:
+    # From a real report: a turn cut short by an engine outage (error, 16.4 s) became 16.4 s of model
+    # time, and 5 exec calls of 3.74, 2.05, 1.18, 5.84 and 2.05 s became equal shares over the turns.
+    failed = {**make_turn(3, 19.4), "error": "TimeoutError: ", "version": -1, "tokens": 0}
+    events = [
+        {"kind": "group_admitted", "group_id": 0, "task_index": 0, "group_size": 1, "task": "t"},
+        make_turn(1, 2),
+        make_op("exec", 2, 5),  # the first turn's call
+        failed,
+        make_turn(19.5, 20),  # the retry of the failed turn: its calls follow
+        make_op("exec", 20, 21),
+        make_op("exec", 21, 21.5),
+        make_turn(22, 22.25),  # a last turn that called nothing
+        {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},
+    ]
+    records, skipped = attempts_from_events(events)
+    assert skipped == {}
+    assert records[0]["turns"] == [
+        {"llm_s": 1.0, "tool_s": 3.0}, {"llm_s": 0.5, "tool_s": 1.5}, {"llm_s": 0.25, "tool_s": 0.0}
+    ]  # fmt: skip
+    assert records[0]["agent_s"] == 1.75 + 4.5
+
+
+def test_an_attempt_cancelled_with_its_group_is_counted() -> None:
+    # 20 of a report's 40 attempts were cancelled (their groups discarded), and the import said
+    # "skipped: none" for them.
+    events = [
+        *make_events()[:5],
+        {"kind": "attempt_cancelled", "group_id": 0, "attempt": 1, "reason": "stale"},
+        {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},
+    ]
+    records, skipped = attempts_from_events(events)
+    assert skipped == {"attempt cancelled (its group was discarded)": 1}
+    assert len(records) == 1
+
+
 def without(event: dict, key: str) -> dict:
     return {k: v for k, v in event.items() if k != key}
 
