@@ -7,14 +7,24 @@ left beside it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
+def is_null_device(path: Path) -> bool:
+    """`/dev/null` (or a link to it): output a user asked to throw away."""
+    return os.path.realpath(path) == os.devnull
+
+
 def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)` writes the whole file to a temporary name beside `path`, which then replaces
-    `path`; missing parent directories are created."""
+    `path`; missing parent directories are created. `/dev/null` is written to as it is: replacing it
+    with a file would break every program that uses it."""
+    if is_null_device(path):
+        write(Path(os.devnull))
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -137,6 +137,19 @@ def test_missing_or_unreadable_workload_file_is_refused(tmp_path: Path) -> None:
     assert_refused(corral("sim", "--workload", tmp_path / "binary.yaml"), "binary.yaml", "UTF-8")
 
 
+def test_outputs_sent_to_dev_null_are_thrown_away_and_dev_null_stays(tmp_path: Path) -> None:
+    # A script that wants only the summary line: `--json /dev/null` was refused ("not a regular file"),
+    # and a write that replaced it by a file (a temporary beside it, renamed) would break the machine.
+    import stat
+
+    spec = write_yaml(tmp_path / "w.yaml", make_workload())
+    proc = corral("sim", "--workload", spec, "--json", "/dev/null", "--plot", "/dev/null")
+    assert proc.returncode == 0, proc.stderr
+    assert "→ /dev/null" in proc.stderr
+    assert stat.S_ISCHR(Path("/dev/null").stat().st_mode)
+    assert not Path("/dev/null.tmp").exists()
+
+
 def test_unwritable_output_paths_are_refused(tmp_path: Path) -> None:
     spec = write_yaml(tmp_path / "w.yaml", make_workload())
     blocker = tmp_path / "a-file"

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from app import early_signals, terminal
-from app.outputs import write_text_atomically
+from app.outputs import is_null_device, write_text_atomically
 
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 P = ParamSpec("P")
@@ -205,6 +205,8 @@ def check_output(path: Path, flag: str) -> None:
 def _check_output(path: Path, flag: str) -> None:
     if path.is_dir():
         fail(f"{flag} {path}: is a directory; give a file name")
+    if is_null_device(path):
+        return  # thrown away, as asked
     path = _target(path)
     if path.exists() and not path.is_file():
         fail(f"{flag} {path}: is not a regular file (a device, pipe or socket); give a file name")
@@ -285,6 +287,8 @@ def check_apart(outputs: Mapping[str, Path | None], inputs: Mapping[str, Path | 
             continue
         with _os_refusal(flag, path):
             real = os.path.realpath(path)
+        if real == os.devnull:
+            continue  # thrown away: as many outputs as like may go there
         if real in files:
             fail(f"{flag} {path}: is also {files[real]}; writing it would destroy that file")
         for name, folder in dirs:
@@ -305,6 +309,8 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
         fail(f"{flag} -: a plot is not written to standard output; give a file name, e.g. plot.png")
     if os.path.isdir(path):  # not Path.is_dir: it raises on a name the OS refuses (too long)
         fail(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'plot.png'}")
+    if is_null_device(path):
+        return  # drawn and thrown away (as PNG), as asked
     if suffix not in formats:
         if not suffix:
             fail(f"{flag} {path}: the name has no image extension; end it with one of {', '.join(formats)}")
