@@ -592,7 +592,8 @@ CASES: dict[str, Case] = {
         ["bench", "--json", "b.json", "--surplus-sweep", "1_000"], ["'1_000'", "not an integer"]
     ),
     "--surplus-sweep in Arabic-Indic digits": Case(
-        ["bench", "--json", "b.json", "--staleness-sweep", "\u0663"], ["--staleness-sweep", "not an integer"]
+        ["bench", "--json", "b.json", "--staleness-sweep", "\u0663"],
+        ["--staleness-sweep", "not an integer", "e.g. 1,2,4"],  # values of K, not the S sweep's 0,16,32
     ),
 }
 if not VLLM_PRESENT:

@@ -221,19 +221,21 @@ def sim(
     say_serving_note(spec, report)
 
 
-def parse_sweep(text: str, flag: str, high: int) -> list[int]:
-    """A comma-separated list of integers in 0..high, at least one and at most MAX_SWEEP_VALUES."""
+def parse_sweep(text: str, flag: str, high: int, example: str) -> list[int]:
+    """A comma-separated list of integers in 0..high, at least one and at most MAX_SWEEP_VALUES;
+    `example` is one such list, for the refusals."""
+    give = f"give comma-separated integers, e.g. {example}"
     items = [x.strip() for x in text.split(",")]
     if not any(items):
-        fail(f"{flag} is empty; give comma-separated integers, e.g. 0,16,32")
+        fail(f"{flag} is empty; {give}")
     values = []
     for item in items:
         if not item:
-            fail(f"{flag} {text!r}: empty item; give comma-separated integers, e.g. 0,16,32")
+            fail(f"{flag} {text!r}: empty item; {give}")
         try:
             value = parse_int(item)
         except ValueError:
-            fail(f"{flag}: {item!r} is not an integer; give comma-separated integers, e.g. 0,16,32")
+            fail(f"{flag}: {item!r} is not an integer; {give}")
         if not 0 <= value <= high:
             fail(f"{flag}: {value} is outside 0..{high}")
         if value in values:
@@ -288,8 +290,8 @@ def bench(
         _bench_family(json_out, plot, peers)
         return
 
-    s_values = parse_sweep(surplus_sweep, "--surplus-sweep", MAX_SURPLUS)
-    k_values = parse_sweep(staleness_sweep, "--staleness-sweep", MAX_STALENESS)
+    s_values = parse_sweep(surplus_sweep, "--surplus-sweep", MAX_SURPLUS, "0,16,32")
+    k_values = parse_sweep(staleness_sweep, "--staleness-sweep", MAX_STALENESS, "1,2,4")
     check_output(json_out, "--json")
     check_plot(plot)
     spec = load(workload)
