@@ -15,6 +15,48 @@ def corral(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(CORRAL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+def sigterm_after(proc: subprocess.Popen[str], seconds: float) -> tuple[str, float, str]:
+    """SIGTERM to `proc` alone (as `kill PID` sends it) after `seconds`: its stderr, the seconds it took
+    to exit, and what `pgrep` found left of its session as it did (its session is killed after)."""
+    import os
+    import signal
+    import time
+
+    try:
+        time.sleep(seconds)
+        os.kill(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return stderr, took, leftover.stdout
+
+
+def wait_for_busy_workers(pid: int, count: int, timeout: float = 180) -> None:
+    """Block until `count` child processes of `pid` have each used a second of CPU: `advise`'s second
+    worker idles until the current settings are simulated and their first round begins."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = 0
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            for kid in kids:
+                fields = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()
+                busy += (int(fields[11]) + int(fields[12])) >= 100  # utime + stime, in ticks of 1/100 s
+        except OSError:
+            pass  # a child just gone
+        if busy >= count:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{count} workers of {pid} never got busy")
+
+
 def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> None:
     trial = tmp_path / "run" / "hello" / "hello.1-of-1"
     trial.mkdir(parents=True)
@@ -195,25 +237,13 @@ def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path,
 def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None:
     """SIGTERM (`timeout`, `kill PID`, a supervisor) acts as Ctrl-C, as it does for `corral run`: it
     used to kill `corral advise` silently, losing every simulation it had run."""
-    import os
-    import signal
-    import time
-
     (tmp_path / "w.json").write_text(json.dumps({"batches": 3}))  # about a second a simulation
     proc = subprocess.Popen(
         [str(CORRAL), "advise", "--workload", "w.json", "--passes", "5", "--workers", "2",
          "--json", "a.json"],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        time.sleep(12)  # several settings simulated by now, out of about a hundred
-        os.kill(proc.pid, signal.SIGTERM)  # the command alone, as `kill PID` sends it
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    stderr, _, leftover = sigterm_after(proc, 12)  # several settings simulated by now, of about a hundred
     assert proc.returncode == 130, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
@@ -221,7 +251,33 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
         f"interrupted after {len(advice['evaluated'])} settings simulated; the best of them → a.json "
         '("complete": false)'
     ]
-    assert leftover.stdout.strip() == ""
+    assert leftover.strip() == ""
+
+
+def test_sigterm_to_advise_alone_does_not_wait_for_the_round(tmp_path: Path) -> None:
+    """SIGTERM to the command alone (its workers do not get it) mid-round: the pool's shutdown waited
+    for every queued candidate of the round (15-60 s on the default workload), whose results were then
+    discarded. The queued ones are now dropped and the running ones ended: the partial advice is
+    written and the command gone within seconds, no worker left."""
+    import signal
+
+    # About 5 s a simulation: a round of surplus values (6 new ones, 2 workers) takes 15 s or more.
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 20}))
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", "w.json", "--passes", "1", "--workers", "2",
+         "--json", "a.json"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    wait_for_busy_workers(proc.pid, 2)  # the current settings simulated: a round is under way
+    stderr, took, leftover = sigterm_after(proc, 1)
+    assert proc.returncode == 130, stderr
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["complete"] is False
+    assert len(advice["evaluated"]) < 7, "the round ran to its end"
+    assert took < 5, f"{took:.1f} s from SIGTERM to exit"
+    assert "Traceback" not in stderr
+    assert leftover.strip() == ""
 
 
 def test_closing_the_terminal_window_keeps_what_advise_simulated(tmp_path: Path) -> None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +280,23 @@ def advise(
     return _choose(start, seen, complete=True)
 
 
+@contextmanager
+def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of `workers` simulation processes. An exception out of the block (an interrupt) drops the
+    queued candidates and ends the running ones, whose results the search then discards: the pool's own
+    exit waited for every candidate of the round (a SIGTERM to the command alone, which its workers do
+    not get, took 15-60 s to act)."""
+    before = set(multiprocessing.active_children())  # not the pool's to end
+    with ProcessPoolExecutor(max_workers=workers, initializer=quiet_worker) as pool:
+        try:
+            yield pool
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for child in set(multiprocessing.active_children()) - before:
+                child.terminate()
+            raise
+
+
 def _search(
     workload: Workload,
     policy_name: str,
@@ -290,7 +309,7 @@ def _search(
 ) -> None:
     """The coordinate descent of `advise`, recording every outcome in `seen` as it arrives."""
     planned = 1
-    with ProcessPoolExecutor(max_workers=workers, initializer=quiet_worker) as pool:
+    with _stopped_at_once(workers) as pool:
 
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]
