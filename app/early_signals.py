@@ -86,31 +86,57 @@ def ignore_until_exit() -> None:
     _held.clear()
 
 
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """A Ctrl-C that has nothing left to do. A handler rather than SIG_IGN: SIGTERM standing in for
+    Ctrl-C (`app.cli.common.sigterm_as_ctrl_c`) finds it and does nothing too."""
+
+
+# What a Ctrl-C does while SIGINT is ignored (a background job of a non-interactive shell) and SIGTERM
+# stands in for it (`app.cli.common.sigterm_as_ctrl_c`): Python's default, or an `interruptible_once`'s
+# handler. SIGINT itself stays ignored.
+_stand_in: list[Callable[[int, FrameType | None], Any]] = [_signal.default_int_handler]
+
+
+def ctrl_c_handler() -> Any:
+    """The handler a Ctrl-C reaches: SIGINT's, or the stand-in's while SIGINT is ignored."""
+    handler = _signal.getsignal(_signal.SIGINT)
+    return _stand_in[0] if handler is _signal.SIG_IGN else handler
+
+
 class interruptible_once:  # a context manager, not `contextlib.contextmanager`: see the module's note
     """Ctrl-C acts once; further presses (users press it twice) are ignored until the block ends, so
     that what the block does after the first (unwinding a simulation, writing what was computed so
     far) is not broken half-way. The first press raises KeyboardInterrupt, or calls `on_first` instead
     (to stop at a safe point of the caller's choosing). Only where Ctrl-C would raise
     KeyboardInterrupt anyway: in the main thread (only it gets signals), under Python's default handler
-    (not when SIGINT is ignored, nor under a handler of the caller's own)."""
+    (not under a handler of the caller's own). While SIGINT is ignored, the same holds for what stands
+    in for it (`ctrl_c_handler`)."""
 
     def __init__(self, on_first: Callable[[], None] | None = None) -> None:
         self._on_first = on_first
         self._installed = False
+        self._stand_in = False
 
     def __enter__(self) -> None:
         import threading
 
         if (
             threading.current_thread() is not threading.main_thread()
-            or _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler
+            or ctrl_c_handler() is not _signal.default_int_handler
         ):
             return
-        _signal.signal(_signal.SIGINT, self._first)
+        self._stand_in = _signal.getsignal(_signal.SIGINT) is _signal.SIG_IGN
+        self._set(self._first)
         self._installed = True
 
+    def _set(self, handler: Callable[[int, FrameType | None], Any]) -> None:
+        if self._stand_in:
+            _stand_in[0] = handler
+        else:
+            _signal.signal(_signal.SIGINT, handler)
+
     def _first(self, signum: int, frame: FrameType | None) -> None:
-        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+        self._set(_ignore)
         if self._on_first is None:
             raise KeyboardInterrupt
         self._on_first()
@@ -120,4 +146,4 @@ class interruptible_once:  # a context manager, not `contextlib.contextmanager`:
     ) -> None:
         if self._installed:
             self._installed = False
-            _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+            self._set(_signal.default_int_handler)

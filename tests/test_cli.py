@@ -407,18 +407,31 @@ def test_a_signal_that_misses_the_read_of_a_pipe_still_ends_it(reader: str, tmp_
     assert (proc.returncode, stdout, stderr) == (0, "interrupted\n", "")
 
 
-def test_sigterm_mid_simulation_ends_in_one_line(tmp_path: Path) -> None:
-    """SIGTERM to `corral sim` alone acts as Ctrl-C (it killed the command silently)."""
+@pytest.mark.parametrize(
+    ("command", "sigint"),
+    [("sim", "default"), ("sim", "ignored"), ("bench", "ignored")],
+    ids=["sim", "sim, Ctrl-C ignored", "bench, Ctrl-C ignored"],
+)
+def test_sigterm_mid_simulation_ends_in_one_line(command: str, sigint: str, tmp_path: Path) -> None:
+    """SIGTERM to `corral sim` alone acts as Ctrl-C (it killed the command silently). Also where
+    SIGINT is ignored (a background job of a non-interactive shell, `bash -c 'corral sim ... & kill
+    $!'`): SIGTERM killed it silently there (143), and SIGINT stays ignored."""
     import os
     import signal
     import time
 
     (tmp_path / "w.json").write_text(json.dumps({"batches": 100}))  # the default workload: about a minute
+    ignored = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
     proc = subprocess.Popen(
-        [str(CORRAL), "sim", "--workload", "w.json", "--json", "out.json"],
+        [str(CORRAL), command, "--workload", "w.json", "--json", "out.json"],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignored),
     )  # fmt: skip
     time.sleep(6)  # imported and simulating by now
+    if sigint == "ignored":
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        assert proc.poll() is None, "an ignored SIGINT ended the command"
     os.kill(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr

@@ -254,29 +254,42 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert leftover.strip() == ""
 
 
-def test_sigterm_to_advise_alone_does_not_wait_for_the_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"], ids=["", "Ctrl-C ignored"])
+def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_path: Path) -> None:
     """SIGTERM to the command alone (its workers do not get it) mid-round: the pool's shutdown waited
     for every queued candidate of the round (15-60 s on the default workload), whose results were then
     discarded. The queued ones are now dropped and the running ones ended: the partial advice is
-    written and the command gone within seconds, no worker left."""
+    written and the command gone within seconds, no worker left. The same where SIGINT is ignored (a
+    background job of a non-interactive shell), where SIGTERM killed it silently (143, nothing
+    written); an ignored SIGINT stays ignored."""
+    import os
     import signal
+    import time
 
     # About 5 s a simulation: a round of surplus values (6 new ones, 2 workers) takes 15 s or more.
     (tmp_path / "w.json").write_text(json.dumps({"batches": 20}))
+    ignored = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
     proc = subprocess.Popen(
         [str(CORRAL), "advise", "--workload", "w.json", "--passes", "1", "--workers", "2",
          "--json", "a.json"],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignored),
     )  # fmt: skip
     wait_for_busy_workers(proc.pid, 2)  # the current settings simulated: a round is under way
-    stderr, took, leftover = sigterm_after(proc, 1)
+    if sigint == "ignored":
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None, "an ignored SIGINT ended the command"
+    stderr, took, leftover = sigterm_after(proc, 0.5)
     assert proc.returncode == 130, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
     assert len(advice["evaluated"]) < 7, "the round ran to its end"
     assert took < 5, f"{took:.1f} s from SIGTERM to exit"
-    assert "Traceback" not in stderr
+    assert stderr.splitlines() == [
+        f"interrupted after {len(advice['evaluated'])} settings simulated; the best of them → a.json "
+        '("complete": false)'
+    ]
     assert leftover.strip() == ""
 
 

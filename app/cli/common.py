@@ -96,7 +96,8 @@ def sigterm_as_ctrl_c(command: Callable[P, None]) -> Callable[P, None]:
     closed, an ssh session dropped) act as Ctrl-C does, as they do for `corral run`: one line, exit
     130, `advise` keeps what it simulated, and `serve` says what became of its runs. After SIGHUP what
     went to the lost terminal goes to /dev/null (app.terminal), so that its first line does not fail
-    the command. A SIGHUP ignored at start (`nohup`) stays ignored."""
+    the command. A SIGHUP ignored at start (`nohup`) stays ignored; so does a SIGINT (a background job),
+    and SIGTERM then does what Ctrl-C would have done (`early_signals.ctrl_c_handler`)."""
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
@@ -119,11 +120,13 @@ def sigterm_as_ctrl_c(command: Callable[P, None]) -> Callable[P, None]:
 
 
 def _as_ctrl_c(signum: int, frame: Any) -> None:
-    handler = signal.getsignal(signal.SIGINT)
+    # Also where SIGINT is ignored (a background job of a non-interactive shell: a supervisor's or a
+    # script's `cmd & ... kill $!`): what a Ctrl-C would have done there, SIGINT staying ignored.
+    handler = early_signals.ctrl_c_handler()
     if callable(handler):
         handler(signal.SIGINT, frame)
         return
-    # Ctrl-C is ignored here (a background job) or left to the OS: the signal does what it would have done.
+    # Ctrl-C left to the OS: the signal does what it would have done.
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
