@@ -57,6 +57,16 @@ def wait_for_busy_workers(pid: int, count: int, timeout: float = 180) -> None:
     pytest.fail(f"{count} workers of {pid} never got busy")
 
 
+def interrupted_line(simulated: int, json_out: str) -> str:
+    """The line an interrupted `advise` ends with, having simulated `simulated` settings."""
+    kept = f'{json_out} ("complete": false)'
+    if simulated == 1:  # the current settings alone: no candidate to advise
+        return (
+            f"interrupted after only the current settings were simulated; no advice, their figures → {kept}"
+        )
+    return f"interrupted after {simulated} settings simulated; the best of them → {kept}"
+
+
 def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> None:
     trial = tmp_path / "run" / "hello" / "hello.1-of-1"
     trial.mkdir(parents=True)
@@ -226,7 +236,7 @@ def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path,
     assert advice["complete"] is False
     done = len(advice["evaluated"])
     assert 1 <= done < 100
-    assert f"interrupted after {done} settings simulated" in stderr
+    assert interrupted_line(done, "advice.json") in stderr
     assert "search interrupted" in advice["verdict"]
     assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
     assert (tmp_path / "advice.png").stat().st_size > 0
@@ -247,10 +257,7 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert proc.returncode == 130, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
-    assert stderr.splitlines() == [
-        f"interrupted after {len(advice['evaluated'])} settings simulated; the best of them → a.json "
-        '("complete": false)'
-    ]
+    assert stderr.splitlines() == [interrupted_line(len(advice["evaluated"]), "a.json")]
     assert leftover.strip() == ""
 
 
@@ -286,10 +293,7 @@ def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_pa
     assert advice["complete"] is False
     assert len(advice["evaluated"]) < 7, "the round ran to its end"
     assert took < 5, f"{took:.1f} s from SIGTERM to exit"
-    assert stderr.splitlines() == [
-        f"interrupted after {len(advice['evaluated'])} settings simulated; the best of them → a.json "
-        '("complete": false)'
-    ]
+    assert stderr.splitlines() == [interrupted_line(len(advice["evaluated"]), "a.json")]
     assert leftover.strip() == ""
 
 

@@ -141,10 +141,16 @@ def advise(
         write_json(json_out, advice.as_dict())
         write_plot(lambda out: plot_advice(advice, str(out)), plot, written=json_out)
         if not advice.complete:  # what was simulated is kept: it cost minutes
-            say(
-                f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → "
-                f'{json_out} ("complete": false)'
-            )
+            if advice.candidates:
+                say(
+                    f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → "
+                    f'{json_out} ("complete": false)'
+                )
+            else:
+                say(
+                    "interrupted after only the current settings were simulated; no advice, their figures → "
+                    f'{json_out} ("complete": false)'
+                )
             raise typer.Exit(130)
     for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
         s = outcome.settings

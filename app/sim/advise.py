@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.children import quiet_worker
 from app.outputs import save_figure
@@ -34,6 +34,9 @@ from app.sim.lanes import LaneSharing
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
 from app.validation import MAX_DEFAULT_WORKERS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TIE_FRACTION = 0.01
 LANES = ("reset", "exec", "validate", "cleanup")
@@ -123,7 +126,17 @@ class Advice:
     def beats_current(self) -> bool:
         return self.recommended.settings != self.current.settings
 
+    @property
+    def candidates(self) -> int:
+        """Settings simulated besides the current ones."""
+        return sum(1 for o in self.evaluated if o.settings != self.current.settings)
+
     def verdict(self) -> str:
+        if not self.candidates:  # interrupted after the current settings: nothing to compare them with
+            return (
+                "no candidate was simulated, so there is no advice "
+                "(search interrupted after the current settings)"
+            )
         if not self.complete:
             return self._verdict() + f" (search interrupted after {len(self.evaluated)} settings)"
         return self._verdict()
@@ -341,10 +354,21 @@ def plot_advice(advice: Advice, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = advice_figure(advice)
+    save_figure(fig, path, dpi=110)
+    plt.close(fig)
+
+
+def advice_figure(advice: Advice) -> Figure:
+    """The figure of `plot_advice`. With no candidate simulated (interrupted after the current
+    settings) the left panel shows the current settings alone and the right one says so, instead of a
+    line of one point on a degenerate axis."""
+    import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = ["current", "advised"]
-    pair = [advice.current, advice.recommended]
-    bars = left.bar(names, [o.batch_collection_s for o in pair], color=["#999999", "#2b7bba"])
+    names = ["current", "advised"] if advice.candidates else ["current"]
+    pair = [advice.current, advice.recommended][: len(names)]
+    bars = left.bar(names, [o.batch_collection_s for o in pair], color=["#999999", "#2b7bba"][: len(names)])
     for bar, outcome in zip(bars, pair, strict=True):
         left.annotate(
             f"{outcome.batch_collection_s:.1f} s\nidle {outcome.trainer_idle_fraction:.0%}\n"
@@ -359,13 +383,16 @@ def plot_advice(advice: Advice, path: str) -> None:
     left.set_ylim(0, 1.3 * max(o.batch_collection_s for o in pair))
     fig.suptitle(advice.verdict(), fontsize=10)
     left.legend(fontsize=8)
-    ordered = advice.evaluated
-    right.plot(range(len(ordered)), [o.batch_collection_s for o in ordered], "o-", ms=3, label="candidate")
-    right.plot(range(len(ordered)), [o.lower_bound_s for o in ordered], "k--", lw=1, label="its lower bound")
-    right.set_xlabel("simulated settings, best first")
-    right.xaxis.get_major_locator().set_params(integer=True)
-    right.set_ylabel("mean batch collection time (s)")
-    right.legend(fontsize=8)
+    if advice.candidates:
+        xs = range(len(advice.evaluated))
+        right.plot(xs, [o.batch_collection_s for o in advice.evaluated], "o-", ms=3, label="candidate")
+        right.plot(xs, [o.lower_bound_s for o in advice.evaluated], "k--", lw=1, label="its lower bound")
+        right.set_xlabel("simulated settings, best first")
+        right.xaxis.get_major_locator().set_params(integer=True)
+        right.set_ylabel("mean batch collection time (s)")
+        right.legend(fontsize=8)
+    else:
+        right.set_axis_off()
+        right.text(0.5, 0.5, "no candidate simulated:\nthe search was interrupted", ha="center", va="center")
     fig.tight_layout()
-    save_figure(fig, path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -3,7 +3,17 @@
 import itertools
 from pathlib import Path
 
-from app.sim.advise import Settings, advise, current_settings, evaluate, knob_grid
+from app.sim.advise import (
+    Advice,
+    Outcome,
+    Settings,
+    advice_figure,
+    advise,
+    current_settings,
+    evaluate,
+    knob_grid,
+    plot_advice,
+)
 from app.sim.workload import load_workload
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -95,3 +105,33 @@ def test_borrowing_is_a_knob_that_reaches_the_workload() -> None:
     assert _workload_with(workload, borrowing).lanes.borrow_serving_cpus is True
     assert _workload_with(workload, start).lanes.borrow_serving_cpus is False
     assert evaluate(workload, borrowing).batch_collection_s > 0
+
+
+def make_outcome(settings: Settings, **overrides: float) -> Outcome:
+    figures = {"batch_collection_s": 100.0, "p90_s": 120.0, "trainer_idle_fraction": 0.5}
+    figures |= {"wasted_trajectory_s": 0.0, "lower_bound_s": 80.0, **overrides}
+    return Outcome(settings=settings, **figures)
+
+
+def test_an_advice_interrupted_before_any_candidate_says_there_is_none(tmp_path: Path) -> None:
+    """Interrupted after only the current settings were simulated: the verdict said "the advice matches
+    the current config: no candidate beat it", and the plot drew a line of one point on an axis of
+    -0.04..0.04. It now says that no candidate was simulated, and the panel of candidates says so."""
+    start = current_settings(load_workload(EXAMPLES / "small-trace.yaml"))
+    current = make_outcome(start)
+    alone = Advice(current, current, [current], complete=False)
+    assert alone.verdict().startswith("no candidate was simulated, so there is no advice")
+    assert "matches" not in alone.verdict()
+    figure = advice_figure(alone)
+    left, right = figure.axes
+    assert [t.get_text() for t in left.get_xticklabels()] == ["current"]
+    assert not right.axison
+    assert not right.lines
+    assert "no candidate simulated" in right.texts[0].get_text()
+    plot_advice(alone, str(tmp_path / "a.png"))
+    assert (tmp_path / "a.png").stat().st_size > 0
+    # One candidate simulated: a real comparison again, both panels drawn.
+    other = make_outcome(start.with_knob("surplus_groups", 0), batch_collection_s=150.0)
+    one = Advice(current, current, [current, other], complete=False)
+    assert one.verdict().startswith("the advice matches the current config")
+    assert len(advice_figure(one).axes[1].lines) == 2
