@@ -369,3 +369,32 @@ def test_trace_import_of_a_real_corral_run_report_names_each_attempt_by_its_task
     assert tasks <= set(json.loads(report.read_text())["group_tasks"].values())
     assert 1 < len(tasks) <= 10
     assert f"{len(lines)} attempts of {len(tasks)} tasks" in done.stderr, (len(lines), len(tasks))
+
+
+def test_the_updating_engines_advise_recommends_can_be_set_in_a_workload(
+    tmp_path: Path,
+) -> None:
+    """`advise` recommends `updating=N` (max_updating_engines), but a workload file refused
+    `policy: {max_updating_engines: N}` ("Extra inputs are not permitted") and `corral sim` had no other
+    way to take it, so the advice could not be checked. `corral sim` now runs such a workload exactly as
+    advise simulated that candidate; here 1 engine at a time is not what `full` does by default."""
+    from app.sim.advise import current_settings, evaluate
+    from app.sim.workload import Workload
+
+    base = {
+        "batches": 4, "batch": {"groups": 8, "group_size": 4}, "policy": {"surplus_groups": 8},
+        "engines": {"count": 4, "slots": 32, "update_s": 20},
+    }  # fmt: skip
+    workload = Workload.model_validate(base)
+    advised = evaluate(workload, current_settings(workload).with_knob("max_updating_engines", 1))
+    default = evaluate(workload, current_settings(workload))
+    assert advised.batch_collection_s != default.batch_collection_s
+    data = {**base, "policy": {**base["policy"], "max_updating_engines": 1}}
+    (tmp_path / "w.json").write_text(json.dumps(data))
+    done = corral("sim", "--workload", "w.json", "--json", "s.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["batch_collection_s"]["mean"] == advised.batch_collection_s
+    assert round(sum(report["wasted_trajectory_s"].values()), 3) == advised.wasted_trajectory_s
+    # And advise starts from it: the workload's own value is the current settings'.
+    assert current_settings(Workload.model_validate(data)).max_updating_engines == 1

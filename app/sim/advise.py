@@ -165,7 +165,7 @@ def current_settings(workload: Workload) -> Settings:
     return Settings(
         surplus_groups=workload.policy.surplus_groups,
         max_staleness=workload.policy.max_staleness,
-        max_updating_engines=None,
+        max_updating_engines=workload.policy.max_updating_engines,
         lane_slots=tuple(workload.lanes.slots().items()),
         serving_cores=workload.cpus.serving,
         borrow_serving_cpus=workload.lanes.borrow_serving_cpus,
@@ -216,6 +216,7 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
         **data["policy"],
         "surplus_groups": settings.surplus_groups,
         "max_staleness": settings.max_staleness,
+        "max_updating_engines": settings.max_updating_engines,
     }
     if settings.serving_cores is not None:
         data["cpus"] = {**data["cpus"], "serving": settings.serving_cores}
@@ -228,13 +229,8 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
 
 def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") -> Outcome:
     """Simulate one candidate (module-level so that worker processes can run it)."""
-    candidate = _workload_with(workload, settings)
-    overrides = (
-        {}
-        if settings.max_updating_engines is None
-        else {"max_updating_engines": settings.max_updating_engines}
-    )
-    policy = policy_for(candidate, policy_name, **overrides)
+    candidate = _workload_with(workload, settings)  # its updating engines too, as `corral sim` runs them
+    policy = policy_for(candidate, policy_name)
     report = simulate(candidate, policy, policy_name)
     return Outcome(
         settings=settings,

@@ -67,6 +67,8 @@ def policy_for(workload: Workload, name: str, **overrides: Any) -> PolicyConfig:
         "surplus_groups": workload.policy.surplus_groups,
         "max_staleness": workload.policy.max_staleness,
     }
+    if workload.policy.max_updating_engines is not None:  # else the rung's own pacing
+        base["max_updating_engines"] = workload.policy.max_updating_engines
     return PolicyConfig.ladder(name, **{**base, **overrides})
 
 

@@ -164,6 +164,14 @@ class TrainerSpec(Strict):
 class PolicySpec(Strict):
     surplus_groups: int = Field(64, ge=0, le=MAX_SURPLUS, strict=True, description="S")
     max_staleness: int = Field(4, ge=0, le=MAX_STALENESS, strict=True, description="K")
+    max_updating_engines: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SIM_ENGINES,
+        strict=True,
+        description="engines loading new weights at once, a fixed number (what `corral advise` calls "
+        "`updating`); None: the policy's own pace (`full`: by free slots)",
+    )
 
 
 class EnginesSpec(Strict):

@@ -93,6 +93,12 @@ def test_bad_distribution_is_refused_naming_the_field(spec: Any, field: str) -> 
         parse_workload({"trajectory": {"llm_s": spec}}, "w.yaml")
 
 
+@pytest.mark.parametrize("value", [0, -1, 10**9, 2.0, "2", True, float("nan")])
+def test_bad_updating_engines_are_refused_naming_the_field(value: Any) -> None:
+    with pytest.raises(WorkloadError, match=r"policy\.max_updating_engines"):
+        parse_workload({"policy": {"max_updating_engines": value}}, "w.yaml")
+
+
 def test_trajectories_are_keyed_by_group_and_attempt_not_by_order() -> None:
     workload = Workload.model_validate(make_small())
     forward, backward = TrajectorySource(workload), TrajectorySource(workload)
