@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.outputs import save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def plot_bench(result: dict[str, Any], out: Path) -> None:
@@ -14,34 +19,50 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax4) = plt.subplots(1, 3, figsize=(17, 4.5))
+    fig = bench_figure(result)
+    save_figure(fig, out, dpi=110)
+    plt.close(fig)
+
+
+def bench_figure(result: dict[str, Any]) -> Figure:
+    """The figure of `plot_bench`: however many rungs (`--peers` adds seven, with long names) and
+    whatever values of S, the rung names stay readable (slanted), the stale-group bars keep apart, every
+    series has a legend entry and each legend sits above its panel, off the data."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax4) = plt.subplots(1, 3, figsize=(17, 5.5))
     names = list(result["policies"])
     means = [result["policies"][n]["batch_collection_s"]["mean"] for n in names]
     p90s = [result["policies"][n]["batch_collection_s"]["p90"] for n in names]
     bounds = [result["policies"][n]["lower_bound_s"] for n in names]
-    xs = range(len(names))
-    ax1.bar([x - 0.2 for x in xs], means, width=0.4, label="mean")
-    ax1.bar([x + 0.2 for x in xs], p90s, width=0.4, label="p90", alpha=0.6)
-    ax1.scatter(list(xs), bounds, color="black", marker="_", s=600, label="lower bound", zorder=3)
-    for x, m in zip(xs, means, strict=True):
-        ax1.annotate(f"{m:.0f}", (x - 0.2, m), ha="center", va="bottom", fontsize=8)
-    ax1.set_xticks(list(xs), names)
-    ax1.set_ylabel("batch collection time (s)")
-    ax1.set_title("ablation ladder")
-    ax1.legend()
+    ys = range(len(names))  # one row per rung, the first on top: long names (`--peers`) stay readable
+    ax1.barh([y - 0.2 for y in ys], means, height=0.4, label="mean")
+    ax1.barh([y + 0.2 for y in ys], p90s, height=0.4, label="p90", alpha=0.6)
+    ax1.vlines(
+        bounds, [y - 0.4 for y in ys], [y + 0.4 for y in ys], color="black", label="lower bound", zorder=3
+    )
+    for y, m in zip(ys, means, strict=True):
+        ax1.annotate(f" {m:.0f}", (m, y - 0.2), ha="left", va="center", fontsize=7)
+    ax1.set_yticks(list(ys), names, fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("batch collection time (s)")
+    _legend_above(ax1, "ablation ladder")
     sweep = result["sweeps"]["surplus"]
     if sweep:
         s = [row["surplus_groups"] for row in sweep]
-        ax2.plot(s, [row["batch_collection_s"] for row in sweep], marker="o", label="full: mean")
-        ax2.plot(s, [row["lower_bound_s"] for row in sweep], linestyle="--", label="lower bound")
         stale = [row["discarded_groups"]["stale"] for row in sweep]
         ax3 = ax2.twinx()
-        ax3.bar(s, stale, width=4, alpha=0.25, color="red", label="stale groups")
+        ax3.bar(s, stale, width=_bar_width(s), alpha=0.25, color="red", label="stale groups discarded")
+        ax3.set_ylim(0, 1.1 * max(1, *stale))  # all zero: an axis from 0, not around it
+        ax3.yaxis.get_major_locator().set_params(integer=True)
         ax3.set_ylabel("stale groups discarded")
+        ax2.set_zorder(ax3.get_zorder() + 1)  # the lines over the bars
+        ax2.patch.set_visible(False)
+        ax2.plot(s, [row["batch_collection_s"] for row in sweep], marker="o", label="full: mean")
+        ax2.plot(s, [row["lower_bound_s"] for row in sweep], linestyle="--", label="lower bound")
         ax2.set_xlabel("surplus groups S")
         ax2.set_ylabel("batch collection time (s)")
-        ax2.set_title("surplus sweep (full)")
-        ax2.legend(loc="upper right")
+        _legend_above(ax2, "surplus sweep (full)", extra=ax3)
     ablations = result["sweeps"].get("ablations", {})
     if ablations and "full" in result["policies"]:
         labels = ["full", *(name.replace("full without ", "− ") for name in ablations)]
@@ -54,9 +75,27 @@ def plot_bench(result: dict[str, Any], out: Path) -> None:
             ax4.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
         ax4.set_ylabel("batch collection time (s)")
         ax4.set_title("full, minus one technique")
+        ax4.set_xticks(range(len(labels)), labels, rotation=20, ha="right", rotation_mode="anchor")
     fig.tight_layout()
-    save_figure(fig, out, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _legend_above(ax: Axes, title: str, extra: Axes | None = None) -> None:
+    """The panel's title, and under it, above the axes, one legend row for its series and `extra`'s
+    (a twin axes' bars)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if extra is not None:
+        more = extra.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(labels), fontsize=8)
+    ax.set_title(title, pad=26)
+
+
+def _bar_width(values: list[int]) -> float:
+    """Bars at `values` on a numeric axis that keep apart: 60% of the closest spacing."""
+    points = sorted(set(values))
+    gaps = [b - a for a, b in itertools.pairwise(points)]
+    return 0.6 * min(gaps) if gaps else max(1.0, 0.1 * points[0])
 
 
 def plot_family(result: dict[str, Any], out: Path) -> None:
