@@ -126,6 +126,9 @@ class Dashboard:
             "csrf_field": CSRF_FIELD,
             "operator": is_operator(request, self.access),
             "view_protected": self.access.view_token is not None,
+            # where the header's sign-in form returns to: the page itself, or the page a refusal or
+            # a sign-in page names (a POST's own URL is no page to return to)
+            "here": _local_path(ctx.get("next") or ctx.get("back") or _here(request)),
         }
         response = HTMLResponse(self.render(template, full, block), status_code=status)
         set_csrf_cookie(response, request, token)
@@ -262,7 +265,7 @@ def make_router(dash: Dashboard) -> APIRouter:
     def guard_view(request: Request) -> HTMLResponse | None:
         if can_view(request, dash.access):
             return None
-        return dash.page(request, "login.html", {"next": request.url.path}, status=401)
+        return dash.page(request, "login.html", {"next": _here(request)}, status=401)
 
     async def guard_act(request: Request) -> tuple[dict[str, str], HTMLResponse | None]:
         form = await _form(request)
@@ -375,7 +378,8 @@ def make_router(dash: Dashboard) -> APIRouter:
         token = form.get("token", "")
         known = [t for t in (dash.access.operator_token, dash.access.view_token) if t]
         if not any(_eq(token, t) for t in known):
-            return dash.page(request, "login.html", {"next": "/", "error": "unknown token"}, status=403)
+            ctx = {"next": _local_path(form.get("next")), "error": "unknown token"}
+            return dash.page(request, "login.html", ctx, status=403)
         response = RedirectResponse(_local_path(form.get("next")), 303)
         set_token_cookie(response, request, token)
         return response
@@ -495,10 +499,19 @@ def make_router(dash: Dashboard) -> APIRouter:
 
 
 def _local_path(target: str | None) -> str:
-    """`target` when it is a path on this site, else "/": a sign-in never redirects off site."""
-    if target and target.startswith("/") and "//" not in target and "\\" not in target:
-        return target
-    return "/"
+    """`target` when it is a path on this site, else "/": a sign-in never redirects off site (browsers
+    drop tabs and newlines from a URL: "/", a tab, "/evil.example" would be "//evil.example")."""
+    if not target or not target.startswith("/") or not target.isprintable():
+        return "/"
+    return "/" if "//" in target or "\\" in target else target
+
+
+def _here(request: Request) -> str:
+    """The page a GET request shows, query included; "/" for any other request."""
+    if request.method != "GET":
+        return "/"
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
 
 
 def _eq(a: str, b: str) -> bool:

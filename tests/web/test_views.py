@@ -321,6 +321,32 @@ async def test_the_login_url_typed_in_shows_the_sign_in_page(view_token):
     assert 'name="next" value="/"' in off_site.text
 
 
+async def test_signing_in_from_the_header_returns_to_the_page_it_was_on():
+    # The header's form had no `next`: signing in on a run's page landed on the runs page; and a wrong
+    # token on /login?next=... re-rendered the form with next="/", losing the page again.
+    client, _ = make_client()
+    async with client:
+        page = await client.get("/runs/replay-1", params={"zoom": "2"})
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        header = re.search(r'<header class="top">.*?</header>', page.text, re.S).group(0)
+        nxt = html.unescape(re.search(r'name="next" value="([^"]*)"', header).group(1))
+        signed = await client.post("/login", data={"csrf_token": token, "token": OPERATOR, "next": nxt})
+        client.cookies.delete("corral_token")
+        wrong = await client.post(
+            "/login", data={"csrf_token": token, "token": "guess-guess", "next": "/runs/replay-1"}
+        )
+        tabbed = await client.post(
+            "/login", data={"csrf_token": token, "token": OPERATOR, "next": "/\t/evil.example/"}
+        )
+    assert nxt == "/runs/replay-1?zoom=2"
+    assert signed.status_code == 303
+    assert signed.headers["location"] == "/runs/replay-1?zoom=2"
+    assert wrong.status_code == 403
+    form = re.search(r'<main id="main">.*?</main>', wrong.text, re.S).group(0)
+    assert 'name="next" value="/runs/replay-1"' in form
+    assert tabbed.headers["location"] == "/"
+
+
 async def test_view_token_protects_reading():
     client, _ = make_client(view_token="viewer-token-1")
     async with client:
