@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 from typing import Annotated, Any, Protocol
+from urllib.parse import quote
 
 import anyio
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -240,14 +241,23 @@ def _note(message: str, status: int) -> HTMLResponse:
     return HTMLResponse(f'<p class="flash {level}" role="{role}">{escape(message)}</p>', status_code=status)
 
 
-def _error(dash: Dashboard, request: Request, message: str, status: int) -> HTMLResponse:
+def _error(
+    dash: Dashboard, request: Request, message: str, status: int, back: str | None = None
+) -> HTMLResponse:
+    """A refusal: a line for htmx, else a page linking `back` to the run it is about (or the runs)."""
     if _is_htmx(request):
         return _note(message, status)
-    return dash.page(request, "message.html", {"message": message, "level": "error"}, status=status)
+    ctx = {"message": message, "level": "error", "back": back}
+    return dash.page(request, "message.html", ctx, status=status)
 
 
-def _forbidden(dash: Dashboard, request: Request, why: str) -> HTMLResponse:
-    return _error(dash, request, why, 403)
+def _forbidden(dash: Dashboard, request: Request, why: str, back: str | None = None) -> HTMLResponse:
+    return _error(dash, request, why, 403, back)
+
+
+def _shown(text: str) -> str:
+    """`text` as a page may show it: control characters (a NUL typed into a URL) as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _is_htmx(request: Request) -> bool:
@@ -267,19 +277,22 @@ def make_router(dash: Dashboard) -> APIRouter:
             return None
         return dash.page(request, "login.html", {"next": _here(request)}, status=401)
 
-    async def guard_act(request: Request) -> tuple[dict[str, str], HTMLResponse | None]:
+    async def guard_act(
+        request: Request, back: str | None = None
+    ) -> tuple[dict[str, str], HTMLResponse | None]:
         form = await _form(request)
         if not csrf_ok(request, form.get(CSRF_FIELD)):
-            return form, _forbidden(dash, request, "refused: the form's CSRF token is missing or wrong")
+            why = "refused: the form's CSRF token is missing or wrong"
+            return form, _forbidden(dash, request, why, back)
         if not is_operator(request, dash.access):
-            return form, _forbidden(dash, request, "refused: acting needs the operator token (sign in)")
+            return form, _forbidden(dash, request, "refused: acting needs the operator token (sign in)", back)
         return form, None
 
     def run_or_404(request: Request, run_id: str) -> tuple[RunsBackend, RunView] | HTMLResponse:
         backend = dash.backend_of(run_id)
         view = backend.view(run_id) if backend is not None else None
         if backend is None or view is None:
-            return _error(dash, request, f"no run {run_id}", 404)
+            return _error(dash, request, f"no run {_shown(run_id)}", 404)
         return backend, view
 
     # The pages are plain `def`s: FastAPI runs them in its threadpool, so building and rendering a
@@ -305,7 +318,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         if (denied := guard_view(request)) is not None:
             return denied
         if name not in RUN_BLOCKS:
-            return _error(dash, request, f"no block {name}", 404)
+            return _error(dash, request, f"no block {_shown(name)}", 404)
         found = run_or_404(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
@@ -433,7 +446,8 @@ def make_router(dash: Dashboard) -> APIRouter:
         return RedirectResponse(f"/runs/{run_id}", 303)
 
     async def act(request: Request, run_id: str, do: Action) -> Response:
-        form, denied = await guard_act(request)
+        run_page = f"/runs/{quote(run_id, safe='')}"
+        form, denied = await guard_act(request, run_page)
         if denied is not None:
             return denied
         found = run_or_404(request, run_id)
@@ -449,8 +463,8 @@ def make_router(dash: Dashboard) -> APIRouter:
             message, status = str(exc), 422
         if not _is_htmx(request):
             if status != 200:
-                return _error(dash, request, message, status)
-            return RedirectResponse(f"/runs/{run_id}", 303)
+                return _error(dash, request, message, status, run_page)
+            return RedirectResponse(run_page, 303)
         return _note(message, status)
 
     # The run controls that take no form field: the route's last segment, the backend's call, and what

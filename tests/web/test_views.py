@@ -291,6 +291,36 @@ async def test_bad_policy_values_and_refused_actions_say_why():
     assert launch_ok.headers["location"] == "/runs/live-1"
 
 
+async def test_a_refused_action_without_javascript_links_back_to_its_run():
+    # The error page of a policy form posted without htmx linked only to the runs page.
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await sign_in(client)
+        bad = await client.post("/runs/live-1/policy", data={"csrf_token": token, "max_staleness": "-1"})
+        client.cookies.delete("corral_token")
+        unsigned = await client.post("/runs/live-1/policy", data={"csrf_token": token, "max_staleness": "1"})
+    assert bad.status_code == 422
+    assert "max_staleness (K): must be between" in bad.text
+    for page in (bad, unsigned):
+        main = re.search(r'<main id="main">.*?</main>', page.text, re.S).group(0)
+        assert '<a href="/runs/live-1">Back to the run</a>' in main
+    header = re.search(r'<header class="top">.*?</header>', unsigned.text, re.S).group(0)
+    assert 'name="next" value="/runs/live-1"' in header  # signing in there returns to the run
+
+
+@pytest.mark.parametrize("path", ["/runs/%00", "/runs/a%0Ab", "/runs/replay-1/block/%1B"])
+async def test_an_unknown_run_id_with_control_characters_is_shown_escaped(path):
+    # GET /runs/%00 put a raw NUL into the page's title and body ("no run \0").
+    client, _ = make_client()
+    async with client:
+        page = await client.get(path)
+    assert page.status_code == 404
+    assert not any(c in page.text for c in "\x00\x1b")
+    assert "a\nb" not in page.text
+    assert re.search(r"<title>Corral — no (run|block) (\\x00|a\\nb|\\x1b)</title>", page.text), page.text
+
+
 @pytest.mark.parametrize("target", ["https://evil.example/", "//evil.example/", "/\\evil.example/"])
 async def test_sign_in_never_redirects_off_site(target):
     client, _ = make_client()
