@@ -150,7 +150,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         problem = f"body: not valid JSON ({why})"
         errors = [{"field": "body", "problem": problem}]
         return JSONResponse(status_code=422, content={"detail": problem, "errors": errors})
+    if exc.status_code in PAGE_ERRORS:  # a browser's mistyped or stale address: a page, not JSON
+        said = f"{PAGE_ERRORS[exc.status_code]}: {request.method} {request.url.path}"
+        if (page := error_page(request, said, exc.status_code)) is not None:
+            page.headers.update(exc.headers or {})  # 405's Allow
+            return page
     return await http_exception_handler(request, exc)
+
+
+PAGE_ERRORS = {404: "no such page", 405: "this page does not take that method"}
 
 
 DATABASE_RETRY_AFTER_S = 5

@@ -68,6 +68,9 @@ PAUSE_BLOCK = "pause_control"
 RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
 POLICY_MAX = {"max_staleness": MAX_RUN_STALENESS, "surplus_groups": MAX_SURPLUS}  # as the API takes them
+# Paths whose errors stay the API's JSON (or plain text), not a dashboard page.
+NOT_PAGES = ("/api/", "/healthz", "/metrics", "/docs", "/redoc", "/openapi.json")
+FAVICON = STATIC / "favicon.svg"
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
 Zoom = Annotated[float, Query(ge=1.0, le=MAX_ZOOM, allow_inf_nan=False)]
@@ -614,6 +617,12 @@ def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:
     app.state.dashboard = dash  # its pages' own error answers are pages too (app.api.app)
     app.mount("/static", StaticFiles(directory=STATIC), name="dashboard-static")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        # The pages link their icon; this answers a client that asks for it by the old name.
+        headers = {"Cache-Control": "max-age=86400"}
+        return Response(FAVICON.read_bytes(), media_type="image/svg+xml", headers=headers)
+
     @app.get("/vendor/{name}", include_in_schema=False)
     async def vendor(name: str) -> Response:
         path = VENDOR.get(name)
@@ -629,7 +638,6 @@ def error_page(request: Request, message: str, status: int) -> HTMLResponse | No
     JSON), or None for a request that is not a dashboard page's: the API's, and anything without a
     dashboard mounted."""
     dash = getattr(request.app.state, "dashboard", None)
-    path = request.url.path
-    if not isinstance(dash, Dashboard) or path.startswith(("/api/", "/healthz", "/metrics", "/docs")):
+    if not isinstance(dash, Dashboard) or request.url.path.startswith(NOT_PAGES):
         return None
-    return _error(dash, request, message, status)
+    return _error(dash, request, _shown(message), status)

@@ -131,6 +131,28 @@ def test_a_bad_query_on_a_dashboard_page_is_a_page(api: httpx.Client, zoom: str)
     assert api_answer.json()["detail"].startswith("limit: ")
 
 
+def test_an_unknown_address_is_a_page_and_the_favicon_is_served(api: httpx.Client) -> None:
+    # A browser got `{"detail":"Not Found"}` for a mistyped address, and every page load logged a 404
+    # for /favicon.ico.
+    missing = api.get("/nope")
+    wrong_method = api.get("/runs/x/stop")
+    api_missing = api.get("/api/nope")
+    page = api.get("/")
+    icon = api.get("/favicon.ico")
+    linked = api.get("/static/favicon.svg")
+    assert missing.status_code == 404
+    assert missing.headers["content-type"].startswith("text/html")
+    assert '<p class="flash error" role="alert">no such page: GET /nope</p>' in missing.text
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.headers["content-type"].startswith("text/html")
+    assert api_missing.status_code == 404
+    assert api_missing.json() == {"detail": "Not Found"}  # the API's stays JSON
+    assert '<link rel="icon" href="/static/favicon.svg" type="image/svg+xml">' in page.text
+    assert icon.status_code == linked.status_code == 200
+    assert icon.headers["content-type"] == linked.headers["content-type"] == "image/svg+xml"
+
+
 def _runs(api: httpx.Client) -> int:
     return len(api.get("/api/runs").json())
 
