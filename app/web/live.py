@@ -36,7 +36,7 @@ from app.service.gateway import TrainerGateway
 from app.service.manager import described_lanes
 from app.service.schemas import SYNC_SURPLUS
 from app.store.repos import LaneRepo
-from app.validation import parse_int
+from app.validation import parse_int, problems
 from app.web.backend import ActionRefused
 from app.web.readmodel import RunMeta, RunView, RunViewBuilder
 
@@ -243,9 +243,7 @@ class ManagerRuns:
         try:
             spec = RunCreate.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ())) or "run"
-            raise ValueError(f"{where}: {err.get('msg', 'invalid')}") from None
+            raise ValueError(problems(exc)) from None
         return str(await asyncio.to_thread(self.manager.create, spec))
 
     def launch_placeholders(self) -> dict[str, str]:
@@ -286,8 +284,7 @@ class ManagerRuns:
         try:
             patch = PolicyPatch(**changes)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            raise ValueError(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}") from None
+            raise ValueError(problems(exc)) from None
         if (problem := handle.patch_problem(patch)) is not None:
             raise ValueError(problem)
         _, seq = await self._call(handle, handle.set_policy_marked, patch, actor)
