@@ -172,10 +172,12 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     # the newest version published, or loaded (a replay without its event log knows only the latter)
     target = max([e.target_version or 0 for e in view.engines] + engines_versions + [view.newest_version])
     refused_by = view.refused
-    # a replay brings no more data: an empty chart says its report does not carry it
-    empty = "not in this report" if view.source == "replay" else "no data yet"
+    # an ended run or a replay brings no more data: what is missing is not "yet" to come
+    ended = view.outcome is not None or view.source == "replay"
+    empty = "not in this report" if view.source == "replay" else "no data" if ended else "no data yet"
     return {
         "view": view,
+        "ended": ended,
         "zoom": zoom,
         "timeline": Lazy(lambda: render_timeline(view, zoom)),
         "legend": Lazy(lambda: legend_html(None if view.detailed else ("group_running", "group_ready"))),

@@ -199,6 +199,7 @@ def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
         assert time.monotonic() < deadline
         time.sleep(0.2)
     sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
+    sync_api.expect(page.locator("#stop-msg")).to_have_count(0)  # 'Stopping ...' stayed under the badge
     # The live controls go as the run ends (the stream swaps them out), and stay gone on a reload.
     for _ in range(2):
         for name in ("Stop the run after this step", "Publish weights", "Apply live"):
@@ -256,6 +257,7 @@ def test_a_run_paused_through_the_api_is_resumed_and_paused_again_from_its_page(
     page.get_by_role("button", name="Stop the run after this step").click()
     wait_state("stopped")
     sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
+    sync_api.expect(page.locator("#stop-msg")).to_have_count(0)  # 'Stopping ...' stayed under the badge
     sync_api.expect(pause).to_have_count(0)
     sync_api.expect(resume).to_have_count(0)
     page.context.close()
@@ -299,6 +301,29 @@ def test_the_timeline_legend_fits_the_page_without_scrolling(
         sync_api.expect(item).to_be_visible()
         assert page.evaluate("(e) => e.getBoundingClientRect().right", item.element_handle()) <= right
     page.context.close()
+
+
+# The lines each element's text takes (distinct tops of its text's boxes), for those that take more than one.
+WRAPPED = """(els) => els.map(e => {
+    const range = document.createRange(); range.selectNodeContents(e);
+    const tops = new Set(Array.from(range.getClientRects()).map(r => Math.round(r.top)));
+    return [e.innerText, tops.size];
+}).filter(([, lines]) => lines > 1)"""
+
+
+def test_numbers_with_units_and_badges_do_not_wrap_in_a_narrow_window(
+    browser: object, server: str, run_id: str
+) -> None:
+    # At 800 px the critical path's waits read "0.6" over "s", and badges "✓" over "completed".
+    context = browser.new_context(viewport={"width": 800, "height": 1200})  # type: ignore[attr-defined]
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    page.goto(f"{server}/runs/{run_id}")
+    sync_api.expect(page.locator("#wait td.num").first).to_be_visible(timeout=60_000)
+    assert page.locator("#wait td.num, #run-state").evaluate_all(WRAPPED) == []
+    page.goto(f"{server}/")
+    assert page.locator(".badge").evaluate_all(WRAPPED) == []
+    context.close()
 
 
 def test_publish_weights_moves_engines_one_by_one(

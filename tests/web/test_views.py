@@ -742,6 +742,48 @@ async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_change
     assert ["resume-btn" in d for d in pauses] == [False, True, False]
 
 
+@pytest.mark.parametrize(("state", "message"), [("running", ""), ("stopping", "Stopping"), ("stopped", None)])
+async def test_the_stop_message_goes_with_the_stop_control(state, message):
+    # 'Stopping after the current trainer step.' (the stop form's answer) stayed under the stopped badge:
+    # its area lay outside the block the stream swaps as the run ends.
+    page, blocks = await live_run_page(state)
+    assert page.count('id="stop-msg"') == (0 if message is None else 1)
+    shown = re.search(r'<div id="stop-msg" aria-live="polite">(.*?)</div>', blocks["stop_control"], re.S)
+    if message is None:
+        assert shown is None
+    else:
+        assert message in shown.group(1)
+
+
+@pytest.mark.parametrize(("state", "source"), [("failed", "live"), ("stopped", "live"), ("replay", "replay")])
+def test_an_ended_run_with_nothing_to_show_does_not_say_yet(state, source):
+    # A failed run with no batch said 'No batch delivered yet.', each trainer chart 'no data yet' and
+    # its audit 'No change yet.', as if more would come.
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    view = replace(
+        view_from_events("live-1", events, RunMeta(state=state)),
+        source=source,
+        batches=[],
+        staleness={},
+        attribution=None,
+        audit=[],
+        engines=[],
+        lanes=[],
+    )
+    page = Dashboard(AccessConfig(None, None)).render(
+        "run.html", {**run_context(view), "csrf": "", "csrf_field": ""}
+    )
+    assert " yet" not in re.sub(r"<script.*?</script>", "", page, flags=re.S)
+    for said in ("No batch was delivered", "No change was made", "No engine was seen", "No lane was used"):
+        assert f"{said}." in page
+    if source == "live":
+        assert page.count(">no data</text>") == 4
+    running = replace(view, state="running", source="live")
+    assert "No batch delivered yet." in Dashboard(AccessConfig(None, None)).render(
+        "run.html", {**run_context(running), "csrf": "", "csrf_field": ""}
+    )
+
+
 async def test_a_stopping_run_says_so_and_offers_no_live_controls():
     # A run asked to stop still offered 'Stop the run after this step' (a second stop changes nothing),
     # 'Publish weights' and 'Apply live' (a stopping run takes no new version and no policy change: a
