@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -155,6 +156,11 @@ class AuditRow:
     field: str
     old: object
     new: object
+    did: str = ""  # what the actor did, where it is not a setting changed from old to new
+
+
+# How app.service.handle says who took an engine out of rotation or put it back (EngineStateChanged.detail)
+ROTATION_CHANGE = re.compile(r"(?P<did>drained|returned) by (?P<actor>.+)")
 
 
 @dataclass
@@ -466,6 +472,8 @@ class RunViewBuilder:
                 self.pool = None if ev.state == "serving" else (ev.state, ev.detail or ev.state)
             else:
                 self._engine(ev.engine).state = ev.state
+                if (row_a := _rotation_audit(t, ev)) is not None:
+                    self.audit.append(row_a)
         elif isinstance(ev, BatchRequested):
             self.pending = t
         elif isinstance(ev, BatchDelivered):
@@ -576,6 +584,17 @@ class RunViewBuilder:
             clock_note=meta.clock_note,
             trainer_note=meta.trainer_note,
         )
+
+
+def _rotation_audit(t: float, ev: EngineStateChanged) -> AuditRow | None:
+    """An operator's drain of an engine, or its return to rotation, as an audit row; None otherwise."""
+    change = ROTATION_CHANGE.fullmatch(ev.detail)
+    if change is None:
+        return None
+    name, actor = ev.engine, change["actor"]
+    if change["did"] == "drained":
+        return AuditRow(t, actor, f"engines.{name}", "in rotation", "drained", f"took {name} out of rotation")
+    return AuditRow(t, actor, f"engines.{name}", "drained", "in rotation", f"returned {name} to rotation")
 
 
 def _stall_note(

@@ -169,6 +169,8 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
     b = view.batches
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
+    # a drained engine loads no version until it is returned: the progress counts the others
+    in_rotation = [e for e in view.engines if e.state != "draining"]
     # the newest version published, or loaded (a replay without its event log knows only the latter)
     target = max([e.target_version or 0 for e in view.engines] + engines_versions + [view.newest_version])
     refused_by = view.refused
@@ -230,8 +232,10 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
         "wait_summary": attribution.summary() if attribution else "",
         "wait_batches": list(attribution.batches)[-12:][::-1] if attribution else [],
         "publish_target": target,
-        "engines_done": sum(1 for v in engines_versions if v >= target),
-        "engines_refused": sum(1 for e in view.engines if e.version < target <= refused_by.get(e.name, -1)),
+        "in_rotation": in_rotation,
+        "drained": [e.name for e in view.engines if e.state == "draining"],
+        "engines_done": sum(1 for e in in_rotation if e.version >= target),
+        "engines_refused": sum(1 for e in in_rotation if e.version < target <= refused_by.get(e.name, -1)),
         "refused_by": refused_by,
         "policy_fields": POLICY_FIELDS,
     }

@@ -520,3 +520,39 @@ def test_an_engine_more_than_k_behind_is_marked_as_taking_no_turns():
     raised = [*envs, Envelope("r", 7, 7.0, PolicyChanged("max_staleness", 1, 2, "operator"))]
     assert not any(e.too_stale for e in view_from_events("r", raised, RunMeta(state="running")).engines)
     assert not any(e.too_stale for e in view_from_events("r", envs, RunMeta(state="stopped")).engines)
+
+
+def test_an_engine_drained_and_returned_is_audited_and_left_out_of_the_progress():
+    # A drain and a return were missing from the audit list ("No change yet."), and the progress line
+    # read "Weights v2: 0 of 2 engines loaded." with one of the two drained.
+    from app.core.events import EngineStateChanged, EngineUpdateEnd, RunStarted, VersionPublished
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    events = [
+        RunStarted(engines=("engine-0", "engine-1"), policy={"max_staleness": 2}),
+        EngineStateChanged("engine-0", "draining", "drained by operator"),
+        VersionPublished(1),
+        EngineUpdateBegin("engine-1", 1),
+        EngineUpdateEnd("engine-1", 1),
+        EngineStateChanged("engine-0", "serving", "returned by ops-bot"),
+        EngineStateChanged("engine-1", "unhealthy", "health check failed"),  # not an operator's change
+    ]
+    envs = [Envelope("r", i, float(i), ev) for i, ev in enumerate(events)]
+    render = Dashboard(AccessConfig(None, None)).render
+
+    drained = view_from_events("r", envs[:5], RunMeta(state="running"))
+    html = render("run.html", run_context(drained), "engines")
+    assert "Weights v1: 1 of 1 engines in rotation loaded; engine-0 drained." in html
+    audit = render("run.html", run_context(drained), "policy")
+    assert "<b>operator</b> took engine-0 out of rotation</li>" in audit
+
+    returned = view_from_events("r", envs, RunMeta(state="running"))
+    assert [(a.t, a.actor, a.field, a.old, a.new) for a in returned.audit] == [
+        (1.0, "operator", "engines.engine-0", "in rotation", "drained"),
+        (5.0, "ops-bot", "engines.engine-0", "drained", "in rotation"),
+    ]
+    html = render("run.html", run_context(returned), "engines")
+    assert "Weights v1: 1 of 2 engines loaded." in html
+    audit = render("run.html", run_context(returned), "policy")
+    assert audit.index("returned engine-0 to rotation") < audit.index("took engine-0 out of rotation")
