@@ -185,12 +185,28 @@ class EngineUpdateEnd(Event):
 
 @dataclass(frozen=True, slots=True)
 class EngineStateChanged(Event):
-    """`state` is one of serving, draining, updating, paused, unhealthy, restarting, stopped."""
+    """`state` is one of serving, draining, updating, paused, unhealthy, restarting, stopped. An
+    operator's drain or return says who in `detail` (`rotation_detail`), which the audit reads back."""
 
     kind: ClassVar[str] = "engine_state"
     engine: str
     state: str
     detail: str = ""
+
+
+ROTATION_CHANGES = ("drained", "returned")
+
+
+def rotation_detail(did: str, actor: str) -> str:
+    """An `EngineStateChanged` detail for an operator's drain (`did` "drained") or return ("returned")."""
+    assert did in ROTATION_CHANGES, did
+    return f"{did} by {actor}"
+
+
+def rotation_change(detail: str) -> tuple[str, str] | None:
+    """(what was done, by whom) from a `rotation_detail`; None for any other detail."""
+    did, by, actor = detail.partition(" by ")
+    return (did, actor) if by and did in ROTATION_CHANGES and actor else None
 
 
 # -- trainer, batches and policy ----------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.core.config import PauseModeName, PolicyConfig, UpdatePacing
-from app.core.events import EngineStateChanged, PolicyChanged, RunEnded
+from app.core.events import EngineStateChanged, PolicyChanged, RunEnded, rotation_detail
 from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.engines.errors import EngineError
@@ -386,7 +386,7 @@ class RunHandle:
         # No new turn and no new update on it (one under way finishes); calls in flight go on. It
         # stays out of rotation if it dies and is restarted meanwhile.
         runtime._do_updates(plan.set_drained(name, True))
-        self.recorder.publish(EngineStateChanged(name, "draining", f"drained by {actor}"))
+        self.recorder.publish(EngineStateChanged(name, "draining", rotation_detail("drained", actor)))
         return self.engine_view(name)
 
     def serve_engine(self, name: str, actor: str) -> dict[str, Any]:
@@ -400,7 +400,7 @@ class RunHandle:
             raise IllegalRunStateError(f"engine {name} is not drained")
         runtime._do_updates(plan.set_drained(name, False))
         runtime.pool.wake()
-        self.recorder.publish(EngineStateChanged(name, "serving", f"returned by {actor}"))
+        self.recorder.publish(EngineStateChanged(name, "serving", rotation_detail("returned", actor)))
         return self.engine_view(name)
 
     def engine_view(self, name: str) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +45,7 @@ from app.core.events import (
     TurnDone,
     VersionPublished,
     envelope_from_dict,
+    rotation_change,
 )
 from app.core.rollout import too_stale
 from app.sim.bound import lower_bound_s
@@ -160,7 +160,6 @@ class AuditRow:
 
 
 # How app.service.handle says who took an engine out of rotation or put it back (EngineStateChanged.detail)
-ROTATION_CHANGE = re.compile(r"(?P<did>drained|returned) by (?P<actor>.+)")
 
 
 @dataclass
@@ -588,11 +587,11 @@ class RunViewBuilder:
 
 def _rotation_audit(t: float, ev: EngineStateChanged) -> AuditRow | None:
     """An operator's drain of an engine, or its return to rotation, as an audit row; None otherwise."""
-    change = ROTATION_CHANGE.fullmatch(ev.detail)
+    change = rotation_change(ev.detail)
     if change is None:
         return None
-    name, actor = ev.engine, change["actor"]
-    if change["did"] == "drained":
+    (did, actor), name = change, ev.engine
+    if did == "drained":
         return AuditRow(t, actor, f"engines.{name}", "in rotation", "drained", f"took {name} out of rotation")
     return AuditRow(t, actor, f"engines.{name}", "drained", "in rotation", f"returned {name} to rotation")
 
