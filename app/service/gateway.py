@@ -85,6 +85,7 @@ class TrainerGateway:
         self.stats = GatewayStats()
         self.on_offer: Callable[[Offer], None] | None = None
         self.on_redeliver: Callable[[Offer], None] | None = None  # a batch handed out again
+        self.on_take: Callable[[Offer], None] | None = None  # a batch handed out, first time or again
         self.on_ack: Callable[[Offer], None] | None = None
         self.batch_offset = 0  # a resumed run numbers its batches and groups after the earlier ones
         self.group_offset = 0
@@ -144,6 +145,8 @@ class TrainerGateway:
                 if taken is None and self._closed is not None and next_expiry is None:
                     raise RunClosedError(self._closed)  # nothing left to hand out, ever
             if taken is not None:
+                if self.on_take is not None:
+                    self.on_take(taken)
                 self.stats.trainer_idle_s += now - asked
                 if taken.deliveries == 1:
                     self.stats.collection_s.append(now - asked)
@@ -250,6 +253,9 @@ class TrainerGateway:
             handle.cancel()
 
 
+KEPT_DELIVERIES = "delivery"  # beside the payload in a kept offer's file: the times it was handed out
+
+
 class OfferFiles:
     """Offered, unacked batches kept as JSON files (one per batch, written atomically), so that a
     run resumed after a crash offers them again. Called from the store writer thread, in order."""
@@ -261,9 +267,11 @@ class OfferFiles:
         return self.directory / f"{batch_id}.json"
 
     def save(self, offer: Offer) -> None:
+        """The offer's payload, and how many times it was handed out (`delivery`): a restarted server
+        hands it out again as the next delivery, not the first."""
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self._path(offer.batch_id).with_suffix(".tmp")
-        tmp.write_text(json.dumps(offer.payload))
+        tmp.write_text(json.dumps({**offer.payload, KEPT_DELIVERIES: offer.deliveries}))
         tmp.replace(self._path(offer.batch_id))
 
     def remove(self, offer: Offer) -> None:
@@ -276,7 +284,9 @@ class OfferFiles:
         for path in self.directory.glob("*.json"):
             try:
                 payload = json.loads(path.read_text())
+                deliveries = int(payload.pop(KEPT_DELIVERIES, 0))  # a file from before it was kept: 0
                 offer = Offer(str(payload["batch_id"]), int(payload["index"]), payload, time.monotonic())
+                offer.deliveries = deliveries
             except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
                 # written atomically, so only a hand-edited or damaged disk gets here: keep the file
                 log.warning("kept offer %s not offered again: unreadable (%r)", path, exc)

@@ -176,6 +176,7 @@ class RunManager:
                 stored["acked"],
             )
         handle.gateway.on_offer = lambda offer: self._mirror(self._offered, run_id, offer, offers)
+        handle.gateway.on_take = lambda offer: self._mirror(offers.save, offer)
         handle.gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
         # a batch handed out again counts in the store's offer_count, as the answer's `delivery` does
         handle.gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
@@ -224,6 +225,7 @@ class RunManager:
             gateway = TrainerGateway(run_id, self.ack_timeout_s, lambda: 0)
             for offer in kept:
                 gateway.restore(offer)
+            gateway.on_take = lambda offer: self._mirror(offers.save, offer)
             gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
             gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
             gateway.close(record.state)

@@ -155,7 +155,11 @@ def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp
             run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
             taken = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
             kept = tmp_path / "data" / run_id / "offers" / f"{taken['batch_id']}.json"
-            wait_for(kept.exists, what="the offer kept on disk")
+
+            def handed_out() -> bool:  # kept on disk, with the take
+                return kept.exists() and json.loads(kept.read_text()).get("delivery") == 1
+
+            wait_for(handed_out, what="the offer kept on disk, handed out once")
             first.send_signal(signal.SIGKILL)  # the trainer never acked it
             first.wait(10)
         with corral_serve(env, log):
@@ -163,6 +167,9 @@ def test_a_batch_handed_out_before_a_kill_is_offered_again_after_the_restart(tmp
             again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
             assert again["batch_id"] == taken["batch_id"]
             assert again["groups"] == taken["groups"]
+            # Its second delivery, as after a missed ack without a restart: it said 1 again, so a
+            # trainer could not tell that it was given the same batch twice.
+            assert (taken["delivery"], again["delivery"]) == (1, 2)
             # The trainer is still on that batch's step: the resumed run offers no other batch until
             # it is acked and its version published (it offered the next one at once, towards the
             # same version, and the trainer's second publication of that version was refused).
