@@ -118,7 +118,7 @@ def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:
         "/api/runs/{run_id}/batches/next",
         "/api/runs/{run_id}/batches/{batch_id}/ack",
         "/api/runs/{run_id}/weights",
-        "/api/runs/{run_id}/rollouts/{rid}",
+        "/api/runs/{run_id}/rollouts/{version}",
         "/api/runs/{run_id}/policy",
         "/api/runs/{run_id}/timeline",
         "/api/runs/{run_id}/metrics",
@@ -167,7 +167,7 @@ def test_the_openapi_docs_describe_the_error_answers_the_api_gives(api: httpx.Cl
             403,
         ),
         ("patch", "/api/runs/{run_id}/policy", api.patch(f"/api/runs/{run_id}/policy", json={}), 422),
-        ("get", "/api/runs/{run_id}/rollouts/{rid}", api.get(f"/api/runs/{run_id}/rollouts/99"), 404),
+        ("get", "/api/runs/{run_id}/rollouts/{version}", api.get(f"/api/runs/{run_id}/rollouts/99"), 404),
         ("get", "/api/runs/{run_id}/batches/next", api.get("/api/runs/nope/batches/next"), 404),
     ]
     for method, path, answer, status in cases:

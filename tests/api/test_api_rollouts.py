@@ -50,7 +50,9 @@ def test_only_published_versions_have_rollouts_and_live_and_stored_answers_agree
 
 def test_a_rollout_under_way_when_the_run_stops_ends_cancelled(api: httpx.Client) -> None:
     """It said `running` for ever, live and stored: the engine still to update never would."""
-    workload = {**small_workload(), "engines": {"count": 2, "slots": 4, "update_s": 10.0}}
+    # An update shorter than the grace a stopping run gives updates under way (UPDATE_STOP_GRACE_S),
+    # so the first engine's finishes; a longer one is abandoned (tests/runtime/test_signals.py).
+    workload = {**small_workload(), "engines": {"count": 2, "slots": 4, "update_s": 3.0}}
     run_id = api.post("/api/runs", json=make_run(batches=None, workload=workload)).json()["id"]
     wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
     paced = api.patch(f"/api/runs/{run_id}/policy", json={"max_updating_engines": 1})
