@@ -95,11 +95,14 @@ def bar_chart(
     x_label: str = "",
     empty: str = "no data yet",
 ) -> str:
-    """Bars labelled underneath; `x_label` says what the labels are (a trainer step, a staleness)."""
+    """Bars labelled underneath, every n-th bar where all would not fit side by side (a long run's
+    trainer steps: past 24 bars none was labelled); `x_label` says what the labels are (a trainer step,
+    a staleness)."""
     if not values:
         return _empty(title, empty)
     top = max([*values, reference or 0.0]) or 1.0
     span_w = (W - PAD_L - PAD_R) / len(values)
+    every = math.ceil((max(_label_width(label) for label in labels) + 4) / span_w)
     plot_h = H - PAD_T - PAD_B
     parts = [_head(title), _axis(top, unit), _x_label(x_label)]
     for i, (label, v) in enumerate(zip(labels, values, strict=True)):
@@ -109,7 +112,7 @@ def bar_chart(
             f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{max(span_w - 2, 1):.1f}" height="{h:.1f}" '
             f'fill="#4a78b5"><title>{escape(label)}: {_num(v)}{unit}</title></rect>'
         )
-        if len(values) <= 24:
+        if i % every == 0:
             parts.append(
                 f'<text x="{x + span_w / 2:.1f}" y="{H - PAD_B + 11}" text-anchor="middle" '
                 f'style="font:9px sans-serif">{escape(label)}</text>'

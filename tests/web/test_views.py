@@ -881,3 +881,19 @@ def test_a_chart_s_top_value_is_written_level_with_the_top():
     assert dot == charts.PAD_T
     assert 0 < top - dot < 5  # a 10 px label's middle, on the line
     assert f'y1="{charts.PAD_T}" x2="{charts.W - charts.PAD_R}" y2="{charts.PAD_T}" stroke="#e6e6e6"' in svg
+
+
+def test_a_long_run_s_per_step_chart_labels_every_nth_step_without_overlap():
+    # Past 24 trainer steps the batch collection and tokens/s charts dropped every label: a 670-batch
+    # run's charts said only "trainer step" under a wall of bars.
+    from app.web import charts
+
+    labels = [str(i) for i in range(670)]
+    svg = charts.bar_chart("collection time per step", labels, [1.0] * 670, " s", x_label="trainer step")
+    ticks = re.findall(rf'<text x="([\d.]+)" y="{charts.H - charts.PAD_B + 11}"[^>]*>([^<]+)</text>', svg)
+    assert len(ticks) >= 5
+    assert ticks[0][1] == "0"
+    for (x1, t1), (x2, t2) in itertools.pairwise((float(x), t) for x, t in ticks):
+        assert x2 - x1 >= (charts._label_width(t1) + charts._label_width(t2)) / 2 + 2, f"{t1} runs into {t2}"
+    few = charts.bar_chart("t", ["0", "1", "2"], [1.0, 2.0, 3.0])
+    assert len(re.findall(rf'y="{charts.H - charts.PAD_B + 11}"', few)) == 3  # all fit: each labelled
