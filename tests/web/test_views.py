@@ -755,6 +755,19 @@ async def test_the_stop_message_goes_with_the_stop_control(state, message):
         assert message in shown.group(1)
 
 
+@pytest.mark.parametrize("state", ["running", "stopping", "stopped"])
+@pytest.mark.parametrize(
+    ("area", "block"), [("publish-msg", "publish_control"), ("policy-msg", "policy_control")]
+)
+async def test_a_publish_or_policy_answer_goes_with_its_control(state, area, block):
+    # 'Publishing v7 ...' and 'K = 3 ...' stayed on the page of a run that had ended, as the stop's
+    # answer did: their areas lay outside the blocks the stream swaps as the run stops or ends.
+    page, blocks = await live_run_page(state)
+    live = state == "running"
+    assert page.count(f'id="{area}"') == int(live)
+    assert (f'id="{area}"' in blocks[block]) is live
+
+
 @pytest.mark.parametrize(("state", "source"), [("failed", "live"), ("stopped", "live"), ("replay", "replay")])
 def test_an_ended_run_with_nothing_to_show_does_not_say_yet(state, source):
     # A failed run with no batch said 'No batch delivered yet.', each trainer chart 'no data yet' and
