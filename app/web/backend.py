@@ -48,6 +48,10 @@ class RunsBackend(Protocol):
 
     async def stop(self, run_id: str, actor: str) -> None: ...
 
+    async def rotate(self, run_id: str, engine: str, into: bool, actor: str) -> None:
+        """Put `engine` back into rotation (`into`), or take it out (a drain)."""
+        ...
+
 
 def _not_a_number(name: str) -> float:
     raise ReportError(f"report: {name} is not a number (a report is strict JSON)")
@@ -118,4 +122,7 @@ class ReplayStore:
         raise ActionRefused("a replay is read-only")
 
     async def stop(self, run_id: str, actor: str) -> None:
+        raise ActionRefused("a replay is read-only")
+
+    async def rotate(self, run_id: str, engine: str, into: bool, actor: str) -> None:
         raise ActionRefused("a replay is read-only")

@@ -302,6 +302,13 @@ class ManagerRuns:
         handle = self._handle(run_id, starting_ok=True)
         await self._call(handle, handle.stop)
 
+    async def rotate(self, run_id: str, engine: str, into: bool, actor: str) -> None:
+        handle = self._handle(run_id)
+        try:
+            await self._call(handle, handle.serve_engine if into else handle.drain_engine, engine, actor)
+        except KeyError:
+            raise ValueError(f"the run has no engine {engine!r}") from None
+
 
 def _live_key(handle: Any) -> object:
     runtime = handle.runtime

@@ -330,6 +330,9 @@ class RunViewBuilder:
         self.refusals: deque[RefusalRow] = deque(maxlen=REFUSALS_KEPT)
         self.refusals_total = 0
         self.refused: dict[str, int] = {}  # engine -> the newest version it refused (not offered again)
+        # engines an operator took out of rotation and has not put back: an update that ends, or a
+        # restart, leaves such an engine draining, not serving
+        self.drained: set[str] = set()
         self.audit: list[AuditRow] = []
         self.staleness: dict[int, int] = defaultdict(int)
         self.lane_waits: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LANE_WAITS_KEPT))
@@ -347,6 +350,10 @@ class RunViewBuilder:
         if attempt not in group:
             group[attempt] = Trajectory(gid, attempt)
         return group[attempt]
+
+    def _serving(self, name: str) -> str:
+        """The state of an engine back at work: draining while an operator keeps it out of rotation."""
+        return "draining" if name in self.drained else "serving"
 
     def _engine(self, name: str) -> EngineRow:
         if name not in self.engines:
@@ -459,9 +466,9 @@ class RunViewBuilder:
             self.updates.append((ev.engine, begin[0], t, ev.version))
             row_e.target_version = None
             if ev.ok:
-                row_e.version, row_e.state = ev.version, "serving"
+                row_e.version, row_e.state = ev.version, self._serving(ev.engine)
             else:  # a refusal leaves the engine serving its version; another failure, out of rotation
-                row_e.state = "serving" if ev.refused else "unhealthy"
+                row_e.state = self._serving(ev.engine) if ev.refused else "unhealthy"
             if ev.refused:
                 self.refusals.append(RefusalRow(t, ev.engine, ev.version, ev.error, ev.said))
                 self.refusals_total += 1
@@ -470,9 +477,11 @@ class RunViewBuilder:
             if ev.engine == POOL:
                 self.pool = None if ev.state == "serving" else (ev.state, ev.detail or ev.state)
             else:
-                self._engine(ev.engine).state = ev.state
-                if (row_a := _rotation_audit(t, ev)) is not None:
-                    self.audit.append(row_a)
+                if (change := rotation_change(ev.detail)) is not None:
+                    (self.drained.add if change[0] == "drained" else self.drained.discard)(ev.engine)
+                    self.audit.append(_rotation_audit(t, ev.engine, *change))
+                state = self._serving(ev.engine) if ev.state == "serving" else ev.state
+                self._engine(ev.engine).state = state
         elif isinstance(ev, BatchRequested):
             self.pending = t
         elif isinstance(ev, BatchDelivered):
@@ -530,7 +539,7 @@ class RunViewBuilder:
             if snap.get("updating") is True:
                 row_e.state = "updating"
             elif snap.get("updating") is False and row_e.state == "updating":
-                row_e.state, row_e.target_version = "serving", None
+                row_e.state, row_e.target_version = self._serving(name), None
         updates = list(self.updates) + [(n, since, now, v) for n, (since, v) in self.open_updates.items()]
         rows = sorted(engines.values(), key=lambda e: e.name)
         ended = self.ended is not None or state in OUTCOMES
@@ -585,12 +594,8 @@ class RunViewBuilder:
         )
 
 
-def _rotation_audit(t: float, ev: EngineStateChanged) -> AuditRow | None:
-    """An operator's drain of an engine, or its return to rotation, as an audit row; None otherwise."""
-    change = rotation_change(ev.detail)
-    if change is None:
-        return None
-    (did, actor), name = change, ev.engine
+def _rotation_audit(t: float, name: str, did: str, actor: str) -> AuditRow:
+    """An operator's drain of an engine (`did` "drained"), or its return to rotation, as an audit row."""
     if did == "drained":
         return AuditRow(t, actor, f"engines.{name}", "in rotation", "drained", f"took {name} out of rotation")
     return AuditRow(t, actor, f"engines.{name}", "drained", "in rotation", f"returned {name} to rotation")

@@ -509,6 +509,21 @@ def make_router(dash: Dashboard) -> APIRouter:
     for name, (call, said) in controls.items():
         router.add_api_route(f"/runs/{{run_id}}/{name}", control(call, said), methods=["POST"], name=name)
 
+    @router.post("/runs/{run_id}/engines/{engine}/{move}")
+    async def rotation(request: Request, run_id: str, engine: str, move: str) -> Response:
+        """Take an engine out of rotation (`drain`: no new turn or update on it; its turns in flight
+        finish) or put it back (`serve`: a rolling update brings it to the newest version)."""
+        if move not in ("drain", "serve"):
+            return _error(dash, request, f"no action {move!r} on an engine; drain or serve", 404)
+
+        async def do(backend: RunsBackend, form: dict[str, str]) -> str:
+            await backend.rotate(run_id, engine, move == "serve", "operator")
+            if move == "serve":
+                return f"{engine} is back in rotation; a rolling update brings it to the newest version."
+            return f"{engine} is out of rotation: no new turn or update on it; its turns in flight finish."
+
+        return await act(request, run_id, do)
+
     @router.post("/runs/{run_id}/policy")
     async def policy(request: Request, run_id: str) -> Response:
         async def change(backend: RunsBackend, form: dict[str, str]) -> str:

@@ -405,3 +405,53 @@ def test_waits_read_as_a_person_reads_them():
     assert [wall_duration(s) for s in (0.4, 59.9, 60, 582, 3599, 3600, 7500)] == [
         "0 s", "59 s", "1 min", "9 min", "59 min", "1 h 0 min", "2 h 5 min"
     ]  # fmt: skip
+
+
+async def test_an_operator_takes_an_engine_out_of_rotation_and_back_from_the_run_page(runs):
+    # Only the API could drain an engine; the dashboard showed "draining" with no way back.
+    run_id = await runs.launch({"policy": "full", "name": "rotation"}, "tester")
+    await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).batches) >= 1)
+    app = FastAPI()
+    mount_dashboard(app, Dashboard(AccessConfig("op-token", None), live=runs))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        page = (await client.get(f"/runs/{run_id}")).text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+        assert (
+            await client.post("/login", data={"csrf_token": csrf, "token": "op-token"})
+        ).status_code == 303
+        page = (await client.get(f"/runs/{run_id}")).text
+        assert f'action="/runs/{run_id}/engines/engine-0/drain"' in page
+        form = {"csrf_token": csrf}
+        out = await client.post(
+            f"/runs/{run_id}/engines/engine-0/drain", data=form, headers={"HX-Request": "true"}
+        )
+        assert out.status_code == 200, out.text
+        assert "engine-0 is out of rotation" in out.text
+        handle = runs.manager.get(run_id)
+        assert "engine-0" in handle.runtime.plan.drained
+        put_back = f'action="/runs/{run_id}/engines/engine-0/serve"'  # its button now puts it back
+        for _ in range(100):  # once the page has folded the drain in (its view is rebuilt every 0.4 s)
+            if put_back in (await client.get(f"/runs/{run_id}/block/engines")).text:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError((await client.get(f"/runs/{run_id}/block/engines")).text)
+        last = await client.post(
+            f"/runs/{run_id}/engines/engine-1/drain", data=form, headers={"HX-Request": "true"}
+        )
+        assert last.status_code == 409  # the last engine serving: draining it would stop the run
+        assert "last one serving" in last.text
+        unknown = await client.post(
+            f"/runs/{run_id}/engines/engine-9/drain", data=form, headers={"HX-Request": "true"}
+        )
+        assert unknown.status_code == 422
+        back = await client.post(
+            f"/runs/{run_id}/engines/engine-0/serve", data=form, headers={"HX-Request": "true"}
+        )
+        assert back.status_code == 200, back.text
+        assert "engine-0" not in handle.runtime.plan.drained
+    await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).audit) >= 2)
+    assert [row.did for row in runs.view(run_id).audit[-2:]] == [
+        "took engine-0 out of rotation", "returned engine-0 to rotation"
+    ]  # fmt: skip
+    await runs.stop(run_id, "tester")

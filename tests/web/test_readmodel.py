@@ -556,3 +556,33 @@ def test_an_engine_drained_and_returned_is_audited_and_left_out_of_the_progress(
     assert "Weights v1: 1 of 2 engines loaded." in html
     audit = render("run.html", run_context(returned), "policy")
     assert audit.index("returned engine-0 to rotation") < audit.index("took engine-0 out of rotation")
+
+
+def test_a_drained_engine_whose_update_ends_or_that_restarts_stays_draining():
+    # The drain lets an update under way finish, and its end set the row back to "serving" (with a
+    # "too stale" mark), so the page offered to take out an engine already out of rotation.
+    from app.core.events import EngineStateChanged, EngineUpdateEnd, RunStarted, rotation_detail
+
+    events = [
+        RunStarted(engines=("engine-0", "engine-1"), policy={"max_staleness": 2}),
+        EngineUpdateBegin("engine-0", 1),
+        EngineStateChanged("engine-0", "draining", rotation_detail("drained", "operator")),
+        EngineUpdateEnd("engine-0", 1),
+    ]
+    envs = [Envelope("r", i, float(i), ev) for i, ev in enumerate(events)]
+
+    def state(envelopes: list[Envelope], meta: RunMeta) -> str:
+        return {e.name: e.state for e in view_from_events("r", envelopes, meta).engines}["engine-0"]
+
+    assert state(envs, RunMeta(state="running")) == "draining"
+    snapshot = RunMeta(state="running", engines=[{"name": "engine-0", "version": 1, "updating": False}])
+    assert state(envs[:3], snapshot) == "draining"  # the owner's plan ended the update first
+    later = [
+        EngineStateChanged("engine-0", "unhealthy", "exited"),
+        EngineStateChanged("engine-0", "serving", "back at version 1"),
+        EngineStateChanged("engine-0", "serving", rotation_detail("returned", "op")),
+    ]
+    restarted = envs + [Envelope("r", 4 + i, 4.0 + i, ev) for i, ev in enumerate(later)]
+    assert state(restarted[:6], RunMeta(state="running")) == "draining"  # out of rotation until put back
+    returned = restarted
+    assert state(returned, RunMeta(state="running")) == "serving"
