@@ -181,8 +181,8 @@ def sim(
         typer.Option(
             min=0,
             max=MAX_SURPLUS,
-            help="with --admission in_flight: room for ready groups beyond B + S; default: at most "
-            "(K + 1)·B ready groups",
+            help="with --admission in_flight: room for ready groups beyond B + S; default: no admission "
+            "while (K + 1)·B wait ready",
         ),
     ] = None,
 ) -> None:

@@ -77,7 +77,8 @@ class PolicyConfig(BaseModel):
         ge=0,
         le=1_000_000,
         description="in-flight admission: room for ready groups beyond B + S, so in flight + ready ≤ "
-        "B + S + this (None: at most (K + 1)·B ready groups, as many as the next K + 1 batches take)",
+        "B + S + this (None: no admission while (K + 1)·B wait ready, as many as the next K + 1 "
+        "batches take)",
     )
 
     def with_changes(self, **changes: object) -> PolicyConfig:

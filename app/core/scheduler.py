@@ -7,7 +7,8 @@ Invariants (checked by tests over random workloads and random live changes of S 
 - groups in flight + ready ≤ B + S at all times (S as currently set; lowering S admits nothing until
   the count falls below the new cap, it never evicts); in the in-flight admission mode, groups in
   flight ≤ B + S and groups in flight + ready ≤ B + S + R (`ready_surplus`, when set; without it,
-  ready groups ≤ (K + 1)·B, which only holds back groups that would go stale: `ready_cap`);
+  no group is admitted while (K + 1)·B wait ready, which only holds back groups that would go stale:
+  `ready_cap`);
 - every delivered group has staleness ≤ K, where staleness = trainer version at consume − the oldest
   policy version of any turn in the group;
 - with completion order, batches take ready groups in the order they completed;
@@ -185,7 +186,8 @@ class Scheduler:
 
     @property
     def ready_cap(self) -> int | None:
-        """In-flight admission with no `ready_surplus`: ready groups ≤ (K + 1)·B. The next K + 1 batches
+        """In-flight admission with no `ready_surplus`: no group is admitted while (K + 1)·B wait ready
+        (those running still complete and wait too, so up to B + S more may). The next K + 1 batches
         can take that many ready groups; a group admitted now would complete behind them (completion
         order) and be chosen no sooner than batch K + 2 from now, K + 1 versions on, so stale. Admitting
         it anyway cost work and memory for nothing, and when attempts take no time (a trace of zeros)

@@ -5,6 +5,7 @@ group's account."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -151,7 +152,8 @@ def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> Non
 def test_a_trainer_that_stops_taking_batches_cannot_make_the_run_grow_without_bound(server: str) -> None:
     """Completed groups wait for a batch outside B + S (policy full). With an external trainer they are
     capped by default at B + S more (`ready_surplus`), so live groups stay ≤ 2·(B + S) while nobody
-    takes a batch; `ready_surplus: null` asks for no cap, and then they pile up."""
+    takes a batch; `ready_surplus: null` asks for no cap of its own, and then at most (K + 1)·B wait
+    (the scheduler's `ready_cap`: before it, they piled up without bound)."""
     with CorralClient(server, token=TOKEN) as corral:
         capped = corral.create_run(**make_run(batches=None, speed=200.0))
         uncapped = corral.create_run(**make_run(batches=None, speed=200.0, ready_surplus=None))
@@ -164,7 +166,18 @@ def test_a_trainer_that_stops_taking_batches_cannot_make_the_run_grow_without_bo
             def live(run_id: str) -> int:
                 return int(corral.run(run_id)["live"]["groups_live"])
 
-            wait_for(lambda: live(uncapped["id"]) > 2 * room + 4, 60, "ready groups to pile up uncapped")
+            wait_for(lambda: live(uncapped["id"]) > 2 * room, 60, "ready groups past the default cap")
+            # No group is admitted once (K + 1)·B wait ready; those running then complete and wait too.
+            implicit = room + (policy["max_staleness"] + 1) * policy["groups_per_batch"]
+
+            def admitted() -> int:
+                return int(corral.run(uncapped["id"])["live"]["groups_admitted"])
+
+            time.sleep(1)  # at 200× speed, a few hundred simulated seconds
+            before = admitted()
+            time.sleep(1)
+            assert admitted() == before  # no longer growing
+            assert live(uncapped["id"]) <= implicit
             assert live(capped["id"]) <= 2 * room
         finally:
             corral.stop(capped["id"])
