@@ -52,8 +52,10 @@ def test_every_engine_down_waits_then_recovers() -> None:
 
 
 def test_an_update_that_hangs_times_out_and_the_rolling_update_goes_on() -> None:
-    report, envelopes = run_with_faults([{"kind": "update_hang", "engine": 0, "version": 1}], batches=4)
-    assert report["batches"] == 4
+    # Long enough for the hang to reach update_timeout_s (120 s) mid-run: at the run's end an update
+    # under way is abandoned after a few seconds (UPDATE_STOP_GRACE_S), not waited out.
+    report, envelopes = run_with_faults([{"kind": "update_hang", "engine": 0, "version": 1}], batches=20)
+    assert report["batches"] == 20
     assert report["lost_groups"] == 0
     failed = [env.event for env in envelopes if isinstance(env.event, EngineUpdateEnd) and not env.event.ok]
     assert [(e.engine, e.version) for e in failed] == [("engine-0", 1)]
