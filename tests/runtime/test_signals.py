@@ -207,19 +207,26 @@ MOMENTS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("moment", MOMENTS, ids=[m.name for m in MOMENTS])
-def test_ctrl_c_to_the_process_group_always_leaves_a_report(tmp_path: Path, moment: Moment) -> None:
-    run = CorralRun(tmp_path, list(moment.args), env=dict(moment.env), config=moment.config)
+def ctrl_c_once(run: CorralRun, before: Callable[[CorralRun], None], timeout_s: float) -> tuple[dict, float]:
+    """`before(run)`, then one Ctrl-C to the run's process group: its report, and the seconds from the
+    signal to its exit (which leaves no process behind); the run is killed whatever happens."""
     try:
-        moment.before(run)
+        before(run)
         signalled = time.monotonic()
         run.ctrl_c()
-        report = run.finish(timeout_s=60)
+        report = run.finish(timeout_s=timeout_s)
         took = time.monotonic() - signalled
         assert run.leftovers() == []
     finally:
         run.kill()
+    return report, took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", MOMENTS, ids=[m.name for m in MOMENTS])
+def test_ctrl_c_to_the_process_group_always_leaves_a_report(tmp_path: Path, moment: Moment) -> None:
+    run = CorralRun(tmp_path, list(moment.args), env=dict(moment.env), config=moment.config)
+    report, took = ctrl_c_once(run, moment.before, timeout_s=60)
     assert report["stopped_early"] is True
     assert report["stop"]["signals"] >= 1
     if moment.startup:
@@ -266,15 +273,7 @@ def test_a_hung_weight_update_does_not_hold_a_ctrl_c_for_its_timeout(tmp_path: P
     under way a few seconds, then abandons them, and says so."""
     config = FAST_CONFIG.replace("update_timeout_s: 3", "update_timeout_s: 120")
     run = CorralRun(tmp_path, ["--batches", "3"], env={"CORRAL_ENGINE_DEBUG": "1"}, config=config)
-    try:
-        during_weight_update(run)
-        signalled = time.monotonic()
-        run.ctrl_c()
-        report = run.finish(timeout_s=150)
-        took = time.monotonic() - signalled
-        assert run.leftovers() == []
-    finally:
-        run.kill()
+    report, took = ctrl_c_once(run, during_weight_update, timeout_s=150)
     assert report["stop"]["engines_updating"] == ["engine-1"]
     assert took < 60, took  # the grace, the trainer step and the shutdown; not the 120 s timeout
     assert "engine-1's weight update abandoned" in run.text()
