@@ -6,7 +6,9 @@ closed as `cancelled`, the run manager is built and the runs the previous server
 resumed; at shutdown every run is stopped and its events flushed.
 
 Routes: the run and trainer API (app.api.runs), `GET /healthz`, `GET /metrics` (Prometheus), and the
-OpenAPI docs at `/docs`. Bad input is a 4xx with a one-line message naming the field, never a 500.
+OpenAPI docs at `/docs`. With a broker, `/healthz` also asks whether every lane queue of
+`CORRAL_LANE_HOSTS` has a live worker, at most once per `LANE_CHECK_S` (one broadcast for all requests).
+Bad input is a 4xx with a one-line message naming the field, never a 500.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def create_app(
         finally:
             await asyncio.to_thread(manager.shutdown)
             store.close()
+            if app.state.lane_workers is not None:
+                app.state.lane_workers.close()
 
     app = FastAPI(
         title="Corral",
@@ -79,6 +83,7 @@ def create_app(
     app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
+    app.state.lane_workers = LaneWorkers.of(settings) if settings.broker_url is not None else None
     app.add_middleware(BodyLimit)  # before any route reads a body: a huge one is a 413, not memory
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
@@ -90,7 +95,12 @@ def create_app(
         healthz,
         methods=["GET"],
         tags=["ops"],
-        responses={503: {"description": "the database, the broker or an executing run's engine is down"}},
+        responses={
+            503: {
+                "description": "the database, the broker or an executing run's engine is down, or a lane "
+                "queue has no live worker"
+            }
+        },
     )
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
     return app
@@ -107,6 +117,36 @@ def celery_dispatch(settings: Settings) -> Callable[[str], None]:
         celery.send_task(ORCHESTRATOR_TASK, args=[run_id])
 
     return dispatch
+
+
+LANE_CHECK_S = 5.0  # /healthz asks the lane workers at most this often
+
+
+class LaneWorkers:
+    """How many live workers consume each lane queue (`lane.<host>.<lane>` for every host of
+    `CORRAL_LANE_HOSTS` and every lane), through the lane client's own ping (`LiveWorkers`)."""
+
+    def __init__(self, celery: Any, queues: list[str]) -> None:
+        from app.lanes.lost_ops import LiveWorkers
+
+        self.celery = celery
+        self.queues = queues
+        self._live = LiveWorkers(celery, check_s=LANE_CHECK_S)
+
+    @classmethod
+    def of(cls, settings: Settings) -> LaneWorkers:
+        from app.lanes.base import LaneName
+        from app.lanes.celery import broker_urls, lane_queue, make_celery, parse_lane_hosts
+
+        broker, backend = broker_urls(settings.broker_url, settings.result_backend)
+        hosts = parse_lane_hosts(settings.lane_hosts or "")
+        return cls(make_celery(broker, backend), [lane_queue(h, lane) for h in hosts for lane in LaneName])
+
+    def count(self) -> dict[str, int]:
+        return self._live.consumers(self.queues)
+
+    def close(self) -> None:
+        self.celery.close()
 
 
 NAMES_ITS_FIELD = re.compile(r"[A-Za-z_][\w.]*(, [A-Za-z_][\w.]*)*: ")  # "surplus_groups: ...", "a, b: ..."
@@ -180,13 +220,16 @@ async def _database_error(request: Request, exc: DBAPIError) -> Response:
 
 
 async def healthz(request: Request) -> JSONResponse:
-    """Whether the database, the broker and the engines of the executing runs are reachable."""
+    """Whether the database, the broker, a live worker on every lane queue (with a broker) and the
+    engines of the executing runs are reachable."""
     settings: Settings = request.app.state.settings
     manager: RunManager = request.app.state.manager
     database = await asyncio.to_thread(manager.store.ping)
     broker: dict[str, Any] = {"mode": "in-process", "ok": True}
+    lanes: dict[str, Any] | None = None
     if settings.broker_url is not None:
         broker = {"mode": "celery", "ok": await asyncio.to_thread(_broker_reachable, settings.broker_url)}
+        lanes = await _lanes_healthy(request.app.state.lane_workers, broker["ok"])
     engines: dict[str, dict[str, bool]] = {}
     for run_id, handle in list(manager.handles.items()):
         if handle.loop is None or handle.ports is None or handle.done.is_set():
@@ -194,7 +237,26 @@ async def healthz(request: Request) -> JSONResponse:
         engines[run_id] = await _engines_healthy(handle)
     ok = database and broker["ok"] and all(all(e.values()) for e in engines.values())
     body = {"ok": ok, "database": {"ok": database}, "broker": broker, "engines": engines}
+    if lanes is not None:
+        ok = ok and lanes["ok"] is True
+        body.update(ok=ok, lanes=lanes)
     return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _lanes_healthy(lane_workers: LaneWorkers, broker_ok: bool) -> dict[str, Any]:
+    """`ok`, the live workers of each lane queue and the queues without one; not asked (`ok` None) while
+    the broker does not answer (a broadcast would wait on it, and the broker's own check already fails)."""
+    if not broker_ok:
+        return {"ok": None, "workers": None, "without_workers": None}
+    from app.lanes.lost_ops import BROKER_ERRORS
+
+    try:
+        workers = await asyncio.to_thread(lane_workers.count)
+    except BROKER_ERRORS as exc:  # the broker went away since its check: no answer is no worker known
+        log.warning("lane workers not asked: the broker did not answer (%r)", exc)
+        return {"ok": False, "workers": None, "without_workers": None}
+    without = [queue for queue, n in workers.items() if n == 0]
+    return {"ok": not without, "workers": workers, "without_workers": without}
 
 
 async def _engines_healthy(handle: Any) -> dict[str, bool]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
@@ -160,23 +160,32 @@ def holder_of(result: Any) -> str | None:
 
 
 class LiveWorkers:
-    """The workers that answer a ping, asked at most once per `HOLDER_CHECK_S` for all of a client's
-    ops (a ping waits `INSPECT_TIMEOUT_S` for the answers: one per op would fill the threads it runs
-    in)."""
+    """The workers that answer, with the queues each consumes, asked at most once per `check_s` (default
+    `HOLDER_CHECK_S`) for all callers: a client's ops, or `/healthz` (an ask waits `INSPECT_TIMEOUT_S`
+    for the answers: one per op, or per request, would fill the threads it runs in). One broadcast
+    (`active_queues`) is both the ping and the list of queues."""
 
-    def __init__(self, celery: Celery) -> None:
+    def __init__(self, celery: Celery, check_s: float | None = None) -> None:
         self.celery = celery
-        self._latest = Throttled(self._ping, lambda: HOLDER_CHECK_S)  # looked up at each read
+        period = (lambda: HOLDER_CHECK_S) if check_s is None else (lambda: check_s)  # looked up at each read
+        self._latest = Throttled(self._ping, period)
 
-    def _ping(self) -> frozenset[str] | None:
-        """The workers that answer a ping now, or None where none does."""
-        return frozenset(self.celery.control.inspect(timeout=INSPECT_TIMEOUT_S).ping() or {}) or None
+    def _ping(self) -> dict[str, frozenset[str]] | None:
+        """Each worker that answers now, with the names of the queues it consumes; None where none does."""
+        answers = self.celery.control.inspect(timeout=INSPECT_TIMEOUT_S).active_queues() or {}
+        live = {w: frozenset(str(q.get("name")) for q in queues or ()) for w, queues in answers.items()}
+        return live or None
 
     def dead(self, worker: str) -> bool | None:
         """Whether `worker` did not answer a ping that other workers answered (True), answered (False),
         or no worker answered at all (None: the broker or the network, not the worker, is in doubt)."""
         live = self._latest.latest()
         return None if live is None else worker not in live
+
+    def consumers(self, queues: Sequence[str]) -> dict[str, int]:
+        """How many live workers consume each of `queues` (0 for each where no worker answered)."""
+        live = self._latest.latest() or {}
+        return {queue: sum(queue in consumed for consumed in live.values()) for queue in queues}
 
 
 def held_by_a_worker(celery: Celery, op_id: str, queue: str) -> bool | None:

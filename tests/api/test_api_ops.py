@@ -96,6 +96,7 @@ def test_healthz_reports_database_broker_and_engines(api: httpx.Client) -> None:
     assert body["database"] == {"ok": True}
     assert body["broker"] == {"mode": "in-process", "ok": True}
     assert body["engines"][run_id] == {"engine-0": True, "engine-1": True}
+    assert "lanes" not in body  # in-process lanes: no lane workers to ask
     api.post(f"/api/runs/{run_id}/stop")
 
 
