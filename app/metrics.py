@@ -11,14 +11,26 @@ are summed, `corral_groups_in_flight` and `corral_lane_queue_depth` are summed o
 process's parent calls `mark_process_dead(pid)` when it exits), and `corral_engine_weight_version`
 takes the maximum.
 
+Between runs of the whole control plane the directory must be emptied (prometheus_client's rule): a
+new process whose pid a dead one had (every container start reuses its pids) opens that process's files
+and counts on from its values, its live gauges included. `corral serve`, which starts first, empties
+the directory's `*.db` files at its start, before any metric is built (`empty_multiprocess_dir`), but
+only when it owns the directory: no other process holds it. Every process that writes there holds a
+shared lock on its lock file (`LOCK_NAME`) for its life (`hold_multiprocess_dir`: `CorralMetrics`, a
+Celery worker's main process), and `corral serve` empties the directory only when its exclusive lock
+is granted at once; a `corral serve` restarted alone, while orchestrator workers go on, leaves the
+files as they are (emptying them would take the workers' counts away).
+
 Each `CorralMetrics` has its own registry (an app factory builds one per app, so tests can build
 several); in multiprocess mode all of them write to the shared directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -44,12 +56,53 @@ COLLECTION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, float("inf"))
 
 
+LOCK_NAME = ".corral-metrics.lock"
+_held: dict[str, int] = {}  # multiprocess directory -> the descriptor of its lock, held for life
+
+
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def hold_multiprocess_dir() -> None:
+    """This process writes to the multiprocess directory: a shared lock on its lock file, held until the
+    process exits (a forked child inherits it), so that no starting `corral serve` empties it under us.
+    No-op outside multiprocess mode, or once held."""
+    path = multiprocess_dir()
+    if path is None or path in _held or not Path(path).is_dir():
+        return
+    fd = os.open(Path(path) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a starting `corral serve` empties the directory
+    _held[path] = fd
+
+
+def empty_multiprocess_dir() -> list[str] | None:
+    """At `corral serve`'s start, before any metric is built: remove the directory's `*.db` files when
+    this process owns it (its exclusive lock is granted at once: no other process holds it), then hold
+    it as every writer does. Returns the names removed, or None where it was not emptied (not in
+    multiprocess mode, no such directory, or another process holds it)."""
+    path = multiprocess_dir()
+    if path is None or path in _held or not Path(path).is_dir():
+        return None
+    fd = os.open(Path(path) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # a worker (or another server) writes there now: its files stay
+        os.close(fd)
+        hold_multiprocess_dir()
+        return None
+    removed = []
+    for stale in sorted(Path(path).glob("*.db")):
+        stale.unlink(missing_ok=True)
+        removed.append(stale.name)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _held[path] = fd
+    return removed
+
+
 class CorralMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        hold_multiprocess_dir()
         # In multiprocess mode values live in files; the registry only matters in single-process mode.
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         reg = self.registry

@@ -4,7 +4,9 @@ is gone (app.metrics sums `livesum` gauges over live processes only).
 A pool process that exits normally marks itself dead on its way out (`worker_process_shutdown` runs in
 the exiting process); one that is killed (`kill -9`, the OOM killer) runs nothing, so every new pool
 process first sweeps the files of processes of this host that no longer exist (Celery starts a
-replacement for a killed one at once). No-op unless `PROMETHEUS_MULTIPROC_DIR` is set.
+replacement for a killed one at once). The worker's main process holds the directory
+(`hold_multiprocess_dir`) from its start, so a `corral serve` starting meanwhile does not empty it. No-op
+unless `PROMETHEUS_MULTIPROC_DIR` is set.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from app.metrics import mark_process_dead, multiprocess_dir
+from app.metrics import hold_multiprocess_dir, mark_process_dead, multiprocess_dir
 
 _LIVE_FILE = re.compile(r"^gauge_live\w*_(\d+)\.db$")
 
@@ -32,6 +34,11 @@ def sweep_dead(path: Path) -> list[int]:
             mark_process_dead(pid)
             dead.append(pid)
     return dead
+
+
+@worker_init.connect  # type: ignore[untyped-decorator]
+def _hold_on_start(**_: Any) -> None:
+    hold_multiprocess_dir()
 
 
 @worker_process_init.connect  # type: ignore[untyped-decorator]

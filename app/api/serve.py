@@ -69,6 +69,13 @@ def serve(
         say(f"operator token (generated for this process): {settings.operator_token}")
     else:
         say("operator token: from CORRAL_OPERATOR_TOKEN")
+    from app.metrics import empty_multiprocess_dir, multiprocess_dir
+
+    emptied = empty_multiprocess_dir()  # before create_app builds the metrics
+    if emptied is not None:
+        say(f"metrics: emptied {multiprocess_dir()} ({len(emptied)} files of the previous run)")
+    elif multiprocess_dir() is not None:
+        say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
     app = create_app(settings, demo=spec)
     if spec is not None:
         _say_demo_page(app, spec, url)

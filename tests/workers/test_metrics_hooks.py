@@ -3,6 +3,7 @@ counting (its replacement sweeps them), while its counters keep counting."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from celery_cluster import Workers, broker_env, redis_answers
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from app.metrics import LOCK_NAME
 from workers.celery_app import ORCHESTRATOR_TASK, make_celery
 
 REDIS_DB = "redis://127.0.0.1:6379/12"  # its own database: no other orchestrator worker takes these
@@ -60,6 +62,11 @@ def test_a_killed_pool_process_stops_counting_in_live_gauges(tmp_path: Path) -> 
             time.sleep(0.1)
         assert sample(prom_dir, "corral_groups_in_flight") == 0  # the dead process no longer counts
         assert sample(prom_dir, "corral_batches_delivered_total") == 1  # its counter still does
+        # The worker holds the directory, so a `corral serve` starting now would leave its files.
+        fd = os.open(prom_dir / LOCK_NAME, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
     finally:
         app.close()
         workers.stop()
