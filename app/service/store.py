@@ -236,7 +236,9 @@ class ServiceStore:
         return ResumePoint(
             next_seq=next_seq,
             group_offset=max(seen, default=-1) + 1,
-            batch_offset=max((b.batch_index for b in batches), default=-1) + 1,
+            # After the last batch delivered, not the last requested: a batch being collected at the
+            # crash has a row (its request) and no delivery; counting it skipped its index for good.
+            batch_offset=max((b.batch_index for b in batches if b.delivered_at is not None), default=-1) + 1,
             version=version,
             weights_path=path,
             open_groups=frozenset(ledger.open_groups | orphans),

@@ -47,6 +47,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _collecting(store: ServiceStore, run_id: str) -> bool:
+    """Whether the store holds a batch requested and not delivered (the one being collected)."""
+    with store.session() as s:
+        return any(b.delivered_at is None for b in BatchRepo(s).list(run_id))
+
+
 def _on_sqlite(tmp_path: Path) -> tuple[dict[str, str], str, Path, httpx.Client]:
     """A `corral serve` on SQLite in `tmp_path`, on a free port: its environment, URL and log file, and
     an API client holding the operator token."""
@@ -85,8 +91,12 @@ def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
         wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
         run_id = api.post("/api/runs", json=spec).json()["id"]
         wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["live"]["batches"] >= 2, what="2 batches")
-        # Kill once the store holds groups in flight (its sink writes in batches, a moment behind).
-        wait_for(lambda: store.resume_point(run_id).open_groups, what="stored groups in flight")
+        # Kill once the store holds groups in flight (its sink writes in batches, a moment behind) and a
+        # batch being collected: requested, not delivered.
+        wait_for(
+            lambda: store.resume_point(run_id).open_groups and _collecting(store, run_id),
+            what="stored groups in flight and a batch requested",
+        )
         first.send_signal(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
     in_flight = store.resume_point(run_id).open_groups  # what the store knew at the kill
@@ -137,6 +147,9 @@ def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
         with store.session() as s:
             indices = [b.batch_index for b in BatchRepo(s).list(run_id) if b.delivered_at is not None]
         assert indices == sorted(set(indices))
+        # Contiguous: the batch being collected at the kill (its request stored, not its delivery) keeps
+        # its index in the resumed run; it was skipped (b_n never existed).
+        assert indices == list(range(len(indices)))
         kinds = [e["kind"] for e in store.timeline(run_id, -1, 1_000_000)]
         assert kinds.count("run_started") == 2
         resumed_at = len(kinds) - 1 - kinds[::-1].index("run_started")
