@@ -62,7 +62,8 @@ UNKNOWN = ""  # an op's epoch when its send did not see one run_id throughout
 class Throttled(Generic[T]):
     """`read()` done at most once per `period()` seconds for every caller: within it, callers get the
     value last read (a caller that starts a read returns its own answer; one that comes meanwhile, the
-    one before). One read then serves every op waiting, whatever their number."""
+    one before, or waits for the first read to end when there is none before: "nothing read yet" is not
+    an answer). One read then serves every op waiting, whatever their number."""
 
     def __init__(self, read: Callable[[], T | None], period: Callable[[], float]) -> None:
         self._read = read
@@ -70,15 +71,22 @@ class Throttled(Generic[T]):
         self._lock = threading.Lock()
         self._read_at: float | None = None
         self._value: T | None = None
+        self._first_read = threading.Event()
 
     def latest(self) -> T | None:
         with self._lock:
-            if self._read_at is not None and time.monotonic() - self._read_at < self._period():
-                return self._value
-            self._read_at = time.monotonic()
-        value = self._read()
-        with self._lock:
-            self._value = value
+            fresh = self._read_at is not None and time.monotonic() - self._read_at < self._period()
+            if not fresh:
+                self._read_at = time.monotonic()
+        if fresh:
+            self._first_read.wait()  # at once, unless the first read is still under way
+            return self._value
+        try:
+            value = self._read()
+            with self._lock:
+                self._value = value
+        finally:
+            self._first_read.set()
         return value
 
 
