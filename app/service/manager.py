@@ -93,9 +93,7 @@ class RunManager:
             raise ValueError("celery needs CORRAL_BROKER_URL (a broker for the orchestrator queue)")
         run_id = uuid.uuid4().hex[:12]
         policy = run_policy(spec)
-        self.store.create_run(
-            run_id, spec.name, spec.model_dump(mode="json", by_alias=True), policy.model_dump(mode="json")
-        )
+        self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
         if dispatch is not None and spec.orchestrator is OrchestratorKind.CELERY:
             dispatch(run_id)
         else:

@@ -203,6 +203,13 @@ class RunCreate(_Input):
             )
         return self
 
+    def stored(self) -> dict[str, Any]:
+        """The run's config as stored and echoed (GET /api/runs/{id}): the workload's or local config's
+        own `batches` is left out, since this run's `batches` governs (null: until stopped)."""
+        return self.model_dump(
+            mode="json", by_alias=True, exclude={"workload": {"batches"}, "config": {"batches"}}
+        )
+
     def overrides(self) -> dict[str, int]:
         knobs = {
             "groups_per_batch": self.groups_per_batch,

@@ -81,3 +81,33 @@ def test_a_stored_run_config_spells_its_fields_as_the_input_does(tmp_path: Path)
         assert RunCreate.model_validate(config).workload == RunCreate.model_validate({"kind": "sim"}).workload
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("body", "inner"),
+    [
+        ({"kind": "sim", "workload": {"batches": 12}}, "workload"),
+        ({"kind": "local", "config": {"batches": 3}}, "config"),
+    ],
+)
+@pytest.mark.parametrize("batches", [None, 2])
+def test_a_stored_run_config_echoes_only_the_batches_that_govern(
+    tmp_path: Path, body: dict[str, Any], inner: str, batches: int | None
+) -> None:
+    # The request's `batches` ends the run (null: until stopped); the echo also showed the workload's
+    # `batches: 12`, which a run created through the API never follows.
+    from app.service.manager import RunManager
+    from app.service.store import ServiceStore
+
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'c.db'}"), tmp_path / "data", 30.0)
+    spec = RunCreate.model_validate(
+        {**body, "batches": batches, "trainer": "sentinel", "orchestrator": "celery"}
+    )
+    try:
+        run_id = manager.create(spec, dispatch=lambda _: None)  # stored, not started
+        config = manager.view(run_id)["config"]
+        assert config["batches"] == batches
+        assert "batches" not in config[inner]
+        assert RunCreate.model_validate(config) == spec  # resumed as it was created
+    finally:
+        manager.shutdown()
