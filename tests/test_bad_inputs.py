@@ -83,6 +83,11 @@ CASES: dict[str, Case] = {
             "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "reward": math.nan}) + "\n",
         },
     ),
+    "trace reward 7": Case(
+        ["sim", "--workload", "w.json"],
+        ["line 1", "reward", "less than or equal to 1, not 7"],
+        {"w.json": workload(trace="t.jsonl"), "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "reward": 7}) + "\n"},
+    ),
     "trace agent_s Infinity": Case(
         ["sim", "--workload", "w.json"],
         ["line 1", "agent_s", "finite"],

@@ -532,7 +532,9 @@ class _TraceLine(Strict):
     agent_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
     validate_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
     cleanup_s: float = Field(ge=0, le=MAX_SECONDS, strict=True)
-    reward: float = Field(strict=True)
+    # Corral's rewards are 0/1 outcomes (a task's validation exit status, a simulated draw, a resolved
+    # terminal-bench trial); a fraction such as tests passed fits, a score on another scale does not.
+    reward: float = Field(ge=0, le=1, strict=True)
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
 
 
@@ -547,6 +549,8 @@ def trace_line_problem(data: Mapping[str, Any]) -> str | None:
         field = ".".join(str(p) for p in error["loc"])
         if error["type"] in ("less_than_equal", "finite_number") and field.endswith("_s"):
             return f"{field} over {MAX_SECONDS:,.0f} s"
+        if error["type"] in ("greater_than_equal", "less_than_equal") and field == "reward":
+            return "reward outside [0, 1]"
         return f"{field}: {error['msg']}"
     return None
 

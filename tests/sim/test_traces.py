@@ -237,6 +237,16 @@ def test_an_attempt_with_a_span_that_runs_backwards_is_skipped_with_its_reason(
     assert records == [COUNT_PRIMES]
 
 
+@pytest.mark.parametrize("reward", [7.0, -1.0])
+def test_an_attempt_with_a_reward_outside_0_to_1_is_skipped_with_its_reason(reward: float) -> None:
+    # It was imported, and the simulator then loaded and replayed a reward of 7.
+    events = make_events()
+    events[5] = {**events[5], "reward": reward}
+    records, skipped = attempts_from_events(events)
+    assert records == []
+    assert skipped == {"reward outside [0, 1]": 1, "attempt failed": 1}
+
+
 def test_durations_too_large_to_add_up_are_skipped() -> None:
     events = make_events()
     events[3:4] = [make_op("exec", -1e308, 1e308)]

@@ -232,6 +232,8 @@ def test_relative_trace_path_is_read_next_to_the_workload_file(tmp_path: Path, t
         (json.dumps(attempt("a", -1)) + "\n", "line 1: agent_s"),
         (json.dumps(attempt("a", 1, turns=[{"llm_s": 1}])) + "\n", "line 1: turns.0.tool_s"),
         (json.dumps(attempt("a", 1)) + "\n[1, 2]\n", "line 2: each line must be a JSON object"),
+        (json.dumps(attempt("a", 1, reward=7)) + "\n", r"line 1: reward: .* 1, not 7"),  # rewards: [0, 1]
+        (json.dumps(attempt("a", 1, reward=-0.5)) + "\n", r"line 1: reward: .* 0, not -0.5"),
     ],
 )
 def test_bad_trace_is_refused_naming_the_line(tmp_path: Path, content: str, message: str) -> None:
@@ -241,6 +243,12 @@ def test_bad_trace_is_refused_naming_the_line(tmp_path: Path, content: str, mess
         load_trace(path)
     with pytest.raises(WorkloadError, match=message):
         parse_workload({"trace": str(path)})  # refused at load time, not mid-run
+
+
+def test_a_trace_takes_rewards_from_0_to_1(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(attempt("a", 1, reward=r)) + "\n" for r in (0, 0.25, 1)))
+    assert [r.reward for r in load_trace(path)["a"]] == [0, 0.25, 1]
 
 
 def test_trace_workload_simulates_end_to_end(trace_file: Path) -> None:
