@@ -72,6 +72,12 @@ CASES: dict[str, Case] = {
         ["trajectory.llm_s", "finite"],
         {"w.json": workload(trajectory={"llm_s": {"uniform": [0, "NaN"]}}).replace('"NaN"', "NaN")},
     ),
+    "workload turns 1e9": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["trajectory.turns: Input should be less than or equal to 1000000, not 1000000000.0"],
+        {"w.yaml": "trajectory: {turns: 1e9}\n"},
+        absent=["constant"],  # the key as typed, not the field a bare number becomes
+    ),
     "workload NaN count": Case(
         ["sim", "--workload", "w.yaml"], ["batch.groups"], {"w.yaml": "batch: {groups: .nan}\n"}
     ),

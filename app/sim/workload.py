@@ -19,9 +19,17 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.documents import DocumentError, TooLarge, check_size, open_input, read_document
 from app.lanes.adaptive import AdaptiveLanesSpec
@@ -38,6 +46,7 @@ from app.validation import (
     MAX_STALENESS,
     MAX_SURPLUS,
     MAX_TURNS,
+    describe,
     in_flight_problem,
     problems,
 )
@@ -68,6 +77,10 @@ class Lognormal(BaseModel):
         return math.log(self.p90 / self.median) / Z90
 
 
+# A bare number's bounds: those of `Dist.constant`, which it becomes.
+_CONSTANT = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_SECONDS, strict=True, allow_inf_nan=False)])
+
+
 class Dist(BaseModel):
     """One of: a constant, a lognormal by median and p90, a uniform range, or empirical samples."""
 
@@ -83,6 +96,11 @@ class Dist(BaseModel):
         if isinstance(data, bool):
             raise ValueError("a distribution is a number or a mapping, not a boolean")
         if isinstance(data, int | float):
+            # Checked before it becomes `constant`, so that a refusal names the key as typed (`turns`)
+            try:
+                _CONSTANT.validate_python(data)
+            except ValidationError as exc:
+                raise ValueError(describe(exc.errors()[0])) from None
             return {"constant": data}
         return data
 

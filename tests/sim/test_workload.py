@@ -85,12 +85,30 @@ def test_draws_repeat_for_a_seed_and_differ_across_seeds(spec: Any) -> None:
         ({"empirical": []}, "empirical"),
         ({"normal": 3}, "normal"),
         (True, "boolean"),
-        (-1, "constant"),
     ],
 )
 def test_bad_distribution_is_refused_naming_the_field(spec: Any, field: str) -> None:
     with pytest.raises(WorkloadError, match=field):
         parse_workload({"trajectory": {"llm_s": spec}}, "w.yaml")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (-1, "greater than or equal to 0, not -1"),
+        (1e9, "less than or equal to 1000000, not 1000000000.0"),
+        (float("inf"), "a finite number, not Infinity"),
+        (float("nan"), "a finite number, not NaN"),
+    ],
+)
+@pytest.mark.parametrize("key", ["turns", "llm_s"])
+def test_a_bad_number_for_a_distribution_is_refused_naming_the_key_as_typed(
+    key: str, value: float, why: str
+) -> None:
+    # `trajectory: {turns: 1e9}` was refused as `trajectory.turns.constant`, a key nobody typed.
+    with pytest.raises(WorkloadError) as raised:
+        parse_workload({"trajectory": {key: value}}, "w.yaml")
+    assert str(raised.value) == f"w.yaml: trajectory.{key}: Input should be {why}"
 
 
 @pytest.mark.parametrize("value", [0, -1, 10**9, 2.0, "2", True, float("nan")])
