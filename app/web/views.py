@@ -60,9 +60,10 @@ VENDOR = {  # served path -> file installed by `npm ci` (package.json)
     "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
 }
 LIVE_BLOCKS = ("summary", "wait", "trainer", "engines", "lanes", "policy")
-# The actions a live run offers (stop, publish, the policy form), sent only when the run starts
-# stopping or ends: a swap on every change would clear what an operator is typing.
-CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control")
+# The actions a live run offers (stop, publish, the policy form) and Pause's and Resume's answers, sent
+# only when the run starts stopping or ends: a swap on every change would clear what an operator is
+# typing, or the answer to a pause as the run's state turns paused.
+CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control", "pause_answer")
 # Pause or Resume, whichever the run's state offers: sent whenever that state changes (no typed input).
 PAUSE_BLOCK = "pause_control"
 RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)

@@ -258,6 +258,7 @@ def test_a_run_paused_through_the_api_is_resumed_and_paused_again_from_its_page(
     wait_state("stopped")
     sync_api.expect(page.locator("#run-state")).to_have_text("stopped")
     sync_api.expect(page.locator("#stop-msg")).to_have_count(0)  # 'Stopping ...' stayed under the badge
+    sync_api.expect(page.locator("#pause-msg")).to_have_count(0)  # so could 'Paused: ...'
     sync_api.expect(pause).to_have_count(0)
     sync_api.expect(resume).to_have_count(0)
     page.context.close()

@@ -638,7 +638,8 @@ async def live_run_page(state: str) -> tuple[str, dict[str, str]]:
         await sign_in(client)
         page = await client.get("/runs/live-1")
         assert page.status_code == 200
-        blocks = {name: (await client.get(f"/runs/live-1/block/{name}")).text for name in CONTROL_NAMES}
+        names = (*CONTROL_NAMES, "pause_answer")
+        blocks = {name: (await client.get(f"/runs/live-1/block/{name}")).text for name in names}
     return page.text, blocks
 
 
@@ -661,7 +662,7 @@ async def test_a_running_run_offers_its_live_controls():
         assert shown in page
     assert 'id="policy-final"' not in page
     assert 'Now: <b>K</b> = <span id="current-k">3</span>' in page
-    assert all("<form" in block for block in blocks.values())
+    assert all("<form" in blocks[name] for name in CONTROL_NAMES)
 
 
 async def test_a_paused_run_offers_resume_and_its_other_live_controls():
@@ -728,18 +729,24 @@ async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_change
         "query_string": b"",
     }
     response = await stream(Request(scope, receive), "live-1")
-    pauses, summaries = [], 0
+    pauses, answers, summaries = [], [], 0
     async for msg in response.body_iterator:
         summaries += msg["event"] == "summary"
+        if msg["event"] == "pause_answer":
+            answers.append((len(pauses), msg["data"]))
         if msg["event"] == "pause_control":
             pauses.append(msg["data"])
+        if len(pauses) == 4:
+            break
         if summaries == 3:  # three polls at one state: the control went once
             summaries = 0
-            backend.state = {"running": "paused", "paused": "running"}[backend.state]
-            if len(pauses) == 3:
-                break
-    assert ["pause-btn" in d for d in pauses] == [True, False, True]
-    assert ["resume-btn" in d for d in pauses] == [False, True, False]
+            flip = {"running": "paused", "paused": "running"}
+            backend.state = flip[backend.state] if len(pauses) < 3 else "stopped"
+    assert ["pause-btn" in d for d in pauses] == [True, False, True, False]
+    assert ["resume-btn" in d for d in pauses] == [False, True, False, False]
+    # Pause's and Resume's answer area goes as the run ends, not as it pauses or resumes (that swap
+    # would clear an answer as it comes).
+    assert [(shown, 'id="pause-msg"' in d) for shown, d in answers] == [(3, False)]
 
 
 @pytest.mark.parametrize(("state", "message"), [("running", ""), ("stopping", "Stopping"), ("stopped", None)])
@@ -766,6 +773,19 @@ async def test_a_publish_or_policy_answer_goes_with_its_control(state, area, blo
     live = state == "running"
     assert page.count(f'id="{area}"') == int(live)
     assert (f'id="{area}"' in blocks[block]) is live
+
+
+@pytest.mark.parametrize(
+    ("state", "live"),
+    [("running", True), ("paused", True), ("stopping", False), ("stopped", False), ("failed", False)],
+)
+async def test_the_pause_or_resume_answer_goes_as_the_run_stops_or_ends(state, live):
+    # 'Paused: ...' or 'Resumed.' (the Pause / Resume forms' answer) could stay on the page of a run
+    # that had ended, as the stop's answer did: its area lay outside every block the stream swaps.
+    page, blocks = await live_run_page(state)
+    assert page.count('id="pause-msg"') == int(live)
+    assert ('id="pause-msg"' in blocks["pause_answer"]) is live
+    assert 'id="pause-msg"' not in blocks["pause_control"]  # swapped as it pauses: it would clear it
 
 
 @pytest.mark.parametrize(("state", "source"), [("failed", "live"), ("stopped", "live"), ("replay", "replay")])
