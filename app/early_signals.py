@@ -18,6 +18,7 @@ which took about 2.5 ms of the ~18 ms between exec and `hold` (README: a Ctrl-C 
 from __future__ import annotations
 
 import _signal
+import _thread
 import os
 import sys
 
@@ -45,9 +46,49 @@ def is_command_process() -> bool:
     return path is None or os.path.splitext(os.path.basename(path))[0] == "corral"
 
 
+# The signals a terminal or a user sends to a whole process group (Ctrl-C, `kill -- -PGID`, a hang-up).
+GROUP_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
+_masks_before_fork: dict[int, Any] = {}  # the forking thread's signal mask, by thread
+_forks_guarded: list[bool] = []
+
+
+def _hold_group_signals() -> None:
+    _masks_before_fork[_thread.get_ident()] = _signal.pthread_sigmask(_signal.SIG_BLOCK, GROUP_SIGNALS)
+
+
+def _mask_back() -> None:
+    mask = _masks_before_fork.pop(_thread.get_ident(), None)
+    if mask is not None:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+
+
+def _child_forgets_wakeup_fd() -> None:
+    _signal.set_wakeup_fd(-1)  # after fork the forking thread is the child's main thread
+    _mask_back()
+
+
+def guard_forks() -> None:
+    """A group signal that reaches a child between its fork and its exec (or its `setsid`) is the
+    child's, not one more for this process. Without this guard it counted twice here: the child still
+    runs this process's C signal handler, which writes the signal to asyncio's wake-up fd, a socket the
+    child shares with this process, and the loop here took that byte for a second Ctrl-C (`corral run`
+    then "stopped at once", in 2 of 3 tries of `make run`'s demo). So the forking thread holds the group
+    signals across the fork (`os.register_at_fork`, which runs for `os.fork` and for every `subprocess`
+    child with a `preexec_fn`, as the sandboxes' and engines' are; children without one are made by
+    `vfork`, where Python blocks every signal and resets the handlers itself), and the child drops the
+    wake-up fd before it takes them. Once per process."""
+    if not _forks_guarded:
+        _forks_guarded.append(True)
+        os.register_at_fork(
+            before=_hold_group_signals, after_in_parent=_mask_back, after_in_child=_child_forgets_wakeup_fd
+        )
+
+
 def hold() -> None:
     """Remember stop signals from now on instead of acting on them. A signal this process was started
-    ignoring (a shell's background job ignores SIGINT) stays ignored."""
+    ignoring (a shell's background job ignores SIGINT) stays ignored. Forks are guarded from here on
+    (`guard_forks`)."""
+    guard_forks()
     for sig in STOP_SIGNALS:
         current = _signal.getsignal(sig)
         if current in (_signal.SIG_IGN, _remember):
