@@ -147,6 +147,9 @@ class EnginesConfig(_Strict):
     )
     health_timeout_s: float = _seconds(5.0, "a slower health answer counts as unhealthy", least=0.1)
     health_interval_s: float = _seconds(5.0, "seconds between health probes of each engine", least=0.1)
+    health_misses: int = _count(
+        3, 1, 100, "unanswered health probes in a row before a serving engine counts as frozen"
+    )
     restart_backoff_s: float = _seconds(1.0, "wait after a failed engine restart; doubles", least=0.1)
     restart_backoff_max_s: float = _seconds(30.0, "longest wait between engine restarts", least=0.1)
     turn_retries: int = _count(3, 0, 100, "failures of one turn on engines that stay up, before it fails")

@@ -780,6 +780,7 @@ class Runtime:
     async def _watch_health(self, interval_s: float) -> None:
         """Probe each serving engine every `interval_s`: one that dies while it takes no turns (the
         router prefers the least loaded, so an engine can sit idle) leaves rotation all the same."""
+        misses: dict[tuple[str, int], int] = {}  # unanswered probes in a row, by engine and epoch
         while True:
             await asyncio.sleep(interval_s)
             for name in list(self.pool.by_name):
@@ -788,41 +789,62 @@ class Runtime:
                 # Read the client now, not before the loop: while an earlier probe waited, this engine
                 # may have been restarted and its old client closed.
                 engine, epoch = self.pool.by_name[name], self.pool.epoch[name]
-                healthy = await self._probe(engine)
-                if not healthy and self.pool.epoch[name] == epoch and self.plan.up(name):
+                answer = await self._probe_answer(engine)
+                key = (name, epoch)
+                misses[key] = misses.get(key, 0) + 1 if answer is None else 0
+                if self.pool.epoch[name] != epoch or not self.plan.up(name):
+                    continue
+                if answer is False:
                     self._engine_down(name, "health check failed")
+                elif misses[key] >= self.faults.health_misses:
+                    self._engine_down(name, self._unanswered(misses[key]))
+
+    def _unanswered(self, probes: int) -> str:
+        limit = self.faults.health_timeout_s
+        if probes == 1:
+            return f"stopped answering /health within {limit:g}s"
+        return f"stopped answering /health within {limit:g}s ({probes} probes in a row)"
 
     async def _while_answering(self, engine: Engine, work: Coroutine[Any, Any, T]) -> T:
         """Await `work` (a weight update's steps) while the health watch, if on, goes on probing
         `engine`: a frozen engine (a stopped process, which takes connections and never answers) fails
-        the update within a probe, not at `update_timeout_s`, so that the rolling update goes on. Left
-        to the timeout, it held the rolling update for `update_timeout_s` (two minutes by default), and
-        the groups on the engines it held back went stale."""
+        the update within `health_misses` probes, not at `update_timeout_s`, so that the rolling update
+        goes on. Left to the timeout, it held the rolling update for `update_timeout_s` (two minutes by
+        default), and the groups on the engines it held back went stale."""
         interval = self.faults.health_interval_s
         if interval is None:
             return await work
         task = asyncio.ensure_future(work)
+        misses = 0
         try:
             while True:
                 done, _ = await asyncio.wait((task,), timeout=interval)
                 if done:
                     return task.result()
-                if not await self._probe(engine) and not task.done():
-                    limit = self.faults.health_timeout_s
-                    raise EngineStoppedAnswering(
-                        f"stopped answering /health within {limit:g}s during the update"
-                    )
+                answer = await self._probe_answer(engine)
+                misses = misses + 1 if answer is None else 0
+                if task.done():
+                    continue
+                if answer is False:
+                    raise EngineStoppedAnswering("health check failed during the update")
+                if misses >= self.faults.health_misses:
+                    raise EngineStoppedAnswering(f"{self._unanswered(misses)} during the update")
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.wait((task,))
 
     async def _probe(self, engine: Engine) -> bool:
+        return await self._probe_answer(engine) is True
+
+    async def _probe_answer(self, engine: Engine) -> bool | None:
+        """The engine's health: healthy (True), unhealthy or unreachable (False), or no answer within
+        `health_timeout_s` (None: frozen, or only slow on a loaded host)."""
         try:
             async with asyncio.timeout(self.faults.health_timeout_s):
                 return await engine.health()
         except TimeoutError:
-            return False
+            return None
         except Exception as exc:  # a probe that cannot even be made says the same as one that fails
             self._log.warning("health probe of %s failed: %s", engine.name, exc)
             return False
@@ -859,6 +881,7 @@ class Runtime:
         self.state.all_down_s += self.now() - self._all_down_since
         self._all_down_since = None
         if back:  # not when the run merely stops
+            self._log.warning("an engine is back: turns flow again")  # pairs with "every engine is down"
             self._engine_state("*", "serving", "an engine is back; turns flow again")
 
     async def _recover_engine(self, name: str) -> None:
@@ -899,6 +922,7 @@ class Runtime:
         del self._recoveries[name]
         record.up_since = self.now()
         record.restarts += 1 if self.supervisor is not None else 0
+        self._log.warning("engine %s is back at version %s", name, version)  # pairs with "is down"
         self._engine_state(name, "serving", f"back at version {version}")
         actions = self.plan.on_engine_up(name, version)
         self._do_updates(actions)

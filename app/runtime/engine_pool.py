@@ -33,6 +33,9 @@ class EngineFaultConfig:
     update_timeout_s: float = 120.0  # one engine's whole update step: pause, drain, load, resume
     health_timeout_s: float = 5.0  # a health probe that takes longer counts as unhealthy
     health_interval_s: float | None = None  # probe serving engines this often; None: only on failures
+    # Unanswered probes in a row (each `health_timeout_s`) before the health watch or an update takes a
+    # serving engine for frozen; an unhealthy or unreachable answer counts at once.
+    health_misses: int = 3
     restart_backoff_s: float = 1.0  # wait after a failed restart; doubles up to the maximum
     restart_backoff_max_s: float = 30.0
     turn_retries: int = 3  # failures of one turn on engines that stay up, before its attempt fails

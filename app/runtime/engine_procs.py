@@ -49,6 +49,7 @@ def fault_config(engines: EnginesConfig) -> EngineFaultConfig:
         update_timeout_s=engines.update_timeout_s,
         health_timeout_s=engines.health_timeout_s,
         health_interval_s=engines.health_interval_s,
+        health_misses=engines.health_misses,
         restart_backoff_s=engines.restart_backoff_s,
         restart_backoff_max_s=engines.restart_backoff_max_s,
         turn_retries=engines.turn_retries,
