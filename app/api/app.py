@@ -6,8 +6,9 @@ closed as `cancelled`, the run manager is built and the runs the previous server
 resumed; at shutdown every run is stopped and its events flushed.
 
 Routes: the run and trainer API (app.api.runs), `GET /healthz`, `GET /metrics` (Prometheus), and the
-OpenAPI docs at `/docs`. With a broker, `/healthz` also asks whether every lane queue of
-`CORRAL_LANE_HOSTS` has a live worker, at most once per `LANE_CHECK_S` (one broadcast for all requests).
+OpenAPI docs at `/docs` (Swagger UI served by this server, app.api.docs). With a broker, `/healthz` also
+asks whether every lane queue of `CORRAL_LANE_HOSTS` has a live worker, at most once per
+`LANE_CHECK_S` (one broadcast for all requests).
 Bad input is a 4xx with a one-line message naming the field, never a 500.
 """
 
@@ -29,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException
 
 from app.api.body_limit import BodyLimit
+from app.api.docs import mount_docs
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
 from app.service.manager import RunManager
@@ -78,6 +80,8 @@ def create_app(
         title="Corral",
         summary="Control plane for agentic RL rollout collection: runs, trainer API, metrics",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's loads Swagger UI from a CDN: mount_docs serves it from here
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
@@ -103,6 +107,7 @@ def create_app(
         },
     )
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
+    mount_docs(app)
     return app
 
 

@@ -70,7 +70,7 @@ RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)
 POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
 POLICY_MAX = {"max_staleness": MAX_RUN_STALENESS, "surplus_groups": MAX_SURPLUS}  # as the API takes them
 # Paths whose errors stay the API's JSON (or plain text), not a dashboard page.
-NOT_PAGES = ("/api/", "/healthz", "/metrics", "/docs", "/redoc", "/openapi.json")
+NOT_PAGES = ("/api/", "/healthz", "/metrics", "/docs", "/openapi.json")
 FAVICON = STATIC / "favicon.svg"
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
