@@ -1,6 +1,8 @@
 """A trainer fed by Corral (`corral serve`): take a batch, train, publish the new version, ack it.
 
-python examples/trainer_loop.py --run RUN_ID --token OPERATOR_TOKEN [--url URL] [--steps N]
+.venv/bin/python examples/trainer_loop.py --run RUN_ID --token OPERATOR_TOKEN [--url URL] [--steps N]
+
+(from the repository root after `make install`: the virtualenv's Python is the one with Corral installed)
 
 It outlives the server: while the server is stopping, killed or restarting, each call is asked again
 after the delay the server (or the client) gives, and a restarted server hands out the batch it had not

@@ -37,3 +37,20 @@ def test_the_readme_and_the_api_docs_show_the_example_as_it_is() -> None:
     for doc in ("README.md", "docs/api.md"):
         text = (EXAMPLE.parents[1] / doc).read_text()
         assert f"```python\n{body}```\n" in text, f"{doc} shows another trainer loop than {EXAMPLE.name}"
+
+
+def test_the_examples_command_line_runs_as_written_outside_the_virtualenv() -> None:
+    """Its docstring's command, typed from the repository root in a shell whose PATH has no virtualenv."""
+    usage = next(line for line in EXAMPLE.read_text().splitlines() if "examples/trainer_loop.py" in line)
+    command = usage[: usage.index(" --run")] + " --help"
+    done = subprocess.run(
+        command,
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=EXAMPLE.parents[1],
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, f"{command}: {done.stderr}"
+    assert "--token" in done.stdout
