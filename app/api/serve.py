@@ -76,6 +76,8 @@ def serve(
         say(f"metrics: emptied {multiprocess_dir()} ({len(emptied)} files of the previous run)")
     elif multiprocess_dir() is not None:
         say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
+    until = "; the demo run collects batches until then" if spec is not None else ""
+    say(f"Ctrl-C stops the server and the runs it executes{until}")
     app = create_app(settings, demo=spec)
     if spec is not None:
         _say_demo_page(app, spec, url)

@@ -134,6 +134,11 @@ def test_demo_serves_a_run_that_collects_batches(tmp_path: Path) -> None:
     printed = log.read_text()
     assert f"corral serve: {url}" in printed
     assert "operator token (generated for this process): " in printed
+    # A first-time user was not told how to stop it, nor that the demo run goes on until then.
+    assert (
+        "Ctrl-C stops the server and the runs it executes; the demo run collects batches until then"
+        in printed
+    )
 
 
 def test_a_new_sqlite_database_gets_its_directory(tmp_path: Path) -> None:
