@@ -167,9 +167,47 @@ def test_trace_import_counts_what_it_skips_and_writes_nothing_negative(tmp_path:
     )
     assert done.returncode == 0, done.stderr
     assert "1 attempt of 1 task → " in done.stderr
-    assert "(skipped: 1 a sandbox op ends before it starts)" in done.stderr
+    assert "(skipped 1 attempt: 1 a sandbox op ends before it starts)" in done.stderr
     line = json.loads((tmp_path / "t.jsonl").read_text())
     assert (line["reset_s"], line["agent_s"]) == (2.0, 3.0)
+
+
+def cancelled(attempt: int) -> dict[str, object]:
+    return {"kind": "attempt_cancelled", "group_id": 0, "attempt": attempt, "reason": "stale"}
+
+
+FAILED = {"kind": "attempt_finished", "group_id": 0, "attempt": 99, "reward": 0.0, "error": "SandboxError"}
+SKIP_COUNTS = {  # a count of 1 and of many for each reason a corral run's attempt is skipped
+    "none": ([], "(none skipped)"),
+    "one cancelled": ([cancelled(1)], "(skipped 1 attempt: 1 cancelled (its group was discarded))"),
+    "many": (
+        [*map(cancelled, range(1, 23)), FAILED],
+        "(skipped 23 attempts: 22 cancelled (its group was discarded), 1 failed)",
+    ),
+    "failed": ([FAILED, {**FAILED, "attempt": 98}], "(skipped 2 attempts: 2 failed)"),
+}
+
+
+@pytest.mark.parametrize(("skipped", "said"), SKIP_COUNTS.values(), ids=SKIP_COUNTS.keys())
+def test_trace_import_counts_skipped_attempts_in_words(
+    tmp_path: Path, skipped: list[object], said: str
+) -> None:
+    # It said "(skipped: 22 attempt cancelled (its group was discarded))".
+    corral_run_report(tmp_path, *skipped)
+    done = corral(
+        "trace", "import", "--format", "corral-run", "report.json", "--out", "t.jsonl", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"1 attempt of 1 task → t.jsonl {said}" in done.stderr
+
+
+def test_trace_import_help_names_its_argument_as_the_other_commands_do() -> None:
+    done = subprocess.run(
+        [str(CORRAL), "trace", "import", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Usage: corral trace import [OPTIONS] SOURCE\n" in done.stdout  # not {source}
+    assert "  SOURCE <path>" in done.stdout
 
 
 def test_trace_import_counts_every_trial_file_it_skips(tmp_path: Path) -> None:
@@ -190,8 +228,8 @@ def test_trace_import_counts_every_trial_file_it_skips(tmp_path: Path) -> None:
         (run / name / "results.json").write_bytes(content)
     done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    skipped = "1 is_resolved is not a boolean, 2 not JSON, 1 not an object"
-    assert f"1 attempt of 1 task → t.jsonl (skipped: {skipped})" in done.stderr
+    skipped = "skipped 4 trials: 1 is_resolved is not a boolean, 2 not JSON, 1 not an object"
+    assert f"1 attempt of 1 task → t.jsonl ({skipped})" in done.stderr
     assert json.loads((tmp_path / "t.jsonl").read_text())["task"] == "good"
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from app import early_signals
 from app.cli.common import (
@@ -40,11 +42,20 @@ class TraceFormat(StrEnum):
     CORRAL_RUN = "corral-run"
 
 
-@trace_app.command("import")
+class PlainUsage(TyperCommand):
+    """Usage names a required argument bare (`SOURCE`), as POSIX usage lines do, not Typer's `{SOURCE}`."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:  # Typer's vendored click.Context
+        return [piece.removeprefix("{").removesuffix("}") for piece in super().collect_usage_pieces(ctx)]
+
+
+@trace_app.command("import", cls=PlainUsage)
 @interruptible_command
 @sigterm_as_ctrl_c
 def trace_import(
-    source: Annotated[Path, typer.Argument(help="a terminal-bench run directory, or a corral run report")],
+    source: Annotated[
+        Path, typer.Argument(metavar="SOURCE", help="a terminal-bench run directory, or a corral run report")
+    ],
     fmt: Annotated[TraceFormat, typer.Option("--format", help="what SOURCE is")],
     out: Annotated[
         Path, typer.Option("--out", help="the trace to write (JSON Lines); - for stdout", parser=output_path)
@@ -71,10 +82,22 @@ def trace_import(
             written = write_trace(result.records, out)
         except OSError as exc:
             fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
-    skipped = ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items())) or "none"
     tasks = len({r["task"] for r in result.records})
-    attempts = f"{written} attempt{'' if written == 1 else 's'}"
-    say(f"{attempts} of {tasks} task{'' if tasks == 1 else 's'} → {out} (skipped: {skipped})")
+    unit = "trial" if fmt is TraceFormat.TERMINAL_BENCH else "attempt"
+    say(f"{_count(written, 'attempt')} of {_count(tasks, 'task')} → {out} ({_skipped(result.skipped, unit)})")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _skipped(skipped: Mapping[str, int], unit: str) -> str:
+    """`skipped 23 attempts: 22 cancelled (its group was discarded), 1 failed`: the total names the
+    unit (a terminal-bench trial, a corral run's attempt), each reason its count."""
+    if not skipped:
+        return "none skipped"
+    reasons = ", ".join(f"{n} {why}" for why, n in sorted(skipped.items()))
+    return f"skipped {_count(sum(skipped.values()), unit)}: {reasons}"
 
 
 def _check_source(source: Path, fmt: TraceFormat) -> None:

@@ -317,7 +317,7 @@ def attempts_from_events(
             tools.pop(key, None)
             backwards.pop(key, None)
             if kind == "attempt_cancelled":
-                skipped["attempt cancelled (its group was discarded)"] += 1
+                skipped["cancelled (its group was discarded)"] += 1
         elif kind == "sandbox_op":
             lane = _name(ev, i, "lane")
             spent = _finite(ev, i, "end") - _finite(ev, i, "start")
@@ -339,7 +339,7 @@ def attempts_from_events(
         else:
             reward = _finite(ev, i, "reward")
             if ev.get("error"):
-                skipped["attempt failed"] += 1
+                skipped["failed"] += 1
                 for kept in (phases, turns, tools, backwards):
                     kept.pop(key, None)
                 continue
