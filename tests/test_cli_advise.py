@@ -1,11 +1,14 @@
 """`corral trace import` and `corral advise` through the installed script."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from app.cli.common import ProgressLines
 
 CORRAL = Path(sys.executable).with_name("corral")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -55,6 +58,13 @@ def wait_for_busy_workers(pid: int, count: int, timeout: float = 180) -> None:
             return
         time.sleep(0.2)
     pytest.fail(f"{count} workers of {pid} never got busy")
+
+
+PROGRESS_LINE = re.compile(r"advise: \d+/\d+ simulations, \d+ s")  # off a terminal, as a log shows it
+
+
+def without_progress(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not PROGRESS_LINE.fullmatch(line)]
 
 
 def interrupted_line(simulated: int, json_out: str) -> str:
@@ -245,6 +255,42 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert "settings simulated" in done.stderr
 
 
+def test_advise_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:
+    """Its stderr a log, not a terminal: the progress bar is off, and it said nothing for 97 s. Plain
+    lines show it is alive; stdout holds the advice alone."""
+    done = corral(
+        "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1", "--workers", "2",
+        "--json", "-", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    progress = [line for line in done.stderr.splitlines() if PROGRESS_LINE.fullmatch(line)]
+    assert progress, done.stderr
+    assert progress[0].startswith("advise: 1/1 simulations, ")  # once the current settings are simulated
+    assert json.loads(done.stdout)["complete"] is True
+
+
+def test_progress_lines_come_at_the_first_item_then_at_most_every_ten_seconds() -> None:
+    now = [100.0]
+    written: list[str] = []
+    lines = ProgressLines("advise", "simulations", clock=lambda: now[0], write=written.append)
+    for t, done, total in [
+        (0, 0, 1),
+        (2, 1, 1),
+        (5, 2, 6),
+        (11.9, 4, 6),
+        (12, 5, 6),
+        (13, 6, 11),
+        (40, 48, 48),
+    ]:
+        now[0] = 100.0 + t
+        lines(done, total)
+    assert written == [
+        "advise: 1/1 simulations, 2 s",
+        "advise: 5/6 simulations, 12 s",
+        "advise: 48/48 simulations, 40 s",
+    ]
+
+
 @pytest.mark.parametrize("presses", [1, 2], ids=["Ctrl-C", "Ctrl-C twice"])
 def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path, presses: int) -> None:
     """Ctrl-C mid-search: the settings simulated so far are not lost. The advice from them is written
@@ -295,7 +341,7 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert proc.returncode == 130, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
-    assert stderr.splitlines() == [interrupted_line(len(advice["evaluated"]), "a.json")]
+    assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
     assert leftover.strip() == ""
 
 
@@ -331,7 +377,7 @@ def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_pa
     assert advice["complete"] is False
     assert len(advice["evaluated"]) < 7, "the round ran to its end"
     assert took < 5, f"{took:.1f} s from SIGTERM to exit"
-    assert stderr.splitlines() == [interrupted_line(len(advice["evaluated"]), "a.json")]
+    assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
     assert leftover.strip() == ""
 
 

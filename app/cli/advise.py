@@ -12,9 +12,11 @@ from typer.core import TyperCommand
 
 from app import early_signals
 from app.cli.common import (
+    ProgressLines,
     check_apart,
     check_output,
     check_plot,
+    err,
     fail,
     interruptible_command,
     is_stdout,
@@ -187,15 +189,19 @@ def advise(
 
 
 def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> Advice:
-    """The advice, with a progress bar; after a Ctrl-C, the advice from what was simulated."""
+    """The advice, with a progress bar (plain lines off a terminal); after a Ctrl-C, the advice from
+    what was simulated."""
     from app.sim.advise import AdviceInterrupted
     from app.sim.advise import advise as run_advice
 
+    lines = None if err.is_terminal else ProgressLines("advise", "simulations")  # the bar is off there
     with progress_bar() as progress:
         task = progress.add_task("simulating candidates", total=1)
 
         def on_run(done: int, planned: int) -> None:
             progress.update(task, completed=done, total=planned)
+            if lines is not None:
+                lines(done, planned)
 
         try:
             return run_advice(spec, passes=passes, workers=workers, on_run=on_run)

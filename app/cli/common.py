@@ -19,6 +19,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,36 @@ def progress_bar() -> Iterator[Progress]:
         disable=not err.is_terminal,
     ) as progress:
         yield progress
+
+
+PROGRESS_LINE_S = 10.0  # off a terminal, at most one progress line this often
+
+
+class ProgressLines:
+    """Progress where the bar is off (stderr is a log or a pipe, not a terminal): `12/48 simulations,
+    40 s` as a plain line on stderr at the first finished item, then at most once every `every_s`, so
+    that a log shows the command is alive. Nothing before the first item: a command refused on its first
+    item ends in its one line."""
+
+    def __init__(
+        self,
+        label: str,
+        unit: str,
+        every_s: float = PROGRESS_LINE_S,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] = say,
+    ) -> None:
+        self.label, self.unit, self.every_s = label, unit, every_s
+        self.clock, self.write = clock, write
+        self.started = clock()
+        self.last: float | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if done == 0 or (self.last is not None and now - self.last < self.every_s):
+            return
+        self.last = now
+        self.write(f"{self.label}: {done}/{total} {self.unit}, {now - self.started:.0f} s")
 
 
 def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
