@@ -13,6 +13,9 @@ COPY app ./app
 COPY workers ./workers
 COPY migrations ./migrations
 COPY templates ./templates
+# The dashboard's htmx and the API docs' Swagger UI, as `make install` (npm ci) left them in the build
+# context (.dockerignore lets in only the files served): run `make install` before `docker compose build`.
+COPY node_modules ./node_modules
 # Editable: templates/ and migrations/ are found beside the package, as in a checkout.
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -e .
 

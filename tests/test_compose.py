@@ -96,3 +96,21 @@ def test_every_corral_service_shares_one_broker_and_database() -> None:
         assert len({env[key] for env in envs}) == 1, key
     assert envs[0]["CORRAL_BROKER_URL"].startswith("redis://redis:")
     assert envs[0]["CORRAL_DATABASE_URL"].startswith("postgresql+psycopg://")
+
+
+def test_the_image_gets_every_front_end_file_the_server_serves() -> None:
+    """The dashboard's htmx and the API docs' Swagger UI come from `node_modules` (npm ci): the build
+    context lets in exactly those files and the Dockerfile copies them. The image used to have none, so
+    the compose dashboard ran without htmx."""
+    from app.api.docs import ASSETS, SWAGGER_UI
+    from app.web.views import VENDOR
+
+    served = sorted(
+        {str(path.relative_to(REPO)) for path in VENDOR.values()}
+        | {str((SWAGGER_UI / name).relative_to(REPO)) for name in ASSETS}
+    )
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    let_in = sorted(line[1:] for line in ignore if line.startswith("!node_modules/"))
+    assert let_in == served
+    assert "node_modules" in ignore  # the rest of it stays out
+    assert "COPY node_modules ./node_modules" in (REPO / "Dockerfile").read_text().splitlines()
