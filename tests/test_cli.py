@@ -7,6 +7,7 @@ traceback; good input writes reports with every contract key, and a seed reprodu
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -243,6 +244,11 @@ def test_bench_writes_ladder_sweeps_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| sync |" in proc.stderr
+    # stderr is a pipe here, as in a log: the bar is off, so plain lines say how far it is
+    line = re.compile(r"bench: (\d+)/(\d+) simulations, \d+ s")
+    progress = [m for m in map(line.fullmatch, proc.stderr.splitlines()) if m is not None]
+    assert progress, proc.stderr
+    assert progress[0].group(1) == "1"
     # the sweeps are printed too, each row from the JSON (they were only in the JSON)
     first = result["sweeps"]["surplus"][0]
     assert f"| S = 0 | {first['batch_collection_s']:.1f} | {first['p90_s']:.1f} |" in proc.stderr

@@ -12,16 +12,15 @@ from typer.core import TyperCommand
 
 from app import early_signals
 from app.cli.common import (
-    ProgressLines,
     check_apart,
     check_output,
     check_plot,
-    err,
     fail,
     interruptible_command,
     is_stdout,
     output_path,
     progress_bar,
+    progress_lines,
     say,
     sigterm_as_ctrl_c,
     write_json,
@@ -194,7 +193,7 @@ def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) ->
     from app.sim.advise import AdviceInterrupted
     from app.sim.advise import advise as run_advice
 
-    lines = None if err.is_terminal else ProgressLines("advise", "simulations")  # the bar is off there
+    lines = progress_lines("advise", "simulations")
     with progress_bar() as progress:
         task = progress.add_task("simulating candidates", total=1)
 

@@ -93,6 +93,11 @@ class ProgressLines:
         self.write(f"{self.label}: {done}/{total} {self.unit}, {now - self.started:.0f} s")
 
 
+def progress_lines(label: str, unit: str) -> ProgressLines | None:
+    """`ProgressLines` where the progress bar is off (stderr not a terminal), else None."""
+    return None if err.is_terminal else ProgressLines(label, unit)
+
+
 def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
     """A command that does not take the stop signals itself (every one but `corral run`): the signals
     held since start-up are released as it begins (one held meanwhile ends it there), and a Ctrl-C it

@@ -24,6 +24,7 @@ from app.cli.common import (
     interrupt_says,
     output_path,
     progress_bar,
+    progress_lines,
     say,
     write_json,
     write_plot,
@@ -300,9 +301,12 @@ def bench(
         check_surplus(spec, s, "--surplus-sweep")
     with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
         task = progress.add_task("bench", total=None)
+        lines = progress_lines("bench", "simulations")
 
         def on_run(label: str, done: int, total: int) -> None:
             progress.update(task, description=f"bench: {label}", completed=done, total=total)
+            if lines is not None:
+                lines(done, total)
 
         result = run_bench(spec, s_values, k_values, on_run=on_run, peers=peers)
     from app.sim.plot import plot_bench  # before the report: a Ctrl-C in between would say nothing of it
@@ -325,9 +329,12 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
     check_apart({"--json": json_out, "--plot": plot}, {})
     with interrupt_says(json_out), progress_bar() as progress:
         task = progress.add_task("bench --family", total=None)
+        lines = progress_lines("bench", "simulations")
 
         def on_run(label: str, done: int, total: int) -> None:
             progress.update(task, description=f"bench: {label}", completed=done, total=total)
+            if lines is not None:
+                lines(done, total)
 
         result = run_family(peers=peers, on_run=on_run)
     from app.sim.plot import plot_family
