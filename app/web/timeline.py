@@ -33,6 +33,7 @@ GROUP_GAP = 7
 AXIS_H = 46  # three label rows: batches (y 10), weight versions (y 21), then the time ticks (y 34)
 HEADER_FILL = "#f4f4f4"
 BASE_WIDTH = 1100
+MIN_WIDTH, MAX_WIDTH = 400, 8000  # the widths a page may ask for (its box's, at zoom 1)
 MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
 MAX_GROUPS = 1000  # and at most this many groups: queued ones (no span yet) have no span to count
 MAX_ZOOM = 64.0
@@ -100,6 +101,34 @@ def legend_html(phases: tuple[str, ...] | None = None) -> str:
     return defs + "".join(f'<span class="legend-item">{item}</span>' for item in items)
 
 
+# Every reason a group is discarded with (app.core.scheduler.DiscardReason, and `orphaned` from
+# app.service.recorder), as the timeline writes it on the group's row, and what it means.
+DISCARD_REASONS: dict[str, str] = {
+    "stale": "more than K versions behind, or could no longer meet K",
+    "failed": "an attempt failed (its error in the row's hover)",
+    "zero_variance": "every attempt got the same reward",
+    "orphaned": "left open by a server that stopped, closed as the run resumed",
+    "cancelled": "the run ended or was stopped (no fault)",
+}
+
+
+def discard_mark(reason: str) -> str:
+    """The mark a discarded group's row carries: grey ■ for a cancelled one, red ✗ for the rest."""
+    return "■" if reason == "cancelled" else "✗"
+
+
+def discard_legend_html(reasons: list[str]) -> str:
+    """Legend items for every discard reason, and for any other one in `reasons` (a report's rows can
+    carry one Corral never writes), each as its row shows it."""
+    extra = sorted({r for r in reasons if r not in DISCARD_REASONS})
+    items = [*DISCARD_REASONS.items(), *((r, "as the report gives it") for r in extra)]
+    return "".join(
+        f'<span class="legend-item"><span><b style="color:{"#555555" if r == "cancelled" else "#a00000"}">'
+        f"{discard_mark(r)} {escape(r)}</b>: {escape(meaning)}</span></span>"
+        for r, meaning in items
+    )
+
+
 def _tick_step(duration: float, px_per_s: float) -> float:
     target = 90 / px_per_s  # about one tick per 90 px, however long the run (a replay's times are any)
     magnitude = 10 ** math.floor(math.log10(max(target, 1e-9)))
@@ -111,33 +140,51 @@ def _tick_step(duration: float, px_per_s: float) -> float:
 
 class _LabelRow:
     """One row of the header's labels (batches, weight versions, or time ticks) that never overlap: a
-    label that would run into the one before it is left out, and its line keeps the hover title that
-    names it. A label's box is `ASCENT_PX` above its baseline to `DESCENT_PX` below; the rows' baselines
-    are 11 px or more apart, so labels of different rows never meet either."""
+    label that would run into the one drawn before it is left out, and its line keeps the hover title
+    that names it. The first and the last label are kept whenever they do not meet each other: the last
+    displaces the drawn labels it would run into. A label's box is `ASCENT_PX` above its baseline to
+    `DESCENT_PX` below; the rows' baselines are 11 px or more apart, so labels of different rows never
+    meet either."""
 
-    CHAR_PX = 6.0  # the axis font's widest digits, about
+    CHAR_PX = 6.4  # a digit of the axis font at its widest default (DejaVu Sans: 0.636 em of 10 px)
     GAP_PX = 4.0
     ASCENT_PX = 9
     DESCENT_PX = 2
 
-    def __init__(self, y: int, fill: str = "") -> None:
+    def __init__(self, y: int, right: float, fill: str = "") -> None:
         self.y = y
+        self._right = right  # the SVG's width: a label at the right edge is drawn left of its mark
         # a style, not a fill attribute: the .ax class's fill outranks an attribute
         self._fill = f' style="fill:{fill}"' if fill else ""
-        self._free_from = -math.inf
+        self._marks: list[tuple[float, str]] = []
 
-    def place(self, x: float, label: str) -> str:
-        """The markup of `label` beside the mark at `x`, or "" when it has no room. It is backed by the
-        header's colour: drawn after the marks, it hides those that would cross it (hundreds of them on
-        a long run at one screen's width) and leaves its own, just left of it, in view."""
-        if x + 2 < self._free_from:
-            return ""
-        width = self.CHAR_PX * len(label)
-        self._free_from = x + 2 + width + self.GAP_PX
-        return (
-            f'<rect x="{_f(x + 1)}" y="{self.y - self.ASCENT_PX}" width="{_f(width + 2)}" '
-            f'height="{self.ASCENT_PX + self.DESCENT_PX}" fill="{HEADER_FILL}"/>'
-            f'<text x="{_f(x + 2)}" y="{self.y}" class="ax"{self._fill}>{escape(label)}</text>'
+    def add(self, x: float, label: str) -> None:
+        """`label` for the mark at `x`; marks come left to right."""
+        self._marks.append((min(x + 2, self._right - 1 - self.CHAR_PX * len(label)), label))
+
+    def _end(self, left: float, label: str) -> float:
+        return left + self.CHAR_PX * len(label) + self.GAP_PX
+
+    def markup(self) -> str:
+        """The labels that have room, each backed by the header's colour: drawn after the marks, it hides
+        those that would cross it (hundreds of them on a long run at one screen's width) and leaves its
+        own, just left of it, in view."""
+        drawn: list[tuple[float, str]] = []
+        for left, label in self._marks:
+            if not drawn or left >= self._end(*drawn[-1]):
+                drawn.append((left, label))
+        if self._marks and drawn[-1] != self._marks[-1]:
+            last = self._marks[-1]
+            while len(drawn) > 1 and last[0] < self._end(*drawn[-1]):
+                drawn.pop()
+            if last[0] >= self._end(*drawn[-1]):
+                drawn.append(last)
+        h = self.ASCENT_PX + self.DESCENT_PX
+        return "".join(
+            f'<rect x="{_f(left - 1)}" y="{self.y - self.ASCENT_PX}" '
+            f'width="{_f(self.CHAR_PX * len(label) + 2)}" height="{h}" fill="{HEADER_FILL}"/>'
+            f'<text x="{_f(left)}" y="{self.y}" class="ax"{self._fill}>{escape(label)}</text>'
+            for left, label in drawn
         )
 
 
@@ -214,17 +261,16 @@ def render_timeline(
     height = max(y, AXIS_H + 20)
 
     axis: list[str] = [f'<rect x="0" y="0" width="{total_w}" height="{AXIS_H - 4}" fill="{HEADER_FILL}"/>']
-    labels: list[str] = []  # drawn after every line, so that no line runs through one
     step = _tick_step(duration, px_per_s)
     first = math.ceil(t_from / step)
-    tick_labels = _LabelRow(AXIS_H - 12)
+    tick_labels = _LabelRow(AXIS_H - 12, total_w)
     # Counted, not summed: a step far below the run's times' resolution would never move `t` on.
     for i in range(min(math.floor((t_from + duration + 1e-9) / step) - first, MAX_TICKS) + 1):
         t = (first + i) * step
         x = x0 + t * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>')
-        labels.append(tick_labels.place(x, f"{t:g} s"))
-    batch_labels = _LabelRow(10)
+        tick_labels.add(x, f"{t:g} s")
+    batch_labels = _LabelRow(10, total_w)
     for b in view.batches:
         if b.delivered < t_from:
             continue
@@ -234,8 +280,8 @@ def render_timeline(
             f"<title>batch {b.index} delivered at {b.delivered:.1f} s after {b.wait_s:.1f} s of trainer wait"
             f"</title></line>"
         )
-        labels.append(batch_labels.place(x, f"b{b.index}"))
-    version_labels = _LabelRow(21, fill="#b00020")
+        batch_labels.add(x, f"b{b.index}")
+    version_labels = _LabelRow(21, total_w, fill="#b00020")
     for t_pub, version in view.publications:
         if t_pub < t_from:
             continue
@@ -244,11 +290,12 @@ def render_timeline(
             f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{height}" class="pub">'
             f"<title>weights v{version} published at {t_pub:.1f} s</title></line>"
         )
-        labels.append(version_labels.place(x, f"v{version}"))
+        version_labels.add(x, f"v{version}")
     if view.source == "live":
         x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
-    axis += labels
+    # drawn after every line, so that no line runs through a label
+    axis += [row.markup() for row in (tick_labels, batch_labels, version_labels)]
     note = ""
     if partial:
         note = (
@@ -268,7 +315,7 @@ def render_timeline(
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '
-        f'width="{total_w}" height="{height}" data-spans="{view.span_count}" '
+        f'width="{total_w}" height="{height}" data-width="{width}" data-spans="{view.span_count}" '
         f'data-trajectories="{len(view.trajectories)}" data-groups-shown="{len(rows)}" '
         f'data-groups-left-out="{total - len(rows)}">'
     )
@@ -316,8 +363,8 @@ def _group(
             f'<text x="40" y="{y + ROW_H - 2}" class="lbl" fill="{colour}">{escape(", ".join(tags))}</text>'
         )
     if group.discarded:
-        mark, colour = ("■", "#555555") if cancelled else ("✗", "#a00000")
-        label = f"{mark} {escape(group.outcome)}"
+        colour = "#555555" if cancelled else "#a00000"
+        label = f"{discard_mark(group.outcome)} {escape(group.outcome)}"
         out.append(f'<text x="4" y="{y + 2 * ROW_H}" class="lbl tag" fill="{colour}">{label}</text>')
     for i, traj in enumerate(trajs):
         ry = y + i * (ROW_H + ROW_GAP)

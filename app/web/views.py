@@ -3,7 +3,7 @@ those templates rendered alone for htmx requests and for the live stream (SSE).
 
 Routes (all HTML; the JSON API lives under /api and is not this module's):
   GET  /                         runs page                    GET /runs/{id}         run page
-  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64)
+  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64, and ?width=)
   GET  /stream, /runs/{id}/stream   server-sent events: named blocks, re-rendered when the run changes
   GET  /login                    the sign-in page (?next= a path on this site to return to)
   POST /login, /logout           set or clear the token cookie
@@ -49,7 +49,15 @@ from app.web.security import (
     set_csrf_cookie,
     set_token_cookie,
 )
-from app.web.timeline import MAX_ZOOM, legend_html, render_timeline
+from app.web.timeline import (
+    BASE_WIDTH,
+    MAX_WIDTH,
+    MAX_ZOOM,
+    MIN_WIDTH,
+    discard_legend_html,
+    legend_html,
+    render_timeline,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
@@ -75,6 +83,8 @@ FAVICON = STATIC / "favicon.svg"
 Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 # The zoom links go from 1 to 64 in 2× steps; anything else (NaN, inf, 0, negative, over 64) is a 422.
 Zoom = Annotated[float, Query(ge=1.0, le=MAX_ZOOM, allow_inf_nan=False)]
+# The timeline's width at zoom 1, in pixels: the page sends its box's width, so that the plot fills it.
+Width = Annotated[int, Query(ge=MIN_WIDTH, le=MAX_WIDTH)]
 
 
 def make_env() -> Environment:
@@ -166,7 +176,7 @@ def runs_context(dash: Dashboard) -> dict[str, Any]:
     }
 
 
-def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
+def run_context(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> dict[str, Any]:
     b = view.batches
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
@@ -182,8 +192,9 @@ def run_context(view: RunView, zoom: float = 1.0) -> dict[str, Any]:
         "view": view,
         "ended": ended,
         "zoom": zoom,
-        "timeline": Lazy(lambda: render_timeline(view, zoom)),
+        "timeline": Lazy(lambda: render_timeline(view, zoom, width)),
         "legend": Lazy(lambda: legend_html(None if view.detailed else ("group_running", "group_ready"))),
+        "discard_legend": Lazy(lambda: discard_legend_html([g.outcome for g in view.groups if g.discarded])),
         "collection_chart": Lazy(
             lambda: charts.bar_chart(
                 "batch collection time per step",
@@ -315,16 +326,18 @@ def make_router(dash: Dashboard) -> APIRouter:
         return dash.page(request, "runs.html", runs_context(dash), block)
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
-    def run_page(request: Request, run_id: str, zoom: Zoom = 1.0) -> Response:
+    def run_page(request: Request, run_id: str, zoom: Zoom = 1.0, width: Width = BASE_WIDTH) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         found = run_or_404(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
-        return dash.page(request, "run.html", run_context(found[1], zoom))
+        return dash.page(request, "run.html", run_context(found[1], zoom, width))
 
     @router.get("/runs/{run_id}/block/{name}", response_class=HTMLResponse)
-    def run_block(request: Request, run_id: str, name: str, zoom: Zoom = 1.0) -> Response:
+    def run_block(
+        request: Request, run_id: str, name: str, zoom: Zoom = 1.0, width: Width = BASE_WIDTH
+    ) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         if name not in RUN_BLOCKS:
@@ -332,7 +345,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         found = run_or_404(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
-        return dash.page(request, "run.html", run_context(found[1], zoom), name)
+        return dash.page(request, "run.html", run_context(found[1], zoom, width), name)
 
     @router.get("/runs/{run_id}/stream")
     async def run_stream(request: Request, run_id: str) -> Response:

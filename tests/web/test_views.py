@@ -206,6 +206,34 @@ async def test_every_zoom_the_links_make_is_accepted(path, zoom):
     assert r.status_code == 200
 
 
+@pytest.mark.parametrize("path", ZOOM_PATHS)
+@pytest.mark.parametrize("width", ["nan", "inf", "-1", "0", "399", "8001", "1e9", "1.5", "x", ""])
+async def test_a_bad_width_is_a_422_not_a_500(path, width):
+    client, _ = make_client()
+    async with client:
+        r = await client.get(path, params={"width": width})
+    assert r.status_code == 422
+    assert "width" in r.text
+
+
+@pytest.mark.parametrize("path", ZOOM_PATHS)
+async def test_the_timeline_is_drawn_at_the_width_the_page_asks_for(path):
+    client, _ = make_client()
+    async with client:
+        default = await client.get(path)
+        wide = await client.get(path, params={"width": 1600, "zoom": 1})
+    assert 'width="1100"' in default.text
+    assert 'width="1600" height=' in wide.text
+
+
+async def test_the_run_page_explains_every_discard_reason():
+    client, _ = make_client()
+    async with client:
+        page = (await client.get("/runs/replay-1")).text
+    for reason in ("stale", "failed", "cancelled", "zero_variance", "orphaned"):
+        assert re.search(rf"[✗■] {reason}</b>: \w", page), reason
+
+
 async def test_a_run_with_more_groups_than_the_cap_renders_the_cap_and_says_how_many_are_left_out():
     view = make_queued_view(MAX_GROUPS + 500)
     client, _ = make_client(live=OneRun(view))

@@ -3,12 +3,23 @@ import math
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import replace
+from html import escape
 
 import pytest
 
 from app.web.readmodel import GroupRow, view_from_events
 from app.web.synthetic import synthetic_run
-from app.web.timeline import AXIS_H, MAX_GROUPS, PHASE_STYLE, _LabelRow, legend_html, render_timeline
+from app.web.timeline import (
+    AXIS_H,
+    DISCARD_REASONS,
+    GUTTER,
+    MAX_GROUPS,
+    PHASE_STYLE,
+    _LabelRow,
+    discard_legend_html,
+    legend_html,
+    render_timeline,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -235,3 +246,82 @@ def test_a_cancelled_group_reads_apart_from_a_failed_one():
     assert bands == ["#ececec", "#fde4e4", "#fde4e4"]
     labels = {t.text: t.get("fill") for t in root.iter(f"{SVG}text") if t.text and t.text[:1] in "■✗"}
     assert labels == {"■ cancelled": "#555555", "✗ failed": "#a00000", "✗ stale": "#a00000"}
+
+
+def _header_rows(svg: str) -> dict[str, list[tuple[float, str]]]:
+    """The header's drawn labels by row (batches, versions, ticks), each with its left edge."""
+    rows: dict[str, list[tuple[float, str]]] = {"b": [], "v": [], "s": []}
+    for t in ET.fromstring(svg).iter(f"{SVG}text"):
+        if t.get("class") == "ax" and t.text and float(t.get("y")) < AXIS_H:
+            kind = "s" if t.text.endswith(" s") else t.text[0]
+            rows[kind].append((float(t.get("x")), t.text))
+    return rows
+
+
+DEJAVU_DIGIT_PX = 6.36  # Chromium's default sans-serif on Linux: a digit or "b" is 0.636 em of 10 px
+
+
+@pytest.mark.parametrize("zoom", [1, 2, 4, 8, 16, 32, 64])
+def test_header_labels_never_overlap_and_keep_the_first_and_last_at_every_zoom(zoom):
+    # A demo run of many batches at ×1: the labels were thinned from the left only, so the newest
+    # batch's or version's label could be left out (or run past the SVG's right edge), and they were
+    # reckoned 6 px a character, narrower than the browser's default font draws them.
+    view = make_view(groups=150, group_size=2, batch_groups=2)
+    svg = render_timeline(view, zoom, max_spans=10**6, max_groups=10**6)
+    width = float(ET.fromstring(svg).get("width"))
+    rows = _header_rows(svg)
+    for labels in rows.values():
+        for (x1, t1), (x2, _) in itertools.pairwise(labels):
+            assert x2 >= x1 + DEJAVU_DIGIT_PX * len(t1) + 2, f"{t1} at {x1} runs into the next label at {x2}"
+        assert all(x + DEJAVU_DIGIT_PX * len(t) <= width for x, t in labels)
+    assert rows["b"][0][1] == "b0"
+    assert rows["b"][-1][1] == f"b{view.batches[-1].index}"
+    assert rows["v"][0][1] == f"v{view.publications[0][1]}"
+    assert rows["v"][-1][1] == f"v{view.publications[-1][1]}"
+
+
+def test_the_last_label_displaces_the_ones_it_would_run_into():
+    row = _LabelRow(10, right=1000)
+    for x, label in [(0, "b0"), (30, "b1"), (60, "b2"), (70, "b3")]:
+        row.add(x, label)
+    texts = re.findall(r">(b\d+)</text>", row.markup())
+    assert texts == ["b0", "b1", "b3"]  # b2 had room, but b3 is the newest
+    crowded = _LabelRow(10, right=1000)
+    crowded.add(0, "b0")
+    crowded.add(5, "b1")
+    assert re.findall(r">(b\d+)</text>", crowded.markup()) == ["b0"]  # the first, when both cannot be
+
+
+@pytest.mark.parametrize("width", [400, 1100, 1600, 3000])
+def test_the_plot_fills_the_width_asked_for(width):
+    # The page's box is wider than the 1,100 px the timeline was always drawn at, so the plot stopped
+    # short of the box's right edge; the page now asks for its box's width.
+    view = make_view(groups=8, group_size=2, batch_groups=2)
+    root = ET.fromstring(render_timeline(view, width=width))
+    assert float(root.get("width")) == width
+    assert root.get("data-width") == str(width)
+    last = max(s.end for t in view.trajectories.values() for s in t.spans)
+    ends = [
+        float(r.get("x")) + float(r.get("width")) for r in root.iter(f"{SVG}rect") if r.get("class") == "sp"
+    ]
+    # time runs from 0 at the gutter to the run's end 20 px short of the edge (a span is 0.8 px or more)
+    assert max(ends) == pytest.approx(GUTTER + last / max(view.now, last) * (width - GUTTER - 20), abs=1)
+
+
+def test_every_discard_reason_a_row_shows_is_in_the_legend():
+    # An orphaned group (a server restarted under its run) showed "✗ orphaned", which the legend never
+    # explained; so could a report's own reason.
+    view = make_view(groups=8, group_size=2, batch_groups=2)
+    reasons = ["stale", "failed", "cancelled", "zero_variance", "orphaned", "lost in transit"]
+    groups = [replace(g, outcome=r) for g, r in zip(view.groups, reasons, strict=False)]
+    view = replace(view, groups=groups + view.groups[len(reasons) :])
+    shown = {
+        t.text
+        for t in ET.fromstring(render_timeline(view)).iter(f"{SVG}text")
+        if t.text and t.text[:1] in "■✗"
+    }
+    assert len(shown) == len(reasons)
+    legend = discard_legend_html([g.outcome for g in view.groups if g.discarded])
+    for label in shown:
+        assert f">{escape(label)}</b>" in legend
+    assert set(DISCARD_REASONS) <= {label[2:] for label in shown}  # every reason Corral writes is known

@@ -6,6 +6,9 @@
   function box() { return document.getElementById("tl-scroll"); }
   function holder() { return document.getElementById("timeline"); }
 
+  // The timeline's width at zoom 1: the box's, so that the plot fills it (the server's bounds).
+  function width() { return Math.min(Math.max(Math.floor(box().clientWidth), 400), 8000); }
+
   function setZoomControls(zoom) {
     var label = document.getElementById("zoom-label");
     if (label) label.textContent = "Zoom \u00d7" + zoom;
@@ -25,7 +28,8 @@
     var svg = h.querySelector("svg");
     var total = svg ? svg.width.baseVal.value : 1;
     var centre = (b.scrollLeft + b.clientWidth / 2) / total, top = b.scrollTop;
-    fetch(h.dataset.src + "?zoom=" + zoom, { headers: { "HX-Request": "true" }, credentials: "same-origin" })
+    var url = h.dataset.src + "?zoom=" + zoom + "&width=" + width();
+    fetch(url, { headers: { "HX-Request": "true" }, credentials: "same-origin" })
       .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
       .then(function (html) {
         h.innerHTML = html;
@@ -53,6 +57,15 @@
     e.preventDefault();
     load(Number(new URL(a.href).searchParams.get("zoom")));
   });
+  // The page's own timeline is drawn at a default width: redraw it at the box's, and as the box resizes.
+  var resized = null;
+  function fit() {
+    var h = holder(), b = box(), svg = h && h.querySelector("svg");
+    if (!svg || !b) return;
+    if (Number(svg.dataset.width) !== width()) load(Number(h.dataset.zoom));
+  }
+  document.addEventListener("DOMContentLoaded", fit);
+  window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(fit, 250); });
   // The live stream's "timeline" message: the run changed, refresh at the current zoom.
   document.addEventListener("htmx:sseOpen", function (e) {
     e.detail.source.addEventListener("timeline", function () {
