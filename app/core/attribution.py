@@ -20,12 +20,18 @@ Definitions (seconds on the run's clock):
                     above `agent`, any instant of the attempt not covered by a recorded span while
                     *every* engine was loading weights: no turn could be served then (a turn
                     cancelled while it waited, e.g. by the attempt's timeout, leaves no `TurnDone`);
-  5. `model_turn`   a turn's engine call (`TurnDone.start` → `end`);
-  6. `engine_wait`  a turn waiting for an engine slot (`TurnDone.queued_at` → `start`);
-  7. `lane_queue`   a sandbox op waiting in its lane's queue (`SandboxOp.queued_at` → `start`);
-  8. `reset`, `tool_call`, `validate`, `cleanup`  a sandbox op running in the lane of that name
+  5. `engine_outage` inside a turn while every engine was down (`EngineStateChanged` of engine `*`:
+                    `all_down` until its next state), and a turn's engine call that failed (a
+                    `TurnDone` with an error: its engine died under it, or failed it) up to the turn's
+                    retry asking for a slot again; and, ranked just above `agent` (below the update
+                    rule), any instant of the attempt not covered by a recorded span while every engine
+                    was down;
+  6. `model_turn`   a turn's engine call (`TurnDone.start` → `end`);
+  7. `engine_wait`  a turn waiting for an engine slot (`TurnDone.queued_at` → `start`);
+  8. `lane_queue`   a sandbox op waiting in its lane's queue (`SandboxOp.queued_at` → `start`);
+  9. `reset`, `tool_call`, `validate`, `cleanup`  a sandbox op running in the lane of that name
                     (`reset`, `exec`, `validate`, `cleanup`);
-  9. `agent`        inside the attempt, between recorded spans (the agent's own work).
+  10. `agent`       inside the attempt, between recorded spans (the agent's own work).
 
 So the phases of a batch sum to its wait exactly, and the run's phases sum to the trainer's total wait.
 A batch whose groups were all ready before it was asked for has a wait near zero, all of it `handoff`.
@@ -48,6 +54,7 @@ from app.core.events import (
     AttemptRestarted,
     AttemptStarted,
     BatchDelivered,
+    EngineStateChanged,
     EngineUpdateBegin,
     EngineUpdateEnd,
     Envelope,
@@ -64,6 +71,7 @@ PHASES: tuple[str, ...] = (
     "handoff",
     "restart",
     "update_pause",
+    "engine_outage",
     "model_turn",
     "engine_wait",
     "lane_queue",
@@ -79,6 +87,7 @@ PHASE_LABELS: dict[str, str] = {
     "handoff": "hand-off to the trainer",
     "restart": "work thrown away by restarts",
     "update_pause": "weight-update pauses",
+    "engine_outage": "engine outages",
     "model_turn": "model turns",
     "engine_wait": "waits for an engine slot",
     "lane_queue": "lane queues",
@@ -90,8 +99,13 @@ PHASE_LABELS: dict[str, str] = {
 }
 
 LANE_PHASE = {"reset": "reset", "exec": "tool_call", "validate": "validate", "cleanup": "cleanup"}
-# "stalled" (every engine updating, no span recorded) ranks just above "agent"; it counts as update_pause.
-_RANK: dict[str, float] = {name: i for i, name in enumerate(PHASES)} | {"stalled": len(PHASES) - 1.5}
+# "stalled" (every engine updating, no span recorded) ranks just above "agent" and counts as update_pause;
+# "unserved" (every engine down, no span recorded) ranks just below it and counts as engine_outage.
+_RANK: dict[str, float] = {name: i for i, name in enumerate(PHASES)} | {
+    "stalled": len(PHASES) - 1.5,
+    "unserved": len(PHASES) - 1.25,
+}
+_COUNTS_AS = {"stalled": "update_pause", "unserved": "engine_outage"}
 
 Interval = tuple[float, float]
 
@@ -190,6 +204,17 @@ class _Attempt:
         return out
 
     @property
+    def failed_calls(self) -> list[Interval]:
+        """Each failed engine call, from its start until the turn asked for a slot again (its next op,
+        a retry) or, when the attempt went on no further, the call's end."""
+        out: list[Interval] = []
+        for ev, after in itertools.zip_longest(self.ops, self.ops[1:]):
+            if isinstance(ev, TurnDone) and ev.error is not None:
+                retry = after.queued_at if isinstance(after, TurnDone) else ev.end
+                out.append((ev.start, max(ev.end, retry)))
+        return out
+
+    @property
     def turns(self) -> list[tuple[str, float, float, float]]:
         """engine, queued, start, end of each turn"""
         return [(ev.engine, ev.queued_at, ev.start, ev.end) for ev in self.ops if isinstance(ev, TurnDone)]
@@ -199,7 +224,7 @@ class WaitAccumulator:
     """Folds the stream in sequence order; at each `BatchDelivered` it works out that batch's critical
     path, then forgets the batch's groups (and a discarded group's attempts at its discard).
 
-    Memory: the spans of groups not yet ended, the weight-update windows and one `BatchWait` per
+    Memory: the spans of groups not yet ended, the weight-update and outage windows and one `BatchWait` per
     batch. So the runtime can keep one beside its report, and the result equals `attribute_waits`
     over the same envelopes.
     """
@@ -211,6 +236,8 @@ class WaitAccumulator:
         self._updates: dict[str, list[Interval]] = defaultdict(list)
         self._open_updates: dict[str, float] = {}
         self._engines: set[str] = set()
+        self._outages: list[Interval] = []  # every engine down
+        self._outage_since: float | None = None
         self._batches: list[BatchWait] = []
         self._phases = dict.fromkeys(PHASES, 0.0)
 
@@ -258,6 +285,12 @@ class WaitAccumulator:
             begin = self._open_updates.pop(ev.engine, None)
             if begin is not None:
                 self._updates[ev.engine].append((begin, t))
+        elif isinstance(ev, EngineStateChanged):
+            if ev.engine == "*" and ev.state == "all_down":
+                self._outage_since = t if self._outage_since is None else self._outage_since
+            elif ev.engine == "*" and self._outage_since is not None:
+                self._outages.append((self._outage_since, t))
+                self._outage_since = None
         elif isinstance(ev, GroupDiscarded):
             self._forget(ev.group_id)
         elif isinstance(ev, BatchDelivered):
@@ -282,6 +315,13 @@ class WaitAccumulator:
             out[engine] = [(b, e) for b, e in ivs if b < hi]
         return out
 
+    def _all_down(self, lo: float, hi: float) -> list[Interval]:
+        """The windows with every engine down that overlap [lo, hi]; one still open ends at `hi`."""
+        ivs = [(b, e) for b, e in reversed(self._outages) if e > lo]
+        if self._outage_since is not None:
+            ivs.append((self._outage_since, hi))
+        return [(b, e) for b, e in ivs if b < hi]
+
     def _critical(self, group_ids: Iterable[int]) -> tuple[int | None, int | None]:
         best: tuple[float, int] | None = None
         for gid in group_ids:
@@ -305,7 +345,8 @@ class WaitAccumulator:
             updates = self._windows(*window)
             stalled = _all_updating(updates, len(self._engines))
             attempt = self._attempts[gid][attempt_no]
-            labelled = _labelled(self._admitted.get(gid), attempt, window, updates, stalled)
+            outages = self._all_down(*window)
+            labelled = _labelled(self._admitted.get(gid), attempt, window, updates, stalled, outages)
             phases = _split(labelled, window)
         for p, sec in phases.items():
             self._phases[p] += sec
@@ -347,6 +388,7 @@ def _labelled(
     window: Interval,
     updates: dict[str, list[Interval]],
     stalled: list[Interval],
+    outages: list[Interval],
 ) -> list[tuple[float, float, str]]:
     lo, hi = window
     out: list[tuple[float, float, str]] = []
@@ -359,8 +401,12 @@ def _labelled(
     for engine, queued, _, end in attempt.turns:
         for b, e in updates.get(engine, ()):
             out.append((max(queued, b), min(end, e), "update_pause"))
+        for b, e in outages:
+            out.append((max(queued, b), min(end, e), "engine_outage"))
+    out.extend((b, e, "engine_outage") for b, e in attempt.failed_calls)
     out.extend(attempt.spans)
     out.extend((b, e, "stalled") for b, e in stalled)
+    out.extend((b, e, "unserved") for b, e in outages)
     return [(max(a, lo), min(b, hi), p) for a, b, p in out if min(b, hi) > max(a, lo)]
 
 
@@ -378,7 +424,7 @@ def _split(labelled: list[tuple[float, float, str]], window: Interval) -> dict[s
         # Spans are few per attempt (tens to hundreds); a prefix scan is enough.
         covering = [p for s, e, p in by_start[: bisect.bisect_right(starts, mid)] if e > mid]
         phase = min(covering, key=_RANK.__getitem__) if covering else "agent"
-        phases["update_pause" if phase == "stalled" else phase] += b - a
+        phases[_COUNTS_AS.get(phase, phase)] += b - a
     return phases
 
 

@@ -20,6 +20,7 @@ PHASE_FILL = {
     "handoff": "#dddddd",
     "restart": "#b00020",
     "update_pause": "#e0457b",
+    "engine_outage": "#5a0010",
     "model_turn": "url(#pat-model_turn)",
     "engine_wait": "url(#pat-engine_wait)",
     "lane_queue": "url(#pat-lane_queue)",

@@ -9,6 +9,7 @@ from app.core.events import (
     AttemptStarted,
     BatchDelivered,
     BatchRequested,
+    EngineStateChanged,
     EngineUpdateBegin,
     EngineUpdateEnd,
     Envelope,
@@ -249,3 +250,49 @@ def test_time_with_every_engine_updating_and_no_recorded_span_is_an_update_pause
     (batch,) = attribute_waits(stream).batches
     assert batch.phases["update_pause"] == pytest.approx(5.0)  # 2..7: both engines loading
     assert batch.phases["agent"] == pytest.approx(3.0)  # 1..2 and 7..9
+
+
+def test_a_turn_held_up_by_every_engine_being_down_counts_as_an_engine_outage():
+    # Every engine went down for a while: the straggler's turn failed on its dying engine (1..3), the
+    # runtime probed it (3..3.5), and the retry waited for a restart (3.5..8). That read as model turns
+    # and engine-slot waits: an operator could not tell the slow batch was an outage.
+    stream = make_stream(
+        *by_time(
+            [(0.0, GroupAdmitted(0, 0, 2))],
+            [(0.0, AttemptStarted(0, 1)), (1.0, TurnDone(0, 1, "engine-0", 0, 0.0, 0.0, 1.0, 10))],
+            [(3.0, TurnDone(0, 1, "engine-0", -1, 1.0, 1.0, 3.0, 0, "EngineUnreachable: gone"))],
+            [(3.0, EngineStateChanged("engine-0", "unhealthy")), (3.0, EngineStateChanged("*", "all_down"))],
+            [(8.0, EngineStateChanged("engine-1", "serving")), (8.0, EngineStateChanged("*", "serving"))],
+            [(10.0, TurnDone(0, 1, "engine-1", 0, 3.5, 8.0, 10.0, 10))],
+            [(11.0, SandboxOp(0, 1, "validate", 10.0, 10.0, 11.0)), (11.0, AttemptFinished(0, 1, 1.0))],
+            make_attempt(0, 0, 0.0, ("turn", 0.0, 0.0, 2.0), finish=2.0, engine="engine-1"),
+            [(11.0, GroupReady(0))],
+            make_batch(0, [0], requested=0.0, delivered=11.0),
+        )
+    )
+    result = attribute_waits(stream)
+    (batch,) = result.batches
+    assert batch.phases["engine_outage"] == pytest.approx(7.0)  # 1..8
+    assert batch.phases["model_turn"] == pytest.approx(3.0)  # 0..1 and 8..10
+    assert batch.phases["engine_wait"] == 0.0
+    assert batch.phases["validate"] == pytest.approx(1.0)
+    assert math.fsum(batch.phases.values()) == pytest.approx(batch.wait_s)
+    assert batch.largest() == "engine_outage"
+    assert "7.0 s on engine outages" in result.summary()
+
+
+def test_time_with_every_engine_down_and_no_recorded_span_is_an_engine_outage():
+    # The straggler's turn was cancelled while every engine was down (no TurnDone): not agent work.
+    stream = make_stream(
+        *by_time(
+            [(0.0, GroupAdmitted(0, 0, 2))],
+            make_attempt(0, 0, 0.0, ("turn", 0.0, 0.0, 1.0), ("validate", 9.0, 9.0, 10.0), finish=10.0),
+            make_attempt(0, 1, 0.0, ("turn", 0.0, 0.0, 1.0), finish=1.0, engine="engine-1"),
+            [(2.0, EngineStateChanged("*", "all_down")), (6.0, EngineStateChanged("*", "serving"))],
+            [(10.0, GroupReady(0))],
+            make_batch(0, [0], requested=0.0, delivered=10.0),
+        )
+    )
+    (batch,) = attribute_waits(stream).batches
+    assert batch.phases["engine_outage"] == pytest.approx(4.0)  # 2..6
+    assert batch.phases["agent"] == pytest.approx(4.0)  # 1..2 and 6..9

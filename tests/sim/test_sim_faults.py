@@ -3,13 +3,15 @@ list, and the production runtime rides them out the same way: batches keep comin
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from typing import Any
 
 import pytest
 from factories import make_workload_data
 
-from app.core.events import EngineStateChanged, EngineUpdateEnd, Envelope
+from app.core.events import EngineStateChanged, EngineUpdateEnd, Envelope, TurnDone
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload, WorkloadError, load_workload
 
@@ -93,3 +95,32 @@ def test_a_simulation_keeps_its_own_warnings_quiet_and_leaves_the_driver_logger_
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("app.runtime.driver")]
     assert "beside: unhealthy" in messages  # the driver logger was not raised to ERROR meanwhile
     assert not [m for m in messages if not m.startswith("beside: ")]  # the simulation's own: none
+
+
+def test_the_wait_while_every_engine_is_down_is_attributed_to_the_outage() -> None:
+    # Every engine down from 10 s to 25 s, mid-turn: the batch it held read as "model turns", so an
+    # operator could not tell the slow batch was an outage. It is the phase engine_outage: the straggler's
+    # call that failed as its engine went down, then its retry's wait for an engine to come back.
+    down = [{"kind": "engine_down", "engine": e, "at_s": 10.0, "for_s": 15.0} for e in (0, 1)]
+    report, envelopes = run_with_faults(down)
+    assert [(t, state) for t, state, _ in engine_states(envelopes, "*")] == [
+        (10.0, "all_down"),
+        (25.0, "serving"),
+    ]
+    waits = report["wait_attribution"]
+    held = next(
+        b for b in waits["batches"] if b["requested_at"] <= 10.0 and b["requested_at"] + b["wait_s"] >= 25.0
+    )
+    turns = [
+        env.event
+        for env in envelopes
+        if isinstance(env.event, TurnDone)
+        and (env.event.group_id, env.event.attempt) == (held["group"], held["attempt"])
+    ]
+    failed = [(turn.start, after.queued_at) for turn, after in itertools.pairwise(turns) if turn.error]
+    assert failed  # the straggler's turn was on an engine as it went down
+    assert all(start < 10.0 <= retry for start, retry in failed)
+    assert held["phases"]["engine_outage"] == pytest.approx(15.0 + sum(r - s for s, r in failed), abs=1e-5)
+    assert held["largest"] == "engine_outage"
+    assert math.fsum(held["phases"].values()) == pytest.approx(held["wait_s"], abs=1e-5)
+    assert "on engine outages" in waits["summary"]

@@ -8,9 +8,12 @@ from dataclasses import replace
 
 import httpx
 import pytest
+from factories import make_workload_data
 from fastapi import FastAPI, Request
 
 from app.core.events import Envelope, PolicyChanged
+from app.sim.run import policy_for, simulate
+from app.sim.workload import Workload
 from app.web.backend import ActionRefused
 from app.web.readmodel import GroupRow, RunMeta, view_from_events
 from app.web.security import AccessConfig
@@ -958,3 +961,23 @@ def test_a_long_run_s_per_step_chart_labels_every_nth_step_without_overlap():
         assert x2 - x1 >= (charts._label_width(t1) + charts._label_width(t2)) / 2 + 2, f"{t1} runs into {t2}"
     few = charts.bar_chart("t", ["0", "1", "2"], [1.0, 2.0, 3.0])
     assert len(re.findall(rf'y="{charts.H - charts.PAD_B + 11}"', few)) == 3  # all fit: each labelled
+
+
+@pytest.fixture
+def outage_view():
+    """A simulated run with every engine down from 10 s to 25 s, mid-turn (simulated outside the test's
+    event loop)."""
+    down = [{"kind": "engine_down", "engine": e, "at_s": 10.0, "for_s": 15.0} for e in (0, 1)]
+    workload = Workload.model_validate(make_workload_data(batches=6, faults=down))
+    envelopes: list[Envelope] = []
+    simulate(workload, policy_for(workload, "full"), "full", events=envelopes.append)
+    return view_from_events("live-1", envelopes, RunMeta(state="running"))
+
+
+async def test_the_run_page_names_an_engine_outage_on_the_critical_path(outage_view):
+    # The wait the outage caused read as model turns and engine-slot waits.
+    client, _ = make_client(live=OneRun(outage_view))
+    async with client:
+        page = (await client.get("/runs/live-1")).text
+    assert re.search(r"<td>engine outages</td><td class=\"num\">18\.5</td>", page)
+    assert re.search(r"engine outages \(18\.5 s\)", page)  # batch 0: who held it, and by what
