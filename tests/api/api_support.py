@@ -31,6 +31,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def serve_env(
+    tmp_path: Path, database_url: str, port: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a `corral serve` subprocess on `database_url` and `port`, with its data under
+    `tmp_path` and the test operator token; on top of `base` (default: this process's environment)."""
+    return {
+        **(dict(os.environ) if base is None else base),
+        "CORRAL_DATABASE_URL": database_url,
+        "CORRAL_OPERATOR_TOKEN": TOKEN,
+        "CORRAL_PORT": str(port),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+
+
 def make_settings(tmp_path: Path, database_url: str, **overrides: Any) -> Settings:
     fields: dict[str, Any] = {
         "database_url": database_url,

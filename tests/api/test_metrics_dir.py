@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from api_support import TOKEN, free_port, wait_for
+from api_support import free_port, serve_env, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 WRITER = """
@@ -43,14 +43,9 @@ def _writer(prom_dir: Path, *, stay: bool) -> subprocess.Popen[str]:
 @contextmanager
 def _serve(tmp_path: Path, prom_dir: Path) -> Iterator[str]:
     port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
-        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
-        "CORRAL_OPERATOR_TOKEN": TOKEN,
-        "CORRAL_PORT": str(port),
-        "CORRAL_DATA_DIR": str(tmp_path / "data"),
-        "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
-    }
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env = serve_env(tmp_path, f"sqlite:///{tmp_path / 'corral.db'}", port, base=outside)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
     url = f"http://127.0.0.1:{port}"
     with (tmp_path / "serve.log").open("ab") as log:
         proc = subprocess.Popen(

@@ -5,7 +5,6 @@ in flight), with no gap in the stored stream and no group id used twice."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from api_support import TOKEN, free_port, make_run, wait_for
+from api_support import TOKEN, free_port, make_run, serve_env, wait_for
 
 from app.service.store import ServiceStore
 from app.store.repos import BatchRepo
@@ -57,13 +56,7 @@ def _on_sqlite(tmp_path: Path) -> tuple[dict[str, str], str, Path, httpx.Client]
     """A `corral serve` on SQLite in `tmp_path`, on a free port: its environment, URL and log file, and
     an API client holding the operator token."""
     port = free_port()
-    env = {
-        **os.environ,
-        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
-        "CORRAL_OPERATOR_TOKEN": TOKEN,
-        "CORRAL_PORT": str(port),
-        "CORRAL_DATA_DIR": str(tmp_path / "data"),
-    }
+    env = serve_env(tmp_path, f"sqlite:///{tmp_path / 'corral.db'}", port)
     url = f"http://127.0.0.1:{port}"
     api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     return env, url, tmp_path / "serve.log", api
@@ -75,13 +68,7 @@ def test_kill_9_mid_run_then_restart_resumes_and_accounts_for_every_group(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     db = backend_url  # SQLite, then Postgres: one fresh database per backend for the test session
-    env = {
-        **os.environ,
-        "CORRAL_DATABASE_URL": db,
-        "CORRAL_OPERATOR_TOKEN": TOKEN,
-        "CORRAL_PORT": str(port),
-        "CORRAL_DATA_DIR": str(tmp_path / "data"),
-    }
+    env = serve_env(tmp_path, db, port)
     log = tmp_path / "serve.log"
     api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0.05, speed=8.0)
