@@ -282,9 +282,12 @@ class LanePool(CpuPool):
 
 def water_fill(demand: Mapping[str, float], weights: Mapping[str, float], cores: float) -> dict[str, float]:
     """Weighted max-min fair allocation of `cores` among `demand`: nobody gets more than it asks, and
-    the cores nobody takes are split in proportion to `weights` among those that want more."""
+    the cores nobody takes are split in proportion to `weights` among those that want more. Every sum runs
+    in `demand`'s order (a dict, not a set: a set of names iterates in an order that changes from one
+    process to the next with string hashing, and float sums in another order differ in the last bit,
+    which moved a cpu-scarce simulation's event times by one ulp from one process to the next)."""
     alloc = dict.fromkeys(demand, 0.0)
-    wanting = {name for name, d in demand.items() if d > 0}
+    wanting = dict.fromkeys(name for name, d in demand.items() if d > 0)
     left = cores
     while wanting and left > _EPS:
         total_w = sum(weights[name] for name in wanting)
@@ -297,7 +300,7 @@ def water_fill(demand: Mapping[str, float], weights: Mapping[str, float], cores:
         for name in sated:
             left -= demand[name] - alloc[name]
             alloc[name] = demand[name]
-            wanting.discard(name)
+            del wanting[name]
     return alloc
 
 
