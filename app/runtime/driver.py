@@ -378,7 +378,11 @@ class Runtime:
         if self._adapting is not None:
             self._adapting.cancel()
         if self._update_tasks and self._tg is not None:
-            self._tg.create_task(self._abandon_updates(list(self._update_tasks.values())))
+            abandon = self._abandon_updates(list(self._update_tasks.values()))
+            try:
+                self._tg.create_task(abandon)
+            except RuntimeError:  # stopped at once: the group has ended, and its updates with it
+                abandon.close()  # else "coroutine was never awaited" on stderr after a Ctrl-C's one line
         self._apply(self.scheduler.on_stop(self.now()))
 
     async def _trainer_loop(self, batches: int | None, duration_s: float | None) -> None:
