@@ -84,6 +84,61 @@ def guard_forks() -> None:
         )
 
 
+def keep_ctrl_c_out_of_finalizers() -> None:
+    """A Ctrl-C whose KeyboardInterrupt is raised inside a finalizer (an object's `__del__`, which the
+    cyclic collector runs at any allocation) is printed as "Exception ignored in ..." and lost: `corral
+    bench --family` went on to its next simulation, the press gone (CI, 2026-12-03: the press landed
+    in the collection each simulation ends with). From here on such a KeyboardInterrupt is raised again
+    where the main thread next runs code of its own, and nothing is printed; SIGINT's handler is then
+    put back as it was (an `interruptible_once` that took the press ignores the next ones). Once per
+    process.
+
+    Raised again from a one-shot SIGINT handler that another thread trips (`_thread.interrupt_main`):
+    tripped from the hook itself, the handler ran inside the hook, where its exception was lost too.
+    One that still runs inside the hook trips itself again instead of raising."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_corral_ctrl_c", False):
+        return
+    main_thread = _thread.get_ident()
+    in_hook: list[bool] = []
+
+    def trip_soon() -> None:
+        _thread.start_new_thread(_thread.interrupt_main, (_signal.SIGINT,))
+
+    def raise_again(then: Any) -> None:
+        def once(signum: int, frame: FrameType | None) -> None:
+            if in_hook:
+                trip_soon()
+                return
+            if _signal.getsignal(_signal.SIGINT) is once:
+                _signal.signal(_signal.SIGINT, then)
+            raise KeyboardInterrupt
+
+        once._corral_once = True  # type: ignore[attr-defined]
+        _signal.signal(_signal.SIGINT, once)
+        trip_soon()
+
+    def hook(unraisable: Any) -> None:
+        if not (
+            isinstance(unraisable.exc_type, type)
+            and issubclass(unraisable.exc_type, KeyboardInterrupt)
+            and _thread.get_ident() == main_thread
+            and not sys.is_finalizing()
+        ):
+            previous(unraisable)
+            return
+        in_hook.append(True)
+        try:
+            current = _signal.getsignal(_signal.SIGINT)
+            if not getattr(current, "_corral_once", False):  # else already on its way
+                raise_again(current)
+        finally:
+            in_hook.pop()
+
+    hook._corral_ctrl_c = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def hold() -> None:
     """Remember stop signals from now on instead of acting on them. A signal this process was started
     ignoring (a shell's background job ignores SIGINT) stays ignored. Forks are guarded from here on

@@ -21,6 +21,14 @@ Celery worker's main process), and `corral serve` empties the directory only whe
 is granted at once; a `corral serve` restarted alone, while orchestrator workers go on, leaves the
 files as they are (emptying them would take the workers' counts away).
 
+A run's labelled series go away `RUN_SERIES_GRACE_S` after it ends (`forget_run`, then `expire` at a
+later scrape): the grace lets Prometheus scrape their last values, and a server that drives run after
+run does not keep every one's series for its life. The `corral_runs_*` counters carry no run label
+and keep the totals over every run, ended ones included. In multiprocess mode prometheus_client cannot
+remove a series (the values stay in the processes' files until the directory is emptied), so the
+exposition leaves out the series of runs this process saw end and expire; those of a run that ended in
+another process (an orchestrator worker) stay until the control plane restarts.
+
 Each `CorralMetrics` has its own registry (an app factory builds one per app, so tests can build
 several); in multiprocess mode all of them write to the shared directory.
 """
@@ -29,7 +37,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +52,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import multiprocess as prom_multiprocess
+from prometheus_client.metrics_core import Metric
 
 from app.core.events import (
     BatchDelivered,
@@ -55,6 +66,12 @@ from app.core.events import (
 COLLECTION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, float("inf"))
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, float("inf"))
 
+
+# The per-run metrics with a second label (reason, engine, lane): their children are noted (`labelled`).
+TWO_LABELS = frozenset({"corral_discarded_groups", "corral_engine_weight_version", "corral_lane_queue_depth"})
+# How long a run's labelled series stay after it ends: several scrape intervals, so its last values are
+# scraped before they go.
+RUN_SERIES_GRACE_S = 300.0
 
 LOCK_NAME = ".corral-metrics.lock"
 _held: dict[str, int] = {}  # multiprocess directory -> the descriptor of its lock, held for life
@@ -101,8 +118,19 @@ def empty_multiprocess_dir() -> list[str] | None:
 
 
 class CorralMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        grace_s: float = RUN_SERIES_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         hold_multiprocess_dir()
+        self.grace_s = grace_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._expiring: dict[str, float] = {}  # ended runs -> when their series go
+        self._children: dict[str, set[tuple[str, str]]] = {}  # run -> (metric, second label) it set
+        self._gone: set[str] = set()  # multiprocess mode: expired runs, left out of the exposition
         # In multiprocess mode values live in files; the registry only matters in single-process mode.
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         reg = self.registry
@@ -151,6 +179,34 @@ class CorralMetrics:
         self.events = Counter(
             "corral_events", "Run events observed by the metrics sink", ["run"], registry=reg
         )
+        # Totals over every run, ended ones included: they outlive the runs' own series.
+        self.all_trainer_idle = Counter(
+            "corral_runs_trainer_idle_seconds", "Time trainers waited for batches, all runs", registry=reg
+        )
+        self.all_batches = Counter(
+            "corral_runs_batches_delivered", "Trainer batches delivered, all runs", registry=reg
+        )
+        self.all_discarded_groups = Counter(
+            "corral_runs_discarded_groups", "Groups discarded by reason, all runs", ["reason"], registry=reg
+        )
+        self.all_events = Counter("corral_runs_events", "Run events observed, all runs", registry=reg)
+        self._per_run: dict[str, Any] = {
+            "corral_trainer_idle_seconds": self.trainer_idle,
+            "corral_batch_collection_seconds": self.batch_collection,
+            "corral_batches_delivered": self.batches,
+            "corral_groups_in_flight": self.groups_in_flight,
+            "corral_group_staleness": self.group_staleness,
+            "corral_engine_weight_version": self.engine_weight_version,
+            "corral_lane_queue_depth": self.lane_queue_depth,
+            "corral_discarded_groups": self.discarded_groups,
+            "corral_events": self.events,
+        }
+
+    def labelled(self, run_id: str, metric: str, second: str) -> Any:
+        """The child of a two-label per-run metric, noted so that `expire` can remove it."""
+        with self._lock:
+            self._children.setdefault(run_id, set()).add((metric, second))
+        return self._per_run[metric].labels(run_id, second)
 
     def sink(self, run_id: str) -> MetricsSink:
         return MetricsSink(self, run_id)
@@ -159,23 +215,66 @@ class CorralMetrics:
         """Set the gauges the event stream does not carry from a live run's view."""
         self.groups_in_flight.labels(run_id).set(float(live.get("groups_live", 0)))
         for lane, stats in live.get("lanes", {}).items():
-            self.lane_queue_depth.labels(run_id, lane).set(float(stats["queue_depth"]))
+            self.labelled(run_id, "corral_lane_queue_depth", lane).set(float(stats["queue_depth"]))
         for engine, version in live.get("engine_versions", {}).items():
-            self.engine_weight_version.labels(run_id, engine).set(float(version))
+            self.labelled(run_id, "corral_engine_weight_version", engine).set(float(version))
 
     def forget_run(self, run_id: str, live: dict[str, Any]) -> None:
-        """A run ended: its gauges go to zero (a finished run has nothing in flight or queued)."""
+        """A run ended: its gauges go to zero (a finished run has nothing in flight or queued), and its
+        series go `grace_s` from now (`expire`)."""
         self.groups_in_flight.labels(run_id).set(0)
         for lane in live.get("lanes", {}):
-            self.lane_queue_depth.labels(run_id, lane).set(0)
+            self.labelled(run_id, "corral_lane_queue_depth", lane).set(0)
+        with self._lock:
+            self._expiring[run_id] = self._clock() + self.grace_s
+
+    def drop_run(self, run_id: str) -> None:
+        """A run deleted: its series go at the next `expire`, whatever is left of its grace."""
+        with self._lock:
+            self._expiring[run_id] = float("-inf")
+
+    def expire(self) -> list[str]:
+        """Remove the series of the runs whose grace after their end has passed; the runs removed."""
+        now = self._clock()
+        with self._lock:
+            due = [run_id for run_id, at in self._expiring.items() if at <= now]
+            for run_id in due:
+                del self._expiring[run_id]
+            children = {run_id: self._children.pop(run_id, set()) for run_id in due}
+            if multiprocess_dir() is not None:  # no removal there: the exposition leaves them out
+                self._gone.update(due)
+                return due
+        for run_id in due:
+            for name, metric in self._per_run.items():
+                if name not in TWO_LABELS:
+                    metric.remove(run_id)
+            for name, second in children[run_id]:
+                self._per_run[name].remove(run_id, second)
+        return due
 
     def exposition(self) -> tuple[bytes, str]:
         path = multiprocess_dir()
         if path is not None:
             registry = CollectorRegistry()
-            prom_multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+            files = prom_multiprocess.MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+            with self._lock:
+                gone = frozenset(self._gone)
+            registry.register(_Without(files, gone))
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Without:
+    """A collector: another's families without the samples of the runs in `runs`."""
+
+    def __init__(self, inner: Any, runs: frozenset[str]) -> None:
+        self.inner = inner
+        self.runs = runs
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            family.samples = [s for s in family.samples if s.labels.get("run") not in self.runs]
+            yield family
 
 
 class MetricsSink:
@@ -188,6 +287,7 @@ class MetricsSink:
     def write_batch(self, envelopes: Sequence[Envelope]) -> None:
         m, run = self.m, self.run_id
         m.events.labels(run).inc(len(envelopes))
+        m.all_events.inc(len(envelopes))
         for env in envelopes:
             ev = env.event
             if isinstance(ev, BatchDelivered):
@@ -195,12 +295,15 @@ class MetricsSink:
                 m.batch_collection.labels(run).observe(wait)
                 m.trainer_idle.labels(run).inc(wait)
                 m.batches.labels(run).inc()
+                m.all_trainer_idle.inc(wait)
+                m.all_batches.inc()
             elif isinstance(ev, GroupDelivered):
                 m.group_staleness.labels(run).observe(ev.staleness)
             elif isinstance(ev, GroupDiscarded):
-                m.discarded_groups.labels(run, ev.reason).inc()
+                m.labelled(run, "corral_discarded_groups", ev.reason).inc()
+                m.all_discarded_groups.labels(ev.reason).inc()
             elif isinstance(ev, EngineUpdateEnd) and ev.ok:
-                m.engine_weight_version.labels(run, ev.engine).set(ev.version)
+                m.labelled(run, "corral_engine_weight_version", ev.engine).set(ev.version)
             elif isinstance(ev, GroupAdmitted):
                 pass  # in flight is sampled from the scheduler (ready groups leave without an event)
 

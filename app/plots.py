@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.outputs import save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLOURS = {
     "delivered": "tab:green",
@@ -20,6 +23,27 @@ def plot_timeline(report: dict[str, Any], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(report)
+    save_figure(fig, out, dpi=110)
+    plt.close(fig)
+
+
+def timeline_title(report: dict[str, Any]) -> str:
+    """`full: 3 batches, mean collection 12.5 s; ...`. A run stopped before its first batch says so: its
+    report's mean is 0.0 (of no batch), which the title gave as `0 batches, mean collection 0.0 s`."""
+    batches = report["batches"]
+    legend = "thick: running, thin: ready and waiting for its batch"
+    if not batches:
+        return f"{report['policy']}: no batch delivered; {legend}"
+    count = f"{batches} batch{'' if batches == 1 else 'es'}"
+    mean = report["batch_collection_s"]["mean"]
+    return f"{report['policy']}: {count}, mean collection {mean:.1f} s; {legend}"
+
+
+def timeline_figure(report: dict[str, Any]) -> Figure:
+    """The figure of `plot_timeline`."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -54,11 +78,6 @@ def plot_timeline(report: dict[str, Any], out: Path) -> None:
     ax.legend(handles=handles, loc="upper left", fontsize=8, ncols=4)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("group (admission order)")
-    bc = report["batch_collection_s"]
-    ax.set_title(
-        f"{report['policy']}: {report['batches']} batches, mean collection {bc['mean']:.1f} s; "
-        "thick: running, thin: ready and waiting for its batch"
-    )
+    ax.set_title(timeline_title(report))
     fig.tight_layout()
-    save_figure(fig, out, dpi=110)
-    plt.close(fig)
+    return fig

@@ -19,6 +19,7 @@ DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psyco
 
 
 MIN_ACK_TIMEOUT_S = 0.1
+MIN_SPILL_BYTES = 1024**2
 
 
 def _default_database_url() -> str:
@@ -72,6 +73,47 @@ class Settings(BaseSettings):
         description="an offered batch not acked in this time is offered again",
     )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
+    spill_dir: Path | None = Field(
+        None,
+        description="where a run's store sink keeps the events its buffer cannot hold while the database "
+        "is away or slow, until it writes them (a directory on local disk); default: under each run's "
+        "directory in data_dir",
+    )
+    spill_max_bytes: int = Field(
+        4 * 1024**3,
+        ge=MIN_SPILL_BYTES,
+        le=2**50,
+        description="the most a run's spill holds on disk; past it, events are dropped (counted)",
+    )
+
+    # How long the store waits for a database that is away or busy; the tests shorten them here too
+    store_outage_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="how long a run's writers wait out a database that is away or locked before a write "
+        "counts as failed (the store sink tries its batch again later)",
+    )
+    sqlite_busy_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="how long one SQLite transaction waits for another writer's lock before it counts as "
+        "an outage",
+    )
+    store_buffer: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="events a run's store sink holds in memory; past them, they go to its spill",
+    )
+    sink_retry_max_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="the longest pause before the store sink tries a batch the database refused again "
+        "(the pauses double from 0.5 s up to it)",
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -87,6 +129,22 @@ class Settings(BaseSettings):
                 f"{value!r}: an in-memory database would lose every run when the server stops; "
                 "give a file, e.g. sqlite:///corral.db"
             )
+        return value
+
+    @field_validator("spill_dir")
+    @classmethod
+    def _writable_spill_dir(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        import os
+
+        existing = value
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"{str(value)!r}: {str(existing)!r} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{str(value)!r}: {str(existing)!r} is not writable")
         return value
 
     @field_validator("host")

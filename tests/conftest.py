@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The tests send real stop signals to the processes they start (`corral run`, `corral serve`, engines).
+# A process inherits the signals its parent ignores, and a shell ignores SIGINT and SIGQUIT for a job it
+# starts in the background (`make test &`, as a script does), so each process a test started from such
+# a pytest began with them ignored, unlike a user's. Put back, they are what a terminal gives, and
+# pytest's own handling of Ctrl-C comes back too.
+for _sig, _default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL),
+                       (signal.SIGQUIT, signal.SIG_DFL)):  # fmt: skip
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _default)
 
 
 @pytest.fixture

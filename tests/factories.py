@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +73,26 @@ def make_run_ended_mid_rollout() -> list[tuple[float, Event]]:
         (3.0, EngineUpdateBegin("e0", 2)),
         (4.0, RunEnded("stopped")),
     ]
+
+
+def redis_answers(host: str = "127.0.0.1", port: int = 6379) -> bool:
+    """Does a Redis answer PING on `host:port` (the tests that need the real broker skip without it)?"""
+    try:
+        with socket.create_connection((host, port), timeout=2) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def wait_for(
+    check: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition", every_s: float = 0.05
+) -> Any:
+    """`check()`'s first true value, asked every `every_s`; an AssertionError naming `what` after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(every_s)
+    return value

@@ -211,6 +211,20 @@ CASES: dict[str, Case] = {
         ["t.jsonl", "line 1", "reward"],
         {"w.json": workload(trace="t.jsonl"), "t.jsonl": json.dumps({"task": "a"}) + "\n"},
     ),
+    # --family ran without its sweeps and without a word, after minutes of simulation
+    "bench --family --surplus-sweep": Case(
+        ["bench", "--family", "--json", "f.json", "--surplus-sweep", "0,1"],
+        ["--family", "no sweep", "--surplus-sweep"],
+    ),
+    "bench --family --staleness-sweep": Case(
+        ["bench", "--family", "--json", "f.json", "--staleness-sweep", "3"],
+        ["--family", "no sweep", "--staleness-sweep"],
+    ),
+    # a name near a built-in one said only "No such file or directory"
+    "sim --workload cpu_scarce": Case(
+        ["sim", "--workload", "cpu_scarce"],
+        ["cannot read workload cpu_scarce", "the built-in workloads are default, design, cpu-scarce"],
+    ),
     "workload path with [": Case(["sim", "--workload", "d[red]/w.yaml"], ["d[red]/w.yaml"]),
     "config path with [ and a bad field": Case(
         ["run", "--config", "c[bold].yaml", "--json", "o.json"],

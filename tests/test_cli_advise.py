@@ -265,7 +265,9 @@ def test_advise_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     progress = [line for line in done.stderr.splitlines() if PROGRESS_LINE.fullmatch(line)]
     assert progress, done.stderr
-    assert progress[0].startswith("advise: 1/1 simulations, ")  # once the current settings are simulated
+    first = re.match(r"advise: 1/(\d+) simulations, ", progress[0])  # once the current settings are simulated
+    assert first is not None, progress
+    assert int(first[1]) > 1  # of the whole search, not of the current settings' round alone
     assert json.loads(done.stdout)["complete"] is True
 
 
@@ -482,3 +484,20 @@ def test_the_updating_engines_advise_recommends_can_be_set_in_a_workload(
     assert round(sum(report["wasted_trajectory_s"].values()), 3) == advised.wasted_trajectory_s
     # And advise starts from it: the workload's own value is the current settings'.
     assert current_settings(Workload.model_validate(data)).max_updating_engines == 1
+
+
+def test_progress_lines_can_hold_back_until_the_work_has_taken_a_while() -> None:
+    """`trace import` of a large run said nothing for its 10 s; a quick one should still say only its
+    result. With `quiet_s` the first line comes once that long has passed, then every ten seconds."""
+    now = [0.0]
+    written: list[str] = []
+    lines = ProgressLines(
+        "trace import", "results.json files", clock=lambda: now[0], write=written.append, quiet_s=5.0
+    )
+    for t, done in [(0.1, 1), (4.9, 900), (5.0, 1000), (9.0, 1800), (15.0, 3000), (15.5, 3100)]:
+        now[0] = t
+        lines(done, 30_000)
+    assert written == [
+        "trace import: 1000/30000 results.json files, 5 s",
+        "trace import: 3000/30000 results.json files, 15 s",
+    ]

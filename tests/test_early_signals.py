@@ -63,3 +63,64 @@ def test_corral_holds_ctrl_c_before_it_imports_anything_but_its_own_first_module
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["app", "app.cli", "app.early_signals"]
+
+
+# A Ctrl-C whose handler runs inside a finalizer: the object's `__del__` sends it and then runs code of
+# its own, where Python's handler raises KeyboardInterrupt (as a press landing in the cyclic collector's
+# work does). `GUARD` is how the command process guards itself; `ONCE` wraps the work as a simulation's
+# callers do (the first press raises, later ones are ignored).
+IN_FINALIZER = """
+import os, signal, sys
+from app import early_signals
+if "GUARD" in sys.argv:
+    early_signals.keep_ctrl_c_out_of_finalizers()
+
+class PressedWhileFreed:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
+
+def work():
+    PressedWhileFreed()
+    for _ in range(10**6):
+        pass
+    print("went on")
+
+try:
+    if "ONCE" in sys.argv:
+        with early_signals.interruptible_once():
+            work()
+            os.kill(os.getpid(), signal.SIGINT)  # a second press: ignored until the block ends
+            print("second press ignored")
+    else:
+        work()
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def run_in_finalizer(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", IN_FINALIZER, *flags], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_a_ctrl_c_raised_inside_a_finalizer_is_raised_again_not_lost() -> None:
+    """CI, 2026-12-03: `corral bench --family` printed "Exception ignored in: BaseEventLoop.__del__ ...
+    KeyboardInterrupt" and went on to its next simulation, the press gone."""
+    unguarded = run_in_finalizer()
+    assert unguarded.stdout.split() == ["went", "on"]  # what a user got: the press lost, a traceback
+    assert "Exception ignored" in unguarded.stderr
+    assert "KeyboardInterrupt" in unguarded.stderr
+    guarded = run_in_finalizer("GUARD")
+    assert guarded.returncode == 0, guarded.stderr
+    assert guarded.stdout.split() == ["interrupted"]
+    assert guarded.stderr == ""
+
+
+def test_a_first_press_raised_inside_a_finalizer_still_leaves_later_ones_ignored() -> None:
+    guarded = run_in_finalizer("GUARD", "ONCE")
+    assert guarded.returncode == 0, guarded.stderr
+    assert guarded.stdout.split() == ["interrupted"]
+    assert guarded.stderr == ""

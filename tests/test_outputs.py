@@ -4,6 +4,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
+from factories import make_workload_data
 
 from app.outputs import save_figure, write_atomically, write_text_atomically
 
@@ -73,3 +74,22 @@ def test_a_report_whose_directory_became_a_file_is_kept_elsewhere(
         assert kept.name.startswith("corral-report-")
     finally:
         kept.unlink()
+
+
+def test_a_report_that_cannot_be_written_where_asked_still_gets_its_plot(tmp_path: Path) -> None:
+    """`corral run --json /full-disk/r.json --plot ~/r.png`: the report was kept elsewhere, but the
+    command ended before drawing the plot, so the run's plot was lost though its own disk had room."""
+    import typer
+
+    from app.cli.common import finish
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(make_workload_data(batches=1))
+    report = simulate(workload, policy_for(workload, "full"), "full", timeline=True)
+    (tmp_path / "blocked").write_text("a file where the report's directory should be")
+    plot = tmp_path / "plots" / "timeline.png"
+    with pytest.raises(typer.Exit) as ended:
+        finish(report, tmp_path / "blocked" / "r.json", plot, "0 restarted trajectories")
+    assert ended.value.exit_code == 1
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

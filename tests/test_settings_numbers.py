@@ -34,6 +34,21 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_ACK_TIMEOUT_S", "1e9", "less than or equal to 86400"),
         ("CORRAL_PORT", "nan", "integer"),
         ("CORRAL_PORT", "0", "greater than or equal to 1"),
+        # The most a run's spill may hold on disk: at least 1 MiB, at most 1 PiB, an integer
+        ("CORRAL_SPILL_MAX_BYTES", "0", "greater than or equal to 1048576"),
+        ("CORRAL_SPILL_MAX_BYTES", "-5", "greater than or equal to 1048576"),
+        ("CORRAL_SPILL_MAX_BYTES", "1e30", "integer"),
+        ("CORRAL_SPILL_MAX_BYTES", "1267650600228229401496703205376", "less than or equal to"),
+        ("CORRAL_SPILL_MAX_BYTES", "inf", "integer"),
+        ("CORRAL_SPILL_MAX_BYTES", "lots", "integer"),
+        # The store's waits and its sink's buffer: taken from here, not from module constants
+        ("CORRAL_STORE_OUTAGE_S", "nan", "finite number"),
+        ("CORRAL_STORE_OUTAGE_S", "0", "greater than 0"),
+        ("CORRAL_STORE_OUTAGE_S", "1e9", "less than or equal to 86400"),
+        ("CORRAL_SQLITE_BUSY_TIMEOUT_S", "-1", "greater than 0"),
+        ("CORRAL_STORE_BUFFER", "0", "greater than or equal to 1"),
+        ("CORRAL_STORE_BUFFER", "1e30", "integer"),
+        ("CORRAL_SINK_RETRY_MAX_S", "inf", "finite number"),
     ],
 )
 def test_a_bad_number_is_refused_in_one_line_naming_the_variable(
@@ -47,3 +62,14 @@ def test_a_bad_number_is_refused_in_one_line_naming_the_variable(
     assert needle in lines[0]
     assert f"'{value}'" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/spill"])
+def test_a_spill_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path: Path, where: str) -> None:
+    (tmp_path / "a-file").write_text("")
+    proc = serve(tmp_path, CORRAL_SPILL_DIR=str(tmp_path / where))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: CORRAL_SPILL_DIR: "), lines[0]
+    assert "is not a directory" in lines[0]

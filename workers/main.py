@@ -8,6 +8,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
+
+from celery.signals import worker_ready, worker_shutting_down
 
 from app.lanes.base import LaneName
 from workers import lane_tasks, orchestrator
@@ -59,4 +62,14 @@ def run_orchestrator_worker(
     app = make_celery(broker, backend)
     name = f"orchestrator-{os.getpid()}@%h"
     argv = ["worker", "-Q", ORCHESTRATOR_QUEUE, "-c", str(concurrency), "-P", "prefork", "-n", name]
-    app.worker_main([*argv, "-l", loglevel, *_QUIET])
+    reclaimer = orchestrator.Reclaimer(app) if urlsplit(broker).scheme in ("redis", "rediss") else None
+    if reclaimer is not None:  # once the pool is up: a reclaimed run is taken by a live worker
+        worker_ready.connect(lambda **_: reclaimer.start(), weak=False)
+    worker_shutting_down.connect(
+        lambda how="", **_: orchestrator.say_what_a_warm_shutdown_waits_for(how), weak=False
+    )
+    try:
+        app.worker_main([*argv, "-l", loglevel, *_QUIET])
+    finally:
+        if reclaimer is not None:
+            reclaimer.stop()

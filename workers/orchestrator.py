@@ -12,23 +12,29 @@ Invariants:
   lease still renewed, ends without running; a delivery after its holder died takes over once the
   lease lapses.
 - late acks and redelivery on a lost worker (workers.celery_app) mean a crashed orchestrator's run is
-  picked up again, never dropped.
+  picked up again, never dropped: a killed pool process's run at once; a run whose whole worker died
+  (`kill -9` of its process group, its host lost) by the next orchestrator worker's check
+  (`Reclaimer`, every `RECLAIM_S`), once its lease has lapsed. On Redis the broker itself would hand
+  that message out again only after its visibility timeout (4 h): the run sat `running`, undriven.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
-from celery import Task, shared_task
+from celery import Celery, Task, shared_task
 
 from app.settings import load_settings
-from workers.celery_app import ORCHESTRATOR_TASK
+from workers.celery_app import ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,10 @@ def _entry_point() -> Callable[[str, Any], Any]:
     return found
 
 
+def lease_key(run_id: str) -> str:
+    return f"corral:orchestrator:{run_id}"
+
+
 class LeaseHeld(RuntimeError):
     """Another live orchestrator holds the run."""
 
@@ -69,7 +79,7 @@ class LeaseHeld(RuntimeError):
 def run_lease(client: redis.Redis, run_id: str, lease_s: float = LEASE_S) -> Iterator[None]:
     """Hold `corral:orchestrator:<run_id>` while the block runs, renewing it every third of `lease_s`;
     raise `LeaseHeld` if another holder keeps it renewed for a whole lease period."""
-    lock = client.lock(f"corral:orchestrator:{run_id}", timeout=lease_s, thread_local=False)
+    lock = client.lock(lease_key(run_id), timeout=lease_s, thread_local=False)
     if not lock.acquire(blocking=True, blocking_timeout=lease_s + 1.0):
         raise LeaseHeld(f"run {run_id}: another orchestrator holds it")
     stop = threading.Event()
@@ -116,3 +126,124 @@ def run_orchestrator(self: Task, run_id: str) -> Any:
         return {"run_id": run_id, "skipped": str(exc)}
     finally:
         client.close()
+
+
+RECLAIM_S = LEASE_S  # how often each orchestrator worker looks for runs whose worker died
+# Moves one unacked message back to the front of its queue, if no one else has meanwhile (its ack, or
+# another worker's reclaim): in one step, so a process that dies halfway loses no run.
+_REQUEUE = """
+if redis.call('hdel', KEYS[1], ARGV[1]) == 1 then
+  redis.call('zrem', KEYS[2], ARGV[1])
+  redis.call('rpush', KEYS[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def _run_of(message: dict[str, Any]) -> str | None:
+    """The run id an orchestrator task's message carries, or None for any other message."""
+    if message.get("headers", {}).get("task") != ORCHESTRATOR_TASK:
+        return None
+    body = message.get("body", "")
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args = json.loads(body)[0]
+    return str(args[0]) if args else None
+
+
+def reclaim_orphaned(
+    broker: redis.Redis, leases: redis.Redis, unacked: tuple[str, str], now: float, lease_s: float = LEASE_S
+) -> list[str]:
+    """Put back in the orchestrator queue every run's message that a worker took and nobody drives: no
+    live lease for its run, taken more than a lease period ago (time enough for its worker to take the
+    lease, which lapses a lease period after its holder died). Returns those runs. A run put back while
+    its holder in fact lives (its lease lapsed while Redis was away) is safe: the new delivery finds the
+    lease renewed and ends without running."""
+    unacked_key, index_key = unacked
+    reclaimed = []
+    for tag, raw in broker.hgetall(unacked_key).items():
+        if ORCHESTRATOR_TASK.encode() not in raw:
+            continue  # a lane op's message: its client watches it (app.lanes.lost_ops)
+        message, exchange, routing_key = json.loads(raw)
+        run_id = _run_of(message)
+        taken_at = broker.zscore(index_key, tag)
+        if run_id is None or routing_key != ORCHESTRATOR_QUEUE or exchange != "" or taken_at is None:
+            continue
+        if now - taken_at < lease_s or leases.exists(lease_key(run_id)):
+            continue
+        message["headers"]["redelivered"] = True
+        message["properties"].setdefault("delivery_info", {})["redelivered"] = True
+        if broker.eval(_REQUEUE, 3, unacked_key, index_key, ORCHESTRATOR_QUEUE, tag, json.dumps(message)):
+            log.warning(
+                "run %s: the orchestrator worker that took it is gone (its lease lapsed); sent to the "
+                "orchestrator queue again", run_id,
+            )  # fmt: skip
+            reclaimed.append(run_id)
+    return reclaimed
+
+
+class Reclaimer:
+    """A thread of an orchestrator worker's main process: `reclaim_orphaned` at once, then every
+    `RECLAIM_S`, until `stop`. Only on a Redis broker (RabbitMQ redelivers when a consumer's connection
+    drops)."""
+
+    def __init__(self, app: Celery, period_s: float = RECLAIM_S) -> None:
+        from kombu.transport.redis import Channel
+
+        # The keys from the settings, not through a kombu connection: one left in the app's pool by this
+        # thread could block a pool process forked later in kombu's after-fork hook.
+        options = app.conf.broker_transport_options or {}
+        self._unacked = (
+            str(options.get("unacked_key", Channel.unacked_key)),
+            str(options.get("unacked_index_key", Channel.unacked_index_key)),
+        )
+        self.period_s = period_s
+        self._stop = threading.Event()
+        timeouts = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}  # a hung Redis: the next period
+        self._broker = redis.Redis.from_url(app.conf.broker_url, **timeouts)
+        self._leases = redis.Redis.from_url(app.conf.result_backend, **timeouts)
+        self._thread = threading.Thread(target=self._loop, name="orchestrator-reclaim", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                reclaim_orphaned(self._broker, self._leases, self._unacked, time.time())
+            except redis.RedisError as exc:  # fault tolerance: the broker is away; try again next period
+                log.warning("looking for runs whose orchestrator worker died failed, retrying: %r", exc)
+            if self._stop.wait(self.period_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:  # started (the worker got ready)
+            self._thread.join()
+        self._broker.close()
+        self._leases.close()
+
+
+def runs_in_progress() -> list[str]:
+    """The runs this worker's pool drives now (in the worker's main process: its accepted requests)."""
+    from celery.worker import state
+
+    return sorted(
+        str(request.args[0])
+        for request in list(state.active_requests)
+        if request.task_name == ORCHESTRATOR_TASK and request.args
+    )
+
+
+def say_what_a_warm_shutdown_waits_for(how: str) -> None:
+    """A Ctrl-C (warm shutdown) waits for the runs in progress to end, which a run without `batches`
+    never does by itself: say which, and the ways out, instead of Celery's bare "Warm shutdown"."""
+    runs = runs_in_progress() if how == "Warm" else []
+    if runs:
+        log.warning(
+            "waiting for the runs this worker drives to end: %s. Stop them (POST /api/runs/<id>/stop), or "
+            "press Ctrl-C again to leave them to another orchestrator worker, which resumes them once "
+            "their lease lapses (about 30 s; the events they have not stored yet are lost)",
+            ", ".join(runs),
+        )

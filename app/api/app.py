@@ -3,12 +3,13 @@
 Settings are built by the caller (or here, from the environment) and injected; nothing is read at
 import time. At start-up the database is migrated to head, rollouts that outlived their ended run are
 closed as `cancelled`, the run manager is built and the runs the previous server left unfinished are
-resumed; at shutdown every run is stopped and its events flushed.
+resumed, in the background: the server answers meanwhile, `/healthz` listing them under `resuming`; at
+shutdown every run is stopped and its events flushed, within a bound (app.service.manager).
 
 Routes: the run and trainer API (app.api.runs), `GET /healthz`, `GET /metrics` (Prometheus), and the
 OpenAPI docs at `/docs` (Swagger UI served by this server, app.api.docs). With a broker, `/healthz` also
-asks whether every lane queue of `CORRAL_LANE_HOSTS` has a live worker, at most once per
-`LANE_CHECK_S` (one broadcast for all requests).
+asks whether every lane queue of `CORRAL_LANE_HOSTS` and the `orchestrator` queue have a live worker, at
+most once per `LANE_CHECK_S` (one broadcast for all requests and all queues).
 Bad input is a 4xx with a one-line message naming the field, never a 500.
 """
 
@@ -33,12 +34,11 @@ from app.api.body_limit import BodyLimit
 from app.api.docs import mount_docs
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
-from app.service.manager import RunManager
-from app.service.ports import lanes_for
+from app.service.compose import manager_for, store_for
+from app.service.manager import DispatchError, RunManager
 from app.service.schemas import RunCreate
-from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
-from app.store.db import is_outage, outage_reason
+from app.store.db import is_outage, outage_kind, outage_reason
 from app.web.views import dashboard_for, error_page, mount_dashboard
 
 log = logging.getLogger(__name__)
@@ -54,27 +54,26 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = await asyncio.to_thread(ServiceStore, settings.database_url)
+        store = await asyncio.to_thread(store_for, settings)
         closed = await asyncio.to_thread(store.close_ended_rollouts)
         if closed:
             log.warning("closed the rollouts left running by ended runs %s", ", ".join(closed))
-        manager = RunManager(
-            store, settings.data_dir, settings.ack_timeout_s, app.state.metrics, lanes_for(settings)
-        )
+        manager = manager_for(settings, store, app.state.metrics)
         app.state.manager = manager
         if settings.resume_runs:
-            resumed = await asyncio.to_thread(manager.resume_unfinished)
-            if resumed:
-                log.warning("resumed runs %s", ", ".join(resumed))
-        if demo is not None and not manager.handles:
+            # In the background: the server answers (/healthz says `resuming`) while stored streams replay
+            resuming = await asyncio.to_thread(manager.start_resuming)
+            if resuming:
+                log.warning("resuming runs %s", ", ".join(resuming))
+        if demo is not None and not manager.handles and not manager.resuming:
             app.state.demo_run = await asyncio.to_thread(manager.create, demo)
         try:
             yield
         finally:
             await asyncio.to_thread(manager.shutdown)
             store.close()
-            if app.state.lane_workers is not None:
-                app.state.lane_workers.close()
+            if app.state.queue_workers is not None:
+                app.state.queue_workers.close()
 
     app = FastAPI(
         title="Corral",
@@ -87,7 +86,7 @@ def create_app(
     app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
-    app.state.lane_workers = LaneWorkers.of(settings) if settings.broker_url is not None else None
+    app.state.queue_workers = QueueWorkers.of(settings) if settings.broker_url is not None else None
     app.add_middleware(BodyLimit)  # before any route reads a body: a huge one is a 413, not memory
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
@@ -102,7 +101,7 @@ def create_app(
         responses={
             503: {
                 "description": "the database, the broker or an executing run's engine is down, or a lane "
-                "queue has no live worker"
+                "queue or the orchestrator queue has no live worker"
             }
         },
     )
@@ -111,35 +110,49 @@ def create_app(
     return app
 
 
+# A run's dispatch is tried for about this long while the broker does not answer, then refused (503):
+# Celery's publish retries (a minute) would hold the request that long.
+DISPATCH_RETRIES = 3
+
+
 def celery_dispatch(settings: Settings) -> Callable[[str], None]:
-    """Send a run to the `orchestrator` queue, where a `corral worker --orchestrator` drives it."""
+    """Send a run to the `orchestrator` queue, where a `corral worker --orchestrator` drives it. Nobody
+    waits for the task's result (the run's account is in the database), so none is kept: subscribing to
+    it made a send with the result backend away fail, and left the app's result consumer broken."""
     from app.lanes.celery import ORCHESTRATOR_TASK, broker_urls, make_celery
+    from app.lanes.lost_ops import BROKER_ERRORS
 
     broker, backend = broker_urls(settings.broker_url, settings.result_backend)
     celery = make_celery(broker, backend)
+    retry = {"max_retries": DISPATCH_RETRIES, "interval_start": 0, "interval_step": 0.5, "interval_max": 1.0}
 
     def dispatch(run_id: str) -> None:
-        celery.send_task(ORCHESTRATOR_TASK, args=[run_id])
+        try:
+            celery.send_task(ORCHESTRATOR_TASK, args=[run_id], ignore_result=True, retry_policy=retry)
+        except BROKER_ERRORS as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise DispatchError(f"the broker did not answer ({reason})") from None
 
     return dispatch
 
 
-LANE_CHECK_S = 5.0  # /healthz asks the lane workers at most this often
+LANE_CHECK_S = 5.0  # /healthz asks the workers at most this often
 
 
-class LaneWorkers:
+class QueueWorkers:
     """How many live workers consume each lane queue (`lane.<host>.<lane>` for every host of
-    `CORRAL_LANE_HOSTS` and every lane), through the lane client's own ping (`LiveWorkers`)."""
+    `CORRAL_LANE_HOSTS` and every lane) and the `orchestrator` queue, through the lane client's own ping
+    (`LiveWorkers`): one broadcast answers for every queue."""
 
-    def __init__(self, celery: Any, queues: list[str]) -> None:
+    def __init__(self, celery: Any, lane_queues: list[str]) -> None:
         from app.lanes.lost_ops import LiveWorkers
 
         self.celery = celery
-        self.queues = queues
+        self.lane_queues = lane_queues
         self._live = LiveWorkers(celery, check_s=LANE_CHECK_S)
 
     @classmethod
-    def of(cls, settings: Settings) -> LaneWorkers:
+    def of(cls, settings: Settings) -> QueueWorkers:
         from app.lanes.base import LaneName
         from app.lanes.celery import broker_urls, lane_queue, make_celery, parse_lane_hosts
 
@@ -147,8 +160,12 @@ class LaneWorkers:
         hosts = parse_lane_hosts(settings.lane_hosts or "")
         return cls(make_celery(broker, backend), [lane_queue(h, lane) for h in hosts for lane in LaneName])
 
-    def count(self) -> dict[str, int]:
-        return self._live.consumers(self.queues)
+    def count(self) -> tuple[dict[str, int], int]:
+        """The live workers of each lane queue, and of the orchestrator queue."""
+        from app.lanes.celery import ORCHESTRATOR_QUEUE
+
+        workers = self._live.consumers([*self.lane_queues, ORCHESTRATOR_QUEUE])
+        return {q: workers[q] for q in self.lane_queues}, workers[ORCHESTRATOR_QUEUE]
 
     def close(self) -> None:
         self.celery.close()
@@ -215,8 +232,9 @@ async def _database_error(request: Request, exc: DBAPIError) -> Response:
     if not is_outage(exc):
         raise exc
     reason = outage_reason(exc)
-    log.warning("%s %s: the database is not answering (%s)", request.method, request.url.path, reason)
-    detail = f"the database is not answering ({reason}); try again in a few seconds"
+    kind = outage_kind(exc)
+    log.warning("%s %s: the database is %s (%s)", request.method, request.url.path, kind, reason)
+    detail = f"the database is {kind} ({reason}); try again in a few seconds"
     headers = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
     if "text/html" in request.headers.get("accept", ""):  # a page in a browser
         body = f"<!doctype html><title>Corral: database unavailable</title><p>{html.escape(detail)}</p>"
@@ -225,16 +243,17 @@ async def _database_error(request: Request, exc: DBAPIError) -> Response:
 
 
 async def healthz(request: Request) -> JSONResponse:
-    """Whether the database, the broker, a live worker on every lane queue (with a broker) and the
-    engines of the executing runs are reachable."""
+    """Whether the database, the broker, a live worker on every lane queue and on the orchestrator
+    queue (with a broker) and the engines of the executing runs are reachable; `resuming`: the runs
+    still being resumed after a restart."""
     settings: Settings = request.app.state.settings
     manager: RunManager = request.app.state.manager
     database = await asyncio.to_thread(manager.store.ping)
     broker: dict[str, Any] = {"mode": "in-process", "ok": True}
-    lanes: dict[str, Any] | None = None
+    workers: dict[str, dict[str, Any]] = {}
     if settings.broker_url is not None:
         broker = {"mode": "celery", "ok": await asyncio.to_thread(_broker_reachable, settings.broker_url)}
-        lanes = await _lanes_healthy(request.app.state.lane_workers, broker["ok"])
+        workers = await _workers_healthy(request.app.state.queue_workers, broker["ok"])
     engines: dict[str, dict[str, bool]] = {}
     for run_id, handle in list(manager.handles.items()):
         if handle.loop is None or handle.ports is None or handle.done.is_set():
@@ -242,26 +261,39 @@ async def healthz(request: Request) -> JSONResponse:
         engines[run_id] = await _engines_healthy(handle)
     ok = database and broker["ok"] and all(all(e.values()) for e in engines.values())
     body = {"ok": ok, "database": {"ok": database}, "broker": broker, "engines": engines}
-    if lanes is not None:
-        ok = ok and lanes["ok"] is True
-        body.update(ok=ok, lanes=lanes)
+    # Runs of the previous server still being resumed (their stored streams replayed): not unhealthy
+    body["resuming"] = sorted(manager.resuming)
+    if workers:  # "lanes" and "orchestrator"
+        ok = ok and all(w["ok"] is True for w in workers.values())
+        body.update(ok=ok, **workers)
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-async def _lanes_healthy(lane_workers: LaneWorkers, broker_ok: bool) -> dict[str, Any]:
-    """`ok`, the live workers of each lane queue and the queues without one; not asked (`ok` None) while
-    the broker does not answer (a broadcast would wait on it, and the broker's own check already fails)."""
+async def _workers_healthy(queue_workers: QueueWorkers, broker_ok: bool) -> dict[str, dict[str, Any]]:
+    """`lanes`: `ok`, the live workers of each lane queue and the queues without one; `orchestrator`:
+    `ok` and its live workers (a run whose orchestrator is celery waits for one). Not asked (`ok` None)
+    while the broker does not answer (a broadcast would wait on it, and the broker's own check already
+    fails)."""
     if not broker_ok:
-        return {"ok": None, "workers": None, "without_workers": None}
+        return {
+            "lanes": {"ok": None, "workers": None, "without_workers": None},
+            "orchestrator": {"ok": None, "workers": None},
+        }
     from app.lanes.lost_ops import BROKER_ERRORS
 
     try:
-        workers = await asyncio.to_thread(lane_workers.count)
+        lanes, orchestrators = await asyncio.to_thread(queue_workers.count)
     except BROKER_ERRORS as exc:  # the broker went away since its check: no answer is no worker known
-        log.warning("lane workers not asked: the broker did not answer (%r)", exc)
-        return {"ok": False, "workers": None, "without_workers": None}
-    without = [queue for queue, n in workers.items() if n == 0]
-    return {"ok": not without, "workers": workers, "without_workers": without}
+        log.warning("workers not asked: the broker did not answer (%r)", exc)
+        return {
+            "lanes": {"ok": False, "workers": None, "without_workers": None},
+            "orchestrator": {"ok": False, "workers": None},
+        }
+    without = [queue for queue, n in lanes.items() if n == 0]
+    return {
+        "lanes": {"ok": not without, "workers": lanes, "without_workers": without},
+        "orchestrator": {"ok": orchestrators > 0, "workers": orchestrators},
+    }
 
 
 async def _engines_healthy(handle: Any) -> dict[str, bool]:

@@ -1,9 +1,10 @@
 """What the API's routes share: the run manager from the app, bearer-token checks, answers for errors.
 
-Tokens: operator actions (create, publish, policy, pause, resume, stop, ack) need the operator token as
-`Authorization: Bearer <token>`; reads need the view token when one is configured (or the operator's).
-Tokens are compared in constant time. `X-Corral-Actor` names who acted, for the audit trail: its bytes
-are read as UTF-8 (HTTP hands header values over as latin-1), and a name that is not UTF-8 is a 422.
+Tokens: operator actions (create, publish, policy, pause, resume, stop, ack, delete) need the operator
+token as `Authorization: Bearer <token>`; reads need the view token when one is configured (or the
+operator's). Tokens are compared in constant time. `X-Corral-Actor` names who acted, for the audit
+trail: its bytes are read as UTF-8 (HTTP hands header values over as latin-1), and a name that is not
+UTF-8 is a 422.
 """
 
 from __future__ import annotations
@@ -89,10 +90,26 @@ def live_handle(manager: RunManager, run_id: str) -> RunHandle:
     handle = manager.get(run_id)
     if handle is not None:
         return handle
+    refuse_while_resuming(manager, run_id)
     record = manager.store.get_run(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+
+
+RESUMING_RETRY_AFTER_S = 5
+
+
+def refuse_while_resuming(manager: RunManager, run_id: str) -> None:
+    """503 with a Retry-After for a run of the previous server not yet resumed here (its stored stream
+    is being replayed): it will take commands and hand out batches in a moment, and a trainer told
+    "not executing" (409) would stop asking."""
+    if run_id in manager.resuming:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"run {run_id!r} is being resumed after a restart; try again in a few seconds",
+            headers={"Retry-After": str(RESUMING_RETRY_AFTER_S)},
+        )
 
 
 def not_executing(run_id: str, state: str, ended: str = "") -> str:

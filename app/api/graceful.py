@@ -6,13 +6,19 @@ so the runs were then stopped only by the cancellation of every task as the even
 uvicorn's lifespan traceback, and open requests were cut off mid-answer. Two Ctrl-Cs within uvicorn's
 0.1 s tick were enough. And uvicorn, once stopped, raised each captured signal again.
 
-Here every stop signal means the same graceful stop:
-- the first sets `should_exit` (uvicorn stops accepting and waits for open requests) and calls
-  `on_stop`, which tells the requests that wait on the run to end now: a trainer's long-poll answers
-  503 (app.api.runs), and a page's live stream ends (sse-starlette sees `should_exit`);
-- a later one only says the server is already stopping;
+Here:
+- the first stop signal sets `should_exit` (uvicorn stops accepting and waits for open requests) and
+  calls `on_stop`, which tells the requests that wait on the run to end now: a trainer's long-poll
+  answers 503 (app.api.runs), and a page's live stream ends (sse-starlette sees `should_exit`);
 - open requests get `STOP_WAIT_S` to end before uvicorn cancels them, then the application's shutdown
-  runs, bounded by its own limits;
+  runs, bounded by its own limits (app.service.manager's `SHUTDOWN_BOUND_S`);
+- a second one calls `on_force`: the application's shutdown stops waiting (for the runs to stop, their
+  last events, the store writer's last writes) and returns at once; the runs not yet stopped are left
+  as the store has them and are resumed at the next start. The requests still open are cut off (their
+  tasks cancelled, each said in one line, not uvicorn's traceback): uvicorn went on waiting for them
+  for the rest of `STOP_WAIT_S` (a client sending its body slowly held the exit for the whole 10 s).
+  The application's shutdown still runs (it keeps the offer files of batches handed out): it is not
+  uvicorn's "force quit";
 - the captured signals are not raised again: `corral serve` says what became of its runs, exit 0.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
@@ -34,12 +41,35 @@ if TYPE_CHECKING:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_WAIT_S = 10  # how long open requests may take to end once the server stops
+CUT_OFF = "cut off by a second stop signal"  # the cancel message of a request cut off
+CUT_OFF_AFTER_S = 1.0  # after a second stop signal, the requests still open this much later are cut off
+
+
+class _QuietCutOff(logging.Filter):
+    """uvicorn logs a request task's cancellation as "Exception in ASGI application" with a traceback;
+    one this server cut off (`CUT_OFF`) was said in one line already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) and CUT_OFF in exc.args)
+
+
+_QUIET_CUT_OFF = _QuietCutOff()
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, app: Any, on_stop: Callable[[], None] | None = None, **config: Any) -> None:
+    def __init__(
+        self,
+        app: Any,
+        on_stop: Callable[[], None] | None = None,
+        on_force: Callable[[], None] | None = None,
+        **config: Any,
+    ) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=STOP_WAIT_S, **config))
+        logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT_OFF)  # once, however many servers
         self.on_stop = on_stop
+        self.on_force = on_force
+        self.forced = False  # a second stop signal came: the shutdown stops waiting
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -50,13 +80,35 @@ class GracefulServer(uvicorn.Server):
         # Not printed here: a signal handler may interrupt a write to the same stream.
         if first:
             self._loop.call_soon_threadsafe(self._stopping)
-        else:
-            self._loop.call_soon_threadsafe(say, "corral serve: already stopping; each run is being stopped")
+        elif not self.forced:
+            self.forced = True
+            self._loop.call_soon_threadsafe(self._forcing)
 
     def _stopping(self) -> None:
-        say("corral serve: stopping: open requests end, then each run is stopped and its events flushed")
+        say(
+            "corral serve: stopping: open requests end, then each run is stopped and its events flushed "
+            "(Ctrl-C again to stop at once)"
+        )
         if self.on_stop is not None:
             self.on_stop()
+
+    def _forcing(self) -> None:
+        say(
+            "corral serve: stopping at once: runs not yet stopped are left as stored, and resumed at the "
+            "next start"
+        )
+        if self.on_force is not None:
+            self.on_force()
+        # Live streams end by themselves once the server stops (sse-starlette sees `should_exit`): given
+        # a moment, they close cleanly rather than cut off mid-message
+        asyncio.get_running_loop().call_later(CUT_OFF_AFTER_S, self._cut_off)
+
+    def _cut_off(self) -> None:
+        open_requests = [t for t in self.server_state.tasks if not t.done()]
+        if open_requests:
+            say(f"corral serve: {len(open_requests)} open request(s) cut off")
+            for task in open_requests:
+                task.cancel(msg=CUT_OFF)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -9,7 +9,9 @@
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
 - `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode}`
   (answered once the changes are in the store, so a crash right after still resumes with them);
-- `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`.
+- `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`;
+- `DELETE /api/runs/{id}` (operator: an ended run and everything stored for it; 409 for one that has
+  not ended).
 
 Answers: 422 for input that fails validation (the message names the field), 404 for an unknown run,
 batch or rollout (a version never published), 409 for a change the run's state does not allow,
@@ -21,7 +23,6 @@ store.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,12 +32,13 @@ from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing
+from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
-from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
-from app.service.manager import ENDED_STATES, RunManager
+from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
+from app.service.manager import ENDED_STATES, DispatchError, RunLiveError, RunManager
 from app.service.schemas import (
     AckResult,
+    OrchestratorKind,
     PolicyPatch,
     Problem,
     RunAction,
@@ -44,7 +46,7 @@ from app.service.schemas import (
     ValidationProblem,
     WeightsPublish,
 )
-from app.store.models import RunState
+from app.store.models import TERMINAL_RUN_STATES, RunState
 
 # The refusals every route may give, as the OpenAPI documents them: the bodies the API answers with
 # (app.api.app's handlers), not FastAPI's default list of validation errors.
@@ -57,12 +59,17 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
         "description": "not allowed in the run's state (ended, stopping, not executing here)",
     },
     422: {"model": ValidationProblem, "description": "refused input, naming the field"},
-    503: {"model": Problem, "description": "the database is not answering; try again after Retry-After"},
+    503: {
+        "model": Problem,
+        "description": "the database (or, sending a run to its orchestrator, the broker) is not answering; "
+        "try again after Retry-After",
+    },
 }
 
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
 
 NO_MORE_BATCHES = "; no more batches"
+ENDING_WAIT_S = 30.0  # a stop that finds the run ending waits this long to say how it ended
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -88,6 +95,11 @@ def create_run(
         run_id = manager.create(spec, request.app.state.dispatch)
     except ValueError as exc:
         raise HTTPException(422, f"orchestrator: {exc}") from None
+    except DispatchError as exc:
+        detail = f"{exc}; try again once the broker answers"
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, detail, headers={"Retry-After": "5"}
+        ) from None
     response.headers["Location"] = f"/api/runs/{run_id}"
     view = manager.view(run_id)
     assert view is not None
@@ -101,6 +113,20 @@ async def get_run(run_id: RunId, manager: Manager, _: Viewer) -> Any:
     if view is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     return JSONResponse(view)
+
+
+@router.delete("/{run_id}")
+def delete_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+    """Delete an ended run (stopped, completed or failed) and everything stored for it: its events,
+    groups, batches, rollouts and other rows, and its data directory. A run that has not ended is
+    refused (409) and nothing of it is touched; stop it and wait for its end first."""
+    try:
+        deleted = manager.delete(run_id)
+    except RunLiveError as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+    if not deleted:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    return {"id": run_id, "deleted": True, "actor": actor}
 
 
 async def _act(run_id: str, action: RunAction, manager: Manager, actor: str) -> dict[str, Any]:
@@ -120,22 +146,61 @@ async def resume_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[s
     return await _act(run_id, RunAction.RESUME, manager, actor)
 
 
-@router.post("/{run_id}/stop")
-async def stop_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+@router.post("/{run_id}/stop", responses={202: {"description": "sent to the run's orchestrator worker"}})
+async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Operator) -> Any:
     """End the run after the current step: live groups are discarded as cancelled, sandboxes cleaned.
     A run already stopping or stopped answers 200 with `already_stopped` (a retried or repeated stop
-    asks for what is under way); one that completed or failed answers 409."""
+    asks for what is under way); one that completed or failed answers 409. A run a celery orchestrator
+    worker drives is sent the stop (202): the worker stops it within a second or so, or the next worker
+    to take it, if it is still queued."""
     record = manager.store.get_run(run_id) if manager.get(run_id) is None else None
     if record is not None and record.state == RunState.STOPPED.value:  # stopped before a restart
         return {"id": run_id, "state": record.state, "actor": actor, "already_stopped": True}
+    if record is not None and record.state not in ENDED_STATES and _celery_orchestrated(record.config):
+        return await _stop_elsewhere(request, run_id, record.state, actor)
     handle = live_handle(manager, run_id)
     try:
         stopped = await handle.call(handle.stop)
     except (RunNotLiveError, IllegalRunStateError) as exc:
-        if handle.state is not RunState.STOPPED:  # it completed or failed: a stop is too late
+        # The run's loop closed before this call's turn: it is ending. A run stopping keeps that state
+        # until its last events are in the store (seconds, after a fast stop): a second stop in that
+        # window asks for what is under way. One ending otherwise is waited for, to say how it ended.
+        if handle.state not in (RunState.STOPPING, RunState.STOPPED, *TERMINAL_RUN_STATES):
+            await asyncio.to_thread(handle.join, ENDING_WAIT_S)
+        if handle.state in TERMINAL_RUN_STATES and handle.state is not RunState.STOPPED:
+            detail = f"run {run_id!r} has ended ({handle.state.value})"  # completed or failed: too late
+            raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+        if handle.state not in (RunState.STOPPING, RunState.STOPPED):  # still ending after the wait
             raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
-        stopped = False  # it ended stopped, before this call or while it waited for the run's loop
+        stopped = False  # it was stopped, before this call or while it waited for the run's loop
     return {"id": run_id, "state": handle.state.value, "actor": actor, "already_stopped": not stopped}
+
+
+def _celery_orchestrated(config: dict[str, Any]) -> bool:
+    return bool(config.get("orchestrator") == OrchestratorKind.CELERY.value)
+
+
+async def _stop_elsewhere(request: Request, run_id: str, state: str, actor: str) -> JSONResponse:
+    """Ask the orchestrator worker of `run_id` to stop it (app.service.runner watches for the ask)."""
+    if state == RunState.STOPPING.value:
+        return JSONResponse({"id": run_id, "state": state, "actor": actor, "already_stopped": True})
+    import redis
+
+    from app.lanes.celery import broker_urls, request_run_stop
+
+    settings = request.app.state.settings
+    _, backend = broker_urls(settings.broker_url, settings.result_backend)
+    try:
+        await asyncio.to_thread(request_run_stop, backend, run_id, actor)
+    except redis.RedisError as exc:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            f"the stop could not be sent to run {run_id!r}'s orchestrator worker: the result backend "
+            f"did not answer ({type(exc).__name__}); try again in a few seconds",
+            headers={"Retry-After": "5"},
+        ) from None
+    body = {"id": run_id, "state": state, "actor": actor, "already_stopped": False}
+    return JSONResponse(body, status_code=status.HTTP_202_ACCEPTED)
 
 
 # -- the trainer API ---------------------------------------------------------------------------------
@@ -195,6 +260,7 @@ async def _unless_stopping(
 def _ended_gateway(manager: RunManager, run_id: str) -> TrainerGateway:
     """The gateway of a run not executing here: its kept batches if it has ended; else 404 for an
     unknown run, 409 for one that has ended with nothing kept or executes elsewhere."""
+    refuse_while_resuming(manager, run_id)
     record = manager.store.get_run(run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
@@ -215,6 +281,7 @@ def ack_batch(
     if handle is not None:
         gateway: TrainerGateway | None = handle.gateway
     else:
+        refuse_while_resuming(manager, run_id)
         record = manager.store.get_run(run_id)
         if record is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
@@ -272,8 +339,8 @@ async def get_rollout(
             return dict(await handle.call(handle.rollout, version))
         except KeyError:
             raise none from None
-        except RunNotLiveError:
-            pass  # ended meanwhile: the store has its account
+        except (RunNotLiveError, RolloutForgottenError):
+            pass  # ended meanwhile, or a rollout old enough to be kept only in the store
     if await run_in_threadpool(manager.store.get_run, run_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     stored = await run_in_threadpool(manager.store.rollout, run_id, version)
@@ -354,7 +421,7 @@ def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
         return _stored_metrics(run_id, record.state, manager.store.figures(run_id))
     live = handle.live()
     stats = handle.gateway.stats
-    waits = list(stats.collection_s)
+    wait_mean = stats.collection_s_mean
     return {
         "id": run_id,
         "state": live["state"],
@@ -371,7 +438,7 @@ def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
             "redelivered": stats.redelivered,
             "acked": stats.acked,
             "idle_s": round(stats.trainer_idle_s, 6),
-            "batch_wait_s_mean": round(statistics.fmean(waits), 6) if waits else None,
+            "batch_wait_s_mean": None if wait_mean is None else round(wait_mean, 6),
             "clock": TRAINER_CLOCK,
         },
         "event_sinks": handle.recorder.bus.stats(),

@@ -6,12 +6,15 @@ local sandboxes and the built-in tasks (`--demo-kind local`, the default), or a 
 dashboard page once it is created; a token generated here (CORRAL_OPERATOR_TOKEN unset) lasts as long
 as the process.
 
-Ctrl-C (or SIGTERM), once or more, stops every run and flushes its events (app.api.graceful); after a
-crash (kill -9), the next start resumes the runs that were executing.
+Ctrl-C (or SIGTERM) stops every run and flushes its events (app.api.graceful), within a bound
+(app.service.manager's `SHUTDOWN_BOUND_S`, after `STOP_WAIT_S` for open requests); a second one stops at
+once, leaving the runs not yet stopped as stored. After that, or a crash (kill -9), the next start
+resumes the runs that were executing.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from app.service.schemas import RunCreate
+    from app.store.db import DatabaseHold
 
 
 def serve(
@@ -59,6 +63,7 @@ def serve(
     if demo:
         spec = demo_run(demo_kind)
     database = check_database(settings.database_url)
+    hold = hold_database(settings.database_url, database)
     url = f"http://{settings.host}:{settings.port}"
     say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
     lanes = "in-process"
@@ -83,10 +88,34 @@ def serve(
         _say_demo_page(app, spec, url)
     # Not uvicorn.run: a second Ctrl-C there skips the app's shutdown, which stops the runs.
     server = GracefulServer(
-        app, on_stop=app.state.stopping.set, host=settings.host, port=settings.port, log_level="warning"
+        app,
+        on_stop=app.state.stopping.set,
+        on_force=lambda: _abandon(app),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
     )
     server.run()
     _say_goodbye(app, database)
+    hold.release()
+    # The interpreter's last garbage collection walks every object the runs left (events buffered for
+    # a store far behind, their live views): after a second Ctrl-C under load the process spent 12 s
+    # and more in it after the goodbye line. Nothing left needs collecting: the process is ending.
+    gc.freeze()
+
+
+def hold_database(url: str, shown: str) -> DatabaseHold:
+    """The database, held for this process's life: a second `corral serve` on it would resume and drive
+    this one's runs too, writing two timelines into each run's one event stream."""
+    from app.store.db import DatabaseHeld, DatabaseHold
+
+    try:
+        return DatabaseHold(url)
+    except DatabaseHeld as exc:
+        fail(
+            f"CORRAL_DATABASE_URL {shown}: another corral serve is using this database ({exc}); one "
+            "corral serve per database: stop that one first, or give this one a database of its own"
+        )
 
 
 def _say_demo_page(app: FastAPI, spec: RunCreate, url: str) -> None:
@@ -109,12 +138,21 @@ def _say_demo_page(app: FastAPI, spec: RunCreate, url: str) -> None:
     app.router.lifespan_context = lifespan
 
 
+def _abandon(app: FastAPI) -> None:
+    manager = getattr(app.state, "manager", None)
+    if manager is not None:
+        manager.abandon()
+
+
 def _say_goodbye(app: FastAPI, database: str) -> None:
     """After Ctrl-C: what became of each run this server executed, and where it is kept."""
     manager = getattr(app.state, "manager", None)
     for handle in [] if manager is None else list(manager.handles.values()):
         view = handle.recorder.view
-        say(f"run {handle.run_id} ({handle.spec.name}): {handle.state.value}, {view.batches} batches")
+        state = handle.state.value
+        if not handle.done.is_set():
+            state += " (not stopped: resumed at the next start)"
+        say(f"run {handle.run_id} ({handle.spec.name}): {state}, {view.batches} batches")
     say(f"corral serve: stopped; runs and their events are kept in {database}")
 
 

@@ -12,6 +12,7 @@ from app import early_signals
 # an import. `corral run` takes it (and stops with a report); every other command releases it.
 if early_signals.is_command_process():
     early_signals.hold()
+    early_signals.keep_ctrl_c_out_of_finalizers()
 
 import errno
 import sys
@@ -25,6 +26,7 @@ from app.api.serve import serve
 from app.cli.advise import advise, trace_app
 from app.cli.common import err, fail, interruptible_command, sigterm_as_ctrl_c
 from app.cli.engine import engine
+from app.cli.prune import prune
 from app.cli.run import run
 from app.cli.sim import bench, sim
 from app.cli.worker import worker
@@ -49,6 +51,7 @@ app.command()(run)  # takes the stop signals held since start-up itself: it stop
 app.command()(interruptible_command(sigterm_as_ctrl_c(serve)))
 app.command()(interruptible_command(worker))
 app.command()(interruptible_command(sigterm_as_ctrl_c(advise)))
+app.command()(interruptible_command(prune))
 app.add_typer(trace_app, name="trace")
 
 

@@ -23,8 +23,7 @@ from app.cli.common import (
     progress_lines,
     say,
     sigterm_as_ctrl_c,
-    write_json,
-    write_plot,
+    write_report,
     write_stdout,
 )
 from app.cli.sim import WORKLOAD_HELP, checked_trace, load, simulation_errors, workload_inputs
@@ -34,6 +33,8 @@ from app.validation import MAX_DEFAULT_WORKERS
 if TYPE_CHECKING:
     from app.sim.advise import Advice
     from app.sim.workload import Workload
+
+TRACE_QUIET_S = 5.0  # off a terminal, a trace import says how far it is only once it has taken this long
 
 trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
 
@@ -68,9 +69,18 @@ def trace_import(
     check_output(out, "--out")
     _check_source(source, fmt)
     check_apart({"--out": out}, {"SOURCE": source})
+    lines = progress_lines("trace import", "results.json files", quiet_s=TRACE_QUIET_S)
     try:
         if fmt is TraceFormat.TERMINAL_BENCH:
-            result = import_terminal_bench(source)
+            with progress_bar() as progress:
+                task = progress.add_task("reading trials", total=None)
+
+                def on_file(read: int, total: int) -> None:
+                    progress.update(task, completed=read, total=total)
+                    if lines is not None:
+                        lines(read, total)
+
+                result = import_terminal_bench(source, on_file=on_file)
         else:
             result = import_corral_run(source)
     except WorkloadError as exc:
@@ -162,8 +172,7 @@ def advise(
     check_apart({"--json": json_out, "--plot": plot}, {"--trace": trace, **workload_inputs(workload, spec)})
     with early_signals.interruptible_once(), simulation_errors():  # a second Ctrl-C must not break the save
         advice = _search(spec, passes, workers, json_out)
-        write_json(json_out, advice.as_dict())
-        write_plot(lambda out: plot_advice(advice, str(out)), plot, written=json_out)
+        write_report(json_out, advice.as_dict(), lambda out: plot_advice(advice, str(out)), plot)
         if not advice.complete:  # what was simulated is kept: it cost minutes
             if advice.candidates:
                 say(

@@ -70,7 +70,8 @@ class ProgressLines:
     """Progress where the bar is off (stderr is a log or a pipe, not a terminal): `12/48 simulations,
     40 s` as a plain line on stderr at the first finished item, then at most once every `every_s`, so
     that a log shows the command is alive. Nothing before the first item: a command refused on its first
-    item ends in its one line."""
+    item ends in its one line. With `quiet_s`, nothing before that either: a quick `trace import` says
+    only its result."""
 
     def __init__(
         self,
@@ -79,23 +80,26 @@ class ProgressLines:
         every_s: float = PROGRESS_LINE_S,
         clock: Callable[[], float] = time.monotonic,
         write: Callable[[str], None] = say,
+        quiet_s: float = 0.0,
     ) -> None:
-        self.label, self.unit, self.every_s = label, unit, every_s
+        self.label, self.unit, self.every_s, self.quiet_s = label, unit, every_s, quiet_s
         self.clock, self.write = clock, write
         self.started = clock()
         self.last: float | None = None
 
     def __call__(self, done: int, total: int) -> None:
         now = self.clock()
-        if done == 0 or (self.last is not None and now - self.last < self.every_s):
+        if done == 0 or now - self.started < self.quiet_s:
+            return
+        if self.last is not None and now - self.last < self.every_s:
             return
         self.last = now
         self.write(f"{self.label}: {done}/{total} {self.unit}, {now - self.started:.0f} s")
 
 
-def progress_lines(label: str, unit: str) -> ProgressLines | None:
+def progress_lines(label: str, unit: str, quiet_s: float = 0.0) -> ProgressLines | None:
     """`ProgressLines` where the progress bar is off (stderr not a terminal), else None."""
-    return None if err.is_terminal else ProgressLines(label, unit)
+    return None if err.is_terminal else ProgressLines(label, unit, quiet_s=quiet_s)
 
 
 def interruptible_command(command: Callable[P, None]) -> Callable[P, None]:
@@ -492,12 +496,23 @@ def write_plot(
         raise typer.Exit(130) from None
 
 
+def write_report(json_out: Path, data: Any, draw: Callable[[Path], None], plot: Path | None) -> None:
+    """The report, then its plot. A report that cannot be written where asked (kept elsewhere, exit 1)
+    still gets its plot: the command ended before drawing it, so a real run's plot was lost whatever
+    disk it was to go to."""
+    try:
+        write_json(json_out, data)
+    except typer.Exit:
+        write_plot(draw, plot)
+        raise
+    write_plot(draw, plot, written=json_out)
+
+
 def finish(report: dict[str, Any], json_out: Path, plot: Path | None, detail: str) -> None:
     """Write the report (and the timeline plot), then the summary line."""
     from app.plots import plot_timeline
 
-    write_json(json_out, report)
-    write_plot(lambda out: plot_timeline(report, out), plot, written=json_out)
+    write_report(json_out, report, lambda out: plot_timeline(report, out), plot)
     say(summary_line(report, json_out, detail))
 
 
@@ -513,10 +528,11 @@ def settings_problem(exc: Any, flags: Mapping[str, str] | None = None) -> str:
     return message if message.startswith(name) else f"{name}: {message}"
 
 
-def check_database(url: str) -> str:
+def check_database(url: str, create: bool = True) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
-    to show, with any password hidden."""
+    to show, with any password hidden. With `create` False a SQLite file that does not exist is refused
+    instead of made: `corral prune` in the wrong directory left a new, empty database there."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
@@ -529,8 +545,11 @@ def check_database(url: str) -> str:
         fail(f"CORRAL_DATABASE_URL {hide_password(url)}: not a database URL: {exc}")
     shown = parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(parsed.database or "")
+        if not create and not parsed.query.get("uri") and not path.exists():
+            fail(f"CORRAL_DATABASE_URL {shown}: no database at {path} (`corral serve` makes one)")
         with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
     try:
         ServiceStore(url).close()
     except SQLAlchemyError as exc:

@@ -26,8 +26,7 @@ from app.cli.common import (
     progress_bar,
     progress_lines,
     say,
-    write_json,
-    write_plot,
+    write_report,
 )
 from app.core.config import AdmissionMode, PolicyName
 from app.sim.family import FAMILY
@@ -97,7 +96,8 @@ def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str
     busy = f"{engines.count} busy engines use ({engines.count} × cpus.engine_demand {cpus.engine_demand:g})"
     if cpus.serving < demand:
         return (
-            f"note: cpus.serving is {cpus.serving} cores, below the {demand:g} that {busy}: behind the "
+            f"note: cpus.serving is {cpus.serving} core{'' if cpus.serving == 1 else 's'}, below the "
+            f"{demand:g} that {busy}: behind the "
             "hard boundary of pinned lanes (`lanes`, `full`) their turns slow down; `corral advise` sweeps "
             "the split"
         )
@@ -247,6 +247,10 @@ def parse_sweep(text: str, flag: str, high: int, example: str) -> list[int]:
     return values
 
 
+SURPLUS_SWEEP = "0,16,32,64,96"
+STALENESS_SWEEP = "4,8"
+
+
 def bench(
     json_out: Annotated[
         Path, typer.Option("--json", help="where to write the bench report; - for stdout", parser=output_path)
@@ -262,16 +266,19 @@ def bench(
         ),
     ] = None,
     surplus_sweep: Annotated[
-        str,
-        typer.Option(help=f"comma-separated values of S (surplus groups) to sweep, each 0..{MAX_SURPLUS}"),
-    ] = "0,16,32,64,96",
+        str | None,
+        typer.Option(
+            help=f"comma-separated values of S (surplus groups) to sweep, each 0..{MAX_SURPLUS}; "
+            f"default: {SURPLUS_SWEEP}"
+        ),
+    ] = None,
     staleness_sweep: Annotated[
-        str,
+        str | None,
         typer.Option(
             help=f"comma-separated values of K (staleness bound, in policy versions) to compare, "
-            f"each 0..{MAX_STALENESS}"
+            f"each 0..{MAX_STALENESS}; default: {STALENESS_SWEEP}"
         ),
-    ] = "4,8",
+    ] = None,
     peers: Annotated[
         bool, typer.Option("--peers", help="add rungs that emulate AReaL, prime-rl, PipelineRL, slime, SkyRL")
     ] = False,
@@ -288,11 +295,16 @@ def bench(
     if family:
         if workload is not None:
             fail(f"--family runs every built-in workload; it takes no --workload (given {workload})")
+        for flag, given in (("--surplus-sweep", surplus_sweep), ("--staleness-sweep", staleness_sweep)):
+            if given is not None:  # it was run without a word, and the report had no sweep
+                fail(f"--family runs the rungs of every built-in workload, no sweep; it takes no {flag}")
         _bench_family(json_out, plot, peers)
         return
 
-    s_values = parse_sweep(surplus_sweep, "--surplus-sweep", MAX_SURPLUS, "0,16,32")
-    k_values = parse_sweep(staleness_sweep, "--staleness-sweep", MAX_STALENESS, "1,2,4")
+    s_given = SURPLUS_SWEEP if surplus_sweep is None else surplus_sweep
+    k_given = STALENESS_SWEEP if staleness_sweep is None else staleness_sweep
+    s_values = parse_sweep(s_given, "--surplus-sweep", MAX_SURPLUS, "0,16,32")
+    k_values = parse_sweep(k_given, "--staleness-sweep", MAX_STALENESS, "1,2,4")
     check_output(json_out, "--json")
     check_plot(plot)
     spec = load(workload)
@@ -311,8 +323,7 @@ def bench(
         result = run_bench(spec, s_values, k_values, on_run=on_run, peers=peers)
     from app.sim.plot import plot_bench  # before the report: a Ctrl-C in between would say nothing of it
 
-    write_json(json_out, result)
-    write_plot(lambda out: plot_bench(result, out), plot, written=json_out)
+    write_report(json_out, result, lambda out: plot_bench(result, out), plot)
     err.print(ladder_table(result), markup=False)
     err.print(sweep_table(result), markup=False)
     for line in result["findings"]:
@@ -339,8 +350,7 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
         result = run_family(peers=peers, on_run=on_run)
     from app.sim.plot import plot_family
 
-    write_json(json_out, result)
-    write_plot(lambda out: plot_family(result, out), plot, written=json_out)
+    write_report(json_out, result, lambda out: plot_family(result, out), plot)
     for name, data in result["workloads"].items():
         means = ", ".join(f"{rung} {row['mean_s']:.1f}" for rung, row in data["rungs"].items())
         err.print(f"{name}: {means}", markup=False)

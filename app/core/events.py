@@ -384,14 +384,28 @@ for _cls in (*EVENT_TYPES.values(), Envelope):
     fast_frozen_init(_cls)
 
 
+_ENVELOPE_KEYS = frozenset({"run_id", "seq", "t", "kind"})
+
+
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _field_names(cls: type) -> frozenset[str]:
+    """An event class's field names, looked up once (a long stream's catch-up decodes every event)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def envelope_from_dict(data: dict[str, Any]) -> Envelope:
     """The inverse of `Envelope.to_dict`; unknown kinds or fields raise `ValueError`."""
     kind = data.get("kind")
     cls = EVENT_TYPES.get(str(kind))
     if cls is None:
         raise ValueError(f"unknown event kind {kind!r}")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    extra = set(data) - set(names) - {"run_id", "seq", "t", "kind"}
+    names = _field_names(cls)
+    extra = data.keys() - names - _ENVELOPE_KEYS
     if extra:
         raise ValueError(f"{kind}: unknown fields {sorted(extra)}")
     values = {n: tuple(data[n]) if isinstance(data.get(n), list) else data[n] for n in names if n in data}

@@ -56,6 +56,28 @@ log = logging.getLogger(__name__)
 LANE_OP_TASK = "corral.lane_op"  # workers.lane_tasks registers the task under this name
 ORCHESTRATOR_QUEUE = "orchestrator"
 ORCHESTRATOR_TASK = "corral.run_orchestrator"
+# An operator's stop of a run a celery orchestrator drives: a key in the result backend's Redis, which that
+# orchestrator watches (app.service.runner); kept a week, for a run still queued when it was asked.
+RUN_STOP_TTL_S = 7 * 24 * 3600
+
+
+def run_stop_key(run_id: str) -> str:
+    return f"corral:stop:{run_id}"
+
+
+def request_run_stop(result_backend: str, run_id: str, actor: str) -> None:
+    """Ask the orchestrator worker driving `run_id` (or the next to take it) to stop it. Raises redis's
+    errors when the result backend does not answer."""
+    import redis
+
+    timeouts = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
+    client = redis.Redis.from_url(result_backend, **timeouts)
+    try:
+        client.set(run_stop_key(run_id), actor, ex=RUN_STOP_TTL_S)
+    finally:
+        client.close()
+
+
 # Above the longest sandbox op we expect (p99 setup 860 s, agent timeouts up to ~2,300 s): on Redis a
 # message not acked within this time is delivered again.
 VISIBILITY_TIMEOUT_S = 4 * 3600

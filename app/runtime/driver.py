@@ -230,8 +230,13 @@ class Runtime:
         lane_adapter: LaneAdapter | None = None,
         logger: logging.Logger = log,
         weights_from_disk: bool = False,
+        history: int | None = None,
     ) -> None:
         self.policy = policy
+        # None: keep the whole history for the run's report (`corral run`, the simulator). A number: a
+        # run that goes on until stopped (`corral serve`, whose store keeps the stream) keeps the newest
+        # that many entries of each list in `state` and folds no report, so memory stays flat.
+        self.history = history
         # The engines load each version from a weights directory (vLLM, SGLang, the embedded engine):
         # a publication without one is refused, as they would refuse it (`publish`).
         self.weights_from_disk = weights_from_disk
@@ -260,7 +265,8 @@ class Runtime:
         self._group_tasks: dict[int, int] = {}  # groups with attempt tasks: their size
         self.bus = bus if bus is not None else EventBus("run")
         self.report_acc = ReportAccumulator(timeline=timeline)
-        self.bus.subscribe(self.report_acc.on_envelope, self.report_acc.by_type())
+        if history is None:
+            self.bus.subscribe(self.report_acc.on_envelope, self.report_acc.by_type())
         self._lane_queued = dict.fromkeys(LaneName, 0)
         self._lane_busy = dict.fromkeys(LaneName, 0)
         self._start_failures = 0  # consecutive groups that could not start
@@ -292,6 +298,11 @@ class Runtime:
 
     def now(self) -> float:
         return self._time()
+
+    def _trim(self, entries: list[Any]) -> None:
+        """Past twice `history` entries, drop the oldest down to `history` (amortised O(1))."""
+        if self.history is not None and len(entries) > 2 * self.history:
+            del entries[: len(entries) - self.history]
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -465,6 +476,7 @@ class Runtime:
                 mean_reward=sum(rewards) / len(rewards),
             )
         )
+        self._trim(self.state.batches)
 
     @property
     def version(self) -> int:
@@ -855,6 +867,7 @@ class Runtime:
 
     def _engine_state(self, name: str, state: str, detail: str = "") -> None:
         self.state.engine_events.append((self.now(), name, state, detail))
+        self._trim(self.state.engine_events)
         self._publish(EngineStateChanged(name, state, detail))
 
     def _engine_down(self, name: str, detail: str) -> None:
@@ -975,6 +988,7 @@ class Runtime:
                         self._refused(name, target, exc)
                         continue
                     self.state.engines[name].versions.append((self.now(), want))
+                    self._trim(self.state.engines[name].versions)
                 if self.plan.target == target:
                     return want
 
@@ -993,6 +1007,8 @@ class Runtime:
         )
         self.state.update_log.append((now, name, version, "failed"))
         self.state.update_failures.append((now, name, version, reason))
+        self._trim(self.state.update_log)
+        self._trim(self.state.update_failures)
         self._publish(
             EngineUpdateEnd(name, version, ok=False, error=reason, refused=True, said=error.summary)
         )
@@ -1082,6 +1098,8 @@ class Runtime:
             now = self.now()
             self.state.update_log.append((now, engine.name, action.version, "failed"))
             self.state.update_failures.append((now, engine.name, action.version, reason))
+            self._trim(self.state.update_log)
+            self._trim(self.state.update_failures)
             self._publish(EngineUpdateEnd(engine.name, action.version, ok=False, error=reason))
             if self.pool.epoch[engine.name] == epoch:
                 self._engine_down(engine.name, f"update to version {action.version} failed: {reason}")
@@ -1097,7 +1115,9 @@ class Runtime:
         record = self.state.engines[engine.name]
         record.updates += 1
         record.versions.append((self.now(), action.version))
+        self._trim(record.versions)
         self.state.update_log.append((self.now(), engine.name, action.version, "end"))
+        self._trim(self.state.update_log)
         self._publish(EngineUpdateEnd(engine.name, action.version))
         if not self._stopping:
             self._do_updates(self.plan.on_updated(engine.name))

@@ -9,8 +9,10 @@ tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.re
 `max_groups_in_flight` counts live groups (in flight + ready: what B + S caps in the default admission
 mode); `max_groups_running` counts groups in flight only (what B + S caps in the in-flight mode).
 `event_sinks` (when the run's bus had sinks) says per sink how many envelopes were written, dropped
-(full buffer), failed (the sink raised) or left unflushed at close; `event_observer_errors` (only when
-some were raised) how many exceptions each observer of the run raised (app.runtime.events).
+(full buffer, and full or unwritable spill), failed (the sink raised, not to be tried again), left
+unflushed at close or kept on disk for the next start, and how many went through its spill;
+`event_observer_errors` (only when some were raised) how many exceptions each observer of the run
+raised (app.runtime.events).
 
 Invariants:
 - the runtime's report and `report_from_events(envelopes, static)` over the same run's stored

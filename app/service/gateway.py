@@ -10,6 +10,10 @@ Invariants:
 - delivery is at least once: a batch handed out and not acked within `ack_timeout_s` is handed out
   again (same batch id); a batch is never handed to two trainers within one lease;
 - acking is idempotent: a second ack of the same batch reports `already_acked`;
+- memory does not grow with the run's length: an acked batch whose version is published is forgotten
+  once `KEEP_ACKED` newer batches have been acked (a repeated ack of it is answered from the store,
+  which has had the ack since: the store writer writes in order); the wait per step is kept as a sum
+  and a count, not a list;
 - the gateway is thread-safe: the run's loop and the API's loop both call it; waiters on either loop are
   woken with `call_soon_threadsafe`. Leases are real seconds (`time.monotonic`); `next_batch` is
   called on the API's loop, whose clock is real, whatever clock the run itself runs on.
@@ -23,13 +27,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.runtime.ports import TrainingBatch
 
 log = logging.getLogger(__name__)
+
+# Acked batches kept in memory after their version is published, newest first; older ones are forgotten.
+KEEP_ACKED = 16
 
 
 class UnknownBatchError(KeyError):
@@ -62,7 +69,12 @@ class GatewayStats:
     redelivered: int = 0
     acked: int = 0
     trainer_idle_s: float = 0.0  # time trainers spent in next_batch with nothing to take
-    collection_s: list[float] = field(default_factory=list)
+    collection_s_total: float = 0.0  # the waits for batches handed out the first time: their sum
+    collections: int = 0  # and their count
+
+    @property
+    def collection_s_mean(self) -> float | None:
+        return self.collection_s_total / self.collections if self.collections else None
 
 
 class TrainerGateway:
@@ -106,6 +118,7 @@ class TrainerGateway:
                 return self._offers[offer.batch_id]
             self._offers[offer.batch_id] = offer
             self.stats.offered += 1
+            self._forget_acked()
         if self.on_offer is not None:
             self.on_offer(offer)
         self.notify()
@@ -118,6 +131,17 @@ class TrainerGateway:
                 self._offers[offer.batch_id] = offer
                 self._restored.append(offer)
         self.notify()
+
+    def _forget_acked(self) -> None:
+        """Under the lock: drop the acked batches older than the newest `KEEP_ACKED` acked ones whose
+        version is published (the run's `step` for them is over; `holding` no longer looks at them)."""
+        acked = [offer for offer in self._offers.values() if offer.acked]
+        if len(acked) <= KEEP_ACKED:
+            return
+        published = self._published_version()
+        for offer in acked[:-KEEP_ACKED]:
+            if published >= int(offer.payload.get("publish_version", 0)):
+                del self._offers[offer.batch_id]
 
     async def restored_steps(self) -> None:
         """A resumed run's trainer steps on its restored batches: wait until each is acked and the
@@ -149,7 +173,8 @@ class TrainerGateway:
                     self.on_take(taken)
                 self.stats.trainer_idle_s += now - asked
                 if taken.deliveries == 1:
-                    self.stats.collection_s.append(now - asked)
+                    self.stats.collection_s_total += now - asked
+                    self.stats.collections += 1
                 elif self.on_redeliver is not None:
                     self.on_redeliver(taken)
                 return taken
@@ -275,7 +300,10 @@ class OfferFiles:
         tmp.replace(self._path(offer.batch_id))
 
     def remove(self, offer: Offer) -> None:
-        self._path(offer.batch_id).unlink(missing_ok=True)
+        self.remove_batch(offer.batch_id)
+
+    def remove_batch(self, batch_id: str) -> None:
+        self._path(batch_id).unlink(missing_ok=True)
 
     def load(self) -> list[Offer]:
         if not self.directory.is_dir():

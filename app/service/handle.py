@@ -53,10 +53,17 @@ STORED_WAIT_S = 5.0
 T = TypeVar("T")
 
 UNTIL_STOPPED = 2**31  # batches: a run without a batch count goes on until it is stopped
+# The runtime keeps the newest this many batches, updates and engine events of its own account (the
+# store has the whole stream) and folds no report: a run going on for days stays flat in memory.
+RUNTIME_HISTORY = 100
 
 
 class RunNotLiveError(RuntimeError):
     """The run is not executing here (ended, or not started yet); the command cannot reach it."""
+
+
+class RolloutForgottenError(LookupError):
+    """A finished rollout old enough that the run's log dropped it (`KEEP_ROLLOUTS`): the store has it."""
 
 
 class IllegalRunStateError(RuntimeError):
@@ -91,6 +98,8 @@ class RunHandle:
             if resume is None  # a resumed run's counters and rollouts go on from its stored stream
             else RunRecorder(run_id, self.loop.time, resume.next_seq, resume.view, resume.rollouts)
         )
+        if isinstance(self.loop, PacedLoop):
+            self.loop.hold = self._store_behind  # simulated time waits for the store
         self.work_dir = work_dir
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -184,6 +193,7 @@ class RunHandle:
                 supervisor=ports.supervisor,
                 lane_adapter=ports.lane_adapter,
                 weights_from_disk=ports.weights_dir is not None,
+                history=RUNTIME_HISTORY,
             )
             for name, detail in ports.down_at_start.items():
                 log.warning("%s %s: the run starts without it and restarts it", name, detail)
@@ -222,6 +232,12 @@ class RunHandle:
         if self.runtime is not None:
             return list(self.runtime.pool.by_name.values())
         return list(self.ports.engines) if self.ports is not None else []
+
+    def _store_behind(self) -> bool:
+        """Whether the simulated clock should stand still for the store (`RunRecorder.backlogged`); not
+        while the run stops: its last events are few, and a stop must not wait on a database that is
+        away (closing the recorder waits for them, `CLOSE_WAIT_S`)."""
+        return self.state is not RunState.STOPPING and self.recorder.backlogged()
 
     def _set_state(self, state: RunState, error: str | None) -> None:
         self.state = state
@@ -349,12 +365,12 @@ class RunHandle:
     def rollout(self, version: int) -> dict[str, Any]:
         """A rollout's progress engine by engine: the run's rollout log (the stored stream's rules, so
         the answer is the one the store gives once the run has ended) and the runtime's plan. KeyError
-        for a version never published."""
+        for a version never published; `RolloutForgottenError` for one the log no longer keeps."""
         runtime = self._runtime()
         book = self.recorder.rollouts
         row = book.rollouts.get(version)
         if row is None:
-            raise KeyError(version)
+            raise RolloutForgottenError(version) if book.forgot(version) else KeyError(version)
         plan = runtime.plan
         return rollout_answer(
             row,
@@ -477,6 +493,12 @@ class RunHandle:
         out: dict[str, Any] = {"state": self.state.value, "policy": dict(self.knobs)}
         out.update(self.recorder.view.as_dict())
         out["batches_unacked"] = len(self.gateway.pending())
+        out["events_unwritten"] = self.recorder.bus.backlog()  # in the store sink's memory and spill
+        store = self.recorder.bus.stats().get("store")
+        if store is not None:  # the store was away or slow: what waited on local disk, and waits now
+            out["events_spill"] = {k: store[k] for k in ("spilled", "recovered", "spill_bytes", "dropped")}
+        if isinstance(self.loop, PacedLoop):
+            out["pace"] = self.loop.pace()
         if runtime is not None:
             out["trainer_version"] = runtime.version
             out["groups_live"] = runtime.scheduler.groups_live

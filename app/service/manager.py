@@ -12,10 +12,17 @@ rollouts from the stored stream's. Batches handed out and not acked are kept as 
 data directory until acked, so a resumed run offers them again (at least once, across restarts too);
 a batch its gateway does not hold (acked before the restart) is acked in the store (`ack_stored`). A
 run that was stopping is ended instead of resumed. A run that had ended before the restart still hands
-out the batches it kept (`ended_gateway`), then answers that it has ended.
+out the batches it kept (`ended_gateway`), then answers that it has ended. So does, in a server that
+runs on, a run that ended here before the latest `KEEP_ENDED_HANDLES`: its handle is let go.
+
+Shutting down (`shutdown`, a Ctrl-C of `corral serve`) is bounded: each run gets `RUN_STOP_WAIT_S` to
+stop and `CLOSE_WAIT_S` more to store its last events, and the store writer `WRITER_WAIT_S` for what it
+still holds (`SHUTDOWN_BOUND_S` in all); `abandon` (a second Ctrl-C) ends every wait at once. A stop made
+by the shutdown is not written to the store as `stopping`: a run the shutdown did not finish stopping is
+left `running` there, and the next start resumes it from what was stored, as after a kill -9.
 
 Invariants:
-- every run this manager starts is stopped (and its sinks flushed) by `shutdown`;
+- every run this manager starts is stopped (and its sinks flushed) by `shutdown`, within its bound;
 - every group admitted before a crash ends in the stored stream: delivered, or discarded with a reason.
 """
 
@@ -25,28 +32,38 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import shutil
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from app.core.events import BatchDelivered, GroupDelivered, RunEnded
+from app.core.events import BatchDelivered, Envelope, GroupDelivered, RunEnded
 from app.cpulist import format_cpu_list
 from app.metrics import CorralMetrics
+from app.runtime import spill
+from app.runtime.events import RETRY_FIRST_S, RETRY_MAX_S
+from app.runtime.spill import SpillFile
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark
 from app.service.schemas import OrchestratorKind, RunCreate
-from app.service.store import IllegalTransitionError, ResumePoint, RunRecord, ServiceStore
+from app.service.store import IllegalTransitionError, ResumePoint, RunLiveError, RunRecord, ServiceStore
 from app.store.db import through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
+
+
+class DispatchError(RuntimeError):
+    """A run could not be sent to the `orchestrator` queue (the broker did not answer)."""
+
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +72,54 @@ ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
 # for on a worker that answers (CeleryLanes' cancel_grace_s, 60 s). At 30 s, a run whose op outlived it
 # was left `stopping` in the store.
 RUN_STOP_WAIT_S = 75.0
+# How long a stopping control plane lets the store writer finish what it holds once the runs have
+# stopped. Each write is then one look (a batch row the event sink never stored is not waited for): a
+# writer that waited 10 s for each such row, thousands of them behind a slow sink, held a Ctrl-C of
+# `corral serve` for 52 minutes.
+WRITER_WAIT_S = 15.0
+# The most `shutdown` takes: the runs' stop, their last events, the store writer's last writes
+SHUTDOWN_BOUND_S = RUN_STOP_WAIT_S + CLOSE_WAIT_S + 5.0 + WRITER_WAIT_S
+# How long `shutdown` still waits once abandoned (a second Ctrl-C): a run a moment from its end ends
+ABANDON_GRACE_S = 1.0
 # How long an ack waits for the store to have it before it answers
 WRITTEN_WAIT_S = 5.0
+# How long an offer's or an ack's mirror waits for the event sink to store its batch
+BATCH_STORED_WAIT_S = 60.0
+# The runs ended here whose handles (gateway, recorder, runtime: about 0.6 MB each) are kept, the latest
+# ended: an older one is let go and answers from the store, as a run that ended before a restart does.
+# Kept for all, a server's memory grew with every run it had ever executed.
+KEEP_ENDED_HANDLES = 8
+# The store sink's buffer (envelopes in memory, `CORRAL_STORE_BUFFER`); past it they go to the run's
+# spill on local disk, at most SPILL_MAX_BYTES (`CORRAL_SPILL_MAX_BYTES`), then are dropped, counted
+STORE_BUFFER = 100_000
+STORE_BATCH = 500  # envelopes per transaction
+SPILL_MAX_BYTES = 4 * 1024**3
+# A spill left by a dead process is stored in batches of this many envelopes
+SPILL_RECOVER_BATCH = 2_000
 
-__all__ = ["IllegalRunStateError", "RunManager", "RunNotLiveError"]
+
+@dataclasses.dataclass
+class _BatchWrite:
+    kind: str  # offered, taken (its kept file only), redelivered, acked
+    run_id: str
+    offer: Offer
+    offers: OfferFiles
+    since: float  # monotonic: when it was queued
+
+
+@dataclasses.dataclass
+class _BatchMark:
+    """A batch write waiting for its batch's row: what it writes, without the batch."""
+
+    kind: str
+    run_id: str
+    index: int
+    batch_id: str
+    offers: OfferFiles
+    since: float
+
+
+__all__ = ["IllegalRunStateError", "RunLiveError", "RunManager", "RunNotLiveError"]
 
 
 class RunManager:
@@ -69,8 +130,23 @@ class RunManager:
         ack_timeout_s: float,
         metrics: CorralMetrics | None = None,
         lanes: LanesFactory | None = None,
+        spill_dir: Path | None = None,
+        spill_max_bytes: int = SPILL_MAX_BYTES,
+        store_buffer: int = STORE_BUFFER,
+        sink_retry_max_s: float = RETRY_MAX_S,
     ) -> None:
+        """`store_buffer`: the events a run's store sink holds in memory before it spills;
+        `sink_retry_max_s`: the longest pause before it tries a batch the database refused again."""
+        if spill_max_bytes < 1:
+            raise ValueError(f"spill_max_bytes must be at least 1, not {spill_max_bytes}")
+        if store_buffer < 1 or not sink_retry_max_s > 0:
+            raise ValueError(f"need store_buffer ≥ 1 and sink_retry_max_s > 0, not {store_buffer}, "
+                             f"{sink_retry_max_s}")  # fmt: skip
         self.store = store
+        self.spill_dir = spill_dir  # None: each run's own directory under data_dir
+        self.spill_max_bytes = spill_max_bytes
+        self.store_buffer = store_buffer
+        self.sink_retry_max_s = sink_retry_max_s
         self.lanes = lanes  # local runs' lanes (app.service.ports.lanes_for); None: in-process
         self.data_dir = data_dir
         self.ack_timeout_s = ack_timeout_s
@@ -82,7 +158,20 @@ class RunManager:
         self._ended: dict[str, TrainerGateway] = {}
         self._ended_lock = threading.Lock()
         # Mirrors of offers and acks go to the store off the run's loop and off the request.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-store")
+        self._writer = StoreWriter()
+        self._batch_writes: list[_BatchWrite] = []  # offers, takes and acks not yet flushed, in order
+        self._waiting_marks: list[_BatchMark] = []  # flushed, waiting for the sink to store their batch
+        self._batch_lock = threading.Lock()
+        self._flush_scheduled = False
+        self._closing = False  # shutting down: the runs' stops are the server's own (`shutdown`)
+        self._abandoned = threading.Event()  # shutting down at once: no more waiting (`abandon`)
+        self._abandoned_by = float("inf")  # the monotonic time every wait ends once abandoned
+        self._start_lock = threading.Lock()
+        self.resuming: set[str] = set()  # runs of the previous server still to resume (`start_resuming`)
+        self._ended_here: deque[str] = deque()  # runs ended here whose handles are kept, oldest first
+        # How far each run being resumed has replayed its stored stream (`replay_progress`)
+        self._replays: dict[str, ReplayProgress] = {}
+        self._resumer: threading.Thread | None = None
 
     # -- creating and resuming ----------------------------------------------------------------------
 
@@ -95,7 +184,13 @@ class RunManager:
         policy = run_policy(spec)
         self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
         if dispatch is not None and spec.orchestrator is OrchestratorKind.CELERY:
-            dispatch(run_id)
+            try:
+                dispatch(run_id)
+            except DispatchError as exc:  # never sent, so never driven: it ends here, saying why
+                self._write_state(
+                    run_id, RunState.FAILED, f"not sent to the orchestrator queue: {exc}", time.time()
+                )
+                raise DispatchError(f"run {run_id!r} was not started (stored as failed): {exc}") from None
         else:
             self._start(run_id, spec, None)
         return run_id
@@ -106,30 +201,146 @@ class RunManager:
         if record is None:
             raise LookupError(f"no run {run_id!r}")
         spec = RunCreate.model_validate(record.config)
+        self._recover_spill(run_id, self._spill_path(run_id))
         point = None if record.state == RunState.CREATED.value else self.store.resume_point(run_id)
         return self._start(run_id, spec, point)
 
     def resume_unfinished(self) -> list[str]:
+        """Resume (or end) every run the previous server left unfinished, now: the runs resumed."""
+        self.recover_spills()
+        return [run_id for record in self.store.unfinished_runs() if (run_id := self._resume(record))]
+
+    def start_resuming(self) -> list[str]:
+        """`resume_unfinished` on a thread of its own, so the server answers meanwhile: replaying a run's
+        stored stream (`resume_point`) took 28 s for four runs of a few hundred thousand events, all of
+        it before `/healthz` answered. The runs still to resume are in `resuming` until each executes
+        here (or is ended); the shutdown stops the resuming (`shutdown`). Returns them. What the previous
+        server left in its runs' spills is stored first, on that thread too (`recover_spills`: up to
+        4 GiB of events a run, which is no reason for `/healthz` not to answer)."""
+        records = self.store.unfinished_runs()
+        self.resuming = {r.id for r in records}
+        self._resumer = threading.Thread(
+            target=self._resume_all, args=(records,), name="corral-resume", daemon=True
+        )
+        self._resumer.start()
+        return [r.id for r in records]
+
+    def _resume_all(self, records: list[RunRecord]) -> None:
         resumed = []
-        for record in self.store.unfinished_runs():
+        try:
+            self.recover_spills()  # a run with its spill still there is not resumed (`_resume`)
+        except Exception:
+            log.exception("the spills of the previous server's runs could not be stored; the next start "
+                          "tries again")  # fmt: skip
+        for record in records:
             try:
-                spec = RunCreate.model_validate(record.config)
-            except ValidationError as exc:
-                self._end_unresumable(record, f"stored config no longer valid: {exc.errors()[0]['msg']}")
+                if self._closing:
+                    break
+                # One run that cannot be resumed (a database error) must not keep the others from it
+                try:
+                    run_id = self._resume(record)
+                except Exception:
+                    log.exception("run %s not resumed; the next start tries again", record.id)
+                    continue
+                if run_id is not None:
+                    resumed.append(run_id)
+            finally:
+                self.resuming.discard(record.id)
+                self._replays.pop(record.id, None)
+        self.resuming.clear()
+        self._replays.clear()
+        if resumed:
+            log.warning("resumed runs %s", ", ".join(resumed))
+
+    # -- spills: what a run's store sink could not write in time, on local disk -------------------------
+
+    def _spill_path(self, run_id: str) -> Path:
+        if self.spill_dir is not None:
+            return self.spill_dir / run_id
+        return self.data_dir / run_id / "event-spill"
+
+    def recover_spills(self) -> dict[str, int]:
+        """Store what the previous process's runs left in their spills (it was killed, or gave up at
+        shutdown, while the database was away): before anything reads those runs' streams, so that a
+        resumed run continues after them. A run another process drives (a celery orchestrator) is left
+        to it (`adopt`). Returns the events stored per run; a spill the store refuses is kept for the
+        next start (its error is logged)."""
+        pattern = "*" if self.spill_dir is not None else "*/event-spill"
+        root = self.spill_dir if self.spill_dir is not None else self.data_dir
+        stored = {}
+        for directory in sorted(root.glob(pattern)) if root.is_dir() else []:
+            run_id = directory.relative_to(root).parts[0]
+            if run_id in self.handles or not spill.files(directory):
                 continue
-            if spec.orchestrator is OrchestratorKind.CELERY:
-                continue  # its orchestrator task is redelivered to a worker, which resumes it
-            point = self.store.resume_point(record.id)
-            if record.state == RunState.STOPPING.value:
-                self._end_unresumable(record, "was stopping when the control plane stopped", point)
+            record = self.store.get_run(run_id)
+            celery = record is not None and record.config.get("orchestrator") == OrchestratorKind.CELERY.value
+            if celery and record is not None and record.state not in ENDED_STATES:
                 continue
+            try:
+                stored[run_id] = self._recover_spill(run_id, directory)
+            except Exception:
+                log.exception("run %s: its spill %s could not be stored; the next start tries again",
+                              run_id, directory)  # fmt: skip
+        return stored
+
+    def _recover_spill(self, run_id: str, directory: Path) -> int:
+        """Store the envelopes a dead process left in `directory`, in seq order (the store skips those it
+        has), then remove it: how many were new."""
+        if not directory.is_dir():
+            return 0
+        found = spill.recover(directory)
+        sink = self.store.event_sink()
+        for start in range(0, len(found.envelopes), SPILL_RECOVER_BATCH):
+            sink.write_batch(found.envelopes[start : start + SPILL_RECOVER_BATCH])  # waits out an outage
+        gaps = self.store.event_gaps(run_id)
+        log.warning(
+            "run %s: stored %d events its spill kept (%d already stored, %d unreadable lines, %s bytes)%s",
+            run_id,
+            sink.written,
+            sink.duplicates,
+            found.bad_lines,
+            f"{found.bytes:,}",
+            f"; the stored stream has {gaps} holes" if gaps else "; the stored stream has no hole",
+        )
+        spill.remove(directory)
+        return sink.written
+
+    def _resume(self, record: RunRecord) -> str | None:
+        """Resume one unfinished run (its id), or end it when it cannot be (None)."""
+        try:
+            spec = RunCreate.model_validate(record.config)
+        except ValidationError as exc:
+            self._end_unresumable(record, f"stored config no longer valid: {exc.errors()[0]['msg']}")
+            return None
+        if spec.orchestrator is OrchestratorKind.CELERY:
+            return None  # its orchestrator task is redelivered to a worker, which resumes it
+        if spill.files(self._spill_path(record.id)):  # numbered after them, its events would hide them
+            log.error("run %s not resumed: its spill could not be stored; the next start tries again",
+                      record.id)  # fmt: skip
+            return None
+        progress = self._replays[record.id] = ReplayProgress(self.store.last_seq(record.id))
+        point = self.store.resume_point(record.id, progress.on_envelope)
+        if record.state == RunState.STOPPING.value:
+            self._end_unresumable(record, "was stopping when the control plane stopped", point)
+            return None
+        with self._start_lock:  # none starts once the shutdown has begun: it would never be stopped
+            if self._closing:
+                return None
             self._start(record.id, spec, point)
-            resumed.append(record.id)
-        return resumed
+        return record.id
 
     def _attach_sinks(self, recorder: RunRecorder) -> None:
         recorder.stored = StoredMark(self.store.event_sink())
-        recorder.bus.add_sink(recorder.stored, name="store")
+        overflow = SpillFile(self._spill_path(recorder.run_id), self.spill_max_bytes)
+        recorder.bus.add_sink(
+            recorder.stored,
+            name="store",
+            batch_size=min(STORE_BATCH, self.store_buffer),
+            capacity=self.store_buffer,
+            spill=overflow,
+            retry_first_s=min(RETRY_FIRST_S, self.sink_retry_max_s),
+            retry_max_s=self.sink_retry_max_s,
+        )
         if self.metrics is not None:
             recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
 
@@ -173,28 +384,101 @@ class RunManager:
                 stored["redelivered"],
                 stored["acked"],
             )
-        handle.gateway.on_offer = lambda offer: self._mirror(self._offered, run_id, offer, offers)
-        handle.gateway.on_take = lambda offer: self._mirror(offers.save, offer)
-        handle.gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
+        handle.gateway.on_offer = lambda offer: self._batch_write("offered", run_id, offer, offers)
+        handle.gateway.on_take = lambda offer: self._batch_write("taken", run_id, offer, offers)
+        handle.gateway.on_ack = lambda offer: self._batch_write("acked", run_id, offer, offers)
         # a batch handed out again counts in the store's offer_count, as the answer's `delivery` does
-        handle.gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
+        handle.gateway.on_redeliver = lambda offer: self._batch_write("redelivered", run_id, offer, offers)
         record = self.store.get_run(run_id)
         assert record is not None
         self._records[run_id] = record
         self.handles[run_id] = handle
+        self.resuming.discard(run_id)  # executing: the API, the dashboard and /healthz say so alike
         handle.start()
         return handle
 
-    def _offered(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
-        offers.save(offer)
-        self.store.mark_offered(run_id, offer.index)
+    def _batch_write(self, kind: str, run_id: str, offer: Offer, offers: OfferFiles) -> None:
+        """Mirror an offer, a take, a redelivery or an ack of a batch: its kept file now, its row in the
+        store with every other one waiting (`_flush_batch_writes`), in the order they came."""
+        with self._batch_lock:
+            self._batch_writes.append(_BatchWrite(kind, run_id, offer, offers, time.monotonic()))
+            if self._flush_scheduled:
+                return  # the flush waiting in the writer's queue takes this one too
+            self._flush_scheduled = True
+        try:
+            future = self._writer.submit(self._flush_batch_writes, self._give_up_batch_writes)
+        except RuntimeError:  # the writer has shut down (a run outlived `shutdown`): write here
+            self._flush_batch_writes()
+            return
+        future.add_done_callback(_log_failure)
 
-    def _redelivered(self, run_id: str, offer: Offer) -> None:
-        self.store.mark_offered(run_id, offer.index)
+    def _give_up_batch_writes(self) -> None:
+        """A flush the shutdown gave up (`StoreWriter.close`): the kept offers are still left right, an
+        unacked batch's file written (offered again at the next start), an acked one's removed."""
+        with self._batch_lock:
+            writes, self._batch_writes = self._batch_writes, []
+            marks, self._waiting_marks = self._waiting_marks, []
+            self._flush_scheduled = False
+        for write in writes:
+            if write.kind == "acked":
+                write.offers.remove(write.offer)
+            elif write.kind in ("offered", "taken") and not write.offer.acked:
+                write.offers.save(write.offer)
+        for mark in marks:
+            if mark.kind == "acked":
+                mark.offers.remove_batch(mark.batch_id)
+        if writes or marks:
+            log.warning("store writer: %d offer and ack marks given up at shutdown", len(writes) + len(marks))
 
-    def _acked(self, run_id: str, offer: Offer, offers: OfferFiles) -> None:
-        self.store.mark_acked(run_id, offer.index)
-        offers.remove(offer)  # after the store knows: a failed write leaves the batch to offer again
+    def _flush_batch_writes(self) -> None:
+        """On the store writer: every batch write queued so far, in one transaction (one wait for
+        SQLite's writer lock, which the event sink holds most of the time under a busy run: at one
+        transaction a write, the writer fell behind a sentinel run at speed 100, 2,563 writes queued
+        after 60,000 events, each holding its batch). Kept files are written first, in order; an ack's
+        file goes once the store has the ack (a failed write leaves the batch to offer again). A write
+        whose batch the sink has not stored yet waits, as a few ids, not the batch, and is tried again
+        by the next flush (one is queued while any wait), for `BATCH_STORED_WAIT_S`; past that it is
+        given up with a warning."""
+        with self._batch_lock:
+            writes, self._batch_writes = self._batch_writes, []
+            self._flush_scheduled = False  # a write from now on schedules the next flush
+        for write in writes:
+            if write.kind in ("offered", "taken"):
+                write.offers.save(write.offer)
+        now = time.monotonic()
+        marks = self._waiting_marks + [
+            _BatchMark(w.kind, w.run_id, w.offer.index, w.offer.batch_id, w.offers, w.since)
+            for w in writes
+            if w.kind != "taken"
+        ]
+        rows = [("acked" if m.kind == "acked" else "offered", m.run_id, m.index) for m in marks]
+        store_marks = functools.partial(self.store.mark_batches, rows)
+        done = through_outage(store_marks, "store writer", self.store.outage_s)
+        waiting = []
+        for mark, written in zip(marks, done, strict=True):
+            # Once shutting down, one look: a batch row the sink never stored is not waited for.
+            if not written and not self._closing and now - mark.since < BATCH_STORED_WAIT_S:
+                waiting.append(mark)
+                continue
+            if not written:
+                log.warning(
+                    "batch %s never reached the store; its %s is not mirrored", mark.batch_id, mark.kind
+                )
+            if mark.kind == "acked":
+                mark.offers.remove_batch(mark.batch_id)
+        with self._batch_lock:
+            self._waiting_marks = waiting
+            again = bool(waiting) and not self._flush_scheduled
+            self._flush_scheduled = self._flush_scheduled or again
+        if again:  # behind the writes queued meanwhile; the pause keeps it from spinning on the sink
+            time.sleep(0.1)
+            try:
+                self._writer.submit(self._flush_batch_writes, self._give_up_batch_writes).add_done_callback(
+                    _log_failure
+                )
+            except RuntimeError:  # shut down, every run's sink closed: their batches never came
+                log.warning("%d offers and acks never mirrored: their batches never reached the store",
+                            len(waiting))  # fmt: skip
 
     def ack_stored(self, run_id: str, batch_id: str) -> bool | None:
         """Ack a batch the run's gateway does not hold (handed out before a restart, or the run ended
@@ -223,9 +507,9 @@ class RunManager:
             gateway = TrainerGateway(run_id, self.ack_timeout_s, lambda: 0)
             for offer in kept:
                 gateway.restore(offer)
-            gateway.on_take = lambda offer: self._mirror(offers.save, offer)
-            gateway.on_ack = lambda offer: self._mirror(self._acked, run_id, offer, offers)
-            gateway.on_redeliver = lambda offer: self._mirror(self._redelivered, run_id, offer)
+            gateway.on_take = lambda offer: self._batch_write("taken", run_id, offer, offers)
+            gateway.on_ack = lambda offer: self._batch_write("acked", run_id, offer, offers)
+            gateway.on_redeliver = lambda offer: self._batch_write("redelivered", run_id, offer, offers)
             gateway.close(record.state)
             self._ended[run_id] = gateway
             return gateway
@@ -242,25 +526,37 @@ class RunManager:
     def wait_written(self, timeout_s: float = WRITTEN_WAIT_S) -> bool:
         """Wait until what was handed to the store writer so far is written (its writes run one at a
         time, in order): whether it was, within `timeout_s` (a database that is away is waited out)."""
+        deadline = time.monotonic() + timeout_s
         try:
             done = self._writer.submit(lambda: None)
-        except RuntimeError:  # shut down: every write was done before
+        except RuntimeError:  # shut down: every write was done (or given up) before
             return True
         try:
             done.result(timeout_s)
-        except TimeoutError:
-            log.warning("store writes not done after %.0f s", timeout_s)
-            return False
-        return True
+            while self._waiting_marks and time.monotonic() < deadline:  # their batches not stored yet
+                time.sleep(0.02)
+        except (TimeoutError, CancelledError):
+            pass
+        if done.done() and not done.cancelled() and not self._waiting_marks:
+            return True
+        log.warning("store writes not done after %.0f s", timeout_s)
+        return False
 
-    def _mirror(self, fn: Any, *args: Any) -> None:
+    def _mirror(
+        self, fn: Any, *args: Any, dropped: Callable[[], None] | None = None, first: bool = False
+    ) -> None:
         # A database that is away (Postgres restarting) is waited out: each write is its own transaction,
-        # so one tried again stores nothing twice, and the writes after it wait their turn.
-        write = functools.partial(through_outage, functools.partial(fn, *args), "store writer")
+        # so one tried again stores nothing twice, and the writes after it wait their turn. `dropped`:
+        # what to do instead when the shutdown gives the write up; `first`: see `StoreWriter`.
+        call = functools.partial(fn, *args)
+        write = functools.partial(through_outage, call, "store writer", self.store.outage_s)
         try:
-            future = self._writer.submit(write)
+            future = self._writer.submit(write, dropped, first)
         except RuntimeError:  # the writer has shut down (a run outlived `shutdown`): write here
-            write()
+            if not self._abandoned.is_set():
+                write()
+            elif dropped is not None:  # stopping at once: the store is left as it is
+                dropped()
             return
         future.add_done_callback(_log_failure)
 
@@ -272,7 +568,10 @@ class RunManager:
         if record is not None:
             started, ended = stamped(state, record.started_at, record.ended_at, at)
             self._records[handle.run_id] = dataclasses.replace(record, started_at=started, ended_at=ended)
-        self._mirror(self._write_state, handle.run_id, state, error, at)
+        # The shutdown's stop is not stored: a run whose stop the shutdown cannot finish stays `running`
+        # in the store and is resumed at the next start (a stored `stopping` run is ended there instead).
+        if not (state is RunState.STOPPING and self._closing):
+            self._mirror(self._write_state, handle.run_id, state, error, at, first=True)
         if (
             state is RunState.RUNNING
             and handle.run_id not in self._lanes_stored
@@ -283,9 +582,28 @@ class RunManager:
             lanes = described_lanes(handle.runtime.lanes)
             if lanes:
                 self._lanes_stored.add(handle.run_id)
-                self._mirror(self.store.set_lanes, handle.run_id, lanes)
+                self._mirror(self.store.set_lanes, handle.run_id, lanes, first=True)
         if state in TERMINAL_RUN_STATES and self.metrics is not None:
             self.metrics.forget_run(handle.run_id, handle.live())
+        if state in TERMINAL_RUN_STATES:
+            self._let_go_ended(handle.run_id)
+
+    def _let_go_ended(self, run_id: str) -> None:
+        """Note that `run_id` has ended, and let go of the handles of the runs ended here before the
+        latest `KEEP_ENDED_HANDLES`: each then answers from the store (its view, its batches never acked
+        through `ended_gateway`), as after a restart. One still storing its last events is kept until
+        the next run ends."""
+        with self._ended_lock:
+            self._ended_here.append(run_id)
+            while len(self._ended_here) > KEEP_ENDED_HANDLES:
+                oldest = self._ended_here[0]
+                handle = self.handles.get(oldest)
+                if handle is not None and not handle.done.is_set():
+                    break
+                self._ended_here.popleft()
+                self.handles.pop(oldest, None)
+                self._records.pop(oldest, None)
+                self._lanes_stored.discard(oldest)
 
     def _write_state(self, run_id: str, state: RunState, error: str | None, at: float) -> None:
         try:
@@ -303,6 +621,16 @@ class RunManager:
 
     def get(self, run_id: str) -> RunHandle | None:
         return self.handles.get(run_id)
+
+    def replay_progress(self, run_id: str) -> dict[str, int | None] | None:
+        """For a run being resumed (`resuming`): the events of its stored stream replayed so far and
+        the events there are (None before the replay has begun); None for any other run."""
+        if run_id not in self.resuming:
+            return None
+        progress = self._replays.get(run_id)
+        if progress is None:
+            return {"events_replayed": 0, "events": None}
+        return {"events_replayed": progress.replayed, "events": progress.events}
 
     def live_view(self, run_id: str) -> dict[str, Any] | None:
         """The view of a run executing here, from memory alone; None for any other run."""
@@ -331,6 +659,9 @@ class RunManager:
         else:
             out["live"] = None
             out["groups"] = self.store.group_account(run_id)
+            if (replay := self.replay_progress(run_id)) is not None:  # executing again in a moment
+                out["resuming"] = True
+                out["replay"] = replay
         return out
 
     def list(self) -> list[dict[str, Any]]:
@@ -342,29 +673,72 @@ class RunManager:
                 row["state"] = handle.state.value
                 live = handle.recorder.view
                 row["batches"] = live.batches
+            elif (replay := self.replay_progress(record.id)) is not None:
+                row["resuming"] = True
+                row["replay"] = replay
             out.append(row)
         return out
 
     def sample_metrics(self) -> None:
+        """At each scrape: the gauges of executing runs, and the series of runs ended long enough ago
+        (`app.metrics.RUN_SERIES_GRACE_S`) removed."""
         if self.metrics is None:
             return
+        self.metrics.expire()
         for run_id, handle in list(self.handles.items()):
             if handle.state not in TERMINAL_RUN_STATES:
                 self.metrics.sample_run(run_id, handle.live())
 
+    # -- retention -----------------------------------------------------------------------------------
+
+    def delete(self, run_id: str) -> bool:
+        """Delete an ended run: its rows in the store (`ServiceStore.delete_run`), its data directory
+        (kept batches, sentinel weights) and what this server holds of it (its handle, metrics series).
+        False for no such run; `RunLiveError`, and nothing deleted, for a run that has not ended, here
+        or in the store (one executing in an orchestrator worker says so there)."""
+        handle = self.handles.get(run_id)
+        if handle is not None and not handle.done.is_set():
+            raise RunLiveError(f"run {run_id!r} is {handle.state.value}; stop it and wait until it has ended")
+        self.wait_written()  # its offers' and acks' mirrors land before its rows go, not after
+        deleted = self.store.delete_run(run_id)
+        self.handles.pop(run_id, None)
+        self._records.pop(run_id, None)
+        self._lanes_stored.discard(run_id)
+        with self._ended_lock:
+            self._ended.pop(run_id, None)
+        shutil.rmtree(self.data_dir / run_id, ignore_errors=True)
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir / run_id, ignore_errors=True)
+        if self.metrics is not None:
+            self.metrics.drop_run(run_id)
+        return deleted
+
     # -- shutting down -------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = RUN_STOP_WAIT_S) -> None:
-        """Stop every run still executing and wait up to `timeout_s` for each to end; a run that has
+        """Stop every run still executing and wait up to `timeout_s` for them to end; a run that has
         ended and is storing its last events (the database away) is waited for up to `CLOSE_WAIT_S`
-        more, so no event and no end state is lost with the process."""
+        more, so no event and no end state is lost with the process; then the store writer gets
+        `WRITER_WAIT_S` for its last writes. `abandon` (from another thread) ends every wait at once:
+        a run not stopped by then is left as the store has it, and resumed at the next start."""
+        with self._start_lock:  # a run being resumed starts before this, or not at all
+            self._closing = True
+        stops = []
         for handle in list(self.handles.values()):
+            with contextlib.suppress(RunNotLiveError, IllegalRunStateError):
+                stops.append(handle.submit(handle.stop))  # refused: already ending, or not started
+        # Asked of every run at once: a run's loop slow to answer (under load) holds no other's stop
+        asked_by = time.monotonic() + 5.0
+        for stop in stops:
             with contextlib.suppress(RunNotLiveError, IllegalRunStateError, TimeoutError):
-                handle.submit(handle.stop).result(timeout=5)  # refused: already ending, or not started
+                self._wait_or_abandoned(stop, asked_by)
         deadline = time.monotonic() + timeout_s
+        flushed_by = deadline + CLOSE_WAIT_S + 5.0  # one bound for all: they store their last in parallel
         for handle in list(self.handles.values()):
-            if handle.join(max(0.1, deadline - time.monotonic())):
+            if self._wait_or_abandoned(handle.done, deadline):
                 continue
+            if self._abandoned.is_set():
+                continue  # each run gets what is left of the grace
             if not handle.flushing.is_set():
                 log.warning("run %s did not end within %.0f s of shutdown", handle.run_id, timeout_s)
                 continue
@@ -372,11 +746,134 @@ class RunManager:
             log.warning(
                 "run %s has ended; waiting up to %.0f s more for its last events to be stored",
                 handle.run_id,
-                CLOSE_WAIT_S,
+                max(0.0, flushed_by - time.monotonic()),
             )
-            if not handle.join(CLOSE_WAIT_S + 5.0):
+            if not self._wait_or_abandoned(handle.done, flushed_by):
                 log.warning("run %s: its last events and end state may be lost, unstored", handle.run_id)
-        self._writer.shutdown(wait=True)
+        self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
+        interrupted = [h.run_id for h in self.handles.values() if not h.done.is_set()]
+        if interrupted:
+            log.warning(
+                "runs %s not stopped: left as the store has them, resumed at the next start",
+                ", ".join(interrupted),
+            )
+
+    def abandon(self) -> None:
+        """Stop waiting (a second Ctrl-C): `shutdown` returns within `ABANDON_GRACE_S`, leaving each run
+        not yet stopped and each store write not yet done as they are; what the store holds is kept,
+        and the runs are resumed from it at the next start. Safe from any thread."""
+        self._closing = True
+        if not self._abandoned.is_set():
+            self._abandoned_by = time.monotonic() + ABANDON_GRACE_S
+            self._abandoned.set()
+
+    def _wait_or_abandoned(self, what: threading.Event | Future[Any], until: float) -> bool:
+        """Wait for an event (or a future's result) until the monotonic time `until`, or until
+        `abandon`: whether it came."""
+        while True:
+            left = min(until, self._abandoned_by) - time.monotonic()
+            if left <= 0:
+                return what.is_set() if isinstance(what, threading.Event) else what.done()
+            step = min(left, 0.1)
+            if isinstance(what, threading.Event):
+                if what.wait(step):
+                    return True
+            else:
+                with contextlib.suppress(TimeoutError):
+                    what.result(step)
+                    return True
+
+
+class ReplayProgress:
+    """How far a run being resumed has replayed its stored stream: fed each event as it is replayed
+    (on the resuming thread), read by the API and the dashboard."""
+
+    def __init__(self, last_seq: int | None) -> None:
+        self.events = 0 if last_seq is None else last_seq + 1  # sequence numbers start at 0
+        self.replayed = 0
+
+    def on_envelope(self, env: Envelope) -> None:
+        self.replayed += 1
+
+
+class StoreWriter:
+    """The manager's store writes (offer and ack marks, run states), one at a time, on a daemon thread of
+    their own: a process that stops waiting for them (`close` past its bound) exits without them rather
+    than hanging on one. Writes run in the order submitted, except that `first` ones (a run's state, its
+    lanes: few, and independent of the marks) go before every other still queued: behind a store that
+    lags, thousands of marks queue up, and a run's end state waited behind them, or was given up with
+    them at shutdown."""
+
+    def __init__(self) -> None:
+        self._first: deque[tuple[Callable[[], Any], Callable[[], None] | None, Future[Any]]] = deque()
+        self._queue: deque[tuple[Callable[[], Any], Callable[[], None] | None, Future[Any]]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name="corral-store", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, write: Callable[[], Any], dropped: Callable[[], None] | None = None, first: bool = False
+    ) -> Future[Any]:
+        """Queue `write`; `dropped` runs instead if `close` gives it up. RuntimeError once closed."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the store writer is closed")
+            (self._first if first else self._queue).append((write, dropped, future))
+            self._cond.notify_all()
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._first and not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._first and not self._queue:
+                    return
+                write, _, future = (self._first or self._queue).popleft()
+                self._busy = True
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(write())
+                except BaseException as exc:  # handed to the future's callback, which logs it
+                    future.set_exception(exc)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def close(self, until: float, abandoned_by: Callable[[], float] | float = float("inf")) -> int:
+        """Take no more writes, let the queued ones run until the monotonic time `until` (or
+        `abandoned_by`, which may move nearer meanwhile), then give up the rest: each runs its
+        `dropped` instead (a kept offer's file), and its future is cancelled. The writes given up
+        (logged)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while self._first or self._queue or self._busy:
+                by = abandoned_by() if callable(abandoned_by) else abandoned_by
+                left = min(until, by) - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
+            given_up = [*self._first, *self._queue]
+            self._first.clear()
+            self._queue.clear()
+        for _, dropped, future in given_up:
+            future.cancel()
+            if dropped is not None:
+                try:
+                    dropped()
+                except OSError as exc:
+                    log.warning("store writer: a given-up write's fallback failed: %r", exc)
+        if given_up:
+            log.warning(
+                "store writer: %d offer, ack or state writes not done by the shutdown's bound, given up "
+                "(a batch offered again at the next start, a run resumed)",
+                len(given_up),
+            )
+        return len(given_up)
 
 
 def _record_dict(record: RunRecord) -> dict[str, Any]:
@@ -394,6 +891,8 @@ def _record_dict(record: RunRecord) -> dict[str, Any]:
 
 
 def _log_failure(future: Any) -> None:
+    if future.cancelled():
+        return  # given up at shutdown, and counted there
     exc = future.exception()
     if exc is not None:
         log.warning("store mirror write failed: %r", exc)

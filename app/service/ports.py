@@ -135,7 +135,8 @@ def _sim_ports(spec: RunCreate, policy: PolicyConfig) -> RunPorts:
         engines=engines,
         engine_slots=workload.engines.slots,
         lanes=InProcessLanes.from_config(lane_config, policy.pinned_lanes),
-        source=SimSource(TrajectorySource(workload), lane_cpus, record=True),
+        # Uncached: the run goes on until stopped, and a cache of every draw grows with it.
+        source=SimSource(TrajectorySource(workload, cache=False), lane_cpus, record=True),
         weights_dir=None,
     )
 

@@ -12,7 +12,9 @@ Invariants:
 - publishing never blocks and never raises because of a sink (the sinks are buffered); the live view
   is updated inline, so a GET sees every event published before it;
 - every group a crashed incarnation left open ends in the stream, discarded with reason `orphaned`;
-- the live view counts the whole stream, stored and new: admitted = delivered + discarded + open.
+- the live view counts the whole stream, stored and new: admitted = delivered + discarded + open;
+- an ended run's recent events are let go once its store sink has written every event (`close`): its
+  timeline is then read from the store, and a server that ran many runs holds none of their streams.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from app.core.events import (
     BatchDelivered,
+    BatchRequested,
     EngineUpdateEnd,
     Envelope,
     Event,
@@ -41,6 +44,10 @@ from app.store.db import OUTAGE_S
 
 # How long closing a run's recorder waits for its sinks: a database outage is waited out (`OUTAGE_S`).
 CLOSE_WAIT_S = OUTAGE_S + 10.0
+# A simulated run stands still while its sinks hold this many unwritten events, until they are down to
+# `BACKLOG_LOW` (`RunRecorder.backlogged`); far below a sink's capacity (100,000), where it would drop.
+BACKLOG_HIGH = 20_000
+BACKLOG_LOW = 5_000
 
 
 @dataclass
@@ -57,11 +64,19 @@ class LiveView:
     events: int = 0
     last_seq: int = -1
     staleness: Counter[int] = field(default_factory=Counter)
+    # The trainer's figures on the run's clock, for the dashboard's runs list (no replay of the stream)
+    first_t: float | None = None  # the run's first event
+    last_t: float = 0.0  # its latest
+    trainer_wait_s: float = 0.0  # the delivered batches' collection times, summed
+    requested_at: float | None = None  # the open request for a batch, if the trainer is waiting
 
     def on_envelope(self, env: Envelope) -> None:
         ev = env.event
         self.events += 1
         self.last_seq = env.seq
+        if self.first_t is None:
+            self.first_t = env.t
+        self.last_t = max(self.last_t, env.t)
         if isinstance(ev, GroupAdmitted):
             self.admitted += 1
         elif isinstance(ev, GroupDelivered):
@@ -69,9 +84,13 @@ class LiveView:
             self.staleness[ev.staleness] += 1
         elif isinstance(ev, GroupDiscarded):
             self.discarded[ev.reason] += 1
+        elif isinstance(ev, BatchRequested):
+            self.requested_at = env.t
         elif isinstance(ev, BatchDelivered):
             self.batches += 1
             self.last_batch_index = ev.batch_index
+            self.trainer_wait_s += env.t - ev.requested_at
+            self.requested_at = None
         elif isinstance(ev, VersionPublished):
             self.trainer_version = max(self.trainer_version, ev.version)
         elif isinstance(ev, EngineUpdateEnd) and ev.ok:
@@ -109,11 +128,14 @@ class RecentEvents:
         self._rows: list[dict[str, Any]] = []
         self._first = first_seq  # seq of _rows[0]
         self._keep = keep
+        self._released = False
 
     def on_envelope(self, env: Envelope) -> None:
         row = env.to_dict()
         del row["run_id"]
         with self._lock:
+            if self._released:
+                return
             if not self._rows:
                 self._first = env.seq
             self._rows.append(row)
@@ -122,9 +144,17 @@ class RecentEvents:
                 self._rows = self._rows[drop:]
                 self._first += drop
 
+    def release(self) -> None:
+        """Hold nothing more: every later `since` answers None (ask the store)."""
+        with self._lock:
+            self._rows = []
+            self._released = True
+
     def since(self, since: int, limit: int) -> list[dict[str, Any]] | None:
         """Rows with seq > `since`, or None when older ones are no longer held (ask the store)."""
         with self._lock:
+            if self._released:
+                return None
             start = since + 1 - self._first
             if start < 0:
                 return None
@@ -133,7 +163,8 @@ class RecentEvents:
 
 class StoredMark:
     """A run's store sink, noting the highest sequence number its writes have got to (written, or
-    failed on: done with either way), so that an answer can wait until what it changed is stored."""
+    failed on for good: done with either way; a batch failed on during an outage is written later), so
+    that an answer can wait until what it changed is stored."""
 
     def __init__(self, sink: EventSink) -> None:
         self.sink = sink
@@ -143,11 +174,22 @@ class StoredMark:
     def write_batch(self, envelopes: Sequence[Envelope]) -> None:
         try:
             self.sink.write_batch(envelopes)
-        finally:
-            if envelopes:
-                with self._cond:
-                    self._seq = max(self._seq, envelopes[-1].seq)
-                    self._cond.notify_all()
+        except Exception as exc:
+            if not self.retryable(exc):  # done with: the bus gives it up
+                self._mark(envelopes)
+            raise
+        self._mark(envelopes)
+
+    def retryable(self, exc: BaseException) -> bool:
+        """The store's word: a batch failed on during a database outage is written later."""
+        retryable = getattr(self.sink, "retryable", None)
+        return retryable is not None and bool(retryable(exc))
+
+    def _mark(self, envelopes: Sequence[Envelope]) -> None:
+        if envelopes:
+            with self._cond:
+                self._seq = max(self._seq, envelopes[-1].seq)
+                self._cond.notify_all()
 
     def wait(self, seq: int, timeout_s: float) -> bool:
         """Whether the store's writes got to `seq` within `timeout_s`."""
@@ -173,6 +215,7 @@ class RunRecorder:
         self.rollouts = rollouts if rollouts is not None else RolloutLog()
         self.recent = RecentEvents(first_seq)
         self.stored: StoredMark | None = None  # the store's sink, once the manager attaches it
+        self._backlogged = False
         # They only watch the run (the dashboard, the API's answers): a bug in one must not cost it.
         self.bus.observe(self.view.on_envelope, "live view")
         # The frequent kinds touch no rollout (and never open a stream: its first event is not one).
@@ -181,6 +224,16 @@ class RunRecorder:
 
     def publish(self, event: Event) -> Envelope:
         return self.bus.publish(event)
+
+    def backlogged(self) -> bool:
+        """Whether a run that can wait (a simulated one: `PacedLoop.hold`) should, for its sinks: from
+        `BACKLOG_HIGH` events unwritten until they are down to `BACKLOG_LOW`."""
+        backlog = self.bus.backlog()
+        if backlog >= BACKLOG_HIGH:
+            self._backlogged = True
+        elif backlog <= BACKLOG_LOW:
+            self._backlogged = False
+        return self._backlogged
 
     def wait_stored(self, seq: int, timeout_s: float) -> bool:
         """Block until the event numbered `seq` is in the store (the sink writes in order); False when
@@ -195,5 +248,11 @@ class RunRecorder:
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> dict[str, dict[str, Any]]:
         """Flush and stop the sinks. The store's may be waiting out a database outage (`OUTAGE_S`): the
-        run's last events are waited for rather than counted unflushed."""
-        return self.bus.close(timeout_s)
+        run's last events are waited for rather than counted unflushed. Once the store has every
+        event, the recent events are let go (the store answers for the ended run)."""
+        stats = self.bus.close(timeout_s)
+        store = stats.get("store")
+        lost = ("dropped", "failed", "unflushed", "kept_on_disk")
+        if store is not None and not any(store[k] for k in lost):
+            self.recent.release()
+        return stats

@@ -13,6 +13,9 @@ Invariants:
   run ends first (no rollout outlives its run as `running`);
 - once the run has ended, no engine of any rollout is `pending` or `updating`: each that had not loaded
   the version is `cancelled` with the error `run ended` (a superseded rollout's too);
+- the log keeps at most `KEEP_ROLLOUTS` finished rollouts (the newest; every running one besides), so
+  its memory does not grow with the run's length: an older version is answered from the store
+  (`forgot`), which the run's store sink has long written it to;
 - both sources answer with the same keys (`ROLLOUT_KEYS`, `ENGINE_KEYS`); times are on the run's
   clock (`started_at`, `ended_at`) and in seconds from the run's first event (`began_s`, `ended_s`).
 """
@@ -38,6 +41,8 @@ ROLLOUT_KEYS = (
     "rollout_id", "version", "path", "actor", "state", "superseded", "started_at", "ended_at",
     "max_updating_engines", "pause_mode", "engines",
 )  # fmt: skip
+# Finished rollouts a live run's log keeps in memory, the newest (a version published per trainer step).
+KEEP_ROLLOUTS = 256
 ENGINE_KEYS = ("engine", "state", "version", "began_s", "ended_s", "started_at", "ended_at", "error")
 
 
@@ -66,7 +71,9 @@ class StepRow:
 class RolloutLog:
     """A run's rollouts kept from its event stream (a bus subscriber, on the run's loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = KEEP_ROLLOUTS) -> None:
+        self.keep = keep
+        self.kept_from = 0  # versions below this were forgotten (`forgot`)
         self.rollouts: dict[int, RolloutRow] = {}
         self.steps: dict[int, dict[str, StepRow]] = {}  # version -> engine -> its update to it
         self.engines: dict[str, str] = {}  # name -> state
@@ -77,6 +84,10 @@ class RolloutLog:
     @property
     def newest(self) -> int:
         return max(self.rollouts, default=0)
+
+    def forgot(self, version: int) -> bool:
+        """Whether `version`'s rollout was dropped from this log (ask the store)."""
+        return version < self.kept_from and version not in self.rollouts
 
     def steps_from(self, version: int) -> list[StepRow]:
         """The engines' updates to `version` or a newer one."""
@@ -92,6 +103,9 @@ class RolloutLog:
                 row = self.rollouts[version]
                 row.state, row.ended_at = "superseded", t
                 self._running.discard(version)
+            self._forget_old()
+        elif isinstance(ev, EngineUpdateBegin | EngineUpdateEnd) and ev.version < self.kept_from:
+            pass  # an update to a version forgotten here (the store has it)
         elif isinstance(ev, EngineUpdateBegin):
             self._rollout(ev.version, t)
             step = self.steps.setdefault(ev.version, {}).get(ev.engine)
@@ -129,6 +143,16 @@ class RolloutLog:
                 row = self.rollouts[version]
                 row.state, row.ended_at = "cancelled", t
             self._running.clear()
+
+    def _forget_old(self) -> None:
+        """Past twice `keep` finished rollouts, drop the oldest finished ones down to `keep`."""
+        finished = [v for v in self.rollouts if v not in self._running]
+        if len(finished) <= 2 * self.keep:
+            return
+        for version in sorted(finished)[: len(finished) - self.keep]:
+            del self.rollouts[version]
+            self.steps.pop(version, None)
+            self.kept_from = max(self.kept_from, version + 1)
 
     def _rollout(self, version: int, t: float, path: str | None = None, actor: str = "trainer") -> None:
         if version not in self.rollouts:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,9 +27,17 @@ from sqlalchemy.orm import Session
 from app.core.events import Envelope, Ledger
 from app.service.recorder import LiveView
 from app.service.rollouts import RolloutLog, RolloutRow, StepRow, rollout_answer
-from app.store.db import make_engine, make_sessionmaker
+from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S, make_engine, make_sessionmaker
 from app.store.migrate import upgrade_to_head
-from app.store.models import TERMINAL_RUN_STATES, EventRow, RolloutStep, Run, RunState, WeightRollout
+from app.store.models import (
+    TERMINAL_RUN_STATES,
+    Batch,
+    EventRow,
+    RolloutStep,
+    Run,
+    RunState,
+    WeightRollout,
+)
 from app.store.repos import (
     BatchRepo,
     EngineRepo,
@@ -46,7 +54,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["IllegalTransitionError", "ResumePoint", "RunRecord", "ServiceStore"]
+ENDED = tuple(state.value for state in TERMINAL_RUN_STATES)
+
+__all__ = ["IllegalTransitionError", "ResumePoint", "RunLiveError", "RunRecord", "ServiceStore"]
+
+
+class RunLiveError(RuntimeError):
+    """The run has not ended (the store says so): nothing of it is deleted (the API answers 409)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,21 @@ class RunRecord:
         )
 
 
+# How long an offer or ack mark waits for its batch's row (the event sink writes it, maybe later)
+BATCH_ROW_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class TrainerFigures:
+    """A stored run's trainer figures on its own clock (`ServiceStore.trainer_figures`)."""
+
+    batches: int  # delivered
+    trainer_wait_s: float  # the delivered batches' collection times, summed
+    requested_at: float | None  # a request for a batch after the last delivered, never delivered
+    first_t: float | None  # the run's first stored event (None: no event stored)
+    last_t: float | None  # and its last
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run continues: its next event, group and batch numbers and its policy version."""
@@ -98,16 +127,38 @@ class ResumePoint:
 
 
 class ServiceStore:
-    def __init__(self, url: str, migrate: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        migrate: bool = True,
+        outage_s: float = OUTAGE_S,
+        busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S,
+    ) -> None:
+        """`outage_s`: how long its writers wait out a database that is away (`through_outage`);
+        `busy_timeout_s`: how long a SQLite transaction waits for another writer's lock."""
         self.url = url
+        self.outage_s = outage_s
         if migrate:
             upgrade_to_head(url)
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, busy_timeout_s=busy_timeout_s)
         self._sessions = make_sessionmaker(self.engine)
+        # On SQLite, for reads that take long (a run's stored stream replayed as it is resumed) and for
+        # the health check: a transaction begun IMMEDIATE holds the write lock, so a replay held the
+        # resumed runs' event sinks and /healthz for as long as it took. A deferred one reads a snapshot.
+        on_file = self.engine.name == "sqlite" and self.engine.url.database not in (None, "", ":memory:")
+        # (one in-memory database has no reader of its own)
+        self._reader = make_engine(url, "DEFERRED", busy_timeout_s) if on_file else None
+        self._read_sessions = make_sessionmaker(self._reader or self.engine)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
         with self._sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read_session(self) -> Iterator[Session]:
+        """A session that only reads: on SQLite it never holds, nor waits for, the write lock."""
+        with self._read_sessions() as session, session.begin():
             yield session
 
     def _write(self, fn: Callable[[Session], T], wait_s: float = 30.0) -> T:
@@ -124,7 +175,7 @@ class ServiceStore:
             time.sleep(0.02)
 
     def event_sink(self) -> SqlEventSink:
-        return SqlEventSink(self.engine)
+        return SqlEventSink(self.engine, self.outage_s)
 
     # -- runs ----------------------------------------------------------------------------------------
 
@@ -193,6 +244,38 @@ class ServiceStore:
 
         self._write(write)
 
+    # -- retention -----------------------------------------------------------------------------------
+
+    def delete_run(self, run_id: str) -> bool:
+        """Delete an ended run and everything stored for it (its events, spans, groups, trajectories,
+        batches, engines, rollouts, lanes, policy changes), in one transaction: False when there is no
+        such run; `RunLiveError`, and nothing deleted, when its stored state is not an end state. The
+        row is locked first (Postgres: `FOR UPDATE`), so a state written meanwhile waits for the
+        deletion or is refused by it."""
+
+        def write(s: Session) -> bool:
+            run = s.scalars(select(Run).where(Run.id == run_id).with_for_update()).one_or_none()
+            if run is None:
+                return False
+            if run.state not in ENDED:
+                raise RunLiveError(
+                    f"run {run_id!r} is {run.state}; only an ended run (stopped, completed, failed) can "
+                    "be deleted: stop it and wait until it has ended"
+                )
+            return RunRepo(s).delete(run_id)
+
+        return self._write(write)
+
+    def ended_runs(self, before: datetime) -> list[RunRecord]:
+        """The runs that ended before `before` (a wall-clock time), oldest first."""
+        with self.session() as s:
+            query = (
+                select(Run)
+                .where(Run.state.in_(ENDED), Run.ended_at.is_not(None), Run.ended_at < before)
+                .order_by(Run.ended_at, Run.id)
+            )
+            return [RunRecord.of(r) for r in s.scalars(query)]
+
     # -- events and groups ---------------------------------------------------------------------------
 
     def timeline(self, run_id: str, since: int, limit: int) -> list[dict[str, Any]]:
@@ -200,13 +283,24 @@ class ServiceStore:
             rows = EventRepo(s).list(run_id, since=since, limit=limit)
             return [{"seq": r.seq, "t": r.t, "kind": r.kind, **dict(r.payload)} for r in rows]
 
+    def envelopes(self, run_id: str, since: int, limit: int) -> list[Envelope]:
+        """Up to `limit` of the run's events after sequence number `since`, in order, as envelopes: the
+        dashboard's catch-up with a stored stream."""
+        with self.session() as s:
+            return EventRepo(s).envelopes(run_id, since, limit)
+
+    def last_seq(self, run_id: str) -> int | None:
+        """The run's newest stored event's sequence number (a lookup by key), None with none stored."""
+        with self.session() as s:
+            return EventRepo(s).last_seq(run_id)
+
     def ledger(self, run_id: str, *also: Callable[[Envelope], None]) -> tuple[Ledger, float]:
         """Every group's account from the stored stream alone (the store's projection aside), and the
         time of the last event. `also` are fed the stored stream too, in order."""
         ledger = Ledger()
         last_t = 0.0
-        with self.session() as s:
-            for env in EventRepo(s).load_envelopes(run_id):
+        with self.read_session() as s:
+            for env in EventRepo(s).iter_envelopes(run_id):
                 ledger.on_envelope(env)
                 for fn in also:
                     fn(env)
@@ -220,10 +314,16 @@ class ServiceStore:
         return {"admitted": account.admitted, "open": account.open, "delivered": account.delivered,
                 "discarded": dict(account.discarded)}  # fmt: skip
 
-    def resume_point(self, run_id: str) -> ResumePoint:
+    def event_gaps(self, run_id: str) -> int:
+        """How many sequence numbers the run's stored stream misses below its last one."""
+        with self.read_session() as s:
+            return EventRepo(s).gaps(run_id)
+
+    def resume_point(self, run_id: str, *also: Callable[[Envelope], None]) -> ResumePoint:
+        """Where the run goes on from, from its stored stream replayed (`also` are fed it too)."""
         view, book = LiveView(), RolloutLog()
-        ledger, last_t = self.ledger(run_id, view.on_envelope, book.on_envelope)
-        with self.session() as s:
+        ledger, last_t = self.ledger(run_id, view.on_envelope, book.on_envelope, *also)
+        with self.read_session() as s:
             next_seq = EventRepo(s).next_seq(run_id)
             orphans = {g.group_id for g in GroupRepo(s).orphans(run_id)}
             batches = BatchRepo(s).list(run_id)
@@ -251,13 +351,42 @@ class ServiceStore:
 
     # -- batches offered to an external trainer ------------------------------------------------------
 
-    def mark_offered(self, run_id: str, batch_index: int) -> None:
-        self._when_batch_stored(run_id, batch_index, lambda repo: repo.mark_offered(run_id, batch_index))
+    def mark_offered(self, run_id: str, batch_index: int, wait_s: float = BATCH_ROW_WAIT_S) -> None:
+        self._when_batch_stored(
+            run_id, batch_index, lambda repo: repo.mark_offered(run_id, batch_index), wait_s
+        )
 
-    def mark_acked(self, run_id: str, batch_index: int) -> None:
-        self._when_batch_stored(run_id, batch_index, lambda repo: repo.ack(run_id, batch_index))
+    def mark_acked(self, run_id: str, batch_index: int, wait_s: float = BATCH_ROW_WAIT_S) -> None:
+        self._when_batch_stored(run_id, batch_index, lambda repo: repo.ack(run_id, batch_index), wait_s)
 
-    def _when_batch_stored(self, run_id: str, batch_index: int, write: Any, wait_s: float = 10.0) -> None:
+    def mark_batches(self, marks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Mirror many offers and acks, `(kind, run_id, batch_index)` with kind `offered` or `acked`, in
+        one transaction and in order: for each, whether it was written (False: the sink has not stored
+        that batch's delivery yet; ask again). One transaction for all: on SQLite each waits for the
+        file's one writer, which the event sink holds most of the time under a busy run."""
+
+        def write(s: Session) -> list[bool]:
+            repo = BatchRepo(s)
+            done = []
+            for kind, run_id, index in marks:
+                batch = repo.get(run_id, index)
+                if batch is None or batch.delivered_at is None:
+                    done.append(False)
+                    continue
+                if kind == "acked":
+                    repo.ack(run_id, index)
+                else:
+                    repo.mark_offered(run_id, index)
+                done.append(True)
+            return done
+
+        return self._write(write) if marks else []
+
+    def _when_batch_stored(
+        self, run_id: str, batch_index: int, write: Any, wait_s: float = BATCH_ROW_WAIT_S
+    ) -> None:
+        """`write` once the batch's delivery is stored (the event sink writes it), waiting `wait_s` at
+        most for it (0: one look); given up with a warning after that."""
         deadline = time.monotonic() + wait_s
 
         def attempt(s: Session) -> bool:
@@ -353,9 +482,33 @@ class ServiceStore:
             "acked": sum(1 for b in batches if b.acked_at is not None),
         }
 
+    def trainer_figures(self, run_id: str) -> TrainerFigures:
+        """A run's trainer figures for the dashboard's runs list, from the `batches` projection and the
+        run's first and last stored events (two lookups by the events' key: the stream is not read)."""
+        with self.session() as s:
+            delivered = (Batch.run_id == run_id) & Batch.delivered_at.is_not(None)
+            count, waited, last_index = s.execute(
+                select(
+                    func.count(),
+                    func.coalesce(func.sum(Batch.delivered_at - Batch.requested_at), 0.0),
+                    func.max(Batch.batch_index),
+                ).where(delivered)
+            ).one()
+            # the open request: asked for after the last batch delivered, and not delivered
+            asked = select(Batch.requested_at).where(
+                Batch.run_id == run_id, Batch.delivered_at.is_(None), Batch.requested_at.is_not(None)
+            )
+            if last_index is not None:
+                asked = asked.where(Batch.batch_index > last_index)
+            requested = s.scalar(asked.order_by(Batch.batch_index.desc()).limit(1))
+            events = select(EventRow.t).where(EventRow.run_id == run_id).limit(1)
+            first = s.scalar(events.order_by(EventRow.seq))
+            last = s.scalar(events.order_by(EventRow.seq.desc()))
+        return TrainerFigures(int(count), float(waited or 0.0), requested, first, last)
+
     def ping(self) -> bool:
         try:
-            with self.engine.connect() as conn:
+            with (self._reader or self.engine).connect() as conn:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:  # a health check reports an unreachable database, it does not raise
             log.warning("database ping failed: %r", exc)
@@ -364,3 +517,5 @@ class ServiceStore:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self._reader is not None:
+            self._reader.dispose()

@@ -106,6 +106,13 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         heapq.heappush(self._timers, (when, seq, callback))
         return seq
 
+    def close(self) -> None:
+        super().close()
+        # asyncio's close clears its own timer list; ours holds every timer left, cancelled ones too
+        # (each attempt's timeout, with its task's context): freed here by reference counting, they
+        # no longer wait for the cyclic collector (app.sim.run frees each simulation with one).
+        self._timers.clear()
+
     def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
         pass  # cancelled timers leave the heap lazily, when they reach its head
 
@@ -189,7 +196,7 @@ def run_virtual(
 
     with early_signals.interruptible_once(interrupt):
         try:
-            return loop.run_until_complete(main)
+            result = loop.run_until_complete(main)
         except BaseException:
             _unwind(loop)  # a Ctrl-C mid-run: let every task run its cleanup, so none is left pending
             raise
@@ -199,6 +206,9 @@ def run_virtual(
                 loop_stats.update(dispatched=loop.dispatched, timers=loop.timers_scheduled())
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+        if loop.interrupted:  # pressed after the loop's last check: the run is done, the press still counts
+            raise KeyboardInterrupt
+        return result
 
 
 def _unwind(loop: VirtualTimeLoop) -> None:

@@ -30,7 +30,10 @@ def bench_figure(result: dict[str, Any]) -> Figure:
     series has a legend entry and each legend sits above its panel, off the data."""
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax4) = plt.subplots(1, 3, figsize=(17, 5.5))
+    staleness = result["sweeps"].get("max_staleness", [])
+    panels = 4 if staleness else 3
+    fig, axes = plt.subplots(1, panels, figsize=(17 / 3 * panels, 5.5))
+    ax1, ax2, ax4 = axes[0], axes[1], axes[-1]
     names = list(result["policies"])
     means = [result["policies"][n]["batch_collection_s"]["mean"] for n in names]
     p90s = [result["policies"][n]["batch_collection_s"]["p90"] for n in names]
@@ -61,8 +64,11 @@ def bench_figure(result: dict[str, Any]) -> Figure:
         ax2.plot(s, [row["batch_collection_s"] for row in sweep], marker="o", label="full: mean")
         ax2.plot(s, [row["lower_bound_s"] for row in sweep], linestyle="--", label="lower bound")
         ax2.set_xlabel("surplus groups S")
+        ax2.xaxis.get_major_locator().set_params(integer=True)  # S is a count: no tick at 0.5
         ax2.set_ylabel("batch collection time (s)")
         _legend_above(ax2, "surplus sweep (full)", extra=ax3)
+    if staleness:
+        _staleness_panel(axes[2], staleness)
     ablations = result["sweeps"].get("ablations", {})
     if ablations and "full" in result["policies"]:
         labels = ["full", *(name.replace("full without ", "− ") for name in ablations)]
@@ -78,6 +84,32 @@ def bench_figure(result: dict[str, Any]) -> Figure:
         ax4.set_xticks(range(len(labels)), labels, rotation=20, ha="right", rotation_mode="anchor")
     fig.tight_layout()
     return fig
+
+
+def _staleness_panel(ax: Axes, rows: list[dict[str, Any]]) -> None:
+    """`--staleness-sweep`: `full`'s mean for each K, one bar per S it ran at, each bar labelled with its
+    stale groups discarded (the sweep was in the report and the table, not in the plot)."""
+    ks = sorted({row["max_staleness"] for row in rows})
+    surpluses = sorted({row["surplus_groups"] for row in rows})
+    width = 0.8 / len(surpluses)
+    for i, surplus in enumerate(surpluses):
+        mine = {row["max_staleness"]: row for row in rows if row["surplus_groups"] == surplus}
+        xs = [j + (i - (len(surpluses) - 1) / 2) * width for j, k in enumerate(ks) if k in mine]
+        values = [mine[k]["batch_collection_s"] for k in ks if k in mine]
+        bars = ax.bar(xs, values, width=width, label=f"S = {surplus}")
+        for bar, k in zip(bars, [k for k in ks if k in mine], strict=True):
+            stale = mine[k]["discarded_groups"]["stale"]
+            ax.annotate(
+                f"{bar.get_height():.0f}\n{stale} stale",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
+    ax.set_ylabel("batch collection time (s)")
+    ax.margins(y=0.15)  # room for the labels over the tallest bar
+    _legend_above(ax, "staleness bound sweep (full)")
 
 
 def _legend_above(ax: Axes, title: str, extra: Axes | None = None) -> None:
@@ -99,23 +131,38 @@ def _bar_width(values: list[int]) -> float:
 
 
 def plot_family(result: dict[str, Any], out: Path) -> None:
-    """One panel per workload: mean batch collection time of every rung, `full` highlighted, with the
-    clairvoyant lower bound of `full` as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = family_figure(result)
+    save_figure(fig, out, dpi=100)
+    plt.close(fig)
+
+
+FAMILY_COLOURS = {"full": "tab:green", "corral": "tab:gray", "peer": "tab:blue"}
+
+
+def family_figure(result: dict[str, Any]) -> Figure:
+    """The figure of `plot_family`: one panel per workload, mean batch collection time of every rung,
+    `full` highlighted, with the clairvoyant lower bound of `full` as a line. A rung is coloured as a
+    peer only when it is one of docs/peers.md's emulations (`app.sim.peers.PEERS`), and the colours have
+    a legend: a hand-kept list of Corral's own rungs had missed the two borrowing variants of `full`,
+    drawn as peers."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from app.sim.peers import PEERS
+
     workloads = result["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 5.4), squeeze=False)
     for ax, (name, data) in zip(axes[0], workloads.items(), strict=True):
         rungs = data["rungs"]
         labels = list(rungs)
         values = [rungs[r]["mean_s"] for r in labels]
-        colors = [
-            "tab:green" if r == "full" else "tab:gray" if r in LADDER_NAMES else "tab:blue" for r in labels
-        ]
-        bars = ax.bar(range(len(labels)), values, color=colors)
+        kinds = ["full" if r == "full" else "peer" if r in PEERS else "corral" for r in labels]
+        bars = ax.bar(range(len(labels)), values, color=[FAMILY_COLOURS[k] for k in kinds])
         for bar, value in zip(bars, values, strict=True):
             ax.annotate(
                 f"{value:.0f}",
@@ -137,16 +184,17 @@ def plot_family(result: dict[str, Any], out: Path) -> None:
         ax.set_yscale("log")
         ax.set_title(name)
         ax.set_ylabel("mean batch collection time (s, log)")
-    fig.tight_layout()
-    save_figure(fig, out, dpi=100)
-    plt.close(fig)
-
-
-LADDER_NAMES = {
-    "sync",
-    "completion",
-    "lanes",
-    "full (partitioned lanes)",
-    "full (fixed lanes)",
-    "full (S = K·B)",
-}
+    keys = [
+        ("full", "full"),
+        ("corral", "Corral's ladder and variants of full"),
+        ("peer", "other systems, emulated (docs/peers.md)"),
+    ]
+    fig.legend(
+        handles=[Patch(color=FAMILY_COLOURS[k], label=text) for k, text in keys],
+        loc="upper center",
+        ncols=len(keys),
+        fontsize=9,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    return fig

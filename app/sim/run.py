@@ -156,6 +156,10 @@ def simulate(
     )
     report = build_report(runtime.report_acc, static)
     report.update(ports.lane_report())
+    if trajectories is None:
+        # Its draws, one per attempt, are ours alone: freed now by reference counting rather than by
+        # the collection that ends the run (`_freed_after`), which would walk each of them first.
+        source.clear()
     return report
 
 

@@ -38,7 +38,7 @@ import bisect
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -157,8 +157,10 @@ def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> int:
     return unfinished
 
 
-def import_terminal_bench(directory: Path) -> ImportResult:
-    """Every trial under `directory` (any depth), each counted once by (task, trial name)."""
+def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] | None = None) -> ImportResult:
+    """Every trial under `directory` (any depth), each counted once by (task, trial name; an unnamed
+    trial by what it records). `on_file(read, total)` before each results.json is read, with how many
+    were read so far."""
     if not directory.is_dir():
         missing = not directory.exists() and not directory.is_symlink()
         raise WorkloadError(f"{directory}: " + ("no such directory" if missing else "not a directory"))
@@ -169,6 +171,8 @@ def import_terminal_bench(directory: Path) -> ImportResult:
     files = sorted(directory.rglob("results.json"), key=lambda p: (-len(p.parts), str(p)))
     for path in files:
         result.sources += 1
+        if on_file is not None:
+            on_file(result.sources - 1, len(files))
         try:
             records, summary = _trial_records(path)
         except _Skip as skip:
@@ -181,7 +185,10 @@ def import_terminal_bench(directory: Path) -> ImportResult:
             if not isinstance(record, dict):
                 result.skipped["not an object"] += 1
                 continue
-            key = (str(record.get("task_id")), str(record.get("trial_name") or path.parent))
+            # A trial without a name is known by what it records: by its directory, every unnamed trial of
+            # a task in a run's summary was one, and all but the first were dropped uncounted.
+            name = record.get("trial_name") or json.dumps(record, sort_keys=True, default=str)
+            key = (str(record.get("task_id")), str(name))
             if key in seen:
                 continue
             seen.add(key)
@@ -192,6 +199,8 @@ def import_terminal_bench(directory: Path) -> ImportResult:
                 result.skipped[why] += 1
             else:
                 result.records.append(line)
+    if on_file is not None:
+        on_file(len(files), len(files))
     unfinished = _unfinished_trials(trial_dirs, {name for _, name in seen})
     if unfinished:
         result.skipped[NO_RESULTS] += unfinished

@@ -448,10 +448,15 @@ class TraceAttempt:
 
 
 class TrajectorySource:
-    """Seeded trajectory draws for a workload, from its distributions or from a recorded trace."""
+    """Seeded trajectory draws for a workload, from its distributions or from a recorded trace.
 
-    def __init__(self, workload: Workload) -> None:
+    `cache`: keep every draw (about 1.3 KB a group), so that the rungs of a bench replay them cheaply;
+    without it each is drawn again when asked for (the draws are seeded per group and attempt, so they
+    are the same), as a run that goes on until stopped needs (`corral serve`'s simulated runs)."""
+
+    def __init__(self, workload: Workload, cache: bool = True) -> None:
         self.workload = workload
+        self._keep = cache
         self._trace: dict[str, list[TraceAttempt]] | None = None
         self._trace_tasks: list[str] = []
         if workload.trace is not None:
@@ -465,8 +470,14 @@ class TrajectorySource:
         found = self._cache.get(key)
         if found is None:
             found = self._draw(group, attempt)
-            self._cache[key] = found
+            if self._keep:
+                self._cache[key] = found
         return found
+
+    def clear(self) -> None:
+        """Drop every cached draw (they would be drawn again, the same, if asked for)."""
+        self._cache.clear()
+        self._tasks.clear()
 
     def group_duration(self, group: int) -> float:
         size = self.workload.batch.group_size
@@ -665,6 +676,8 @@ def load_workload(path: Path | None) -> Workload:
     try:
         data = read_document(Path(path), f"workload {path}", json_suffix=True)
     except DocumentError as exc:
+        if not Path(path).exists() and not Path(path).is_symlink():  # `cpu_scarce` for `cpu-scarce`
+            raise WorkloadError(f"{exc}; the built-in workloads are {', '.join(FAMILY)}") from None
         raise WorkloadError(str(exc)) from None
     if data is None:  # an empty file, or comments only: most likely the wrong file, not "all defaults"
         raise WorkloadError(f"workload {path} is empty; write {{}} in it for every default")

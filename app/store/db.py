@@ -22,15 +22,20 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 DEFAULT_DATABASE_URL = "sqlite:///./corral.db"
 
 # A database that stops answering (Postgres restarted, a failover) is waited out this long by a run's
-# writers before a write counts as failed; what they have to write meanwhile stays buffered.
+# writers before a write counts as failed; what they have to write meanwhile stays buffered. The default
+# of `CORRAL_STORE_OUTAGE_S`, passed in as `outage_s`.
 OUTAGE_S = 60.0
 OUTAGE_RETRY_MAX_S = 2.0
+# How long one SQLite transaction waits for the file's writer lock before it fails as busy (an outage):
+# the default of `CORRAL_SQLITE_BUSY_TIMEOUT_S`, passed in as `busy_timeout_s`
+SQLITE_BUSY_TIMEOUT_S = 30.0
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,9 +44,12 @@ T = TypeVar("T")
 _strict_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
 
 
-def make_engine(url: str, sqlite_begin: str = "IMMEDIATE", **kwargs: Any) -> Engine:
+def make_engine(
+    url: str, sqlite_begin: str = "IMMEDIATE", busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S, **kwargs: Any
+) -> Engine:
     """An Engine for `url`; `postgresql://` is read as psycopg 3 (`postgresql+psycopg://`).
-    `sqlite_begin` (IMMEDIATE or DEFERRED) is how SQLite transactions begin; see the module doc."""
+    `sqlite_begin` (IMMEDIATE or DEFERRED) is how SQLite transactions begin, `busy_timeout_s` how long
+    one waits for another writer's lock; see the module doc."""
     kwargs.setdefault("json_serializer", _strict_json)
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
@@ -49,12 +57,12 @@ def make_engine(url: str, sqlite_begin: str = "IMMEDIATE", **kwargs: Any) -> Eng
     if parsed.get_backend_name() == "sqlite":
         if sqlite_begin not in ("IMMEDIATE", "DEFERRED"):
             raise ValueError(f"sqlite_begin must be IMMEDIATE or DEFERRED, not {sqlite_begin!r}")
-        return _sqlite_engine(parsed, sqlite_begin, **kwargs)
+        return _sqlite_engine(parsed, sqlite_begin, busy_timeout_s, **kwargs)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(parsed, **kwargs)
 
 
-def _sqlite_engine(url: Any, begin: str, **kwargs: Any) -> Engine:
+def _sqlite_engine(url: Any, begin: str, busy_timeout_s: float, **kwargs: Any) -> Engine:
     memory = url.database in (None, "", ":memory:")
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("check_same_thread", False)
@@ -67,7 +75,7 @@ def _sqlite_engine(url: Any, begin: str, **kwargs: Any) -> Engine:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         if not memory:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
@@ -112,13 +120,16 @@ def scratch_database(backend: str, postgres_url: str, tmp_dir: Path) -> Iterator
 
 
 def is_outage(exc: BaseException) -> bool:
-    """Is `exc` the database being away rather than refusing the write: a connection lost or refused, or
-    Postgres starting up or shutting down (SQLSTATE classes 08 and 57P)? SQLite's errors never are (its
-    busy timeout already waits out a writer)."""
+    """Is `exc` the database being away or busy rather than refusing the write: a connection lost or
+    refused, Postgres starting up or shutting down (SQLSTATE classes 08 and 57P), or SQLite still locked
+    by other writers when its busy timeout ran out (several runs' writers at once on a busy machine)?
+    Either way the failed transaction stored nothing, and trying it again is safe."""
     from sqlalchemy.exc import DBAPIError
 
     if not isinstance(exc, DBAPIError):
         return False
+    if _sqlite_busy(exc):
+        return True
     if exc.connection_invalidated:
         return True
     code = getattr(exc.orig, "sqlstate", "")  # psycopg's; None for a failure of the connection itself
@@ -130,6 +141,19 @@ def is_outage(exc: BaseException) -> bool:
 
 
 _NOT_AN_OUTAGE = ("does not exist", "authentication failed", "password")
+_SQLITE_BUSY = ("database is locked", "database table is locked", "database is busy")
+
+
+def _sqlite_busy(exc: BaseException) -> bool:
+    import sqlite3
+
+    orig = getattr(exc, "orig", None)
+    return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith(_SQLITE_BUSY)
+
+
+def outage_kind(exc: BaseException) -> str:
+    """How an outage is said: the database is "busy" (SQLite locked) or "not answering"."""
+    return "busy" if _sqlite_busy(exc) else "not answering"
 
 
 def outage_reason(exc: BaseException) -> str:
@@ -137,10 +161,11 @@ def outage_reason(exc: BaseException) -> str:
     return " ".join(str(getattr(exc, "orig", exc)).split())[:200]
 
 
-def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S) -> T:
-    """`write()`, tried again while the database is away (`is_outage`), for at most `outage_s`; then (or
-    on any other error) its error is raised. `write` must be safe to repeat: a failed transaction
-    stored nothing."""
+def through_outage(write: Callable[[], T], what: str, outage_s: float | None = None) -> T:
+    """`write()`, tried again while the database is away (`is_outage`), for at most `outage_s`
+    (default `OUTAGE_S`); then (or on any other error) its error is raised. `write` must be safe to
+    repeat: a failed transaction stored nothing."""
+    outage_s = OUTAGE_S if outage_s is None else outage_s
     delay, deadline = 0.1, None
     while True:
         try:
@@ -152,8 +177,9 @@ def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S
             if deadline is None:
                 deadline = now + outage_s
                 log.warning(
-                    "%s: the database is not answering (%s); trying again for %.0f s",
+                    "%s: the database is %s (%s); trying again for %.0f s",
                     what,
+                    outage_kind(exc),
                     outage_reason(exc),
                     outage_s,
                 )
@@ -165,3 +191,51 @@ def through_outage(write: Callable[[], T], what: str, outage_s: float = OUTAGE_S
         if deadline is not None:
             log.warning("%s: the database answers again", what)
         return result
+
+
+# One `corral serve` per database: it resumes every unfinished run it finds there, so a second one on the
+# same database drove the first one's runs too (two timelines written into one event stream).
+# The Postgres advisory lock a serving process holds: "corralsv" (not migrations/env.py's "corral", which
+# each start's migration takes, this one's included)
+SERVER_LOCK_KEY = 0x636F7272616C7376
+
+
+class DatabaseHeld(RuntimeError):
+    """Another serving process holds the database."""
+
+
+class DatabaseHold:
+    """Held by a serving process for its life: a Postgres session-level advisory lock on a connection of
+    its own, or an exclusive `flock` on `<SQLite file>.serve-lock`. Either goes with the process, however
+    it ends (kill -9 included), so a restart after a crash is never refused."""
+
+    def __init__(self, url: str) -> None:
+        import fcntl
+
+        self._connection: Any = None
+        self._file: Any = None
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.database in (None, "", ":memory:"):
+                return  # a database of this process alone
+            path = Path(parsed.database).with_name(Path(parsed.database).name + ".serve-lock")
+            self._file = path.open("a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.close()
+                raise DatabaseHeld(f"its lock {path} is held") from None
+            return
+        self._connection = make_engine(url, poolclass=NullPool).connect()
+        held = self._connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVER_LOCK_KEY})
+        if not held.scalar():
+            self._connection.close()
+            raise DatabaseHeld(f"the advisory lock {SERVER_LOCK_KEY} is held")
+        self._connection.commit()  # the lock is the session's, not the transaction's
+
+    def release(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(SQLAlchemyError):  # a connection the database dropped: nothing held
+                self._connection.close()  # the session's advisory locks go with it
+        if self._file is not None:
+            self._file.close()  # and the flock with the file

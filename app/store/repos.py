@@ -8,14 +8,14 @@ and lanes, offering and acking batches to an external trainer).
 Snapshot and restore: `GroupRepo.orphans(run_id)` lists the groups a crashed control plane left
 admitted or ready without an ending, so the run manager can resume them or discard them with the
 reason `orphaned` (as a `GroupDiscarded` event, so the stream stays the account); `EventRepo.next_seq`
-says where the resumed run's sequence numbers continue, and `EventRepo.load_envelopes` replays the run.
+says where the resumed run's sequence numbers continue, and `EventRepo.iter_envelopes` replays the run.
 """
 
 from __future__ import annotations
 
 import builtins
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -207,26 +207,40 @@ class EventRepo:
             query = query.where(EventRow.kind.in_(list(kinds)))
         return self.session.scalars(query.order_by(EventRow.seq).limit(limit)).all()
 
-    def load_envelopes(self, run_id: str, chunk: int = 10_000) -> builtins.list[Envelope]:
-        """Every stored event of the run, in seq order, as the envelopes the runtime emitted."""
-        out: builtins.list[Envelope] = []
+    def envelopes(self, run_id: str, since: int = -1, limit: int = 1000) -> builtins.list[Envelope]:
+        """Up to `limit` of the run's events with seq > `since`, in seq order, as envelopes. Their
+        columns are read as rows on the session's connection, not through the ORM: building an
+        `EventRow` for each took over half of a replay's time (a 363,753-event run: 12.6 of 22.5 s
+        under cProfile), and the ORM's loading of plain rows another 7.8 of the 21 s left."""
+        query = (
+            select(EventRow.seq, EventRow.t, EventRow.kind, EventRow.payload)
+            .where(EventRow.run_id == run_id, EventRow.seq > since)
+            .order_by(EventRow.seq)
+            .limit(limit)
+        )
+        return [
+            envelope_from_dict({**payload, "run_id": run_id, "seq": seq, "t": t, "kind": kind})
+            for seq, t, kind, payload in self.session.connection().execute(query)
+        ]
+
+    def iter_envelopes(self, run_id: str, chunk: int = 10_000) -> Iterator[Envelope]:
+        """Every stored event of the run, in seq order, as the envelopes the runtime emitted, read
+        `chunk` at a time (a long run's whole stream is never held at once)."""
         since = -1
         while True:
-            rows = self.list(run_id, since=since, limit=chunk)
-            out.extend(envelope_of(row) for row in rows)
-            if len(rows) < chunk:
-                return out
-            since = rows[-1].seq
+            envelopes = self.envelopes(run_id, since=since, limit=chunk)
+            yield from envelopes
+            if len(envelopes) < chunk:
+                return
+            since = envelopes[-1].seq
+
+    def load_envelopes(self, run_id: str, chunk: int = 10_000) -> builtins.list[Envelope]:
+        return builtins.list(self.iter_envelopes(run_id, chunk))
 
     def gaps(self, run_id: str) -> int:
         """How many sequence numbers are missing between 0 and the last stored one."""
         last = self.last_seq(run_id)
         return 0 if last is None else last + 1 - self.count(run_id)
-
-
-def envelope_of(row: EventRow) -> Envelope:
-    return envelope_from_dict({**row.payload, "run_id": row.run_id, "seq": row.seq, "t": row.t,
-                               "kind": row.kind})  # fmt: skip
 
 
 @dataclass(frozen=True)

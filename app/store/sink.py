@@ -51,7 +51,7 @@ from app.core.events import (
     TurnDone,
     VersionPublished,
 )
-from app.store.db import through_outage
+from app.store.db import OUTAGE_S, is_outage, through_outage
 from app.store.models import (
     TERMINAL_GROUP_STATES,
     TERMINAL_RUN_STATES,
@@ -628,8 +628,9 @@ class SqlEventSink:
     batch is a savepoint in it: the tests' per-test rollback, or a caller that commits itself).
     """
 
-    def __init__(self, bind: Engine | Connection) -> None:
+    def __init__(self, bind: Engine | Connection, outage_s: float = OUTAGE_S) -> None:
         self._bind = bind
+        self.outage_s = outage_s  # a database away is waited out this long (`through_outage`)
         self.written = 0  # new events stored
         self.duplicates = 0  # re-delivered events skipped
 
@@ -644,9 +645,15 @@ class SqlEventSink:
                 return ingest(conn, envelopes)
 
         # Inside a caller's transaction a lost connection cannot be tried again: the caller's to handle.
-        new = write() if isinstance(self._bind, Connection) else through_outage(write, "event sink")
+        inside = isinstance(self._bind, Connection)
+        new = write() if inside else through_outage(write, "event sink", self.outage_s)
         self.written += new
         self.duplicates += len(envelopes) - new
+
+    def retryable(self, exc: BaseException) -> bool:
+        """Whether a batch `write_batch` raised on may be written later (the bus tries it again): the
+        database was still away when the outage wait ran out, and the failed transaction stored nothing."""
+        return not isinstance(self._bind, Connection) and is_outage(exc)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[Connection]:

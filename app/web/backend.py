@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.web.readmodel import ReportError, RunView, view_from_report
+from app.web.readmodel import ReportError, RunSummary, RunView, view_from_report
 
 MAX_REPORT_BYTES = 64 * 1024 * 1024
 
@@ -28,6 +28,10 @@ class RunsBackend(Protocol):
 
     def view(self, run_id: str) -> RunView | None:
         """The run's current view, or None when this backend does not know the run."""
+        ...
+
+    def summaries(self) -> list[RunSummary]:
+        """A runs-page row for every run, from counters: it must not replay any run's stream."""
         ...
 
     def version(self, run_id: str) -> int:
@@ -102,6 +106,11 @@ class ReplayStore:
     def view(self, run_id: str) -> RunView | None:
         with self._lock:
             return self._views.get(run_id)
+
+    def summaries(self) -> list[RunSummary]:
+        with self._lock:
+            views = list(self._views.values())
+        return [v.summary() for v in views]
 
     def version(self, run_id: str) -> int:
         return 0

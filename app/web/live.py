@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,16 +36,24 @@ from app.core.events import envelope_from_dict
 from app.service.gateway import TrainerGateway
 from app.service.manager import described_lanes
 from app.service.schemas import SYNC_SURPLUS
+from app.service.store import TrainerFigures
 from app.store.repos import LaneRepo
 from app.validation import parse_int, problems
 from app.web.backend import ActionRefused
-from app.web.readmodel import RunMeta, RunView, RunViewBuilder
+from app.web.readmodel import ASKING, OUTCOMES, RunMeta, RunSummary, RunView, RunViewBuilder
 
-FETCH_LIMIT = 5000
+FETCH_LIMIT = 2000  # events read and folded at a time
+# A request folds a run's unread events for about this long at most (a page's first load of a run of
+# 350,000 events took 53 s); the next request, or the page's live stream, reads on from there.
+CATCH_UP_S = 0.5
 KEEP_GROUPS = 500  # ended groups whose rows a live view keeps (the timeline shows the latest)
 KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
 IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
+# The views kept of runs not executing here (ended, deleted, or run elsewhere), the least recently read
+# let go first: each holds up to KEEP_SPANS spans (several MB on a long run), and a server browsed for
+# months would otherwise keep one per run ever opened. A run executing here keeps its view.
+KEEP_IDLE_VIEWS = 16
 LAUNCH_INTS = ("groups_per_batch", "group_size", "surplus_groups", "max_staleness", "batches")
 NOT_RECORDED = "not recorded"  # the CPU set of a lane whose run's start nothing recorded
 
@@ -59,17 +68,26 @@ class _RunCache:
     fetched_at: float = float("-inf")
     lock: threading.Lock = field(default_factory=threading.Lock)
     stored_cpus: dict[str, str] | None = None  # the lane CPU sets the store holds, once read
+    behind: int | None = None  # while catching up with a long stream: the newest event there is to read
 
 
 class ManagerRuns:
     """`RunsBackend` over a RunManager, found through `get_manager` (the app builds it at start-up)."""
 
     def __init__(
-        self, get_manager: Callable[[], Any], launch_defaults: Mapping[str, Any] | None = None
+        self,
+        get_manager: Callable[[], Any],
+        launch_defaults: Mapping[str, Any] | None = None,
+        catch_up_s: float = CATCH_UP_S,
+        fetch_limit: int = FETCH_LIMIT,
     ) -> None:
         self._get_manager = get_manager
-        self._cache: dict[str, _RunCache] = {}
+        self.catch_up_s = catch_up_s
+        self.fetch_limit = fetch_limit
+        self._cache: OrderedDict[str, _RunCache] = OrderedDict()  # least recently read first
         self._lock = threading.Lock()
+        # A stored run's trainer figures for the runs list: (read at, its state then, the figures)
+        self._figures: dict[str, tuple[float, str, TrainerFigures]] = {}
         self.launch_defaults = dict(launch_defaults or {"kind": "sim", "trainer": "sentinel"})
         self._placeholders: dict[str, str] | None = None
 
@@ -82,39 +100,122 @@ class ManagerRuns:
     def run_ids(self) -> list[str]:
         return [str(row["id"]) for row in self.manager.list()]
 
+    def summaries(self) -> list[RunSummary]:
+        """Every run's row: a run executing here from its recorder's counters (no query), any other
+        from the store's run and batch rows (`trainer_figures`, re-read at most every `IDLE_REFETCH_S`
+        while its state stays the same)."""
+        manager = self.manager
+        rows = []
+        for record in manager.list():
+            run_id = str(record["id"])
+            state = str(record.get("state", "unknown"))
+            policy = dict(record.get("policy") or {})
+            handle = manager.get(run_id)
+            if handle is not None:
+                live = handle.recorder.view
+                policy.update(handle.knobs)
+                now = handle.loop.time() if handle.runtime is not None else live.last_t
+                figures = TrainerFigures(
+                    live.batches, live.trainer_wait_s, live.requested_at, live.first_t, live.last_t
+                )
+                end = max(now, live.last_t)
+            else:
+                figures = self._stored_figures(run_id, state)
+                end = figures.last_t if figures.last_t is not None else 0.0
+            start = figures.first_t if figures.first_t is not None else end
+            # as the run page counts it: the open request's wait while the run may still answer it, an
+            # ended run's unanswered one to its end
+            waiting = 0.0
+            if figures.requested_at is not None and state in (*ASKING, *OUTCOMES):
+                waiting = max(end - figures.requested_at, 0.0)
+            rows.append(
+                RunSummary(
+                    run_id,
+                    "live",
+                    state,
+                    policy,
+                    str(record.get("name", "")),
+                    record.get("started_at"),
+                    figures.batches,
+                    figures.trainer_wait_s,
+                    waiting,
+                    end - start,
+                    resume_short(record.get("replay")) if record.get("resuming") else None,
+                )
+            )
+        return rows
+
+    def _stored_figures(self, run_id: str, state: str) -> TrainerFigures:
+        with self._lock:
+            cached = self._figures.get(run_id)
+        if cached is not None and cached[1] == state and time.monotonic() - cached[0] < IDLE_REFETCH_S:
+            return cached[2]
+        figures: TrainerFigures = self.manager.store.trainer_figures(run_id)
+        with self._lock:
+            self._figures[run_id] = (time.monotonic(), state, figures)
+        return figures
+
     def version(self, run_id: str) -> int:
+        entry = self._entry(run_id)
+        if entry.behind is not None:  # catching up: each call reads on, and the page follows
+            return hash(("catching up", self._fetch(run_id)))
         handle = self.manager.get(run_id)
         if handle is not None:
             return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
-        entry = self._entry(run_id)
+        if (replay := self.manager.replay_progress(run_id)) is not None:  # the page follows the replay
+            return hash(("resuming", entry.last_seq, repr(replay)))
         if time.monotonic() - entry.fetched_at < IDLE_REFETCH_S:
             return entry.last_seq
         return self._fetch(run_id)
 
     def _entry(self, run_id: str) -> _RunCache:
         with self._lock:
-            if run_id not in self._cache:
+            entry = self._cache.get(run_id)
+            if entry is None:
                 builder = RunViewBuilder(run_id, "live", KEEP_GROUPS, KEEP_SPANS)
-                self._cache[run_id] = _RunCache(builder)
-            return self._cache[run_id]
+                entry = self._cache[run_id] = _RunCache(builder)
+                self._let_go_idle_views()
+            else:
+                self._cache.move_to_end(run_id)
+            return entry
+
+    def _let_go_idle_views(self) -> None:
+        """Past `KEEP_IDLE_VIEWS` views of runs not executing here, drop the least recently read (a
+        request still using one keeps it until done; the next read builds it again)."""
+        manager = self.manager
+        idle = [run_id for run_id in self._cache if manager.get(run_id) is None]
+        for run_id in idle[: max(0, len(idle) - KEEP_IDLE_VIEWS)]:
+            del self._cache[run_id]
 
     def _fetch(self, run_id: str) -> int:
-        """Fold the events after the last one folded; the last sequence number. A run executing here
-        is read from its recorder's recent events (no query, no sink lag), else from the store."""
+        """Fold the events after the last one folded, for about `catch_up_s` at most; the last sequence
+        number folded. A run executing here is read from its recorder's recent events (no query, no sink
+        lag), else from the store. Still behind when the time is up, the entry notes the newest event
+        there is (`behind`), and the next call goes on from there."""
         entry = self._entry(run_id)
         handle = self.manager.get(run_id)
-        recent = getattr(getattr(handle, "recorder", None), "recent", None)
+        recorder = getattr(handle, "recorder", None)
+        recent = getattr(recorder, "recent", None)
+        limit = self.fetch_limit
         with entry.lock:
-            entry.fetched_at = time.monotonic()
+            started = entry.fetched_at = time.monotonic()
             while True:
-                rows = recent.since(entry.last_seq, FETCH_LIMIT) if recent is not None else None
-                if rows is None:  # not executing here, or older events than it holds
-                    rows = self.manager.store.timeline(run_id, entry.last_seq, FETCH_LIMIT)
-                for row in rows:
-                    env = envelope_from_dict({"run_id": run_id, **row})
+                rows = recent.since(entry.last_seq, limit) if recent is not None else None
+                if rows is not None:
+                    envs = [envelope_from_dict({"run_id": run_id, **row}) for row in rows]
+                else:  # not executing here, or older events than it holds
+                    envs = self.manager.store.envelopes(run_id, entry.last_seq, limit)
+                for env in envs:
                     entry.builder.on_envelope(env)
                     entry.last_seq = env.seq
-                if len(rows) < FETCH_LIMIT:
+                if len(envs) < limit:
+                    entry.behind = None
+                    return entry.last_seq
+                if time.monotonic() - started >= self.catch_up_s:
+                    newest = recorder.view.last_seq if recorder is not None else None
+                    if newest is None or newest < 0:
+                        newest = self.manager.store.last_seq(run_id)
+                    entry.behind = newest if newest is not None and newest > entry.last_seq else None
                     return entry.last_seq
 
     def view(self, run_id: str) -> RunView | None:
@@ -124,11 +225,15 @@ class ManagerRuns:
             return None
         entry = self._entry(run_id)
         handle = manager.get(run_id)
-        if time.monotonic() - entry.fetched_at >= (VIEW_TTL_S if handle is not None else IDLE_REFETCH_S):
+        ttl = VIEW_TTL_S if handle is not None else IDLE_REFETCH_S
+        if entry.behind is not None or time.monotonic() - entry.fetched_at >= ttl:
             self._fetch(run_id)
         meta = self._meta(record, handle, entry)
+        if entry.behind is not None:
+            # The figures cover the stream read so far: the run as it was at its last event read.
+            meta = replace(meta, now=None, catch_up_note=catch_up_note(entry.last_seq, entry.behind))
         snapshot = (repr(meta.engines), repr(meta.lanes), repr(meta.policy), meta.trainer_note)
-        key = (entry.last_seq, meta.state, *snapshot)
+        key = (entry.last_seq, meta.state, meta.resume_note, *snapshot)
         with entry.lock:
             fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
             if entry.view is not None and entry.key == key and fresh:
@@ -147,7 +252,8 @@ class ManagerRuns:
             label=str(record.get("name", "")),
             started_at=record.get("started_at"),
             error=record.get("error") or None,
-            clock_note=clock_note(config),
+            clock_note=clock_note(config, _pace(handle)),
+            resume_note=resume_note(record.get("replay")) if record.get("resuming") else None,
         )
         if handle is None:
             if entry.stored_cpus is None:
@@ -310,6 +416,40 @@ class ManagerRuns:
             raise ValueError(f"the run has no engine {engine!r}") from None
 
 
+def catch_up_note(last_seq: int, newest: int) -> str:
+    """What a page says while its run's view is still catching up with the run's stream."""
+    read, total = last_seq + 1, newest + 1
+    return (
+        f"Catching up with this run's stream: {read:,} of {total:,} events read ({read / total:.0%}). "
+        "Every figure on this page covers the run up to its last event read (the run time shown), and "
+        "the page fills in as the rest is read."
+    )
+
+
+def resume_note(replay: Mapping[str, Any] | None) -> str:
+    """What a run's page says while the run is being resumed after a restart (`RunManager.resuming`):
+    how far the replay of its stored stream has got (`RunManager.replay_progress`)."""
+    said = "Being resumed after the control plane restarted: "
+    events = (replay or {}).get("events")
+    done = int((replay or {}).get("events_replayed") or 0)
+    if events is None:
+        said += "its stored stream is about to be replayed."
+    elif done < events:
+        said += f"{done:,} of {events:,} stored events replayed ({done / events:.0%})."
+    else:
+        return said + f"all {events:,} stored events replayed; it executes again in a moment."
+    return said + " It executes again, and takes commands, once its stored stream is replayed."
+
+
+def resume_short(replay: Mapping[str, Any] | None) -> str:
+    """The runs page's word for a run being resumed, with how far its replay has got."""
+    events = (replay or {}).get("events")
+    done = int((replay or {}).get("events_replayed") or 0)
+    if not events:
+        return "resuming"
+    return f"resuming: {done:,} of {events:,} events replayed ({min(done / events, 1.0):.0%})"
+
+
 def _live_key(handle: Any) -> object:
     runtime = handle.runtime
     if runtime is None:
@@ -394,13 +534,34 @@ def wall_duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
-def clock_note(config: Mapping[str, Any]) -> str | None:
+PACE_SAID_AFTER_S = 10.0
+
+
+def _pace(handle: Any) -> Mapping[str, float] | None:
+    """A simulated run's pace so far (`PacedLoop.pace`), when it executes here."""
+    pace = getattr(getattr(handle, "loop", None), "pace", None)
+    return pace() if callable(pace) else None
+
+
+def clock_note(config: Mapping[str, Any], reached: Mapping[str, float] | None = None) -> str | None:
     """A simulated run's page counts its own clock's seconds, which run `speed` times as fast as the
-    wall clock; the API's trainer figures (`/metrics`: idle, batch wait) count the wall clock's."""
+    wall clock; the API's trainer figures (`/metrics`: idle, batch wait) count the wall clock's.
+    `reached`: a live run's `PacedLoop.pace()`, said where the run fell short of its speed by a tenth
+    over its first `PACE_SAID_AFTER_S` wall seconds or more (its start, engines coming up, is noisy)."""
     if config.get("kind") != "sim":
         return None
     speed = config.get("speed")
     pace = f" (this run goes {speed:g}× as fast as the wall clock)" if isinstance(speed, int | float) else ""
+    if (
+        reached is not None
+        and reached["wall_s"] >= PACE_SAID_AFTER_S
+        and reached["effective_speed"] < 0.9 * reached["speed"]
+    ):
+        pace = (
+            f" (this run asks for {reached['speed']:g}× the wall clock's speed and has reached "
+            f"{reached['effective_speed']:.3g}×: it stood still {reached['held_s']:.0f} s while its events "
+            f"waited to be stored, and lost {reached['lag_s']:.1f} s to a busy server)"
+        )
     return (
         f"Times on this page are simulated seconds{pace}; the API's trainer figures (GET …/metrics) are "
         "wall-clock seconds."

@@ -53,6 +53,7 @@ from app.store.sink import RUN_END_STATE
 
 STRAGGLER_RATIO = 1.5
 REFUSALS_KEPT = 50  # the latest weight refusals a view lists
+AUDIT_KEPT = 100  # the latest audit rows a view lists (adaptive lanes' resizes can run to thousands)
 NO_GROUPS_NOTE = (
     "This report has no group timeline (corral sim writes one with --plot; corral run always does): "
     "its batches, engines, lanes and wait attribution are shown, its groups are not."
@@ -61,6 +62,7 @@ LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
 OUTCOMES = ("completed", "stopped", "failed")  # an ended run's states
+ASKING = ("running", "paused", "stopping")  # the states in which the trainer's open request is waited on
 POLICY_KEYS = {"groups_per_batch": "B", "group_size": "G", "surplus_groups": "S", "max_staleness": "K"}
 
 
@@ -177,10 +179,87 @@ class RunMeta:
     error: str | None = None  # why the run failed, as its owner recorded it
     clock_note: str | None = None  # whose seconds the page counts, where that is not the wall clock's
     trainer_note: str | None = None  # what the run has long waited on its trainer for (live runs)
+    # Set while the view covers only the start of the stream (a long one being read): the figures are
+    # then the run's as of its last event read, so `now` is that event's time (leave it None).
+    catch_up_note: str | None = None
+    resume_note: str | None = None  # the run is being resumed after a restart, and how far it has got
+
+
+def _outcome(state: str) -> str | None:
+    """How an ended run ended (completed, stopped or failed), from its state; None while it has not."""
+    if state in OUTCOMES:
+        return state
+    if state.startswith("ended (") and state.endswith(")"):  # from the stream alone
+        ended = RUN_END_STATE.get(state[len("ended (") : -1])  # the store's word for it
+        return ended.value if ended is not None else "stopped"
+    return None
+
+
+def _badge(source: str, state: str) -> str:
+    """The state badge's style: live (running), paused, completed, stopped, failed, replay."""
+    if source == "replay":
+        return "replay"
+    if state in ("running", "stopping", "created"):
+        return "live"
+    if state == "paused":
+        return "paused"
+    return _outcome(state) or "ended"
+
+
+class _RunFace:
+    """What a runs-page row and a run's view say alike of a run, from its source, state and policy."""
+
+    source: str
+    state: str
+    policy: Mapping[str, Any]
+
+    @property
+    def outcome(self) -> str | None:
+        """How an ended run ended (completed, stopped or failed); None while it has not ended."""
+        return _outcome(self.state)
+
+    @property
+    def badge(self) -> str:
+        """The state badge's style: live (running), paused, completed, stopped, failed, replay."""
+        return _badge(self.source, self.state)
+
+    @property
+    def policy_short(self) -> dict[str, Any]:
+        return {short: self.policy.get(key) for key, short in POLICY_KEYS.items()}
+
+
+@dataclass(frozen=True)
+class RunSummary(_RunFace):
+    """A runs-page row: what the list shows of a run, from counters (the run's live counters or the
+    store's projected rows), never from a replay of its stream. Times are on the run's clock."""
+
+    run_id: str
+    source: str  # live or replay
+    state: str
+    policy: Mapping[str, Any]
+    label: str = ""
+    started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
+    batches: int = 0  # delivered
+    trainer_wait_s: float = 0.0  # the delivered batches' collection times, summed
+    waiting_s: float = 0.0  # the open request's wait so far (an ended run's: to its end)
+    elapsed_s: float = 0.0  # from the run's first event to now (a live run) or to its last event
+    resume_note: str | None = None  # being resumed after a restart: how far its replay has got
+
+    @property
+    def mean_collection_s(self) -> float | None:
+        return self.trainer_wait_s / self.batches if self.batches else None
+
+    @property
+    def idle_fraction(self) -> float | None:
+        """Trainer wait so far (the open request included) ÷ time since the run started, as the run
+        page's `RunView.idle_fraction`."""
+        if self.elapsed_s <= 0:
+            return None
+        return (self.trainer_wait_s + self.waiting_s) / self.elapsed_s
 
 
 @dataclass
-class RunView:
+class RunView(_RunFace):
     run_id: str
     source: str  # live or replay
     state: str
@@ -194,7 +273,7 @@ class RunView:
     lanes: list[LaneRow]
     publications: list[tuple[float, int]]  # (t, version) weight publications
     updates: list[tuple[str, float, float, int]]  # engine, begin, end, version
-    audit: list[AuditRow]
+    audit: list[AuditRow]  # the latest `AUDIT_KEPT` (all of a report's)
     staleness: dict[int, int]  # staleness -> delivered groups
     attribution: WaitAttribution | None
     lower_bound_s: float | None = None
@@ -208,6 +287,7 @@ class RunView:
     pool_note: str | None = None  # the whole pool's state (every engine down, or given up), when it holds
     refusals: list[RefusalRow] = field(default_factory=list)  # the latest, oldest first
     refusals_total: int = 0  # every refusal of the run, those no longer kept included
+    audit_total: int = 0  # every audit row of the run, those no longer kept included
     refused: dict[str, int] = field(default_factory=dict)  # engine -> the newest version it refused
     newest_version: int = 0  # the newest version published (or served)
     stall_note: str | None = None  # every engine refused the newest version and is more than K behind
@@ -216,33 +296,10 @@ class RunView:
     error: str | None = None  # why a failed run failed (its record: a run failing at start has no events)
     clock_note: str | None = None  # a simulated run's seconds are not the wall clock's
     trainer_note: str | None = None  # the run waits on its trainer to take, ack or publish
+    catch_up_note: str | None = None  # the view covers the stream read so far, and says how far
+    resume_note: str | None = None  # the run is being resumed after a restart, and how far it has got
 
     # -- figures ----------------------------------------------------------------------------------
-
-    @property
-    def outcome(self) -> str | None:
-        """How an ended run ended (completed, stopped or failed); None while it has not ended."""
-        if self.state in OUTCOMES:
-            return self.state
-        if self.state.startswith("ended (") and self.state.endswith(")"):  # from the stream alone
-            ended = RUN_END_STATE.get(self.state[len("ended (") : -1])  # the store's word for it
-            return ended.value if ended is not None else "stopped"
-        return None
-
-    @property
-    def badge(self) -> str:
-        """The state badge's style: live (running), paused, completed, stopped, failed, replay."""
-        if self.source == "replay":
-            return "replay"
-        if self.state in ("running", "stopping", "created"):
-            return "live"
-        if self.state == "paused":
-            return "paused"
-        return self.outcome or "ended"
-
-    @property
-    def policy_short(self) -> dict[str, Any]:
-        return {short: self.policy.get(key) for key, short in POLICY_KEYS.items()}
 
     @property
     def mean_collection_s(self) -> float | None:
@@ -261,6 +318,21 @@ class RunView:
             return None
         waited = sum(b.wait_s for b in self.batches) + (self.waiting_s or 0.0) + self.unanswered_s
         return waited / elapsed
+
+    def summary(self) -> RunSummary:
+        """This view's runs-page row (a replay's; a live run's row comes from its counters)."""
+        return RunSummary(
+            self.run_id,
+            self.source,
+            self.state,
+            self.policy,
+            self.label,
+            self.started_at,
+            len(self.batches),
+            sum(b.wait_s for b in self.batches),
+            (self.waiting_s or 0.0) + self.unanswered_s,
+            self.now - self.t0,
+        )
 
     @property
     def span_count(self) -> int:
@@ -333,7 +405,8 @@ class RunViewBuilder:
         # engines an operator took out of rotation and has not put back: an update that ends, or a
         # restart, leaves such an engine draining, not serving
         self.drained: set[str] = set()
-        self.audit: list[AuditRow] = []
+        self.audit: deque[AuditRow] = deque(maxlen=AUDIT_KEPT)
+        self.audit_total = 0
         self.staleness: dict[int, int] = defaultdict(int)
         self.lane_waits: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LANE_WAITS_KEPT))
         self.lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
@@ -480,6 +553,7 @@ class RunViewBuilder:
                 if (change := rotation_change(ev.detail)) is not None:
                     (self.drained.add if change[0] == "drained" else self.drained.discard)(ev.engine)
                     self.audit.append(_rotation_audit(t, ev.engine, *change))
+                    self.audit_total += 1
                 state = self._serving(ev.engine) if ev.state == "serving" else ev.state
                 self._engine(ev.engine).state = state
         elif isinstance(ev, BatchRequested):
@@ -503,14 +577,17 @@ class RunViewBuilder:
             self._tokens, self._last_delivered = 0, t
         elif isinstance(ev, PolicyChanged):
             self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
+            self.audit_total += 1
             self.policy_changes[ev.field] = ev.new
         elif isinstance(ev, LaneResized):
             self.audit.append(AuditRow(t, "adaptive lanes", f"lanes.{ev.lane}.slots", ev.old, ev.new))
+            self.audit_total += 1
             self.lane_slots[ev.lane] = (ev.new, ev.configured)
 
     def view(self, meta: RunMeta | None = None) -> RunView:
         """A snapshot: copies of the rows, safe to render while the builder goes on folding."""
         meta = meta or RunMeta()
+        partial = meta.catch_up_note is not None
         t0 = self.t0 if self.t0 is not None else 0.0
         now = max(meta.now if meta.now is not None else self.last_t, self.last_t) - t0
         policy = {**self.started_policy, **(meta.policy or {}), **self.policy_changes}
@@ -549,6 +626,9 @@ class RunViewBuilder:
             for row_e in rows:  # the runtime routes no turn to such an engine (app.core.rollout)
                 row_e.too_stale = row_e.state == "serving" and too_stale(row_e.version, newest, k)
         attribution = self.waits.result() if self.batches else None
+        unanswered = 0.0
+        if ended and not partial and self.pending is not None:
+            unanswered = max(now - self.pending, 0.0)
         _mark_groups(groups, attribution, self.durations)
         return RunView(
             run_id=self.run_id,
@@ -570,6 +650,7 @@ class RunViewBuilder:
             publications=list(self.publications),
             updates=updates,
             audit=list(self.audit),
+            audit_total=self.audit_total,
             staleness=dict(sorted(self.staleness.items())),
             attribution=attribution,
             lower_bound_s=meta.lower_bound_s
@@ -578,8 +659,9 @@ class RunViewBuilder:
             lower_bound_observed=meta.lower_bound_s is None and bool(self.batches),
             label=meta.label,
             last_seq=self.last_seq,
-            pending_request=self.pending if state in ("running", "paused", "stopping") else None,
-            unanswered_s=max(now - self.pending, 0.0) if ended and self.pending is not None else 0.0,
+            # A view of the stream read so far is the run as it was then: a request open then was waited on.
+            pending_request=self.pending if state in ASKING or partial else None,
+            unanswered_s=unanswered,
             dropped_groups=self.dropped_groups,
             started_at=meta.started_at,
             pool_note=self.pool[1] if self.pool is not None else None,
@@ -591,6 +673,8 @@ class RunViewBuilder:
             error=meta.error,
             clock_note=meta.clock_note,
             trainer_note=meta.trainer_note,
+            catch_up_note=meta.catch_up_note,
+            resume_note=meta.resume_note,
         )
 
 

@@ -38,7 +38,7 @@ from app.core.attribution import PHASE_LABELS
 from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
-from app.web.readmodel import ReportError, RunView
+from app.web.readmodel import ReportError, RunSummary, RunView
 from app.web.security import (
     CSRF_FIELD,
     AccessConfig,
@@ -109,14 +109,16 @@ class Dashboard:
     def backends(self) -> list[RunsBackend]:
         return [b for b in (self.live, self.replays) if b is not None]
 
-    def backend_of(self, run_id: str) -> RunsBackend | None:
+    def find(self, run_id: str) -> tuple[RunsBackend, RunView] | None:
+        """The backend that knows the run, and its view (built once: a build may read the run's stream)."""
         for b in self.backends():
-            if b.view(run_id) is not None:
-                return b
+            if (view := b.view(run_id)) is not None:
+                return b, view
         return None
 
-    def views(self) -> list[RunView]:
-        return [v for b in self.backends() for rid in b.run_ids() if (v := b.view(rid)) is not None]
+    def summaries(self) -> list[RunSummary]:
+        """The runs page's rows: counters, never a replay of a run's stream."""
+        return [s for b in self.backends() for s in b.summaries()]
 
     # -- rendering --------------------------------------------------------------------------------
 
@@ -169,7 +171,7 @@ class Lazy:
 def runs_context(dash: Dashboard) -> dict[str, Any]:
     placeholders = getattr(dash.live, "launch_placeholders", None)
     return {
-        "runs": dash.views(),
+        "runs": dash.summaries(),
         "launch": dash.default_launch,
         "placeholders": placeholders() if placeholders is not None else {},
         "launch_kind": (getattr(dash.live, "launch_defaults", None) or {}).get("kind"),
@@ -228,6 +230,7 @@ def run_context(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> di
                 top=100.0,
                 x_label="run time at each batch",
                 empty=empty,
+                items="batches",
             )
         ),
         "staleness_chart": Lazy(
@@ -310,11 +313,10 @@ def make_router(dash: Dashboard) -> APIRouter:
         return form, None
 
     def run_or_404(request: Request, run_id: str) -> tuple[RunsBackend, RunView] | HTMLResponse:
-        backend = dash.backend_of(run_id)
-        view = backend.view(run_id) if backend is not None else None
-        if backend is None or view is None:
+        found = dash.find(run_id)
+        if found is None:
             return _error(dash, request, f"no run {_shown(run_id)}", 404)
-        return backend, view
+        return found
 
     # The pages are plain `def`s: FastAPI runs them in its threadpool, so building and rendering a
     # large run's view never holds up the event loop (the backends are thread-safe).
@@ -355,10 +357,11 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
-        # The outcome, and whether it was stopping, that the page's controls were last rendered for,
-        # and the state its Pause / Resume control was
-        shown: list[tuple[str | None, bool]] = [(None, False)]
-        paused_shown: list[tuple[str | None, str] | None] = [None]
+        # The outcome, whether it was stopping and whether it was being resumed (no controls until it
+        # executes) that the page's controls were last rendered for, and the state its Pause / Resume
+        # control was
+        shown: list[tuple[str | None, bool, bool]] = [(None, False, False)]
+        paused_shown: list[tuple[str | None, str, bool] | None] = [None]
 
         def blocks() -> list[tuple[str, str]]:
             view = backend.view(run_id)
@@ -367,12 +370,13 @@ def make_router(dash: Dashboard) -> APIRouter:
             ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             ctx["operator"] = is_operator(request, dash.access)
             names: tuple[str, ...] = LIVE_BLOCKS
-            controls = (view.outcome, view.state == "stopping")
+            resuming = view.resume_note is not None
+            controls = (view.outcome, view.state == "stopping", resuming)
             if controls != shown[0]:
                 shown[0] = controls
                 names = (*names, *CONTROL_BLOCKS)
-            if (view.outcome, view.state) != paused_shown[0]:
-                paused_shown[0] = (view.outcome, view.state)
+            if (view.outcome, view.state, resuming) != paused_shown[0]:
+                paused_shown[0] = (view.outcome, view.state, resuming)
                 names = (*names, PAUSE_BLOCK)
             return [(b, dash.render("run.html", ctx, b)) for b in names]
 
@@ -392,8 +396,9 @@ def make_router(dash: Dashboard) -> APIRouter:
         if (denied := guard_view(request)) is not None:
             return denied
 
-        def key() -> int:
-            return hash(tuple((rid, b.version(rid)) for b in dash.backends() for rid in b.run_ids()))
+        # The rows the list shows are its key: a run's `version` would catch its view up with its stream.
+        def key() -> str:
+            return repr(dash.summaries())
 
         def blocks() -> list[tuple[str, str]]:
             ctx = {**runs_context(dash), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}

@@ -10,12 +10,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from factories import wait_for as wait_for  # the tests here import it from this module
 
 from app.api.app import create_app
 from app.service.store import RunRecord, ServiceStore
@@ -75,17 +76,6 @@ def serving(settings: Settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(60)
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def make_run(**overrides: Any) -> dict[str, Any]:

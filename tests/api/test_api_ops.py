@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 from api_support import make_run, wait_for
+from factories import redis_answers
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -108,6 +111,54 @@ def test_healthz_is_503_when_the_broker_is_unreachable(tmp_path: Path, backend_u
         health = httpx.get(f"{url}/healthz", timeout=10)
     assert health.status_code == 503
     assert health.json()["broker"] == {"mode": "celery", "ok": False}
+
+
+def test_healthz_pings_the_real_redis_broker_and_says_when_it_is_down(tmp_path: Path) -> None:
+    """With a broker (the Celery orchestrator queue and the lane queues), /healthz pings it: `ok` with the
+    real Redis answering (the lane and orchestrator workers then asked: none runs here, so the answer is
+    503 for them, tests/workers/test_healthz_lanes.py starts them), and not `ok`, within a few seconds and the
+    database still fine, with nothing listening on the broker's port (the lane workers not asked).
+    The server that reaches Redis runs as its own process: in this one, the broadcast that asks the lane
+    workers leaves kombu's connection pool behind, whose after-fork hook then blocked every process a
+    later test forked (`corral advise`'s simulation workers hung at their start, reading Redis)."""
+    from api_support import free_port, make_settings, serve_env, serving, wait_for
+    from test_serve_restart import corral_serve
+
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    port = free_port()
+    env = {**serve_env(tmp_path, db, port), "CORRAL_BROKER_URL": "redis://127.0.0.1:6379/0"}
+    log = tmp_path / "serve.log"
+
+    def healthz() -> httpx.Response | None:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        except httpx.TransportError:
+            return None
+
+    with corral_serve(env, log):
+        health = wait_for(healthz, 60, what=f"corral serve to answer; log: {log}")
+    body = health.json()
+    assert body["broker"] == {"mode": "celery", "ok": True}, body
+    assert body["database"] == {"ok": True}
+    assert body["lanes"]["workers"] is not None  # asked, the broker answering
+    assert body["orchestrator"]["workers"] is not None
+    assert health.status_code == (200 if body["lanes"]["ok"] and body["orchestrator"]["ok"] else 503)
+    unused = free_port()  # bound and let go: nothing listens there
+    down = make_settings(tmp_path, db, broker_url=f"redis://127.0.0.1:{unused}/0")
+    with serving(down) as url:
+        asked = time.monotonic()
+        health = httpx.get(f"{url}/healthz", timeout=30)
+        took = time.monotonic() - asked
+    assert health.status_code == 503, health.text
+    body = health.json()
+    assert body["broker"] == {"mode": "celery", "ok": False}
+    assert body["database"] == {"ok": True}
+    assert body["ok"] is False
+    assert body["lanes"]["ok"] is None  # not asked while the broker does not answer
+    assert body["orchestrator"] == {"ok": None, "workers": None}
+    assert took < 5, f"/healthz took {took:.1f} s with the broker down"
 
 
 def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from app.api.body_limit import limit_for
 from app.client import CorralClient
+from app.service.recorder import RunRecorder
 from app.service.schemas import small_workload
 from app.validation import MAX_DOCUMENT_BYTES, human_bytes
 from app.web.backend import MAX_REPORT_BYTES
@@ -256,6 +258,34 @@ def test_stops_sent_together_all_answer_200_and_one_of_them_stopped_it(api: http
         answers = list(pool.map(lambda _: api.post(f"/api/runs/{run_id}/stop"), range(4)))
     assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
     assert sorted(a.json()["already_stopped"] for a in answers) == [False, True, True, True]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+
+
+def test_a_stop_while_a_stopped_run_writes_its_last_events_answers_200(
+    api: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stopped run's loop closes before its last events are in the store, and it says `stopping`
+    # until then (seconds on Postgres): a stop in that window was a 409 "is stopping, not executing".
+    closing, release = threading.Event(), threading.Event()
+    close = RunRecorder.close
+
+    def slow_close(recorder: RunRecorder) -> None:
+        closing.set()
+        release.wait(30)
+        close(recorder)
+
+    monkeypatch.setattr(RunRecorder, "close", slow_close)
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    try:
+        assert api.post(f"/api/runs/{run_id}/stop").json()["already_stopped"] is False
+        assert closing.wait(30), "the run's recorder was never closed"
+        assert api.get(f"/api/runs/{run_id}").json()["state"] == "stopping"
+        again = api.post(f"/api/runs/{run_id}/stop")
+        assert again.status_code == 200, again.text
+        assert again.json()["already_stopped"] is True
+    finally:
+        release.set()
     wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 from api_support import TOKEN, make_run, make_settings, serving, wait_for
+from factories import redis_answers
 
 from app.service.store import ServiceStore
 
 REDIS_URL = "redis://127.0.0.1:6379/14"  # a database of its own: no other test's worker takes these
-
-
-def redis_answers() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=2) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def test_a_celery_orchestrated_run_completes_and_is_accounted(tmp_path: Path) -> None:

@@ -1,8 +1,12 @@
-"""The API and the dashboard while Postgres is away (tests/db_relay.py): a 503 with one line and a
-Retry-After, not a 500 with a traceback per request; they answer as before once it is back."""
+"""The API and the dashboard while Postgres is away (tests/db_relay.py), or SQLite stays locked by
+another writer: a 503 with one line and a Retry-After, not a 500 with a traceback per request; they
+answer as before once it is back."""
 
 from __future__ import annotations
 
+import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -28,5 +32,50 @@ def test_a_database_outage_is_a_503_that_says_so(tmp_path: Path, caplog: pytest.
         assert "the database is not answering" in page.text
         assert "Traceback" not in caplog.text
         db.relay.restore()
+        assert api.get("/api/runs").status_code == 200
+        assert api.get("/", headers={"Accept": "text/html"}).status_code == 200
+
+
+def test_sqlite_locked_past_its_busy_timeout_is_a_503_that_says_so(tmp_path: Path) -> None:
+    """Another connection holds SQLite's write lock for longer than the store's busy timeout (30 s): a
+    request that needs the store answers 503 "busy" with a Retry-After (the API's JSON, the dashboard's
+    page), not a 500, and answers as before once the lock is let go."""
+    db = tmp_path / "corral.db"
+    with (
+        serving(make_settings(tmp_path, f"sqlite:///{db}")) as base,
+        httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=90) as api,
+    ):
+        assert api.get("/api/runs").status_code == 200
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        answers: dict[str, httpx.Response] = {}
+
+        def ask(name: str, path: str, accept: str) -> None:
+            answers[name] = api.get(path, headers={"Accept": accept})
+
+        asks = [
+            threading.Thread(target=ask, args=("api", "/api/runs", "application/json")),
+            threading.Thread(target=ask, args=("page", "/", "text/html")),
+        ]
+        started = time.monotonic()
+        try:
+            for t in asks:
+                t.start()
+            for t in asks:
+                t.join(90)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        waited = time.monotonic() - started
+        answer = answers["api"]
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["retry-after"] == "5"
+        assert answer.json()["detail"].startswith("the database is busy (database is locked)")
+        page = answers["page"]
+        assert page.status_code == 503, page.text
+        assert page.headers["retry-after"] == "5"
+        assert "the database is busy" in page.text
+        assert "Traceback" not in page.text
+        assert waited >= 25, f"answered after {waited:.1f} s: the busy timeout (30 s) was not waited out"
         assert api.get("/api/runs").status_code == 200
         assert api.get("/", headers={"Accept": "text/html"}).status_code == 200

@@ -40,10 +40,13 @@ def corral_serve(
 
 
 def _healthy(url: str) -> bool:
+    """Whether the server answers /healthz, healthy, with every run of the previous one resumed (a restart
+    resumes them in the background: until then their commands answer 503)."""
     try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        answer = httpx.get(f"{url}/healthz", timeout=2)
     except httpx.TransportError:
         return False
+    return answer.status_code == 200 and answer.json()["resuming"] == []
 
 
 def _collecting(store: ServiceStore, run_id: str) -> bool:

@@ -35,8 +35,9 @@ CORRAL = Path(sys.executable).with_name("corral")
 TOKEN = "e2e-operator-token"
 POSTGRES_URL = os.environ.get("CORRAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 # A Redis database of its own: the broker's queues and op results of these tests (host names are unique
-# per test, so a concurrent run of the suite never shares a queue).
-REDIS_URL = os.environ.get("CORRAL_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/11")
+# per test, so a concurrent run of the suite never shares a lane queue; the `orchestrator` queue's name is
+# fixed, and no other test's orchestrator worker, with its own entry point, may take from it).
+REDIS_URL = os.environ.get("CORRAL_TEST_E2E_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
 def free_port() -> int:
@@ -193,8 +194,9 @@ def healthy(url: str) -> dict[str, Any] | None:
 
 
 def start_lane_workers(procs: Procs, host: str, broker: str) -> dict[LaneName, subprocess.Popen[bytes]]:
-    """One `corral worker` per lane of `host`, each pinned to the last CPU, one pool process each;
-    returns once every one says it is ready."""
+    """One `corral worker` per lane of `host`, each pinned to the last CPU, one pool process each, and
+    the deployment's orchestrator worker (`/healthz` is 503 without one); returns once every one says it
+    is ready. Returns the lane workers."""
     env = {**os.environ, "CORRAL_BROKER_URL": broker, "CORRAL_RESULT_BACKEND": broker}
     cpu = str(max(os.sched_getaffinity(0)))
     started = {}
@@ -202,12 +204,15 @@ def start_lane_workers(procs: Procs, host: str, broker: str) -> dict[LaneName, s
         argv = [str(CORRAL), "worker", "--lane", lane.value, "--cpus", cpu, "--host", host,
                 "--concurrency", "1", "--loglevel", "info"]  # fmt: skip
         started[lane] = procs.start(f"worker-{lane.value}", argv, env)
-    for lane, proc in started.items():
-        name = f"worker-{lane.value}"
+    orchestrator = procs.start(
+        "worker-orchestrator", [str(CORRAL), "worker", "--orchestrator", "--loglevel", "info"], env
+    )
+    for name, proc in [*((f"worker-{lane.value}", p) for lane, p in started.items()),
+                       ("worker-orchestrator", orchestrator)]:  # fmt: skip
         wait_for(
             lambda name=name, proc=proc: " ready." in procs.tail(name, 100_000) or proc.poll() is not None,
             120,
-            f"the {lane.value} worker to be ready",
+            f"the {name} to be ready",
         )
         assert proc.poll() is None, procs.tail(name)
     return started

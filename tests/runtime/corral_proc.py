@@ -63,6 +63,18 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Does process `pid` have a handler of its own for `sig` (its SigCgt mask in /proc)?"""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def _strict_json(text: str) -> Any:
     def refuse(name: str) -> Any:
         raise ValueError(f"non-finite number {name} in the report")
@@ -110,6 +122,20 @@ class CorralRun:
             )
             threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def wait_holding(self, timeout_s: float = 30.0) -> float:
+        """Wait until the entry point holds stop signals (`early_signals.hold`, Corral's first line: it
+        catches SIGTERM, which Python does not) and return when that was seen. Before it a Ctrl-C lands
+        in the interpreter's own start-up (Python's "Fatal Python error: init_import_site", not
+        Corral's), which takes well over 0.1 s on a loaded machine."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _catches(self.pid, signal.SIGTERM):
+                return time.monotonic()
+            assert self.proc is not None
+            assert self.proc.poll() is None, "corral ended before it held stop signals"
+            time.sleep(0.002)
+        raise AssertionError(f"corral did not hold stop signals within {timeout_s:.0f} s")
 
     def hang_up(self) -> None:
         """Close the run's terminal window (app.terminal): SIGHUP to its process group."""

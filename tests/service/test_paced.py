@@ -4,10 +4,11 @@ work handed over from other threads."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
-from app.service.paced import PacedLoop
+from app.service.paced import LAG_SLACK_S, PacedLoop
 
 
 def run_on(loop: PacedLoop, coro: object) -> object:
@@ -60,3 +61,51 @@ def test_paused_time_stands_still_while_commands_still_run() -> None:
     frozen, during, ran = run_on(loop, main())  # type: ignore[misc]
     assert ran
     assert during == frozen
+
+
+def test_a_loop_behind_the_wall_clock_fires_no_timeout_before_the_work_it_guards() -> None:
+    # Ten steps of one virtual second each, under a 30 s timeout. Half a wall second of busy CPU is 50
+    # virtual seconds at speed 100: the loop used to jump them, firing the timeout after only one step
+    # (a fault the run never had: an engine update "timed out" on an overloaded server).
+    loop = PacedLoop(speed=100.0)
+    steps: list[float] = []
+
+    async def chain() -> None:
+        for _ in range(10):
+            await asyncio.sleep(1.0)
+            steps.append(loop.time())
+
+    async def main() -> None:
+        loop.call_later(0.5, time.sleep, 0.5)  # the CPU taken by something else on the loop
+        await asyncio.wait_for(chain(), timeout=30.0)
+
+    run_on(loop, main())
+    assert len(steps) == 10
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
+    assert max(gaps) <= 1.0 + 100 * LAG_SLACK_S, gaps  # a step, and at most the slack past it
+    assert loop.pace()["lag_s"] > 0.3
+
+
+def test_a_held_loop_stands_still_and_still_runs_commands() -> None:
+    held = threading.Event()
+    held.set()
+    loop = PacedLoop(speed=10.0, hold=held.is_set)
+
+    async def main() -> tuple[float, float, bool]:
+        start = loop.time()
+        slept = asyncio.ensure_future(asyncio.sleep(1.0))
+        command = loop.create_future()
+        threading.Timer(0.2, lambda: loop.call_soon_threadsafe(command.set_result, True)).start()
+        ran = await command  # 2 virtual seconds, had the clock run
+        during = loop.time()
+        assert not slept.done()
+        threading.Timer(0.1, held.clear).start()
+        await slept
+        return start, during, ran
+
+    start, during, ran = run_on(loop, main())  # type: ignore[misc]
+    assert ran
+    assert during == start
+    pace = loop.pace()
+    assert 0.2 <= pace["held_s"] < 5.0
+    assert pace["speed"] == 10.0

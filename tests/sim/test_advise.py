@@ -55,6 +55,27 @@ def test_advice_is_never_worse_than_the_current_settings() -> None:
         assert "matches the current config" in advice.verdict()
 
 
+def test_progress_counts_the_whole_search_from_its_first_report() -> None:
+    """The total was each round's own: a log read `advise: 24/24 simulations` with 23 more to run, and
+    the bar filled at every round. Now it is the whole search's from the first report, never below what
+    has run, and the last report is the count that ran."""
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    progress: list[tuple[int, int]] = []
+    advice = advise(
+        workload,
+        passes=2,
+        workers=2,
+        knobs=["surplus_groups", "max_staleness"],
+        on_run=lambda d, p: progress.append((d, p)),
+    )
+    ran = len(advice.evaluated)
+    assert progress[-1] == (ran, ran)
+    assert all(done <= planned for done, planned in progress)
+    first_done, first_planned = progress[0]
+    assert first_done == 0
+    assert first_planned >= ran > 2, progress
+
+
 def test_the_current_candidate_is_the_hand_written_config_as_it_runs() -> None:
     from app.sim.run import policy_for, simulate
 
@@ -135,3 +156,18 @@ def test_an_advice_interrupted_before_any_candidate_says_there_is_none(tmp_path:
     one = Advice(current, current, [current, other], complete=False)
     assert one.verdict().startswith("the advice matches the current config")
     assert len(advice_figure(one).axes[1].lines) == 2
+
+
+def test_each_bar_of_the_advice_plot_has_its_own_lower_bound() -> None:
+    """One dashed line at the current settings' bound ran across the advised bar too, labelled 'lower
+    bound (current B+S)', though the advised S has a bound of its own."""
+    start = current_settings(load_workload(EXAMPLES / "small-trace.yaml"))
+    current = make_outcome(start, lower_bound_s=110.0)
+    advised = make_outcome(start.with_knob("surplus_groups", 0), batch_collection_s=90.0, lower_bound_s=60.0)
+    left = advice_figure(Advice(current, advised, [current, advised], complete=True)).axes[0]
+    (bounds,) = left.collections
+    segments = sorted(((x0, x1), y0) for (x0, y0), (x1, _) in bounds.get_segments())
+    bars = sorted((bar.get_x(), bar.get_x() + bar.get_width()) for bar in left.patches)
+    assert [x for x, _ in segments] == bars
+    assert [y for _, y in segments] == [110.0, 60.0]
+    assert "lower bound (its own B+S)" in [t.get_text() for t in left.get_legend().get_texts()]

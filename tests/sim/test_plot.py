@@ -4,6 +4,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from matplotlib.colors import to_rgba
+
 from app.sim.plot import bench_figure, plot_bench
 
 PEERS = [
@@ -60,3 +62,47 @@ def test_the_bench_plot_with_peers_is_readable(tmp_path: Path) -> None:
         assert box.y0 >= ax.get_window_extent(renderer).y1 - 1, "the legend lies over the data"
     plot_bench(make_bench(), tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_the_family_plot_colours_only_the_emulated_systems_as_peers(tmp_path: Path) -> None:
+    """`bench --family --peers --plot`: the two borrowing variants of `full` were drawn in the peers'
+    colour, and no legend said what the colours meant."""
+    from app.sim.plot import FAMILY_COLOURS, family_figure, plot_family
+
+    own = ["sync", "completion", "lanes", "full", "full (borrowing serving CPUs)", "full (S = K·B)"]
+    rungs = {name: {"mean_s": 100.0 + 10 * i, "lower_bound_s": 90.0} for i, name in enumerate(own + PEERS)}
+    result = {"workloads": {"default": {"rungs": rungs}, "trace": {"rungs": rungs}}}
+    figure = family_figure(result)
+    for ax in figure.axes:
+        colours = {
+            label.get_text(): bar.get_facecolor()
+            for label, bar in zip(ax.get_xticklabels(), ax.patches, strict=True)
+        }
+        peers = {name for name, colour in colours.items() if colour == to_rgba(FAMILY_COLOURS["peer"])}
+        assert peers == set(PEERS)
+        assert colours["full"] == to_rgba(FAMILY_COLOURS["full"])
+    (legend,) = figure.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "full",
+        "Corral's ladder and variants of full",
+        "other systems, emulated (docs/peers.md)",
+    ]
+    plot_family(result, tmp_path / "family.png")
+    assert (tmp_path / "family.png").stat().st_size > 0
+
+
+def test_the_bench_plot_shows_the_staleness_sweep() -> None:
+    """`--staleness-sweep` (docs/simulator.md's example passes one) was in the report and the table but
+    not in the plot, whose --help says it draws the ladder and the sweeps."""
+    rows = [
+        {"max_staleness": k, "surplus_groups": s, "batch_collection_s": 100.0 + k + s,
+         "discarded_groups": {"stale": k * s}}
+        for s in (2, 64) for k in (1, 2)
+    ]  # fmt: skip
+    figure = bench_figure(make_bench(sweeps={**make_bench()["sweeps"], "max_staleness": rows}))
+    (panel,) = [ax for ax in figure.axes if ax.get_title() == "staleness bound sweep (full)"]
+    assert sorted(round(bar.get_height(), 1) for bar in panel.patches) == [103.0, 104.0, 165.0, 166.0]
+    assert [t.get_text() for t in panel.get_xticklabels()] == ["K = 1", "K = 2"]
+    assert [t.get_text() for t in panel.get_legend().get_texts()] == ["S = 2", "S = 64"]
+    labels = {a.get_text() for a in panel.texts}
+    assert {"103\n2 stale", "166\n128 stale"} <= labels

@@ -37,3 +37,27 @@ def test_a_ctrl_c_as_updates_are_made_leaves_no_coroutine_unawaited(nth: int) ->
         gc.collect()  # an unawaited coroutine warns as it is collected
     assert published == nth
     assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+
+
+def test_a_ctrl_c_after_the_loop_last_looked_still_stops_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A press that lands once the run's last callback is done (as the loop closes) set the loop's flag
+    and nothing read it: `corral bench` went on to its next simulation."""
+    import os
+    import signal
+
+    from app.sim import clock
+
+    close = clock.VirtualTimeLoop.close
+
+    def pressed_while_closing(loop: clock.VirtualTimeLoop) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once: it is our own, main thread
+        close(loop)
+
+    async def done() -> int:
+        return 7
+
+    monkeypatch.setattr(clock.VirtualTimeLoop, "close", pressed_while_closing)
+    with pytest.raises(KeyboardInterrupt):
+        clock.run_virtual(done())
+    monkeypatch.undo()
+    assert clock.run_virtual(done()) == 7

@@ -64,6 +64,36 @@ def test_terminal_bench_phases_map_to_trace_fields(tmp_path: Path) -> None:
     assert sorted(r["reward"] for r in result.records) == [0.0, 1.0]
 
 
+def test_a_terminal_bench_import_reports_each_file_read_of_all(tmp_path: Path) -> None:
+    """30,000 trials took 10 s here with nothing on stderr; `corral trace import` now shows how far it
+    is from these reports (a bar, or `trace import: 4808/30000 results.json files, 5 s` in a log)."""
+    run = write_run(tmp_path, [make_trial("t", f"t.{i}-of-3", True) for i in range(3)])
+    reported: list[tuple[int, int]] = []
+    import_terminal_bench(run, on_file=lambda read, total: reported.append((read, total)))
+    assert reported == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]  # 3 trials and the run's summary
+
+
+def test_unnamed_trials_each_count_once(tmp_path: Path) -> None:
+    """Trials without a trial_name were known by their directory: in a run's summary that is the run's,
+    so every unnamed trial of a task but the first was dropped, and counted nowhere. A trial file and
+    the summary's copy of it still count once."""
+    trials = [make_trial("t", "", True, agent_ended_at=f"2025-06-01T10:0{i}:00+00:00") for i in (1, 2, 3)]
+    for trial in trials:
+        del trial["trial_name"]
+    summary_only = tmp_path / "summary"
+    summary_only.mkdir()
+    (summary_only / "results.json").write_text(json.dumps({"results": trials}))
+    result = import_terminal_bench(summary_only)
+    assert sorted(r["agent_s"] for r in result.records) == [53.0, 113.0, 173.0]
+    assert not result.skipped
+    both = tmp_path / "both"
+    for i, trial in enumerate(trials):
+        (both / "t" / f"trial-{i}").mkdir(parents=True)
+        (both / "t" / f"trial-{i}" / "results.json").write_text(json.dumps(trial))
+    (both / "results.json").write_text(json.dumps({"results": trials}))
+    assert len(import_terminal_bench(both).records) == 3
+
+
 def test_imported_trace_loads_in_the_simulator(tmp_path: Path) -> None:
     run = write_run(tmp_path, [make_trial("t", f"t.{i}", i % 2 == 0) for i in range(4)])
     out = tmp_path / "trace.jsonl"

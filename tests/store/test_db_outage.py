@@ -108,3 +108,39 @@ def test_a_database_that_does_not_exist_is_not_waited_on(tmp_path: Path) -> None
         assert time.monotonic() - started < 10  # raised at once, not after the outage wait
     finally:
         missing.dispose()
+
+
+def test_sqlite_locked_past_its_busy_timeout_is_waited_out(tmp_path: Path) -> None:
+    # Several runs' writers on a busy machine kept SQLite locked past the busy timeout: "database is
+    # locked" failed a store sink's batch of 500 events, and a run's end state, for good.
+    import sqlite3
+    import threading
+
+    from sqlalchemy import event, text
+
+    url = f"sqlite:///{tmp_path / 'busy.db'}"
+    engine = make_engine(url)
+
+    @event.listens_for(engine, "connect")
+    def _short_busy_timeout(dbapi_conn: object, _record: object) -> None:
+        dbapi_conn.execute("PRAGMA busy_timeout=50")  # type: ignore[attr-defined]
+
+    try:
+        with engine.begin() as c:
+            c.execute(text("CREATE TABLE t (x INTEGER)"))
+        other = sqlite3.connect(tmp_path / "busy.db", isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")  # another writer, holding the lock for a second
+        threading.Timer(1.0, other.execute, ("COMMIT",)).start()
+
+        def write() -> None:
+            with engine.begin() as c:
+                c.execute(text("INSERT INTO t VALUES (1)"))
+
+        started = time.monotonic()
+        through_outage(write, "probe", outage_s=30.0)
+        assert time.monotonic() - started >= 0.9  # it waited for the other writer
+        with engine.connect() as c:
+            assert c.execute(text("SELECT count(*) FROM t")).scalar_one() == 1  # stored once
+        other.close()
+    finally:
+        engine.dispose()

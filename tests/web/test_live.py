@@ -14,7 +14,8 @@ from app.service.manager import RunManager
 from app.service.schemas import RunCreate, small_workload
 from app.service.store import ServiceStore
 from app.web.backend import ActionRefused
-from app.web.live import ManagerRuns, trainer_note, wall_duration
+from app.web.live import ManagerRuns, clock_note, trainer_note, wall_duration
+from app.web.readmodel import RunMeta
 from app.web.security import AccessConfig
 from app.web.views import Dashboard, mount_dashboard
 
@@ -455,3 +456,166 @@ async def test_an_operator_takes_an_engine_out_of_rotation_and_back_from_the_run
         "took engine-0 out of rotation", "returned engine-0 to rotation"
     ]  # fmt: skip
     await runs.stop(run_id, "tester")
+
+
+def stored_run(manager, run_id, groups=12):
+    """A run that executed elsewhere (ended, or before a restart): its events written straight into the
+    manager's store by the store's sink, its last request for a batch never answered. The events."""
+    from app.core.events import BatchRequested, Envelope, RunEnded
+    from app.store.sink import SqlEventSink
+    from app.web.synthetic import synthetic_run
+
+    events = synthetic_run(run_id, groups=groups, group_size=2, batch_groups=2)
+    last = events[-1]
+    index = max(e.event.batch_index for e in events if e.event.kind == "batch_delivered") + 1
+    events += [
+        Envelope(run_id, last.seq + 1, last.t + 1.0, BatchRequested(index)),
+        Envelope(run_id, last.seq + 2, last.t + 4.0, RunEnded("stopped")),
+    ]
+    manager.store.create_run(run_id, "stored", {"kind": "sim"}, {})
+    SqlEventSink(manager.store.engine).write_batch(events)
+    return events
+
+
+class EventReads:
+    """The statements that read the store's `events` table while it is open, with their parameters."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.reads = []
+
+    def _on_execute(self, conn, cursor, statement, parameters, context, executemany):
+        if re.search(r"\bevents\b", statement, re.I) and statement.lstrip().upper().startswith("SELECT"):
+            self.reads.append((statement, parameters))
+
+    def __enter__(self):
+        from sqlalchemy import event
+
+        event.listen(self.engine, "before_cursor_execute", self._on_execute)
+        return self
+
+    def __exit__(self, *exc):
+        from sqlalchemy import event
+
+        event.remove(self.engine, "before_cursor_execute", self._on_execute)
+
+    def assert_no_stream_read(self):
+        """Every read of `events` is a lookup of one row by the table's key (the run's first or last
+        event): a search of the primary key, limited to one row, never a scan or a range of rows."""
+        with self.engine.connect() as conn:
+            for statement, params in self.reads:
+                assert re.search(r"LIMIT \?", statement), statement
+                assert list(params)[-2:] == [1, 0], (statement, params)  # LIMIT 1 OFFSET 0
+                plan = [row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params)]
+                assert all("SCAN" not in step for step in plan), plan
+
+
+async def test_the_runs_list_reads_counters_not_the_event_stream(runs):
+    # The runs page folded every run's whole stream into a view to render one row per run: 100+ s and a
+    # 500 on four runs of ~350k events. Its rows come from counters now: a run executing here from its
+    # recorder's, any other from the store's run and batch rows.
+    from app.web.readmodel import view_from_events
+
+    events = stored_run(runs.manager, "stored-1")
+    run_id = await runs.launch({"policy": "full", "name": "live-one", "batches": "3"}, "tester")
+    handle = runs.manager.get(run_id)
+    await asyncio.to_thread(wait_for, lambda: handle.state.value == "completed", 60)
+
+    with EventReads(runs.manager.store.engine) as reads:
+        rows = {row.run_id: row for row in runs.summaries()}
+        app = FastAPI()
+        mount_dashboard(app, Dashboard(AccessConfig(None, None), live=runs))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            page = await client.get("/")
+    assert page.status_code == 200
+    assert len(reads.reads) == 2  # the stored run's first and last event, read once (then cached)
+    reads.assert_no_stream_read()
+    assert runs._cache == {}  # no run's stream was folded
+
+    stored = view_from_events("stored-1", events, RunMeta(state="stopped"))
+    assert stored.unanswered_s > 0
+    live = runs.view(run_id)
+    for row, view in ((rows["stored-1"], stored), (rows[run_id], live)):
+        assert (row.state, row.badge, row.batches) == (view.state, view.badge, len(view.batches))
+        assert row.policy_short == view.policy_short
+        assert row.mean_collection_s == pytest.approx(view.mean_collection_s)
+        assert row.idle_fraction == pytest.approx(view.idle_fraction)
+        cells = re.search(rf'<tr data-run="{row.run_id}">(.*?)</tr>', page.text, re.S).group(1)
+        assert f'<td class="num">{len(view.batches)}</td>' in cells
+        assert f"{view.mean_collection_s:.1f} s" in cells
+        assert f"{view.idle_fraction:.0%}" in cells
+
+
+async def test_a_long_stored_run_s_first_page_load_is_bounded_and_the_page_catches_up(tmp_path):
+    # A run page's first load folded every event of the run it had not read before answering: 53 s on a
+    # stored run of 363,753 events (benchmarks/long_run.py). A request now reads for about `catch_up_s`
+    # (here: one batch of `fetch_limit` events), the page says how far the view got and shows the run
+    # as of its last event read, and later requests (the page's live stream) read on to the end.
+    from app.web.live import catch_up_note
+    from app.web.readmodel import view_from_events
+
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}"), tmp_path / "data", 30.0)
+    try:
+        events = stored_run(manager, "stored-1", groups=60)
+        runs = ManagerRuns(lambda: manager, catch_up_s=0.0, fetch_limit=500)
+        first = runs.view("stored-1")
+        assert first.last_seq == 499
+        assert first.catch_up_note == catch_up_note(499, events[-1].seq)
+        assert f"500 of {len(events):,} events read" in first.catch_up_note
+        then = view_from_events("stored-1", events[:500], RunMeta(state="running"))
+        full = view_from_events("stored-1", events, RunMeta(state="stopped"))
+        assert len(first.batches) == len(then.batches) < len(full.batches)
+        assert first.now == pytest.approx(then.now)
+        assert first.now < full.now
+        assert first.idle_fraction == pytest.approx(then.idle_fraction)
+        assert first.waiting_s == pytest.approx(then.waiting_s)
+
+        versions = [runs.version("stored-1")]  # the live stream's key: each call reads on, and it changes
+        while runs.view("stored-1").catch_up_note is not None:
+            versions.append(runs.version("stored-1"))
+        assert len(set(versions)) == len(versions) >= 2
+        last = runs.view("stored-1")
+        assert last.last_seq == events[-1].seq
+        assert (len(last.batches), last.now) == (len(full.batches), pytest.approx(full.now))
+        assert last.mean_collection_s == pytest.approx(full.mean_collection_s)
+        assert last.idle_fraction == pytest.approx(full.idle_fraction)
+        assert last.unanswered_s == pytest.approx(full.unanswered_s)
+        assert last.unanswered_s > 0
+
+        fresh = ManagerRuns(lambda: manager, catch_up_s=0.0, fetch_limit=500)
+        page, blocks = await run_page_blocks(fresh, "stored-1")
+        assert "Catching up with this run&#39;s stream: 500 of" in page
+        assert "Catching up with this run&#39;s stream: 1,500 of" in blocks["summary"]  # read on since
+    finally:
+        manager.shutdown()
+
+
+def test_a_simulated_run_that_fell_short_of_its_speed_says_by_how_much() -> None:
+    # A run held for its store (or slowed by a busy server) said it went 100× as fast as the wall clock
+    # while it reached 19×.
+    config = {"kind": "sim", "speed": 100.0}
+    on_pace = {"speed": 100.0, "wall_s": 200.0, "effective_speed": 96.0, "held_s": 0.0, "lag_s": 2.0}
+    short = {"speed": 100.0, "wall_s": 200.0, "effective_speed": 18.765, "held_s": 125.0, "lag_s": 14.4}
+    just_started = {**short, "wall_s": 2.0}  # engines coming up: too soon to say
+    assert "100× as fast as the wall clock" in str(clock_note(config, just_started))
+    assert "100× as fast as the wall clock" in str(clock_note(config, on_pace))
+    note = str(clock_note(config, short))
+    assert "asks for 100× the wall clock's speed and has reached 18.8×" in note
+    assert "stood still 125 s while its events waited to be stored" in note
+    assert "lost 14.4 s to a busy server" in note
+
+
+def test_views_of_runs_not_executing_here_are_let_go_past_a_bound(runs) -> None:
+    # Each view holds up to 20,000 spans (several MB on a long run), and the dashboard kept one for every
+    # run ever opened, ended or deleted, for the server's life.
+    from app.web.live import KEEP_IDLE_VIEWS
+
+    for i in range(KEEP_IDLE_VIEWS + 10):
+        runs._entry(f"ended-{i}")
+    runs._entry("ended-0")  # read again: among the most recent now
+    runs._entry("ended-new")
+    kept = list(runs._cache)
+    assert len(kept) == KEEP_IDLE_VIEWS
+    assert kept[-2:] == ["ended-0", "ended-new"]
+    assert "ended-1" not in kept  # the least recently read went first

@@ -47,6 +47,9 @@ class FakeRuns:
             return None
         return view_from_events(run_id, self.events, RunMeta(state="running", started_at=1796047380.0))
 
+    def summaries(self):
+        return [self.view("live-1").summary()]
+
     def version(self, run_id):
         return len(self.events)
 
@@ -98,6 +101,9 @@ class OneRun:
             self.entered.set()
             self.release.wait(5)
         return self._view
+
+    def summaries(self):
+        return [self._view.summary()]
 
     def version(self, run_id):
         return 0
@@ -977,3 +983,54 @@ async def test_the_run_page_names_an_engine_outage_on_the_critical_path(outage_v
         page = (await client.get("/runs/live-1")).text
     assert re.search(r"<td>engine outages</td><td class=\"num\">18\.5</td>", page)
     assert re.search(r"engine outages \(18\.5 s\)", page)  # batch 0: who held it, and by what
+
+
+def long_run_events(batches=5000):
+    """A small synthetic run followed by `batches` more trainer steps (waits of 1 to 7 s) and a policy
+    change every other step: the stream of a long run, as far as the live blocks are concerned."""
+    from app.core.events import BatchDelivered, BatchRequested
+
+    events = synthetic_run(groups=6, group_size=2, batch_groups=2)
+    seq, t = events[-1].seq, events[-1].t
+    first = max(e.event.batch_index for e in events if e.event.kind == "batch_delivered") + 1
+    for i in range(first, first + batches):
+        wait = 1.0 + i % 7
+        events.append(Envelope("synthetic", seq + 1, t, BatchRequested(i)))
+        events.append(Envelope("synthetic", seq + 2, t + wait, BatchDelivered(i, (), i, t, t + wait)))
+        seq, t = seq + 2, t + wait + 2.0
+        if i % 2:
+            seq += 1
+            events.append(Envelope("synthetic", seq, t, PolicyChanged("max_staleness", i, i + 1, "operator")))
+    return events
+
+
+def test_a_long_run_s_live_blocks_and_charts_stay_small_and_say_how_they_bucket():
+    # The trainer block drew a bar (or a point) per trainer step in each chart and was re-sent every
+    # 0.5 s: 756 KB at 1,260 batches. Its charts bucket steps now (at most MAX_BARS bars: each the mean
+    # of k steps, a tick at their max), and the audit lists its latest rows.
+    from app.web import charts
+    from app.web.readmodel import AUDIT_KEPT
+    from app.web.views import LIVE_BLOCKS
+
+    view = view_from_events("synthetic", long_run_events(), RunMeta(state="running"))
+    assert len(view.batches) > 5000
+    dash = Dashboard(AccessConfig(None, None))
+    ctx = run_context(view)
+    blocks = {b: dash.render("run.html", ctx, b) for b in LIVE_BLOCKS}
+    assert len(blocks["trainer"]) < 60_000
+    assert sum(len(html) for html in blocks.values()) < 80_000
+    found = dict(re.findall(r'aria-label="([^"]+)"(.*?)</svg>', blocks["trainer"], re.DOTALL))
+    k = -(-len(view.batches) // charts.MAX_BARS)
+    collection = found[f"batch collection time per step: a bar is the mean of {k} steps, its tick their max"]
+    assert f"trainer step ({k} a bar: the mean; a tick at the max)" in collection
+    bars = re.findall(r"<rect [^>]*><title>([^<]+)</title>", collection)
+    assert len(bars) == -(-len(view.batches) // k) <= charts.MAX_BARS
+    head = view.batches[:k]
+    mean, most = charts._num(sum(b.wait_s for b in head) / k), charts._num(max(b.wait_s for b in head))
+    assert bars[0] == f"{head[0].index}–{head[-1].index}: mean {mean} s, max {most} s"
+    assert f"tokens/s per step: a bar is the mean of {k} steps" in blocks["trainer"]
+    idle = found[f"trainer idle fraction over time: a point is the mean of {k} batches"]
+    assert len(re.findall("<circle", idle)) <= charts.MAX_POINTS
+    assert len(view.audit) == AUDIT_KEPT < view.audit_total
+    assert f'id="audit-kept">(the latest {AUDIT_KEPT} of {view.audit_total})' in blocks["policy"]
+    assert blocks["policy"].count("<li>") == AUDIT_KEPT

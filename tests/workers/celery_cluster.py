@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from celery import Celery
+from factories import wait_for as wait_for  # the tests here import it from this module
 
 from app.lanes.base import LaneName
 
 REDIS_URL = os.environ.get("CORRAL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 CORRAL = Path(sys.executable).with_name("corral")
 WORKER_CPUS = "1"
-
-
-def redis_answers() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=2) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def broker_env(url: str = REDIS_URL, backend: str = REDIS_URL) -> dict[str, str]:

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from celery_cluster import REDIS_URL, WORKER_CPUS, LaneCluster, Workers, redis_answers
+from celery_cluster import REDIS_URL, WORKER_CPUS, LaneCluster, Workers
+from factories import redis_answers
 
 from app.lanes.base import LaneName
 from workers.celery_app import make_celery

@@ -11,7 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from celery_cluster import Workers, broker_env, redis_answers
+from celery_cluster import Workers, broker_env
+from factories import redis_answers
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 

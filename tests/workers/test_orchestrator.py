@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery_cluster import Workers, broker_env, redis_answers
+from celery_cluster import Workers, broker_env
+from factories import redis_answers
 
 from workers.celery_app import ORCHESTRATOR_TASK, make_celery
 from workers.orchestrator import LeaseHeld, run_lease

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from celery_cluster import REDIS_URL, Workers, broker_env, parent_of, redis_answers
-from factories import make_echo_task
+from celery_cluster import REDIS_URL, Workers, broker_env, parent_of
+from factories import make_echo_task, redis_answers
 
 from app.lanes.base import LaneName
 from app.lanes.celery import CeleryLanes, OpRecord

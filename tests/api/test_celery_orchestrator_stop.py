@@ -1,0 +1,86 @@
+"""An operator stops a run that a `corral worker --orchestrator` drives, through the API of a `corral serve`
+that does not execute it: 202, the worker stops it (live groups `cancelled`, the run `stopped`), and a
+second stop is a 200 with `already_stopped`. Before, every stop of such a run was a 409 "not executing
+in this server", and a run without `batches` went on until its worker was killed (whose run the next
+worker then resumed). Real processes on the real Redis, in a database of their own (the `orchestrator`
+queue's name is fixed: no other test's worker may take the run)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from api_support import TOKEN, free_port, make_run, serve_env, wait_for
+from factories import redis_answers
+from test_serve_restart import corral_serve
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+
+
+def test_a_run_an_orchestrator_worker_drives_is_stopped_through_the_api(tmp_path: Path) -> None:
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    port = free_port()
+    env = {
+        **serve_env(tmp_path, db, port),
+        "CORRAL_BROKER_URL": REDIS_URL,
+        "CORRAL_RESULT_BACKEND": REDIS_URL,
+        "CORRAL_LANE_HOSTS": f"h-{port}",
+    }
+    with (tmp_path / "worker.log").open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
+             "--loglevel", "warning"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    serve_log = tmp_path / "serve.log"
+    try:
+        with corral_serve(env, serve_log):
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _answers(url), 120, what=f"corral serve to answer; log {serve_log}")
+            api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+            spec = make_run(speed=1.0, trainer="sentinel", orchestrator="celery")
+            del spec["batches"]  # it goes on until stopped
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            wait_for(
+                lambda: api.get(f"/api/runs/{run_id}").json()["groups"]["admitted"] > 0,
+                120,
+                what=f"the worker to drive the run; log {tmp_path / 'worker.log'}",
+            )
+
+            stop = api.post(f"/api/runs/{run_id}/stop")
+            assert stop.status_code == 202, stop.text
+            said = {"id": run_id, "state": "running", "actor": "operator", "already_stopped": False}
+            assert stop.json() == said
+            wait_for(
+                lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped",
+                60,
+                what=f"the worker to stop the run; log {tmp_path / 'worker.log'}",
+            )
+            groups = api.get(f"/api/runs/{run_id}").json()["groups"]
+            assert groups["open"] == 0
+            again = api.post(f"/api/runs/{run_id}/stop")
+            assert again.status_code == 200, again.text
+            assert again.json()["already_stopped"] is True
+            api.close()
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code in (200, 503)
+    except httpx.TransportError:
+        return False

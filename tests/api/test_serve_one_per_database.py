@@ -1,0 +1,78 @@
+"""One `corral serve` per database. A second one started on a database a live one serves is refused in
+one line (exit 2), and the first goes on alone; after the first is killed (`kill -9`), a new one starts
+and resumes its runs. Before, the second resumed every unfinished run of the first and drove it too: two
+processes wrote two timelines into each run's one event stream. Real processes, on SQLite and on the
+real Postgres."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from api_support import POSTGRES_URL, TOKEN, free_port, make_run, serve_env, wait_for
+from db_relay import postgres_answers
+
+from app.store.db import scratch_database
+
+
+def _start(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "serve"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_second_corral_serve_on_a_served_database_is_refused(backend: str, tmp_path: Path) -> None:
+    if backend == "postgres" and not postgres_answers(POSTGRES_URL):
+        pytest.skip("no Postgres answering on 127.0.0.1:5432")
+    procs: list[subprocess.Popen[bytes]] = []
+    with scratch_database(backend, POSTGRES_URL, tmp_path) as db:
+        try:
+            first_port, second_port = free_port(), free_port()
+            first = _start(serve_env(tmp_path, db, first_port), tmp_path / "first.log")
+            procs.append(first)
+            first_url = f"http://127.0.0.1:{first_port}"
+            wait_for(lambda: _answers(first_url), 120, what=f"the first server; log {tmp_path / 'first.log'}")
+            api = httpx.Client(base_url=first_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+            spec = make_run(speed=1.0, trainer="sentinel")
+            del spec["batches"]  # it goes on until stopped
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            api.close()
+
+            second = _start(serve_env(tmp_path, db, second_port), tmp_path / "second.log")
+            procs.append(second)
+            assert second.wait(timeout=120) == 2  # before: it served on, and drove the first one's run
+            said = (tmp_path / "second.log").read_text().strip().splitlines()
+            assert len(said) == 1, said
+            assert "another corral serve is using this database" in said[0]
+            assert "CORRAL_DATABASE_URL" in said[0]
+            assert httpx.get(f"{first_url}/api/runs/{run_id}", timeout=10).json()["live"] is not None
+
+            first.kill()  # kill -9: what it held goes with it
+            first.wait()
+            third = _start(serve_env(tmp_path, db, second_port), tmp_path / "third.log")
+            procs.append(third)
+            third_url = f"http://127.0.0.1:{second_port}"
+            wait_for(
+                lambda: _answers(third_url) and httpx.get(f"{third_url}/healthz").json()["resuming"] == [],
+                120,
+                what=f"a server after the first one's death; log {tmp_path / 'third.log'}",
+            )
+            assert httpx.get(f"{third_url}/api/runs/{run_id}", timeout=10).json()["live"] is not None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
