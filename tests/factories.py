@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,3 +97,21 @@ def wait_for(
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(every_s)
     return value
+
+
+def take_write_lock(db: Path, wait_s: float = 60.0) -> sqlite3.Connection:
+    """A connection to the SQLite file `db` inside `BEGIN IMMEDIATE`: it holds the file's write lock
+    until the caller commits. It is tried again every millisecond, with no busy wait of SQLite's own:
+    a writer that commits and begins again at once (a busy run's event sink) starves that wait, whose
+    sleeps grow to 100 ms, and CI's run got "database is locked" after its 5 s."""
+    conn = sqlite3.connect(db, timeout=0, isolation_level=None, check_same_thread=False)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return conn
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                conn.close()
+                raise
+        time.sleep(0.001)

@@ -294,15 +294,21 @@ def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
     """A pool of `workers` simulation processes. An exception out of the block (an interrupt) drops the
     queued candidates and ends the running ones, whose results the search then discards: the pool's own
     exit waited for every candidate of the round (a SIGTERM to the command alone, which its workers do
-    not get, took 15-60 s to act)."""
+    not get, took 15-60 s to act).
+
+    The pool's thread is joined before the exception goes on. `shutdown(wait=False)` used to come
+    first, and it forgets that thread, so the thread was still closing its wake-up pipe as the
+    interpreter exited, and the exit hook of `concurrent.futures` could write to the closed pipe:
+    "Exception ignored in: <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" after
+    the command's one line (CI saw it once). The ended workers break the pool, so the join is short."""
     before = set(multiprocessing.active_children())  # not the pool's to end
     with ProcessPoolExecutor(max_workers=workers, initializer=quiet_worker) as pool:
         try:
             yield pool
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
             for child in set(multiprocessing.active_children()) - before:
                 child.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
             raise
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 from api_support import TOKEN, free_port, make_run, serve_env, wait_for
+from factories import take_write_lock
 
 
 def _serve(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -67,8 +68,7 @@ def test_a_second_ctrl_c_stops_at_once_with_the_store_stuck_and_the_runs_resume(
         )
         # The store stops keeping up: another writer holds SQLite's write lock. The runs go on, their
         # events wait in the sinks' buffers and their offer and ack marks in the store writer.
-        holder = sqlite3.connect(db, timeout=30, isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")
+        holder = take_write_lock(db)
         try:
             time.sleep(2)
             _, events_before = _stored(db)  # a reader is not held up by the lock

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import take_write_lock
 from sqlalchemy import text
 
 from app.service import recorder
@@ -48,8 +49,7 @@ def test_a_simulated_run_waits_for_a_store_that_falls_behind(
 ) -> None:
     db = tmp_path / "corral.db"
     with fast_run(tmp_path, monkeypatch, name="fast", batches=200) as handle:
-        other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
-        other.execute("BEGIN IMMEDIATE")  # the store's writer waits for this one for 3 s
+        other = take_write_lock(db)  # the store's writer waits for this one for 3 s
         most = 0
         locked_until = time.monotonic() + 3.0
         while time.monotonic() < locked_until:
@@ -80,11 +80,11 @@ def test_a_simulated_run_waits_for_a_store_that_falls_behind(
 def test_a_run_held_for_its_store_still_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A stop must not wait on a database that is away: the run ends with its clock going again, and its
     # last events wait in the sink, which the recorder's close waits for.
-    other = sqlite3.connect(tmp_path / "corral.db", isolation_level=None, check_same_thread=False)
+    other: sqlite3.Connection | None = None
     try:
         with fast_run(tmp_path, monkeypatch, name="held") as handle:
             deadline = time.monotonic() + 30
-            other.execute("BEGIN IMMEDIATE")  # the store cannot write until COMMIT
+            other = take_write_lock(tmp_path / "corral.db")  # the store cannot write until COMMIT
             while not handle.recorder.backlogged() and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert handle.recorder.backlogged()
@@ -97,6 +97,7 @@ def test_a_run_held_for_its_store_still_stops(tmp_path: Path, monkeypatch: pytes
             assert handle.join(120)
             stats = handle.recorder.bus.stats()["store"]
     finally:
-        other.close()
+        if other is not None:
+            other.close()
     assert stats["dropped"] == stats["failed"] == stats["unflushed"] == 0
     assert stats["written"] == ended_while_locked == handle.recorder.bus.published

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import take_write_lock
 from kill_at import kill_when
 
 from app.runtime.spill import recover, segments
@@ -97,8 +98,7 @@ def test_a_spill_left_by_a_killed_process_is_stored_and_its_run_resumes_after_it
         while len(rows(db, run_id)) < 50:
             assert time.monotonic() < deadline, "the child stored nothing"
             time.sleep(0.1)
-        other = sqlite3.connect(db, isolation_level=None)
-        other.execute("BEGIN IMMEDIATE")  # held past the child's outage wait, until after the kill
+        other = take_write_lock(db)  # held past the child's outage wait, until after the kill
         spill_dir = data / run_id / "event-spill"
         deadline = time.monotonic() + 60
         while sum(p.stat().st_size for p in segments(spill_dir)) < 100_000:

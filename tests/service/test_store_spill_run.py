@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import take_write_lock
 from test_engine_supervision import make_config
 
 from app.core.events import BatchRequested, Envelope
@@ -61,8 +62,7 @@ def test_a_local_run_whose_store_is_locked_past_the_outage_wait_stores_every_eve
             assert time.monotonic() < deadline, "no batch in 120 s"
             assert not handle.done.is_set(), handle.error
             time.sleep(0.05)
-        other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
-        other.execute("BEGIN IMMEDIATE")  # another writer holds the file: 8 s, past the 1.5 s wait
+        other = take_write_lock(db)  # another writer holds the file: 8 s, past the 1.5 s wait
         published_at_lock = handle.recorder.bus.published
         most_unwritten = 0
         spill: dict[str, Any] = {}

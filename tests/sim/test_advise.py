@@ -171,3 +171,36 @@ def test_each_bar_of_the_advice_plot_has_its_own_lower_bound() -> None:
     assert [x for x, _ in segments] == bars
     assert [y for _, y in segments] == [110.0, 60.0]
     assert "lower bound (its own B+S)" in [t.get_text() for t in left.get_legend().get_texts()]
+
+
+def test_an_interrupted_pool_is_gone_before_the_interrupt_goes_on() -> None:
+    """The pool's thread used to outlive the interrupt (`shutdown(wait=False)` forgot it), so at the
+    interpreter's exit `concurrent.futures` could wake it through a pipe the thread was closing: an
+    "OSError: [Errno 9] Bad file descriptor" traceback after advise's one line. When the interrupt
+    leaves the block, the workers and the pool's thread are already gone."""
+    import multiprocessing
+    import threading
+    import time
+    from concurrent.futures.process import _ExecutorManagerThread
+
+    from app.sim.advise import _stopped_at_once
+
+    class Interrupted(Exception):
+        pass
+
+    def pool_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread) and t.is_alive()]
+
+    before = set(multiprocessing.active_children())
+    assert not pool_threads()
+    started = time.monotonic()
+    try:
+        with _stopped_at_once(2) as pool:
+            busy = [pool.submit(time.sleep, 60) for _ in range(4)]
+            while not all(f.running() for f in busy[:2]):
+                time.sleep(0.01)
+            raise Interrupted
+    except Interrupted:
+        assert not pool_threads(), "the pool's thread outlived the interrupt"
+        assert not set(multiprocessing.active_children()) - before, "a worker outlived the interrupt"
+    assert time.monotonic() - started < 30
