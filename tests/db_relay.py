@@ -1,6 +1,6 @@
 """A TCP relay in front of the real Postgres that a test cuts (every connection closed, new ones
 refused: a database restart as its clients see it) and restores. Stopping this machine's Postgres itself
-would take the rest of the suite with it."""
+would take the rest of the suite with it. And who holds `corral serve`'s lock on a database."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
-from app.store.db import scratch_database
+from app.store.db import SERVER_LOCK_KEY, make_engine, scratch_database
 
 
 class CuttableRelay:
@@ -106,3 +108,28 @@ def relayed_database(postgres_url: str, tmp_path: Path) -> Iterator[RelayedDatab
             yield RelayedDatabase(url, relayed, relay)
         finally:
             relay.cut()
+
+
+SERVER_LOCK_HOLDER = text(
+    "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.classid = :hi AND l.objid = :lo AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def server_lock_holder(engine: Engine) -> tuple[int, str] | None:
+    """The backend pid and application name of the connection that holds `corral serve`'s lock on the
+    database of `engine`, or None when it is free (pg_locks lists every database's locks: its alone)."""
+    with engine.connect() as c:
+        ids = {"hi": SERVER_LOCK_KEY >> 32, "lo": SERVER_LOCK_KEY & 0xFFFFFFFF}
+        row = c.execute(SERVER_LOCK_HOLDER, ids).first()
+    return None if row is None else (int(row[0]), str(row[1]))
+
+
+def take_server_lock(engine: Engine, application_name: str) -> Connection:
+    """A connection named `application_name` that holds `corral serve`'s lock (as another server would)."""
+    named = {"application_name": application_name}
+    c = make_engine(engine.url, poolclass=NullPool, connect_args=named).connect()
+    assert c.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVER_LOCK_KEY}).scalar()
+    c.commit()
+    return c

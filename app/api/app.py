@@ -38,7 +38,7 @@ from app.service.compose import manager_for, store_for
 from app.service.manager import DispatchError, RunManager
 from app.service.schemas import RunCreate
 from app.settings import Settings, load_settings
-from app.store.db import is_outage, outage_kind, outage_reason
+from app.store.db import DatabaseHold, is_outage, outage_kind, outage_reason
 from app.web.views import dashboard_for, error_page, mount_dashboard
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,10 @@ def create_app(
     settings: Settings | None = None,
     metrics: CorralMetrics | None = None,
     demo: RunCreate | None = None,
+    hold: DatabaseHold | None = None,
 ) -> FastAPI:
-    """The app. `demo`: a run to create at start-up when no run is executing (`corral serve --demo`)."""
+    """The app. `demo`: a run to create at start-up when no run is executing (`corral serve --demo`);
+    `hold`: `corral serve`'s hold on the database, which `/healthz` reports."""
     settings = settings or load_settings()
 
     @asynccontextmanager
@@ -83,6 +85,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.hold = hold
     app.state.stopping = asyncio.Event()  # set when the server starts to stop (app.api.graceful)
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
@@ -100,8 +103,9 @@ def create_app(
         tags=["ops"],
         responses={
             503: {
-                "description": "the database, the broker or an executing run's engine is down, or a lane "
-                "queue or the orchestrator queue has no live worker"
+                "description": "the database, the broker or an executing run's engine is down, the "
+                "server's hold on the database is lost, or a lane queue or the orchestrator queue has no "
+                "live worker"
             }
         },
     )
@@ -244,11 +248,14 @@ async def _database_error(request: Request, exc: DBAPIError) -> Response:
 
 async def healthz(request: Request) -> JSONResponse:
     """Whether the database, the broker, a live worker on every lane queue and on the orchestrator
-    queue (with a broker) and the engines of the executing runs are reachable; `resuming`: the runs
-    still being resumed after a restart."""
+    queue (with a broker) and the engines of the executing runs are reachable, and whether `corral
+    serve` holds the database (`database.held`); `resuming`: the runs still being resumed after a
+    restart."""
     settings: Settings = request.app.state.settings
     manager: RunManager = request.app.state.manager
     database = await asyncio.to_thread(manager.store.ping)
+    hold: DatabaseHold | None = request.app.state.hold
+    held = hold is None or hold.held  # false while a lost hold is not yet taken again (app.api.serve)
     broker: dict[str, Any] = {"mode": "in-process", "ok": True}
     workers: dict[str, dict[str, Any]] = {}
     if settings.broker_url is not None:
@@ -259,8 +266,8 @@ async def healthz(request: Request) -> JSONResponse:
         if handle.loop is None or handle.ports is None or handle.done.is_set():
             continue
         engines[run_id] = await _engines_healthy(handle)
-    ok = database and broker["ok"] and all(all(e.values()) for e in engines.values())
-    body = {"ok": ok, "database": {"ok": database}, "broker": broker, "engines": engines}
+    ok = database and held and broker["ok"] and all(all(e.values()) for e in engines.values())
+    body = {"ok": ok, "database": {"ok": database, "held": held}, "broker": broker, "engines": engines}
     # Runs of the previous server still being resumed (their stored streams replayed): not unhealthy
     body["resuming"] = sorted(manager.resuming)
     if workers:  # "lanes" and "orchestrator"

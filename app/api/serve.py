@@ -10,11 +10,19 @@ Ctrl-C (or SIGTERM) stops every run and flushes its events (app.api.graceful), w
 (app.service.manager's `SHUTDOWN_BOUND_S`, after `STOP_WAIT_S` for open requests); a second one stops at
 once, leaving the runs not yet stopped as stored. After that, or a crash (kill -9), the next start
 resumes the runs that were executing.
+
+One `corral serve` per database (`hold_database`): a second one is refused at start. On Postgres the hold
+is a lock on a connection of its own; if that connection is lost (Postgres restarted, the backend
+terminated), the hold is taken again as soon as the database answers, `/healthz` failing meanwhile. If
+another `corral serve` took the database in between, this one stops at once, writing nothing more, and
+exits with status 3 (`_database_taken`).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -29,6 +37,8 @@ if TYPE_CHECKING:
 
     from app.service.schemas import RunCreate
     from app.store.db import DatabaseHold
+
+log = logging.getLogger(__name__)
 
 
 def serve(
@@ -83,7 +93,8 @@ def serve(
         say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
     until = "; the demo run collects batches until then" if spec is not None else ""
     say(f"Ctrl-C stops the server and the runs it executes{until}")
-    app = create_app(settings, demo=spec)
+    app = create_app(settings, demo=spec, hold=hold)
+    hold.watch(on_taken=_database_taken)
     if spec is not None:
         _say_demo_page(app, spec, url)
     # Not uvicorn.run: a second Ctrl-C there skips the app's shutdown, which stops the runs.
@@ -116,6 +127,24 @@ def hold_database(url: str, shown: str) -> DatabaseHold:
             f"CORRAL_DATABASE_URL {shown}: another corral serve is using this database ({exc}); one "
             "corral serve per database: stop that one first, or give this one a database of its own"
         )
+
+
+# The exit status of a server that lost its database to another `corral serve` (2 is a refusal at start)
+EXIT_DATABASE_TAKEN = 3
+
+
+def _database_taken(reason: str) -> None:
+    """Another `corral serve` took the database while this one's hold was lost: it has resumed this one's
+    runs and drives them now. Any write from here (a run's next event, even the events and end state a
+    clean stop stores) would go into streams that process writes, so this process ends at once, as a
+    kill -9 would: nothing more is written, its engines end with it, and its sandboxes are removed by the
+    next start on this host. A line on stderr and in the log say why; exit status 3."""
+    line = f"corral serve: stopped at once, writing nothing more: {reason}; that one drives the runs now"
+    log.error(line)
+    say(line)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_DATABASE_TAKEN)
 
 
 def _say_demo_page(app: FastAPI, spec: RunCreate, url: str) -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -198,6 +201,13 @@ def through_outage(write: Callable[[], T], what: str, outage_s: float | None = N
 # The Postgres advisory lock a serving process holds: "corralsv" (not migrations/env.py's "corral", which
 # each start's migration takes, this one's included)
 SERVER_LOCK_KEY = 0x636F7272616C7376
+# How often a serving process checks that the connection holding its Postgres lock is alive and holds
+# it (one indexed read of pg_locks), and, once it is lost, tries to take it again
+HOLD_CHECK_S = 1.0
+# The holding connection's own bounds: a connection attempt, and a peer that stopped answering (no
+# answer to a query or to TCP keepalives for this long means the connection is lost)
+HOLD_CONNECT_S = 5
+HOLD_UNANSWERED_S = 10
 
 
 class DatabaseHeld(RuntimeError):
@@ -207,13 +217,27 @@ class DatabaseHeld(RuntimeError):
 class DatabaseHold:
     """Held by a serving process for its life: a Postgres session-level advisory lock on a connection of
     its own, or an exclusive `flock` on `<SQLite file>.serve-lock`. Either goes with the process, however
-    it ends (kill -9 included), so a restart after a crash is never refused."""
+    it ends (kill -9 included), so a restart after a crash is never refused.
+
+    A Postgres lock also goes with its connection: Postgres restarted, the backend terminated, the
+    network cut. `watch` checks the connection every `HOLD_CHECK_S` and takes the lock again as soon as
+    the database answers; `held` is false meanwhile. A connection the server still keeps for this
+    process (a cut it has not noticed yet) is recognised by its application name and terminated, so
+    this process never mistakes its own old session for another server. If another process took the
+    lock in between, `watch` calls `on_taken` with a line saying who holds it: that process has resumed
+    this one's runs, and this one must stop writing to them. A SQLite flock cannot be lost."""
 
     def __init__(self, url: str) -> None:
         import fcntl
 
         self._connection: Any = None
         self._file: Any = None
+        self._engine: Engine | None = None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.held = True  # false while a lost Postgres lock is not yet taken again
+        self.application_name = ""  # of the holding Postgres connection
+        self._token = ""  # its part that no other process has
         parsed = make_url(url)
         if parsed.get_backend_name() == "sqlite":
             if parsed.database in (None, "", ":memory:"):
@@ -226,16 +250,143 @@ class DatabaseHold:
                 self._file.close()
                 raise DatabaseHeld(f"its lock {path} is held") from None
             return
-        self._connection = make_engine(url, poolclass=NullPool).connect()
-        held = self._connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVER_LOCK_KEY})
-        if not held.scalar():
-            self._connection.close()
-            raise DatabaseHeld(f"the advisory lock {SERVER_LOCK_KEY} is held")
-        self._connection.commit()  # the lock is the session's, not the transaction's
+        # A name no other process has, up to Postgres's 63 characters: the token comes first
+        self._token = f"corral-serve {uuid.uuid4().hex[:12]}"
+        self.application_name = f"{self._token} pid {os.getpid()} {socket.gethostname()}"[:63]
+        connect_args = {
+            "application_name": self.application_name,
+            "connect_timeout": HOLD_CONNECT_S,
+            "keepalives": 1,
+            "keepalives_idle": HOLD_CONNECT_S,
+            "keepalives_interval": 1,
+            "keepalives_count": HOLD_CONNECT_S,
+            "tcp_user_timeout": HOLD_UNANSWERED_S * 1000,
+        }
+        self._engine = make_engine(url, poolclass=NullPool, connect_args=connect_args)
+        if not self._take():
+            row = self._holder_row()
+            self._engine.dispose()
+            raise DatabaseHeld(f"the advisory lock {SERVER_LOCK_KEY} is held" + _held_by(row))
+
+    def _take(self) -> bool:
+        """Connect and try the lock: whether it is held now (the connection is kept only then)."""
+        assert self._engine is not None
+        connection = self._engine.connect()
+        try:
+            held = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVER_LOCK_KEY})
+            taken = bool(held.scalar())
+            connection.commit()  # the lock is the session's, not the transaction's
+        except BaseException:
+            _close_quietly(connection)
+            raise
+        if not taken:
+            _close_quietly(connection)
+            return False
+        self._connection = connection
+        return True
+
+    def _holder_row(self) -> Any:
+        assert self._engine is not None
+        with self._engine.connect() as connection:
+            return connection.execute(_HOLDER, _lock_ids()).first()
+
+    def watch(self, on_taken: Callable[[str], None], check_s: float = HOLD_CHECK_S) -> None:
+        """Check the hold every `check_s` on a daemon thread until `release` (Postgres only); `on_taken`
+        is called once, on that thread, if another process took the lock."""
+        if self._engine is None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(check_s):
+                taken = self.check()
+                if taken is not None:
+                    on_taken(taken)
+                    return
+
+        self._watcher = threading.Thread(target=loop, name="corral-database-hold", daemon=True)
+        self._watcher.start()
+
+    def check(self) -> str | None:
+        """One check: the lock still held, or taken again if the database answers; None, or the line
+        that says who took it meanwhile."""
+        if self._engine is None:
+            return None
+        if self._connection is not None:
+            try:
+                still = self._connection.execute(_HELD, _lock_ids()).scalar()
+                self._connection.commit()
+            except SQLAlchemyError as exc:
+                still, reason = False, outage_reason(exc)
+            else:
+                reason = "the lock is no longer on it"
+            if still:
+                return None
+            _close_quietly(self._connection)
+            self._connection, self.held = None, False
+            log.warning(
+                "corral serve: the connection holding this database was lost (%s): taking it again as soon "
+                "as the database answers; another corral serve could start meanwhile",
+                reason,
+            )
+        try:
+            if self._take():
+                self.held = True
+                log.warning("corral serve: the database is held again (advisory lock %d)", SERVER_LOCK_KEY)
+                return None
+            row = self._holder_row()
+        except SQLAlchemyError:
+            return None  # still away: the next check tries again
+        if row is None:
+            return None  # let go between the two queries: the next check takes it
+        pid, name, _ = row
+        if (name or "").startswith(self._token):
+            # This process's own old session, which the server has not yet seen is gone (a cut network)
+            with contextlib.suppress(SQLAlchemyError), self._engine.connect() as connection:
+                connection.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            log.warning("corral serve: ended this process's old session %d, which still held the lock", pid)
+            return None
+        return (
+            "another process took this database while the connection holding it was lost: the advisory "
+            f"lock {SERVER_LOCK_KEY} is held" + _held_by(row)
+        )
 
     def release(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(HOLD_CONNECT_S + HOLD_UNANSWERED_S)
         if self._connection is not None:
-            with contextlib.suppress(SQLAlchemyError):  # a connection the database dropped: nothing held
-                self._connection.close()  # the session's advisory locks go with it
+            _close_quietly(self._connection)  # the session's advisory locks go with it
+        if self._engine is not None:
+            self._engine.dispose()
         if self._file is not None:
             self._file.close()  # and the flock with the file
+
+
+def _held_by(row: Any) -> str:
+    """` by …` naming the Postgres backend of a `_HOLDER` row, or nothing when none holds the lock now."""
+    if row is None:
+        return ""
+    pid, name, address = row
+    return f" by Postgres backend {pid} ({name or 'no application name'}, from {address or 'a socket'})"
+
+
+def _close_quietly(connection: Any) -> None:
+    with contextlib.suppress(SQLAlchemyError):  # a connection the database dropped: nothing held
+        connection.close()
+
+
+def _lock_ids() -> dict[str, int]:
+    """A bigint advisory key as pg_locks shows it: its high and low 32 bits."""
+    return {"hi": SERVER_LOCK_KEY >> 32, "lo": SERVER_LOCK_KEY & 0xFFFFFFFF}
+
+
+# pg_locks lists every database's locks: this one's alone
+_LOCK_ROW = (
+    "l.locktype = 'advisory' AND l.classid = :hi AND l.objid = :lo AND l.objsubid = 1 AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+_HELD = text(f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {_LOCK_ROW} AND l.pid = pg_backend_pid())")
+_HOLDER = text(
+    "SELECT l.pid, a.application_name, host(a.client_addr) FROM pg_locks l "
+    f"LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE {_LOCK_ROW}"
+)

@@ -96,7 +96,7 @@ def test_healthz_reports_database_broker_and_engines(api: httpx.Client) -> None:
     assert health.status_code == 200
     body = health.json()
     assert body["ok"] is True
-    assert body["database"] == {"ok": True}
+    assert body["database"] == {"ok": True, "held": True}
     assert body["broker"] == {"mode": "in-process", "ok": True}
     assert body["engines"][run_id] == {"engine-0": True, "engine-1": True}
     assert "lanes" not in body  # in-process lanes: no lane workers to ask
@@ -141,7 +141,7 @@ def test_healthz_pings_the_real_redis_broker_and_says_when_it_is_down(tmp_path: 
         health = wait_for(healthz, 60, what=f"corral serve to answer; log: {log}")
     body = health.json()
     assert body["broker"] == {"mode": "celery", "ok": True}, body
-    assert body["database"] == {"ok": True}
+    assert body["database"] == {"ok": True, "held": True}
     assert body["lanes"]["workers"] is not None  # asked, the broker answering
     assert body["orchestrator"]["workers"] is not None
     assert health.status_code == (200 if body["lanes"]["ok"] and body["orchestrator"]["ok"] else 503)
@@ -154,7 +154,7 @@ def test_healthz_pings_the_real_redis_broker_and_says_when_it_is_down(tmp_path: 
     assert health.status_code == 503, health.text
     body = health.json()
     assert body["broker"] == {"mode": "celery", "ok": False}
-    assert body["database"] == {"ok": True}
+    assert body["database"] == {"ok": True, "held": True}
     assert body["ok"] is False
     assert body["lanes"]["ok"] is None  # not asked while the broker does not answer
     assert body["orchestrator"] == {"ok": None, "workers": None}

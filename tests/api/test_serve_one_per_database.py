@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from api_support import POSTGRES_URL, TOKEN, free_port, make_run, serve_env, wait_for
-from db_relay import postgres_answers
+from db_relay import postgres_answers, relayed_database, server_lock_holder, take_server_lock
+from sqlalchemy.pool import NullPool
 
-from app.store.db import scratch_database
+from app.store.db import make_engine, scratch_database
 
 
 def _start(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -76,3 +78,56 @@ def test_a_second_corral_serve_on_a_served_database_is_refused(backend: str, tmp
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize("taken_meanwhile", [False, True])
+def test_a_lost_hold_is_taken_again_or_the_server_stops(taken_meanwhile: bool, tmp_path: Path) -> None:
+    """The connection that holds a serving process's Postgres lock is lost (Postgres restarted: the
+    relay cut). Once the database answers again the server holds it again, and a second `corral serve`
+    is refused as before (before: the lock was gone for good, and the second served beside the first).
+    If another process took the lock meanwhile, the first stops at once, exit 3, saying who holds it."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with relayed_database(POSTGRES_URL, tmp_path) as db:
+        straight = make_engine(db.url, poolclass=NullPool)
+        other = None
+        try:
+            port = free_port()
+            first = _start(serve_env(tmp_path, db.relayed_url, port), tmp_path / "first.log")
+            procs.append(first)
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _answers(url), 120, what=f"the first server; log {tmp_path / 'first.log'}")
+            assert server_lock_holder(straight) is not None
+
+            db.relay.cut()  # as a Postgres restart: every connection through it closed, new ones refused
+            wait_for(lambda: server_lock_holder(straight) is None, 30, what="the lock let go")
+            if taken_meanwhile:
+                other = take_server_lock(straight, "another corral serve")
+            time.sleep(2)  # a few of the holder's checks while the database does not answer
+            db.relay.restore()
+
+            if taken_meanwhile:
+                assert first.wait(timeout=60) == 3  # before: it served on, beside the lock's new holder
+                said = (tmp_path / "first.log").read_text()
+                assert "another process took this database" in said
+                assert "(another corral serve, from 127.0.0.1)" in said
+                return
+            wait_for(
+                lambda: server_lock_holder(straight) is not None,
+                60,
+                what=f"the lock taken again; log {tmp_path / 'first.log'}",
+            )
+            wait_for(lambda: _answers(url), 60, what="/healthz ok again")
+            assert httpx.get(f"{url}/healthz", timeout=10).json()["database"] == {"ok": True, "held": True}
+            second = _start(serve_env(tmp_path, db.url, free_port()), tmp_path / "second.log")
+            procs.append(second)
+            assert second.wait(timeout=120) == 2
+            assert "another corral serve is using this database" in (tmp_path / "second.log").read_text()
+            assert first.poll() is None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            if other is not None:
+                other.close()
+            straight.dispose()

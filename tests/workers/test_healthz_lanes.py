@@ -97,7 +97,7 @@ def test_healthz_names_the_lane_queue_and_the_orchestrator_whose_worker_was_kill
         assert body["ok"] is False
         assert body["lanes"]["without_workers"] == [f"lane.{host}.exec"]
         assert body["lanes"]["workers"][f"lane.{host}.reset"] == 1
-        assert body["database"] == {"ok": True}
+        assert body["database"] == {"ok": True, "held": True}
         assert body["broker"] == {"mode": "celery", "ok": True}
     finally:
         serve.send_signal(signal.SIGTERM)
