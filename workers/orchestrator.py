@@ -33,6 +33,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, shared_task
 
+from app.lanes.redis_client import LEASE_TIMEOUT_S, RECLAIM_TIMEOUT_S, redis_client
 from app.settings import load_settings
 from workers.celery_app import ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK
 
@@ -117,7 +118,7 @@ def run_lease(client: redis.Redis, run_id: str, lease_s: float = LEASE_S) -> Ite
 @shared_task(name=ORCHESTRATOR_TASK, bind=True)  # type: ignore[untyped-decorator]
 def run_orchestrator(self: Task, run_id: str) -> Any:
     drive_run = _entry_point()
-    client = redis.Redis.from_url(self.app.conf.result_backend)
+    client = redis_client(self.app.conf.result_backend, LEASE_TIMEOUT_S)
     try:
         with run_lease(client, run_id):
             return drive_run(run_id, load_settings())
@@ -200,9 +201,8 @@ class Reclaimer:
         )
         self.period_s = period_s
         self._stop = threading.Event()
-        timeouts = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}  # a hung Redis: the next period
-        self._broker = redis.Redis.from_url(app.conf.broker_url, **timeouts)
-        self._leases = redis.Redis.from_url(app.conf.result_backend, **timeouts)
+        self._broker = redis_client(app.conf.broker_url, RECLAIM_TIMEOUT_S)
+        self._leases = redis_client(app.conf.result_backend, RECLAIM_TIMEOUT_S)
         self._thread = threading.Thread(target=self._loop, name="orchestrator-reclaim", daemon=True)
 
     def start(self) -> None:

@@ -320,8 +320,10 @@ def _broker_reachable(url: str) -> bool:
     if url.startswith(("redis://", "rediss://")):
         import redis
 
+        from app.lanes.redis_client import HEALTH_TIMEOUT_S, redis_client
+
         try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+            client = redis_client(url, HEALTH_TIMEOUT_S)
             try:
                 return bool(client.ping())
             finally:

@@ -68,10 +68,9 @@ def run_stop_key(run_id: str) -> str:
 def request_run_stop(result_backend: str, run_id: str, actor: str) -> None:
     """Ask the orchestrator worker driving `run_id` (or the next to take it) to stop it. Raises redis's
     errors when the result backend does not answer."""
-    import redis
+    from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
 
-    timeouts = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
-    client = redis.Redis.from_url(result_backend, **timeouts)
+    client = redis_client(result_backend, COMMAND_TIMEOUT_S)
     try:
         client.set(run_stop_key(run_id), actor, ex=RUN_STOP_TTL_S)
     finally:

@@ -45,6 +45,8 @@ from kombu.exceptions import KombuError
 from redis import Redis
 from redis.exceptions import RedisError
 
+from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -52,7 +54,6 @@ EPOCH_CHECK_S = 2.0
 HOLDER_CHECK_S = 10.0
 HOLDER_MISSES = 3  # checks in a row without the holder's answer (about 30 s) before it is taken for dead
 INSPECT_TIMEOUT_S = 1.0
-READ_TIMEOUT_S = 2.0
 # What a broker that is away (or restarting) raises: kombu's errors (its connections), redis-py's, the
 # OS's (sockets).
 BROKER_ERRORS = (KombuError, RedisError, OSError)
@@ -104,8 +105,7 @@ class BrokerEpoch:
         scheme = urlsplit(url).scheme if isinstance(url, str) else ""
         self.client: Redis | None = None
         if scheme in ("redis", "rediss"):  # not sentinel:// (no one server), not amqp:// (durable queues)
-            timeouts = {"socket_timeout": READ_TIMEOUT_S, "socket_connect_timeout": READ_TIMEOUT_S}
-            self.client = Redis.from_url(url, **timeouts)
+            self.client = redis_client(url, COMMAND_TIMEOUT_S)
 
     def now(self) -> str | None:
         """The run_id read now, or None where the broker cannot be reached (or is not one Redis)."""

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from app.lanes.celery import broker_urls, run_stop_key
+from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
 from app.metrics import CorralMetrics
 from app.service.compose import manager_for, store_for
 from app.service.handle import RunHandle, RunNotLiveError
@@ -52,7 +53,7 @@ def _join_unless_stopped(handle: RunHandle, settings: Settings) -> None:
         handle.join()
         return
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
-    client = redis.Redis.from_url(backend, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = redis_client(backend, COMMAND_TIMEOUT_S)
     asked = False
     try:
         while not handle.join(STOP_CHECK_S):
