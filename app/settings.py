@@ -2,6 +2,11 @@
 `CORRAL_`, built in the app factory and injected — never read at import time.
 
 Run policy (B, G, S, K, lanes) is not here: it belongs to each run's config (`app.service.schemas`).
+
+Each default has one source: a field whose default is also the default of the code it is passed to
+takes that code's constant (`OUTAGE_S`, `SQLITE_BUSY_TIMEOUT_S` of app.store.db, `RETRY_MAX_S` of
+app.runtime.events), or that code imports the constant from here (`STORE_BUFFER`, `SPILL_MAX_BYTES`,
+for the run manager, which this module cannot import: it imports this one).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.runtime.events import RETRY_MAX_S
+from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S
 from app.validation import hide_password
 
 # The database drivers installed with Corral: SQLite's own and psycopg 3 (`postgresql://` means it).
@@ -20,6 +27,11 @@ DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psyco
 
 MIN_ACK_TIMEOUT_S = 0.1
 MIN_SPILL_BYTES = 1024**2
+# The defaults of `CORRAL_STORE_BUFFER` and `CORRAL_SPILL_MAX_BYTES`, and of the run manager's
+# `store_buffer` and `spill_max_bytes`: a run's store sink holds this many events in memory; past them
+# they go to the run's spill on local disk, at most this many bytes, then are dropped, counted
+STORE_BUFFER = 100_000
+SPILL_MAX_BYTES = 4 * 1024**3
 
 
 def _default_database_url() -> str:
@@ -80,7 +92,7 @@ class Settings(BaseSettings):
         "directory in data_dir",
     )
     spill_max_bytes: int = Field(
-        4 * 1024**3,
+        SPILL_MAX_BYTES,
         ge=MIN_SPILL_BYTES,
         le=2**50,
         description="the most a run's spill holds on disk; past it, events are dropped (counted)",
@@ -88,27 +100,27 @@ class Settings(BaseSettings):
 
     # How long the store waits for a database that is away or busy; the tests shorten them here too
     store_outage_s: float = Field(
-        60.0,
+        OUTAGE_S,
         gt=0,
         le=86400,
         description="how long a run's writers wait out a database that is away or locked before a write "
         "counts as failed (the store sink tries its batch again later)",
     )
     sqlite_busy_timeout_s: float = Field(
-        30.0,
+        SQLITE_BUSY_TIMEOUT_S,
         gt=0,
         le=3600,
         description="how long one SQLite transaction waits for another writer's lock before it counts as "
         "an outage",
     )
     store_buffer: int = Field(
-        100_000,
+        STORE_BUFFER,
         ge=1,
         le=10_000_000,
         description="events a run's store sink holds in memory; past them, they go to its spill",
     )
     sink_retry_max_s: float = Field(
-        10.0,
+        RETRY_MAX_S,
         gt=0,
         le=3600,
         description="the longest pause before the store sink tries a batch the database refused again "

@@ -56,6 +56,7 @@ from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunLiveError, RunRecord, ServiceStore
+from app.settings import SPILL_MAX_BYTES, STORE_BUFFER
 from app.store.db import through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
@@ -89,11 +90,7 @@ BATCH_STORED_WAIT_S = 60.0
 # ended: an older one is let go and answers from the store, as a run that ended before a restart does.
 # Kept for all, a server's memory grew with every run it had ever executed.
 KEEP_ENDED_HANDLES = 8
-# The store sink's buffer (envelopes in memory, `CORRAL_STORE_BUFFER`); past it they go to the run's
-# spill on local disk, at most SPILL_MAX_BYTES (`CORRAL_SPILL_MAX_BYTES`), then are dropped, counted
-STORE_BUFFER = 100_000
 STORE_BATCH = 500  # envelopes per transaction
-SPILL_MAX_BYTES = 4 * 1024**3
 # A spill left by a dead process is stored in batches of this many envelopes
 SPILL_RECOVER_BATCH = 2_000
 
