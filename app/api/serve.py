@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -138,12 +139,12 @@ def _database_taken(reason: str) -> None:
     runs and drives them now. Any write from here (a run's next event, even the events and end state a
     clean stop stores) would go into streams that process writes, so this process ends at once, as a
     kill -9 would: nothing more is written, its engines end with it, and its sandboxes are removed by the
-    next start on this host. A line on stderr and in the log say why; exit status 3."""
-    line = f"corral serve: stopped at once, writing nothing more: {reason}; that one drives the runs now"
-    log.error(line)
-    say(line)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    next local run started on this host. One line in the log (stderr) says why; exit status 3."""
+    log.error("corral serve: stopped at once, writing nothing more: %s; that one drives the runs now", reason)
+    for handler in [*logging.getLogger().handlers, logging.lastResort]:
+        if handler is not None:
+            handler.flush()
+    sys.stderr.flush()
     os._exit(EXIT_DATABASE_TAKEN)
 
 

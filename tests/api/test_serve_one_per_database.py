@@ -107,9 +107,11 @@ def test_a_lost_hold_is_taken_again_or_the_server_stops(taken_meanwhile: bool, t
 
             if taken_meanwhile:
                 assert first.wait(timeout=60) == 3  # before: it served on, beside the lock's new holder
-                said = (tmp_path / "first.log").read_text()
-                assert "another process took this database" in said
-                assert "(another corral serve, from 127.0.0.1)" in said
+                lines = (tmp_path / "first.log").read_text().splitlines()
+                said = [line for line in lines if "stopped at once" in line]
+                assert len(said) == 1, said
+                assert "another process took this database" in said[0]
+                assert "(another corral serve, from 127.0.0.1)" in said[0]
                 return
             wait_for(
                 lambda: server_lock_holder(straight) is not None,
@@ -123,6 +125,9 @@ def test_a_lost_hold_is_taken_again_or_the_server_stops(taken_meanwhile: bool, t
             assert second.wait(timeout=120) == 2
             assert "another corral serve is using this database" in (tmp_path / "second.log").read_text()
             assert first.poll() is None
+            said = (tmp_path / "first.log").read_text()
+            assert "the connection holding this database was lost" in said
+            assert "the database is held again" in said
         finally:
             for proc in procs:
                 if proc.poll() is None:
