@@ -32,7 +32,7 @@ def plot_timeline(report: dict[str, Any], out: Path) -> None:
 
 def timeline_title(report: dict[str, Any]) -> str:
     """`full: 3 batches, mean collection 12.5 s; ...`. A run stopped before its first batch says so: its
-    report's mean is 0.0 (of no batch), which the title gave as `0 batches, mean collection 0.0 s`."""
+    report has no mean (null; it was 0.0, which the title gave as `0 batches, mean collection 0.0 s`)."""
     batches = report["batches"]
     legend = "thick: running, thin: ready and waiting for its batch"
     if not batches:

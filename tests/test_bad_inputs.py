@@ -871,7 +871,7 @@ def test_run_summary_without_batches_says_so() -> None:
     report = {
         "policy": "full",
         "batches": 0,
-        "batch_collection_s": {"mean": 0.0, "p90": 0.0},
+        "batch_collection_s": {"mean": None, "p90": None},
         "trainer_idle_fraction": 1.0,
     }
     line = summary_line(report, Path("r.json"), "0 restarted trajectories")

@@ -190,7 +190,7 @@ def advise(
         say(
             f"{label}: S={s.surplus_groups} K={s.max_staleness} updating={s.updating()} "
             f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
-            f"{outcome.batch_collection_s:.1f} s, idle {outcome.trainer_idle_fraction:.0%}, "
+            f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s"
         )
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")

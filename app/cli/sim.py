@@ -29,6 +29,7 @@ from app.cli.common import (
     write_report,
 )
 from app.core.config import AdmissionMode, PolicyName
+from app.runtime.report import shown_s
 from app.sim.family import FAMILY
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
 from app.validation import (
@@ -352,7 +353,7 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
 
     write_report(json_out, result, lambda out: plot_family(result, out), plot)
     for name, data in result["workloads"].items():
-        means = ", ".join(f"{rung} {row['mean_s']:.1f}" for rung, row in data["rungs"].items())
+        means = ", ".join(f"{rung} {shown_s(row['mean_s'])}" for rung, row in data["rungs"].items())
         err.print(f"{name}: {means}", markup=False)
         for line in data["findings"]:
             err.print(f"!!! {name}: {line}", markup=False)
@@ -371,7 +372,7 @@ def sweep_table(result: dict[str, Any]) -> str:
     for label, r in named:
         wasted = sum(r["wasted_trajectory_s"].values())  # by reason
         rows.append(
-            f"| {label} | {r['batch_collection_s']:.1f} | {r['p90_s']:.1f} "
+            f"| {label} | {shown_s(r['batch_collection_s'])} | {shown_s(r['p90_s'], none='')} "
             f"| {r['trainer_idle_fraction']:.0%} | {r['discarded_groups']['stale']} | {wasted:.0f} |"
         )
     return "\n".join(rows)
@@ -383,9 +384,10 @@ def ladder_table(result: dict[str, Any]) -> str:
     sync_mean = result["policies"]["sync"]["batch_collection_s"]["mean"]
     for name, rep in result["policies"].items():
         bc = rep["batch_collection_s"]
-        ratio = f"{sync_mean / bc['mean']:.2f}×" if bc["mean"] > 0 and rep["batches"] else "n/a"
+        ratio = f"{sync_mean / bc['mean']:.2f}×" if sync_mean is not None and bc["mean"] else "n/a"
         rows.append(
-            f"| {name} | {bc['mean']:.1f} | {bc['p50']:.1f} | {bc['p90']:.1f} | {ratio} "
+            f"| {name} | {shown_s(bc['mean'])} | {shown_s(bc['p50'], none='')} "
+            f"| {shown_s(bc['p90'], none='')} | {ratio} "
             f"| {rep['lower_bound_s']:.1f} | {rep['trainer_idle_fraction']:.0%} "
             f"| {rep['discarded_groups']['stale']} | {rep['restarted_trajectories']} |"
         )

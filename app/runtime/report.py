@@ -6,6 +6,10 @@ trainer_idle_fraction, lower_bound_s, max_staleness, max_groups_in_flight,
 discarded_groups {stale, failed, cancelled, zero_variance}, restarted_trajectories, lost_groups,
 tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.report`.
 
+A figure over no value is null, never 0.0: `batch_collection_s` mean, p50 and p90 and `mean_reward`
+when no batch was delivered (`batches` 0: a run stopped or failed before its first), and
+`batch_interval_s.mean` below two batches. Every reader of these says so in words instead.
+
 `max_groups_in_flight` counts live groups (in flight + ready: what B + S caps in the default admission
 mode); `max_groups_running` counts groups in flight only (what B + S caps in the in-flight mode).
 `event_sinks` (when the run's bus had sinks) says per sink how many envelopes were written, dropped
@@ -28,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +68,21 @@ if TYPE_CHECKING:
 
 # Distinct discard details kept per reason; the rest are counted under "(other)".
 MAX_DETAILS_PER_REASON = 20
+
+
+NO_BATCH = "no batch"
+
+
+def shown_s(value: float | None, spec: str = ".1f", none: str = NO_BATCH) -> str:
+    """A report's mean or quantile of batch collection time as text (`12.3`), or `none` in words where
+    it is null: a run that delivered no batch has no mean, and 0.0 would read as instant batches."""
+    return none if value is None else format(value, spec)
+
+
+def drawn_s(value: float | None) -> float:
+    """A report's seconds as a plot draws them: null (no batch delivered, so no mean) is NaN, which
+    matplotlib leaves out (no bar, a gap in a line) where 0.0 would draw instant batches."""
+    return math.nan if value is None else value
 
 
 def _r(x: float) -> float:
@@ -316,13 +336,15 @@ class ReportAccumulator:
         report: dict[str, Any] = {
             "policy": static.policy,
             "batches": len(self.batches),
+            # Of no batch there is no mean or quantile: null, not 0.0 (a run stopped before its first
+            # batch read as one that collected batches instantly).
             "batch_collection_s": {
-                "mean": _r(statistics.fmean(waits)) if waits else 0.0,
-                "p50": _r(quantile(waits, 0.5)),
-                "p90": _r(quantile(waits, 0.9)),
+                "mean": _r(statistics.fmean(waits)) if waits else None,
+                "p50": _r(quantile(waits, 0.5)) if waits else None,
+                "p90": _r(quantile(waits, 0.9)) if waits else None,
                 "per_batch": [_r(w) for w in waits],
             },
-            "batch_interval_s": {"mean": _r(statistics.fmean(intervals)) if intervals else 0.0},
+            "batch_interval_s": {"mean": _r(statistics.fmean(intervals)) if intervals else None},
             "trainer_idle_fraction": _r(self.trainer_wait_s / duration),
             "lower_bound_s": None if static.lower_bound_s is None else _r(static.lower_bound_s),
             "max_staleness": self.max_staleness,
@@ -341,7 +363,9 @@ class ReportAccumulator:
             "turns": self.turns,
             "tokens": self.tokens,
             "refused_turns": self.refused_turns,
-            "mean_reward": _r(statistics.fmean(b.mean_reward for b in self.batches)) if self.batches else 0.0,
+            "mean_reward": (
+                _r(statistics.fmean(b.mean_reward for b in self.batches)) if self.batches else None
+            ),
             "wasted_trajectory_s": {k: _r(v) for k, v in self.wasted.items()},
             "discard_details": {reason: dict(d) for reason, d in sorted(self.details.items())},
             "max_groups_running": ledger.max_running,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.children import quiet_worker
 from app.outputs import save_figure
+from app.runtime.report import drawn_s
 from app.sim.lanes import LaneSharing
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
@@ -98,11 +99,16 @@ class Settings:
 @dataclass
 class Outcome:
     settings: Settings
-    batch_collection_s: float
-    p90_s: float
+    batch_collection_s: float | None  # None: no batch delivered, so no mean (ranked last)
+    p90_s: float | None
     trainer_idle_fraction: float
     wasted_trajectory_s: float
     lower_bound_s: float
+
+    def mean_text(self) -> str:
+        """`12.3 s`, or that no batch was delivered (there is no mean)."""
+        mean = self.batch_collection_s
+        return "no batch delivered" if mean is None else f"{mean:.1f} s"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -147,7 +153,10 @@ class Advice:
                 "the advice matches the current config: no candidate beat it by more than "
                 f"{TIE_FRACTION:.0%} in mean batch collection time"
             )
-        ratio = self.current.batch_collection_s / max(self.recommended.batch_collection_s, 1e-9)
+        current, advised = self.current.batch_collection_s, self.recommended.batch_collection_s
+        if current is None or advised is None:  # the advised settings are the current ones otherwise
+            return "the advised settings deliver batches where the current ones delivered none"
+        ratio = current / max(advised, 1e-9)
         return f"the advised settings cut mean batch collection time {ratio:.2f}× against the current ones"
 
     def as_dict(self) -> dict[str, Any]:
@@ -243,7 +252,8 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
 
 
 def _rank(outcome: Outcome) -> tuple[float, float]:
-    return (outcome.batch_collection_s, outcome.wasted_trajectory_s)
+    mean = outcome.batch_collection_s
+    return (math.inf if mean is None else mean, outcome.wasted_trajectory_s)
 
 
 class AdviceInterrupted(Exception):
@@ -258,7 +268,8 @@ class AdviceInterrupted(Exception):
 def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool) -> Advice:
     current = seen[start]
     top = min(seen.values(), key=_rank)
-    if top.batch_collection_s >= current.batch_collection_s * (1 - TIE_FRACTION):
+    best, now = top.batch_collection_s, current.batch_collection_s
+    if best is None or (now is not None and best >= now * (1 - TIE_FRACTION)):
         top = current
     return Advice(current, top, sorted(seen.values(), key=_rank), complete)
 
@@ -393,12 +404,13 @@ def advice_figure(advice: Advice) -> Figure:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = ["current", "advised"] if advice.candidates else ["current"]
     pair = [advice.current, advice.recommended][: len(names)]
-    bars = left.bar(names, [o.batch_collection_s for o in pair], color=["#999999", "#2b7bba"][: len(names)])
+    means = [drawn_s(o.batch_collection_s) for o in pair]
+    bars = left.bar(names, means, color=["#999999", "#2b7bba"][: len(names)])
     for bar, outcome in zip(bars, pair, strict=True):
         left.annotate(
-            f"{outcome.batch_collection_s:.1f} s\nidle {outcome.trainer_idle_fraction:.0%}\n"
+            f"{outcome.mean_text()}\nidle {outcome.trainer_idle_fraction:.0%}\n"
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            (bar.get_x() + bar.get_width() / 2, 0.0 if math.isnan(bar.get_height()) else bar.get_height()),
             ha="center",
             va="bottom",
             fontsize=8,
@@ -415,12 +427,13 @@ def advice_figure(advice: Advice) -> Figure:
         label="lower bound (its own B+S)",
     )
     left.set_ylabel("mean batch collection time (s)")
-    left.set_ylim(0, 1.3 * max(o.batch_collection_s for o in pair))
+    left.set_ylim(0, 1.3 * max([m for m in means if not math.isnan(m)] or [1.0]))
     fig.suptitle(advice.verdict(), fontsize=10)
     left.legend(fontsize=8)
     if advice.candidates:
         xs = range(len(advice.evaluated))
-        right.plot(xs, [o.batch_collection_s for o in advice.evaluated], "o-", ms=3, label="candidate")
+        candidates = [drawn_s(o.batch_collection_s) for o in advice.evaluated]
+        right.plot(xs, candidates, "o-", ms=3, label="candidate")
         right.plot(xs, [o.lower_bound_s for o in advice.evaluated], "k--", lw=1, label="its lower bound")
         right.set_xlabel("simulated settings, best first")
         right.xaxis.get_major_locator().set_params(integer=True)

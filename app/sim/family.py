@@ -237,9 +237,10 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
 
 def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Where a ladder rung is worse than the rung below it (sync → completion → lanes → full; and
-    `full` ≤ `completion` ≤ `sync` must hold), and where any other rung beats `full`, one line each."""
-    out: list[str] = []
-    mean = {name: row["mean_s"] for name, row in rungs.items()}
+    `full` ≤ `completion` ≤ `sync` must hold), and where any other rung beats `full`, one line each; a
+    rung that delivered no batch (its mean null) is named as such and compared with none."""
+    out = [f"{name} delivered no batch" for name, row in rungs.items() if row["mean_s"] is None]
+    mean = {name: row["mean_s"] for name, row in rungs.items() if row["mean_s"] is not None}
     pairs = [("completion", "sync"), ("lanes", "completion"), ("full", "lanes"), ("full", "completion")]
     for better, worse in pairs:
         if better in mean and worse in mean and mean[better] > mean[worse]:

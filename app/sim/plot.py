@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.outputs import save_figure
+from app.runtime.report import NO_BATCH, drawn_s
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,8 +37,8 @@ def bench_figure(result: dict[str, Any]) -> Figure:
     fig, axes = plt.subplots(1, panels, figsize=(17 / 3 * panels, 5.5))
     ax1, ax2, ax4 = axes[0], axes[1], axes[-1]
     names = list(result["policies"])
-    means = [result["policies"][n]["batch_collection_s"]["mean"] for n in names]
-    p90s = [result["policies"][n]["batch_collection_s"]["p90"] for n in names]
+    means = [drawn_s(result["policies"][n]["batch_collection_s"]["mean"]) for n in names]
+    p90s = [drawn_s(result["policies"][n]["batch_collection_s"]["p90"]) for n in names]
     bounds = [result["policies"][n]["lower_bound_s"] for n in names]
     ys = range(len(names))  # one row per rung, the first on top: long names (`--peers`) stay readable
     ax1.barh([y - 0.2 for y in ys], means, height=0.4, label="mean")
@@ -45,7 +47,7 @@ def bench_figure(result: dict[str, Any]) -> Figure:
         bounds, [y - 0.4 for y in ys], [y + 0.4 for y in ys], color="black", label="lower bound", zorder=3
     )
     for y, m in zip(ys, means, strict=True):
-        ax1.annotate(f" {m:.0f}", (m, y - 0.2), ha="left", va="center", fontsize=7)
+        ax1.annotate(f" {_label(m)}", (_at(m), y - 0.2), ha="left", va="center", fontsize=7)
     ax1.set_yticks(list(ys), names, fontsize=8)
     ax1.invert_yaxis()
     ax1.set_xlabel("batch collection time (s)")
@@ -61,7 +63,8 @@ def bench_figure(result: dict[str, Any]) -> Figure:
         ax3.set_ylabel("stale groups discarded")
         ax2.set_zorder(ax3.get_zorder() + 1)  # the lines over the bars
         ax2.patch.set_visible(False)
-        ax2.plot(s, [row["batch_collection_s"] for row in sweep], marker="o", label="full: mean")
+        # A value of S that delivered no batch is a gap in the line, not a point at 0
+        ax2.plot(s, [drawn_s(row["batch_collection_s"]) for row in sweep], marker="o", label="full: mean")
         ax2.plot(s, [row["lower_bound_s"] for row in sweep], linestyle="--", label="lower bound")
         ax2.set_xlabel("surplus groups S")
         ax2.xaxis.get_major_locator().set_params(integer=True)  # S is a count: no tick at 0.5
@@ -73,12 +76,13 @@ def bench_figure(result: dict[str, Any]) -> Figure:
     if ablations and "full" in result["policies"]:
         labels = ["full", *(name.replace("full without ", "− ") for name in ablations)]
         values = [
-            result["policies"]["full"]["batch_collection_s"]["mean"],
-            *(row["batch_collection_s"] for row in ablations.values()),
+            drawn_s(result["policies"]["full"]["batch_collection_s"]["mean"]),
+            *(drawn_s(row["batch_collection_s"]) for row in ablations.values()),
         ]
         bars = ax4.bar(labels, values, color=["tab:green"] + ["tab:gray"] * len(ablations))
         for bar, value in zip(bars, values, strict=True):
-            ax4.annotate(f"{value:.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+            where = (bar.get_x() + bar.get_width() / 2, _at(value))
+            ax4.annotate(_label(value), where, ha="center", va="bottom")
         ax4.set_ylabel("batch collection time (s)")
         ax4.set_title("full, minus one technique")
         ax4.set_xticks(range(len(labels)), labels, rotation=20, ha="right", rotation_mode="anchor")
@@ -95,13 +99,13 @@ def _staleness_panel(ax: Axes, rows: list[dict[str, Any]]) -> None:
     for i, surplus in enumerate(surpluses):
         mine = {row["max_staleness"]: row for row in rows if row["surplus_groups"] == surplus}
         xs = [j + (i - (len(surpluses) - 1) / 2) * width for j, k in enumerate(ks) if k in mine]
-        values = [mine[k]["batch_collection_s"] for k in ks if k in mine]
+        values = [drawn_s(mine[k]["batch_collection_s"]) for k in ks if k in mine]
         bars = ax.bar(xs, values, width=width, label=f"S = {surplus}")
         for bar, k in zip(bars, [k for k in ks if k in mine], strict=True):
             stale = mine[k]["discarded_groups"]["stale"]
             ax.annotate(
-                f"{bar.get_height():.0f}\n{stale} stale",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                f"{_label(bar.get_height())}\n{stale} stale",
+                (bar.get_x() + bar.get_width() / 2, _at(bar.get_height())),
                 ha="center",
                 va="bottom",
                 fontsize=7,
@@ -110,6 +114,15 @@ def _staleness_panel(ax: Axes, rows: list[dict[str, Any]]) -> None:
     ax.set_ylabel("batch collection time (s)")
     ax.margins(y=0.15)  # room for the labels over the tallest bar
     _legend_above(ax, "staleness bound sweep (full)")
+
+
+def _at(value: float) -> float:
+    """Where a value's label goes: at the value, or at 0 for one not drawn."""
+    return 0.0 if math.isnan(value) else value
+
+
+def _label(value: float) -> str:
+    return NO_BATCH if math.isnan(value) else f"{value:.0f}"
 
 
 def _legend_above(ax: Axes, title: str, extra: Axes | None = None) -> None:
@@ -160,13 +173,15 @@ def family_figure(result: dict[str, Any]) -> Figure:
     for ax, (name, data) in zip(axes[0], workloads.items(), strict=True):
         rungs = data["rungs"]
         labels = list(rungs)
-        values = [rungs[r]["mean_s"] for r in labels]
+        values = [drawn_s(rungs[r]["mean_s"]) for r in labels]
         kinds = ["full" if r == "full" else "peer" if r in PEERS else "corral" for r in labels]
         bars = ax.bar(range(len(labels)), values, color=[FAMILY_COLOURS[k] for k in kinds])
         for bar, value in zip(bars, values, strict=True):
+            drawn = not math.isnan(value)  # a log axis has no 0: a missing bar's label sits at its foot
             ax.annotate(
-                f"{value:.0f}",
-                (bar.get_x() + bar.get_width() / 2, value),
+                _label(value),
+                (bar.get_x() + bar.get_width() / 2, value if drawn else 0.0),
+                xycoords="data" if drawn else ("data", "axes fraction"),
                 ha="center",
                 va="bottom",
                 fontsize=7,

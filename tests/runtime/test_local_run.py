@@ -149,18 +149,23 @@ def test_cli_run_refuses_unknown_task_without_traceback(tmp_path: Path) -> None:
     assert not (tmp_path / "out.json").exists()
 
 
+def one_task_config(tmp_path: Path, setup: str, engines: int = 2) -> Path:
+    """A run config whose suite is one task with this set-up command."""
+    task = tmp_path / "suite" / "one"
+    task.mkdir(parents=True)
+    (task / "task.yaml").write_text(f"instruction: say hi\nsetup: {setup}\nvalidation: {{command: 'true'}}\n")
+    return write_config(tmp_path, CONFIG.replace(
+        "tasks: {include: [fix-off-by-one, json-transform, patch-config-sed, sort-uniq-log]}",
+        f"tasks: {{suite: {tmp_path / 'suite'}}}",
+    ).replace("engines: {count: 2", f"engines: {{count: {engines}"))  # fmt: skip
+
+
 @pytest.mark.slow
 def test_cli_run_whose_every_group_fails_stops_with_its_report(tmp_path: Path) -> None:
     """A task whose set-up always fails: every group is discarded as failed. The run used to admit and
     fail groups for ever; now it stops after 100 in a row with none completed, writes its report with
     the reason under `error`, and `corral run` exits 1 naming it."""
-    task = tmp_path / "suite" / "broken"
-    task.mkdir(parents=True)
-    (task / "task.yaml").write_text("instruction: say hi\nsetup: exit 3\nvalidation: {command: 'true'}\n")
-    cfg = write_config(tmp_path, CONFIG.replace(
-        "tasks: {include: [fix-off-by-one, json-transform, patch-config-sed, sort-uniq-log]}",
-        f"tasks: {{suite: {tmp_path / 'suite'}}}",
-    ))  # fmt: skip
+    cfg = one_task_config(tmp_path, "exit 3")
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", str(cfg), "--json",
@@ -175,6 +180,52 @@ def test_cli_run_whose_every_group_fails_stops_with_its_report(tmp_path: Path) -
     assert report["batches"] == 0
     assert report["discarded_groups"]["failed"] >= 101
     assert report["lost_groups"] == 0
+
+
+@pytest.mark.slow
+def test_cli_run_that_delivers_no_batch_has_no_mean_and_every_reader_says_so(tmp_path: Path) -> None:
+    """A run stopped before its first batch (here: set-ups that outlast --duration). Its report gave a
+    mean batch collection time of 0.0, as if batches came instantly; a mean over nothing is null, and
+    the summary line, the dashboard's replay of the report and `corral trace import` say so in words."""
+    cfg = one_task_config(tmp_path, "sleep 60", engines=1)
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", str(cfg), "--json",
+         str(out), "--plot", str(plot), "--duration", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full: no batch delivered, " in proc.stderr
+    assert "mean" not in proc.stderr.splitlines()[-1]
+    report = json.loads(out.read_text())
+    assert report["batches"] == 0
+    assert report["batch_collection_s"] == {"mean": None, "p50": None, "p90": None, "per_batch": []}
+    assert report["batch_interval_s"] == {"mean": None}
+    assert report["mean_reward"] is None
+    assert plot.stat().st_size > 0  # its title says no batch was delivered (tests/sim/test_timeline.py)
+    # The dashboard's replay of the report: no figure of 0.0 s, the words instead.
+    from app.web.backend import ReplayStore
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    replays = ReplayStore()
+    view = replays.view(replays.add_file(out))
+    assert view is not None
+    assert view.mean_collection_s is None
+    page = Dashboard(AccessConfig(None, None)).render(
+        "run.html", {**run_context(view), "csrf": "", "csrf_field": ""}
+    )
+    assert "<dt>mean batch collection</dt><dd>—</dd>" in page
+    assert "No batch was delivered." in page
+    # `corral trace import` of it: no attempt finished, and it says so in one line.
+    imported = subprocess.run(
+        [sys.executable, "-c", "from app.cli import main; main()", "trace", "import", "--format",
+         "corral-run", str(out), "--out", str(tmp_path / "t.jsonl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert imported.returncode == 2
+    assert "no finished attempt" in imported.stderr
+    assert "Traceback" not in imported.stderr
 
 
 def embedded_engine_pids(parent: int | None = None) -> set[int]:

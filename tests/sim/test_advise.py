@@ -1,6 +1,7 @@
 """`advise`: coordinate descent over S, K, updating engines and lane slots, on real simulations."""
 
 import itertools
+import math
 from pathlib import Path
 
 from app.sim.advise import (
@@ -204,3 +205,26 @@ def test_an_interrupted_pool_is_gone_before_the_interrupt_goes_on() -> None:
         assert not pool_threads(), "the pool's thread outlived the interrupt"
         assert not set(multiprocessing.active_children()) - before, "a worker outlived the interrupt"
     assert time.monotonic() - started < 30
+
+
+def test_settings_that_delivered_no_batch_rank_last_and_are_never_advised(tmp_path: Path) -> None:
+    """A candidate of no batch has no mean (null, where it was 0.0 and so the fastest of all)."""
+    from app.sim.advise import _choose
+
+    start = current_settings(load_workload(EXAMPLES / "small-trace.yaml"))
+    current = make_outcome(start)
+    none = make_outcome(start.with_knob("surplus_groups", 0))
+    none.batch_collection_s = none.p90_s = None
+    advice = _choose(start, {start: current, none.settings: none}, complete=True)
+    assert advice.recommended is current
+    assert advice.evaluated == [current, none]
+    assert none.mean_text() == "no batch delivered"
+    figure = advice_figure(advice)
+    plot_advice(advice, str(tmp_path / "a.png"))
+    assert math.isnan(figure.axes[1].lines[0].get_ydata()[1])
+    # Where the current settings delivered none, any that did are advised, and the verdict says why.
+    advice = _choose(none.settings, {none.settings: none, start: current}, complete=True)
+    assert advice.recommended is current
+    assert advice.verdict() == "the advised settings deliver batches where the current ones delivered none"
+    left = advice_figure(advice).axes[0]
+    assert left.texts[0].get_text().startswith("no batch delivered\n")

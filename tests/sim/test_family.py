@@ -189,3 +189,9 @@ def test_bench_with_peers_reports_every_peer_beside_the_ladder_and_its_findings(
     means = {name: {"mean_s": rep["batch_collection_s"]["mean"]} for name, rep in result["policies"].items()}
     assert result["findings"] == findings(means)
     assert "areal" not in run_bench(workload, [0], [1])["policies"]
+
+
+def test_a_rung_that_delivered_no_batch_is_named_and_compared_with_none() -> None:
+    """Its mean is null (it was 0.0, which beat every rung and put the ladder out of order)."""
+    rungs = {**make_rungs(sync=3, completion=2, full=1), "areal": {"mean_s": None}}
+    assert findings(rungs) == ["areal delivered no batch"]

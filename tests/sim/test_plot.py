@@ -1,6 +1,7 @@
 """Plots of a bench report (app/sim/plot.py): readable whatever the rungs and the sweep's values."""
 
 import itertools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,41 @@ def test_the_bench_plot_shows_the_staleness_sweep() -> None:
     assert [t.get_text() for t in panel.get_legend().get_texts()] == ["S = 2", "S = 64"]
     labels = {a.get_text() for a in panel.texts}
     assert {"103\n2 stale", "166\n128 stale"} <= labels
+
+
+def test_a_rung_without_a_batch_is_no_bar_at_zero_but_says_so(tmp_path: Path) -> None:
+    """A report of no batch has a null mean (it was 0.0): the plots drew it as a bar of 0 s, the
+    fastest rung; they now leave it out and label it `no batch`, and the ladder table says so too."""
+    from app.cli.sim import ladder_table, sweep_table
+    from app.sim.plot import family_figure
+
+    nothing = {"mean": None, "p50": None, "p90": None}
+    bench = make_bench()
+    bench["policies"]["lanes"]["batch_collection_s"] = nothing
+    bench["sweeps"]["surplus"][1]["batch_collection_s"] = None
+    bench["sweeps"]["ablations"]["full without lanes"]["batch_collection_s"] = None
+    figure = bench_figure(bench)
+    ladder, sweep, ablations = figure.axes[0], figure.axes[1], figure.axes[2]
+    assert " no batch" in [t.get_text() for t in ladder.texts]
+    assert "no batch" in [t.get_text() for t in ablations.texts]
+    assert 0.0 not in [bar.get_width() for bar in ladder.patches]
+    (means, _) = sweep.lines
+    assert math.isnan(means.get_ydata()[1])  # a gap in the line, not a point at 0
+    plot_bench(bench, tmp_path / "bench.png")
+    rungs = {"sync": {"mean_s": 10.0, "lower_bound_s": 5.0}, "full": {"mean_s": None, "lower_bound_s": 5.0}}
+    figure = family_figure({"workloads": {"default": {"rungs": rungs}}})
+    assert "no batch" in [t.get_text() for t in figure.axes[0].texts]
+    # The tables of `corral bench`: words where there is no mean, and no ratio against it.
+    for name, rep in bench["policies"].items():
+        rep.update(batches=0 if name == "lanes" else 4, lower_bound_s=140.0, trainer_idle_fraction=0.5,
+                   discarded_groups={"stale": 0}, restarted_trajectories=0)  # fmt: skip
+        rep["batch_collection_s"].setdefault("p50", 1.0)
+    (row,) = [line for line in ladder_table(bench).splitlines() if line.startswith("| lanes |")]
+    assert row.startswith("| lanes | no batch |  |  | n/a | 140.0 |")
+    for row in [*bench["sweeps"]["surplus"], *bench["sweeps"]["ablations"].values()]:
+        row.update(p90_s=None if row["batch_collection_s"] is None else 1.0, trainer_idle_fraction=0.5,
+                   discarded_groups={"stale": 0}, wasted_trajectory_s={})  # fmt: skip
+    bench["sweeps"]["max_staleness"] = []
+    table = sweep_table(bench)
+    assert "| S = 1 | no batch |  |" in table
+    assert "| without lanes | no batch |  |" in table

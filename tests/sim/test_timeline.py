@@ -36,13 +36,13 @@ def test_reports_leave_the_timeline_out_unless_asked() -> None:
 
 def test_the_timeline_title_counts_batches_and_says_when_none_came() -> None:
     """A `corral run` stopped during start-up: its plot said `0 batches, mean collection 0.0 s` (the
-    report's mean of no batch), and one batch was `1 batches`."""
+    report's mean of no batch, now null), and one batch was `1 batches`."""
     workload = Workload.model_validate(make_workload_data(batches=1))
     report = simulate(workload, policy_for(workload, "full"), "full", timeline=True)
     mean = report["batch_collection_s"]["mean"]
     title = timeline_figure(report).axes[0].get_title()
     assert title.startswith(f"full: 1 batch, mean collection {mean:.1f} s; ")
-    stopped = {**report, "batches": 0, "batch_collection_s": {"mean": 0.0, "per_batch": []},
+    stopped = {**report, "batches": 0, "batch_collection_s": {"mean": None, "per_batch": []},
                "groups_timeline": [], "batch_marks": [], "update_log": []}  # fmt: skip
     title = timeline_figure(stopped).axes[0].get_title()
     assert title.startswith("full: no batch delivered; ")
