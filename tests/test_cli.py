@@ -780,7 +780,7 @@ def test_a_report_to_a_full_or_closed_standard_output_is_one_line(tmp_path: Path
             [str(CORRAL), *args], stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
             check=False,
         )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # after the work: the code of every output not written
     assert proc.stderr.splitlines() == [
         "error: cannot write the report to standard output: No space left on device"
     ]
@@ -790,6 +790,57 @@ def test_a_report_to_a_full_or_closed_standard_output_is_one_line(tmp_path: Path
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"error: {args[-2]} -: standard output is closed"], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["sim", "--workload", "w.yaml", "--json", "-", "--plot", "p.png"],
+         "error: cannot write the plot p.png: File too large"),
+        (["sim", "--workload", "w.yaml", "--json", "r.json"],
+         "error: cannot write r.json: File too large; it could not be written anywhere"),
+        (["trace", "import", "--format", "corral-run", "in.json", "--out", "t.jsonl"],
+         "error: cannot write t.jsonl: File too large"),
+        (["sim", "--workload", "w.yaml", "--json", "r/x.json"],
+         "error: --json r/x.json: cannot write there: Not a directory"),
+        (["sim", "--workload", "w.yaml", "--json", "-", "--plot", "r/x.png"],
+         "error: --plot r/x.png: cannot write there: Not a directory"),
+        (["trace", "import", "--format", "corral-run", "in.json", "--out", "r/x.jsonl"],
+         "error: --out r/x.jsonl: cannot write there: Not a directory"),
+    ],
+    ids=["plot after", "report after", "trace after", "report before", "plot before", "trace before"],
+)  # fmt: skip
+def test_an_output_that_cannot_be_written_has_one_exit_code_for_each_time(
+    tmp_path: Path, args: list[str], line: str
+) -> None:
+    """Each output (report, plot, trace) that cannot be written is one line and one exit code: 2 when
+    its path is refused before the work (here a path under a regular file, `r/x.json`), as for any bad
+    input; 1 when the work is done and the write fails (here a file size limit, `ulimit -f`, that the
+    empty probe of the check passes). After the work a plot or a trace exited 2, a report 1."""
+    import os
+    import resource
+
+    write_yaml(tmp_path / "w.yaml", make_workload(batches=1))
+    (tmp_path / "r").write_text("a regular file\n")
+    events = [{"kind": "attempt_finished", "group_id": g, "attempt": a, "reward": 1.0, "error": None}
+              for g in range(10) for a in range(2)]  # fmt: skip
+    (tmp_path / "in.json").write_text(json.dumps({"event_log": events}))
+    (tmp_path / "tmp").mkdir()  # where a report not written is kept, if it can be
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    before = set(os.listdir(tmp_path))
+    proc = subprocess.run(
+        [str(CORRAL), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False,
+        preexec_fn=limit_file_size if "too large" in line else None,
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == (1 if "too large" in line else 2), proc.stderr
+    assert proc.stderr.splitlines() == [line], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert set(os.listdir(tmp_path)) == before  # nothing half-written left, here or in TMPDIR
+    assert not os.listdir(tmp_path / "tmp")
 
 
 @pytest.mark.parametrize(("engine_demand", "noted"), [(2.0, True), (1.0, False)])

@@ -12,6 +12,7 @@ from typer.core import TyperCommand
 
 from app import early_signals
 from app.cli.common import (
+    cannot_write,
     check_apart,
     check_output,
     check_plot,
@@ -23,6 +24,7 @@ from app.cli.common import (
     progress_lines,
     say,
     sigterm_as_ctrl_c,
+    why_not_written,
     write_report,
     write_stdout,
 )
@@ -91,8 +93,8 @@ def trace_import(
     else:
         try:
             written = write_trace(result.records, out)
-        except OSError as exc:
-            fail(f"--out {out}: cannot write there: {exc.strerror or exc}")
+        except OSError as exc:  # checked before the import: something changed since (exit 1, not 2)
+            cannot_write(out, why_not_written(out, exc))
     tasks = len({r["task"] for r in result.records})
     unit = "trial" if fmt is TraceFormat.TERMINAL_BENCH else "attempt"
     say(f"{_count(written, 'attempt')} of {_count(tasks, 'task')} → {out} ({_skipped(result.skipped, unit)})")

@@ -1,11 +1,18 @@
 """What every `corral` command shares: one-line refusals, output paths checked before the work, strict
 JSON reports and the progress bar.
 
-Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; text
-from the user (paths, values) is never read as rich markup; an output path is proven writable (and
-left as it was) before any work starts, replaceable if it exists, is a regular file or a new one (a
-link is written through), and is none of the command's inputs or other outputs; a report is strict
-JSON (no NaN or Infinity).
+Exit codes (README, "Commands"): `REFUSED` (2) for bad input, refused before any work (a flag, a
+value, an input file, an output path that cannot be written); `FAILED` (1) when the work ran but did
+not end well: an output (report, plot, trace, standard output) that could not be written once the work
+was done (the path changed since it was checked, a disk filled), or a run that could not go on; 130
+when interrupted.
+
+Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; an
+output that cannot be written after the work is one line too, `error: cannot write <path>: <why>`,
+exit code 1, whichever output it is; text from the user (paths, values) is never read as rich markup;
+an output path is proven writable (and left as it was) before any work starts, replaceable if it
+exists, is a regular file or a new one (a link is written through), and is none of the command's
+inputs or other outputs; a report is strict JSON (no NaN or Infinity).
 """
 
 from __future__ import annotations
@@ -36,12 +43,22 @@ from app.outputs import is_null_device, write_text_atomically
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 P = ParamSpec("P")
 
+REFUSED = 2  # bad input, refused before any work: the usage error of POSIX utilities and click
+FAILED = 1  # the work ran and did not end well: an output it could not write, a run that could not go on
 
-def fail(message: str) -> NoReturn:
-    """Refuse: one line naming the problem, exit code 2."""
+
+def fail(message: str, code: int = REFUSED) -> NoReturn:
+    """Refuse: one line naming the problem, exit code 2 (or `code`)."""
     lines = [" ".join(line.split()) for line in message.splitlines()]
     err.print(Text.assemble(("error:", "bold red"), " ", "; ".join(line for line in lines if line)))
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def cannot_write(what: Path | str, why: str) -> NoReturn:
+    """An output that the work made and that could not be written (its path was checked before the
+    work, so something changed since: a directory removed, a disk filled): one line, exit code 1, the
+    same for a report, a plot, a trace and standard output."""
+    fail(f"cannot write {what}: {why}", FAILED)
 
 
 def say(message: str) -> None:
@@ -213,7 +230,7 @@ def write_stdout(text: str) -> None:
     """`text` on standard output; a reader that stops early (`| head`) ends the output quietly, any
     other failure (a full disk under `> file`) is one line."""
     if sys.stdout is None:
-        fail("cannot write the report to standard output: it is closed")
+        cannot_write("the report to standard output", "it is closed")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -221,7 +238,7 @@ def write_stdout(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error again at exit
     except OSError as exc:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is buffered is dropped
-        fail(f"cannot write the report to standard output: {exc.strerror or exc}")
+        cannot_write("the report to standard output", str(exc.strerror or exc))
 
 
 def _stdout_closed() -> bool:
@@ -411,16 +428,14 @@ def write_json(path: Path, data: Any) -> None:
     try:
         write_text_atomically(_target(path), text + "\n")
     except OSError as exc:
-        # The path was checked before the work began, so something changed it since (a directory
-        # removed, a disk filled): the work is not lost, it goes where it can, and the exit is 1, not
-        # the 2 of a refused input.
+        # The work is not lost: it goes where it can.
         kept = _keep_elsewhere(path, text + "\n")
         where = f"; written to {kept} instead" if kept is not None else "; it could not be written anywhere"
-        err.print(Text.assemble(("error:", "bold red"), f" cannot write {path}: {_why(path, exc)}{where}"))
-        raise typer.Exit(1) from None
+        cannot_write(path, why_not_written(path, exc) + where)
 
 
-def _why(path: Path, exc: OSError) -> str:
+def why_not_written(path: Path, exc: OSError) -> str:
+    """Why writing `path` failed, in words: its parent no longer a directory, or the OS's reason."""
     parent = path.parent
     if parent.exists() and not parent.is_dir():
         return f"{parent} is not a directory"
@@ -429,12 +444,16 @@ def _why(path: Path, exc: OSError) -> str:
 
 def _keep_elsewhere(path: Path, text: str) -> Path | None:
     """`text` written to a new file in the temporary directory, named after `path`; None when that
-    fails too."""
+    fails too (and no part of it is left there)."""
     try:
         fd, name = tempfile.mkstemp(prefix=f"corral-{path.stem}-", suffix=path.suffix or ".json")
+    except OSError:
+        return None
+    try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
     except OSError:
+        os.unlink(name)
         return None
     return Path(name)
 
@@ -477,15 +496,18 @@ def write_plot(
     draw: Callable[[Path], None], path: Path | None, flag: str = "--plot", written: Path | None = None
 ) -> None:
     """Draw a plot to `path` (nothing when None), creating the missing parents that `check_output`
-    proved could be created; a failure is one line, never a traceback. `written`: the report already
+    proved could be created; a failure is one line, never a traceback, exit code 1 as for the report
+    (it was 2, as if the path had been refused before the work). `written`: the report already
     written, which a Ctrl-C while the plot is drawn (a second or more) ends the command saying."""
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         draw(path)
-    except (OSError, ValueError) as exc:
-        fail(f"{flag} {path}: cannot write the plot: {getattr(exc, 'strerror', None) or exc}")
+    except OSError as exc:
+        cannot_write(f"the plot {path}", why_not_written(path, exc))
+    except ValueError as exc:
+        cannot_write(f"the plot {path}", str(exc))
     except (KeyboardInterrupt, ImportError) as exc:
         if isinstance(exc, ImportError) and not interrupted_import(exc):
             raise
