@@ -236,7 +236,7 @@ class RunHandle:
     def _store_behind(self) -> bool:
         """Whether the simulated clock should stand still for the store (`RunRecorder.backlogged`); not
         while the run stops: its last events are few, and a stop must not wait on a database that is
-        away (closing the recorder waits for them, `CLOSE_WAIT_S`)."""
+        away (closing the recorder waits for them, `RunRecorder.close_wait_s`)."""
         return self.state is not RunState.STOPPING and self.recorder.backlogged()
 
     def _set_state(self, state: RunState, error: str | None) -> None:

@@ -16,10 +16,11 @@ out the batches it kept (`ended_gateway`), then answers that it has ended. So do
 runs on, a run that ended here before the latest `KEEP_ENDED_HANDLES`: its handle is let go.
 
 Shutting down (`shutdown`, a Ctrl-C of `corral serve`) is bounded: each run gets `RUN_STOP_WAIT_S` to
-stop and `CLOSE_WAIT_S` more to store its last events, and the store writer `WRITER_WAIT_S` for what it
-still holds (`SHUTDOWN_BOUND_S` in all); `abandon` (a second Ctrl-C) ends every wait at once. A stop made
-by the shutdown is not written to the store as `stopping`: a run the shutdown did not finish stopping is
-left `running` there, and the next start resumes it from what was stored, as after a kill -9.
+stop and `close_wait_s` more to store its last events (`CORRAL_STORE_OUTAGE_S` + 10 s), and the store
+writer `WRITER_WAIT_S` for what it still holds (`SHUTDOWN_BOUND_S` in all); `abandon` (a second Ctrl-C)
+ends every wait at once. A stop made by the shutdown is not written to the store as `stopping`: a run the
+shutdown did not finish stopping is left `running` there, and the next start resumes it from what was
+stored, as after a kill -9.
 
 Invariants:
 - every run this manager starts is stopped (and its sinks flushed) by `shutdown`, within its bound;
@@ -53,7 +54,7 @@ from app.runtime.spill import SpillFile
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
-from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark
+from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark, close_wait_s
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunLiveError, RunRecord, ServiceStore
 from app.settings import SPILL_MAX_BYTES, STORE_BUFFER
@@ -78,7 +79,8 @@ RUN_STOP_WAIT_S = 75.0
 # writer that waited 10 s for each such row, thousands of them behind a slow sink, held a Ctrl-C of
 # `corral serve` for 52 minutes.
 WRITER_WAIT_S = 15.0
-# The most `shutdown` takes: the runs' stop, their last events, the store writer's last writes
+# The most `shutdown` takes: the runs' stop, their last events, the store writer's last writes (at the
+# default store outage wait: a run's last events get `close_wait_s` of its store's)
 SHUTDOWN_BOUND_S = RUN_STOP_WAIT_S + CLOSE_WAIT_S + 5.0 + WRITER_WAIT_S
 # How long `shutdown` still waits once abandoned (a second Ctrl-C): a run a moment from its end ends
 ABANDON_GRACE_S = 1.0
@@ -328,6 +330,7 @@ class RunManager:
 
     def _attach_sinks(self, recorder: RunRecorder) -> None:
         recorder.stored = StoredMark(self.store.event_sink())
+        recorder.close_wait_s = close_wait_s(self.store.outage_s)
         overflow = SpillFile(self._spill_path(recorder.run_id), self.spill_max_bytes)
         recorder.bus.add_sink(
             recorder.stored,
@@ -713,11 +716,11 @@ class RunManager:
     # -- shutting down -------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = RUN_STOP_WAIT_S) -> None:
-        """Stop every run still executing and wait up to `timeout_s` for them to end; a run that has
-        ended and is storing its last events (the database away) is waited for up to `CLOSE_WAIT_S`
-        more, so no event and no end state is lost with the process; then the store writer gets
-        `WRITER_WAIT_S` for its last writes. `abandon` (from another thread) ends every wait at once:
-        a run not stopped by then is left as the store has it, and resumed at the next start."""
+        """Stop every run still executing and wait up to `timeout_s` for them to end; a run that has ended and
+        is storing its last events (the database away) is waited for up to `close_wait_s` (its store's outage
+        wait + 10 s) more, so no event and no end state is lost with the process; then the store writer gets
+        `WRITER_WAIT_S` for its last writes. `abandon` (from another thread) ends every wait at once: a run
+        not stopped by then is left as the store has it, and resumed at the next start."""
         with self._start_lock:  # a run being resumed starts before this, or not at all
             self._closing = True
         stops = []
@@ -730,7 +733,8 @@ class RunManager:
             with contextlib.suppress(RunNotLiveError, IllegalRunStateError, TimeoutError):
                 self._wait_or_abandoned(stop, asked_by)
         deadline = time.monotonic() + timeout_s
-        flushed_by = deadline + CLOSE_WAIT_S + 5.0  # one bound for all: they store their last in parallel
+        # One bound for all: they store their last in parallel
+        flushed_by = deadline + close_wait_s(self.store.outage_s) + 5.0
         for handle in list(self.handles.values()):
             if self._wait_or_abandoned(handle.done, deadline):
                 continue

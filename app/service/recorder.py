@@ -42,8 +42,19 @@ from app.runtime.events import EventBus, EventSink
 from app.service.rollouts import RolloutLog
 from app.store.db import OUTAGE_S
 
-# How long closing a run's recorder waits for its sinks: a database outage is waited out (`OUTAGE_S`).
-CLOSE_WAIT_S = OUTAGE_S + 10.0
+# How long closing a run's recorder waits for its sinks: the store's wait for a database that is away
+# (`CORRAL_STORE_OUTAGE_S`, `ServiceStore.outage_s`), and this much more.
+CLOSE_MARGIN_S = 10.0
+CLOSE_WAIT_S = OUTAGE_S + CLOSE_MARGIN_S  # at the default outage wait
+
+
+def close_wait_s(outage_s: float) -> float:
+    """How long closing a recorder waits for a store that waits `outage_s` for its database: it
+    was `CLOSE_WAIT_S` whatever the setting, so a longer `CORRAL_STORE_OUTAGE_S` lost a run's last
+    events at close and a shorter one still held a stop 70 s."""
+    return outage_s + CLOSE_MARGIN_S
+
+
 # A simulated run stands still while its sinks hold this many unwritten events, until they are down to
 # `BACKLOG_LOW` (`RunRecorder.backlogged`); far below a sink's capacity (100,000), where it would drop.
 BACKLOG_HIGH = 20_000
@@ -215,6 +226,7 @@ class RunRecorder:
         self.rollouts = rollouts if rollouts is not None else RolloutLog()
         self.recent = RecentEvents(first_seq)
         self.stored: StoredMark | None = None  # the store's sink, once the manager attaches it
+        self.close_wait_s = CLOSE_WAIT_S  # the manager sets it from its store's outage wait
         self._backlogged = False
         # They only watch the run (the dashboard, the API's answers): a bug in one must not cost it.
         self.bus.observe(self.view.on_envelope, "live view")
@@ -246,11 +258,12 @@ class RunRecorder:
             self.publish(GroupDiscarded(gid, "orphaned", detail))
         return len(open_groups)
 
-    def close(self, timeout_s: float = CLOSE_WAIT_S) -> dict[str, dict[str, Any]]:
-        """Flush and stop the sinks. The store's may be waiting out a database outage (`OUTAGE_S`): the
-        run's last events are waited for rather than counted unflushed. Once the store has every
-        event, the recent events are let go (the store answers for the ended run)."""
-        stats = self.bus.close(timeout_s)
+    def close(self, timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Flush and stop the sinks, waiting up to `timeout_s` (default `close_wait_s`). The store's may
+        be waiting out a database outage (its `outage_s`): the run's last events are waited for rather
+        than counted unflushed. Once the store has every event, the recent events are let go (the
+        store answers for the ended run)."""
+        stats = self.bus.close(self.close_wait_s if timeout_s is None else timeout_s)
         store = stats.get("store")
         lost = ("dropped", "failed", "unflushed", "kept_on_disk")
         if store is not None and not any(store[k] for k in lost):

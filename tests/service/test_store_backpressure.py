@@ -101,3 +101,49 @@ def test_a_run_held_for_its_store_still_stops(tmp_path: Path, monkeypatch: pytes
             other.close()
     assert stats["dropped"] == stats["failed"] == stats["unflushed"] == 0
     assert stats["written"] == ended_while_locked == handle.recorder.bus.published
+
+
+def test_a_stopped_run_waits_for_its_store_as_long_as_corral_store_outage_s_says(tmp_path: Path) -> None:
+    """Closing a run's recorder waited `CLOSE_WAIT_S` (the default outage wait, 60 s, + 10 s) whatever
+    `CORRAL_STORE_OUTAGE_S` said: set to 2 s, a run stopped while another writer held SQLite still held
+    its stop 70 s (and set above 60 s, a run's last events were given up before the store would have
+    stopped waiting). It now waits the store's own outage wait + 10 s, then keeps on disk what is left."""
+    from app.service.compose import manager_for, store_for
+    from app.settings import Settings
+
+    db = tmp_path / "corral.db"
+    settings = Settings(
+        database_url=f"sqlite:///{db}",
+        data_dir=tmp_path / "data",
+        store_outage_s=2.0,
+        sqlite_busy_timeout_s=0.5,
+        sink_retry_max_s=0.5,
+    )
+    store = store_for(settings)
+    manager = manager_for(settings, store)
+    other: sqlite3.Connection | None = None
+    try:
+        body = {"name": "held", "kind": "sim", "speed": 1000.0, "trainer": "sentinel"}
+        handle = manager.get(manager.create(RunCreate.model_validate(body)))
+        assert handle is not None
+        assert handle.recorder.close_wait_s == 2.0 + recorder.CLOSE_MARGIN_S
+        deadline = time.monotonic() + 30
+        while handle.recorder.bus.published < 200:
+            assert time.monotonic() < deadline, "the run published nothing"
+            time.sleep(0.01)
+        other = take_write_lock(db)  # held until the run has ended: the store cannot write meanwhile
+        handle.submit(handle.stop).result(timeout=10)
+        # The old wait (70 s) ends after this one; the new one (12 s) well before it.
+        ended = handle.join(55)
+        stats = handle.recorder.bus.stats()["store"]
+        assert ended, "the stop waited for the locked store past CORRAL_STORE_OUTAGE_S + 10 s"
+        other.execute("COMMIT")
+    finally:
+        if other is not None:
+            other.close()
+        manager.shutdown()
+        store.close()
+    published = handle.recorder.bus.published
+    assert stats["dropped"] == stats["failed"] == 0
+    assert stats["kept_on_disk"] > 0  # its last events, for the next start to store
+    assert stats["written"] + stats["kept_on_disk"] == published
