@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         le=86400,
         description="an offered batch not acked in this time is offered again",
     )
+    command_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="with a broker: how long the API waits for the orchestrator worker of a celery run to "
+        "answer an operator's command (pause, resume, weights, policy, engines) before it answers 504",
+    )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
     spill_dir: Path | None = Field(
         None,

@@ -49,6 +49,10 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_STORE_BUFFER", "0", "greater than or equal to 1"),
         ("CORRAL_STORE_BUFFER", "1e30", "integer"),
         ("CORRAL_SINK_RETRY_MAX_S", "inf", "finite number"),
+        # The API's wait for a celery run's orchestrator worker to answer a command
+        ("CORRAL_COMMAND_TIMEOUT_S", "nan", "finite number"),
+        ("CORRAL_COMMAND_TIMEOUT_S", "0", "greater than 0"),
+        ("CORRAL_COMMAND_TIMEOUT_S", "1e9", "less than or equal to 600"),
     ],
 )
 def test_a_bad_number_is_refused_in_one_line_naming_the_variable(

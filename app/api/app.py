@@ -34,6 +34,7 @@ from app.api.body_limit import BodyLimit
 from app.api.docs import mount_docs
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
+from app.service.channel import RunChannel
 from app.service.compose import manager_for, store_for
 from app.service.manager import DispatchError, RunManager
 from app.service.schemas import RunCreate
@@ -90,12 +91,14 @@ def create_app(
     app.state.metrics = metrics or CorralMetrics()
     app.state.dispatch = celery_dispatch(settings) if settings.broker_url is not None else None
     app.state.queue_workers = QueueWorkers.of(settings) if settings.broker_url is not None else None
+    app.state.channel = run_channel(settings)
     app.add_middleware(BodyLimit)  # before any route reads a body: a huge one is a 413, not memory
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
-    mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager))  # the HTML dashboard at /
+    # the HTML dashboard at /
+    mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager, app.state.channel))
     app.add_api_route(
         "/healthz",
         healthz,
@@ -138,6 +141,16 @@ def celery_dispatch(settings: Settings) -> Callable[[str], None]:
             raise DispatchError(f"the broker did not answer ({reason})") from None
 
     return dispatch
+
+
+def run_channel(settings: Settings) -> RunChannel | None:
+    """The command channel to the orchestrator workers of celery runs (with a broker)."""
+    if settings.broker_url is None:
+        return None
+    from app.lanes.celery import broker_urls
+
+    _, backend = broker_urls(settings.broker_url, settings.result_backend)
+    return RunChannel(backend, settings.command_timeout_s)
 
 
 LANE_CHECK_S = 5.0  # /healthz asks the workers at most this often

@@ -18,13 +18,18 @@ batch or rollout (a version never published), 409 for a change the run's state d
 401/403 for a missing or wrong token. Never a 500 for bad input. A run that ended before this server
 started answers as an ended run: 409 "has ended (<state>)", a repeated ack 200, its metrics from the
 store.
+
+A run a celery orchestrator worker drives takes the same commands (pause, resume, stop, weights, policy,
+engines' drain and serve): a stop through its stop key (202), the others through its command channel
+(app.service.channel), carried out by its worker with the code that carries them out here
+(app.service.commands) and answered as here; 504 when the worker does not answer within
+`CORRAL_COMMAND_TIMEOUT_S` (saying whether it took the command), 503 when Redis does not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, HTTPException, Query, Request, Response, status
@@ -33,15 +38,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
+from app.service import commands
+from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere
+from app.service.commands import CommandRefused
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, DispatchError, RunLiveError, RunManager
 from app.service.schemas import (
     AckResult,
-    OrchestratorKind,
     PolicyPatch,
     Problem,
-    RunAction,
     RunCreate,
     ValidationProblem,
     WeightsPublish,
@@ -61,9 +67,13 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
     422: {"model": ValidationProblem, "description": "refused input, naming the field"},
     503: {
         "model": Problem,
-        "description": "the database (or, sending a run to its orchestrator, the broker) is not answering; "
-        "try again after Retry-After",
+        "description": "the database (or, sending a run or a command to its orchestrator, the broker) is not "
+        "answering; try again after Retry-After",
     },
+}
+# A command's answers besides: one to a run a celery orchestrator worker drives can go unanswered
+COMMAND_ANSWERS: dict[int | str, dict[str, Any]] = {
+    504: {"model": Problem, "description": "the run's orchestrator worker did not answer in time"},
 }
 
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
@@ -74,12 +84,26 @@ ENDING_WAIT_S = 30.0  # a stop that finds the run ending waits this long to say 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
-async def _on_run(handle: RunHandle, fn: Any, *args: Any) -> Any:
-    """Run a command on the run's loop; its refusals become 409s."""
+async def _command(
+    request: Request,
+    manager: RunManager,
+    run_id: str,
+    command: tuple[str, dict[str, Any], str],
+    here: Callable[[RunHandle], Awaitable[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Carry out an operator's `command` (its name, JSON arguments and actor): `here` on a run executing
+    in this server; on a celery run not ended, the same command sent to its orchestrator worker
+    (app.service.channel), which answers as `here` would. Refusals become their HTTP answers."""
     try:
-        return await handle.call(fn, *args)
-    except (RunNotLiveError, IllegalRunStateError) as exc:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+        if manager.get(run_id) is None:
+            record = await run_in_threadpool(manager.store.get_run, run_id)
+            if driven_elsewhere(record):
+                channel = request.app.state.channel
+                return await run_in_threadpool(command_elsewhere, channel, manager.store, record, *command)
+        return await here(live_handle(manager, run_id))
+    except CommandRefused as exc:
+        headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None
+        raise HTTPException(exc.status, exc.detail, headers=headers) from None
 
 
 @router.get("")
@@ -129,21 +153,19 @@ def delete_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, An
     return {"id": run_id, "deleted": True, "actor": actor}
 
 
-async def _act(run_id: str, action: RunAction, manager: Manager, actor: str) -> dict[str, Any]:
-    handle = live_handle(manager, run_id)
-    await _on_run(handle, getattr(handle, action.value))
-    return {"id": run_id, "state": handle.state.value, "actor": actor}
-
-
-@router.post("/{run_id}/pause")
-async def pause_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
+@router.post("/{run_id}/pause", responses=COMMAND_ANSWERS)
+async def pause_run(run_id: RunId, request: Request, manager: Manager, actor: Operator) -> dict[str, Any]:
     """Pause a running run: a simulated run's clock stops; a local run's engines hold their turns."""
-    return await _act(run_id, RunAction.PAUSE, manager, actor)
+    return await _command(
+        request, manager, run_id, ("pause", {}, actor), lambda handle: commands.act(handle, "pause", actor)
+    )
 
 
-@router.post("/{run_id}/resume")
-async def resume_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, Any]:
-    return await _act(run_id, RunAction.RESUME, manager, actor)
+@router.post("/{run_id}/resume", responses=COMMAND_ANSWERS)
+async def resume_run(run_id: RunId, request: Request, manager: Manager, actor: Operator) -> dict[str, Any]:
+    return await _command(
+        request, manager, run_id, ("resume", {}, actor), lambda handle: commands.act(handle, "resume", actor)
+    )
 
 
 @router.post("/{run_id}/stop", responses={202: {"description": "sent to the run's orchestrator worker"}})
@@ -156,7 +178,7 @@ async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Ope
     record = manager.store.get_run(run_id) if manager.get(run_id) is None else None
     if record is not None and record.state == RunState.STOPPED.value:  # stopped before a restart
         return {"id": run_id, "state": record.state, "actor": actor, "already_stopped": True}
-    if record is not None and record.state not in ENDED_STATES and _celery_orchestrated(record.config):
+    if driven_elsewhere(record):
         return await _stop_elsewhere(request, run_id, record.state, actor)
     handle = live_handle(manager, run_id)
     try:
@@ -176,29 +198,15 @@ async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Ope
     return {"id": run_id, "state": handle.state.value, "actor": actor, "already_stopped": not stopped}
 
 
-def _celery_orchestrated(config: dict[str, Any]) -> bool:
-    return bool(config.get("orchestrator") == OrchestratorKind.CELERY.value)
-
-
 async def _stop_elsewhere(request: Request, run_id: str, state: str, actor: str) -> JSONResponse:
     """Ask the orchestrator worker of `run_id` to stop it (app.service.runner watches for the ask)."""
     if state == RunState.STOPPING.value:
         return JSONResponse({"id": run_id, "state": state, "actor": actor, "already_stopped": True})
-    import redis
-
-    from app.lanes.celery import broker_urls, request_run_stop
-
-    settings = request.app.state.settings
-    _, backend = broker_urls(settings.broker_url, settings.result_backend)
+    channel: RunChannel = request.app.state.channel
     try:
-        await asyncio.to_thread(request_run_stop, backend, run_id, actor)
-    except redis.RedisError as exc:
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE,
-            f"the stop could not be sent to run {run_id!r}'s orchestrator worker: the result backend "
-            f"did not answer ({type(exc).__name__}); try again in a few seconds",
-            headers={"Retry-After": "5"},
-        ) from None
+        await asyncio.to_thread(channel.stop, run_id, actor)
+    except CommandRefused as exc:
+        raise HTTPException(exc.status, exc.detail, headers={"Retry-After": "5"}) from None
     body = {"id": run_id, "state": state, "actor": actor, "already_stopped": False}
     return JSONResponse(body, status_code=status.HTTP_202_ACCEPTED)
 
@@ -304,28 +312,19 @@ def ack_batch(
     return AckResult(batch_id=batch_id, already_acked=stored)
 
 
-@router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED)
+@router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED, responses=COMMAND_ANSWERS)
 async def publish_weights(
-    run_id: RunId, body: WeightsPublish, manager: Manager, actor: Operator, response: Response
+    run_id: RunId,
+    body: WeightsPublish,
+    request: Request,
+    manager: Manager,
+    actor: Operator,
+    response: Response,
 ) -> dict[str, Any]:
-    handle = live_handle(manager, run_id)
-    if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
-        raise HTTPException(422, f"path: {body.path!r} is not a directory on the server")
-    path = body.path
-    if body.sentinel:
-        if (problem := handle.sentinel_problem()) is not None:
-            raise HTTPException(422, f"sentinel: {problem}")
-        if handle.runtime is not None and body.version <= handle.runtime.version:
-            raise HTTPException(422, f"version: {body.version} is not newer than the published version "
-                                     f"{handle.runtime.version}")  # fmt: skip
-        path = await asyncio.to_thread(handle.sentinel_weights, body.version)
-    try:
-        rollout, seq = await _on_run(handle, handle.publish_marked, body.version, path, actor)
-    except ValueError as exc:
-        raise HTTPException(422, f"version: {str(exc).removeprefix('version ')}") from None
-    await handle.stored(seq, f"version {body.version} published")  # answered once it is in the store
+    command = ("publish", body.model_dump(mode="json"), actor)
+    rollout = await _command(request, manager, run_id, command, lambda h: commands.publish(h, body, actor))
     response.headers["Location"] = f"/api/runs/{run_id}/rollouts/{body.version}"
-    return dict(rollout)
+    return rollout
 
 
 @router.get("/{run_id}/rollouts/{version}")
@@ -349,40 +348,43 @@ async def get_rollout(
     return stored
 
 
-@router.patch("/{run_id}/policy")
+@router.patch("/{run_id}/policy", responses=COMMAND_ANSWERS)
 async def patch_policy(
-    run_id: RunId, patch: Annotated[PolicyPatch, Body()], manager: Manager, actor: Operator
+    run_id: RunId, patch: Annotated[PolicyPatch, Body()], request: Request, manager: Manager, actor: Operator
 ) -> dict[str, Any]:
-    handle = live_handle(manager, run_id)
-    if (problem := handle.patch_problem(patch)) is not None:
-        raise HTTPException(422, problem)
-    knobs, seq = await _on_run(handle, handle.set_policy_marked, patch, actor)
-    await handle.stored(seq, "policy changed")  # answered once the changes are in the store
-    return {"id": run_id, "policy": knobs, "actor": actor}
+    """Answered once the changes are in the store, so a crash right after still resumes with them."""
+    command = ("policy", patch.model_dump(mode="json", exclude_none=True), actor)
+    return await _command(request, manager, run_id, command, lambda h: commands.set_policy(h, patch, actor))
 
 
-@router.post("/{run_id}/engines/{engine}/drain")
+@router.post("/{run_id}/engines/{engine}/drain", responses=COMMAND_ANSWERS)
 async def drain_engine(
-    run_id: RunId, engine: Annotated[str, PathParam(max_length=64)], manager: Manager, actor: Operator
+    run_id: RunId,
+    engine: Annotated[str, PathParam(max_length=64)],
+    request: Request,
+    manager: Manager,
+    actor: Operator,
 ) -> dict[str, Any]:
     """Take an engine out of rotation: no new turns or updates; its turns in flight finish."""
-    handle = live_handle(manager, run_id)
-    try:
-        return dict(await _on_run(handle, handle.drain_engine, engine, actor))
-    except KeyError:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no engine {engine!r}") from None
+    command = ("drain", {"engine": engine}, actor)
+    return await _command(
+        request, manager, run_id, command, lambda h: commands.rotate(h, engine, False, actor)
+    )
 
 
-@router.post("/{run_id}/engines/{engine}/serve")
+@router.post("/{run_id}/engines/{engine}/serve", responses=COMMAND_ANSWERS)
 async def serve_engine(
-    run_id: RunId, engine: Annotated[str, PathParam(max_length=64)], manager: Manager, actor: Operator
+    run_id: RunId,
+    engine: Annotated[str, PathParam(max_length=64)],
+    request: Request,
+    manager: Manager,
+    actor: Operator,
 ) -> dict[str, Any]:
     """Put a drained engine back into rotation (it is brought to the newest version first)."""
-    handle = live_handle(manager, run_id)
-    try:
-        return dict(await _on_run(handle, handle.serve_engine, engine, actor))
-    except KeyError:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no engine {engine!r}") from None
+    command = ("serve", {"engine": engine}, actor)
+    return await _command(
+        request, manager, run_id, command, lambda h: commands.rotate(h, engine, True, actor)
+    )
 
 
 @router.get("/{run_id}/timeline")

@@ -5,13 +5,17 @@ start, or resumed (a redelivered task after a worker died: the groups its predec
 discarded as `orphaned`, see app.service.manager). The worker's task holds the run's lease meanwhile,
 so no two processes drive one run. An operator's stop (`POST /api/runs/{id}/stop` to any `corral serve`)
 reaches it as a key in the result backend's Redis (`app.lanes.celery.run_stop_key`), looked for every
-`STOP_CHECK_S`: the run is stopped as one executing in the API server would be.
+`STOP_CHECK_S`: the run is stopped as one executing in the API server would be. The operator's other
+commands (pause, resume, weights, policy, engines) come through the run's command channel
+(app.service.channel), taken as they come and answered as the API server answers for a run of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import redis
@@ -19,6 +23,8 @@ import redis
 from app.lanes.celery import broker_urls, run_stop_key
 from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
 from app.metrics import CorralMetrics
+from app.service.channel import RunInbox, expired
+from app.service.commands import apply
 from app.service.compose import manager_for, store_for
 from app.service.handle import RunHandle, RunNotLiveError
 from app.settings import Settings
@@ -39,37 +45,70 @@ def run_orchestrator(run_id: str, settings: Settings) -> dict[str, Any]:
             return {"run_id": run_id, "state": record.state, "batches": None}  # a redelivery after its end
         manager = manager_for(settings, store, CorralMetrics())
         handle = manager.adopt(run_id)
-        _join_unless_stopped(handle, settings)
+        _join_serving_commands(handle, settings)
         manager.shutdown()
         return {"run_id": run_id, "state": handle.state.value, "batches": handle.recorder.view.batches}
     finally:
         store.close()
 
 
-def _join_unless_stopped(handle: RunHandle, settings: Settings) -> None:
-    """Wait for the run's end, stopping it once an operator asks (`run_stop_key`; with no broker, as
-    when this is called outside a worker, nobody can ask)."""
+def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
+    """Wait for the run's end, carrying out an operator's commands meanwhile: a stop once asked
+    (`run_stop_key`), and the commands of the run's channel (app.service.channel) one at a time, each as
+    `corral serve` would carry it out on a run of its own (`app.service.commands.apply`). With no
+    broker, as when this is called outside a worker, nobody can ask."""
     if settings.broker_url is None:
         handle.join()
         return
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
-    client = redis_client(backend, COMMAND_TIMEOUT_S)
+    # its answers include the inbox's blocking pop of up to STOP_CHECK_S
+    client = redis_client(backend, STOP_CHECK_S + COMMAND_TIMEOUT_S)
+    inbox = RunInbox(client, handle.run_id)
     asked = False
     try:
-        while not handle.join(STOP_CHECK_S):
-            if asked:
-                continue
+        while not handle.join(0):
             try:
-                actor = client.get(run_stop_key(handle.run_id))
+                asked = asked or _stop_if_asked(client, handle)
+                command = inbox.take(STOP_CHECK_S)
+                if command is not None:
+                    _carry_out(inbox, handle, command)
             except redis.RedisError as exc:  # fault tolerance: the run goes on; asked again next check
-                log.warning("run %s: could not look for a stop request: %r", handle.run_id, exc)
-                continue
-            if actor is None:
-                continue
-            who = actor.decode(errors="replace") if isinstance(actor, bytes) else str(actor)
-            log.warning("run %s: stopped by %s", handle.run_id, who)
-            asked = True
-            with contextlib.suppress(RunNotLiveError):  # it ended meanwhile
-                handle.submit(handle.stop)
+                log.warning("run %s: could not look for an operator's commands: %r", handle.run_id, exc)
+                handle.join(STOP_CHECK_S)
+        try:  # those sent as it ended are answered as an ended run's: "has ended (<state>)"
+            for command in inbox.left():
+                _carry_out(inbox, handle, command)
+        except redis.RedisError as exc:  # their senders' waits end in a 504
+            log.warning("run %s: could not answer the commands left at its end: %r", handle.run_id, exc)
     finally:
         client.close()
+
+
+def _stop_if_asked(client: redis.Redis, handle: RunHandle) -> bool:
+    """Stop the run if an operator asked (`run_stop_key`); whether one did."""
+    actor = client.get(run_stop_key(handle.run_id))
+    if actor is None:
+        return False
+    who = actor.decode(errors="replace") if isinstance(actor, bytes) else str(actor)
+    log.warning("run %s: stopped by %s", handle.run_id, who)
+    with contextlib.suppress(RunNotLiveError):  # it ended meanwhile
+        handle.submit(handle.stop)
+    return True
+
+
+def _carry_out(inbox: RunInbox, handle: RunHandle, command: dict[str, Any]) -> None:
+    if expired(command, time.time()):
+        log.warning("run %s: %s from %s not carried out: its sender stopped waiting",
+                    handle.run_id, command.get("op"), command.get("actor"))  # fmt: skip
+        return
+    op, actor = str(command.get("op")), str(command.get("actor") or "operator")
+    given = command.get("args")
+    args = given if isinstance(given, dict) else {}
+    try:
+        status, body = asyncio.run(apply(handle, op, args, actor))
+    except Exception as exc:  # fault tolerance: this thread watches for the run's stop; it must go on
+        log.exception("run %s: %s from %s failed", handle.run_id, op, actor)
+        status, body = 500, {"detail": f"run {handle.run_id}'s orchestrator worker failed to carry out the "
+                                       f"{op}: {type(exc).__name__}: {exc}"}  # fmt: skip
+    log.info("run %s: %s from %s answered %d", handle.run_id, op, actor, status)
+    inbox.answer(command, status, body)

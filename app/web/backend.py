@@ -20,7 +20,13 @@ MAX_REPORT_BYTES = 64 * 1024 * 1024
 
 
 class ActionRefused(Exception):
-    """An action that cannot be done on this run (a replay, an ended run); the message says why."""
+    """An action that cannot be done on this run (a replay, an ended run); the message says why.
+    `status`: 409, or 503/504 for a run whose orchestrator worker could not be reached or did not
+    answer in time."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RunsBackend(Protocol):

@@ -13,10 +13,13 @@ to `RunsBackend`.
   CPU set and configured slots as the run starts executing in this server (`described_lanes`), and a
   run not executing here (ended before a restart) shows what was stored ("not recorded" where
   nothing was: a run executed by a worker).
-- Actions call the handle's commands on the run's loop (`handle.call`), as the API does; refusals
-  (`RunNotLiveError`, `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError`
-  with the handle's message. A policy change answers once the event sink has stored it (the sink
-  writes the run's policy, in the order the changes were made; nothing here writes it).
+- Actions go through app.service.commands, as the API's do: on the run's loop (`handle.call`) when it
+  executes here, through the command channel to its orchestrator worker (app.service.channel) when a
+  celery worker drives it, which carries them out with the same code. Refusals (`RunNotLiveError`,
+  `IllegalRunStateError`, a bad value) come back as `ActionRefused`/`ValueError` with the run's
+  message; a worker not reached or not answering in time as `ActionRefused` with its 503/504. A policy
+  change answers once the event sink has stored it (the sink writes the run's policy, in the order the
+  changes were made; nothing here writes it).
 
 Views are cached per (run, last sequence number, live snapshot) for `VIEW_TTL_S`, so many open pages
 cost one build; a run not executing here is re-read from the store at most every `IDLE_REFETCH_S`.
@@ -28,7 +31,7 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +83,7 @@ class ManagerRuns:
         launch_defaults: Mapping[str, Any] | None = None,
         catch_up_s: float = CATCH_UP_S,
         fetch_limit: int = FETCH_LIMIT,
+        channel: Any = None,
     ) -> None:
         self._get_manager = get_manager
         self.catch_up_s = catch_up_s
@@ -90,6 +94,7 @@ class ManagerRuns:
         self._figures: dict[str, tuple[float, str, TrainerFigures]] = {}
         self.launch_defaults = dict(launch_defaults or {"kind": "sim", "trainer": "sentinel"})
         self._placeholders: dict[str, str] | None = None
+        self.channel = channel  # to the orchestrator workers of celery runs (app.service.channel)
 
     @property
     def manager(self) -> Any:
@@ -314,13 +319,40 @@ class ManagerRuns:
             raise ActionRefused(f"run {run_id} is not executing in this server")
         return handle
 
-    async def _call(self, handle: Any, fn: Callable[..., Any], *args: Any) -> Any:
-        from app.service.handle import IllegalRunStateError, RunNotLiveError
+    async def _command(
+        self,
+        run_id: str,
+        command: tuple[str, dict[str, Any], str],
+        here: Callable[[Any], Awaitable[Any]],
+        starting_ok: bool = False,
+    ) -> None:
+        """`here` on the run's handle when it executes in this server; the same `command` (its name,
+        JSON arguments and actor) sent to its orchestrator worker when a celery worker drives it. Its
+        refusals as the dashboard answers them: 409 `ActionRefused`, 404 and 422 `ValueError`, 503 and
+        504 (the worker not reached, or not answering) `ActionRefused` with that status."""
+        from app.service.channel import command_elsewhere
+        from app.service.commands import CommandRefused
 
         try:
-            return await handle.call(fn, *args)
-        except (RunNotLiveError, IllegalRunStateError) as exc:
-            raise ActionRefused(str(exc)) from None
+            record = await self._elsewhere(run_id)
+            if record is not None:
+                await asyncio.to_thread(command_elsewhere, self.channel, self.manager.store, record, *command)
+            else:
+                await here(self._handle(run_id, starting_ok))
+        except CommandRefused as exc:
+            if exc.status in (404, 422):
+                raise ValueError(exc.detail) from None
+            raise ActionRefused(exc.detail, exc.status) from None
+
+    async def _elsewhere(self, run_id: str) -> Any:
+        """The stored run, when an orchestrator worker drives it (or will: still queued) and this server
+        can reach it (a broker is set); else None."""
+        from app.service.channel import driven_elsewhere
+
+        if self.channel is None or self.manager.get(run_id) is not None:
+            return None
+        record = await asyncio.to_thread(self.manager.store.get_run, run_id)
+        return record if driven_elsewhere(record) else None
 
     async def launch(self, form: Mapping[str, str], actor: str) -> str:
         from pydantic import ValidationError
@@ -369,51 +401,54 @@ class ManagerRuns:
         return self._placeholders
 
     async def publish(self, run_id: str, actor: str) -> None:
-        handle = self._handle(run_id)
+        from app.service import commands
 
-        def next_version() -> int:
-            return int(handle.runtime.version) + 1
-
-        version = await self._call(handle, next_version)
-        # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
-        # local run's) need its files; without a path they refuse the update.
-        path = await asyncio.to_thread(handle.sentinel_weights, version)
-        _, seq = await self._call(handle, handle.publish_marked, version, path, actor)
-        await handle.stored(seq, f"version {version} published")
+        await self._command(run_id, ("publish_next", {}, actor), lambda h: commands.publish_next(h, actor))
 
     async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
         from pydantic import ValidationError
 
+        from app.service import commands
         from app.service.schemas import PolicyPatch
 
-        handle = self._handle(run_id)
         try:
             patch = PolicyPatch(**changes)
         except ValidationError as exc:
             raise ValueError(problems(exc)) from None
-        if (problem := handle.patch_problem(patch)) is not None:
-            raise ValueError(problem)
-        _, seq = await self._call(handle, handle.set_policy_marked, patch, actor)
-        await handle.stored(seq, "policy changed")  # answered once the changes are in the store
+        command = ("policy", patch.model_dump(mode="json", exclude_none=True), actor)
+        await self._command(run_id, command, lambda h: commands.set_policy(h, patch, actor))
 
     async def pause(self, run_id: str, actor: str) -> None:
-        handle = self._handle(run_id)
-        await self._call(handle, handle.pause)
+        from app.service import commands
+
+        await self._command(run_id, ("pause", {}, actor), lambda h: commands.act(h, "pause", actor))
 
     async def resume(self, run_id: str, actor: str) -> None:
-        handle = self._handle(run_id)
-        await self._call(handle, handle.resume)
+        from app.service import commands
+
+        await self._command(run_id, ("resume", {}, actor), lambda h: commands.act(h, "resume", actor))
 
     async def stop(self, run_id: str, actor: str) -> None:
-        handle = self._handle(run_id, starting_ok=True)
-        await self._call(handle, handle.stop)
+        from app.service.commands import CommandRefused, on_run
+
+        record = await self._elsewhere(run_id)
+        if record is None:
+            handle = self._handle(run_id, starting_ok=True)
+            try:
+                await on_run(handle, handle.stop)
+            except CommandRefused as exc:
+                raise ActionRefused(exc.detail) from None
+        elif record.state != "stopping":  # a second stop asks for what is under way
+            try:
+                await asyncio.to_thread(self.channel.stop, run_id, actor)
+            except CommandRefused as exc:
+                raise ActionRefused(exc.detail, exc.status) from None
 
     async def rotate(self, run_id: str, engine: str, into: bool, actor: str) -> None:
-        handle = self._handle(run_id)
-        try:
-            await self._call(handle, handle.serve_engine if into else handle.drain_engine, engine, actor)
-        except KeyError:
-            raise ValueError(f"the run has no engine {engine!r}") from None
+        from app.service import commands
+
+        command = ("serve" if into else "drain", {"engine": engine}, actor)
+        await self._command(run_id, command, lambda h: commands.rotate(h, engine, into, actor))
 
 
 def catch_up_note(last_seq: int, newest: int) -> str:

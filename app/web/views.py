@@ -486,7 +486,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         try:
             message = await do(backend, form)
         except ActionRefused as exc:
-            message, status = f"refused: {exc}", 409
+            message, status = (f"refused: {exc}" if exc.status == 409 else str(exc)), exc.status
         except ValueError as exc:
             message, status = str(exc), 422
         if not _is_htmx(request):
@@ -643,12 +643,13 @@ async def _changes(
             await stopping.wait()
 
 
-def dashboard_for(settings: Any, get_manager: Callable[[], Any]) -> Dashboard:
-    """The dashboard of `corral serve`: the settings' tokens, live runs from the run manager."""
+def dashboard_for(settings: Any, get_manager: Callable[[], Any], channel: Any = None) -> Dashboard:
+    """The dashboard of `corral serve`: the settings' tokens, live runs from the run manager, and the
+    celery runs' orchestrator workers reached through `channel` (app.service.channel; None: no broker)."""
     from app.web.live import ManagerRuns
 
     access = AccessConfig(settings.operator_token, settings.view_token)
-    return Dashboard(access, live=ManagerRuns(get_manager))
+    return Dashboard(access, live=ManagerRuns(get_manager, channel=channel))
 
 
 def mount_dashboard(app: FastAPI, dash: Dashboard) -> None:

@@ -7,7 +7,10 @@ last, another directory's in a whole-suite run.)
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +47,40 @@ def serve_env(
         "CORRAL_PORT": str(port),
         "CORRAL_DATA_DIR": str(tmp_path / "data"),
     }
+
+
+def worker_env(tmp_path: Path, database_url: str, redis_url: str) -> dict[str, str]:
+    """The environment of a `corral worker --orchestrator` on `database_url`, with `redis_url` as its
+    broker and result backend and its data under `tmp_path`."""
+    return {
+        **os.environ,
+        "CORRAL_BROKER_URL": redis_url,
+        "CORRAL_RESULT_BACKEND": redis_url,
+        "CORRAL_DATABASE_URL": database_url,
+        "CORRAL_DATA_DIR": str(tmp_path / "worker-data"),
+    }
+
+
+@contextmanager
+def orchestrator_worker(env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real `corral worker --orchestrator` with `env`, its output in `log_path`, for the block's
+    duration; then stopped through its own session (SIGTERM, SIGKILL after 30 s), pool processes too."""
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
+             "--loglevel", "warning"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield worker
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
 
 
 def make_settings(tmp_path: Path, database_url: str, **overrides: Any) -> Settings:

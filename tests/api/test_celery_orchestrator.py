@@ -4,15 +4,11 @@ database."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from api_support import TOKEN, make_run, make_settings, serving, wait_for
+from api_support import TOKEN, make_run, make_settings, orchestrator_worker, serving, wait_for, worker_env
 from factories import redis_answers
 
 from app.service.store import ServiceStore
@@ -24,48 +20,29 @@ def test_a_celery_orchestrated_run_completes_and_is_accounted(tmp_path: Path) ->
     if not redis_answers():
         pytest.skip("no Redis answering on 127.0.0.1:6379")
     db = f"sqlite:///{tmp_path / 'corral.db'}"
-    env = {
-        **os.environ,
-        "CORRAL_BROKER_URL": REDIS_URL,
-        "CORRAL_RESULT_BACKEND": REDIS_URL,
-        "CORRAL_DATABASE_URL": db,
-        "CORRAL_DATA_DIR": str(tmp_path / "worker-data"),
-    }
-    log = (tmp_path / "worker.log").open("wb")
-    worker = subprocess.Popen(
-        [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
-         "--loglevel", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        with serving(make_settings(tmp_path, db, broker_url=REDIS_URL)) as url:
-            api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-            spec = make_run(batches=2, trainer="sentinel", sentinel_step_s=0, orchestrator="celery")
-            created = api.post("/api/runs", json=spec)
-            assert created.status_code == 201, created.text
-            run_id = created.json()["id"]
-            assert created.json()["live"] is None  # not executing in the API server
-            wait_for(
-                lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed",
-                120,
-                what=f"the worker to complete the run; log {tmp_path / 'worker.log'}",
-            )
-            groups = api.get(f"/api/runs/{run_id}").json()["groups"]  # from the store's projection
-            assert groups["open"] == 0
-            assert groups["delivered"] == 4
-            external = api.post("/api/runs", json=make_run(orchestrator="celery"))
-            assert external.status_code == 422
-            assert "sentinel trainer only" in external.json()["detail"]
-            api.close()
-    finally:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)  # the worker's own session, pool processes included
-            worker.wait()
-        log.close()
+    settings = make_settings(tmp_path, db, broker_url=REDIS_URL)
+    with (
+        orchestrator_worker(worker_env(tmp_path, db, REDIS_URL), tmp_path / "worker.log"),
+        serving(settings) as url,
+    ):
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        spec = make_run(batches=2, trainer="sentinel", sentinel_step_s=0, orchestrator="celery")
+        created = api.post("/api/runs", json=spec)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        assert created.json()["live"] is None  # not executing in the API server
+        wait_for(
+            lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed",
+            120,
+            what=f"the worker to complete the run; log {tmp_path / 'worker.log'}",
+        )
+        groups = api.get(f"/api/runs/{run_id}").json()["groups"]  # from the store's projection
+        assert groups["open"] == 0
+        assert groups["delivered"] == 4
+        external = api.post("/api/runs", json=make_run(orchestrator="celery"))
+        assert external.status_code == 422
+        assert "sentinel trainer only" in external.json()["detail"]
+        api.close()
     store = ServiceStore(db, migrate=False)
     try:
         ledger, _ = store.ledger(run_id)

@@ -7,15 +7,11 @@ queue's name is fixed: no other test's worker may take the run)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, serve_env, wait_for
+from api_support import TOKEN, free_port, make_run, orchestrator_worker, serve_env, wait_for
 from factories import redis_answers
 from test_serve_restart import corral_serve
 
@@ -33,50 +29,35 @@ def test_a_run_an_orchestrator_worker_drives_is_stopped_through_the_api(tmp_path
         "CORRAL_RESULT_BACKEND": REDIS_URL,
         "CORRAL_LANE_HOSTS": f"h-{port}",
     }
-    with (tmp_path / "worker.log").open("wb") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
-             "--loglevel", "warning"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
     serve_log = tmp_path / "serve.log"
-    try:
-        with corral_serve(env, serve_log):
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: _answers(url), 120, what=f"corral serve to answer; log {serve_log}")
-            api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-            spec = make_run(speed=1.0, trainer="sentinel", orchestrator="celery")
-            del spec["batches"]  # it goes on until stopped
-            run_id = api.post("/api/runs", json=spec).json()["id"]
-            wait_for(
-                lambda: api.get(f"/api/runs/{run_id}").json()["groups"]["admitted"] > 0,
-                120,
-                what=f"the worker to drive the run; log {tmp_path / 'worker.log'}",
-            )
+    with orchestrator_worker(env, tmp_path / "worker.log"), corral_serve(env, serve_log):
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(url), 120, what=f"corral serve to answer; log {serve_log}")
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        spec = make_run(speed=1.0, trainer="sentinel", orchestrator="celery")
+        del spec["batches"]  # it goes on until stopped
+        run_id = api.post("/api/runs", json=spec).json()["id"]
+        wait_for(
+            lambda: api.get(f"/api/runs/{run_id}").json()["groups"]["admitted"] > 0,
+            120,
+            what=f"the worker to drive the run; log {tmp_path / 'worker.log'}",
+        )
 
-            stop = api.post(f"/api/runs/{run_id}/stop")
-            assert stop.status_code == 202, stop.text
-            said = {"id": run_id, "state": "running", "actor": "operator", "already_stopped": False}
-            assert stop.json() == said
-            wait_for(
-                lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped",
-                60,
-                what=f"the worker to stop the run; log {tmp_path / 'worker.log'}",
-            )
-            groups = api.get(f"/api/runs/{run_id}").json()["groups"]
-            assert groups["open"] == 0
-            again = api.post(f"/api/runs/{run_id}/stop")
-            assert again.status_code == 200, again.text
-            assert again.json()["already_stopped"] is True
-            api.close()
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        stop = api.post(f"/api/runs/{run_id}/stop")
+        assert stop.status_code == 202, stop.text
+        said = {"id": run_id, "state": "running", "actor": "operator", "already_stopped": False}
+        assert stop.json() == said
+        wait_for(
+            lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped",
+            60,
+            what=f"the worker to stop the run; log {tmp_path / 'worker.log'}",
+        )
+        groups = api.get(f"/api/runs/{run_id}").json()["groups"]
+        assert groups["open"] == 0
+        again = api.post(f"/api/runs/{run_id}/stop")
+        assert again.status_code == 200, again.text
+        assert again.json()["already_stopped"] is True
+        api.close()
 
 
 def _answers(url: str) -> bool:

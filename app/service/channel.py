@@ -1,0 +1,217 @@
+"""The command channel between `corral serve` and the orchestrator worker of a celery-orchestrated run,
+through the result backend's Redis (where the run's lease and its stop key live).
+
+- A command is a JSON object `{id, op, args, actor, deadline}` pushed onto the run's list
+  `corral:commands:<run id>`; the worker driving the run takes it (`RunInbox.take`, on the worker's
+  watcher thread), carries it out on the run's loop through app.service.commands (the code path of a
+  run executing in `corral serve`) and pushes its answer `{status, body}` onto `corral:reply:<id>`,
+  kept `REPLY_TTL_S`.
+- The API waits for the answer at most `timeout_s` (`CORRAL_COMMAND_TIMEOUT_S`). Unanswered, it takes
+  the command back from the list: one still there was never taken, so nothing was done (504, saying
+  so); one taken and not answered in time may still be carried out (504, saying that). A worker never
+  carries out a command past its deadline (the API that sent it may have died before taking it back).
+- Redis not answering is a 503 with words, never a traceback.
+- Stop keeps its own key (`app.lanes.celery.run_stop_key`): it must reach a run still queued, which
+  no worker drives yet, and it is kept a week for that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+import redis
+
+from app.service.commands import CommandRefused
+from app.service.manager import ENDED_STATES
+from app.service.schemas import OrchestratorKind
+from app.service.store import RunRecord, ServiceStore
+from app.store.models import RunState
+
+log = logging.getLogger(__name__)
+
+REPLY_TTL_S = 300  # an answer nobody took (its API gave up) goes after this
+COMMANDS_TTL_S = 3600  # a run's list of commands, after its last push: none outlives its deadline anyway
+CONNECT_TIMEOUT_S = 2.0
+RETRY_AFTER_S = "5"
+
+
+def commands_key(run_id: str) -> str:
+    return f"corral:commands:{run_id}"
+
+
+def reply_key(command_id: str) -> str:
+    return f"corral:reply:{command_id}"
+
+
+class RunChannel:
+    """The API's side: `ask` sends a command to the worker driving a run and waits for its answer;
+    `stop` asks for its stop (`app.lanes.celery.request_run_stop`). Blocking: call them in a thread."""
+
+    def __init__(self, result_backend: str, timeout_s: float) -> None:
+        self.result_backend = result_backend
+        self.timeout_s = timeout_s
+
+    def ask(self, run_id: str, op: str, args: Mapping[str, Any], actor: str) -> dict[str, Any]:
+        """The worker's answer's body (a 200); `CommandRefused` with its status and words otherwise: the
+        run's refusal (404, 409, 422), 504 for no answer in time, 503 for a result backend that does
+        not answer."""
+        command_id = uuid.uuid4().hex
+        deadline = time.time() + self.timeout_s
+        command = json.dumps(
+            {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
+        )
+        key = commands_key(run_id)
+        client = redis.Redis.from_url(
+            self.result_backend,
+            socket_timeout=self.timeout_s + CONNECT_TIMEOUT_S,  # past the BLPOP's own wait
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+        )
+        try:
+            with client.pipeline() as pipe:
+                pipe.rpush(key, command)
+                pipe.expire(key, COMMANDS_TTL_S)
+                pipe.execute()
+            got = client.blpop([reply_key(command_id)], timeout=self.timeout_s)
+            if got is None:
+                taken = client.lrem(key, 1, command) == 0
+                raise CommandRefused(504, self._unanswered(run_id, op, taken))
+        except redis.RedisError as exc:
+            raise CommandRefused(
+                503,
+                f"the {op} could not be sent to run {run_id!r}'s orchestrator worker: the result backend "
+                f"did not answer ({type(exc).__name__}); try again in a few seconds",
+            ) from None
+        finally:
+            client.close()
+        reply = json.loads(got[1])
+        status, body = int(reply["status"]), reply["body"]
+        if status != 200:
+            raise CommandRefused(status, str(body.get("detail", body)))
+        return dict(body)
+
+    def _unanswered(self, run_id: str, op: str, taken: bool) -> str:
+        waited = f"{self.timeout_s:g} s"
+        if taken:
+            return (
+                f"run {run_id!r}'s orchestrator worker took the {op} but did not answer within {waited}; "
+                f"it may still carry it out: see GET /api/runs/{run_id}"
+            )
+        return (
+            f"no orchestrator worker took the {op} for run {run_id!r} within {waited}, so nothing was "
+            "done: is the worker driving it alive (GET /healthz, `orchestrator`)? Try again"
+        )
+
+    def stop(self, run_id: str, actor: str) -> None:
+        """Ask for the run's stop; `CommandRefused` (503) when the result backend does not answer."""
+        from app.lanes.celery import request_run_stop
+
+        try:
+            request_run_stop(self.result_backend, run_id, actor)
+        except redis.RedisError as exc:
+            raise CommandRefused(
+                503,
+                f"the stop could not be sent to run {run_id!r}'s orchestrator worker: the result backend "
+                f"did not answer ({type(exc).__name__}); try again in a few seconds",
+            ) from None
+
+
+class RunInbox:
+    """The worker's side, for one run: `take` the next command, `answer` it."""
+
+    def __init__(self, client: redis.Redis, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def take(self, wait_s: float) -> dict[str, Any] | None:
+        """The next command, waiting at most `wait_s` for one; None when none came."""
+        got = self.client.blpop([commands_key(self.run_id)], timeout=wait_s)
+        return None if got is None else self._read(got[1])
+
+    def left(self) -> list[dict[str, Any]]:
+        """The commands still waiting, taken at once (the run has ended: they are answered so)."""
+        commands = []
+        while (raw := self.client.lpop(commands_key(self.run_id))) is not None:
+            if (command := self._read(raw)) is not None:
+                commands.append(command)
+        return commands
+
+    def _read(self, raw: Any) -> dict[str, Any] | None:
+        """A command as sent; None, logged, for one that cannot be read (its sender's wait ends in a
+        504)."""
+        try:
+            command = json.loads(raw)
+            if not isinstance(command, dict) or not isinstance(command.get("id"), str):
+                raise ValueError("not a command object with an id")
+        except ValueError as exc:
+            log.error("run %s: dropped a command that cannot be read (%s): %r", self.run_id, exc, raw[:200])
+            return None
+        return command
+
+    def answer(self, command: Mapping[str, Any], status: int, body: Mapping[str, Any]) -> None:
+        key = reply_key(str(command["id"]))
+        with self.client.pipeline() as pipe:
+            pipe.rpush(key, json.dumps({"status": status, "body": dict(body)}))
+            pipe.expire(key, REPLY_TTL_S)
+            pipe.execute()
+
+
+# The states each command needs, as the run's own refusal says (RunHandle._require); the others need it
+# running or paused
+NEEDS = {"pause": "running", "resume": "paused"}
+
+
+def driven_elsewhere(record: RunRecord | None) -> TypeGuard[RunRecord]:
+    """Whether the stored run is a celery run not ended: an orchestrator worker drives it, or will."""
+    return (
+        record is not None
+        and record.state not in ENDED_STATES
+        and record.config.get("orchestrator") == OrchestratorKind.CELERY.value
+    )
+
+
+def command_elsewhere(
+    channel: RunChannel, store: ServiceStore, record: RunRecord, op: str, args: Mapping[str, Any], actor: str
+) -> dict[str, Any]:
+    """`op` sent to the orchestrator worker of the stored run `record` (`driven_elsewhere`), its answer's
+    body; `CommandRefused` otherwise. A run still queued takes none, as one whose engines are starting
+    in `corral serve` refuses all but a stop; one that ended as the command waited answers as an ended
+    run. Blocking: call it in a thread."""
+    run_id = record.id
+    if record.state == RunState.CREATED.value:
+        raise CommandRefused(
+            409,
+            f"run {run_id} is created (waiting for an orchestrator worker to take it); this needs it "
+            f"{NEEDS.get(op, 'running or paused')}",
+        )
+    try:
+        return channel.ask(run_id, op, args, actor)
+    except CommandRefused as exc:
+        if exc.status != 504:
+            raise
+        now = store.get_run(run_id)
+        if now is None or now.state not in ENDED_STATES:
+            raise
+        raise CommandRefused(409, f"run {run_id!r} has ended ({now.state})") from None
+
+
+def expired(command: Mapping[str, Any], now: float) -> bool:
+    """Past its deadline: its sender has stopped waiting (and answered 504), so it is not carried out."""
+    deadline = command.get("deadline")
+    return isinstance(deadline, int | float) and now > deadline
+
+
+__all__ = [
+    "CommandRefused",
+    "RunChannel",
+    "RunInbox",
+    "command_elsewhere",
+    "commands_key",
+    "driven_elsewhere",
+    "expired",
+    "reply_key",
+]

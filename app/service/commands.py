@@ -1,0 +1,138 @@
+"""An operator's commands on a live run (pause, resume, publish, policy, drain and serve an engine): one
+code path wherever the run executes. The API's routes and the dashboard call these on a run executing
+in their process; an orchestrator worker calls `apply` on the run it drives, with a command that came
+through the command channel (app.service.channel), so a celery-orchestrated run answers as one
+executing in `corral serve` would.
+
+Invariants:
+- every command runs on the run's loop through the handle's own commands (`RunHandle.call`); nothing
+  here touches the runtime;
+- a refusal is a `CommandRefused` carrying the API's answer: 404 (no such engine), 409 (the run's state
+  does not allow it, or it has ended), 422 (a value the run cannot take), with the words the API says;
+- a publication and a policy change answer once their events are in the store (`RunHandle.stored`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
+from app.service.schemas import PolicyPatch, WeightsPublish
+from app.validation import problems
+
+T = TypeVar("T")
+
+# The commands `apply` takes, by name; `args` is each one's JSON body
+COMMANDS = ("pause", "resume", "publish", "publish_next", "policy", "drain", "serve")
+
+
+class CommandRefused(Exception):
+    """A command the run did not carry out: `status` is the API's answer, `detail` its words."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+async def on_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the run's loop; its refusals (an ended run, a state that does not allow it) are
+    409s."""
+    try:
+        return await handle.call(fn, *args)
+    except (RunNotLiveError, IllegalRunStateError) as exc:
+        raise CommandRefused(409, str(exc)) from None
+
+
+async def act(handle: RunHandle, action: str, actor: str) -> dict[str, Any]:
+    """Pause or resume the run (`action`)."""
+    if action not in ("pause", "resume"):
+        raise ValueError(f"no action {action!r}")
+    await on_run(handle, getattr(handle, action))
+    return {"id": handle.run_id, "state": handle.state.value, "actor": actor}
+
+
+async def publish(handle: RunHandle, body: WeightsPublish, actor: str) -> dict[str, Any]:
+    """Start a rolling update to `body.version` (its weights in `body.path`, or a sentinel's written
+    where the run's engines read them); the rollout's progress."""
+    if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
+        raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
+    path = body.path
+    if body.sentinel:
+        if (problem := handle.sentinel_problem()) is not None:
+            raise CommandRefused(422, f"sentinel: {problem}")
+        if handle.runtime is not None and body.version <= handle.runtime.version:
+            raise CommandRefused(422, f"version: {body.version} is not newer than the published version "
+                                      f"{handle.runtime.version}")  # fmt: skip
+        path = await asyncio.to_thread(handle.sentinel_weights, body.version)
+    try:
+        rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor)
+    except ValueError as exc:
+        raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
+    await handle.stored(seq, f"version {body.version} published")
+    return dict(rollout)
+
+
+async def publish_next(handle: RunHandle, actor: str) -> dict[str, Any]:
+    """The dashboard's Publish: a sentinel version one above the published one."""
+
+    def next_version() -> int:
+        if handle.runtime is None:
+            raise RunNotLiveError(f"run {handle.run_id} has not started")
+        return handle.runtime.version + 1
+
+    version = await on_run(handle, next_version)
+    try:
+        # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
+        # local run's) need its files; without a path they refuse the update.
+        path = await asyncio.to_thread(handle.sentinel_weights, version)
+        rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor)
+    except ValueError as exc:
+        raise CommandRefused(422, str(exc)) from None
+    await handle.stored(seq, f"version {version} published")
+    return dict(rollout)
+
+
+async def set_policy(handle: RunHandle, patch: PolicyPatch, actor: str) -> dict[str, Any]:
+    """Change K, S, the rollout's pace or its pause mode live; answered once the changes are stored."""
+    if (problem := handle.patch_problem(patch)) is not None:
+        raise CommandRefused(422, problem)
+    knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor)
+    await handle.stored(seq, "policy changed")
+    return {"id": handle.run_id, "policy": knobs, "actor": actor}
+
+
+async def rotate(handle: RunHandle, engine: str, into: bool, actor: str) -> dict[str, Any]:
+    """Put `engine` back into rotation (`into`), or drain it."""
+    try:
+        return dict(await on_run(handle, handle.serve_engine if into else handle.drain_engine, engine, actor))
+    except KeyError:
+        raise CommandRefused(404, f"run {handle.run_id!r} has no engine {engine!r}") from None
+
+
+async def apply(
+    handle: RunHandle, op: str, args: Mapping[str, Any], actor: str
+) -> tuple[int, dict[str, Any]]:
+    """Carry out the command `op` with its JSON `args`: (200, the API's body), or (the refusal's status,
+    `{"detail": …}`)."""
+    try:
+        if op in ("pause", "resume"):
+            return 200, await act(handle, op, actor)
+        if op == "publish":
+            return 200, await publish(handle, WeightsPublish.model_validate(args), actor)
+        if op == "publish_next":
+            return 200, await publish_next(handle, actor)
+        if op == "policy":
+            return 200, await set_policy(handle, PolicyPatch.model_validate(args), actor)
+        if op in ("drain", "serve"):
+            return 200, await rotate(handle, str(args.get("engine", "")), op == "serve", actor)
+    except CommandRefused as exc:
+        return exc.status, {"detail": exc.detail}
+    except ValidationError as exc:
+        return 422, {"detail": problems(exc)}
+    return 422, {"detail": f"command: no command {op!r}; one of {', '.join(COMMANDS)}"}

@@ -1,0 +1,128 @@
+"""An operator's command to a celery-orchestrated run whose orchestrator worker does not answer, through
+the real API on the real Redis (no worker runs here: the run is a stored row in the state a worker
+would have left it in). Before, every such command was a 409 "not executing in this server"; now it
+goes through the run's command channel (app.service.channel) and, unanswered, ends in words:
+- never taken (no worker drives the run): 504, nothing done, and the command is taken back off the
+  run's list (no worker carries it out later);
+- taken and not answered in time: 504, saying it may still be carried out;
+- a run still queued: 409 at once, as a run whose engines are starting refuses;
+- the result backend down: 503 with Retry-After, and the dashboard says the same words."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from api_support import TOKEN, free_port, make_run, make_settings, serving
+from factories import redis_answers
+
+from app.service.channel import commands_key
+from app.service.schemas import RunCreate
+from app.service.store import ServiceStore
+from app.store.models import RunState
+
+REDIS_URL = "redis://127.0.0.1:6379/8"  # a database of its own: no orchestrator worker consumes it
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture
+def redis_db() -> Any:
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def stored_celery_run(db: str, state: RunState) -> str:
+    """A celery run's row as its worker leaves it (no worker runs: it stays so)."""
+    spec = RunCreate.model_validate(make_run(trainer="sentinel", orchestrator="celery"))
+    store = ServiceStore(db)
+    try:
+        run_id = f"r{state.value}"
+        store.create_run(run_id, spec.name, spec.stored(), {})
+        if state is not RunState.CREATED:
+            store.set_state(run_id, state)
+    finally:
+        store.close()
+    return run_id
+
+
+def api_client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+
+def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, redis_db: Any) -> None:
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    settings = make_settings(tmp_path, db, broker_url=REDIS_URL, command_timeout_s=TIMEOUT_S)
+    with serving(settings) as url, api_client(url) as api:
+        running = stored_celery_run(db, RunState.RUNNING)
+        answer = api.patch(f"/api/runs/{running}/policy", json={"max_staleness": 3})
+        assert answer.status_code == 504, answer.text
+        assert answer.json()["detail"] == (
+            f"no orchestrator worker took the policy for run {running!r} within 1 s, so nothing was done: "
+            "is the worker driving it alive (GET /healthz, `orchestrator`)? Try again"
+        )
+        assert redis_db.llen(commands_key(running)) == 0  # no worker carries it out later
+
+        # A worker that takes the command and does not answer (hung on its run's loop, say)
+        def take() -> None:
+            redis_db.blpop([commands_key(running)], timeout=30)
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        answer = api.post(f"/api/runs/{running}/pause")
+        taker.join()
+        assert answer.status_code == 504, answer.text
+        assert answer.json()["detail"] == (
+            f"run {running!r}'s orchestrator worker took the pause but did not answer within 1 s; it may "
+            f"still carry it out: see GET /api/runs/{running}"
+        )
+
+        queued = stored_celery_run(db, RunState.CREATED)
+        answer = api.post(f"/api/runs/{queued}/weights", json={"version": 2, "sentinel": True})
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["detail"] == (
+            f"run {queued} is created (waiting for an orchestrator worker to take it); this needs it "
+            "running or paused"
+        )
+        assert redis_db.llen(commands_key(queued)) == 0
+
+        # The dashboard's controls take the same way, and say the same
+        page = api.get(f"/runs/{running}")
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page.text)
+        assert token is not None, "the run page of a running celery run has no form"
+        answer = api.post(
+            f"/runs/{running}/policy",
+            data={"csrf_token": token.group(1), "max_staleness": "4"},
+            headers={"HX-Request": "true"},
+        )
+        assert answer.status_code == 504, answer.text
+        assert "no orchestrator worker took the policy" in answer.text
+
+
+def test_a_result_backend_that_does_not_answer_is_a_503(tmp_path: Path, redis_db: Any) -> None:
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    settings = make_settings(tmp_path, db, broker_url=REDIS_URL, result_backend=dead, command_timeout_s=5.0)
+    with serving(settings) as url, api_client(url) as api:
+        running = stored_celery_run(db, RunState.RUNNING)
+        for answer in (
+            api.post(f"/api/runs/{running}/engines/engine-0/drain"),
+            api.post(f"/api/runs/{running}/stop"),
+        ):
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["Retry-After"] == "5"
+            detail = json.loads(answer.text)["detail"]
+            assert (
+                f"could not be sent to run {running!r}'s orchestrator worker: the result backend " in detail
+            )
+            assert detail.endswith("try again in a few seconds")
