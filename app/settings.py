@@ -91,6 +91,13 @@ class Settings(BaseSettings):
         description="with a broker: how long the API waits for the orchestrator worker of a celery run to "
         "answer an operator's command (pause, resume, weights, policy, engines) before it answers 504",
     )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="with a broker: a celery run no orchestrator worker has taken this long after its "
+        "creation, while none is live, is ended as failed, saying so",
+    )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
     spill_dir: Path | None = Field(
         None,

@@ -53,6 +53,10 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_COMMAND_TIMEOUT_S", "nan", "finite number"),
         ("CORRAL_COMMAND_TIMEOUT_S", "0", "greater than 0"),
         ("CORRAL_COMMAND_TIMEOUT_S", "1e9", "less than or equal to 600"),
+        # How long a celery run no orchestrator worker takes waits before it is ended as failed
+        ("CORRAL_START_TIMEOUT_S", "inf", "finite number"),
+        ("CORRAL_START_TIMEOUT_S", "-1", "greater than 0"),
+        ("CORRAL_START_TIMEOUT_S", "1e9", "less than or equal to 604800"),
     ],
 )
 def test_a_bad_number_is_refused_in_one_line_naming_the_variable(

@@ -33,13 +33,14 @@ from typing import Any
 import redis
 from celery import Celery, Task, shared_task
 
+from app.lanes.celery import ORCHESTRATOR_LEASE_S, lease_key
 from app.lanes.redis_client import LEASE_TIMEOUT_S, RECLAIM_TIMEOUT_S, redis_client
 from app.settings import load_settings
 from workers.celery_app import ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0
+LEASE_S = ORCHESTRATOR_LEASE_S
 DEFAULT_ENTRY = "app.service.runner:run_orchestrator"
 
 _entry = DEFAULT_ENTRY
@@ -66,10 +67,6 @@ def _entry_point() -> Callable[[str, Any], Any]:
     module, _, function = _entry.partition(":")
     found: Callable[[str, Any], Any] = getattr(importlib.import_module(module), function)
     return found
-
-
-def lease_key(run_id: str) -> str:
-    return f"corral:orchestrator:{run_id}"
 
 
 class LeaseHeld(RuntimeError):

@@ -37,7 +37,9 @@ from app.metrics import CorralMetrics
 from app.service.channel import RunChannel
 from app.service.compose import manager_for, store_for
 from app.service.manager import DispatchError, RunManager
+from app.service.queued import StartTimeout
 from app.service.schemas import RunCreate
+from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
 from app.store.db import DatabaseHold, is_outage, outage_kind, outage_reason
 from app.web.views import dashboard_for, error_page, mount_dashboard
@@ -70,9 +72,14 @@ def create_app(
                 log.warning("resuming runs %s", ", ".join(resuming))
         if demo is not None and not manager.handles and not manager.resuming:
             app.state.demo_run = await asyncio.to_thread(manager.create, demo)
+        start_timeout = start_timeout_for(settings, store, app.state.queue_workers)
+        if start_timeout is not None:
+            start_timeout.start()
         try:
             yield
         finally:
+            if start_timeout is not None:
+                await asyncio.to_thread(start_timeout.stop)
             await asyncio.to_thread(manager.shutdown)
             store.close()
             if app.state.queue_workers is not None:
@@ -151,6 +158,21 @@ def run_channel(settings: Settings) -> RunChannel | None:
 
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
     return RunChannel(backend, settings.command_timeout_s)
+
+
+def start_timeout_for(
+    settings: Settings, store: ServiceStore, queue_workers: QueueWorkers | None
+) -> StartTimeout | None:
+    """The watch that ends the celery runs no orchestrator worker took (with a broker)."""
+    if settings.broker_url is None or queue_workers is None:
+        return None
+    import redis
+
+    from app.lanes.celery import broker_urls
+
+    _, backend = broker_urls(settings.broker_url, settings.result_backend)
+    leases = redis.Redis.from_url(backend, socket_timeout=5.0, socket_connect_timeout=5.0)
+    return StartTimeout(store, leases, lambda: queue_workers.count()[1], settings.start_timeout_s)
 
 
 LANE_CHECK_S = 5.0  # /healthz asks the workers at most this often

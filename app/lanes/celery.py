@@ -61,6 +61,15 @@ ORCHESTRATOR_TASK = "corral.run_orchestrator"
 RUN_STOP_TTL_S = 7 * 24 * 3600
 
 
+# The orchestrator task's lease of a run (workers.orchestrator.run_lease): its key and how long it lasts
+# unrenewed
+ORCHESTRATOR_LEASE_S = 30.0
+
+
+def lease_key(run_id: str) -> str:
+    return f"corral:orchestrator:{run_id}"
+
+
 def run_stop_key(run_id: str) -> str:
     return f"corral:stop:{run_id}"
 

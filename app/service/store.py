@@ -47,6 +47,7 @@ from app.store.repos import (
     LaneRepo,
     RolloutRepo,
     RunRepo,
+    as_utc,
 )
 from app.store.sink import UNFINISHED_STEP, SqlEventSink, close_rollouts
 
@@ -85,11 +86,18 @@ class RunRecord:
             state=run.state,
             config=dict(run.config or {}),
             policy=dict(run.policy or {}),
-            created_at=run.created_at.timestamp(),
-            started_at=run.started_at.timestamp() if run.started_at else None,
-            ended_at=run.ended_at.timestamp() if run.ended_at else None,
+            # as UTC: SQLite's naive datetimes read as local time were off by the zone's offset
+            created_at=_unix(run.created_at),
+            started_at=_unix(run.started_at) if run.started_at else None,
+            ended_at=_unix(run.ended_at) if run.ended_at else None,
             error=run.error,
         )
+
+
+def _unix(value: datetime) -> float:
+    utc = as_utc(value)
+    assert utc is not None
+    return utc.timestamp()
 
 
 # How long an offer or ack mark waits for its batch's row (the event sink writes it, maybe later)
@@ -194,6 +202,10 @@ class ServiceStore:
     def unfinished_runs(self) -> list[RunRecord]:
         with self.session() as s:
             return [RunRecord.of(r) for r in RunRepo(s).unfinished()]
+
+    def created_runs(self) -> list[RunRecord]:
+        with self.session() as s:
+            return [RunRecord.of(r) for r in RunRepo(s).created()]
 
     def close_ended_rollouts(self) -> list[str]:
         """Close the rollouts that outlived their ended run as `running` (a store written before the

@@ -134,6 +134,12 @@ class RunRepo:
         terminal = [s.value for s in TERMINAL_RUN_STATES] + [RunState.CREATED.value]
         return self.session.scalars(select(Run).where(Run.state.not_in(terminal)).order_by(Run.id)).all()
 
+    def created(self) -> Sequence[Run]:
+        """Runs stored and not started: a celery run no orchestrator worker has taken yet, say."""
+        return self.session.scalars(
+            select(Run).where(Run.state == RunState.CREATED.value).order_by(Run.id)
+        ).all()
+
     def set_state(
         self, run_id: str, state: RunState, error: str | None = None, at: datetime | None = None
     ) -> Run:

@@ -7,9 +7,11 @@ per backend per test session, `app.store.db.scratch_database`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+import redis
 from api_support import POSTGRES_URL, TOKEN, make_settings, serving
 
 from app.store.db import scratch_database
@@ -32,3 +34,18 @@ def server(tmp_path_factory: pytest.TempPathFactory, backend_url: str) -> Iterat
 def api(server: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
         yield client
+
+
+@pytest.fixture
+def redis_db(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A client of the test module's own Redis database (its `REDIS_URL`), empty before and after the
+    test; the test is skipped without a Redis."""
+    from factories import redis_answers
+
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    client = redis.Redis.from_url(request.module.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()

@@ -17,10 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-import redis
 from api_support import TOKEN, free_port, make_run, make_settings, serving
-from factories import redis_answers
 
 from app.service.channel import commands_key
 from app.service.schemas import RunCreate
@@ -29,17 +26,6 @@ from app.store.models import RunState
 
 REDIS_URL = "redis://127.0.0.1:6379/8"  # a database of its own: no orchestrator worker consumes it
 TIMEOUT_S = 1.0
-
-
-@pytest.fixture
-def redis_db() -> Any:
-    if not redis_answers():
-        pytest.skip("no Redis answering on 127.0.0.1:6379")
-    client = redis.Redis.from_url(REDIS_URL)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
 
 
 def stored_celery_run(db: str, state: RunState) -> str:
