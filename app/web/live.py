@@ -72,6 +72,7 @@ class _RunCache:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stored_cpus: dict[str, str] | None = None  # the lane CPU sets the store holds, once read
     behind: int | None = None  # while catching up with a long stream: the newest event there is to read
+    stored_state: str | None = None  # a run not executing here: its state as last read from the store
 
 
 class ManagerRuns:
@@ -169,9 +170,13 @@ class ManagerRuns:
             return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
         if (replay := self.manager.replay_progress(run_id)) is not None:  # the page follows the replay
             return hash(("resuming", entry.last_seq, repr(replay)))
-        if time.monotonic() - entry.fetched_at < IDLE_REFETCH_S:
-            return entry.last_seq
-        return self._fetch(run_id)
+        if time.monotonic() - entry.fetched_at >= IDLE_REFETCH_S:
+            self._fetch(run_id)
+            # A run a celery worker drives can change state with no event (a simulated run's pause):
+            # its page swaps Pause for Resume all the same
+            record = self.manager.store.get_run(run_id)
+            entry.stored_state = None if record is None else record.state
+        return hash((entry.last_seq, entry.stored_state))
 
     def _entry(self, run_id: str) -> _RunCache:
         with self._lock:

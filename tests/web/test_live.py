@@ -619,3 +619,22 @@ def test_views_of_runs_not_executing_here_are_let_go_past_a_bound(runs) -> None:
     assert len(kept) == KEEP_IDLE_VIEWS
     assert kept[-2:] == ["ended-0", "ended-new"]
     assert "ended-1" not in kept  # the least recently read went first
+
+
+def test_the_live_key_of_a_run_a_celery_worker_drives_follows_its_stored_state(tmp_path) -> None:
+    # Its worker pauses a simulated run with no event; the page's live stream re-renders on this key, so
+    # it went on offering Pause to a paused run.
+    from app.store.models import RunState
+
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}"), tmp_path / "data", 30.0)
+    try:
+        spec = RunCreate(name="elsewhere", kind="sim", trainer="sentinel", orchestrator="celery")
+        manager.store.create_run("elsewhere", spec.name, spec.stored(), {})
+        manager.store.set_state("elsewhere", RunState.RUNNING)
+        runs = ManagerRuns(lambda: manager)
+        running = runs.version("elsewhere")
+        manager.store.set_state("elsewhere", RunState.PAUSED)
+        wait_for(lambda: runs.version("elsewhere") != running)
+        assert runs.view("elsewhere").state == "paused"
+    finally:
+        manager.shutdown()
