@@ -99,7 +99,7 @@ async def _command(
             record = await run_in_threadpool(manager.store.get_run, run_id)
             if driven_elsewhere(record):
                 channel = request.app.state.channel
-                return await run_in_threadpool(command_elsewhere, channel, manager.store, record, *command)
+                return await command_elsewhere(channel, manager.store, record, *command)
         return await here(live_handle(manager, run_id))
     except CommandRefused as exc:
         headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None

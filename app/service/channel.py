@@ -17,6 +17,7 @@ through the result backend's Redis (where the run's lease and its stop key live)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 import redis
+import redis.asyncio
 
 from app.service.commands import CommandRefused
 from app.service.manager import ENDED_STATES
@@ -37,7 +39,6 @@ log = logging.getLogger(__name__)
 REPLY_TTL_S = 300  # an answer nobody took (its API gave up) goes after this
 COMMANDS_TTL_S = 3600  # a run's list of commands, after its last push: none outlives its deadline anyway
 CONNECT_TIMEOUT_S = 2.0
-RETRY_AFTER_S = "5"
 
 
 def commands_key(run_id: str) -> str:
@@ -49,14 +50,15 @@ def reply_key(command_id: str) -> str:
 
 
 class RunChannel:
-    """The API's side: `ask` sends a command to the worker driving a run and waits for its answer;
-    `stop` asks for its stop (`app.lanes.celery.request_run_stop`). Blocking: call them in a thread."""
+    """The API's side: `ask` sends a command to the worker driving a run and waits for its answer, on
+    the event loop (no thread is held while it waits); `stop` asks for its stop
+    (`app.lanes.celery.request_run_stop`; blocking, briefly: call it in a thread)."""
 
     def __init__(self, result_backend: str, timeout_s: float) -> None:
         self.result_backend = result_backend
         self.timeout_s = timeout_s
 
-    def ask(self, run_id: str, op: str, args: Mapping[str, Any], actor: str) -> dict[str, Any]:
+    async def ask(self, run_id: str, op: str, args: Mapping[str, Any], actor: str) -> dict[str, Any]:
         """The worker's answer's body (a 200); `CommandRefused` with its status and words otherwise: the
         run's refusal (404, 409, 422), 504 for no answer in time, 503 for a result backend that does
         not answer."""
@@ -66,19 +68,19 @@ class RunChannel:
             {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
         )
         key = commands_key(run_id)
-        client = redis.Redis.from_url(
+        client = redis.asyncio.Redis.from_url(
             self.result_backend,
             socket_timeout=self.timeout_s + CONNECT_TIMEOUT_S,  # past the BLPOP's own wait
             socket_connect_timeout=CONNECT_TIMEOUT_S,
         )
         try:
-            with client.pipeline() as pipe:
+            async with client.pipeline() as pipe:
                 pipe.rpush(key, command)
                 pipe.expire(key, COMMANDS_TTL_S)
-                pipe.execute()
-            got = client.blpop([reply_key(command_id)], timeout=self.timeout_s)
+                await pipe.execute()
+            got = await client.blpop([reply_key(command_id)], timeout=self.timeout_s)
             if got is None:
-                taken = client.lrem(key, 1, command) == 0
+                taken = await client.lrem(key, 1, command) == 0
                 raise CommandRefused(504, self._unanswered(run_id, op, taken))
         except redis.RedisError as exc:
             raise CommandRefused(
@@ -87,7 +89,7 @@ class RunChannel:
                 f"did not answer ({type(exc).__name__}); try again in a few seconds",
             ) from None
         finally:
-            client.close()
+            await client.aclose()
         reply = json.loads(got[1])
         status, body = int(reply["status"]), reply["body"]
         if status != 200:
@@ -174,13 +176,13 @@ def driven_elsewhere(record: RunRecord | None) -> TypeGuard[RunRecord]:
     )
 
 
-def command_elsewhere(
+async def command_elsewhere(
     channel: RunChannel, store: ServiceStore, record: RunRecord, op: str, args: Mapping[str, Any], actor: str
 ) -> dict[str, Any]:
     """`op` sent to the orchestrator worker of the stored run `record` (`driven_elsewhere`), its answer's
     body; `CommandRefused` otherwise. A run still queued takes none, as one whose engines are starting
     in `corral serve` refuses all but a stop; one that ended as the command waited answers as an ended
-    run. Blocking: call it in a thread."""
+    run."""
     run_id = record.id
     if record.state == RunState.CREATED.value:
         raise CommandRefused(
@@ -189,11 +191,11 @@ def command_elsewhere(
             f"{NEEDS.get(op, 'running or paused')}",
         )
     try:
-        return channel.ask(run_id, op, args, actor)
+        return await channel.ask(run_id, op, args, actor)
     except CommandRefused as exc:
         if exc.status != 504:
             raise
-        now = store.get_run(run_id)
+        now = await asyncio.to_thread(store.get_run, run_id)
         if now is None or now.state not in ENDED_STATES:
             raise
         raise CommandRefused(409, f"run {run_id!r} has ended ({now.state})") from None

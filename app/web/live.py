@@ -341,7 +341,7 @@ class ManagerRuns:
         try:
             record = await self._elsewhere(run_id)
             if record is not None:
-                await asyncio.to_thread(command_elsewhere, self.channel, self.manager.store, record, *command)
+                await command_elsewhere(self.channel, self.manager.store, record, *command)
             else:
                 await here(self._handle(run_id, starting_ok))
         except CommandRefused as exc:
