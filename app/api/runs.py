@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
 from app.service import commands
-from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere
+from app.service.channel import command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import CommandRefused
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
@@ -202,11 +202,12 @@ async def _stop_elsewhere(request: Request, run_id: str, state: str, actor: str)
     """Ask the orchestrator worker of `run_id` to stop it (app.service.runner watches for the ask)."""
     if state == RunState.STOPPING.value:
         return JSONResponse({"id": run_id, "state": state, "actor": actor, "already_stopped": True})
-    channel: RunChannel = request.app.state.channel
     try:
+        channel = reachable(request.app.state.channel, run_id)
         await asyncio.to_thread(channel.stop, run_id, actor)
     except CommandRefused as exc:
-        raise HTTPException(exc.status, exc.detail, headers={"Retry-After": "5"}) from None
+        headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None
+        raise HTTPException(exc.status, exc.detail, headers=headers) from None
     body = {"id": run_id, "state": state, "actor": actor, "already_stopped": False}
     return JSONResponse(body, status_code=status.HTTP_202_ACCEPTED)
 

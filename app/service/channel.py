@@ -176,8 +176,24 @@ def driven_elsewhere(record: RunRecord | None) -> TypeGuard[RunRecord]:
     )
 
 
+def reachable(channel: RunChannel | None, run_id: str) -> RunChannel:
+    """`channel`, or the 409 of a server without a broker, which cannot reach the run's worker."""
+    if channel is None:
+        raise CommandRefused(
+            409,
+            f"run {run_id!r} is driven by an orchestrator worker, and this server has no broker to reach "
+            "it: set CORRAL_BROKER_URL (and CORRAL_RESULT_BACKEND) as the worker has them",
+        )
+    return channel
+
+
 async def command_elsewhere(
-    channel: RunChannel, store: ServiceStore, record: RunRecord, op: str, args: Mapping[str, Any], actor: str
+    channel: RunChannel | None,
+    store: ServiceStore,
+    record: RunRecord,
+    op: str,
+    args: Mapping[str, Any],
+    actor: str,
 ) -> dict[str, Any]:
     """`op` sent to the orchestrator worker of the stored run `record` (`driven_elsewhere`), its answer's
     body; `CommandRefused` otherwise. A run still queued takes none, as one whose engines are starting
@@ -191,7 +207,7 @@ async def command_elsewhere(
             f"{NEEDS.get(op, 'running or paused')}",
         )
     try:
-        return await channel.ask(run_id, op, args, actor)
+        return await reachable(channel, run_id).ask(run_id, op, args, actor)
     except CommandRefused as exc:
         if exc.status != 504:
             raise
@@ -215,5 +231,6 @@ __all__ = [
     "commands_key",
     "driven_elsewhere",
     "expired",
+    "reachable",
     "reply_key",
 ]

@@ -350,11 +350,10 @@ class ManagerRuns:
             raise ActionRefused(exc.detail, exc.status) from None
 
     async def _elsewhere(self, run_id: str) -> Any:
-        """The stored run, when an orchestrator worker drives it (or will: still queued) and this server
-        can reach it (a broker is set); else None."""
+        """The stored run, when an orchestrator worker drives it (or will: still queued); else None."""
         from app.service.channel import driven_elsewhere
 
-        if self.channel is None or self.manager.get(run_id) is not None:
+        if self.manager.get(run_id) is not None:
             return None
         record = await asyncio.to_thread(self.manager.store.get_run, run_id)
         return record if driven_elsewhere(record) else None
@@ -434,6 +433,7 @@ class ManagerRuns:
         await self._command(run_id, ("resume", {}, actor), lambda h: commands.act(h, "resume", actor))
 
     async def stop(self, run_id: str, actor: str) -> None:
+        from app.service.channel import reachable
         from app.service.commands import CommandRefused, on_run
 
         record = await self._elsewhere(run_id)
@@ -445,7 +445,7 @@ class ManagerRuns:
                 raise ActionRefused(exc.detail) from None
         elif record.state != "stopping":  # a second stop asks for what is under way
             try:
-                await asyncio.to_thread(self.channel.stop, run_id, actor)
+                await asyncio.to_thread(reachable(self.channel, run_id).stop, run_id, actor)
             except CommandRefused as exc:
                 raise ActionRefused(exc.detail, exc.status) from None
 

@@ -112,3 +112,18 @@ def test_a_result_backend_that_does_not_answer_is_a_503(tmp_path: Path, redis_db
                 f"could not be sent to run {running!r}'s orchestrator worker: the result backend " in detail
             )
             assert detail.endswith("try again in a few seconds")
+
+
+def test_a_server_without_a_broker_says_it_cannot_reach_the_worker(tmp_path: Path) -> None:
+    # A `corral serve` started without CORRAL_BROKER_URL on the database of a celery run: its stop was a
+    # 500 (the broker's URL missing), its other commands "not executing in this server".
+    db = f"sqlite:///{tmp_path / 'corral.db'}"
+    with serving(make_settings(tmp_path, db)) as url, api_client(url) as api:
+        running = stored_celery_run(db, RunState.RUNNING)
+        said = (
+            f"run {running!r} is driven by an orchestrator worker, and this server has no broker to reach "
+            "it: set CORRAL_BROKER_URL (and CORRAL_RESULT_BACKEND) as the worker has them"
+        )
+        for answer in (api.post(f"/api/runs/{running}/stop"), api.post(f"/api/runs/{running}/resume")):
+            assert answer.status_code == 409, answer.text
+            assert answer.json()["detail"] == said
