@@ -166,12 +166,11 @@ def start_timeout_for(
     """The watch that ends the celery runs no orchestrator worker took (with a broker)."""
     if settings.broker_url is None or queue_workers is None:
         return None
-    import redis
-
     from app.lanes.celery import broker_urls
+    from app.lanes.redis_client import RECLAIM_TIMEOUT_S, redis_client
 
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
-    leases = redis.Redis.from_url(backend, socket_timeout=5.0, socket_connect_timeout=5.0)
+    leases = redis_client(backend, RECLAIM_TIMEOUT_S)  # a hung Redis waits for the watch's next period
     return StartTimeout(store, leases, lambda: queue_workers.count()[1], settings.start_timeout_s)
 
 
