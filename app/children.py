@@ -12,7 +12,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
@@ -37,6 +40,43 @@ def quiet_worker() -> None:
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: os._exit(130))
     die_with_parent()
+    _let_the_fork_server_go()
+
+
+def _let_the_fork_server_go() -> None:
+    """Close this worker's copy of the fork server's keep-alive pipe. The fork server ends when every
+    holder of that pipe's write end is gone, and it hands a copy to each worker it forks (so that a
+    worker could ask it for processes of its own, which ours never do). With the copy kept, a caller
+    killed by SIGKILL left a deadlock: the server waited for its workers to end, and the workers, which
+    end with the server (`die_with_parent`), ran on. Python keeps the descriptor in a private field;
+    where it is missing there is nothing to close."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        os.close(fd)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def worker_pool(processes: int) -> ProcessPoolExecutor:
+    """A pool of `processes` simulation workers (`quiet_worker`s), started from a fork server.
+
+    Not forked from the caller: a process with other threads (a test session, a command with a progress
+    bar, a server) can be forked while one of them holds a lock (logging's, the import lock, a stream's),
+    and the worker then waits on that lock for ever, and the caller on the worker. CI saw a run hang that
+    way. The fork server is a single-threaded child started once per process; it preloads the simulator,
+    so a worker starts in milliseconds. A worker's parent is the fork server, which ends when its own
+    parent does (it reads end-of-file on its pipe), so `die_with_parent` still ends the workers with the
+    caller (`_let_the_fork_server_go`)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("forkserver")
+    # The caller's main script too (`corral`, or the test runner's), so that each worker does not
+    # import it again as it starts.
+    context.set_forkserver_preload(["__main__", "app.children", "app.sim.advise", "app.sim.family"])
+    return ProcessPoolExecutor(processes, mp_context=context, initializer=quiet_worker)
 
 
 def map_in_workers(
@@ -47,11 +87,11 @@ def map_in_workers(
 ) -> dict[K, R]:
     """`fn(*args)` for each (key, args) of `tasks` in `processes` worker processes (`quiet_worker`s),
     by key; `on_done(key, done, total)` after each, in the order they finish."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import as_completed
 
     todo = list(tasks)
     results: dict[K, R] = {}
-    with ProcessPoolExecutor(processes, initializer=quiet_worker) as pool:
+    with worker_pool(processes) as pool:
         futures = {pool.submit(fn, *args): key for key, args in todo}
         for done, future in enumerate(as_completed(futures)):
             results[futures[future]] = future.result()

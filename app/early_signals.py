@@ -41,9 +41,23 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 def is_command_process() -> bool:
     """Is this process the `corral` command itself (its console script, or `python -c`), rather than
     a program that imports it (a test runner): only then does it take over process-wide things."""
+    if _started_by_multiprocessing():
+        return False
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     return path is None or os.path.splitext(os.path.basename(path))[0] == "corral"
+
+
+def _started_by_multiprocessing() -> bool:
+    """A simulation worker, or the fork server that starts them (`app.children.worker_pool`). Both are
+    `python -c`, and both import the command's own script (as `__mp_main__`), so they looked like the
+    command: a worker held SIGTERM for a caller it is not, and outlived a `corral advise` that was
+    killed, since the SIGTERM meant to end it with its parent was only remembered."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return False
+    inheriting = getattr(process.current_process(), "_inheriting", False)  # importing the caller's script
+    return process.parent_process() is not None or bool(inheriting)
 
 
 # The signals a terminal or a user sends to a whole process group (Ctrl-C, `kill -- -PGID`, a hang-up).

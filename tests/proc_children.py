@@ -41,3 +41,41 @@ def alive(pid: int) -> bool:
     """`pid` runs (a zombie has ended: whoever adopted it reaps it)."""
     fields = _stat_fields(pid)
     return fields is not None and fields[0] not in "ZX"
+
+
+def in_session(sid: int, *, group: bool = False) -> set[int]:
+    """Live processes (zombies left out) of session `sid`, or of process group `sid` with `group`.
+    `pgrep -s` counts zombies, and here nothing reaps an orphan: a worker that had ended counted as left
+    behind."""
+    field = 2 if group else 3  # pgrp, session
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(entry)
+        if fields is not None and fields[0] not in "ZX" and int(fields[field]) == sid:
+            found.add(int(entry))
+    return found
+
+
+def left_in_session(sid: int, *, group: bool = False, wait_s: float = 5.0) -> set[int]:
+    """What is still live of session (or group) `sid` after up to `wait_s`: its pool's helpers end as
+    they read end-of-file from the command that exited, a moment after it."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while (left := in_session(sid, group=group)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of `pid` in clock ticks (1/100 s), 0 if it is gone."""
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[11]) + int(fields[12])
+
+
+def parent(pid: int) -> int:
+    """The parent of `pid`, 0 if it is gone."""
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[1])

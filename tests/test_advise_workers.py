@@ -1,11 +1,13 @@
 """`corral advise` runs its simulations in worker processes: they must not outlive it, whatever ends it.
 
 A SIGTERM to the command alone (not its process group, as a supervisor or `kill PID` sends it) used to
-leave both workers running for a minute or more, reparented to init."""
+leave both workers running for a minute or more, reparented to init. A SIGKILL to it left the workers
+of its fork server running for good (`app.children._let_the_fork_server_go`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -14,30 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_children import alive, in_session
 
 CORRAL = Path(sys.executable).with_name("corral")
-
-
-def children(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
@@ -52,17 +33,23 @@ def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals
     try:
         deadline = time.monotonic() + 60
         workers: set[int] = set()
-        while len(workers) < 2 and time.monotonic() < deadline:
+        while len(workers) < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
-            workers = {pid for pid in children(proc.pid) if alive(pid)}
-        assert len(workers) >= 2, "the workers never started"
+            # The simulation workers are the fork server's children; with the fork server and the
+            # resource tracker, which are the command's own, they make its session.
+            workers = in_session(proc.pid) - {proc.pid}
+        assert len(workers) >= 4, f"the workers never started: {workers}"
         os.kill(proc.pid, sig)  # the command alone, not its process group
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
         while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [pid for pid in workers if alive(pid)], "workers outlived corral advise"
-        assert not (tmp_path / "a.json").exists()
+        written = tmp_path / "a.json"
+        if sig == signal.SIGKILL:
+            assert not written.exists()
+        elif written.exists():  # SIGTERM acts as Ctrl-C: what was simulated is kept, marked incomplete
+            assert json.loads(written.read_text())["complete"] is False
     finally:  # the command's session is its own process group: nothing of it may leak into other tests
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from factories import make_workload_data
+from proc_children import left_in_session
 
 CORRAL = Path(sys.executable).with_name("corral")
 
@@ -579,12 +580,12 @@ def test_closing_the_terminal_window_of_corral_serve_stops_its_runs_cleanly(tmp_
         window.hang_up()
         proc.wait(timeout=60)
     finally:
-        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        leftover = left_in_session(proc.pid)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, window.text()
-    assert leftover.stdout.strip() == ""
+    assert leftover == set()
     with sqlite3.connect(tmp_path / "corral.db") as db:
         states = [state for (state,) in db.execute("SELECT state FROM runs")]
     assert states == ["stopped"]

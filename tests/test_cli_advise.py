@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from proc_children import cpu_ticks, in_session, left_in_session, parent
 
 from app.cli.common import ProgressLines
 
@@ -18,9 +19,9 @@ def corral(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(CORRAL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
-def sigterm_after(proc: subprocess.Popen[str], seconds: float) -> tuple[str, float, str]:
+def sigterm_after(proc: subprocess.Popen[str], seconds: float) -> tuple[str, float, set[int]]:
     """SIGTERM to `proc` alone (as `kill PID` sends it) after `seconds`: its stderr, the seconds it took
-    to exit, and what `pgrep` found left of its session as it did (its session is killed after)."""
+    to exit, and what was left live of its session (its session is killed after)."""
     import os
     import signal
     import time
@@ -32,29 +33,28 @@ def sigterm_after(proc: subprocess.Popen[str], seconds: float) -> tuple[str, flo
         _, stderr = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
-        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        leftover = left_in_session(proc.pid)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-    return stderr, took, leftover.stdout
+    return stderr, took, leftover
+
+
+def simulation_workers(pid: int) -> set[int]:
+    """The simulation workers of `advise` process `pid`, a session leader: the fork server's children in
+    its session (its own children are the fork server and the resource tracker)."""
+    return {kid for kid in in_session(pid) if parent(kid) not in (pid, 0) and kid != pid}
 
 
 def wait_for_busy_workers(pid: int, count: int, timeout: float = 180) -> None:
-    """Block until `count` child processes of `pid` have each used a second of CPU: `advise`'s second
-    worker idles until the current settings are simulated and their first round begins."""
+    """Block until `count` of the simulation workers of `pid` (a session leader) have each used a second
+    of CPU: `advise`'s second worker idles until the current settings are simulated and their first
+    round begins."""
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = 0
-        try:
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            for kid in kids:
-                fields = Path(f"/proc/{kid}/stat").read_text().rsplit(")", 1)[1].split()
-                busy += (int(fields[11]) + int(fields[12])) >= 100  # utime + stime, in ticks of 1/100 s
-        except OSError:
-            pass  # a child just gone
-        if busy >= count:
+        if sum(cpu_ticks(kid) >= 100 for kid in simulation_workers(pid)) >= count:
             return
         time.sleep(0.2)
     pytest.fail(f"{count} workers of {pid} never got busy")
@@ -326,8 +326,7 @@ def test_ctrl_c_to_the_process_group_keeps_what_advise_simulated(tmp_path: Path,
     assert "search interrupted" in advice["verdict"]
     assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
     assert (tmp_path / "advice.png").stat().st_size > 0
-    leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    assert left_in_session(proc.pid) == set()
 
 
 def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None:
@@ -344,7 +343,7 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
     assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
-    assert leftover.strip() == ""
+    assert leftover == set()
 
 
 @pytest.mark.parametrize("sigint", ["default", "ignored"], ids=["", "Ctrl-C ignored"])
@@ -380,7 +379,7 @@ def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_pa
     assert len(advice["evaluated"]) < 7, "the round ran to its end"
     assert took < 5, f"{took:.1f} s from SIGTERM to exit"
     assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
-    assert leftover.strip() == ""
+    assert leftover == set()
 
 
 def test_closing_the_terminal_window_keeps_what_advise_simulated(tmp_path: Path) -> None:
@@ -402,7 +401,7 @@ def test_closing_the_terminal_window_keeps_what_advise_simulated(tmp_path: Path)
         window.hang_up()
         proc.wait(timeout=60)
     finally:
-        leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True)
+        leftover = left_in_session(proc.pid)
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=30)
@@ -410,7 +409,7 @@ def test_closing_the_terminal_window_keeps_what_advise_simulated(tmp_path: Path)
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
     assert 1 <= len(advice["evaluated"]) < 100
-    assert leftover.stdout.strip() == ""
+    assert leftover == set()
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin to one")
@@ -427,16 +426,12 @@ def test_advise_runs_one_simulation_per_cpu_it_may_use_by_default(tmp_path: Path
     proc = subprocess.Popen(
         [str(CORRAL), "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1",
          "--json", "advice.json"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
     )  # fmt: skip
     most = 0
     while proc.poll() is None:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-        try:
-            most = max(most, len(children.read_text().split()))
-        except OSError:
-            break
+        most = max(most, len(simulation_workers(proc.pid)))
         time.sleep(0.02)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr

@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from proc_children import in_session, left_in_session
 
 from app.sim.workload import Workload
 
@@ -149,10 +150,8 @@ def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None
     try:
         time.sleep(4)  # imports done, workers started and simulating
         assert proc.poll() is None
-        workers = subprocess.run(
-            ["pgrep", "-g", str(proc.pid)], capture_output=True, text=True
-        ).stdout.split()
-        assert len(workers) >= 3  # the command and its two workers
+        workers = in_session(proc.pid, group=True)
+        assert len(workers) >= 3  # the command and its two workers (and their fork server)
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -163,6 +162,4 @@ def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None
     assert "interrupted: nothing written" in err
     assert "Traceback" not in err
     assert not out.exists()
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert left == []
+    assert left_in_session(proc.pid, group=True) == set()

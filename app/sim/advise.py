@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from app.children import quiet_worker
+from app.children import worker_pool
 from app.outputs import save_figure
 from app.runtime.report import drawn_s
 from app.sim.lanes import LaneSharing
@@ -313,7 +313,7 @@ def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
     "Exception ignored in: <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" after
     the command's one line (CI saw it once). The ended workers break the pool, so the join is short."""
     before = set(multiprocessing.active_children())  # not the pool's to end
-    with ProcessPoolExecutor(max_workers=workers, initializer=quiet_worker) as pool:
+    with worker_pool(workers) as pool:
         try:
             yield pool
         except BaseException:
