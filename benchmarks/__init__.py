@@ -2,26 +2,41 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+def seconds_cell(value: float | None) -> str:
+    """A mean in seconds for a table or a line; a rung that delivered no batch has no mean (null in its
+    JSON), and says so."""
+    return "no batch" if value is None else f"{value:.1f}"
+
+
+@contextmanager
+def _exits() -> Iterator[None]:
+    """A `corral` helper's `typer.Exit` (its one line already said) as the script's own exit code."""
+    import typer
+
+    try:
+        yield
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code) from None
+
+
 def check_outputs(**paths: object) -> None:
     """Before any work, prove each output path (flag name → path or None; a name ending in "plot" must
     also be an image format) can be written, as `corral`'s commands do; exit 2 with one line if not."""
-    import typer
-
     from app.cli.common import check_apart, check_output, check_plot
 
     outputs: dict[str, Path | None] = {}
     for name, given in paths.items():
         outputs[f"--{name.replace('_', '-')}"] = None if given is None else Path(str(given))
-    try:
+    with _exits():
         for flag, path in outputs.items():
             if path is None:
                 continue
@@ -30,8 +45,27 @@ def check_outputs(**paths: object) -> None:
             else:
                 check_output(path, flag)
         check_apart(outputs, {})
-    except typer.Exit as exc:
-        raise SystemExit(exc.exit_code) from None
+
+
+def save_json(path: Path, data: Any) -> None:
+    """The figures a benchmark measured, as `corral`'s commands write a report: strict JSON (a
+    non-finite number becomes null, with a warning), written whole or not at all. A write that fails
+    after the work (the disk filled, the path changed since `check_outputs`) is one line, exit 1, and
+    the figures are kept in the temporary directory, where the line says; it was a traceback, and the
+    figures of an hour's run were lost."""
+    from app.cli.common import write_json
+
+    with _exits():
+        write_json(path, data)
+
+
+def save_plot(draw: Callable[[Path], None], path: Path | None, written: Path | None = None) -> None:
+    """`draw(path)`, when a plot was asked for: a failure is one line, exit 1, not a traceback.
+    `written`: the JSON already saved, which a Ctrl-C while drawing says was kept."""
+    from app.cli.common import write_plot
+
+    with _exits():
+        write_plot(draw, path, written=written)
 
 
 def interruptible(work: Callable[[], T]) -> T | None:
@@ -52,9 +86,8 @@ def write_results(
     plot_out: Path | None,
     draw: Callable[[dict[str, Any], Path], None],
 ) -> None:
-    """Write `result` as JSON to `json_out` and draw it to `plot_out`, each if given."""
+    """Write `result` as JSON to `json_out` and draw it to `plot_out`, each if given (`save_json`,
+    `save_plot`)."""
     if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-    if plot_out:
-        draw(result, plot_out)
+        save_json(json_out, result)
+    save_plot(lambda path: draw(result, path), plot_out, written=json_out)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.family import FAMILY, run_family
+from benchmarks import seconds_cell
 
 
 def table(result: dict[str, Any]) -> str:
@@ -34,9 +35,9 @@ def table(result: dict[str, Any]) -> str:
         cells = []
         for data in workloads.values():
             row = data["rungs"].get(rung)
-            cells.append("" if row is None else f"{row['mean_s']:.1f}")
+            cells.append("" if row is None else seconds_cell(row["mean_s"]))
         rows.append(f"| {rung} | " + " | ".join(cells) + " |")
-    bounds = [f"{data['rungs']['full']['lower_bound_s']:.1f}" for data in workloads.values()]
+    bounds = [seconds_cell(data["rungs"]["full"]["lower_bound_s"]) for data in workloads.values()]
     rows.append("| lower bound (full) | " + " | ".join(bounds) + " |")
     return "\n".join(rows)
 

@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
     parser.add_argument("--startup-stops", type=int, default=0, help="also time N Ctrl-Cs during start-up")
     args = parser.parse_args()
-    from benchmarks import check_outputs  # as a script (-m), the package is importable
+    from benchmarks import check_outputs, save_json  # as a script (-m), the package is importable
 
     check_outputs(json=args.json)
     rows = []
@@ -233,7 +233,7 @@ def main() -> None:
         print(f"| {row['fault']} | `{row['command']}` | {row['exit_code']} | {row['batches']} | {after} | "
               f"{row['lost_groups']} | {row['failed_groups']} |")  # fmt: skip
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        save_json(args.json, rows)
 
 
 if __name__ == "__main__":

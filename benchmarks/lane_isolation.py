@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import socket
@@ -551,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = build_parser().parse_args(argv)
-    from benchmarks import check_outputs  # as a script (-m), the package is importable
+    from benchmarks import check_outputs, save_json, save_plot  # as a script (-m), the package is importable
 
     check_outputs(json=args.json, plot=args.plot)
     cfg = BenchConfig(
@@ -611,10 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{report['machine']['loadavg_after'][0]:.2f} after; wall {report['wall_s']:.0f} s)"
     )
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot is not None:
-        plot(report, args.plot)
+        save_json(args.json, report)
+    save_plot(lambda path: plot(report, path), args.plot, written=args.json)
     return 0
 
 

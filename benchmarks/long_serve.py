@@ -21,7 +21,6 @@ the Ctrl-C. It asserts nothing; it prints what it saw and exits 1 when an event 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -36,8 +35,8 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from app.outputs import write_text_atomically
 from app.store.db import make_engine
+from benchmarks import check_outputs, save_json
 
 TOKEN = "bench-operator-token"
 ENDED = ("stopped", "completed", "failed")
@@ -106,10 +105,7 @@ def main() -> None:
         0.01 <= s <= 1000 for s in args.speeds
     ):
         parser.error("--seconds and --every must be finite and > 0, and each speed within 0.01..1000")
-    if args.json is not None:  # refused now, not after the whole run
-        parent = args.json.resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            parser.error(f"--json {args.json}: cannot write into {parent}")
+    check_outputs(json=args.json)  # refused now, not after the whole run
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-long-"))
     port = _free_port()
@@ -239,7 +235,7 @@ def main() -> None:
             "exit_after_sigint_s": exit_s,
             "load_average": os.getloadavg()[0],
         }
-        write_text_atomically(args.json, json.dumps(figures, indent=2) + "\n")
+        save_json(args.json, figures)
     sys.exit(1 if lost else 0)
 
 

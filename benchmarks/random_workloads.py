@@ -46,6 +46,7 @@ from typing import Any
 from app.core.config import PolicyName
 from app.sim.family import LADDER_RUNGS, findings, summarise
 from app.sim.workload import TrajectorySource, Workload
+from benchmarks import seconds_cell
 
 # `skyrl` is the same policy as `areal` in the simulator (app/sim/peers.py); the uncapped rows use
 # more sandboxes than the workload's S allows, so they are left out of an equal-resource comparison.
@@ -226,8 +227,14 @@ def summary(workloads: dict[str, Any]) -> dict[str, Any]:
     variants: dict[str, dict[str, float]] = {}
     to_sync: dict[str, float] = {}
     ladder_holds = 0
+    no_batch: dict[str, list[str]] = {}
     for name, data in workloads.items():
         mean = {rung: row["mean_s"] for rung, row in data["rungs"].items()}
+        if missing := [rung for rung, m in mean.items() if m is None]:
+            # No mean to compare: the workload is named with its rungs that delivered nothing, and
+            # left out of the ratios (a null mean in a division was a traceback).
+            no_batch[name] = missing
+            continue
         others = [m for rung, m in mean.items() if not rung.startswith(PolicyName.FULL.value)]
         to_best[name] = mean["full"] / min(others)
         for variant in (SIZED, BORROWING):
@@ -235,15 +242,18 @@ def summary(workloads: dict[str, Any]) -> dict[str, Any]:
                 variants.setdefault(variant, {})[name] = mean[variant] / min(others)
         to_sync[name] = mean["full"] / mean["sync"]
         ladder_holds += mean["full"] <= mean["completion"] <= mean["sync"]
-    worst = max(to_best, key=lambda name: to_best[name])
+    worst = max(to_best, key=lambda name: to_best[name]) if to_best else None
     out: dict[str, Any] = {
         "workloads": len(workloads),
         "full_best": sum(ratio <= 1.0 for ratio in to_best.values()),
         "ladder_holds": ladder_holds,
-        "full_over_best_other_median": round(statistics.median(to_best.values()), 4),
-        "full_over_best_other_worst": {"workload": worst, "ratio": round(to_best[worst], 4)},
-        "full_over_sync_median": round(statistics.median(to_sync.values()), 4),
+        "full_over_best_other_median": round(statistics.median(to_best.values()), 4) if to_best else None,
+        "full_over_best_other_worst": None
+        if worst is None
+        else {"workload": worst, "ratio": round(to_best[worst], 4)},
+        "full_over_sync_median": round(statistics.median(to_sync.values()), 4) if to_sync else None,
         "full_over_best_other": {name: round(ratio, 4) for name, ratio in to_best.items()},
+        "no_batch": no_batch,
         "variants": {},
     }
     for variant, ratios in variants.items():
@@ -260,7 +270,7 @@ def summary(workloads: dict[str, Any]) -> dict[str, Any]:
 def lines(result: dict[str, Any]) -> list[str]:
     out = []
     for name, data in result["workloads"].items():
-        cells = " ".join(f"{rung}={row['mean_s']:.1f}" for rung, row in data["rungs"].items())
+        cells = " ".join(f"{rung}={seconds_cell(row['mean_s'])}" for rung, row in data["rungs"].items())
         f = data["features"]
         out.append(
             f"{name:>4} {cells}  [serving/demand {f['serving_over_engine_demand']}, "
@@ -269,7 +279,12 @@ def lines(result: dict[str, Any]) -> list[str]:
     for name, data in result["workloads"].items():
         out += [f"!!! {name}: {line}" for line in data["findings"]]
     s = result["summary"]
+    for name, rungs in s.get("no_batch", {}).items():
+        out.append(f"!!! {name}: no batch delivered by {', '.join(rungs)}; left out of the ratios")
     worst = s["full_over_best_other_worst"]
+    if worst is None:
+        out.append(f"no workload of {s['workloads']} has a mean for every rung: no ratio to give")
+        return out
     out.append(
         f"full is best in {s['full_best']} of {s['workloads']} workloads; the ladder (full ≤ completion ≤ "
         f"sync) holds in {s['ladder_holds']}; full / best other rung: median "

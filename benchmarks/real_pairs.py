@@ -164,7 +164,7 @@ def main() -> None:
         return
     if args.config is not None and not args.config.is_file():
         sys.exit(f"real_pairs: no config file at {args.config}")
-    from benchmarks import check_outputs  # as a script (-m), the package is importable
+    from benchmarks import check_outputs, save_json, save_plot  # as a script (-m), the package is importable
 
     check_outputs(out=args.out / f"{args.prefix}s.json")  # before any run: the summary goes there
     args.out.mkdir(parents=True, exist_ok=True)
@@ -180,8 +180,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print("stopped: summarising the runs that finished", flush=True)
     summary = summarise(pairs)
-    (args.out / f"{args.prefix}s.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(summary, args.out / f"{args.prefix}s.png")
+    save_json(args.out / f"{args.prefix}s.json", summary)
+    save_plot(lambda path: plot(summary, path), args.out / f"{args.prefix}s.png")
     print("\n| pair | full mean (p90) s | sync mean (p90) s | sync/full | load before full, sync |")
     print("| --- | --- | --- | --- | --- |")
     for p in summary["pairs"]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import math
 import pstats
 import statistics
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=1, metavar="N", help="run each shape N times; print the medians"
     )
     args = parser.parse_args(argv)
-    from benchmarks import check_outputs  # as a script (-m), the package is importable
+    from benchmarks import check_outputs, save_json  # as a script (-m), the package is importable
 
     check_outputs(json=args.json_out)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
@@ -225,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         out["corral_bench_default"] = time_default_bench()
         print(f"corral bench on the default workload: {out['corral_bench_default']}")
     if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(out, fh, indent=2)
+        save_json(args.json_out, out)
     return 0 if ok else 1
 
 

@@ -163,3 +163,77 @@ def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None
     assert "Traceback" not in err
     assert not out.exists()
     assert left_in_session(proc.pid, group=True) == set()
+
+
+def test_a_rung_that_delivered_no_batch_is_named_and_left_out_of_the_ratios(rw: ModuleType) -> None:
+    """A rung with no batch has a null mean; the summary divided by it (a TypeError traceback after the
+    whole run). Now its workload is named, with the rung, and the others still give their ratios."""
+    workloads = {
+        "r0": {"rungs": {"sync": row(300), "completion": row(200), "full": {"mean_s": None}}},
+        "r1": {"rungs": {"sync": row(300), "completion": row(200), "full": row(100)}},
+    }
+    s = rw.summary(workloads)
+    assert s["no_batch"] == {"r0": ["full"]}
+    assert s["full_over_best_other"] == {"r1": 0.5}
+    assert s["full_best"] == 1
+    described = {name: {**data, "features": FEATURES, "findings": []} for name, data in workloads.items()}
+    result = {"workloads": described, "summary": s}
+    text = "\n".join(rw.lines(result))
+    assert "full=no batch" in text
+    assert "!!! r0: no batch delivered by full; left out of the ratios" in text
+    assert "full is best in 1 of 2 workloads" in text
+    # Not one workload with a mean for every rung: no ratio, and words instead of a traceback.
+    nothing = rw.summary({"r0": workloads["r0"]})
+    assert nothing["full_over_best_other_worst"] is None
+    assert nothing["full_over_best_other_median"] is None
+    result = {"workloads": {"r0": result["workloads"]["r0"]}, "summary": nothing}
+    assert rw.lines(result)[-1] == "no workload of 1 has a mean for every rung: no ratio to give"
+
+
+FEATURES = {"serving_over_engine_demand": 1.0, "sandbox_cores_per_trajectory": 0.5, "max_staleness": 2}
+
+
+def test_a_json_that_cannot_be_written_after_the_work_is_one_line_and_kept(
+    rw: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A benchmark's figures whose path stopped being writable during the run (its directory replaced
+    by a file here; a full disk elsewhere): one line, exit 1, and the figures kept in the temporary
+    directory, where the line says. It was a traceback, and an hour's figures were gone."""
+    from benchmarks import save_json
+
+    parent = tmp_path / "out"
+    parent.write_text("")  # was a directory when the run began
+    with pytest.raises(SystemExit) as ended:
+        save_json(parent / "r.json", {"mean_s": 1.5})
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(
+        f"error: cannot write {parent / 'r.json'}: {parent} is not a directory; written to "
+    )
+    kept = Path(err.strip().rsplit("written to ", 1)[1].removesuffix(" instead"))
+    try:
+        assert json.loads(kept.read_text()) == {"mean_s": 1.5}
+    finally:
+        kept.unlink()
+
+
+def test_the_family_table_says_no_batch_where_a_rung_delivered_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.family import table
+
+    result = {
+        "workloads": {
+            "default": {
+                "rungs": {"sync": {"mean_s": None}, "full": {"mean_s": 100.0, "lower_bound_s": 80.0}}
+            },
+            "scarce": {
+                "rungs": {"sync": {"mean_s": 250.5}, "full": {"mean_s": 200.25, "lower_bound_s": 150.0}}
+            },
+        }
+    }
+    assert table(result).splitlines()[2:] == [
+        "| sync | no batch | 250.5 |",
+        "| full | 100.0 | 200.2 |",
+        "| lower bound (full) | 80.0 | 150.0 |",
+    ]
