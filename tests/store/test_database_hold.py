@@ -59,7 +59,8 @@ def test_a_lost_hold_is_taken_again_and_refuses_a_second_server(database: tuple[
             DatabaseHold(url)  # before: taken, beside the first
     finally:
         hold.release()
-    assert server_lock_holder(engine) is None
+    # Its backend lets the lock go as it ends, a moment after the close (CI saw it still listed).
+    wait_for(lambda: server_lock_holder(engine) is None, 10, "the released lock to be free")
 
 
 def test_a_hold_taken_by_another_process_meanwhile_is_said(database: tuple[str, Engine]) -> None:
