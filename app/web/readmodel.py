@@ -393,6 +393,7 @@ class RunViewBuilder:
         self.ended_order: deque[int] = deque()
         self.dropped_groups = 0
         self.durations: list[float] = []  # admission to completion of every completed group
+        self.first_admitted: float | None = None  # the run's first admission
         self.batches: list[BatchRow] = []
         self.engines: dict[str, EngineRow] = {}
         self.pool: tuple[str, str] | None = None  # the whole pool's state and its detail, while not serving
@@ -480,6 +481,8 @@ class RunViewBuilder:
             self.lane_now = dict.fromkeys(self.lane_now, (0, 0))
         elif isinstance(ev, GroupAdmitted):
             self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
+            if self.first_admitted is None:
+                self.first_admitted = t
         elif isinstance(ev, GroupReady):
             row = self._group(ev.group_id)
             row.ready, row.outcome = t, "ready"
@@ -655,7 +658,7 @@ class RunViewBuilder:
             attribution=attribution,
             lower_bound_s=meta.lower_bound_s
             if meta.lower_bound_s is not None
-            else _observed_bound(self.durations, self.batches, policy),
+            else _observed_bound(self.durations, self.first_admitted, self.batches, policy),
             lower_bound_observed=meta.lower_bound_s is None and bool(self.batches),
             label=meta.label,
             last_seq=self.last_seq,
@@ -707,19 +710,24 @@ def _stall_note(
 
 
 def _observed_bound(
-    durations: Sequence[float], batches: Sequence[BatchRow], policy: Mapping[str, Any]
+    durations: Sequence[float],
+    first_admitted: float | None,
+    batches: Sequence[BatchRow],
+    policy: Mapping[str, Any],
 ) -> float | None:
     """The clairvoyant bound of `app.sim.bound` over the run's observed group durations (admission to
     completion): still a lower bound on this run's mean batch collection time, since each delivered
-    group took its observed duration, at most B + S were live at once and the trainer's step is the
-    shortest seen. A live run knows no uncontended durations, so this is the bound it can state."""
+    group took its observed duration, at most B + S were live at once, and the trainer's steps are
+    subtracted as they were, as is any head start of groups admitted before the first batch was asked
+    for. A live run knows no uncontended durations, so this is the bound it can state."""
     b = policy.get("groups_per_batch")
     s = policy.get("surplus_groups")
     if not batches or not isinstance(b, int) or not isinstance(s, int) or b < 1:
         return None
-    steps = [nxt.requested - cur.delivered for cur, nxt in itertools.pairwise(batches)]
-    step_s = max(0.0, min(steps)) if steps else 0.0
-    return lower_bound_s(durations, len(batches), b, b + s, step_s)
+    steps = [max(0.0, nxt.requested - cur.delivered) for cur, nxt in itertools.pairwise(batches)]
+    # Groups admitted before the first batch was asked for had a head start the bound must not count.
+    head_start = 0.0 if first_admitted is None else max(0.0, batches[0].requested - first_admitted)
+    return max(0.0, lower_bound_s(durations, len(batches), b, b + s, steps) - head_start / len(batches))
 
 
 def view_from_events(
