@@ -26,11 +26,7 @@ def children(parent: int | None, marker: bytes) -> set[int]:
         if not entry.isdigit():
             continue
         fields = _stat_fields(entry)
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if fields is None or fields[0] in "ZX" or marker not in cmd:
+        if fields is None or fields[0] in "ZX" or marker not in command_line(int(entry)):
             continue
         if parent is None or int(fields[1]) == parent:
             found.add(int(entry))
@@ -79,3 +75,11 @@ def parent(pid: int) -> int:
     """The parent of `pid`, 0 if it is gone."""
     fields = _stat_fields(pid)
     return 0 if fields is None else int(fields[1])
+
+
+def command_line(pid: int) -> bytes:
+    """The command line of `pid`, its arguments separated by NUL; empty if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proc_children import cpu_ticks, in_session, left_in_session, parent
+from proc_children import command_line, cpu_ticks, in_session, left_in_session, parent
 
 from app.cli.common import ProgressLines
 
@@ -41,9 +41,13 @@ def sigterm_after(proc: subprocess.Popen[str], seconds: float) -> tuple[str, flo
 
 
 def simulation_workers(pid: int) -> set[int]:
-    """The simulation workers of `advise` process `pid`, a session leader: the fork server's children in
-    its session (its own children are the fork server and the resource tracker)."""
-    return {kid for kid in in_session(pid) if parent(kid) not in (pid, 0) and kid != pid}
+    """The simulation workers of `advise` process `pid`, a session leader: the children of the fork server
+    in its session. Not "whatever in the session has another parent": once `advise` has exited, and
+    before the test sees it, its fork server and resource tracker linger as orphans for a moment, with a
+    new parent, and CI counted them as 2 workers on one CPU."""
+    session = in_session(pid)
+    servers = {kid for kid in session if b"forkserver" in command_line(kid)}
+    return {kid for kid in session if parent(kid) in servers}
 
 
 def wait_for_busy_workers(pid: int, count: int, timeout: float = 180) -> None:
