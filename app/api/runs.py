@@ -10,6 +10,7 @@
 - `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode}`
   (answered once the changes are in the store, so a crash right after still resumes with them);
 - `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`;
+- `GET /api/runs/{id}/commands/{command_id}` (a celery run's command's outcome, kept a day);
 - `DELETE /api/runs/{id}` (operator: an ended run and everything stored for it; 409 for one that has
   not ended).
 
@@ -23,7 +24,8 @@ A run a celery orchestrator worker drives takes the same commands (pause, resume
 engines' drain and serve): a stop through its stop key (202), the others through its command channel
 (app.service.channel), carried out by its worker with the code that carries them out here
 (app.service.commands) and answered as here; 504 when the worker does not answer within
-`CORRAL_COMMAND_TIMEOUT_S` (saying whether it took the command), 503 when Redis does not answer.
+`CORRAL_COMMAND_TIMEOUT_S` (saying whether it took the command, and naming the route that keeps its
+outcome), 503 when Redis does not answer. Its metrics are asked of its worker the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from fastapi.responses import JSONResponse
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
 from app.service import commands
 from app.service.channel import command_elsewhere, driven_elsewhere, reachable
-from app.service.commands import CommandRefused
+from app.service.commands import TRAINER_CLOCK, CommandRefused
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, DispatchError, RunLiveError, RunManager
@@ -82,6 +84,7 @@ NO_MORE_BATCHES = "; no more batches"
 ENDING_WAIT_S = 30.0  # a stop that finds the run ending waits this long to say how it ended
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+CommandId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 async def _command(
@@ -102,8 +105,13 @@ async def _command(
                 return await command_elsewhere(channel, manager.store, record, *command)
         return await here(live_handle(manager, run_id))
     except CommandRefused as exc:
-        headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None
-        raise HTTPException(exc.status, exc.detail, headers=headers) from None
+        raise _refused(exc) from None
+
+
+def _refused(exc: CommandRefused) -> HTTPException:
+    """A refusal's HTTP answer: 503s with a Retry-After."""
+    headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None
+    return HTTPException(exc.status, exc.detail, headers=headers)
 
 
 @router.get("")
@@ -206,8 +214,7 @@ async def _stop_elsewhere(request: Request, run_id: str, state: str, actor: str)
         channel = reachable(request.app.state.channel, run_id)
         await asyncio.to_thread(channel.stop, run_id, actor)
     except CommandRefused as exc:
-        headers = {"Retry-After": "5"} if exc.status == status.HTTP_503_SERVICE_UNAVAILABLE else None
-        raise HTTPException(exc.status, exc.detail, headers=headers) from None
+        raise _refused(exc) from None
     body = {"id": run_id, "state": state, "actor": actor, "already_stopped": False}
     return JSONResponse(body, status_code=status.HTTP_202_ACCEPTED)
 
@@ -388,6 +395,29 @@ async def serve_engine(
     )
 
 
+@router.get("/{run_id}/commands/{command_id}")
+async def get_command(
+    run_id: RunId, command_id: CommandId, request: Request, manager: Manager, _: Viewer
+) -> dict[str, Any]:
+    """The outcome of a command sent to the orchestrator worker of a celery run, kept a day (a 504 for a
+    command not answered in time names this route): `state` "answered", with the `status` and `body` the
+    command's route would have answered; "taken", not answered yet (it may still be carried out); or "not
+    carried out", `detail` saying why. Reads (metrics) keep none."""
+    if await run_in_threadpool(manager.store.get_run, run_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    try:
+        kept = await reachable(request.app.state.channel, run_id).outcome(run_id, command_id)
+    except CommandRefused as exc:
+        raise _refused(exc) from None
+    if kept is None:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"run {run_id!r} has no command {command_id!r} kept: the outcome of a command sent to a run's "
+            "orchestrator worker is kept a day, and reads (metrics) keep none",
+        )
+    return kept
+
+
 @router.get("/{run_id}/timeline")
 async def timeline(
     run_id: RunId,
@@ -407,45 +437,29 @@ async def timeline(
     return JSONResponse(body)
 
 
-# The trainer's figures are measured where the trainer is, on the wall clock, whatever clock the run
-# runs on (a simulated run's page counts simulated seconds and says so).
-TRAINER_CLOCK = "wall"
-
-
-@router.get("/{run_id}/metrics")
-def run_metrics(run_id: RunId, manager: Manager, _: Viewer) -> dict[str, Any]:
+@router.get("/{run_id}/metrics", responses=COMMAND_ANSWERS)
+async def run_metrics(run_id: RunId, request: Request, manager: Manager, _: Viewer) -> dict[str, Any]:
+    """The run's figures: live from a run executing here, or from the orchestrator worker driving a
+    celery run (asked through its command channel); an ended run's from the store."""
     handle = manager.get(run_id)
-    if handle is None:
-        record = manager.store.get_run(run_id)
-        if record is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-        if record.state not in ENDED_STATES:
-            raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
-        return _stored_metrics(run_id, record.state, manager.store.figures(run_id))
-    live = handle.live()
-    stats = handle.gateway.stats
-    wait_mean = stats.collection_s_mean
-    return {
-        "id": run_id,
-        "state": live["state"],
-        "batches": live["batches"],
-        "groups_admitted": live["groups_admitted"],
-        "groups_delivered": live["groups_delivered"],
-        "groups_discarded": live["groups_discarded"],
-        "groups_live": live.get("groups_live"),
-        "trainer_version": live.get("trainer_version"),
-        "engine_versions": live.get("engine_versions"),
-        "lanes": live.get("lanes"),
-        "trainer": {
-            "offered": stats.offered,
-            "redelivered": stats.redelivered,
-            "acked": stats.acked,
-            "idle_s": round(stats.trainer_idle_s, 6),
-            "batch_wait_s_mean": None if wait_mean is None else round(wait_mean, 6),
-            "clock": TRAINER_CLOCK,
-        },
-        "event_sinks": handle.recorder.bus.stats(),
-    }
+    if handle is not None:
+        return commands.metrics(handle)
+    record = await run_in_threadpool(manager.store.get_run, run_id)
+    if record is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
+    if driven_elsewhere(record):
+        channel = request.app.state.channel
+        try:
+            return await command_elsewhere(channel, manager.store, record, "metrics", {}, "viewer")
+        except CommandRefused as exc:
+            # one that ended as it was asked answers with its figures from the store
+            record = await run_in_threadpool(manager.store.get_run, run_id)
+            if record is None or record.state not in ENDED_STATES:
+                raise _refused(exc) from None
+    if record.state not in ENDED_STATES:
+        raise HTTPException(status.HTTP_409_CONFLICT, not_executing(run_id, record.state))
+    figures = await run_in_threadpool(manager.store.figures, run_id)
+    return _stored_metrics(run_id, record.state, figures)
 
 
 def _stored_metrics(run_id: str, state: str, figures: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,11 @@ through the result backend's Redis (where the run's lease and its stop key live)
   the command back from the list: one still there was never taken, so nothing was done (504, saying
   so); one taken and not answered in time may still be carried out (504, saying that). A worker never
   carries out a command past its deadline (the API that sent it may have died before taking it back).
+- Every command that changes the run keeps its outcome under `corral:command:<id>` for `OUTCOME_TTL_S`
+  (`GET /api/runs/{id}/commands/{command id}`, which a 504 names): the worker's answer, or that it was
+  not carried out (past its deadline), written by the worker; "taken", or "not carried out" (taken back),
+  written by the API as it gives up, the first only where the worker has not answered yet. A read
+  (`metrics`) keeps none: it changes nothing, and a dashboard polling it would fill Redis.
 - Redis not answering is a 503 with words, never a traceback.
 - Stop keeps its own key (`app.lanes.celery.run_stop_key`): it must reach a run still queued, which
   no worker drives yet, and it is kept a week for that.
@@ -37,6 +42,8 @@ from app.store.models import RunState
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 300  # an answer nobody took (its API gave up) goes after this
+OUTCOME_TTL_S = 86400  # a command's outcome, for an operator whose API gave up on it (a 504)
+READS = frozenset({"metrics"})  # commands that change nothing: no outcome is kept
 COMMANDS_TTL_S = 3600  # a run's list of commands, after its last push: none outlives its deadline anyway
 CONNECT_TIMEOUT_S = 2.0
 
@@ -47,6 +54,31 @@ def commands_key(run_id: str) -> str:
 
 def reply_key(command_id: str) -> str:
     return f"corral:reply:{command_id}"
+
+
+def outcome_key(command_id: str) -> str:
+    return f"corral:command:{command_id}"
+
+
+def outcome_route(run_id: str, command_id: str) -> str:
+    return f"GET /api/runs/{run_id}/commands/{command_id}"
+
+
+def outcome(
+    command: Mapping[str, Any],
+    run_id: str,
+    state: str,
+    detail: str | None,
+    answer: tuple[int, Any] | None = None,
+) -> str:
+    """The outcome record of `command` (as sent) of run `run_id`, as JSON: `state` is "answered" (with the
+    worker's `answer`, its status and body), "taken" (not answered yet) or "not carried out"; `detail`
+    says why it has no answer."""
+    status, body = answer if answer is not None else (None, None)
+    record = {"id": command["id"], "run_id": run_id, "op": command.get("op"),
+              "actor": command.get("actor"), "state": state, "status": status, "body": body,
+              "detail": detail, "at": time.time()}  # fmt: skip
+    return json.dumps(record)
 
 
 class RunChannel:
@@ -64,9 +96,8 @@ class RunChannel:
         not answer."""
         command_id = uuid.uuid4().hex
         deadline = time.time() + self.timeout_s
-        command = json.dumps(
-            {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
-        )
+        sent = {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
+        command = json.dumps(sent)
         key = commands_key(run_id)
         client = redis.asyncio.Redis.from_url(
             self.result_backend,
@@ -81,7 +112,9 @@ class RunChannel:
             got = await client.blpop([reply_key(command_id)], timeout=self.timeout_s)
             if got is None:
                 taken = await client.lrem(key, 1, command) == 0
-                raise CommandRefused(504, self._unanswered(run_id, op, taken))
+                if op not in READS:
+                    await self._keep_unanswered(client, run_id, sent, taken)
+                raise CommandRefused(504, self._unanswered(run_id, sent, taken))
         except redis.RedisError as exc:
             raise CommandRefused(
                 503,
@@ -96,17 +129,52 @@ class RunChannel:
             raise CommandRefused(status, str(body.get("detail", body)))
         return dict(body)
 
-    def _unanswered(self, run_id: str, op: str, taken: bool) -> str:
+    async def _keep_unanswered(
+        self, client: redis.asyncio.Redis, run_id: str, sent: Mapping[str, Any], taken: bool
+    ) -> None:
+        """Keep the outcome of a command given up on: "taken" only where the worker has kept none yet (it
+        may answer as this is written), "not carried out" for one taken back (no worker has it)."""
         waited = f"{self.timeout_s:g} s"
+        if taken:
+            state, detail = "taken", f"not answered within {waited}; it may still be carried out"
+        else:
+            state, detail = "not carried out", f"no worker took it within {waited}; it was taken back"
+        record = outcome(sent, run_id, state, detail)
+        await client.set(outcome_key(sent["id"]), record, ex=OUTCOME_TTL_S, nx=taken)
+
+    def _unanswered(self, run_id: str, sent: Mapping[str, Any], taken: bool) -> str:
+        waited, op = f"{self.timeout_s:g} s", sent["op"]
+        kept = "" if op in READS else f"; its outcome is kept a day: {outcome_route(run_id, sent['id'])}"
         if taken:
             return (
                 f"run {run_id!r}'s orchestrator worker took the {op} but did not answer within {waited}; "
-                f"it may still carry it out: see GET /api/runs/{run_id}"
+                f"it may still carry it out: see GET /api/runs/{run_id}{kept}"
             )
         return (
             f"no orchestrator worker took the {op} for run {run_id!r} within {waited}, so nothing was "
-            "done: is the worker driving it alive (GET /healthz, `orchestrator`)? Try again"
+            "done: is the worker driving it alive (GET /healthz, `orchestrator`), and not still busy "
+            f"with an earlier command? Try again{kept}"
         )
+
+    async def outcome(self, run_id: str, command_id: str) -> dict[str, Any] | None:
+        """The kept outcome of command `command_id` of run `run_id`; None when none is kept (unknown,
+        expired, a read, or another run's). `CommandRefused` (503) when the result backend does not
+        answer."""
+        client = redis.asyncio.Redis.from_url(
+            self.result_backend, socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
+        try:
+            raw = await client.get(outcome_key(command_id))
+        except redis.RedisError as exc:
+            raise CommandRefused(
+                503,
+                f"command {command_id!r} of run {run_id!r} could not be looked up: the result backend did "
+                f"not answer ({type(exc).__name__}); try again in a few seconds",
+            ) from None
+        finally:
+            await client.aclose()
+        record = None if raw is None else json.loads(raw)
+        return record if isinstance(record, dict) and record.get("run_id") == run_id else None
 
     def stop(self, run_id: str, actor: str) -> None:
         """Ask for the run's stop; `CommandRefused` (503) when the result backend does not answer."""
@@ -155,16 +223,26 @@ class RunInbox:
         return command
 
     def answer(self, command: Mapping[str, Any], status: int, body: Mapping[str, Any]) -> None:
+        """Answer `command` to its sender, and keep its outcome (`outcome_key`) unless it is a read."""
         key = reply_key(str(command["id"]))
         with self.client.pipeline() as pipe:
             pipe.rpush(key, json.dumps({"status": status, "body": dict(body)}))
             pipe.expire(key, REPLY_TTL_S)
+            if command.get("op") not in READS:
+                record = outcome(command, self.run_id, "answered", None, (status, dict(body)))
+                pipe.set(outcome_key(str(command["id"])), record, ex=OUTCOME_TTL_S)
             pipe.execute()
+
+    def not_carried_out(self, command: Mapping[str, Any], detail: str) -> None:
+        """Keep the outcome of `command` that was not carried out (its sender has stopped waiting)."""
+        if command.get("op") not in READS:
+            record = outcome(command, self.run_id, "not carried out", detail)
+            self.client.set(outcome_key(str(command["id"])), record, ex=OUTCOME_TTL_S)
 
 
 # The states each command needs, as the run's own refusal says (RunHandle._require); the others need it
 # running or paused
-NEEDS = {"pause": "running", "resume": "paused"}
+NEEDS = {"pause": "running", "resume": "paused", "metrics": "taken by one"}
 
 
 def driven_elsewhere(record: RunRecord | None) -> TypeGuard[RunRecord]:
@@ -231,6 +309,8 @@ __all__ = [
     "commands_key",
     "driven_elsewhere",
     "expired",
+    "outcome_key",
+    "outcome_route",
     "reachable",
     "reply_key",
 ]

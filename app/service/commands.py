@@ -1,12 +1,12 @@
-"""An operator's commands on a live run (pause, resume, publish, policy, drain and serve an engine): one
-code path wherever the run executes. The API's routes and the dashboard call these on a run executing
-in their process; an orchestrator worker calls `apply` on the run it drives, with a command that came
-through the command channel (app.service.channel), so a celery-orchestrated run answers as one
-executing in `corral serve` would.
+"""An operator's commands on a live run (pause, resume, publish, policy, drain and serve an engine) and its
+live figures (`metrics`): one code path wherever the run executes. The API's routes and the dashboard
+call these on a run executing in their process; an orchestrator worker calls `apply` on the run it
+drives, with a command that came through the command channel (app.service.channel), so a
+celery-orchestrated run answers as one executing in `corral serve` would.
 
 Invariants:
 - every command runs on the run's loop through the handle's own commands (`RunHandle.call`); nothing
-  here touches the runtime;
+  here touches the runtime (`metrics` reads what `RunHandle.live` reads, safe from any thread);
 - a refusal is a `CommandRefused` carrying the API's answer: 404 (no such engine), 409 (the run's state
   does not allow it, or it has ended), 422 (a value the run cannot take), with the words the API says;
 - a publication and a policy change answer once their events are in the store (`RunHandle.stored`).
@@ -28,7 +28,11 @@ from app.validation import problems
 T = TypeVar("T")
 
 # The commands `apply` takes, by name; `args` is each one's JSON body
-COMMANDS = ("pause", "resume", "publish", "publish_next", "policy", "drain", "serve")
+COMMANDS = ("pause", "resume", "publish", "publish_next", "policy", "drain", "serve", "metrics")
+
+# The trainer's figures are measured where the trainer is, on the wall clock, whatever clock the run
+# runs on (a simulated run's page counts simulated seconds and says so).
+TRAINER_CLOCK = "wall"
 
 
 class CommandRefused(Exception):
@@ -115,6 +119,34 @@ async def rotate(handle: RunHandle, engine: str, into: bool, actor: str) -> dict
         raise CommandRefused(404, f"run {handle.run_id!r} has no engine {engine!r}") from None
 
 
+def metrics(handle: RunHandle) -> dict[str, Any]:
+    """The run's live figures, as `GET /api/runs/{id}/metrics` answers them (safe from any thread)."""
+    live = handle.live()
+    stats = handle.gateway.stats
+    wait_mean = stats.collection_s_mean
+    return {
+        "id": handle.run_id,
+        "state": live["state"],
+        "batches": live["batches"],
+        "groups_admitted": live["groups_admitted"],
+        "groups_delivered": live["groups_delivered"],
+        "groups_discarded": live["groups_discarded"],
+        "groups_live": live.get("groups_live"),
+        "trainer_version": live.get("trainer_version"),
+        "engine_versions": live.get("engine_versions"),
+        "lanes": live.get("lanes"),
+        "trainer": {
+            "offered": stats.offered,
+            "redelivered": stats.redelivered,
+            "acked": stats.acked,
+            "idle_s": round(stats.trainer_idle_s, 6),
+            "batch_wait_s_mean": None if wait_mean is None else round(wait_mean, 6),
+            "clock": TRAINER_CLOCK,
+        },
+        "event_sinks": handle.recorder.bus.stats(),
+    }
+
+
 async def apply(
     handle: RunHandle, op: str, args: Mapping[str, Any], actor: str
 ) -> tuple[int, dict[str, Any]]:
@@ -131,6 +163,8 @@ async def apply(
             return 200, await set_policy(handle, PolicyPatch.model_validate(args), actor)
         if op in ("drain", "serve"):
             return 200, await rotate(handle, str(args.get("engine", "")), op == "serve", actor)
+        if op == "metrics":
+            return 200, metrics(handle)
     except CommandRefused as exc:
         return exc.status, {"detail": exc.detail}
     except ValidationError as exc:

@@ -6,8 +6,13 @@ discarded as `orphaned`, see app.service.manager). The worker's task holds the r
 so no two processes drive one run. An operator's stop (`POST /api/runs/{id}/stop` to any `corral serve`)
 reaches it as a key in the result backend's Redis (`app.lanes.celery.run_stop_key`), looked for every
 `STOP_CHECK_S`: the run is stopped as one executing in the API server would be. The operator's other
-commands (pause, resume, weights, policy, engines) come through the run's command channel
+commands (pause, resume, weights, policy, engines, metrics) come through the run's command channel
 (app.service.channel), taken as they come and answered as the API server answers for a run of its own.
+
+Invariant: a stop is honoured whatever a command does. The commands are taken and carried out one at a
+time on a thread of their own (`CommandLine`), never on the watcher that looks for the stop: a command
+whose handler hangs holds up the commands after it (they stay on the run's list, and their senders get
+a 504 saying no worker took them), never the run's stop or its end.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -33,6 +39,10 @@ from app.store.models import TERMINAL_RUN_STATES, RunState
 log = logging.getLogger(__name__)
 
 STOP_CHECK_S = 1.0
+# After the run's end, how long the watcher waits for its command line to answer the commands left;
+# one still carrying out a command that hangs is left behind (a daemon thread), logged
+LINE_DRAIN_S = 5.0
+NOT_CARRIED_OUT = "past its deadline when the worker took it: its sender had stopped waiting (a 504)"
 
 
 def run_orchestrator(run_id: str, settings: Settings) -> dict[str, Any]:
@@ -53,35 +63,87 @@ def run_orchestrator(run_id: str, settings: Settings) -> dict[str, Any]:
 
 
 def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
-    """Wait for the run's end, carrying out an operator's commands meanwhile: a stop once asked
-    (`run_stop_key`), and the commands of the run's channel (app.service.channel) one at a time, each as
-    `corral serve` would carry it out on a run of its own (`app.service.commands.apply`). With no
-    broker, as when this is called outside a worker, nobody can ask."""
+    """Wait for the run's end, stopping it once an operator asks (`run_stop_key`), while its command line
+    (`CommandLine`) carries out the commands of its channel. With no broker, as when this is called
+    outside a worker, nobody can ask."""
     if settings.broker_url is None:
         handle.join()
         return
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
-    # its answers include the inbox's blocking pop of up to STOP_CHECK_S
-    client = redis_client(backend, STOP_CHECK_S + COMMAND_TIMEOUT_S)
-    inbox = RunInbox(client, handle.run_id)
+    line = CommandLine(handle, backend)
+    line.start()
+    client = redis_client(backend, COMMAND_TIMEOUT_S)
     asked = False
     try:
-        while not handle.join(0):
+        while not handle.join(STOP_CHECK_S):
             try:
                 asked = asked or _stop_if_asked(client, handle)
-                command = inbox.take(STOP_CHECK_S)
-                if command is not None:
-                    _carry_out(inbox, handle, command)
             except redis.RedisError as exc:  # fault tolerance: the run goes on; asked again next check
-                log.warning("run %s: could not look for an operator's commands: %r", handle.run_id, exc)
-                handle.join(STOP_CHECK_S)
-        try:  # those sent as it ended are answered as an ended run's: "has ended (<state>)"
-            for command in inbox.left():
-                _carry_out(inbox, handle, command)
-        except redis.RedisError as exc:  # their senders' waits end in a 504
-            log.warning("run %s: could not answer the commands left at its end: %r", handle.run_id, exc)
+                log.warning("run %s: could not look for an operator's stop: %r", handle.run_id, exc)
     finally:
         client.close()
+        line.join(LINE_DRAIN_S)
+        if line.is_alive():
+            log.warning("run %s: its command line is still carrying out %s; left behind, as the run has "
+                        "ended", handle.run_id, line.busy)  # fmt: skip
+
+
+class CommandLine(threading.Thread):
+    """The commands of one run's channel (app.service.channel), taken and carried out one at a time until
+    the run ends, each as `corral serve` would carry it out on a run of its own
+    (`app.service.commands.apply`); then those sent as it ended, answered as an ended run's. A thread of
+    its own: the watcher that honours the run's stop never waits on a command."""
+
+    def __init__(self, handle: RunHandle, backend: str) -> None:
+        super().__init__(name=f"commands-{handle.run_id}", daemon=True)
+        self.handle = handle
+        self.backend = backend
+        self.busy: str | None = None  # the command being carried out, as the log names it
+
+    def run(self) -> None:
+        handle = self.handle
+        # its answers include the inbox's blocking pop of up to STOP_CHECK_S
+        client = redis_client(self.backend, STOP_CHECK_S + COMMAND_TIMEOUT_S)
+        inbox = RunInbox(client, handle.run_id)
+        try:
+            while not handle.join(0):
+                try:
+                    command = inbox.take(STOP_CHECK_S)
+                    if command is not None:
+                        self._carry_out(inbox, command)
+                except redis.RedisError as exc:  # fault tolerance: the run goes on; taken next time
+                    log.warning("run %s: could not take an operator's commands: %r", handle.run_id, exc)
+                    handle.join(STOP_CHECK_S)
+            try:  # those sent as it ended are answered as an ended run's: "has ended (<state>)"
+                for command in inbox.left():
+                    self._carry_out(inbox, command)
+            except redis.RedisError as exc:  # their senders' waits end in a 504
+                log.warning("run %s: could not answer the commands left at its end: %r", handle.run_id, exc)
+        finally:
+            client.close()
+
+    def _carry_out(self, inbox: RunInbox, command: dict[str, Any]) -> None:
+        handle = self.handle
+        op, actor = str(command.get("op")), str(command.get("actor") or "operator")
+        if expired(command, time.time()):
+            log.warning(
+                "run %s: %s from %s not carried out: its sender stopped waiting", handle.run_id, op, actor
+            )
+            inbox.not_carried_out(command, NOT_CARRIED_OUT)
+            return
+        given = command.get("args")
+        args = given if isinstance(given, dict) else {}
+        self.busy = f"{op} from {actor}"
+        try:
+            status, body = asyncio.run(apply(handle, op, args, actor))
+        except Exception as exc:  # fault tolerance: this thread takes the run's commands; it must go on
+            log.exception("run %s: %s from %s failed", handle.run_id, op, actor)
+            status, body = 500, {"detail": f"run {handle.run_id}'s orchestrator worker failed to carry out "
+                                           f"the {op}: {type(exc).__name__}: {exc}"}  # fmt: skip
+        finally:
+            self.busy = None
+        log.info("run %s: %s from %s answered %d", handle.run_id, op, actor, status)
+        inbox.answer(command, status, body)
 
 
 def _stop_if_asked(client: redis.Redis, handle: RunHandle) -> bool:
@@ -94,21 +156,3 @@ def _stop_if_asked(client: redis.Redis, handle: RunHandle) -> bool:
     with contextlib.suppress(RunNotLiveError):  # it ended meanwhile
         handle.submit(handle.stop)
     return True
-
-
-def _carry_out(inbox: RunInbox, handle: RunHandle, command: dict[str, Any]) -> None:
-    if expired(command, time.time()):
-        log.warning("run %s: %s from %s not carried out: its sender stopped waiting",
-                    handle.run_id, command.get("op"), command.get("actor"))  # fmt: skip
-        return
-    op, actor = str(command.get("op")), str(command.get("actor") or "operator")
-    given = command.get("args")
-    args = given if isinstance(given, dict) else {}
-    try:
-        status, body = asyncio.run(apply(handle, op, args, actor))
-    except Exception as exc:  # fault tolerance: this thread watches for the run's stop; it must go on
-        log.exception("run %s: %s from %s failed", handle.run_id, op, actor)
-        status, body = 500, {"detail": f"run {handle.run_id}'s orchestrator worker failed to carry out the "
-                                       f"{op}: {type(exc).__name__}: {exc}"}  # fmt: skip
-    log.info("run %s: %s from %s answered %d", handle.run_id, op, actor, status)
-    inbox.answer(command, status, body)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from factories import wait_for as wait_for  # the tests here import it from this module
 
@@ -61,14 +62,19 @@ def worker_env(tmp_path: Path, database_url: str, redis_url: str) -> dict[str, s
     }
 
 
+WORKER_PROGRAM = "from app.cli import main; main()"
+
+
 @contextmanager
-def orchestrator_worker(env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def orchestrator_worker(
+    env: dict[str, str], log_path: Path, program: str = WORKER_PROGRAM
+) -> Iterator[subprocess.Popen[bytes]]:
     """A real `corral worker --orchestrator` with `env`, its output in `log_path`, for the block's
-    duration; then stopped through its own session (SIGTERM, SIGKILL after 30 s), pool processes too."""
+    duration; then stopped through its own session (SIGTERM, SIGKILL after 30 s), pool processes too.
+    `program`: the Python that starts it (`corral`'s main, after a fault it injects, say)."""
     with log_path.open("wb") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "worker", "--orchestrator",
-             "--loglevel", "warning"],
+            [sys.executable, "-c", program, "worker", "--orchestrator", "--loglevel", "warning"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
@@ -120,6 +126,22 @@ def make_run(**overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": "test-run", "kind": "sim", "speed": 5.0, "batches": 4}
     spec.update(overrides)
     return spec
+
+
+def twin_runs(api: httpx.Client, worker_log: Path) -> tuple[str, str]:
+    """Two simulated runs that go on until stopped, once they run: one executing in the server `api`
+    speaks to, and its twin, which an orchestrator worker (its log in `worker_log`) drives."""
+    spec = make_run(speed=1.0, trainer="sentinel")
+    del spec["batches"]
+    here = api.post("/api/runs", json=spec).json()["id"]
+    remote = api.post("/api/runs", json={**spec, "orchestrator": "celery"}).json()["id"]
+    for run_id in (here, remote):
+        wait_for(
+            lambda run_id=run_id: api.get(f"/api/runs/{run_id}").json()["state"] == "running",
+            120,
+            what=f"run {run_id} to run; log {worker_log}",
+        )
+    return here, remote
 
 
 def stored_run(database_url: str, run_id: str) -> RunRecord:

@@ -3,8 +3,11 @@ the real API on the real Redis (no worker runs here: the run is a stored row in 
 would have left it in). Before, every such command was a 409 "not executing in this server"; now it
 goes through the run's command channel (app.service.channel) and, unanswered, ends in words:
 - never taken (no worker drives the run): 504, nothing done, and the command is taken back off the
-  run's list (no worker carries it out later);
-- taken and not answered in time: 504, saying it may still be carried out;
+  run's list (no worker carries it out later); its outcome, "not carried out", kept under the route the
+  504 names;
+- taken and not answered in time: 504, saying it may still be carried out; its outcome "taken" until
+  the worker answers (then the worker's answer);
+- the run's metrics, unanswered: 504 naming no outcome (a read keeps none), and a queued run's a 409;
 - a run still queued: 409 at once, as a run whose engines are starting refuses;
 - the result backend down: 503 with Retry-After, and the dashboard says the same words."""
 
@@ -19,7 +22,7 @@ from typing import Any
 import httpx
 from api_support import TOKEN, free_port, make_run, make_settings, serving
 
-from app.service.channel import commands_key
+from app.service.channel import RunInbox, commands_key, outcome_key
 from app.service.schemas import RunCreate
 from app.service.store import ServiceStore
 from app.store.models import RunState
@@ -42,6 +45,18 @@ def stored_celery_run(db: str, state: RunState) -> str:
     return run_id
 
 
+def kept_route(detail: str, run_id: str) -> str:
+    """The id of the command whose outcome route a 504's `detail` names."""
+    named = re.search(rf"GET /api/runs/{run_id}/commands/([0-9a-f]{{32}})$", detail)
+    assert named is not None, f"the 504 names no outcome route: {detail}"
+    return named.group(1)
+
+
+def assert_outcome(kept: dict[str, Any], command_id: str, run_id: str, op: str, state: str) -> None:
+    said = (kept["id"], kept["run_id"], kept["op"], kept["actor"], kept["state"])
+    assert said == (command_id, run_id, op, "operator", state), kept
+
+
 def api_client(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
 
@@ -53,11 +68,19 @@ def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, re
         running = stored_celery_run(db, RunState.RUNNING)
         answer = api.patch(f"/api/runs/{running}/policy", json={"max_staleness": 3})
         assert answer.status_code == 504, answer.text
+        command_id = kept_route(answer.json()["detail"], running)
         assert answer.json()["detail"] == (
             f"no orchestrator worker took the policy for run {running!r} within 1 s, so nothing was done: "
-            "is the worker driving it alive (GET /healthz, `orchestrator`)? Try again"
+            "is the worker driving it alive (GET /healthz, `orchestrator`), and not still busy with an "
+            f"earlier command? Try again; its outcome is kept a day: GET /api/runs/{running}/commands/"
+            f"{command_id}"
         )
         assert redis_db.llen(commands_key(running)) == 0  # no worker carries it out later
+        kept = api.get(f"/api/runs/{running}/commands/{command_id}")
+        assert kept.status_code == 200, kept.text
+        assert_outcome(kept.json(), command_id, running, "policy", "not carried out")
+        assert kept.json()["detail"] == "no worker took it within 1 s; it was taken back"
+        assert 86000 < redis_db.ttl(outcome_key(command_id)) <= 86400  # kept a day
 
         # A worker that takes the command and does not answer (hung on its run's loop, say)
         def take() -> None:
@@ -68,10 +91,45 @@ def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, re
         answer = api.post(f"/api/runs/{running}/pause")
         taker.join()
         assert answer.status_code == 504, answer.text
+        command_id = kept_route(answer.json()["detail"], running)
         assert answer.json()["detail"] == (
             f"run {running!r}'s orchestrator worker took the pause but did not answer within 1 s; it may "
-            f"still carry it out: see GET /api/runs/{running}"
+            f"still carry it out: see GET /api/runs/{running}; its outcome is kept a day: "
+            f"GET /api/runs/{running}/commands/{command_id}"
         )
+        kept = api.get(f"/api/runs/{running}/commands/{command_id}")
+        assert kept.status_code == 200, kept.text
+        assert_outcome(kept.json(), command_id, running, "pause", "taken")
+        assert kept.json()["detail"] == "not answered within 1 s; it may still be carried out"
+        # The worker answers late: its answer is the outcome, and the API's "taken" never overwrites it
+        inbox = RunInbox(redis_db, running)
+        inbox.answer({"id": command_id, "op": "pause", "actor": "operator"}, 200, {"state": "paused"})
+        kept = api.get(f"/api/runs/{running}/commands/{command_id}").json()
+        assert_outcome(kept, command_id, running, "pause", "answered")
+        assert (kept["status"], kept["body"], kept["detail"]) == (200, {"state": "paused"}, None)
+
+        # Unknown, another run's, and not an id: 404, 404, 422
+        for path, said in (
+            (f"/api/runs/{running}/commands/nope", 404),
+            (f"/api/runs/other/commands/{command_id}", 404),
+            (f"/api/runs/{running}/commands/no%20id", 422),
+        ):
+            answer = api.get(path)
+            assert answer.status_code == said, (path, answer.text)
+        assert api.get(f"/api/runs/{running}/commands/nope").json()["detail"] == (
+            f"run {running!r} has no command 'nope' kept: the outcome of a command sent to a run's "
+            "orchestrator worker is kept a day, and reads (metrics) keep none"
+        )
+
+        # Its metrics: asked of the worker, unanswered a 504 that names no outcome (none is kept)
+        answer = api.get(f"/api/runs/{running}/metrics")
+        assert answer.status_code == 504, answer.text
+        assert answer.json()["detail"] == (
+            f"no orchestrator worker took the metrics for run {running!r} within 1 s, so nothing was done: "
+            "is the worker driving it alive (GET /healthz, `orchestrator`), and not still busy with an "
+            "earlier command? Try again"
+        )
+        assert len(redis_db.keys("corral:command:*")) == 2  # the policy's and the pause's: none for it
 
         queued = stored_celery_run(db, RunState.CREATED)
         answer = api.post(f"/api/runs/{queued}/weights", json={"version": 2, "sentinel": True})
@@ -81,6 +139,12 @@ def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, re
             "running or paused"
         )
         assert redis_db.llen(commands_key(queued)) == 0
+        answer = api.get(f"/api/runs/{queued}/metrics")
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["detail"] == (
+            f"run {queued} is created (waiting for an orchestrator worker to take it); this needs it taken "
+            "by one"
+        )
 
         # The dashboard's controls take the same way, and say the same
         page = api.get(f"/runs/{running}")
@@ -93,6 +157,7 @@ def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, re
         )
         assert answer.status_code == 504, answer.text
         assert "no orchestrator worker took the policy" in answer.text
+        assert f"its outcome is kept a day: GET /api/runs/{running}/commands/" in answer.text
 
 
 def test_a_result_backend_that_does_not_answer_is_a_503(tmp_path: Path, redis_db: Any) -> None:

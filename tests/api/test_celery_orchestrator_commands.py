@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from api_support import TOKEN, make_run, make_settings, orchestrator_worker, serving, wait_for, worker_env
+from api_support import TOKEN, make_settings, orchestrator_worker, serving, twin_runs, wait_for, worker_env
 from factories import redis_answers
 
 from app.service.channel import commands_key, reply_key
@@ -39,16 +39,7 @@ def test_commands_reach_a_celery_run_and_answer_as_for_a_run_executing_here(tmp_
             serving(settings) as url,
             httpx.Client(base_url=url, headers=auth, timeout=90) as api,
         ):
-            spec = make_run(speed=1.0, trainer="sentinel")
-            del spec["batches"]  # they go on until stopped
-            here = api.post("/api/runs", json=spec).json()["id"]
-            remote = api.post("/api/runs", json={**spec, "orchestrator": "celery"}).json()["id"]
-            for run_id in (here, remote):
-                wait_for(
-                    lambda run_id=run_id: api.get(f"/api/runs/{run_id}").json()["state"] == "running",
-                    120,
-                    what=f"run {run_id} to run{worker_log}",
-                )
+            here, remote = twin_runs(api, tmp_path / "worker.log")
             assert api.get(f"/api/runs/{remote}").json()["live"] is None  # not executing in this server
 
             said = {run_id: [_answer(api, run_id, *ask) for ask in ASKS] for run_id in (here, remote)}
