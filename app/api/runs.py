@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
 from app.service import commands
-from app.service.channel import command_elsewhere, driven_elsewhere, reachable
+from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import TRAINER_CLOCK, CommandRefused
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
@@ -405,15 +405,19 @@ async def get_command(
     carried out", `detail` saying why. Reads (metrics) keep none."""
     if await run_in_threadpool(manager.store.get_run, run_id) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
-    try:
-        kept = await reachable(request.app.state.channel, run_id).outcome(run_id, command_id)
-    except CommandRefused as exc:
-        raise _refused(exc) from None
+    channel: RunChannel | None = request.app.state.channel
+    kept = None
+    if channel is not None:  # without a broker, no command went to a worker
+        try:
+            kept = await channel.outcome(run_id, command_id)
+        except CommandRefused as exc:
+            raise _refused(exc) from None
     if kept is None:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
             f"run {run_id!r} has no command {command_id!r} kept: the outcome of a command sent to a run's "
-            "orchestrator worker is kept a day, and reads (metrics) keep none",
+            "orchestrator worker is kept a day; reads (metrics), and commands to a run executing in this "
+            "server, keep none",
         )
     return kept
 
@@ -443,7 +447,7 @@ async def run_metrics(run_id: RunId, request: Request, manager: Manager, _: View
     celery run (asked through its command channel); an ended run's from the store."""
     handle = manager.get(run_id)
     if handle is not None:
-        return commands.metrics(handle)
+        return await asyncio.to_thread(commands.metrics, handle)
     record = await run_in_threadpool(manager.store.get_run, run_id)
     if record is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")

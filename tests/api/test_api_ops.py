@@ -174,6 +174,7 @@ def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:
         "/api/runs/{run_id}/policy",
         "/api/runs/{run_id}/timeline",
         "/api/runs/{run_id}/metrics",
+        "/api/runs/{run_id}/commands/{command_id}",
         "/api/runs/{run_id}/pause",
         "/api/runs/{run_id}/resume",
         "/api/runs/{run_id}/stop",
@@ -221,6 +222,7 @@ def test_the_openapi_docs_describe_the_error_answers_the_api_gives(api: httpx.Cl
         ("patch", "/api/runs/{run_id}/policy", api.patch(f"/api/runs/{run_id}/policy", json={}), 422),
         ("get", "/api/runs/{run_id}/rollouts/{version}", api.get(f"/api/runs/{run_id}/rollouts/99"), 404),
         ("get", "/api/runs/{run_id}/batches/next", api.get("/api/runs/nope/batches/next"), 404),
+        ("get", "/api/runs/{run_id}/commands/{command_id}", api.get(f"/api/runs/{run_id}/commands/c1"), 404),
     ]
     for method, path, answer, status in cases:
         assert answer.status_code == status, (path, answer.text)

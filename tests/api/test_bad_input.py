@@ -415,6 +415,7 @@ def test_unknown_runs_are_404(api: httpx.Client) -> None:
         ("GET", "/api/runs/nope"),
         ("GET", "/api/runs/nope/timeline"),
         ("GET", "/api/runs/nope/metrics"),
+        ("GET", "/api/runs/nope/commands/c1"),
         ("GET", "/api/runs/nope/batches/next?timeout=0"),
         ("POST", "/api/runs/nope/stop"),
         ("GET", "/api/runs/nope/rollouts/1"),

@@ -118,7 +118,8 @@ def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, re
             assert answer.status_code == said, (path, answer.text)
         assert api.get(f"/api/runs/{running}/commands/nope").json()["detail"] == (
             f"run {running!r} has no command 'nope' kept: the outcome of a command sent to a run's "
-            "orchestrator worker is kept a day, and reads (metrics) keep none"
+            "orchestrator worker is kept a day; reads (metrics), and commands to a run executing in this "
+            "server, keep none"
         )
 
         # Its metrics: asked of the worker, unanswered a 504 that names no outcome (none is kept)
