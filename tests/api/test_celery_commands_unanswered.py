@@ -61,8 +61,10 @@ def api_client(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
 
 
-def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(tmp_path: Path, redis_db: Any) -> None:
-    db = f"sqlite:///{tmp_path / 'corral.db'}"
+def test_a_command_no_worker_takes_is_a_504_and_is_taken_back(
+    tmp_path: Path, redis_db: Any, backend_url: str
+) -> None:
+    db = backend_url
     settings = make_settings(tmp_path, db, broker_url=REDIS_URL, command_timeout_s=TIMEOUT_S)
     with serving(settings) as url, api_client(url) as api:
         running = stored_celery_run(db, RunState.RUNNING)

@@ -20,6 +20,7 @@ from api_support import TOKEN, make_settings, orchestrator_worker, serving, twin
 from factories import redis_answers
 
 from app.service.channel import commands_key, reply_key
+from app.service.runner import NOT_CARRIED_OUT
 
 REDIS_URL = "redis://127.0.0.1:6379/9"
 
@@ -75,6 +76,14 @@ def test_commands_reach_a_celery_run_and_answer_as_for_a_run_executing_here(tmp_
             assert "Applied S = 3." in policy.text
             assert api.get(f"/api/runs/{remote}").json()["policy"]["surplus_groups"] == 3
             assert broker.exists(reply_key("ghost")) == 0
+            kept = api.get(f"/api/runs/{remote}/commands/ghost").json()  # the worker says why
+            assert (kept["op"], kept["actor"], kept["state"], kept["status"]) == (
+                "pause",
+                "ghost",
+                "not carried out",
+                None,
+            )
+            assert kept["detail"] == NOT_CARRIED_OUT
             assert api.get(f"/api/runs/{remote}").json()["state"] == "running"  # the ghost's pause: not done
             publish = api.post(f"/runs/{remote}/publish", data=form, headers=htmx)
             assert publish.status_code == 200, publish.text

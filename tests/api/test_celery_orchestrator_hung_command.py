@@ -84,6 +84,8 @@ def test_a_stop_is_honoured_while_a_command_hangs_and_metrics_come_from_the_work
             kept = _unanswered(api, f"/api/runs/{remote}/resume", said)
             assert (kept["op"], kept["state"], kept["status"]) == ("resume", "not carried out", None)
             assert api.get(f"/api/runs/{remote}").json()["state"] == "running"  # nothing was paused
+            page = api.get(f"/runs/{remote}")  # the dashboard's page reads the store: it waits on no worker
+            assert page.status_code == 200, page.text
 
             stop = api.post(f"/api/runs/{remote}/stop")
             assert stop.status_code == 202, stop.text
