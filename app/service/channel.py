@@ -2,8 +2,9 @@
 through the result backend's Redis (where the run's lease and its stop key live).
 
 - A command is a JSON object `{id, op, args, actor, deadline}` pushed onto the run's list
-  `corral:commands:<run id>`; the worker driving the run takes it (`RunInbox.take`, on the worker's
-  watcher thread), carries it out on the run's loop through app.service.commands (the code path of a
+  `corral:commands:<run id>` (a read, `READS`, onto `corral:reads:<run id>`: a command that hangs holds
+  up no read); the worker driving the run takes it (`RunInbox.take`, on a thread of the worker's for each
+  list, app.service.runner.CommandLine), carries it out through app.service.commands (the code path of a
   run executing in `corral serve`) and pushes its answer `{status, body}` onto `corral:reply:<id>`,
   kept `REPLY_TTL_S`.
 - The API waits for the answer at most `timeout_s` (`CORRAL_COMMAND_TIMEOUT_S`). Unanswered, it takes
@@ -52,6 +53,15 @@ def commands_key(run_id: str) -> str:
     return f"corral:commands:{run_id}"
 
 
+def reads_key(run_id: str) -> str:
+    return f"corral:reads:{run_id}"
+
+
+def list_key(run_id: str, op: str) -> str:
+    """The list of the run's that takes `op`: its reads', or its commands'."""
+    return reads_key(run_id) if op in READS else commands_key(run_id)
+
+
 def reply_key(command_id: str) -> str:
     return f"corral:reply:{command_id}"
 
@@ -98,7 +108,7 @@ class RunChannel:
         deadline = time.time() + self.timeout_s
         sent = {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
         command = json.dumps(sent)
-        key = commands_key(run_id)
+        key = list_key(run_id, op)
         client = redis.asyncio.Redis.from_url(
             self.result_backend,
             socket_timeout=self.timeout_s + CONNECT_TIMEOUT_S,  # past the BLPOP's own wait
@@ -191,21 +201,23 @@ class RunChannel:
 
 
 class RunInbox:
-    """The worker's side, for one run: `take` the next command, `answer` it."""
+    """The worker's side, for one run's list `key` (its commands', by default): `take` the next command,
+    `answer` it."""
 
-    def __init__(self, client: redis.Redis, run_id: str) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, key: str | None = None) -> None:
         self.client = client
         self.run_id = run_id
+        self.key = commands_key(run_id) if key is None else key
 
     def take(self, wait_s: float) -> dict[str, Any] | None:
         """The next command, waiting at most `wait_s` for one; None when none came."""
-        got = self.client.blpop([commands_key(self.run_id)], timeout=wait_s)
+        got = self.client.blpop([self.key], timeout=wait_s)
         return None if got is None else self._read(got[1])
 
     def left(self) -> list[dict[str, Any]]:
         """The commands still waiting, taken at once (the run has ended: they are answered so)."""
         commands = []
-        while (raw := self.client.lpop(commands_key(self.run_id))) is not None:
+        while (raw := self.client.lpop(self.key)) is not None:
             if (command := self._read(raw)) is not None:
                 commands.append(command)
         return commands
@@ -309,8 +321,10 @@ __all__ = [
     "commands_key",
     "driven_elsewhere",
     "expired",
+    "list_key",
     "outcome_key",
     "outcome_route",
     "reachable",
+    "reads_key",
     "reply_key",
 ]

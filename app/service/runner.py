@@ -12,7 +12,8 @@ commands (pause, resume, weights, policy, engines, metrics) come through the run
 Invariant: a stop is honoured whatever a command does. The commands are taken and carried out one at a
 time on a thread of their own (`CommandLine`), never on the watcher that looks for the stop: a command
 whose handler hangs holds up the commands after it (they stay on the run's list, and their senders get
-a 504 saying no worker took them), never the run's stop or its end.
+a 504 saying no worker took them), never the run's stop or its end, nor its reads (metrics), which
+have a list and a line of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -29,7 +31,7 @@ import redis
 from app.lanes.celery import broker_urls, run_stop_key
 from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
 from app.metrics import CorralMetrics
-from app.service.channel import RunInbox, expired
+from app.service.channel import RunInbox, commands_key, expired, reads_key
 from app.service.commands import apply
 from app.service.compose import manager_for, store_for
 from app.service.handle import RunHandle, RunNotLiveError
@@ -70,8 +72,9 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
         handle.join()
         return
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
-    line = CommandLine(handle, backend)
-    line.start()
+    lines = [CommandLine(handle, backend, key) for key in (commands_key, reads_key)]
+    for line in lines:
+        line.start()
     client = redis_client(backend, COMMAND_TIMEOUT_S)
     asked = False
     try:
@@ -82,29 +85,31 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
                 log.warning("run %s: could not look for an operator's stop: %r", handle.run_id, exc)
     finally:
         client.close()
-        line.join(LINE_DRAIN_S)
-        if line.is_alive():
-            log.warning("run %s: its command line is still carrying out %s; left behind, as the run has "
-                        "ended", handle.run_id, line.busy)  # fmt: skip
+        for line in lines:
+            line.join(LINE_DRAIN_S)
+            if line.is_alive():
+                log.warning("run %s: its command line is still carrying out %s; left behind, as the run has "
+                            "ended", handle.run_id, line.busy)  # fmt: skip
 
 
 class CommandLine(threading.Thread):
-    """The commands of one run's channel (app.service.channel), taken and carried out one at a time until
-    the run ends, each as `corral serve` would carry it out on a run of its own
-    (`app.service.commands.apply`); then those sent as it ended, answered as an ended run's. A thread of
-    its own: the watcher that honours the run's stop never waits on a command."""
+    """The commands of one of a run's lists (app.service.channel: its commands', `key(run_id)`, or its
+    reads'), taken and carried out one at a time until the run ends, each as `corral serve` would carry
+    it out on a run of its own (`app.service.commands.apply`); then those sent as it ended, answered as
+    an ended run's. A thread of its own: the watcher that honours the run's stop never waits on one."""
 
-    def __init__(self, handle: RunHandle, backend: str) -> None:
-        super().__init__(name=f"commands-{handle.run_id}", daemon=True)
+    def __init__(self, handle: RunHandle, backend: str, key: Callable[[str], str]) -> None:
+        super().__init__(name=f"{key.__name__.removesuffix('_key')}-{handle.run_id}", daemon=True)
         self.handle = handle
         self.backend = backend
+        self.key = key(handle.run_id)
         self.busy: str | None = None  # the command being carried out, as the log names it
 
     def run(self) -> None:
         handle = self.handle
         # its answers include the inbox's blocking pop of up to STOP_CHECK_S
         client = redis_client(self.backend, STOP_CHECK_S + COMMAND_TIMEOUT_S)
-        inbox = RunInbox(client, handle.run_id)
+        inbox = RunInbox(client, handle.run_id, self.key)
         try:
             while not handle.join(0):
                 try:

@@ -4,7 +4,7 @@ that does not execute it, while a command's handler hangs in the worker:
   in the API server; before, they were a 409 "not executing in this server";
 - a command whose handler hangs is a 504 naming the route that keeps its outcome ("taken"); the next
   command, which no one takes while the hung one holds the worker's command line, a 504 whose outcome
-  is "not carried out";
+  is "not carried out"; the metrics, read on a line of their own, still answer;
 - a stop is honoured all the same: the worker carries out commands on a thread of their own
   (`app.service.runner.CommandLine`), so the watcher that looks for the stop goes on. Before, the
   watcher carried them out itself, and a hung handler held the run forever;
@@ -84,6 +84,10 @@ def test_a_stop_is_honoured_while_a_command_hangs_and_metrics_come_from_the_work
             kept = _unanswered(api, f"/api/runs/{remote}/resume", said)
             assert (kept["op"], kept["state"], kept["status"]) == ("resume", "not carried out", None)
             assert api.get(f"/api/runs/{remote}").json()["state"] == "running"  # nothing was paused
+            reading = api.get(f"/api/runs/{remote}/metrics")  # reads have a line of their own
+            assert reading.status_code == 200, reading.text
+            assert reading.json()["state"] == "running"
+            assert reading.json()["groups_admitted"] >= figures["groups_admitted"]
             page = api.get(f"/runs/{remote}")  # the dashboard's page reads the store: it waits on no worker
             assert page.status_code == 200, page.text
 
