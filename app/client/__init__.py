@@ -232,6 +232,10 @@ class CorralClient:
     def metrics(self, run_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/api/runs/{run_id}/metrics"))
 
+    def command(self, run_id: str, command_id: str) -> dict[str, Any]:
+        """The kept outcome of a command to a celery run's orchestrator worker (a 504 names its id)."""
+        return dict(self._call("GET", f"/api/runs/{run_id}/commands/{command_id}"))
+
     def pause(self, run_id: str) -> dict[str, Any]:
         return dict(self._call("POST", f"/api/runs/{run_id}/pause"))
 
@@ -324,6 +328,10 @@ class AsyncCorralClient:
 
     async def metrics(self, run_id: str) -> dict[str, Any]:
         return dict(await self._call("GET", f"/api/runs/{run_id}/metrics"))
+
+    async def command(self, run_id: str, command_id: str) -> dict[str, Any]:
+        """The kept outcome of a command to a celery run's orchestrator worker (a 504 names its id)."""
+        return dict(await self._call("GET", f"/api/runs/{run_id}/commands/{command_id}"))
 
     async def pause(self, run_id: str) -> dict[str, Any]:
         return dict(await self._call("POST", f"/api/runs/{run_id}/pause"))

@@ -24,6 +24,8 @@ import redis
 from api_support import TOKEN, make_settings, orchestrator_worker, serving, twin_runs, wait_for, worker_env
 from factories import redis_answers
 
+from app.client import CorralClient
+
 REDIS_URL = "redis://127.0.0.1:6379/4"
 TIMEOUT_S = 3.0
 # `corral`'s main in a worker whose pause and resume handlers never answer
@@ -79,6 +81,8 @@ def test_a_stop_is_honoured_while_a_command_hangs_and_metrics_come_from_the_work
             said = f"run {remote!r}'s orchestrator worker took the pause but did not answer within 3 s"
             kept = _unanswered(api, f"/api/runs/{remote}/pause", said)
             assert (kept["op"], kept["state"], kept["status"]) == ("pause", "taken", None)
+            with CorralClient(url, token=TOKEN) as corral:  # the client reads it the same
+                assert corral.command(remote, kept["id"]) == kept
             # the command line is still on the pause: no one takes the resume
             said = f"no orchestrator worker took the resume for run {remote!r} within 3 s"
             kept = _unanswered(api, f"/api/runs/{remote}/resume", said)
