@@ -728,7 +728,7 @@ class Runtime:
             started = now()
             error: EngineError | TimeoutError | None = None
             try:
-                async with self.pool.call(engine.name):
+                with self.pool.call(engine.name):
                     result = await engine.generate(request)
             except (EngineError, TimeoutError) as exc:
                 error = exc

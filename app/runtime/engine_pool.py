@@ -65,24 +65,51 @@ def is_unreachable(exc: BaseException) -> bool:
 
 
 class _CallScope:
-    """`EnginePool.call`'s scope: an `asyncio.Timeout` without a deadline, registered while it runs so
-    that `interrupt` can end it. A class rather than an `asynccontextmanager`: one is entered per turn."""
+    """`EnginePool.call`'s scope: what an `asyncio.Timeout` without a deadline does, registered while it
+    runs so that `interrupt` can end it, as a plain `with` block. `asyncio.Timeout` is entered and left
+    through two coroutines, four a turn; this carries out the same steps in the same order (the
+    interruption a `call_soon` that cancels the task, its `CancelledError` turned into `TimeoutError` on
+    the way out unless someone else cancelled the task too)."""
 
-    __slots__ = ("_calls", "_timeout")
+    __slots__ = ("_calls", "_cancelling", "_expiring", "_handle", "_task")
 
-    def __init__(self, calls: set[asyncio.Timeout]) -> None:
+    def __init__(self, calls: dict[_CallScope, None]) -> None:
         self._calls = calls
-        self._timeout = asyncio.Timeout(None)
+        self._handle: asyncio.Handle | None = None
+        self._expiring = False
 
-    async def __aenter__(self) -> None:
-        await self._timeout.__aenter__()
-        self._calls.add(self._timeout)
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an engine call runs inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._calls[self] = None
 
-    async def __aexit__(
+    def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._calls.discard(self._timeout)
-        await self._timeout.__aexit__(exc_type, exc, tb)  # raises TimeoutError when interrupted
+        self._calls.pop(self, None)
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if not self._expiring:
+            return
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc  # interrupted, and nobody else cancelled the task meanwhile
+
+    def interrupt(self) -> None:
+        """End the call at the loop's next turn (`asyncio.Timeout.reschedule` to now)."""
+        if self._expiring:
+            raise RuntimeError("Cannot change state of expiring Timeout")  # as asyncio.Timeout
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = asyncio.get_running_loop().call_soon(self._expire)
+
+    def _expire(self) -> None:
+        self._task.cancel()
+        self._expiring = True
+        self._handle = None
 
 
 class EnginePool:
@@ -96,7 +123,8 @@ class EnginePool:
         self.epoch = dict.fromkeys(self.by_name, 0)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._drain: dict[str, list[asyncio.Future[None]]] = {name: [] for name in self.by_name}
-        self._calls: dict[str, set[asyncio.Timeout]] = {name: set() for name in self.by_name}
+        # Each engine's calls in flight, in the order they began (a dict: `interrupt` ends them in it).
+        self._calls: dict[str, dict[_CallScope, None]] = {name: {} for name in self.by_name}
 
     @property
     def waiting(self) -> int:
@@ -169,10 +197,9 @@ class EnginePool:
 
     def interrupt(self, name: str) -> int:
         """End every call in flight on `name` now; returns how many there were."""
-        now = asyncio.get_running_loop().time()
         scopes = list(self._calls[name])
         for scope in scopes:
-            scope.reschedule(now)
+            scope.interrupt()
         return len(scopes)
 
     def mark_down(self, name: str) -> None:
