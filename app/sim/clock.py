@@ -177,8 +177,12 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 # thousands of tasks alive; at the default (700) the collector ran so often, and its full collections
 # walked so many live tasks, that it took ~25% of a 10,000-trajectory run (benchmarks/scale.py); at
 # 20,000 still ~15% (gen-0 survivors, still-running operations, were walked again in older generations).
-# Cycles are still collected, just in larger steps.
-SIM_GC_THRESHOLD0 = 100_000
+# At 100,000 its collections still took 0.16 s of a `short` run (5 of them) and 0.8 s of a `realistic`
+# one (11; each walked ~100,000 young live objects, and the second generation's walked all of them)
+# while finding almost nothing: the whole `realistic` run leaves ~27,000 objects in cycles, most of them
+# the simulation's own structure, freed when it ends (app.sim.run). At 1,000,000 each run has one,
+# 0.04 s and 0.27 s; cyclic garbage is still collected, in steps of at most a million objects.
+SIM_GC_THRESHOLD0 = 1_000_000
 
 
 def run_virtual(
