@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from app.core.events import fast_frozen_init
+
 
 class PauseMode(StrEnum):
     """How an engine treats its in-flight requests when paused (vLLM's `/pause?mode=`)."""
@@ -24,6 +26,7 @@ class PauseMode(StrEnum):
     KEEP = "keep"
 
 
+@fast_frozen_init  # built once a turn: without a frozen dataclass's `object.__setattr__` per field
 @dataclass(frozen=True)
 class TurnRequest:
     """One model turn. `candidates`, when given, asks the engine to choose among them by logits."""
@@ -36,6 +39,7 @@ class TurnRequest:
     meta: Mapping[str, float] = field(default_factory=dict)
 
 
+@fast_frozen_init
 @dataclass(frozen=True)
 class TurnResult:
     text: str
