@@ -84,7 +84,7 @@ NO_MORE_BATCHES = "; no more batches"
 ENDING_WAIT_S = 30.0  # a stop that finds the run ending waits this long to say how it ended
 
 RunId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-CommandId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+CommandId = RunId  # a command's id has the same shape (uuid4 hex, in practice)
 
 
 async def _command(

@@ -109,11 +109,7 @@ class RunChannel:
         sent = {"id": command_id, "op": op, "args": dict(args), "actor": actor, "deadline": deadline}
         command = json.dumps(sent)
         key = list_key(run_id, op)
-        client = redis.asyncio.Redis.from_url(
-            self.result_backend,
-            socket_timeout=self.timeout_s + CONNECT_TIMEOUT_S,  # past the BLPOP's own wait
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-        )
+        client = self._connect(self.timeout_s + CONNECT_TIMEOUT_S)  # past the BLPOP's own wait
         try:
             async with client.pipeline() as pipe:
                 pipe.rpush(key, command)
@@ -152,6 +148,12 @@ class RunChannel:
         record = outcome(sent, run_id, state, detail)
         await client.set(outcome_key(sent["id"]), record, ex=OUTCOME_TTL_S, nx=taken)
 
+    def _connect(self, socket_timeout: float) -> redis.asyncio.Redis:
+        """A client of the result backend, for one request: its replies wait at most `socket_timeout`."""
+        return redis.asyncio.Redis.from_url(
+            self.result_backend, socket_timeout=socket_timeout, socket_connect_timeout=CONNECT_TIMEOUT_S
+        )
+
     def _unanswered(self, run_id: str, sent: Mapping[str, Any], taken: bool) -> str:
         waited, op = f"{self.timeout_s:g} s", sent["op"]
         kept = "" if op in READS else f"; its outcome is kept a day: {outcome_route(run_id, sent['id'])}"
@@ -170,9 +172,7 @@ class RunChannel:
         """The kept outcome of command `command_id` of run `run_id`; None when none is kept (unknown,
         expired, a read, or another run's). `CommandRefused` (503) when the result backend does not
         answer."""
-        client = redis.asyncio.Redis.from_url(
-            self.result_backend, socket_timeout=CONNECT_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S
-        )
+        client = self._connect(CONNECT_TIMEOUT_S)
         try:
             raw = await client.get(outcome_key(command_id))
         except redis.RedisError as exc:
