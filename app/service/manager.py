@@ -79,9 +79,15 @@ RUN_STOP_WAIT_S = 75.0
 # writer that waited 10 s for each such row, thousands of them behind a slow sink, held a Ctrl-C of
 # `corral serve` for 52 minutes.
 WRITER_WAIT_S = 15.0
-# The most `shutdown` takes: the runs' stop, their last events, the store writer's last writes (at the
-# default store outage wait: a run's last events get `close_wait_s` of its store's)
-SHUTDOWN_BOUND_S = RUN_STOP_WAIT_S + CLOSE_WAIT_S + 5.0 + WRITER_WAIT_S
+# How long `shutdown` gives the runs, all asked at once, to take their stop before their stop wait begins
+STOP_ASK_S = 5.0
+# How long past its stop wait a run that has ended may take to store its last events, beyond its store's
+# `close_wait_s` (all runs share one such bound)
+FLUSH_SLACK_S = 5.0
+# The most `shutdown` takes: the runs taking their stop, their stop, their last events, the store
+# writer's last writes (at the default store outage wait: a run's last events get `close_wait_s` of its
+# store's)
+SHUTDOWN_BOUND_S = STOP_ASK_S + RUN_STOP_WAIT_S + CLOSE_WAIT_S + FLUSH_SLACK_S + WRITER_WAIT_S
 # How long `shutdown` still waits once abandoned (a second Ctrl-C): a run a moment from its end ends
 ABANDON_GRACE_S = 1.0
 # How long an ack waits for the store to have it before it answers
@@ -728,13 +734,13 @@ class RunManager:
             with contextlib.suppress(RunNotLiveError, IllegalRunStateError):
                 stops.append(handle.submit(handle.stop))  # refused: already ending, or not started
         # Asked of every run at once: a run's loop slow to answer (under load) holds no other's stop
-        asked_by = time.monotonic() + 5.0
+        asked_by = time.monotonic() + STOP_ASK_S
         for stop in stops:
             with contextlib.suppress(RunNotLiveError, IllegalRunStateError, TimeoutError):
                 self._wait_or_abandoned(stop, asked_by)
         deadline = time.monotonic() + timeout_s
         # One bound for all: they store their last in parallel
-        flushed_by = deadline + close_wait_s(self.store.outage_s) + 5.0
+        flushed_by = deadline + close_wait_s(self.store.outage_s) + FLUSH_SLACK_S
         for handle in list(self.handles.values()):
             if self._wait_or_abandoned(handle.done, deadline):
                 continue
