@@ -1,6 +1,6 @@
 """Event ingestion: events per second that `SqlEventSink.write_batch` stores into Postgres (and SQLite).
 
-The stream is a seeded synthetic run shaped like the terminal-bench workload in DESIGN.md: groups of
+The stream is a seeded synthetic run shaped like the terminal-bench workload in docs/design.md: groups of
 G=8 attempts, each a reset, 18 turns with a tool call after each, a validation and a cleanup, plus the
 group's lifecycle (admitted, started/finished attempts, ready, delivered) and a batch every B=8 groups.
 About 94% of the events are timeline events (turns and sandbox ops); each becomes one raw `events` row

@@ -2,7 +2,7 @@
 workload of the bench family.
 
 It is NOT recorded from real trials: each of 40 tasks gets 6 attempts whose phases are drawn from
-lognormals matched to DESIGN.md's terminal-bench-core 0.1.1 quantiles (setup median 7 s and p90 76 s;
+lognormals matched to docs/design.md's terminal-bench-core 0.1.1 quantiles (setup median 7 s and p90 76 s;
 agent phase median 270 s and p90 660 s, capped at 660 s like most harness timeouts; tests median 5 s,
 p90 55 s, capped at 120 s; cleanup median 13 s, p90 17 s, capped at 38 s), with a per-task difficulty
 (log-sd 0.6 across tasks) shared by the task's attempts and its setup. A few setups are stretched into

@@ -4,7 +4,7 @@ The workload keeps (B + S)·G trajectories live (default B=250 groups, G=8, S=10
 engine slots, lane slots and cores that none of them queues for a slot or a core, so the run measures
 the runtime, the scheduler and the simulator, not CPU contention. Two trajectory shapes:
 - `short`: 2–4 turns an attempt (the shape this benchmark always used, so figures stay comparable);
-- `realistic`: DESIGN.md's turn count, median 18 and p90 36 turns an attempt, where the per-attempt
+- `realistic`: docs/design.md's turn count, median 18 and p90 36 turns an attempt, where the per-attempt
   costs (admission, reset, validation, cleanup, the attempt's task and timeout) are spread over as many
   turns as a real agent makes.
 It also times `corral bench` on the default workload (the ladder and both sweeps, 16 simulations), as

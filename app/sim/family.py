@@ -3,10 +3,10 @@
 - `default`: the calibrated terminal-bench-style workload (`Workload()`). Its agent cap (420 s), task
   spread (0.3), reset and validate tails and engine slots were chosen so that `sync` lands at the
   write-up's 591.8 s; see docs/simulator.md.
-- `design`: DESIGN.md's terminal-bench-core figures taken as they are, with no calibration: setup
+- `design`: docs/design.md's terminal-bench-core figures taken as they are, with no calibration: setup
   median 7 s / p90 76 s (uncapped), agent cap 660 s, 18 turns median / 36 p90, tests 5 / 55 s capped at
   120 s, cleanup 13 / 17 s capped at 38 s, task log-sd 0.6, attempt log-sd 0.15 (within-group max/mean
-  ≈ 1.24). DESIGN.md gives no split of a turn into engine and tool time: engine time per turn is
+  ≈ 1.24). docs/design.md gives no split of a turn into engine and tool time: engine time per turn is
   median 10 s / p90 20 s and tool time the default 2.5 / 10 s, so 18 turns make about the 270 s median
   agent phase. Resources are the default's; 8 batches.
 - `cpu-scarce`: the held-out case: 32 sandbox cores for 384 live trajectories, resets that need half
@@ -14,7 +14,7 @@
   split that gives the reset lane 4 cores for its 64 slots.
 - `ample-cpu`: the default with 2,048 cores and 1,024 slots a lane: CPUs never limit anything; 8
   batches.
-- `trace`: replays examples/tb-trace.jsonl (240 attempts of 40 tasks; synthetic, drawn to DESIGN.md's
+- `trace`: replays examples/tb-trace.jsonl (240 attempts of 40 tasks; synthetic, drawn to docs/design.md's
   quantiles with a few setups beyond an hour, see benchmarks/make_trace.py), 8 batches.
 
 `builtin_workload(name)` builds one; `load_workload` accepts these names in place of a file.

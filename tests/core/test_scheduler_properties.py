@@ -1,4 +1,4 @@
-"""The scheduler alone under random event sequences, in both admission modes: DESIGN.md's invariants.
+"""The scheduler alone under random event sequences, in both admission modes: docs/design.md's invariants.
 
 Each example builds a policy (B, G, S, K, admission mode, ready room, batch order) and feeds the pure
 scheduler a random stream of turns, attempt ends (some failing), batch requests, version publications

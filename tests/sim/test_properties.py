@@ -1,4 +1,4 @@
-"""Invariants of DESIGN.md, checked on the production runtime under the simulator, over random
+"""Invariants of docs/design.md, checked on the production runtime under the simulator, over random
 workloads and random live changes of S and K."""
 
 from __future__ import annotations

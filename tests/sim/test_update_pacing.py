@@ -1,5 +1,5 @@
 """Free-slot update pacing (`PolicyConfig.update_pacing`) on the production runtime under the simulator:
-DESIGN.md's invariants hold, the configured maximum is never passed, and an engine begins updating
+docs/design.md's invariants hold, the configured maximum is never passed, and an engine begins updating
 beside others only when the engines left serving had a free slot for every turn of those updating."""
 
 from __future__ import annotations
