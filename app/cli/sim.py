@@ -174,7 +174,8 @@ def sim(
         AdmissionMode | None,
         typer.Option(
             help="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
-            "group holds no sandbox and no engine slot); default: in_flight for full, live for the "
+            "group holds no sandbox and no engine slot), or attempts in flight ((B + S)·G: a group's "
+            "finished attempts make room for more groups); default: in_flight for full, live for the "
             "other rungs"
         ),
     ] = None,
@@ -203,6 +204,11 @@ def sim(
     overrides |= {
         k: v for k, v in {"admission": admission, "ready_surplus": ready_surplus}.items() if v is not None
     }
+    if ready_surplus is not None and admission is AdmissionMode.ATTEMPTS:
+        fail(
+            "--ready-surplus: only with --admission in_flight (attempts admission caps ready groups at "
+            "(K + 1)·B)"
+        )
     try:
         pol = policy_for(spec, policy.value, **overrides)
     except ValidationError as exc:

@@ -20,6 +20,9 @@ class PauseModeName(StrEnum):
 class AdmissionMode(StrEnum):
     LIVE = "live"  # B + S caps groups in flight + ready
     IN_FLIGHT = "in_flight"  # B + S caps groups in flight; ready groups have their own room
+    # (B + S)·G caps the attempts in flight: a group's finished attempts hold no sandbox, so their room
+    # admits further groups while its last attempts run; ready groups are capped at (K + 1)·B
+    ATTEMPTS = "attempts"
 
 
 class UpdatePacing(StrEnum):
@@ -64,7 +67,8 @@ class PolicyConfig(BaseModel):
     admission: AdmissionMode = Field(
         AdmissionMode.LIVE,
         description="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
-        "group holds no sandbox and no engine slot)",
+        "group holds no sandbox and no engine slot), or (`attempts`) the attempts in flight, (B + S)·G "
+        "of them, so a group's finished attempts make room for further groups",
     )
     adaptive_lanes: bool = Field(
         False,
@@ -80,6 +84,15 @@ class PolicyConfig(BaseModel):
         "B + S + this (None: no admission while (K + 1)·B wait ready, as many as the next K + 1 "
         "batches take)",
     )
+
+    @model_validator(mode="after")
+    def _ready_surplus_in_flight(self) -> PolicyConfig:
+        if self.ready_surplus is not None and self.admission is AdmissionMode.ATTEMPTS:
+            raise ValueError(
+                "ready_surplus applies to in_flight admission; attempts admission caps ready groups at "
+                "(K + 1)·B"
+            )
+        return self
 
     def with_changes(self, **changes: object) -> PolicyConfig:
         """A copy with `changes` applied and validated (model_copy alone would skip validation)."""

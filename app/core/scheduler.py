@@ -8,7 +8,8 @@ Invariants (checked by tests over random workloads and random live changes of S 
   the count falls below the new cap, it never evicts); in the in-flight admission mode, groups in
   flight ≤ B + S and groups in flight + ready ≤ B + S + R (`ready_surplus`, when set; without it,
   no group is admitted while (K + 1)·B wait ready, which only holds back groups that would go stale:
-  `ready_cap`);
+  `ready_cap`); in the attempts admission mode, attempts in flight ≤ (B + S)·G and groups ready
+  ≤ (K + 1)·B, with no cap on the groups in flight as such (each holds at least one attempt);
 - every delivered group has staleness ≤ K, where staleness = trainer version at consume − the oldest
   policy version of any turn in the group;
 - with completion order, batches take ready groups in the order they completed;
@@ -155,6 +156,7 @@ class Scheduler:
         self._batch_wanted = False
         self._batches = 0
         self._stopped = False
+        self._attempts_running = 0  # attempts of running groups not yet done
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -165,8 +167,14 @@ class Scheduler:
 
     @property
     def capacity(self) -> int:
-        """B + S: the cap on live groups, or (in-flight admission) on groups in flight."""
+        """B + S: the cap on live groups, or (in-flight admission) on groups in flight, or (attempts
+        admission) on attempts in flight, counted in groups of G."""
         return self.policy.groups_per_batch + self.surplus
+
+    @property
+    def attempts_running(self) -> int:
+        """Attempts of running groups that have not ended."""
+        return self._attempts_running
 
     @property
     def groups_ready(self) -> int:
@@ -181,6 +189,8 @@ class Scheduler:
         """The cap on live groups (in flight + ready); None when only groups in flight are capped."""
         if self.policy.admission is AdmissionMode.LIVE:
             return self.capacity
+        if self.policy.admission is AdmissionMode.ATTEMPTS:
+            return None
         extra = self.policy.ready_surplus
         return None if extra is None else self.capacity + extra
 
@@ -192,13 +202,17 @@ class Scheduler:
         order) and be chosen no sooner than batch K + 2 from now, K + 1 versions on, so stale. Admitting
         it anyway cost work and memory for nothing, and when attempts take no time (a trace of zeros)
         groups were admitted and completed without end at one instant: the run never advanced. None
-        where `live_cap` caps the ready groups instead."""
+        where `live_cap` caps the ready groups instead. Attempts admission always has it."""
         if self.policy.admission is AdmissionMode.LIVE or self.policy.ready_surplus is not None:
             return None
         return (self.max_staleness + 1) * self.policy.groups_per_batch
 
     def _can_admit(self) -> bool:
-        if self.groups_running >= self.capacity:
+        if self.policy.admission is AdmissionMode.ATTEMPTS:
+            size = self.policy.group_size
+            if self._attempts_running + size > self.capacity * size:
+                return False
+        elif self.groups_running >= self.capacity:
             return False
         ready_cap = self.ready_cap
         if ready_cap is not None and len(self._ready) >= ready_cap:
@@ -288,10 +302,12 @@ class Scheduler:
         if record.done:
             raise ValueError(f"attempt {group_id}/{attempt} reported done twice")
         record.done, record.reward, record.error = True, reward, error
+        self._attempts_running -= 1
         if error is not None:
             return self._discard_running(group, DiscardReason.FAILED, now, error) + self._admit(now)
         if not all(a.done for a in group.attempts):
-            return []
+            # Attempts admission: the attempt's room may admit a group
+            return self._admit(now) if self.policy.admission is AdmissionMode.ATTEMPTS else []
         group.completed_at = now
         if self.policy.filter_zero_variance and len(set(group.rewards)) == 1:
             self._end(group, GroupState.DISCARDED, now, DiscardReason.ZERO_VARIANCE, "all rewards equal")
@@ -374,6 +390,7 @@ class Scheduler:
             size = self.policy.group_size
             group = GroupRecord(gid, gid, now, [AttemptRecord(gid, i) for i in range(size)])
             self.groups[gid] = group
+            self._attempts_running += size
             self.counters.admitted += 1
             self._outbox.append(GroupAdmitted(gid, gid, size))
             decisions.append(StartGroup(gid, gid, size))
@@ -449,6 +466,8 @@ class Scheduler:
             raise ValueError(f"group {group.id} ended twice")
         if group.state is GroupState.READY:
             self._ready.remove(group.id)
+        else:  # running: its attempts still open end with it
+            self._attempts_running -= sum(1 for a in group.attempts if not a.done)
         group.state = state
         group.ended_at = now
         group.reason = reason

@@ -14,6 +14,12 @@ from these admitted groups, keeps at most `max_live` = B + S of them live, and r
 than uncontended. It depends on the policy through B + S and through which groups it admitted, so it
 is a bound for that policy's run, not for every policy. Contention, queueing, restarts and pauses
 only add time within those assumptions.
+
+Attempts admission caps the attempts in flight at (B + S)·G instead, so more than B + S groups can be
+live and the capacity term above does not hold. With w_g a group's attempt-seconds (the sum of its G
+attempts' uncontended durations), each delivered group's attempts took at least w_g of attempt room
+by D_n, so D_n ≥ (sum of the n·B smallest w_g) / ((B + S)·G); the order statistic holds as before.
+Given `attempt_work` and `max_attempts`, the bound takes that capacity term.
 """
 
 from __future__ import annotations
@@ -28,23 +34,33 @@ def lower_bound_s(
     groups_per_batch: int,
     max_live: int,
     step_s: float | Sequence[float],
+    attempt_work: Sequence[float] | None = None,
+    max_attempts: int | None = None,
 ) -> float:
     """`step_s`: the trainer's step, one figure (the simulator's), or each step as it was (a real run's:
     the k-th is the time from delivering batch k to asking for batch k + 1). A real run's steps vary,
     and its shortest step taken for all of them subtracted too little: the "bound" came out above the
-    run's own mean (the dashboard showed 3.3 s against 3.2 s)."""
+    run's own mean (the dashboard showed 3.3 s against 3.2 s). With `attempt_work` (each admitted
+    group's attempt-seconds) and `max_attempts` ((B + S)·G), the capacity term is attempts admission's
+    and `max_live` is not used."""
     if batches <= 0:
         return 0.0
     durations = sorted(admitted_durations)
+    if attempt_work is None:
+        work, room = durations, float(max_live)
+    else:
+        if max_attempts is None or len(attempt_work) != len(durations):
+            raise ValueError("attempt_work needs max_attempts and one figure per admitted group")
+        work, room = sorted(attempt_work), float(max_attempts)
     steps_before = list(itertools.accumulate(_steps(step_s, batches), initial=0.0))  # [n - 1]: n batches
     best = 0.0
     prefix = 0.0
-    for i, d in enumerate(durations):
-        prefix += d
+    for i, (d, w) in enumerate(zip(durations, work, strict=True)):
+        prefix += w
         n, rem = divmod(i + 1, groups_per_batch)
         if rem or n > batches:
             continue
-        bound = max(d, prefix / max_live) - steps_before[n - 1]
+        bound = max(d, prefix / room) - steps_before[n - 1]
         best = max(best, bound / batches)
     return best
 

@@ -113,6 +113,9 @@ VARIANTS: dict[str, tuple[Callable[[Workload], dict[str, Any]], dict[str, Any]]]
     "full (fixed lanes)": (_same, {"adaptive_lanes": False}),
     "full (partitioned lanes)": (lambda w: {"lanes": {"sharing": "partitioned"}}, {"adaptive_lanes": False}),
     "full (S = K·B)": (_staleness_surplus, {}),
+    # (B + S)·G caps the attempts in flight rather than B + S the groups: the same sandboxes and engine
+    # slots, more groups in flight (a group's finished attempts make room for the next group)
+    "full (attempt admission)": (_same, {"admission": "attempts"}),
     # The real runtime's `lanes.borrow_serving_cpus`: lanes also run on the serving cores serving leaves
     # idle (off by default, as in the runtime: the hard boundary is the design).
     "full (borrowing serving CPUs)": (lambda w: {"lanes": {"borrow_serving_cpus": True}}, {}),

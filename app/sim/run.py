@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
-from app.core.config import PolicyConfig, PolicyName
+from app.core.config import AdmissionMode, PolicyConfig, PolicyName
 from app.core.events import BatchDelivered, Envelope, Event, SandboxOp, TurnDone
 from app.runtime.driver import RunState, Runtime
 from app.runtime.ports import Trainer
@@ -135,13 +135,20 @@ def simulate(
 
     state = run_virtual(main(), loop_stats=loop_stats)
     durations = [source.group_duration(task) for task, _, _, _ in spans]
+    most_live = policy.groups_per_batch + max(
+        [policy.surplus_groups] + [v for _, k, v in changes if k == "surplus_groups"]
+    )
+    work = None
+    if policy.admission is AdmissionMode.ATTEMPTS:  # B + S caps attempts, so more groups can be live
+        work = [source.group_attempt_work(task) for task, _, _, _ in spans]
     bound = lower_bound_s(
         durations,
         len(state.batches),
         policy.groups_per_batch,
-        policy.groups_per_batch
-        + max([policy.surplus_groups] + [v for _, k, v in changes if k == "surplus_groups"]),
+        most_live,
         workload.trainer.step_s,
+        attempt_work=work,
+        max_attempts=most_live * policy.group_size,
     )
     given = admission_bound_s(
         [b.requested_at for b in state.batches],

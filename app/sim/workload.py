@@ -483,6 +483,11 @@ class TrajectorySource:
         size = self.workload.batch.group_size
         return max(self.trajectory(group, a).duration_s for a in range(size))
 
+    def group_attempt_work(self, group: int) -> float:
+        """The sum of the group's attempts' uncontended durations: the attempt room it needs."""
+        size = self.workload.batch.group_size
+        return sum(self.trajectory(group, a).duration_s for a in range(size))
+
     def group_llm_work(self, group: int) -> float:
         size = self.workload.batch.group_size
         return sum(self.trajectory(group, a).llm_work_s for a in range(size))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.core.attribution import LANE_PHASE, WaitAccumulator, WaitAttribution
+from app.core.config import AdmissionMode
 from app.core.events import (
     AttemptFinished,
     AttemptStarted,
@@ -719,7 +720,8 @@ def _observed_bound(
     completion): still a lower bound on this run's mean batch collection time, since each delivered
     group took its observed duration, at most B + S were live at once, and the trainer's steps are
     subtracted as they were, as is any head start of groups admitted before the first batch was asked
-    for. A live run knows no uncontended durations, so this is the bound it can state."""
+    for. A live run knows no uncontended durations, so this is the bound it can state. Under attempts
+    admission more than B + S groups can be live, so only the order statistic is stated."""
     b = policy.get("groups_per_batch")
     s = policy.get("surplus_groups")
     if not batches or not isinstance(b, int) or not isinstance(s, int) or b < 1:
@@ -727,7 +729,10 @@ def _observed_bound(
     steps = [max(0.0, nxt.requested - cur.delivered) for cur, nxt in itertools.pairwise(batches)]
     # Groups admitted before the first batch was asked for had a head start the bound must not count.
     head_start = 0.0 if first_admitted is None else max(0.0, batches[0].requested - first_admitted)
-    return max(0.0, lower_bound_s(durations, len(batches), b, b + s, steps) - head_start / len(batches))
+    # Attempts admission: as many live as there are groups makes the capacity term no tighter than the
+    # order statistic
+    live = max(1, len(durations)) if policy.get("admission") == AdmissionMode.ATTEMPTS.value else b + s
+    return max(0.0, lower_bound_s(durations, len(batches), b, live, steps) - head_start / len(batches))
 
 
 def view_from_events(

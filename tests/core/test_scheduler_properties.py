@@ -1,10 +1,12 @@
-"""The scheduler alone under random event sequences, in both admission modes: docs/design.md's invariants.
+"""The scheduler alone under random event sequences, in every admission mode: docs/design.md's invariants.
 
 Each example builds a policy (B, G, S, K, admission mode, ready room, batch order) and feeds the pure
 scheduler a random stream of turns, attempt ends (some failing), batch requests, version publications
 and live changes of S and K, then stops it. After every call it checks:
 - admission stops at the cap: a call that admits leaves groups running ≤ B + S, and groups live
   (running + ready) ≤ the live cap (B + S in the live mode; B + S + R in the in-flight mode with R set);
+  in the attempts mode it leaves attempts in flight ≤ (B + S)·G, counted from what the test fed and the
+  outbox said (each admitted group's size, less the attempts reported done, for groups not ended);
 - every delivered group has staleness ≤ K;
 - with completion order, no group still waiting completed before a group the batch took;
 - every admitted group ends exactly once, delivered or discarded with a reason, and the counters agree.
@@ -44,11 +46,17 @@ class Ledger:
     def __init__(self) -> None:
         self.admitted: set[int] = set()
         self.ends: dict[int, list[str]] = {}
+        self.sizes: dict[int, int] = {}
+        self.done: dict[int, set[int]] = {}  # attempts this test reported done, by group
+
+    def attempts_in_flight(self) -> int:
+        return sum(size - len(self.done.get(g, ())) for g, size in self.sizes.items() if g not in self.ends)
 
     def take(self, s: Scheduler) -> None:
         for event in s.drain_events():
             if isinstance(event, GroupAdmitted):
                 self.admitted.add(event.group_id)
+                self.sizes[event.group_id] = event.group_size
             elif isinstance(event, GroupDelivered):
                 self.ends.setdefault(event.group_id, []).append("delivered")
             elif isinstance(event, GroupDiscarded):
@@ -56,9 +64,16 @@ class Ledger:
                 self.ends.setdefault(event.group_id, []).append(event.reason)
 
 
-def check_call(s: Scheduler, decisions: list, ready_before: dict[int, float], oldest: dict[int, int]) -> None:
+def check_call(
+    s: Scheduler, decisions: list, ready_before: dict[int, float], oldest: dict[int, int], ledger: Ledger
+) -> None:
     if any(isinstance(d, StartGroup) for d in decisions):
-        assert s.groups_running <= s.capacity, (s.groups_running, s.capacity)
+        if s.policy.admission is AdmissionMode.ATTEMPTS:
+            in_flight = ledger.attempts_in_flight()
+            assert in_flight == s.attempts_running, (in_flight, s.attempts_running)
+            assert in_flight <= s.capacity * s.policy.group_size, (in_flight, s.capacity)
+        else:
+            assert s.groups_running <= s.capacity, (s.groups_running, s.capacity)
         cap = s.live_cap
         assert cap is None or s.groups_live <= cap, (s.groups_live, cap)
         # without R, a group is admitted only while fewer than (K + 1)·B are ready
@@ -80,7 +95,7 @@ def check_call(s: Scheduler, decisions: list, ready_before: dict[int, float], ol
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=policies(), data=st.data())
-def test_invariants_hold_under_random_events_in_both_admission_modes(
+def test_invariants_hold_under_random_events_in_every_admission_mode(
     policy: PolicyConfig, data: st.DataObject
 ) -> None:
     s = Scheduler(policy)
@@ -88,7 +103,7 @@ def test_invariants_hold_under_random_events_in_both_admission_modes(
     oldest: dict[int, int] = {}  # group → oldest policy version of a turn it was fed while running
     decisions = s.on_start(0.0)
     ledger.take(s)
-    check_call(s, decisions, {}, oldest)
+    check_call(s, decisions, {}, oldest, ledger)
     steps = data.draw(st.integers(0, 150))
     for step in range(steps):
         now = float(step + 1)
@@ -107,6 +122,7 @@ def test_invariants_hold_under_random_events_in_both_admission_modes(
             if action != "turn" and s.is_running(group.id):
                 error = "sandbox died" if action == "fail" else None
                 reward = data.draw(st.sampled_from([0.0, 1.0]))
+                ledger.done.setdefault(group.id, set()).add(attempt)
                 decisions += s.on_attempt_done(group.id, attempt, reward, error, now)
         elif action == "request":
             decisions = s.on_batch_requested(now)
@@ -117,7 +133,7 @@ def test_invariants_hold_under_random_events_in_both_admission_modes(
         elif action == "staleness":
             decisions = s.set_max_staleness(data.draw(st.integers(0, 3)), now)
         ledger.take(s)
-        check_call(s, decisions, ready_before, oldest)
+        check_call(s, decisions, ready_before, oldest, ledger)
     s.on_stop(float(steps + 1))
     ledger.take(s)
     assert s.groups_live == 0

@@ -654,3 +654,16 @@ def test_the_observed_bound_never_exceeds_the_runs_own_mean(durations, steps, he
     assert view.lower_bound_observed
     assert view.lower_bound_s is not None
     assert view.lower_bound_s <= view.mean_collection_s + 1e-9
+
+
+def test_the_observed_bound_of_an_attempts_admission_run_is_its_order_statistic() -> None:
+    """Attempts admission can have more than B + S groups live, so the capacity term in groups is no bound
+    for it: eight 10 s groups, B = 2, S = 0, two batches delivered at 10 s and 20 s."""
+    from app.web.readmodel import BatchRow, _observed_bound
+
+    batches = [BatchRow(0, 0.0, 10.0, 10.0), BatchRow(1, 10.0, 20.0, 10.0)]
+    policy = {"groups_per_batch": 2, "surplus_groups": 0}
+    # B + S groups live: 4 groups of 10 s through 2 places take 20 s, so the mean is at least 10 s
+    assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "in_flight"}) == 10.0
+    # attempts admission: only that no group is ready before 10 s, so the mean is at least 5 s
+    assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "attempts"}) == 5.0
