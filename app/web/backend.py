@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,6 +101,11 @@ class ReplayStore:
             raise ReportError(f"report: not JSON ({exc})") from exc
         except RecursionError:
             raise ReportError("report: not a report (JSON nested too deeply)") from None
+        except ReportError:
+            raise
+        except ValueError:  # an integer longer than Python reads: the upload was a 500
+            digits = sys.get_int_max_str_digits()
+            raise ReportError(f"report: a number has more than {digits} digits") from None
         return self.add(report, label)
 
     def add_file(self, path: Path) -> str:

@@ -528,6 +528,20 @@ async def test_a_report_with_a_non_finite_number_is_refused(number):
     assert dash.replays.run_ids() == ["replay-1"]
 
 
+async def test_a_report_with_an_integer_too_long_for_python_is_a_422():
+    # json.loads raised a plain ValueError for an integer of more than 4,300 digits: the load was a 500.
+    client, dash = make_client()
+    log = [e.to_dict() for e in synthetic_run(groups=4, batch_groups=2)]
+    text = json.dumps({"policy": "full", "event_log": log}).replace('"t": 0.0', '"t": 1' + "0" * 5000, 1)
+    async with client:
+        token = await csrf_of(client)
+        await sign_in(client)
+        answer = await client.post("/replays", data={"csrf_token": token}, files={"report": ("r.json", text)})
+    assert answer.status_code == 422, answer.text
+    assert "report: a number has more than 4300 digits" in answer.text
+    assert dash.replays.run_ids() == ["replay-1"]
+
+
 @pytest.mark.parametrize(
     ("form", "message"),
     [
