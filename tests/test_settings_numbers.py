@@ -81,3 +81,29 @@ def test_a_spill_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path: Pat
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: CORRAL_SPILL_DIR: "), lines[0]
     assert "is not a directory" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("CORRAL_DATA_DIR", "/proc/corral-data"),
+        ("CORRAL_DATA_DIR", "{tmp}/a-file/data"),
+        ("CORRAL_SPILL_DIR", "/proc/corral-spill"),  # root passed the permission check of it
+        ("CORRAL_SPILL_DIR", "/sys/corral-spill"),
+    ],
+)
+def test_a_run_directory_that_cannot_be_written_is_refused_before_the_server_starts(
+    tmp_path: Path, name: str, where: str
+) -> None:
+    """An unwritable CORRAL_DATA_DIR was found only by each run: a local run failed at once (a traceback
+    in the log) and a simulated one ran on, keeping no batch for a restart ("store mirror write
+    failed"). Now `corral serve` refuses it in one line, before it makes its database."""
+    (tmp_path / "a-file").write_text("")
+    path = where.format(tmp=tmp_path)
+    proc = serve(tmp_path, **{name: path})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {name}: cannot create files in {path}: "), lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "c.db").exists()

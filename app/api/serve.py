@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_database, fail, say, settings_problem
+from app.cli.common import check_database, check_run_dirs, fail, say, settings_problem
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -70,6 +70,7 @@ def serve(
     problem = port_problem(settings.host, settings.port)
     if problem is not None:
         fail(problem)
+    check_run_dirs(settings.data_dir, settings.spill_dir)
     spec = None
     if demo:
         spec = demo_run(demo_kind)

@@ -550,6 +550,22 @@ def settings_problem(exc: Any, flags: Mapping[str, str] | None = None) -> str:
     return message if message.startswith(name) else f"{name}: {message}"
 
 
+def check_run_dirs(data_dir: Path, spill_dir: Path | None) -> None:
+    """Refuse, in one line, a CORRAL_DATA_DIR (or CORRAL_SPILL_DIR) this process cannot create files in,
+    before the server starts: it was found only by each run, a local run failing at once with a
+    traceback in the log and a simulated one keeping no batch for a restart. A file is made in each
+    (directories made for it are removed again), since permission bits do not stop root."""
+    from app.runtime.config import LocalRunError, check_writable_dir
+
+    for name, path in (("CORRAL_DATA_DIR", data_dir), ("CORRAL_SPILL_DIR", spill_dir)):
+        if path is None:
+            continue
+        try:
+            check_writable_dir(path, name)
+        except LocalRunError as exc:
+            fail(str(exc))
+
+
 def check_database(url: str, create: bool = True) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL

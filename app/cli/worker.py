@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_database, fail, settings_problem
+from app.cli.common import check_database, check_run_dirs, fail, settings_problem
 from app.cpulist import CpuListError, format_cpu_list, parse_cpu_list
 from app.lanes.base import LaneName
 
@@ -90,11 +90,16 @@ def worker(
             from app.settings import load_settings
 
             try:
-                database_url = load_settings().database_url
+                run_settings = load_settings()
             except ValidationError as exc:
                 fail(settings_problem(exc))
-            check_database(database_url)
-        check_reachable(settings)
+            check_run_dirs(run_settings.data_dir, run_settings.spill_dir)
+            # The broker before the database: a refusal for a broker that does not answer left a new
+            # corral.db in the current directory.
+            check_reachable(settings)
+            check_database(run_settings.database_url)
+        else:
+            check_reachable(settings)
         run_orchestrator_worker(settings, concurrency or 1, entry or DEFAULT_ENTRY, loglevel.upper())
         return
     if entry is not None:

@@ -39,6 +39,12 @@ CASES: dict[str, tuple[list[str], dict[str, str | None], str]] = {
     "entry without a colon": (["worker", "--orchestrator", "--entry", "runner"], {}, "--entry"),
     "entry for a lane worker": ([*GOOD, "--entry", "a:b"], {}, "--entry: only with --orchestrator"),
     "blank docker image": ([*GOOD, "--docker-image", " "], {}, "--docker-image"),
+    # found only by each run the worker took (a local run failed with a traceback in the log)
+    "orchestrator with an unwritable data dir": (
+        ["worker", "--orchestrator"],
+        {"CORRAL_DATA_DIR": "/proc/corral-data"},
+        "CORRAL_DATA_DIR: cannot create files in /proc/corral-data",
+    ),
     "unwritable state dir": (
         [*GOOD, "--docker-image", "img", "--state-dir", "/proc/corral-state"],
         {},
@@ -117,3 +123,4 @@ def test_an_unreachable_broker_is_refused_at_once_in_one_line(
     assert lines[0].startswith(f"error: {needle}: cannot connect ("), lines[0]
     assert "secret" not in proc.stdout + proc.stderr
     assert time.monotonic() - started < 30
+    assert not (tmp_path / "c.db").exists()  # the orchestrator's refusal made the database first
