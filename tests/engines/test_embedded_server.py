@@ -165,6 +165,41 @@ async def test_bad_requests_are_4xx_json(client: RunningEngine) -> None:
     assert not_paused == {"is_paused": False}
 
 
+@pytest.mark.parametrize("candidates", [None, ["a", "b"]])
+async def test_a_tiny_temperature_is_greedy_and_fails_no_one_else(
+    client: RunningEngine, candidates: list[str] | None
+) -> None:
+    """Logits divided by 1e-40 overflowed to inf: a 500, and the decode step it broke failed every turn
+    in the batch with it. Below `GREEDY_BELOW` a temperature is greedy, as vLLM's is."""
+    extra = {} if candidates is None else {"candidates": candidates}
+    async with make_client(client) as http:
+        other = asyncio.create_task(complete(http, "another client", 16000))
+        await wait_running(http)
+        tiny = await complete(http, "hello", 20, temperature=1e-40, **extra)
+        greedy = await complete(http, "hello", 20, temperature=0, **extra)
+        assert not other.done(), "the other turn should still be running beside the tiny temperature"
+        await http.post("/pause", params={"mode": "abort"})
+        aborted = await other
+    assert aborted["choices"][0]["finish_reason"] == "abort"
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert tiny["choices"][0].get("corral") == greedy["choices"][0].get("corral")
+
+
+@pytest.mark.parametrize("temperature", ["Infinity", "-Infinity", "NaN", "1e999"])
+async def test_a_temperature_that_is_not_finite_is_a_400(client: RunningEngine, temperature: str) -> None:
+    # Infinity was taken, and sampled uniformly, as if it were a temperature.
+    async with make_client(client) as http:
+        for route, body in [
+            ("/v1/completions", '{"prompt": "x", "temperature": %s}'),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "temperature": %s}'),
+        ]:
+            answer = await http.post(
+                route, content=body % temperature, headers={"Content-Type": "application/json"}
+            )
+            assert answer.status_code == 400, answer.text
+            assert "temperature" in answer.json()["error"]["message"]
+
+
 async def test_new_request_joins_a_running_batch(client: RunningEngine) -> None:
     async with make_client(client) as http:
         long_turn = asyncio.create_task(complete(http, "long", 16000))

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from app.engines.embedded.model import (
+    GREEDY_BELOW,
     PolicyModel,
     choice_logprobs,
     decode,
@@ -325,7 +326,7 @@ class BatchEngine:
         if request.candidates:
             summed = sequence_logprobs(self.model, logits, state, request.candidates)
             policy = policy_logits(summed, request.candidates)
-            if request.temperature > 0:
+            if request.temperature >= GREEDY_BELOW:
                 probs = torch.softmax(policy / request.temperature, dim=-1)
                 choice = int(torch.multinomial(probs, 1, generator=self._generator).item())
             else:

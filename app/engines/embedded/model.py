@@ -24,6 +24,10 @@ BYTE_VOCAB = 256
 BOS = 256
 INPUT_VOCAB = BYTE_VOCAB + 1
 SENTINEL = "corral_sentinel"
+# Temperatures below this sample greedily, as vLLM's `_SAMPLING_EPS` does: logits divided by a smaller
+# one (1e-40 is a float32 denormal) overflow to inf, the probabilities are NaN, and the decode step failed
+# for every sequence in its batch, other clients' turns included.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,9 @@ def policy_logits(summed: torch.Tensor, candidates: Sequence[str]) -> torch.Tens
 
 
 def choice_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probabilities of picking each candidate (temperature 0 is scored as temperature 1)."""
-    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    """Log-probabilities of picking each candidate (a greedy temperature, below `GREEDY_BELOW`, is
+    scored as temperature 1)."""
+    return torch.log_softmax(logits / (temperature if temperature >= GREEDY_BELOW else 1.0), dim=-1)
 
 
 def candidate_sequence_logprobs(model: PolicyModel, prompt: str, candidates: Sequence[str]) -> torch.Tensor:
@@ -155,9 +160,11 @@ def candidate_logprobs(
 
 
 def sample_next(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of `logits` [batch, 256]; rows with temperature 0 are greedy."""
+    """One token per row of `logits` [batch, 256]; rows with a temperature below `GREEDY_BELOW` (0
+    included) are greedy."""
     greedy = logits.argmax(dim=-1)
-    safe_t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    sampling = temperatures >= GREEDY_BELOW
+    safe_t = torch.where(sampling, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits / safe_t.unsqueeze(-1), dim=-1)
     sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return torch.where(temperatures > 0, sampled, greedy)
+    return torch.where(sampling, sampled, greedy)

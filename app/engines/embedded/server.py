@@ -72,7 +72,7 @@ class CompletionBody(BaseModel):
     model: str | None = None
     prompt: str | list[str]
     max_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     n: int = 1
     stream: bool = False
     candidates: list[str] | None = None
@@ -91,7 +91,7 @@ class ChatBody(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     n: int = 1
     stream: bool = False
 
