@@ -163,6 +163,12 @@ CASES: dict[str, Case] = {
         ["--surplus", "100000"],
         {"w.json": workload()},
     ),
+    # the rung has no surplus: the flag was dropped without a word, the report the plain sync run's
+    "sim --policy sync --surplus 5": Case(
+        ["sim", "--workload", "w.json", "--policy", "sync", "--surplus", "5"],
+        ["--surplus: policy sync runs without surplus (S = 0), got 5"],
+        {"w.json": workload()},
+    ),
     "--surplus within range, too many in flight": Case(
         ["sim", "--workload", "w.json", "--surplus", "100000"],
         ["--surplus", "trajectories in flight", "memory"],

@@ -196,6 +196,13 @@ def sim(
     check_plot(plot)
     spec = load(workload)
     check_apart({"--json": json_out, "--plot": plot}, workload_inputs(workload, spec))
+    if surplus and policy is PolicyName.SYNC:
+        # The rung has no surplus (PolicyConfig.ladder sets S = 0): the flag was dropped without a word,
+        # and the report was the plain sync run's. The API and the dashboard refuse it too.
+        fail(
+            f"--surplus: policy sync runs without surplus (S = 0), got {surplus}; leave --surplus out, "
+            "or choose completion, lanes or full"
+        )
     if surplus is not None:
         check_surplus(spec, surplus, "--surplus")
     overrides: dict[str, Any] = {
