@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import LanesConfig
+from app.core.config import AdmissionMode, LanesConfig
 from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
@@ -119,6 +119,11 @@ class PolicyKnobs(_Strict):
         strict=True,
         description="lane slots grow while work queues and the lanes' CPUs sit idle (app.lanes.adaptive); "
         "default: the rung's (on for full)",
+    )
+    admission: AdmissionMode | None = Field(
+        None,
+        description="what B + S caps: live groups, groups in flight (in_flight), or attempts in flight "
+        "((B + S)·G, `attempts`); default: the rung's (in_flight for full)",
     )
 
 
@@ -268,6 +273,8 @@ class LocalRunConfig(_Strict):
         }
         if self.policy.adaptive_lanes is not None:
             settings["adaptive_lanes"] = self.policy.adaptive_lanes
+        if self.policy.admission is not None:
+            settings["admission"] = self.policy.admission
         return settings
 
     def lane_config(self) -> LanesConfig:

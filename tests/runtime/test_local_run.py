@@ -109,6 +109,12 @@ def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> Non
     off = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, adaptive_lanes: false}"))
     assert load_config(off).policy_settings()["adaptive_lanes"] is False
     assert "adaptive_lanes" not in load_config(write_config(tmp_path)).policy_settings()  # the rung decides
+    attempts = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, admission: attempts}"))
+    assert load_config(attempts).policy_settings()["admission"] == "attempts"
+    assert "admission" not in load_config(write_config(tmp_path)).policy_settings()
+    bad = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, admission: tokens}"))
+    with pytest.raises(LocalRunError, match=r"policy\.admission"):
+        load_config(bad)
     for bad_sandbox in (
         "sandbox: {time_limits: cpu}",
         "sandbox: {backstop: 0.5}",
