@@ -72,6 +72,16 @@ CASES: dict[str, Case] = {
         ["trajectory.llm_s", "finite"],
         {"w.json": workload(trajectory={"llm_s": {"uniform": [0, "NaN"]}}).replace('"NaN"', "NaN")},
     ),
+    "workload turns 0": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["turns: every draw is below one turn (at most 0)"],
+        {"w.yaml": "trajectory: {turns: 0}\n"},
+    ),
+    "workload turns all below one": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["turns: every draw is below one turn (at most 0.5)"],
+        {"w.yaml": "trajectory: {turns: {uniform: [0, 0.5]}}\n"},
+    ),
     "workload turns 1e9": Case(
         ["sim", "--workload", "w.yaml"],
         ["trajectory.turns: Input should be less than or equal to 1000000, not 1000000000.0"],

@@ -331,6 +331,11 @@ class TrajectorySpec(Strict):
 
     @model_validator(mode="after")
     def _turns_bounded(self) -> TrajectorySpec:
+        if self.turns.upper() < 1:  # was run as one turn an attempt, without a word
+            raise ValueError(
+                f"turns: every draw is below one turn (at most {self.turns.upper():g}); an attempt makes "
+                "at least one"
+            )
         most = self.turns.upper() * math.exp(6 * self.attempt_spread)
         if most > MAX_TURNS:
             raise ValueError(
