@@ -5,7 +5,8 @@ CPU budgets, lane slots and staleness bounds, so this draws `--count` workloads 
 ranges (below) and runs on each, on the same seeded draws: the ladder (sync, completion, lanes, full),
 `full` with its serving set sized to its engines' CPU demand (the same cores in all; what `corral
 advise` tries), `full` with lanes that also run on the serving cores serving leaves idle
-(`lanes.borrow_serving_cpus`), and the equal-resource peer rungs of docs/peers.md (areal, which
+(`lanes.borrow_serving_cpus`), `full` with attempts admission ((B + S)·G attempts in flight rather
+than B + S groups), and the equal-resource peer rungs of docs/peers.md (areal, which
 `skyrl` equals in the simulator, prime-rl, pipelinerl, slime). It prints one line per workload,
 every place where the ladder is out of order or another rung beats `full` (`!!!`), and a summary: in
 how many workloads `full` is best, and the median and worst ratio of `full` to the best other rung
@@ -58,6 +59,8 @@ SIZED = "full (serving = engine demand)"
 
 # `full` with lanes that also run on the serving cores serving leaves idle (`lanes.borrow_serving_cpus`).
 BORROWING = "full (borrowing serving CPUs)"
+# `full` with attempts admission: (B + S)·G caps the attempts in flight rather than B + S the groups.
+ATTEMPTS = "full (attempt admission)"
 
 
 def borrowing(spec: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +167,8 @@ def _simulate(seed: int, index: int, batches: int, rung: str) -> dict[str, Any]:
     workload = Workload.model_validate(variant(spec) if variant else spec)
     if rung in PEER_RUNGS:
         policy = peer_policy(workload, rung)
+    elif rung == ATTEMPTS:
+        policy = policy_for(workload, PolicyName.FULL.value, admission="attempts")
     else:
         policy = policy_for(workload, PolicyName.FULL.value if variant else rung)
     return summarise(simulate(workload, policy, rung, trajectories=draws))
@@ -182,7 +187,8 @@ def run(
 ) -> dict[str, Any]:
     """Every rung on `count` random workloads; per workload its spec, features, rungs and findings, and
     a summary over all of them."""
-    rungs = [rung.value for rung in LADDER_RUNGS] + [SIZED, BORROWING] + (PEER_RUNGS if peers else [])
+    rungs = [rung.value for rung in LADDER_RUNGS] + [SIZED, BORROWING, ATTEMPTS]
+    rungs += PEER_RUNGS if peers else []
     plan = [(index, rung) for index in range(count) for rung in rungs]
     results: dict[tuple[int, str], dict[str, Any]] = {}
     if processes > 1:
@@ -221,8 +227,8 @@ def run(
 def summary(workloads: dict[str, Any]) -> dict[str, Any]:
     """How `full` fares: workloads where it is best, where the ladder holds, and its ratio to the best
     other rung (above 1: another rung is faster) and to `sync`. The other rungs are the ladder and the
-    peers; each variant of `full` (sized serving, borrowing serving CPUs) is compared with them on its
-    own, under its name."""
+    peers; each variant of `full` (sized serving, borrowing serving CPUs, attempts admission) is compared
+    with them on its own, under its name."""
     to_best: dict[str, float] = {}
     variants: dict[str, dict[str, float]] = {}
     to_sync: dict[str, float] = {}
@@ -237,7 +243,7 @@ def summary(workloads: dict[str, Any]) -> dict[str, Any]:
             continue
         others = [m for rung, m in mean.items() if not rung.startswith(PolicyName.FULL.value)]
         to_best[name] = mean["full"] / min(others)
-        for variant in (SIZED, BORROWING):
+        for variant in (SIZED, BORROWING, ATTEMPTS):
             if variant in mean:
                 variants.setdefault(variant, {})[name] = mean[variant] / min(others)
         to_sync[name] = mean["full"] / mean["sync"]

@@ -82,8 +82,8 @@ def test_a_short_run_simulates_every_rung_on_the_same_workload(rw: ModuleType) -
     seen: list[str] = []
     result = rw.run(1, peers=False, batches=2, on_run=lambda label, done, total: seen.append(label))
     data = result["workloads"]["r0"]
-    assert set(data["rungs"]) == {"sync", "completion", "lanes", "full", rw.SIZED, rw.BORROWING}
-    assert len(seen) == 6
+    assert set(data["rungs"]) == {"sync", "completion", "lanes", "full", rw.SIZED, rw.BORROWING, rw.ATTEMPTS}
+    assert len(seen) == 7
     for summary in data["rungs"].values():
         assert summary["lost_groups"] == 0
         assert summary["mean_s"] > 0
@@ -97,6 +97,11 @@ def test_a_short_run_simulates_every_rung_on_the_same_workload(rw: ModuleType) -
     assert borrowing["lost_groups"] == 0
     assert result["summary"]["variants"][rw.BORROWING]["over_best_other"]["r0"] == round(
         borrowing["mean_s"] / best_other, 4
+    )
+    attempts = data["rungs"][rw.ATTEMPTS]
+    assert attempts["lost_groups"] == 0
+    assert result["summary"]["variants"][rw.ATTEMPTS]["over_best_other"]["r0"] == round(
+        attempts["mean_s"] / best_other, 4
     )
     assert any("r0" in line for line in rw.lines(result))
 
