@@ -323,7 +323,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     colours = ["tab:green" if r <= 1.0 else "tab:red" for _, r in ratios]
     ax.bar([i - 0.4 + width / 2 for i in range(len(names))], [r for _, r in ratios], width=width,
            color=colours, label="full as configured (red: another rung is faster)")  # fmt: skip
-    for k, ((variant, z), colour) in enumerate(zip(variants, ["tab:blue", "tab:purple"], strict=False)):
+    palette = ["tab:blue", "tab:purple", "tab:orange", "tab:brown", "tab:olive"]  # one per variant
+    for k, ((variant, z), colour) in enumerate(zip(variants, palette, strict=False)):
         offset = -0.4 + width * (k + 1.5)
         ax.bar([i + offset for i in range(len(names))], [z["over_best_other"][n] for n in names],
                width=width, color=colour, alpha=0.6, label=variant)  # fmt: skip
