@@ -1048,3 +1048,19 @@ def test_a_long_run_s_live_blocks_and_charts_stay_small_and_say_how_they_bucket(
     assert len(view.audit) == AUDIT_KEPT < view.audit_total
     assert f'id="audit-kept">(the latest {AUDIT_KEPT} of {view.audit_total})' in blocks["policy"]
     assert blocks["policy"].count("<li>") == AUDIT_KEPT
+
+
+def test_a_run_admitting_by_attempts_says_so_beside_its_policy():
+    """Its B + S counts attempts, (B + S)·G of them in flight: the policy line says so, as a simulated
+    run's report gives it; a run admitting by groups shows the line as before."""
+    from app.web.readmodel import view_from_report
+
+    workload = Workload.model_validate(make_workload_data(batches=2))
+    dash = Dashboard(AccessConfig(None, None))
+    lines = {}
+    for mode in ("attempts", "in_flight"):
+        report = simulate(workload, policy_for(workload, "full", admission=mode), "full")
+        page = dash.render("run.html", run_context(view_from_report(f"replay-{mode}", report)))
+        lines[mode] = re.search(r'<p class="policy">(.*?)</p>', page, re.DOTALL).group(1)
+    assert "admission by attempts ((B + S)·G in flight)" in lines["attempts"]
+    assert "admission" not in lines["in_flight"]
