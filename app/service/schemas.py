@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from app.core.config import PauseModeName, PolicyName
+from app.core.config import AdmissionMode, PauseModeName, PolicyName
 from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
@@ -194,6 +194,12 @@ class RunCreate(_Input):
                 raise ValueError(problem)
         if self.ready_surplus is not None and self.policy is not PolicyName.FULL:
             raise ValueError("ready_surplus: only policy full admits in flight and keeps ready groups apart")
+        admission = self.config.policy.admission if self.config is not None else None
+        if self.ready_surplus is not None and admission not in (None, AdmissionMode.IN_FLIGHT):
+            raise ValueError(
+                f"ready_surplus: config.policy.admission is {admission}, which keeps no room for ready "
+                "groups apart (live counts them in B + S, attempts caps them at (K + 1)·B); use in_flight"
+            )
         if self.speed != 1.0 and self.kind is not RunKind.SIM:
             raise ValueError("speed: applies to sim runs only")
         if self.orchestrator is OrchestratorKind.CELERY and self.trainer is TrainerKind.EXTERNAL:

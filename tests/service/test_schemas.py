@@ -111,3 +111,24 @@ def test_a_stored_run_config_echoes_only_the_batches_that_govern(
         assert RunCreate.model_validate(config) == spec  # resumed as it was created
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize("admission", ["attempts", "live"])
+def test_ready_surplus_with_a_config_that_keeps_no_ready_room_apart_is_refused(admission: str) -> None:
+    # It was accepted and then dropped without a word: the run took the config's admission, which has
+    # no room for ready groups beyond B + S (attempts admission caps them at (K + 1)·B, live admission
+    # counts them in B + S).
+    body = {"kind": "local", "config": {"policy": {"admission": admission}}, "ready_surplus": 4}
+    with pytest.raises(ValidationError) as raised:
+        RunCreate.model_validate(body)
+    message = raised.value.errors()[0]["msg"]
+    assert f"ready_surplus: config.policy.admission is {admission}" in message
+    assert "in_flight" in message
+
+
+def test_ready_surplus_with_in_flight_admission_is_taken() -> None:
+    body = {"kind": "local", "config": {"policy": {"admission": "in_flight"}}, "ready_surplus": 4}
+    assert run_policy(RunCreate.model_validate(body)).ready_surplus == 4
+    # An explicit null (no cap of its own) asks nothing of the admission, so any admission takes it.
+    body = {"kind": "local", "config": {"policy": {"admission": "attempts"}}, "ready_surplus": None}
+    assert run_policy(RunCreate.model_validate(body)).ready_surplus is None
