@@ -127,6 +127,12 @@ class RunCreate(_Input):
     group_size: StrictInt | None = Field(None, ge=2, le=1024, description="G")
     surplus_groups: StrictInt | None = Field(None, ge=0, le=MAX_SURPLUS, description="S")
     max_staleness: StrictInt | None = Field(None, ge=0, le=MAX_RUN_STALENESS, description="K")
+    admission: AdmissionMode | None = Field(
+        None,
+        description="what B + S caps: live groups (in flight + ready), groups in flight (in_flight), or "
+        "attempts in flight ((B + S)·G, attempts); default: a local config's policy.admission, else the "
+        "rung's (in_flight for full, live for the others)",
+    )
     ready_surplus: StrictInt | None = Field(
         None,
         ge=0,
@@ -194,12 +200,13 @@ class RunCreate(_Input):
                 raise ValueError(problem)
         if self.ready_surplus is not None and self.policy is not PolicyName.FULL:
             raise ValueError("ready_surplus: only policy full admits in flight and keeps ready groups apart")
-        admission = self.config.policy.admission if self.config is not None else None
-        if self.ready_surplus is not None and admission not in (None, AdmissionMode.IN_FLIGHT):
-            raise ValueError(
-                f"ready_surplus: config.policy.admission is {admission}, which keeps no room for ready "
-                "groups apart (live counts them in B + S, attempts caps them at (K + 1)·B); use in_flight"
-            )
+        if self.ready_surplus is not None and (admitting := self._admission_given()) is not None:
+            field, admission = admitting
+            if admission is not AdmissionMode.IN_FLIGHT:
+                raise ValueError(
+                    f"ready_surplus: {field} is {admission}, which keeps no room for ready groups apart "
+                    "(live counts them in B + S, attempts caps them at (K + 1)·B); use in_flight"
+                )
         if self.speed != 1.0 and self.kind is not RunKind.SIM:
             raise ValueError("speed: applies to sim runs only")
         if self.orchestrator is OrchestratorKind.CELERY and self.trainer is TrainerKind.EXTERNAL:
@@ -216,12 +223,21 @@ class RunCreate(_Input):
             mode="json", by_alias=True, exclude={"workload": {"batches"}, "config": {"batches"}}
         )
 
-    def overrides(self) -> dict[str, int]:
-        knobs = {
+    def _admission_given(self) -> tuple[str, AdmissionMode] | None:
+        """The admission this run asks for, and where it asks (None: the rung's own)."""
+        if self.admission is not None:
+            return "admission", self.admission
+        if self.config is not None and self.config.policy.admission is not None:
+            return "config.policy.admission", self.config.policy.admission
+        return None
+
+    def overrides(self) -> dict[str, object]:
+        knobs: dict[str, object] = {
             "groups_per_batch": self.groups_per_batch,
             "group_size": self.group_size,
             "surplus_groups": self.surplus_groups,
             "max_staleness": self.max_staleness,
+            "admission": self.admission,
         }
         return {k: v for k, v in knobs.items() if v is not None}
 

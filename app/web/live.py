@@ -368,6 +368,8 @@ class ManagerRuns:
             data["policy"] = form["policy"]
         if form.get("name"):
             data["name"] = form["name"]
+        if form.get("admission"):
+            data["admission"] = form["admission"]
         for name in LAUNCH_INTS:
             raw = form.get(name, "").strip()
             if raw:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from app.core.config import AdmissionMode
 from app.runtime.config import default_config_path, load_config
 from app.service.ports import run_policy
 from app.service.schemas import RunCreate
@@ -132,3 +133,23 @@ def test_ready_surplus_with_in_flight_admission_is_taken() -> None:
     # An explicit null (no cap of its own) asks nothing of the admission, so any admission takes it.
     body = {"kind": "local", "config": {"policy": {"admission": "attempts"}}, "ready_surplus": None}
     assert run_policy(RunCreate.model_validate(body)).ready_surplus is None
+
+
+def test_a_run_may_ask_for_attempts_admission_over_its_rung_s_and_config_s() -> None:
+    sim = run_policy(RunCreate.model_validate({"kind": "sim", "admission": "attempts"}))
+    assert sim.admission is AdmissionMode.ATTEMPTS
+    # An external trainer's default room for ready groups is in_flight admission's; attempts admission
+    # caps them at (K + 1)·B itself.
+    assert sim.ready_surplus is None
+    local = {"kind": "local", "config": {"policy": {"admission": "attempts"}}}
+    assert run_policy(RunCreate.model_validate(local)).admission is AdmissionMode.ATTEMPTS
+    # The run's own field overrides its config's, as B, G, S and K do; then ready_surplus applies.
+    spec = RunCreate.model_validate({**local, "admission": "in_flight", "ready_surplus": 3})
+    assert run_policy(spec).admission is AdmissionMode.IN_FLIGHT
+    assert run_policy(spec).ready_surplus == 3
+    with pytest.raises(ValidationError) as raised:
+        RunCreate.model_validate({"kind": "sim", "admission": "attempts", "ready_surplus": 3})
+    assert "ready_surplus: admission is attempts" in raised.value.errors()[0]["msg"]
+    with pytest.raises(ValidationError) as raised:
+        RunCreate.model_validate({"kind": "sim", "admission": "tokens"})
+    assert raised.value.errors()[0]["loc"] == ("admission",)

@@ -66,6 +66,20 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
         await runs.publish(run_id, "tester")
 
 
+async def test_a_run_launched_with_attempts_admission_admits_by_attempts(runs):
+    # The form had no admission field, and the API none either: only `corral sim` and a local run's
+    # config could ask for attempts admission.
+    run_id = await runs.launch({"policy": "full", "admission": "attempts", "name": "attempts"}, "tester")
+    await asyncio.to_thread(wait_for, lambda: len(runs.view(run_id).batches) >= 1)
+    view = runs.view(run_id)
+    assert view.policy["admission"] == "attempts"
+    assert view.policy["ready_surplus"] is None  # attempts admission keeps its own cap on ready groups
+    handle = runs.manager.get(run_id)
+    assert handle.runtime.scheduler.policy.admission.value == "attempts"
+    await runs.stop(run_id, "tester")
+    await asyncio.to_thread(wait_for, lambda: runs.view(run_id).state in ("stopped", "completed"))
+
+
 async def test_a_run_is_paused_and_resumed_from_the_dashboard(runs):
     # The dashboard could stop a run but neither pause nor resume one (only the API could).
     run_id = await runs.launch({"policy": "full", "name": "pause-test"}, "tester")
@@ -106,6 +120,7 @@ async def test_a_run_is_paused_and_resumed_from_the_dashboard(runs):
         ({"policy": "sync", "surplus_groups": "1"}, "surplus_groups: policy sync runs without surplus"),
         # a check across fields: pydantic's "Value error," reached the page ("run: Value error, ...")
         ({"groups_per_batch": "4096", "group_size": "1024"}, "groups_per_batch, group_size: \\(B \\+ S\\)"),
+        ({"admission": "tokens"}, "admission"),
     ],
 )
 async def test_a_bad_launch_form_names_the_field(runs, form, field):
@@ -311,6 +326,11 @@ async def test_the_launch_form_shows_the_values_its_empty_fields_take(runs):
         "max_staleness": f"default {policy['K']}",
         "batches": "until stopped",
     }
+    # The admission select offers every mode by its value, the policy's own first and chosen.
+    options = re.findall(
+        r'<option value="(\w*)" (selected)?', page.split('name="admission"')[1].split("</select>")[0]
+    )
+    assert options == [("", "selected"), ("in_flight", ""), ("attempts", ""), ("live", "")]
     await runs.stop(run_id, "tester")
 
 
