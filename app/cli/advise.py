@@ -154,7 +154,8 @@ def advise(
         ),
     ] = None,
 ) -> None:
-    """Sweep S, K, updating engines, lane slots and serving cores by simulation; recommend the fastest."""
+    """Sweep S, K, admission, updating engines, lane slots and serving cores by simulation; recommend the
+    fastest."""
     from app.sim.advise import plot_advice
     from app.sim.workload import TraceSpec, Workload, load_trace
 
@@ -190,7 +191,8 @@ def advise(
     for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
         s = outcome.settings
         say(
-            f"{label}: S={s.surplus_groups} K={s.max_staleness} updating={s.updating()} "
+            f"{label}: S={s.surplus_groups} K={s.max_staleness} admission={s.admission()} "
+            f"updating={s.updating()} "
             f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
             f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s"

@@ -1,7 +1,7 @@
-"""`corral advise`: search S, K, the number of updating engines, the lane concurrency and, where lanes
-are pinned, how the cores split between serving and sandboxes and whether the lanes may borrow the
-serving cores serving leaves idle, for the settings that minimise mean batch
-collection time on a workload, by simulating each candidate.
+"""`corral advise`: search S, K, the admission mode (groups in flight, or attempts in flight), the
+number of updating engines, the lane concurrency and, where lanes are pinned, how the cores split
+between serving and sandboxes and whether the lanes may borrow the serving cores serving leaves idle,
+for the settings that minimise mean batch collection time on a workload, by simulating each candidate.
 
 The search is coordinate descent from the workload's own settings, which are simulated exactly as
 the hand-written config runs (`full` with its own defaults: adaptive lanes, its update pacing and
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.children import worker_pool
+from app.core.config import AdmissionMode
 from app.outputs import save_figure
 from app.runtime.report import drawn_s
 from app.sim.lanes import LaneSharing
@@ -58,6 +59,9 @@ class Settings:
     # Lanes also run on the serving cores serving leaves idle (`lanes.borrow_serving_cpus`). None: the
     # workload's own.
     borrow_serving_cpus: bool | None = None
+    # B + S caps attempts in flight ((B + S)·G, `AdmissionMode.ATTEMPTS`); False: the policy's own
+    # admission (in flight, for full), as the hand-written config runs.
+    attempts_admission: bool = False
 
     def with_knob(self, knob: str, value: int | None) -> Settings:
         if knob == "max_updating_engines":
@@ -68,6 +72,8 @@ class Settings:
             return dataclasses.replace(self, serving_cores=value)
         if knob == "borrow_serving_cpus":
             return dataclasses.replace(self, borrow_serving_cpus=bool(value))
+        if knob == "attempts_admission":
+            return dataclasses.replace(self, attempts_admission=bool(value))
         if knob in LANES:
             slots = tuple((lane, value if lane == knob else n) for lane, n in self.lane_slots)
             return dataclasses.replace(self, lane_slots=slots)
@@ -87,12 +93,20 @@ class Settings:
     def updating(self) -> str:
         return "policy default" if self.max_updating_engines is None else str(self.max_updating_engines)
 
+    def admission(self) -> str:
+        return AdmissionMode.ATTEMPTS.value if self.attempts_admission else "policy default"
+
+    def policy_overrides(self) -> dict[str, AdmissionMode]:
+        """What these settings change of the policy itself (the rest goes into the workload)."""
+        return {"admission": AdmissionMode.ATTEMPTS} if self.attempts_admission else {}
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.as_policy(),
             "lanes": dict(self.lane_slots),
             "serving_cores": self.serving_cores,
             "borrow_serving_cpus": self.borrow_serving_cpus,
+            "admission": AdmissionMode.ATTEMPTS.value if self.attempts_admission else None,
         }
 
 
@@ -203,7 +217,10 @@ def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[s
     updating = {n for n in (1, 2, engines // 4, engines // 2) if 1 <= n <= engines}
     # The current value first; None is the policy's own default (the hand-written config's).
     own = best.max_updating_engines
+    attempts = int(best.attempts_admission)
     grid: dict[str, list[int | None]] = {
+        # First: what B + S caps changes what every other knob does (S above all).
+        "attempts_admission": [attempts, 1 - attempts],
         "surplus_groups": list(sorted(surplus)),
         "max_staleness": list(sorted(staleness)),
         "max_updating_engines": [own, *sorted(updating - {own} if own is not None else updating)],
@@ -239,7 +256,7 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
 def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") -> Outcome:
     """Simulate one candidate (module-level so that worker processes can run it)."""
     candidate = _workload_with(workload, settings)  # its updating engines too, as `corral sim` runs them
-    policy = policy_for(candidate, policy_name)
+    policy = policy_for(candidate, policy_name, **settings.policy_overrides())
     report = simulate(candidate, policy, policy_name)
     return Outcome(
         settings=settings,

@@ -129,6 +129,32 @@ def test_borrowing_is_a_knob_that_reaches_the_workload() -> None:
     assert evaluate(workload, borrowing).batch_collection_s > 0
 
 
+def test_attempts_admission_is_a_knob_tried_first_and_run_as_corral_sim_runs_it() -> None:
+    from app.core.config import AdmissionMode
+    from app.sim.advise import TIE_FRACTION
+    from app.sim.run import policy_for, simulate
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    start = current_settings(workload)
+    assert start.attempts_admission is False  # the policy's own admission, as the config runs
+    grid = knob_grid(workload, start)
+    assert next(iter(grid)) == "attempts_admission"
+    assert grid["attempts_admission"] == [0, 1]  # the current value first
+    attempts = start.with_knob("attempts_admission", 1)
+    assert attempts.as_dict()["admission"] == "attempts"
+    assert start.as_dict()["admission"] is None
+    # The candidate is what `corral sim --admission attempts` runs on the same workload.
+    report = simulate(workload, policy_for(workload, "full", admission=AdmissionMode.ATTEMPTS), "full")
+    assert evaluate(workload, attempts).batch_collection_s == report["batch_collection_s"]["mean"]
+    assert evaluate(workload, attempts).batch_collection_s != evaluate(workload, start).batch_collection_s
+
+    advice = advise(workload, passes=1, workers=2, knobs=["attempts_admission"])
+    means = {o.settings.attempts_admission: o.batch_collection_s for o in advice.evaluated}
+    assert set(means) == {False, True}
+    wins = means[True] < means[False] * (1 - TIE_FRACTION)
+    assert advice.recommended.settings.attempts_admission is wins
+
+
 def make_outcome(settings: Settings, **overrides: float) -> Outcome:
     figures = {"batch_collection_s": 100.0, "p90_s": 120.0, "trainer_idle_fraction": 0.5}
     figures |= {"wasted_trajectory_s": 0.0, "lower_bound_s": 80.0, **overrides}
