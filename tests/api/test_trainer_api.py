@@ -191,6 +191,22 @@ def test_ready_surplus_is_for_policy_full_only(server: str) -> None:
         assert "ready_surplus: only policy full" in answer.text
 
 
+def test_a_run_created_with_attempts_admission_admits_by_attempts_and_says_so(server: str) -> None:
+    with CorralClient(server, token=TOKEN) as corral:
+        run = corral.create_run(**make_run(batches=2, admission="attempts"))
+        try:
+            assert corral.next_batch(run["id"], timeout=30) is not None
+            got = corral.run(run["id"])
+            assert got["policy"]["admission"] == "attempts"
+            assert got["policy"]["ready_surplus"] is None  # its own cap on ready groups, (K + 1)·B
+        finally:
+            corral.stop(run["id"])
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
+        answer = api.post("/api/runs", json=make_run(admission="attempts", ready_surplus=2))
+        assert answer.status_code == 422
+        assert "ready_surplus: admission is attempts" in answer.text
+
+
 def test_a_simulated_run_s_batches_carry_each_turn_s_policy_version(server: str) -> None:
     # Its trajectories had "turns": [] and "policy_versions": [], where the docs show both filled in.
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as api:
