@@ -113,9 +113,10 @@ class Dist(BaseModel):
             raise ValueError(f"uniform needs 0 ≤ lo ≤ hi, got {list(self.uniform)}")
         if self.empirical is not None and (not self.empirical or min(self.empirical) < 0):
             raise ValueError("empirical needs a non-empty list of non-negative samples")
-        if self.upper() > MAX_SECONDS:
+        if (upper := self.upper()) > MAX_SECONDS:
+            shown = f"{upper:,.0f}" if upper < 1e15 else f"{upper:.3g}"  # not 300 digits
             raise ValueError(
-                f"draws would reach {self.upper():,.0f} (for an uncapped lognormal: its one-in-a-billion "
+                f"draws would reach {shown} (for an uncapped lognormal: its one-in-a-billion "
                 f"draw), above the limit of {MAX_SECONDS:,.0f}; give a smaller p90 or a max"
             )
         return self
@@ -127,8 +128,10 @@ class Dist(BaseModel):
         if self.lognormal is not None:
             if self.lognormal.max is not None:
                 return self.lognormal.max
-            sigma = math.log(self.lognormal.p90 / self.lognormal.median) / Z90
-            return self.lognormal.median * math.exp(min(6 * sigma, 700.0))
+            # In logs: p90 / median can overflow, and a tiny median must not hide a sigma whose draws do.
+            median = math.log(self.lognormal.median)
+            sigma = (math.log(self.lognormal.p90) - median) / Z90
+            return math.exp(min(median + 6 * sigma, 700.0))
         if self.uniform is not None:
             return self.uniform[1]
         return max(self.empirical or (0.0,))

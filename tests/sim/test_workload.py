@@ -111,6 +111,16 @@ def test_a_bad_number_for_a_distribution_is_refused_naming_the_key_as_typed(
     assert str(raised.value) == f"w.yaml: trajectory.{key}: Input should be {why}"
 
 
+@pytest.mark.parametrize("median", [1e-300, 1e-320])
+@pytest.mark.parametrize("key", ["turns", "llm_s", "reset_s"])
+def test_a_lognormal_too_wide_to_draw_is_refused_in_one_line(key: str, median: float) -> None:
+    # A tiny median made the 6-sigma check pass (its exponent was capped at 700 before the median
+    # scaled it back down), and the first wide draw raised OverflowError: a traceback out of `corral sim`.
+    # With p90 / median beyond a float (1e-320), sigma was infinite and every draw inf or 0, silently.
+    with pytest.raises(WorkloadError, match=rf"trajectory\.{key}: draws would reach [0-9.]+e\+[0-9]+ "):
+        parse_workload({"trajectory": {key: {"lognormal": {"median": median, "p90": 1e6}}}}, "w.yaml")
+
+
 @pytest.mark.parametrize("value", [0, -1, 10**9, 2.0, "2", True, float("nan")])
 def test_bad_updating_engines_are_refused_naming_the_field(value: Any) -> None:
     with pytest.raises(WorkloadError, match=r"policy\.max_updating_engines"):
