@@ -116,7 +116,8 @@ class AdaptiveSlots:
             over = self.spec.overload
             if over is not None and s.op_demand > 0:
                 # Slots follow cores: more operations than the lane's cores run only thrash (cpu.py).
-                fit = min(high, max(1, math.floor(over * s.cores / s.op_demand)))
+                # Capped before the floor: a tiny demand (or unbounded cores) makes the ratio infinite.
+                fit = max(1, math.floor(min(over * s.cores / s.op_demand, high)))
                 if slots > fit:
                     slots = fit
                 elif s.queued > 0:

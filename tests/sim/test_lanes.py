@@ -294,6 +294,18 @@ def test_an_oversubscribed_lane_shrinks_to_its_cores_and_regrows_with_them() -> 
     assert controller.decide({"exec": LaneSample(15, 15, 50, 17.0, 1.0, 32.0)})["exec"] == 32
 
 
+@pytest.mark.parametrize(("op_demand", "cores"), [(5e-324, 15.0), (1.0, math.inf)])
+def test_an_operation_that_needs_next_to_no_core_lets_a_lane_grow_to_its_bound(
+    op_demand: float, cores: float
+) -> None:
+    # `cpus.sandbox_demand: {reset: 5e-324}` passes the workload's checks (≥ 0): cores / demand was
+    # infinite, and its floor raised OverflowError out of `corral sim` as a traceback.
+    controller = AdaptiveSlots({"reset": 8}, AdaptiveLanesSpec())
+    _, high = controller.bounds("reset")
+    assert controller.decide({"reset": LaneSample(8, 8, 50, 0.0, op_demand, cores)})["reset"] > 8
+    assert controller.decide({"reset": LaneSample(high, high, 50, 0.0, op_demand, cores)})["reset"] == high
+
+
 def test_a_detached_operation_hands_its_slot_on_and_its_release_gives_back_nothing() -> None:
     limiter = ResizableLimiter(1)
     started: list[str] = []
