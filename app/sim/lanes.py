@@ -70,11 +70,12 @@ class LaneSharing(StrEnum):
 class LaneWeights(BaseModel):
     """Guaranteed share of the sandbox cores per lane (relative weights, like cgroup `cpu.weight`)."""
 
+    # At least 1e-6: a weight of 1e-320 against 1e6 gave its lane a share of 0 cores (a crash).
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-    reset: float = Field(gt=0, le=1e6, description="weight of the reset lane")
-    exec: float = Field(gt=0, le=1e6, description="weight of the exec lane")
-    validate_: float = Field(gt=0, le=1e6, alias="validate", description="weight of the validate lane")
-    cleanup: float = Field(gt=0, le=1e6, description="weight of the cleanup lane")
+    reset: float = Field(ge=1e-6, le=1e6, description="weight of the reset lane")
+    exec: float = Field(ge=1e-6, le=1e6, description="weight of the exec lane")
+    validate_: float = Field(ge=1e-6, le=1e6, alias="validate", description="weight of the validate lane")
+    cleanup: float = Field(ge=1e-6, le=1e6, description="weight of the cleanup lane")
 
     def by_lane(self) -> dict[str, float]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}

@@ -308,3 +308,13 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
     path.write_text(text.replace("1e3", "1e400"))  # past a float's range: infinity, refused as any
     with pytest.raises(WorkloadError, match=r"trainer\.step_s"):
         load_workload(path)
+
+
+def test_lane_weights_too_small_to_share_the_cores_are_refused() -> None:
+    # Weights 1e-320 against 1e6 passed (> 0), and the reset lane's share of the cores came out 0: the
+    # simulation then raised "every lane needs a positive guaranteed share", a traceback out of `corral sim`.
+    weights = {"reset": 1e-320, "exec": 1e6, "validate": 1e6, "cleanup": 1e6}
+    with pytest.raises(WorkloadError, match=r"lanes\.weights\.reset: Input should be greater than or equal"):
+        parse_workload(make_small(lanes={"weights": weights}), "w.yaml")
+    spec = parse_workload(make_small(lanes={"weights": {**weights, "reset": 1e-6}}), "w.yaml")
+    assert simulate(spec, policy_for(spec, "full"), "full")["batches"] == 2
