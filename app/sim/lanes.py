@@ -72,10 +72,12 @@ class LaneWeights(BaseModel):
 
     # At least 1e-6: a weight of 1e-320 against 1e6 gave its lane a share of 0 cores (a crash).
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-    reset: float = Field(ge=1e-6, le=1e6, description="weight of the reset lane")
-    exec: float = Field(ge=1e-6, le=1e6, description="weight of the exec lane")
-    validate_: float = Field(ge=1e-6, le=1e6, alias="validate", description="weight of the validate lane")
-    cleanup: float = Field(ge=1e-6, le=1e6, description="weight of the cleanup lane")
+    reset: float = Field(ge=1e-6, le=1e6, strict=True, description="weight of the reset lane")
+    exec: float = Field(ge=1e-6, le=1e6, strict=True, description="weight of the exec lane")
+    validate_: float = Field(
+        ge=1e-6, le=1e6, strict=True, alias="validate", description="weight of the validate lane"
+    )
+    cleanup: float = Field(ge=1e-6, le=1e6, strict=True, description="weight of the cleanup lane")
 
     def by_lane(self) -> dict[str, float]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}

@@ -318,3 +318,11 @@ def test_lane_weights_too_small_to_share_the_cores_are_refused() -> None:
         parse_workload(make_small(lanes={"weights": weights}), "w.yaml")
     spec = parse_workload(make_small(lanes={"weights": {**weights, "reset": 1e-6}}), "w.yaml")
     assert simulate(spec, policy_for(spec, "full"), "full")["batches"] == 2
+
+
+@pytest.mark.parametrize("value", [True, "2"])
+def test_lane_weights_are_numbers_as_typed(value: Any) -> None:
+    # Every other number in a workload is strict; `weights: {reset: true}` ran as weight 1, `"2"` as 2.
+    weights = {"reset": value, "exec": 1, "validate": 1, "cleanup": 1}
+    with pytest.raises(WorkloadError, match=r"lanes\.weights\.reset: Input should be a valid number"):
+        parse_workload(make_small(lanes={"weights": weights}), "w.yaml")
