@@ -51,7 +51,7 @@ class AdaptiveLanesSpec(BaseModel):
     """Lane slots that follow the cores a lane can get and its queue, guaranteed shares that follow
     measured demand, and long resets that leave the reset lane (app.sim.lanes)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
     interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
     # step 1 and max_factor 16 (were 0.25 and 4): with slots following cores, the cores a lane can get
     # bound its slots, and a lane configured far below its demand (3 reset slots for 48 groups) grew

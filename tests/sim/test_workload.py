@@ -326,3 +326,13 @@ def test_lane_weights_are_numbers_as_typed(value: Any) -> None:
     weights = {"reset": value, "exec": 1, "validate": 1, "cleanup": 1}
     with pytest.raises(WorkloadError, match=r"lanes\.weights\.reset: Input should be a valid number"):
         parse_workload(make_small(lanes={"weights": weights}), "w.yaml")
+
+
+@pytest.mark.parametrize("value", [True, "2"])
+@pytest.mark.parametrize(
+    "key", ["interval_s", "step", "max_factor", "min_share", "overload", "long_op_factor"]
+)
+def test_adaptive_lane_settings_are_numbers_as_typed(key: str, value: Any) -> None:
+    # `lanes.adaptive: {step: "2"}` ran as step 2 and `{max_factor: true}` as 1, without a word.
+    with pytest.raises(WorkloadError, match=rf"lanes\.adaptive\.{key}: Input should be a valid number"):
+        parse_workload(make_small(lanes={"adaptive": {key: value}}), "w.yaml")
