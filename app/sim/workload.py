@@ -341,9 +341,11 @@ class TrajectorySpec(Strict):
             )
         most = self.turns.upper() * math.exp(6 * self.attempt_spread)
         if most > MAX_TURNS:
+            shown = f"{most:,.0f}" if most < 1e15 else f"{most:.3g}"
             raise ValueError(
-                f"turns: draws would reach about {most:,.0f} turns per attempt (the one-in-a-billion draw); "
-                f"the limit is {MAX_TURNS:,}: give a smaller p90 or a lognormal max"
+                f"turns: draws would reach about {shown} turns per attempt (the one-in-a-billion draw, "
+                f"{self.turns.upper():g} turns × e^(6 × attempt_spread {self.attempt_spread:g})); the limit "
+                f"is {MAX_TURNS:,}: give a smaller p90, a lognormal max or a smaller attempt_spread"
             )
         return self
 

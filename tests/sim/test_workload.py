@@ -336,3 +336,13 @@ def test_adaptive_lane_settings_are_numbers_as_typed(key: str, value: Any) -> No
     # `lanes.adaptive: {step: "2"}` ran as step 2 and `{max_factor: true}` as 1, without a word.
     with pytest.raises(WorkloadError, match=rf"lanes\.adaptive\.{key}: Input should be a valid number"):
         parse_workload(make_small(lanes={"adaptive": {key: value}}), "w.yaml")
+
+
+def test_too_many_turns_from_the_attempt_spread_names_the_attempt_spread() -> None:
+    # `attempt_spread: 10` with the default turns was refused as "turns: ... give a smaller p90 or a
+    # lognormal max", naming neither the key typed nor the fix, in a 29-digit number.
+    with pytest.raises(WorkloadError) as raised:
+        parse_workload({"trajectory": {"attempt_spread": 10}}, "w.yaml")
+    message = str(raised.value)
+    assert "attempt_spread 10" in message
+    assert "about 5.28e+28 turns per attempt" in message
