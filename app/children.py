@@ -7,6 +7,7 @@ left orphaned. Linux only (prctl PR_SET_PDEATHSIG); elsewhere it does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -37,10 +38,32 @@ def quiet_worker() -> None:
     quietly, where each worker used to print its own KeyboardInterrupt traceback; the parent gets the
     same signal and says what happened. The worker also ends with its parent (`die_with_parent`): a
     SIGTERM or SIGKILL to the parent alone used to leave the workers running for minutes."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
+    for sig in _STOPS:
         signal.signal(sig, lambda *_: os._exit(130))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked in its fork server (`_start_helpers`)
     die_with_parent()
     _let_the_fork_server_go()
+
+
+_STOPS = (signal.SIGINT, signal.SIGHUP)  # sent to the whole process group: Ctrl-C, a terminal hanging up
+
+
+def _start_helpers() -> None:
+    """Start multiprocessing's fork server with Ctrl-C and SIGHUP blocked, so that it inherits the
+    block: a Ctrl-C in the first second of `corral advise`, while the fork server imported the simulator
+    (or was still in the interpreter's start-up), printed its KeyboardInterrupt traceback, or "Fatal
+    Python error: init_import_site", after the command's one line. It ignores SIGINT for good once
+    started; the workers unblock both (`quiet_worker`). Blocked in this thread only, a signal that comes
+    meanwhile is not lost: it waits, or another thread takes it. The resource tracker first: it blocks
+    SIGINT itself while it starts, and unblocks it after, whatever the mask was."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _let_the_fork_server_go() -> None:
@@ -57,6 +80,30 @@ def _let_the_fork_server_go() -> None:
     if isinstance(fd, int):
         os.close(fd)
         server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+def fork_server_pid() -> int | None:
+    """The fork server's process id, or None when this process has not started one. Python keeps it in
+    a private field; where it is missing this says None."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def stop_fork_server() -> None:
+    """End the fork server at once (SIGTERM, which it takes even while it still imports the simulator
+    with Ctrl-C held back) and forget it, so that it forks no worker for a pool that is gone: one it
+    forked after a Ctrl-C found the pool's semaphores removed and printed a FileNotFoundError traceback.
+    The next pool starts a new one."""
+    from multiprocessing import forkserver
+
+    pid = fork_server_pid()
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]  # closes its pipe, reaps it
 
 
 def worker_pool(processes: int) -> ProcessPoolExecutor:
@@ -76,6 +123,7 @@ def worker_pool(processes: int) -> ProcessPoolExecutor:
     # The caller's main script too (`corral`, or the test runner's), so that each worker does not
     # import it again as it starts.
     context.set_forkserver_preload(["__main__", "app.children", "app.sim.advise", "app.sim.family"])
+    _start_helpers()
     return ProcessPoolExecutor(processes, mp_context=context, initializer=quiet_worker)
 
 

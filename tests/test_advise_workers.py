@@ -2,7 +2,8 @@
 
 A SIGTERM to the command alone (not its process group, as a supervisor or `kill PID` sends it) used to
 leave both workers running for a minute or more, reparented to init. A SIGKILL to it left the workers
-of its fork server running for good (`app.children._let_the_fork_server_go`)."""
+of its fork server running for good (`app.children._let_the_fork_server_go`). A Ctrl-C while the fork
+server was still importing the simulator printed its KeyboardInterrupt traceback after the one line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from proc_children import alive, in_session
+from proc_children import alive, command_line, in_session
 
 CORRAL = Path(sys.executable).with_name("corral")
 
@@ -51,6 +52,33 @@ def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals
         elif written.exists():  # SIGTERM acts as Ctrl-C: what was simulated is kept, marked incomplete
             assert json.loads(written.read_text())["complete"] is False
     finally:  # the command's session is its own process group: nothing of it may leak into other tests
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", "default", "--workers", "2", "--json", "a.json"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(b"forkserver" in command_line(pid) for pid in in_session(proc.pid)):
+                break
+            time.sleep(0.005)
+        # The fork server has just started: it spends the next few hundred ms importing the simulator.
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert stderr.decode().splitlines() == [
+            "interrupted before the current settings were simulated; a.json not written"
+        ]
+    finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from app.children import worker_pool
+from app.children import fork_server_pid, stop_fork_server, worker_pool
 from app.core.config import AdmissionMode
 from app.outputs import save_figure
 from app.runtime.report import drawn_s
@@ -330,12 +330,15 @@ def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
     "Exception ignored in: <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" after
     the command's one line (CI saw it once). The ended workers break the pool, so the join is short."""
     before = set(multiprocessing.active_children())  # not the pool's to end
+    server_before = fork_server_pid()
     with worker_pool(workers) as pool:
         try:
             yield pool
         except BaseException:
             for child in set(multiprocessing.active_children()) - before:
                 child.terminate()
+            if server_before is None:  # the pool's own: still starting, it may have a worker to fork
+                stop_fork_server()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
 
