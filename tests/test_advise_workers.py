@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,16 +23,28 @@ from proc_children import alive, command_line, in_session
 CORRAL = Path(sys.executable).with_name("corral")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals) -> None:
+@contextlib.contextmanager
+def advising(tmp_path: Path, stderr: int) -> Iterator[subprocess.Popen[bytes]]:
+    """`corral advise` on the default workload with 2 workers, in a session of its own (its process
+    group): killed whole afterwards, so nothing of it leaks into other tests."""
     proc = subprocess.Popen(
         [str(CORRAL), "advise", "--workload", "default", "--workers", "2", "--json", "a.json"],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         start_new_session=True,
     )
     try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals) -> None:
+    with advising(tmp_path, subprocess.DEVNULL) as proc:
         deadline = time.monotonic() + 60
         workers: set[int] = set()
         while len(workers) < 4 and time.monotonic() < deadline:
@@ -51,21 +64,10 @@ def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals
             assert not written.exists()
         elif written.exists():  # SIGTERM acts as Ctrl-C: what was simulated is kept, marked incomplete
             assert json.loads(written.read_text())["complete"] is False
-    finally:  # the command's session is its own process group: nothing of it may leak into other tests
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [str(CORRAL), "advise", "--workload", "default", "--workers", "2", "--json", "a.json"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
+    with advising(tmp_path, subprocess.PIPE) as proc:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:
             if any(b"forkserver" in command_line(pid) for pid in in_session(proc.pid)):
@@ -78,7 +80,3 @@ def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None
         assert stderr.decode().splitlines() == [
             "interrupted before the current settings were simulated; a.json not written"
         ]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
