@@ -110,7 +110,9 @@ def test_trace_import_writes_a_trace_the_simulator_replays(tmp_path: Path) -> No
 def test_bad_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
     missing = corral("trace", "import", "--format", "terminal-bench", "nope", cwd=tmp_path)
     assert missing.returncode == 2
-    assert "nope: no such directory" in missing.stderr
+    assert missing.stderr.strip() == "error: SOURCE nope: no such directory"  # named as the others are
+    gone = corral("trace", "import", "--format", "corral-run", "nope.json", cwd=tmp_path)
+    assert gone.stderr.strip() == "error: SOURCE nope.json: no such file"
     unwritable = corral("advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--json", "/proc/x.json",
                         cwd=tmp_path)  # fmt: skip
     assert unwritable.returncode == 2

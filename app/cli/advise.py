@@ -115,7 +115,9 @@ def _skipped(skipped: Mapping[str, int], unit: str) -> str:
 
 def _check_source(source: Path, fmt: TraceFormat) -> None:
     """A directory given as a report (or a file as a run directory): say so and name the other format,
-    before `check_apart` would call the output 'inside' it."""
+    before `check_apart` would call the output 'inside' it. A missing one is named as SOURCE too."""
+    if not source.exists() and not source.is_symlink():  # a link to nowhere: the import says what it is
+        fail(f"SOURCE {source}: no such {'directory' if fmt is TraceFormat.TERMINAL_BENCH else 'file'}")
     if fmt is TraceFormat.CORRAL_RUN and source.is_dir():
         fail(
             f"SOURCE {source}: is a directory; a corral run report is a file "
