@@ -81,6 +81,11 @@ class Lognormal(BaseModel):
 _CONSTANT = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_SECONDS, strict=True, allow_inf_nan=False)])
 
 
+def _huge(value: float) -> str:
+    """A number past a limit, as a person reads it: 52,760,771 in full, 5.28e+28 rather than 29 digits."""
+    return f"{value:,.0f}" if value < 1e15 else f"{value:.3g}"
+
+
 class Dist(BaseModel):
     """One of: a constant, a lognormal by median and p90, a uniform range, or empirical samples."""
 
@@ -114,9 +119,8 @@ class Dist(BaseModel):
         if self.empirical is not None and (not self.empirical or min(self.empirical) < 0):
             raise ValueError("empirical needs a non-empty list of non-negative samples")
         if (upper := self.upper()) > MAX_SECONDS:
-            shown = f"{upper:,.0f}" if upper < 1e15 else f"{upper:.3g}"  # not 300 digits
             raise ValueError(
-                f"draws would reach {shown} (for an uncapped lognormal: its one-in-a-billion "
+                f"draws would reach {_huge(upper)} (for an uncapped lognormal: its one-in-a-billion "
                 f"draw), above the limit of {MAX_SECONDS:,.0f}; give a smaller p90 or a max"
             )
         return self
@@ -341,9 +345,8 @@ class TrajectorySpec(Strict):
             )
         most = self.turns.upper() * math.exp(6 * self.attempt_spread)
         if most > MAX_TURNS:
-            shown = f"{most:,.0f}" if most < 1e15 else f"{most:.3g}"
             raise ValueError(
-                f"turns: draws would reach about {shown} turns per attempt (the one-in-a-billion draw, "
+                f"turns: draws would reach about {_huge(most)} turns per attempt (the one-in-a-billion draw, "
                 f"{self.turns.upper():g} turns × e^(6 × attempt_spread {self.attempt_spread:g})); the limit "
                 f"is {MAX_TURNS:,}: give a smaller p90, a lognormal max or a smaller attempt_spread"
             )
