@@ -22,7 +22,8 @@ to `RunsBackend`.
   changes were made; nothing here writes it).
 
 Views are cached per (run, last sequence number, live snapshot) for `VIEW_TTL_S`, so many open pages
-cost one build; a run not executing here is re-read from the store at most every `IDLE_REFETCH_S`.
+cost one build; a run not executing here is re-read from the store at most every `ELSEWHERE_REFETCH_S`
+while it has not ended (a celery worker drives it), and every `IDLE_REFETCH_S` once it has.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ CATCH_UP_S = 0.5
 KEEP_GROUPS = 500  # ended groups whose rows a live view keeps (the timeline shows the latest)
 KEEP_SPANS = 20_000  # and at most about this many of their spans
 VIEW_TTL_S = 0.4  # a live run's view is rebuilt at most this often, however many pages watch it
-IDLE_REFETCH_S = 5.0  # a run not executing here is re-read from the store at most this often
+IDLE_REFETCH_S = 5.0  # an ended run not executing here is re-read from the store at most this often
+# A run another process drives (a celery orchestrator worker) and not ended yet is re-read this often:
+# the read is keyed on the last sequence number folded, so a page follows its worker within about a
+# second where it lagged by up to IDLE_REFETCH_S.
+ELSEWHERE_REFETCH_S = 1.0
 # The views kept of runs not executing here (ended, deleted, or run elsewhere), the least recently read
 # let go first: each holds up to KEEP_SPANS spans (several MB on a long run), and a server browsed for
 # months would otherwise keep one per run ever opened. A run executing here keeps its view.
@@ -73,6 +78,12 @@ class _RunCache:
     stored_cpus: dict[str, str] | None = None  # the lane CPU sets the store holds, once read
     behind: int | None = None  # while catching up with a long stream: the newest event there is to read
     stored_state: str | None = None  # a run not executing here: its state as last read from the store
+
+
+def refetch_s(state: str | None) -> float:
+    """How often a run not executing here is re-read from the store: often while another process may
+    still add to it, seldom once it has ended (`None`: not read yet)."""
+    return IDLE_REFETCH_S if state in OUTCOMES else ELSEWHERE_REFETCH_S
 
 
 class ManagerRuns:
@@ -108,7 +119,7 @@ class ManagerRuns:
 
     def summaries(self) -> list[RunSummary]:
         """Every run's row: a run executing here from its recorder's counters (no query), any other
-        from the store's run and batch rows (`trainer_figures`, re-read at most every `IDLE_REFETCH_S`
+        from the store's run and batch rows (`trainer_figures`, re-read at most every `refetch_s(state)`
         while its state stays the same)."""
         manager = self.manager
         rows = []
@@ -154,7 +165,7 @@ class ManagerRuns:
     def _stored_figures(self, run_id: str, state: str) -> TrainerFigures:
         with self._lock:
             cached = self._figures.get(run_id)
-        if cached is not None and cached[1] == state and time.monotonic() - cached[0] < IDLE_REFETCH_S:
+        if cached is not None and cached[1] == state and time.monotonic() - cached[0] < refetch_s(state):
             return cached[2]
         figures: TrainerFigures = self.manager.store.trainer_figures(run_id)
         with self._lock:
@@ -170,7 +181,7 @@ class ManagerRuns:
             return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
         if (replay := self.manager.replay_progress(run_id)) is not None:  # the page follows the replay
             return hash(("resuming", entry.last_seq, repr(replay)))
-        if time.monotonic() - entry.fetched_at >= IDLE_REFETCH_S:
+        if time.monotonic() - entry.fetched_at >= refetch_s(entry.stored_state):
             self._fetch(run_id)
             # A run a celery worker drives can change state with no event (a simulated run's pause):
             # its page swaps Pause for Resume all the same
@@ -235,7 +246,7 @@ class ManagerRuns:
             return None
         entry = self._entry(run_id)
         handle = manager.get(run_id)
-        ttl = VIEW_TTL_S if handle is not None else IDLE_REFETCH_S
+        ttl = VIEW_TTL_S if handle is not None else refetch_s(str(record.get("state", "")))
         if entry.behind is not None or time.monotonic() - entry.fetched_at >= ttl:
             self._fetch(run_id)
         meta = self._meta(record, handle, entry)
