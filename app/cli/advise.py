@@ -200,6 +200,11 @@ def advise(
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s"
         )
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
+    if failed := advice.failed:
+        say(
+            f"{len(failed)} candidate(s) could not be simulated and were ranked last, the first: "
+            f'{failed[0].error} (each one\'s "error" is in {json_out})'
+        )
 
 
 def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> Advice:

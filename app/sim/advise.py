@@ -22,7 +22,7 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,10 +118,17 @@ class Outcome:
     trainer_idle_fraction: float
     wasted_trajectory_s: float
     lower_bound_s: float
+    error: str | None = None  # the candidate could not be simulated: why (ranked last, as no batch)
+
+    @classmethod
+    def failed(cls, settings: Settings, exc: BaseException) -> Outcome:
+        return cls(settings, None, None, 0.0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
 
     def mean_text(self) -> str:
-        """`12.3 s`, or that no batch was delivered (there is no mean)."""
+        """`12.3 s`, that no batch was delivered (there is no mean), or why it could not be simulated."""
         mean = self.batch_collection_s
+        if self.error is not None:
+            return f"not simulated ({self.error})"
         return "no batch delivered" if mean is None else f"{mean:.1f} s"
 
     def as_dict(self) -> dict[str, Any]:
@@ -132,6 +139,7 @@ class Outcome:
             "trainer_idle_fraction": self.trainer_idle_fraction,
             "wasted_trajectory_s": self.wasted_trajectory_s,
             "lower_bound_s": self.lower_bound_s,
+            "error": self.error,
         }
 
 
@@ -145,6 +153,11 @@ class Advice:
     @property
     def beats_current(self) -> bool:
         return self.recommended.settings != self.current.settings
+
+    @property
+    def failed(self) -> list[Outcome]:
+        """The candidates that could not be simulated (each with its `error`)."""
+        return [o for o in self.evaluated if o.error is not None]
 
     @property
     def candidates(self) -> int:
@@ -343,6 +356,20 @@ def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
             raise
 
 
+def candidate_outcome(candidate: Settings, fut: Future[Outcome], start: Settings) -> Outcome:
+    """A candidate's outcome. One that raised is kept as failed, with its error, and the search goes on:
+    it ended the whole search, losing what was simulated. The current settings raising still ends it
+    (there is nothing to advise against), as a lost worker does (an interrupt, `BrokenProcessPool`)."""
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        raise
+    except Exception as exc:
+        if candidate == start:
+            raise
+        return Outcome.failed(candidate, exc)
+
+
 def _search(
     workload: Workload,
     policy_name: str,
@@ -382,8 +409,8 @@ def _search(
             futures = [pool.submit(evaluate, workload, c, policy_name) for c in todo]
             if todo:
                 report()  # the round's count, before its first result
-            for fut in futures:
-                outcome = fut.result()
+            for candidate, fut in zip(todo, futures, strict=True):
+                outcome = candidate_outcome(candidate, fut, start)
                 seen[outcome.settings] = outcome
                 report()
 

@@ -4,6 +4,8 @@ import itertools
 import math
 from pathlib import Path
 
+import pytest
+
 from app.sim.advise import (
     Advice,
     Outcome,
@@ -254,3 +256,36 @@ def test_settings_that_delivered_no_batch_rank_last_and_are_never_advised(tmp_pa
     assert advice.verdict() == "the advised settings deliver batches where the current ones delivered none"
     left = advice_figure(advice).axes[0]
     assert left.texts[0].get_text().startswith("no batch delivered\n")
+
+
+def test_a_candidate_that_cannot_be_simulated_is_ranked_last_and_the_search_goes_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """One candidate raising in its worker ended the whole search with a traceback, losing every
+    simulation done; it is now kept with its error, and the CLI says so."""
+    import app.sim.advise as advise_module
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    real_grid = advise_module.knob_grid
+
+    def grid_with_a_bad_value(*args, **kwargs):
+        grid = real_grid(*args, **kwargs)
+        return {**grid, "surplus_groups": [*grid["surplus_groups"], -3]}  # S < 0 fails to validate
+
+    monkeypatch.setattr(advise_module, "knob_grid", grid_with_a_bad_value)
+    advice = advise(workload, passes=1, workers=2, knobs=["surplus_groups"])
+    assert advice.complete
+    [failed] = advice.failed
+    assert failed.settings.surplus_groups == -3
+    assert failed.batch_collection_s is None
+    assert "surplus_groups" in (failed.error or "")
+    assert failed.mean_text().startswith("not simulated (ValidationError")
+    assert advice.recommended.error is None
+    assert advice.evaluated[-1] is failed
+    assert advice.as_dict()["evaluated"][-1]["error"] == failed.error
+    plot_advice(advice, str(tmp_path / "a.png"))  # a failed bar plots as no batch does
+    # The current settings failing still ends the search: there is nothing to advise against.
+    bad_start = current_settings(workload).with_knob("surplus_groups", -3)
+    monkeypatch.setattr(advise_module, "current_settings", lambda _workload: bad_start)
+    with pytest.raises(Exception, match="surplus_groups"):
+        advise(workload, passes=1, workers=1, knobs=["surplus_groups"])
