@@ -81,6 +81,9 @@ class Lognormal(BaseModel):
 _CONSTANT = TypeAdapter(Annotated[float, Field(ge=0, le=MAX_SECONDS, strict=True, allow_inf_nan=False)])
 
 
+_LOG_MAX_SECONDS = math.log(MAX_SECONDS)
+
+
 def _huge(value: float) -> str:
     """A number past a limit, as a person reads it: 52,760,771 in full, 5.28e+28 rather than 29 digits."""
     return f"{value:,.0f}" if value < 1e15 else f"{value:.3g}"
@@ -144,10 +147,13 @@ class Dist(BaseModel):
         if self.constant is not None:
             return self.constant * scale
         if self.lognormal is not None:
-            value = self.lognormal.median * math.exp(rng.gauss(0.0, self.lognormal.sigma))
-            if self.lognormal.max is not None:
-                value = min(value, self.lognormal.max)
-            return value * scale
+            z = rng.gauss(0.0, self.lognormal.sigma)
+            try:
+                value = self.lognormal.median * math.exp(z)
+            except OverflowError:  # past about 5.6 σ with a tiny median e^z alone overflows: in logs
+                value = math.exp(min(math.log(self.lognormal.median) + z, _LOG_MAX_SECONDS))
+            # The check above allows a one-in-a-billion draw of MAX_SECONDS; one further out is held to it.
+            return min(value, self.lognormal.max or MAX_SECONDS, MAX_SECONDS) * scale
         if self.uniform is not None:
             return rng.uniform(*self.uniform) * scale
         assert self.empirical is not None

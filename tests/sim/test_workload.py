@@ -4,6 +4,7 @@ from their recorded attempts, and a trace workload simulates end to end without 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -346,3 +347,35 @@ def test_too_many_turns_from_the_attempt_spread_names_the_attempt_spread() -> No
     message = str(raised.value)
     assert "attempt_spread 10" in message
     assert "about 5.28e+28 turns per attempt" in message
+
+
+class _FixedGauss:
+    """An rng whose normal draws are given: the far tail, without waiting a billion draws for it."""
+
+    def __init__(self, *sigmas: float) -> None:
+        self.sigmas = list(sigmas)
+
+    def gauss(self, mu: float, sigma: float) -> float:
+        return mu + self.sigmas.pop(0) * sigma
+
+
+def test_a_lognormal_draw_far_in_its_tail_is_held_to_the_limit_never_an_overflow() -> None:
+    # A tiny median with a wide spread passes the 6-sigma check, and e^z alone overflowed at about 5.6 σ:
+    # `corral sim` died in an OverflowError traceback, about once in 10^8 draws.
+    from app.sim.workload import Dist
+    from app.validation import MAX_SECONDS
+
+    dist = Dist.model_validate(
+        {"lognormal": {"median": 1e-320, "p90": 1e-320 * math.exp(1.2815515655 * 120)}}
+    )
+    assert dist.upper() <= MAX_SECONDS
+    far, farther, near = (
+        dist.draw(_FixedGauss(5.95)),
+        dist.draw(_FixedGauss(9.0)),
+        dist.draw(_FixedGauss(1.0)),
+    )
+    assert 0 < far <= MAX_SECONDS
+    assert farther == pytest.approx(MAX_SECONDS)
+    assert near == pytest.approx(1e-320 * math.exp(120), rel=1e-9)
+    capped = Dist.model_validate({"lognormal": {"median": 10.0, "p90": 20.0, "max": 30.0}})
+    assert capped.draw(_FixedGauss(50.0)) == 30.0
