@@ -51,6 +51,7 @@ background runs at most its own slots of long resets at once.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from enum import StrEnum
@@ -103,13 +104,23 @@ class LongOps:
         self.background = background
         self.factor = factor
         self.sizes: deque[float] = deque(maxlen=256)  # service of the last completed resets
+        self._sorted: list[float] = []  # the same, in order: the median without a sort per reset
         self.slots = ResizableLimiter(1)  # resized to the background's cores by the controller
         self.detached = 0
 
+    def record(self, work: float) -> None:
+        """A reset of `work` seconds of service completed: it joins the window the median is taken from."""
+        ordered = self._sorted
+        if len(self.sizes) == self.sizes.maxlen:
+            del ordered[bisect.bisect_left(ordered, self.sizes[0])]  # the oldest leaves the window
+        self.sizes.append(work)
+        bisect.insort(ordered, work)
+
     def threshold(self) -> float:
-        if len(self.sizes) < 16:
+        ordered = self._sorted
+        if len(ordered) < 16:
             return math.inf
-        return self.factor * sorted(self.sizes)[len(self.sizes) // 2]
+        return self.factor * ordered[len(ordered) // 2]
 
     @property
     def demand(self) -> float:
@@ -136,5 +147,5 @@ class LongOps:
                     await self.background.run(work - limit, demand)
                 finally:
                     self.slots.release()
-        self.sizes.append(work)
+        self.record(work)
         return result

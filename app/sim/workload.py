@@ -512,7 +512,7 @@ class TrajectorySource:
         return sum(self.trajectory(group, a).llm_work_s for a in range(size))
 
     def _rng(self, *key: int) -> random.Random:
-        return random.Random(":".join(str(k) for k in (self.workload.seed, *key)))
+        return random.Random(":".join(map(str, (self.workload.seed, *key))))
 
     def _task(self, group: int) -> tuple[float, float, float, float]:
         """The task-level draws of a group, shared by its attempts: difficulty, turns, reset, p(success)."""

@@ -347,7 +347,8 @@ def _long_resets(cores: float, works: list[float], slots: int) -> tuple[list[flo
     limiter = ResizableLimiter(slots)
     long = LongOps(pool.stream("reset"), limiter, pool.stream("background"), factor=4.0)
     long.slots.resize(2)
-    long.sizes.extend([1.0] * 16)  # the median reset so far: 1 s, so 4 s of service is long
+    for _ in range(16):
+        long.record(1.0)  # the median reset so far: 1 s, so 4 s of service is long
 
     async def main() -> list[float]:
         loop = asyncio.get_running_loop()
