@@ -19,6 +19,9 @@ from pydantic import ValidationError
 # Longest duration of any phase, step or timeout (11.6 days): far beyond any harness cap, and small
 # enough that virtual time keeps sub-millisecond resolution.
 MAX_SECONDS = 1e6
+# Shortest timeout of a task's phase (`task.yaml`): a shell command starts in milliseconds and an agent
+# turn asks an engine over loopback HTTP; a denormal `agent_s` was taken, and every attempt timed out.
+MIN_TASK_TIMEOUT_S = 0.1
 # Most agent turns one attempt may take (the simulator holds every turn of a live attempt).
 MAX_TURNS = 100_000
 # Seeds key every random draw; any 64-bit value will do.

@@ -122,6 +122,12 @@ CASES: dict[str, Case] = {
         ["timeouts.agent_s", "finite"],
         {"c.yaml": run_config(), "suite/hello/task.yaml": GOOD_TASK + "timeouts: {agent_s: .inf}\n"},
     ),
+    # A denormal timeout was taken: every attempt's agent phase timed out before its first command.
+    "task timeout 1e-300": Case(
+        ["run", "--config", "c.yaml", "--json", "o.json"],
+        ["timeouts.agent_s", "0.1"],
+        {"c.yaml": run_config(), "suite/hello/task.yaml": GOOD_TASK + "timeouts: {agent_s: 1.0e-300}\n"},
+    ),
     "--duration nan": Case(["run", "--duration", "nan", "--json", "o.json"], ["--duration", "finite"]),
     "--duration inf": Case(["run", "--duration", "inf", "--json", "o.json"], ["--duration", "finite"]),
     "--duration -1": Case(["run", "--duration", "-1", "--json", "o.json"], ["--duration"]),

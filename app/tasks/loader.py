@@ -3,12 +3,12 @@
 A task is a directory holding `task.yaml` and the files an attempt starts from. Invariants of a
 returned `TaskSpec`:
 
-- `instruction` and `validation` are non-empty; every timeout is > 0; `max_turns` >= 1;
+- `instruction` and `validation` are non-empty; every timeout is at least 0.1 s; `max_turns` >= 1;
   `candidate_actions`, when given, is non-empty and holds no empty command.
 - every entry of `files` is a relative POSIX path naming a regular file inside `root`, with no `..`
   component, no absolute path, and no symlink (at any level) resolving outside `root`.
-- every number is finite and bounded: timeouts in (0, MAX_SECONDS], `max_turns` in 1..MAX_TURNS, and a
-  count is a real integer (`true` or `2.0` is refused, not coerced).
+- every number is finite and bounded: timeouts in [MIN_TASK_TIMEOUT_S, MAX_SECONDS], `max_turns` in
+  1..MAX_TURNS, and a count is a real integer (`true` or `2.0` is refused, not coerced).
 - `task.yaml` holds only known fields. Corral's own fields are parsed; terminal-bench's fields map onto
   them where they mean the same thing (`descriptions`, `max_agent_timeout_sec`, `max_test_timeout_sec`,
   `difficulty`, `category`, `run-tests.sh`); terminal-bench's purely descriptive fields are accepted and
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.documents import DocumentError, read_document
 from app.tasks.spec import TaskSpec
-from app.validation import MAX_SECONDS, MAX_TURNS, describe
+from app.validation import MAX_SECONDS, MAX_TURNS, MIN_TASK_TIMEOUT_S, describe
 
 TASK_FILE = "task.yaml"
 
@@ -66,10 +66,14 @@ class _Validation(_Strict):
     command: str = Field(min_length=1)
 
 
+def _timeout() -> Any:
+    return Field(default=None, ge=MIN_TASK_TIMEOUT_S, le=MAX_SECONDS, strict=True)
+
+
 class _Timeouts(_Strict):
-    setup_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
-    agent_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
-    validation_s: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
+    setup_s: float | None = _timeout()
+    agent_s: float | None = _timeout()
+    validation_s: float | None = _timeout()
 
 
 class _Description(_Strict):
@@ -91,8 +95,8 @@ class _TaskFile(_Strict):
 
     # terminal-bench fields that map onto Corral's.
     descriptions: list[_Description] | None = Field(default=None, min_length=1)
-    max_agent_timeout_sec: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
-    max_test_timeout_sec: float | None = Field(default=None, gt=0, le=MAX_SECONDS, strict=True)
+    max_agent_timeout_sec: float | None = _timeout()
+    max_test_timeout_sec: float | None = _timeout()
     difficulty: Literal["easy", "medium", "hard", "unknown"] | None = None
     category: str | None = None
 

@@ -133,6 +133,29 @@ def test_non_positive_limits(tmp_path: Path, fields: dict[str, Any], named: str)
     assert "greater than" in message
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"timeouts": {"agent_s": 1e-300}},
+        {"timeouts": {"setup_s": 0.05}},
+        {"timeouts": {"validation_s": 5e-324}},
+        {"max_agent_timeout_sec": 1e-9},
+        {"max_test_timeout_sec": 0.0999},
+    ],
+)
+def test_a_timeout_under_a_tenth_of_a_second_is_refused(tmp_path: Path, fields: dict[str, Any]) -> None:
+    message = refusal(make_task(tmp_path, **fields))
+    named = next(iter(fields["timeouts"])) if "timeouts" in fields else next(iter(fields))
+    assert len(message.splitlines()) == 1, message
+    assert f"field '{'timeouts.' if 'timeouts' in fields else ''}{named}'" in message
+    assert "greater than or equal to 0.1" in message
+
+
+def test_a_tenth_of_a_second_is_the_shortest_timeout(tmp_path: Path) -> None:
+    task = load_task(make_task(tmp_path, timeouts={"setup_s": 0.1, "agent_s": 0.1, "validation_s": 0.1}))
+    assert (task.setup_timeout_s, task.agent_timeout_s, task.validation_timeout_s) == (0.1, 0.1, 0.1)
+
+
 def test_timeout_given_twice(tmp_path: Path) -> None:
     message = refusal(make_task(tmp_path, timeouts={"agent_s": 5}, max_agent_timeout_sec=6))
     assert "field 'timeouts.agent_s'" in message
