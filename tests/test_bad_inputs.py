@@ -112,6 +112,14 @@ CASES: dict[str, Case] = {
             "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "agent_s": math.inf}) + "\n",
         },
     ),
+    "trace turns over agent_s": Case(
+        ["sim", "--workload", "w.json"],
+        ["line 1", "turns add up to 7 s", "agent_s of 5 s"],
+        {
+            "w.json": workload(trace="t.jsonl"),
+            "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "turns": [{"llm_s": 4, "tool_s": 3}]}) + "\n",
+        },
+    ),
     "run config step_s .nan": Case(
         ["run", "--config", "c.yaml", "--json", "o.json"],
         ["trainer.step_s", "finite"],

@@ -28,8 +28,9 @@ the turn that asked for it (the latest turn that started before the op).
 A report, and each results.json, is read up to `MAX_REPORT_BYTES` (app/validation.py); a larger
 results.json, or one that is not a regular file (a pipe, a link to a device), is skipped and counted.
 
-Invariant: every record written has finite, non-negative durations and a reward in [0, 1]; every
-trial file, trial or attempt not imported is counted with its reason.
+Invariant: every record written has finite, non-negative durations, a reward in [0, 1] and turns, if
+any, that add up to no more than its agent_s; every trial file, trial or attempt not imported is counted
+with its reason.
 """
 
 from __future__ import annotations

@@ -591,12 +591,30 @@ class _TraceLine(Strict):
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
 
 
+# A trace is written to milliseconds: each turn's two figures and agent_s are rounded apart, so the
+# turns may add up to more than agent_s by half a millisecond a figure.
+TURN_ROUNDING_S = 0.001
+
+
+def _turns_over_agent(rec: _TraceLine) -> float | None:
+    """What `rec`'s turns add up to, when that is more than its agent_s (past their rounding): the
+    simulator replays the turns, so it would run more agent time than the attempt had."""
+    if not rec.turns:
+        return None
+    total = math.fsum(t.llm_s + t.tool_s for t in rec.turns)
+    return total if total > rec.agent_s + TURN_ROUNDING_S * (len(rec.turns) + 1) else None
+
+
+def _seconds(x: float) -> str:
+    return f"{x:,.3f}".rstrip("0").rstrip(".")
+
+
 def trace_line_problem(data: Mapping[str, Any]) -> str | None:
     """Why `load_trace` would refuse `data` as a trace line, in a few words that group alike lines (a
     span beyond `MAX_SECONDS`, as a trial with a far-future end has), or None: an importer keeps only
     lines the simulator then loads."""
     try:
-        _TraceLine.model_validate(data)
+        rec = _TraceLine.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
@@ -605,6 +623,8 @@ def trace_line_problem(data: Mapping[str, Any]) -> str | None:
         if error["type"] in ("greater_than_equal", "less_than_equal") and field == "reward":
             return "reward outside [0, 1]"
         return f"{field}: {error['msg']}"
+    if _turns_over_agent(rec) is not None:
+        return "turns add up to more than agent_s"
     return None
 
 
@@ -665,6 +685,11 @@ def load_trace(path: Path, flag: str | None = None) -> dict[str, list[TraceAttem
             rec = _TraceLine.model_validate(data)
         except ValidationError as exc:
             raise WorkloadError(f"{name}, line {lineno}: {problems(exc)}") from None
+        if (over := _turns_over_agent(rec)) is not None:
+            raise WorkloadError(
+                f"{name}, line {lineno}: its turns add up to {_seconds(over)} s, "
+                f"more than its agent_s of {_seconds(rec.agent_s)} s"
+            )
         turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
         agent_s = sum(t.llm_s + t.tool_s for t in turns) if turns else rec.agent_s
         by_task.setdefault(rec.task, []).append(

@@ -13,7 +13,7 @@ from app.sim.traces import (
     import_terminal_bench,
     write_trace,
 )
-from app.sim.workload import WorkloadError, load_trace
+from app.sim.workload import WorkloadError, load_trace, trace_line_problem
 
 
 def make_trial(task: str, trial: str, resolved: bool | None, **overrides: str | None) -> dict:
@@ -275,6 +275,24 @@ def test_an_attempt_with_a_reward_outside_0_to_1_is_skipped_with_its_reason(rewa
     records, skipped = attempts_from_events(events)
     assert records == []
     assert skipped == {"reward outside [0, 1]": 1, "failed": 1}
+
+
+def test_a_line_whose_turns_add_up_to_more_than_agent_s_is_not_imported() -> None:
+    assert trace_line_problem({**COUNT_PRIMES, "agent_s": 2.5}) == "turns add up to more than agent_s"
+    assert trace_line_problem(COUNT_PRIMES) is None
+
+
+def test_turns_rounded_to_milliseconds_still_load() -> None:
+    # Each turn's tool time is rounded apart from agent_s: three calls of 0.6 ms are written as 1 ms in
+    # each turn, and agent_s takes their 1.8 ms as 2 ms.
+    events = make_events()
+    events[2:4] = [
+        e for i in range(3) for e in (make_turn(3 + i, 3.5 + i), make_op("exec", 3.5 + i, 3.5006 + i))
+    ]
+    records, skipped = attempts_from_events(events)
+    assert skipped == {"failed": 1}
+    assert records[0]["agent_s"] == 1.502
+    assert [t["tool_s"] for t in records[0]["turns"]] == [0.001] * 3
 
 
 def test_durations_too_large_to_add_up_are_skipped() -> None:

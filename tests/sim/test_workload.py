@@ -163,6 +163,10 @@ def write_trace(path: Path, records: list[dict[str, Any]]) -> Path:
     return path
 
 
+TURN_3 = {"llm_s": 2.0, "tool_s": 1.0}
+TURN_2_5 = {"llm_s": 2.0, "tool_s": 0.5}
+
+
 def attempt(task: str, agent_s: float, reward: float = 1.0, **extra: Any) -> dict[str, Any]:
     return {
         "task": task,
@@ -179,7 +183,8 @@ def attempt(task: str, agent_s: float, reward: float = 1.0, **extra: Any) -> dic
 def trace_file(tmp_path: Path) -> Path:
     records = [attempt("a", 10 + i, reward=i % 2) for i in range(4)]
     records += [attempt("b", 100 + i) for i in range(3)]
-    records.append(attempt("c", 0, turns=[{"llm_s": 2.0, "tool_s": 1.0}, {"llm_s": 4.0, "tool_s": 0.5}]))
+    # agent_s also holds time between turns; the turns are what the simulator replays.
+    records.append(attempt("c", 9, turns=[{"llm_s": 2.0, "tool_s": 1.0}, {"llm_s": 4.0, "tool_s": 0.5}]))
     return write_trace(tmp_path / "trace.jsonl", records)
 
 
@@ -263,6 +268,11 @@ def test_relative_trace_path_is_read_next_to_the_workload_file(tmp_path: Path, t
         (json.dumps(attempt("a", 1)) + "\n[1, 2]\n", "line 2: each line must be a JSON object"),
         (json.dumps(attempt("a", 1, reward=7)) + "\n", r"line 1: reward: .* 1, not 7"),  # rewards: [0, 1]
         (json.dumps(attempt("a", 1, reward=-0.5)) + "\n", r"line 1: reward: .* 0, not -0.5"),
+        # Taken, and replayed as 5.5 s of agent time: the turns, not agent_s, are what the simulator runs.
+        (
+            json.dumps(attempt("a", 1)) + "\n" + json.dumps(attempt("a", 5, turns=[TURN_3, TURN_2_5])) + "\n",
+            r"line 2: its turns add up to 5\.5 s, more than its agent_s of 5 s",
+        ),
     ],
 )
 def test_bad_trace_is_refused_naming_the_line(tmp_path: Path, content: str, message: str) -> None:
@@ -272,6 +282,16 @@ def test_bad_trace_is_refused_naming_the_line(tmp_path: Path, content: str, mess
         load_trace(path)
     with pytest.raises(WorkloadError, match=message):
         parse_workload({"trace": str(path)})  # refused at load time, not mid-run
+
+
+def test_turns_may_add_up_to_less_than_agent_s_or_more_by_their_rounding(tmp_path: Path) -> None:
+    # Time between turns is agent time no turn holds; a line written to milliseconds rounds each figure.
+    turns = [{"llm_s": 0.001, "tool_s": 0.001}] * 3
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps(attempt("a", 9, turns=[TURN_3])) + "\n" + json.dumps(attempt("a", 0.002, turns=turns))
+    )
+    assert [r.agent_s for r in load_trace(path)["a"]] == [3, pytest.approx(0.006)]
 
 
 def test_a_trace_takes_rewards_from_0_to_1(tmp_path: Path) -> None:
