@@ -154,12 +154,14 @@ class SandboxOp(Event):
 
 @dataclass(frozen=True, slots=True)
 class VersionPublished(Event):
-    """The trainer published `version` (weights at `path`, or a sentinel when `path` is None)."""
+    """The trainer published `version` (weights at `path`, or a sentinel when `path` is None);
+    `command_id`: the operator command that published it (its answer's), empty for the trainer's own."""
 
     kind: ClassVar[str] = "version_published"
     version: int
     path: str | None = None
     actor: str = "trainer"
+    command_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +188,14 @@ class EngineUpdateEnd(Event):
 @dataclass(frozen=True, slots=True)
 class EngineStateChanged(Event):
     """`state` is one of serving, draining, updating, paused, unhealthy, restarting, stopped. An
-    operator's drain or return says who in `detail` (`rotation_detail`), which the audit reads back."""
+    operator's drain or return says who in `detail` (`rotation_detail`), which the audit reads back,
+    and which command in `command_id` (its answer's; empty for every other change)."""
 
     kind: ClassVar[str] = "engine_state"
     engine: str
     state: str
     detail: str = ""
+    command_id: str = ""
 
 
 ROTATION_CHANGES = ("drained", "returned")
@@ -234,13 +238,15 @@ class BatchDelivered(Event):
 
 @dataclass(frozen=True, slots=True)
 class PolicyChanged(Event):
-    """A live change of a run policy knob (`field` is e.g. max_staleness or surplus_groups)."""
+    """A live change of a run policy knob (`field` is e.g. max_staleness or surplus_groups), by the
+    operator command `command_id` (its answer's)."""
 
     kind: ClassVar[str] = "policy_changed"
     field: str
     old: int | float | str | None
     new: int | float | str | None
     actor: str = "operator"
+    command_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -483,7 +483,7 @@ class Runtime:
         """The trainer's latest published policy version."""
         return self._version
 
-    def publish(self, version: int, path: str | None, actor: str = "trainer") -> None:
+    def publish(self, version: int, path: str | None, actor: str = "trainer", command_id: str = "") -> None:
         """Publish policy `version` (weights directory `path`, or None for a sentinel): staleness is
         measured against it from now on and a weight update starts across the engines.
 
@@ -498,22 +498,22 @@ class Runtime:
             )
         self._version = version
         self._weights[version] = path
-        self._publish(VersionPublished(version, path, actor))
+        self._publish(VersionPublished(version, path, actor, command_id))
         self._apply(self.scheduler.on_version_published(version, self.now()))
         self._do_updates(self.plan.on_publish(version))
 
     # -- live changes (operators retune S and K while the run goes on) ---------------------------
 
-    def set_surplus(self, surplus: int, actor: str = "operator") -> None:
+    def set_surplus(self, surplus: int, actor: str = "operator", command_id: str = "") -> None:
         old = self.scheduler.surplus
         decisions = self.scheduler.set_surplus(surplus, self.now())
-        self._publish(PolicyChanged("surplus_groups", old, surplus, actor))
+        self._publish(PolicyChanged("surplus_groups", old, surplus, actor, command_id))
         self._apply(decisions)
 
-    def set_max_staleness(self, max_staleness: int, actor: str = "operator") -> None:
+    def set_max_staleness(self, max_staleness: int, actor: str = "operator", command_id: str = "") -> None:
         old = self.scheduler.max_staleness
         decisions = self.scheduler.set_max_staleness(max_staleness, self.now())
-        self._publish(PolicyChanged("max_staleness", old, max_staleness, actor))
+        self._publish(PolicyChanged("max_staleness", old, max_staleness, actor, command_id))
         self._apply(decisions)
         self._do_updates(self.plan.set_max_staleness(max_staleness))
         self.pool.wake()  # engines within the new K serve again

@@ -9,12 +9,16 @@ Invariants:
   here touches the runtime (`metrics` reads what `RunHandle.live` reads, safe from any thread);
 - a refusal is a `CommandRefused` carrying the API's answer: 404 (no such engine), 409 (the run's state
   does not allow it, or it has ended), 422 (a value the run cannot take), with the words the API says;
-- a publication and a policy change answer once their events are in the store (`RunHandle.stored`).
+- a publication and a policy change answer once their events are in the store (`RunHandle.stored`);
+- every command carried out answers its id (`command_id`: the command channel's for a celery run's, else
+  a new one), and every event it published carries the same id, so a client finds what it did in the
+  run's events (pause and resume change the run's state and publish none).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,17 +57,26 @@ async def on_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T:
         raise CommandRefused(409, str(exc)) from None
 
 
-async def act(handle: RunHandle, action: str, actor: str) -> dict[str, Any]:
+def new_command_id(given: str = "") -> str:
+    """`given`, the id a command came with (through the command channel), or a new one."""
+    return given or uuid.uuid4().hex
+
+
+async def act(handle: RunHandle, action: str, actor: str, command_id: str = "") -> dict[str, Any]:
     """Pause or resume the run (`action`)."""
     if action not in ("pause", "resume"):
         raise ValueError(f"no action {action!r}")
     await on_run(handle, getattr(handle, action))
-    return {"id": handle.run_id, "state": handle.state.value, "actor": actor}
+    command_id = new_command_id(command_id)
+    return {"id": handle.run_id, "state": handle.state.value, "actor": actor, "command_id": command_id}
 
 
-async def publish(handle: RunHandle, body: WeightsPublish, actor: str) -> dict[str, Any]:
+async def publish(
+    handle: RunHandle, body: WeightsPublish, actor: str, command_id: str = ""
+) -> dict[str, Any]:
     """Start a rolling update to `body.version` (its weights in `body.path`, or a sentinel's written
     where the run's engines read them); the rollout's progress."""
+    command_id = new_command_id(command_id)
     if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
@@ -75,15 +88,16 @@ async def publish(handle: RunHandle, body: WeightsPublish, actor: str) -> dict[s
                                       f"{handle.runtime.version}")  # fmt: skip
         path = await asyncio.to_thread(handle.sentinel_weights, body.version)
     try:
-        rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor)
+        rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
     await handle.stored(seq, f"version {body.version} published")
-    return dict(rollout)
+    return {**rollout, "command_id": command_id}
 
 
-async def publish_next(handle: RunHandle, actor: str) -> dict[str, Any]:
+async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> dict[str, Any]:
     """The dashboard's Publish: a sentinel version one above the published one."""
+    command_id = new_command_id(command_id)
 
     def next_version() -> int:
         if handle.runtime is None:
@@ -95,26 +109,33 @@ async def publish_next(handle: RunHandle, actor: str) -> dict[str, Any]:
         # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
         # local run's) need its files; without a path they refuse the update.
         path = await asyncio.to_thread(handle.sentinel_weights, version)
-        rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor)
+        rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, str(exc)) from None
     await handle.stored(seq, f"version {version} published")
-    return dict(rollout)
+    return {**rollout, "command_id": command_id}
 
 
-async def set_policy(handle: RunHandle, patch: PolicyPatch, actor: str) -> dict[str, Any]:
+async def set_policy(
+    handle: RunHandle, patch: PolicyPatch, actor: str, command_id: str = ""
+) -> dict[str, Any]:
     """Change K, S, the rollout's pace or its pause mode live; answered once the changes are stored."""
     if (problem := handle.patch_problem(patch)) is not None:
         raise CommandRefused(422, problem)
-    knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor)
+    command_id = new_command_id(command_id)
+    knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor, command_id)
     await handle.stored(seq, "policy changed")
-    return {"id": handle.run_id, "policy": knobs, "actor": actor}
+    return {"id": handle.run_id, "policy": knobs, "actor": actor, "command_id": command_id}
 
 
-async def rotate(handle: RunHandle, engine: str, into: bool, actor: str) -> dict[str, Any]:
+async def rotate(
+    handle: RunHandle, engine: str, into: bool, actor: str, command_id: str = ""
+) -> dict[str, Any]:
     """Put `engine` back into rotation (`into`), or drain it."""
+    command_id = new_command_id(command_id)
+    turn = handle.serve_engine if into else handle.drain_engine
     try:
-        return dict(await on_run(handle, handle.serve_engine if into else handle.drain_engine, engine, actor))
+        return {**await on_run(handle, turn, engine, actor, command_id), "command_id": command_id}
     except KeyError:
         raise CommandRefused(404, f"run {handle.run_id!r} has no engine {engine!r}") from None
 
@@ -148,21 +169,22 @@ def metrics(handle: RunHandle) -> dict[str, Any]:
 
 
 async def apply(
-    handle: RunHandle, op: str, args: Mapping[str, Any], actor: str
+    handle: RunHandle, op: str, args: Mapping[str, Any], actor: str, command_id: str = ""
 ) -> tuple[int, dict[str, Any]]:
-    """Carry out the command `op` with its JSON `args`: (200, the API's body), or (the refusal's status,
-    `{"detail": …}`)."""
+    """Carry out the command `op` with its JSON `args` (and its id, `command_id`, where it came with
+    one): (200, the API's body), or (the refusal's status, `{"detail": …}`)."""
     try:
         if op in ("pause", "resume"):
-            return 200, await act(handle, op, actor)
+            return 200, await act(handle, op, actor, command_id)
         if op == "publish":
-            return 200, await publish(handle, WeightsPublish.model_validate(args), actor)
+            return 200, await publish(handle, WeightsPublish.model_validate(args), actor, command_id)
         if op == "publish_next":
-            return 200, await publish_next(handle, actor)
+            return 200, await publish_next(handle, actor, command_id)
         if op == "policy":
-            return 200, await set_policy(handle, PolicyPatch.model_validate(args), actor)
+            return 200, await set_policy(handle, PolicyPatch.model_validate(args), actor, command_id)
         if op in ("drain", "serve"):
-            return 200, await rotate(handle, str(args.get("engine", "")), op == "serve", actor)
+            engine = str(args.get("engine", ""))
+            return 200, await rotate(handle, engine, op == "serve", actor, command_id)
         if op == "metrics":
             return 200, metrics(handle)
     except CommandRefused as exc:

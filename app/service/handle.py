@@ -305,14 +305,18 @@ class RunHandle:
             self.policy.group_size,
         )
 
-    def set_policy_marked(self, patch: PolicyPatch, actor: str) -> tuple[dict[str, Any], int]:
+    def set_policy_marked(
+        self, patch: PolicyPatch, actor: str, command_id: str = ""
+    ) -> tuple[dict[str, Any], int]:
         """`set_policy` (on the run's loop), with the sequence number of the last event published by then:
         its `PolicyChanged` events are at or before it, for `stored` to wait on."""
-        return self.set_policy(patch, actor), self._last_seq()
+        return self.set_policy(patch, actor, command_id), self._last_seq()
 
-    def publish_marked(self, version: int, path: str | None, actor: str) -> tuple[dict[str, Any], int]:
+    def publish_marked(
+        self, version: int, path: str | None, actor: str, command_id: str = ""
+    ) -> tuple[dict[str, Any], int]:
         """`publish`, with the sequence number its `VersionPublished` event has or precedes."""
-        return self.publish(version, path, actor), self._last_seq()
+        return self.publish(version, path, actor, command_id), self._last_seq()
 
     def _last_seq(self) -> int:
         return self.recorder.bus.published - 1
@@ -328,7 +332,8 @@ class RunHandle:
         if not await asyncio.to_thread(self.recorder.wait_stored, seq, STORED_WAIT_S):
             log.warning("run %s: %s, not yet in the store after %.0f s", self.run_id, what, STORED_WAIT_S)
 
-    def set_policy(self, patch: PolicyPatch, actor: str) -> dict[str, Any]:
+    def set_policy(self, patch: PolicyPatch, actor: str, command_id: str = "") -> dict[str, Any]:
+        """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`."""
         self._require(RunState.RUNNING, RunState.PAUSED)
         runtime = self._runtime()
         changes = patch.model_dump(exclude_none=True, mode="json")
@@ -337,28 +342,30 @@ class RunHandle:
             if old == new:
                 continue
             if name == "surplus_groups":
-                runtime.set_surplus(int(new), actor)
+                runtime.set_surplus(int(new), actor, command_id)
             elif name == "max_staleness":
-                runtime.set_max_staleness(int(new), actor)
+                runtime.set_max_staleness(int(new), actor, command_id)
             elif name == "max_updating_engines":
                 runtime.plan.max_updating = int(new)  # paces the next steps of the rollout
                 runtime.plan.may_join = None  # a maximum set by hand is kept as given, not free-slot paced
-                self.recorder.publish(PolicyChanged(name, old, new, actor))
+                self.recorder.publish(PolicyChanged(name, old, new, actor, command_id))
             elif name == "pause_mode":
                 runtime.policy = runtime.policy.with_changes(pause_mode=PauseModeName(new))
-                self.recorder.publish(PolicyChanged(name, old, new, actor))
+                self.recorder.publish(PolicyChanged(name, old, new, actor, command_id))
             self.knobs[name] = new
         return dict(self.knobs)
 
-    def publish(self, version: int, path: str | None, actor: str) -> dict[str, Any]:
+    def publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)
         if self._runtime().stop_requested:
             raise IllegalRunStateError(f"run {self.run_id} is stopping; it takes no new version")
-        return self._publish(version, path, actor)
+        return self._publish(version, path, actor, command_id)
 
-    def _publish(self, version: int, path: str | None, actor: str) -> dict[str, Any]:
+    def _publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         runtime = self._runtime()
-        runtime.publish(version, path, actor)  # ValueError for a version not newer than the current one
+        runtime.publish(
+            version, path, actor, command_id
+        )  # ValueError for a version not newer than the current one
         self.gateway.notify()
         return self.rollout(version)
 
@@ -384,7 +391,7 @@ class RunHandle:
             run_ended=book.ended,
         )
 
-    def drain_engine(self, name: str, actor: str) -> dict[str, Any]:
+    def drain_engine(self, name: str, actor: str, command_id: str = "") -> dict[str, Any]:
         """Take `name` out of rotation: it starts no new turn and no update; turns in flight on it
         finish. Refused for the last engine still serving."""
         self._require(RunState.RUNNING, RunState.PAUSED)
@@ -402,10 +409,12 @@ class RunHandle:
         # No new turn and no new update on it (one under way finishes); calls in flight go on. It
         # stays out of rotation if it dies and is restarted meanwhile.
         runtime._do_updates(plan.set_drained(name, True))
-        self.recorder.publish(EngineStateChanged(name, "draining", rotation_detail("drained", actor)))
+        self.recorder.publish(
+            EngineStateChanged(name, "draining", rotation_detail("drained", actor), command_id)
+        )
         return self.engine_view(name)
 
-    def serve_engine(self, name: str, actor: str) -> dict[str, Any]:
+    def serve_engine(self, name: str, actor: str, command_id: str = "") -> dict[str, Any]:
         """Put a drained engine back into rotation; a rolling update brings it to the newest version."""
         self._require(RunState.RUNNING, RunState.PAUSED)
         runtime = self._runtime()
@@ -416,7 +425,9 @@ class RunHandle:
             raise IllegalRunStateError(f"engine {name} is not drained")
         runtime._do_updates(plan.set_drained(name, False))
         runtime.pool.wake()
-        self.recorder.publish(EngineStateChanged(name, "serving", rotation_detail("returned", actor)))
+        self.recorder.publish(
+            EngineStateChanged(name, "serving", rotation_detail("returned", actor), command_id)
+        )
         return self.engine_view(name)
 
     def engine_view(self, name: str) -> dict[str, Any]:

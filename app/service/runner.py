@@ -140,7 +140,7 @@ class CommandLine(threading.Thread):
         args = given if isinstance(given, dict) else {}
         self.busy = f"{op} from {actor}"
         try:
-            status, body = asyncio.run(apply(handle, op, args, actor))
+            status, body = asyncio.run(apply(handle, op, args, actor, str(command["id"])))
         except Exception as exc:  # fault tolerance: this thread takes the run's commands; it must go on
             log.exception("run %s: %s from %s failed", handle.run_id, op, actor)
             status, body = 500, {"detail": f"run {handle.run_id}'s orchestrator worker failed to carry out "

@@ -43,7 +43,10 @@ def test_commands_reach_a_celery_run_and_answer_as_for_a_run_executing_here(tmp_
             here, remote = twin_runs(api, tmp_path / "worker.log")
             assert api.get(f"/api/runs/{remote}").json()["live"] is None  # not executing in this server
 
-            said = {run_id: [_answer(api, run_id, *ask) for ask in ASKS] for run_id in (here, remote)}
+            ids: dict[str, list[str | None]] = {here: [], remote: []}
+            said = {
+                run_id: [_answer(api, run_id, *ask, ids[run_id]) for ask in ASKS] for run_id in (here, remote)
+            }
             for ask, at_here, at_remote in zip(ASKS, said[here], said[remote], strict=True):
                 assert at_remote == at_here, f"{ask}: {at_remote} (celery) != {at_here} (in-process)"
             statuses = [answer[0] for answer in said[remote]]
@@ -51,6 +54,11 @@ def test_commands_reach_a_celery_run_and_answer_as_for_a_run_executing_here(tmp_
             assert said[remote][0][1]["policy"]["max_staleness"] == 3
             assert said[remote][2][1] == {"id": "mine", "state": "paused", "actor": "operator"}
             assert said[remote][7][2] == 1000  # the rollout's version
+            # Each command carried out answers its id; a celery run's is its command channel's, the id
+            # its kept outcome is found by
+            assert [i is not None for i in ids[remote]] == [s < 300 for s in statuses]
+            kept_policy = api.get(f"/api/runs/{remote}/commands/{ids[remote][0]}").json()
+            assert (kept_policy["state"], kept_policy["body"]["command_id"]) == ("answered", ids[remote][0])
             stored = api.get(f"/api/runs/{remote}").json()["policy"]
             assert (stored["max_staleness"], stored["surplus_groups"], stored["max_updating_engines"]) == (
                 3,
@@ -134,10 +142,15 @@ ASKS: list[tuple[str, str, dict[str, Any] | None]] = [
 ]
 
 
-def _answer(api: httpx.Client, run_id: str, method: str, path: str, body: dict[str, Any] | None) -> Any:
+def _answer(
+    api: httpx.Client, run_id: str, method: str, path: str, body: dict[str, Any] | None, ids: list[str | None]
+) -> Any:
+    """The answer made comparable; its command's id (each is new) goes to `ids`."""
     answer = api.request(method, f"/api/runs/{run_id}{path}", json=body)
     text = answer.text.replace(run_id, "mine")
     data = json.loads(text)
+    ids.append(data.pop("command_id", None))
+    assert ids[-1] is None or re.fullmatch("[0-9a-f]{32}", ids[-1]), ids[-1]
     if path == "/weights" and answer.status_code == 202:
         assert answer.headers["Location"] == f"/api/runs/{run_id}/rollouts/{data['version']}"
         return answer.status_code, sorted(data), data["version"]
