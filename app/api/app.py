@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from app.api.body_limit import BodyLimit
@@ -103,6 +104,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]
+    app.add_exception_handler(PoolTimeout, _database_error)  # type: ignore[arg-type]
     app.include_router(runs_router)
     # the HTML dashboard at /
     mount_dashboard(app, dashboard_for(settings, lambda: app.state.manager, app.state.channel))
@@ -264,9 +266,10 @@ PAGE_ERRORS = {404: "no such page", 405: "this page does not take that method"}
 DATABASE_RETRY_AFTER_S = 5
 
 
-async def _database_error(request: Request, exc: DBAPIError) -> Response:
-    """A database that is away (Postgres restarting) answers 503 with one line and a Retry-After, not a
-    500 and a traceback per request; any other database error is the bug it is."""
+async def _database_error(request: Request, exc: SQLAlchemyError) -> Response:
+    """A database that is away (Postgres restarting) or busy (SQLite locked, every pooled connection in
+    use) answers 503 with one line and a Retry-After, not a 500 and a traceback per request; any other
+    database error is the bug it is."""
     if not is_outage(exc):
         raise exc
     reason = outage_reason(exc)

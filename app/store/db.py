@@ -124,11 +124,14 @@ def scratch_database(backend: str, postgres_url: str, tmp_dir: Path) -> Iterator
 
 def is_outage(exc: BaseException) -> bool:
     """Is `exc` the database being away or busy rather than refusing the write: a connection lost or
-    refused, Postgres starting up or shutting down (SQLSTATE classes 08 and 57P), or SQLite still locked
-    by other writers when its busy timeout ran out (several runs' writers at once on a busy machine)?
+    refused, Postgres starting up or shutting down (SQLSTATE classes 08 and 57P), SQLite still locked
+    by other writers when its busy timeout ran out (several runs' writers at once on a busy machine), or
+    every connection of the engine's pool still in use when its wait ran out (dozens of runs at once)?
     Either way the failed transaction stored nothing, and trying it again is safe."""
     from sqlalchemy.exc import DBAPIError
 
+    if _pool_busy(exc):
+        return True
     if not isinstance(exc, DBAPIError):
         return False
     if _sqlite_busy(exc):
@@ -154,13 +157,25 @@ def _sqlite_busy(exc: BaseException) -> bool:
     return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith(_SQLITE_BUSY)
 
 
+def _pool_busy(exc: BaseException) -> bool:
+    """The pool's wait for a free connection ran out (SQLAlchemy's TimeoutError): no connection was
+    taken, so nothing was sent to the database."""
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    return isinstance(exc, PoolTimeout)
+
+
 def outage_kind(exc: BaseException) -> str:
-    """How an outage is said: the database is "busy" (SQLite locked) or "not answering"."""
-    return "busy" if _sqlite_busy(exc) else "not answering"
+    """How an outage is said: the database is "busy" (SQLite locked, or its pool in use) or "not
+    answering"."""
+    return "busy" if _sqlite_busy(exc) or _pool_busy(exc) else "not answering"
 
 
 def outage_reason(exc: BaseException) -> str:
     """The driver's words for a database that is away, on one line and at most 200 characters."""
+    if _pool_busy(exc):
+        said = str(exc).split(" (Background on this error at:")[0]
+        return " ".join(f"every connection of its pool in use ({said})".split())[:200]
     return " ".join(str(getattr(exc, "orig", exc)).split())[:200]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import uvicorn
 from factories import wait_for as wait_for  # the tests here import it from this module
+from fastapi import FastAPI
 
 from app.api.app import create_app
 from app.service.store import RunRecord, ServiceStore
@@ -102,11 +103,11 @@ def make_settings(tmp_path: Path, database_url: str, **overrides: Any) -> Settin
 
 
 @contextmanager
-def serving(settings: Settings) -> Iterator[str]:
-    """The app on uvicorn in a thread for the block's duration; yields its base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning")
-    )
+def serving(settings: Settings, app: FastAPI | None = None) -> Iterator[str]:
+    """The app (`app`, or one made from `settings`) on uvicorn in a thread for the block's duration;
+    yields its base URL."""
+    app = create_app(settings) if app is None else app
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="corral-serve-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

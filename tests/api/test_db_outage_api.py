@@ -7,12 +7,16 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from api_support import POSTGRES_URL, TOKEN, make_settings, serving
-from db_relay import relayed_database
+from db_relay import postgres_answers, relayed_database
+
+from app.api.app import create_app
+from app.store.db import scratch_database
 
 
 def test_a_database_outage_is_a_503_that_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -79,3 +83,37 @@ def test_sqlite_locked_past_its_busy_timeout_is_a_503_that_says_so(tmp_path: Pat
         assert waited >= 25, f"answered after {waited:.1f} s: the busy timeout (30 s) was not waited out"
         assert api.get("/api/runs").status_code == 200
         assert api.get("/", headers={"Accept": "text/html"}).status_code == 200
+
+
+def test_every_pooled_connection_in_use_is_a_503_that_says_so(tmp_path: Path) -> None:
+    """68 simulated runs launched at once took every connection of the store's pool (5 and 10 more):
+    a request that waited 30 s for one was a 500 with a traceback. Now a 503 "busy" with a Retry-After
+    (the API's JSON, the dashboard's page), as for SQLite locked."""
+    if not postgres_answers(POSTGRES_URL):
+        pytest.skip("no Postgres answering")
+    with scratch_database("postgres", POSTGRES_URL, tmp_path) as url:
+        settings = make_settings(tmp_path, url)
+        app = create_app(settings)
+        with (
+            serving(settings, app) as base,
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=90) as api,
+        ):
+            assert api.get("/api/runs").status_code == 200
+            engine = app.state.manager.store.engine
+            held = [engine.connect() for _ in range(engine.pool.size() + engine.pool._max_overflow)]
+            try:
+                with ThreadPoolExecutor(2) as pool:  # each waits out the pool's 30 s: both at once
+                    asked = pool.submit(api.get, "/api/runs")
+                    shown = pool.submit(api.get, "/", headers={"Accept": "text/html"})
+                    answer, page = asked.result(), shown.result()
+            finally:
+                for conn in held:
+                    conn.close()
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "5"
+            assert answer.json()["detail"].startswith(
+                "the database is busy (every connection of its pool in use"
+            )
+            assert page.status_code == 503, page.text
+            assert "the database is busy" in page.text
+            assert api.get("/api/runs").status_code == 200
