@@ -112,6 +112,12 @@ CASES: dict[str, Case] = {
             "t.jsonl": json.dumps({**GOOD_TRACE_LINE, "agent_s": math.inf}) + "\n",
         },
     ),
+    # The simulator's virtual time never moved on past a decision every 1e-300 s: corral sim hung.
+    "adaptive lanes interval 1e-300": Case(
+        ["sim", "--workload", "w.yaml"],
+        ["lanes.adaptive.interval_s", "0.25", "1e-300"],
+        {"w.yaml": "lanes: {adaptive: {interval_s: 1.0e-300}}\n"},
+    ),
     "trace turns over agent_s": Case(
         ["sim", "--workload", "w.json"],
         ["line 1", "turns add up to 7 s", "agent_s of 5 s"],

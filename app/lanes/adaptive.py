@@ -47,12 +47,18 @@ from pydantic import BaseModel, ConfigDict, Field
 log = logging.getLogger(__name__)
 
 
+# Real lanes sample their busy operations this often (`LaneAdapter.tick_s`), so no decision comes sooner;
+# the shortest interval between decisions, also in the simulator, where 1e-300 s never moved its virtual
+# time on (a `corral sim` hung, a served run spun a core and never took its stop).
+TICK_S = 0.25
+
+
 class AdaptiveLanesSpec(BaseModel):
     """Lane slots that follow the cores a lane can get and its queue, guaranteed shares that follow
     measured demand, and long resets that leave the reset lane (app.sim.lanes)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-    interval_s: float = Field(10.0, gt=0, le=3600, description="seconds between decisions")
+    interval_s: float = Field(10.0, ge=TICK_S, le=3600, description="seconds between decisions")
     # step 1 and max_factor 16 (were 0.25 and 4): with slots following cores, the cores a lane can get
     # bound its slots, and a lane configured far below its demand (3 reset slots for 48 groups) grew
     # too slowly and too little; measured on the workload family and on random workloads in
@@ -276,7 +282,7 @@ class LaneAdapter:
     limiters: Mapping[str, ResizableLimiter]
     meter: CpuIdleMeter
     spec: AdaptiveLanesSpec = REAL_ADAPTIVE
-    tick_s: float = 0.25
+    tick_s: float = TICK_S
     clock: Callable[[], float] = time.monotonic
     controller: AdaptiveSlots = field(init=False)
     slot_log: list[tuple[float, dict[str, int]]] = field(default_factory=list)

@@ -49,6 +49,8 @@ CREATE_CASES = [
     ({"workload": {"engines": {"count": 10**9}}}, "workload.engines.count"),
     ({"workload": {"batch": {"groups": 10**9}}}, "workload.batch.groups"),
     ({"workload": {"trajectory": {"llm_s": 1e300}}}, "workload.trajectory.llm_s"),
+    # virtual time never moved on: the run spun a core, and its stop never took effect
+    ({"workload": {"lanes": {"adaptive": {"interval_s": 1e-300}}}}, "workload.lanes.adaptive.interval_s"),
     ({"kind": "local", "config": {"engines": {"count": 100_000}}}, "config.engines.count"),
     ({"kind": "local", "config": {"engines": {"cpus": [4096]}}}, "config"),
     # a suite directory of the server's: the run failed and its error listed the directory's entries
