@@ -26,6 +26,9 @@ DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psyco
 
 
 MIN_ACK_TIMEOUT_S = 0.1
+# The store sink's longest pause between tries of a batch the database refused: 1e-300 was taken, and a
+# sink tried its batch 11,000 times a second, a warning each, while the database was away.
+MIN_SINK_RETRY_S = 0.1
 MIN_SPILL_BYTES = 1024**2
 # The defaults of `CORRAL_STORE_BUFFER` and `CORRAL_SPILL_MAX_BYTES`, and of the run manager's
 # `store_buffer` and `spill_max_bytes`: a run's store sink holds this many events in memory; past them
@@ -135,7 +138,7 @@ class Settings(BaseSettings):
     )
     sink_retry_max_s: float = Field(
         RETRY_MAX_S,
-        gt=0,
+        ge=MIN_SINK_RETRY_S,
         le=3600,
         description="the longest pause before the store sink tries a batch the database refused again "
         "(the pauses double from 0.5 s up to it)",

@@ -49,6 +49,10 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_STORE_BUFFER", "0", "greater than or equal to 1"),
         ("CORRAL_STORE_BUFFER", "1e30", "integer"),
         ("CORRAL_SINK_RETRY_MAX_S", "inf", "finite number"),
+        # A denormal was taken: a store sink tried its batch again 11,000 times a second (each with a
+        # warning) while the database was away.
+        ("CORRAL_SINK_RETRY_MAX_S", "1e-300", "greater than or equal to 0.1"),
+        ("CORRAL_SINK_RETRY_MAX_S", "0.05", "greater than or equal to 0.1"),
         # The API's wait for a celery run's orchestrator worker to answer a command
         ("CORRAL_COMMAND_TIMEOUT_S", "nan", "finite number"),
         ("CORRAL_COMMAND_TIMEOUT_S", "0", "greater than 0"),
