@@ -33,7 +33,7 @@ HUNG_ACT = """
 import asyncio
 import app.service.commands as commands
 
-async def hang(handle, action, actor):
+async def hang(handle, action, actor, command_id=""):
     await asyncio.sleep(3600)
 
 commands.act = hang
