@@ -683,3 +683,35 @@ def test_when_every_engine_is_given_up_corral_run_stops_with_a_report_and_exit_1
     assert report["error"].startswith("every engine was given up (engines.max_restarts)")
     assert [e["state"] for e in report["engine_events"] if e["engine"] == "*"] == ["all_down", "given_up"]
     assert "error: every engine was given up" in out
+
+
+def test_an_update_abandoned_for_a_failed_probe_leaves_no_unread_task_exception() -> None:
+    # After an engine was killed mid-update, its /pause request raised its connection error through the
+    # cancel that abandoned it (as httpx does over anyio), and asyncio logged "Task exception was never
+    # retrieved" with three tracebacks into `corral serve`'s output (tests/api/test_serve_sigint.py, CI).
+    import gc
+    import types
+
+    from app.runtime.driver import EngineStoppedAnswering, Runtime
+
+    async def pause_to_a_dead_engine() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionError("All connection attempts failed") from None
+
+    async def unhealthy(_engine: object) -> bool:
+        return False
+
+    faults = types.SimpleNamespace(health_interval_s=0.01, health_misses=3, health_timeout_s=1.0)
+    runtime = types.SimpleNamespace(faults=faults, _probe_answer=unhealthy)
+    unread: list[dict] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unread.append(context))
+        with pytest.raises(EngineStoppedAnswering):
+            await Runtime._while_answering(runtime, object(), pause_to_a_dead_engine())  # type: ignore[arg-type]
+        gc.collect()  # an unread exception is reported as its task is freed
+
+    asyncio.run(main())
+    assert [c["message"] for c in unread] == []
