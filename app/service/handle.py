@@ -363,9 +363,8 @@ class RunHandle:
 
     def _publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         runtime = self._runtime()
-        runtime.publish(
-            version, path, actor, command_id
-        )  # ValueError for a version not newer than the current one
+        # ValueError for a version not newer than the current one
+        runtime.publish(version, path, actor, command_id)
         self.gateway.notify()
         return self.rollout(version)
 

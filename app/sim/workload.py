@@ -152,8 +152,9 @@ class Dist(BaseModel):
                 value = self.lognormal.median * math.exp(z)
             except OverflowError:  # past about 5.6 σ with a tiny median e^z alone overflows: in logs
                 value = math.exp(min(math.log(self.lognormal.median) + z, _LOG_MAX_SECONDS))
-            # The check above allows a one-in-a-billion draw of MAX_SECONDS; one further out is held to it.
-            return min(value, self.lognormal.max or MAX_SECONDS, MAX_SECONDS) * scale
+            # The check above allows a one-in-a-billion draw of MAX_SECONDS; one further out is held to it
+            # (a `max` is at most MAX_SECONDS).
+            return min(value, self.lognormal.max or MAX_SECONDS) * scale
         if self.uniform is not None:
             return rng.uniform(*self.uniform) * scale
         assert self.empirical is not None
