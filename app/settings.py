@@ -35,6 +35,10 @@ MIN_SPILL_BYTES = 1024**2
 # they go to the run's spill on local disk, at most this many bytes, then are dropped, counted
 STORE_BUFFER = 100_000
 SPILL_MAX_BYTES = 4 * 1024**3
+# The default of `CORRAL_MAX_RUNS` and of the run manager's `max_runs`: the runs `corral serve` executes
+# at once. Each is a thread and an event loop in the server's one process (and a local run's engine
+# processes and sandboxes beside it); nothing bounded them, and every `POST /api/runs` started one more.
+MAX_RUNS = 8
 
 
 def _default_database_url() -> str:
@@ -100,6 +104,13 @@ class Settings(BaseSettings):
         le=7 * 86400,
         description="with a broker: a celery run no orchestrator worker has taken this long after its "
         "creation, while none is live, is ended as failed, saying so",
+    )
+    max_runs: int = Field(
+        MAX_RUNS,
+        ge=1,
+        le=1000,
+        description="the most runs executing in this server at once (created, running, paused or stopping); "
+        "a create past it is refused (429). Celery runs execute in orchestrator workers and do not count",
     )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
     spill_dir: Path | None = Field(

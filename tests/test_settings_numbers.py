@@ -61,6 +61,13 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_START_TIMEOUT_S", "inf", "finite number"),
         ("CORRAL_START_TIMEOUT_S", "-1", "greater than 0"),
         ("CORRAL_START_TIMEOUT_S", "1e9", "less than or equal to 604800"),
+        # The most runs one server executes at once: a whole number, 1 to 1,000
+        ("CORRAL_MAX_RUNS", "0", "greater than or equal to 1"),
+        ("CORRAL_MAX_RUNS", "-3", "greater than or equal to 1"),
+        ("CORRAL_MAX_RUNS", "2.5", "integer"),
+        ("CORRAL_MAX_RUNS", "nan", "integer"),
+        ("CORRAL_MAX_RUNS", "many", "integer"),
+        ("CORRAL_MAX_RUNS", "1000000", "less than or equal to 1000"),
     ],
 )
 def test_a_bad_number_is_refused_in_one_line_naming_the_variable(

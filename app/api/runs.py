@@ -45,7 +45,7 @@ from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere,
 from app.service.commands import TRAINER_CLOCK, CommandRefused
 from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
-from app.service.manager import ENDED_STATES, DispatchError, RunLiveError, RunManager
+from app.service.manager import ENDED_STATES, DispatchError, RunLimitError, RunLiveError, RunManager
 from app.service.schemas import (
     AckResult,
     PolicyPatch,
@@ -119,7 +119,13 @@ def list_runs(manager: Manager, _: Viewer) -> list[dict[str, Any]]:
     return manager.list()
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
+# A create past `CORRAL_MAX_RUNS`: the server is busy, not the request wrong; nothing is stored
+CREATE_ANSWERS: dict[int | str, dict[str, Any]] = {
+    429: {"model": Problem, "description": "this server executes CORRAL_MAX_RUNS runs already"},
+}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=CREATE_ANSWERS)
 def create_run(
     spec: RunCreate, request: Request, manager: Manager, actor: Operator, response: Response
 ) -> dict[str, Any]:
@@ -127,6 +133,8 @@ def create_run(
         run_id = manager.create(spec, request.app.state.dispatch)
     except ValueError as exc:
         raise HTTPException(422, f"orchestrator: {exc}") from None
+    except RunLimitError as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc)) from None
     except DispatchError as exc:
         detail = f"{exc}; try again once the broker answers"
         raise HTTPException(

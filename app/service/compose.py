@@ -32,4 +32,5 @@ def manager_for(settings: Settings, store: ServiceStore, metrics: CorralMetrics 
         spill_max_bytes=settings.spill_max_bytes,
         store_buffer=settings.store_buffer,
         sink_retry_max_s=settings.sink_retry_max_s,
+        max_runs=settings.max_runs,
     )

@@ -57,7 +57,7 @@ from app.service.ports import LanesFactory, run_policy
 from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark, close_wait_s
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunLiveError, RunRecord, ServiceStore
-from app.settings import SPILL_MAX_BYTES, STORE_BUFFER
+from app.settings import MAX_RUNS, SPILL_MAX_BYTES, STORE_BUFFER
 from app.store.db import through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
@@ -65,6 +65,21 @@ from app.store.repos import stamped
 
 class DispatchError(RuntimeError):
     """A run could not be sent to the `orchestrator` queue (the broker did not answer)."""
+
+
+class RunLimitError(RuntimeError):
+    """A run not created: this server executes `limit` runs already (`CORRAL_MAX_RUNS`)."""
+
+    def __init__(self, limit: int, executing: int) -> None:
+        super().__init__(
+            f"this server executes {executing} runs, its limit (CORRAL_MAX_RUNS={limit}): a run counts "
+            "until it has ended (created, running, paused or stopping). Stop one (POST "
+            "/api/runs/{id}/stop) and wait for its end, restart corral serve with a higher "
+            'CORRAL_MAX_RUNS, or create it with "orchestrator": "celery" to run it in an orchestrator '
+            "worker"
+        )
+        self.limit = limit
+        self.executing = executing
 
 
 log = logging.getLogger(__name__)
@@ -124,7 +139,7 @@ class _BatchMark:
     since: float
 
 
-__all__ = ["IllegalRunStateError", "RunLiveError", "RunManager", "RunNotLiveError"]
+__all__ = ["IllegalRunStateError", "RunLimitError", "RunLiveError", "RunManager", "RunNotLiveError"]
 
 
 class RunManager:
@@ -139,14 +154,21 @@ class RunManager:
         spill_max_bytes: int = SPILL_MAX_BYTES,
         store_buffer: int = STORE_BUFFER,
         sink_retry_max_s: float = RETRY_MAX_S,
+        max_runs: int = MAX_RUNS,
     ) -> None:
         """`store_buffer`: the events a run's store sink holds in memory before it spills;
-        `sink_retry_max_s`: the longest pause before it tries a batch the database refused again."""
+        `sink_retry_max_s`: the longest pause before it tries a batch the database refused again;
+        `max_runs`: the most runs `create` has executing here at once."""
         if spill_max_bytes < 1:
             raise ValueError(f"spill_max_bytes must be at least 1, not {spill_max_bytes}")
         if store_buffer < 1 or not sink_retry_max_s > 0:
             raise ValueError(f"need store_buffer ≥ 1 and sink_retry_max_s > 0, not {store_buffer}, "
                              f"{sink_retry_max_s}")  # fmt: skip
+        if max_runs < 1:
+            raise ValueError(f"max_runs must be at least 1, not {max_runs}")
+        self.max_runs = max_runs
+        self._creating: set[str] = set()  # runs `create` has let in and not yet started
+        self._count_lock = threading.Lock()
         self.store = store
         self.spill_dir = spill_dir  # None: each run's own directory under data_dir
         self.spill_max_bytes = spill_max_bytes
@@ -182,13 +204,15 @@ class RunManager:
 
     def create(self, spec: RunCreate, dispatch: Callable[[str], None] | None = None) -> str:
         """Store the run and start it here, or hand it to `dispatch` (a Celery orchestrator task) when
-        its orchestrator is celery. Returns its id."""
+        its orchestrator is celery. Returns its id. A run to execute here is refused (`RunLimitError`,
+        nothing stored) while `max_runs` execute here already (`executing`); a celery run executes in
+        a worker, and its queue waits for one."""
         if spec.orchestrator is OrchestratorKind.CELERY and dispatch is None:
             raise ValueError("celery needs CORRAL_BROKER_URL (a broker for the orchestrator queue)")
         run_id = uuid.uuid4().hex[:12]
         policy = run_policy(spec)
-        self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
         if dispatch is not None and spec.orchestrator is OrchestratorKind.CELERY:
+            self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
             try:
                 dispatch(run_id)
             except DispatchError as exc:  # never sent, so never driven: it ends here, saying why
@@ -196,9 +220,25 @@ class RunManager:
                     run_id, RunState.FAILED, f"not sent to the orchestrator queue: {exc}", time.time()
                 )
                 raise DispatchError(f"run {run_id!r} was not started (stored as failed): {exc}") from None
-        else:
+            return run_id
+        with self._count_lock:  # counted and let in at once: two creates cannot both take the last place
+            executing = len(self.executing())
+            if executing >= self.max_runs:
+                raise RunLimitError(self.max_runs, executing)
+            self._creating.add(run_id)
+        try:
+            self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
             self._start(run_id, spec, None)
+        finally:
+            with self._count_lock:
+                self._creating.discard(run_id)
         return run_id
+
+    def executing(self) -> set[str]:
+        """The runs that count towards `max_runs`: those executing here that have not ended (created,
+        running, paused or stopping), those being created, and the previous server's still to resume."""
+        live = {run_id for run_id, h in list(self.handles.items()) if h.state not in TERMINAL_RUN_STATES}
+        return live | self._creating | self.resuming
 
     def adopt(self, run_id: str) -> RunHandle:
         """Drive a stored run in this process (an orchestrator worker): from its start, or resumed."""

@@ -38,7 +38,7 @@ from typing import Any
 
 from app.core.events import envelope_from_dict
 from app.service.gateway import TrainerGateway
-from app.service.manager import described_lanes
+from app.service.manager import RunLimitError, described_lanes
 from app.service.schemas import SYNC_SURPLUS
 from app.service.store import TrainerFigures
 from app.store.repos import LaneRepo
@@ -399,7 +399,15 @@ class ManagerRuns:
             spec = RunCreate.model_validate(data)
         except ValidationError as exc:
             raise ValueError(problems(exc)) from None
-        return str(await asyncio.to_thread(self.manager.create, spec))
+        try:
+            return str(await asyncio.to_thread(self.manager.create, spec))
+        except RunLimitError as exc:
+            raise ActionRefused(str(exc), 429) from None
+
+    def capacity(self) -> dict[str, int]:
+        """The runs executing here that count towards the server's limit, and the limit, for the launch
+        form to show."""
+        return {"executing": len(self.manager.executing()), "limit": self.manager.max_runs}
 
     def launch_placeholders(self) -> dict[str, str]:
         """What each empty launch field takes, for the form to show: the default run's B, G, S, K

@@ -170,10 +170,12 @@ class Lazy:
 
 def runs_context(dash: Dashboard) -> dict[str, Any]:
     placeholders = getattr(dash.live, "launch_placeholders", None)
+    capacity = getattr(dash.live, "capacity", None)
     return {
         "runs": dash.summaries(),
         "launch": dash.default_launch,
         "placeholders": placeholders() if placeholders is not None else {},
+        "capacity": capacity() if capacity is not None else None,
         "launch_kind": (getattr(dash.live, "launch_defaults", None) or {}).get("kind"),
     }
 
@@ -444,8 +446,11 @@ def make_router(dash: Dashboard) -> APIRouter:
         try:
             run_id = await dash.live.launch(form, actor="operator")
         except (ValueError, ActionRefused) as exc:
+            # 422 for a field; an ActionRefused's own status (429: the server executes its limit of runs)
+            status = exc.status if isinstance(exc, ActionRefused) else 422
             ctx = {**runs_context(dash), "launch_error": str(exc), "launch": form}
-            return dash.page(request, "runs.html", ctx, "launch" if _is_htmx(request) else None, status=422)
+            page = "launch" if _is_htmx(request) else None
+            return dash.page(request, "runs.html", ctx, page, status=status)
         if _is_htmx(request):
             response = Response(status_code=204)
             response.headers["HX-Redirect"] = f"/runs/{run_id}"
