@@ -9,11 +9,17 @@ reaches it as a key in the result backend's Redis (`app.lanes.celery.run_stop_ke
 commands (pause, resume, weights, policy, engines, metrics) come through the run's command channel
 (app.service.channel), taken as they come and answered as the API server answers for a run of its own.
 
-Invariant: a stop is honoured whatever a command does. The commands are taken and carried out one at a
-time on a thread of their own (`CommandLine`), never on the watcher that looks for the stop: a command
-whose handler hangs holds up the commands after it (they stay on the run's list, and their senders get
-a 504 saying no worker took them), never the run's stop or its end, nor its reads (metrics), which
-have a list and a line of their own.
+Invariants:
+- a stop is honoured whatever a command does. The commands are taken and carried out one at a time on
+  a thread of their own (`CommandLine`), never on the watcher that looks for the stop: a command whose
+  handler hangs holds up the commands after it (they stay on the run's list, and their senders get a
+  504 saying no worker took them), never the run's stop or its end, nor its reads (metrics), which have
+  a list and a line of their own;
+- a run's command lines end with it: one still carrying out a command `LINE_DRAIN_S` after the run's
+  end has that command cancelled (answered as an ended run's, 409), so a pool process that drives run
+  after run keeps the same threads. Before, each such line was left running forever, holding the run's
+  handle, its loop and a Redis connection: a thread more for every run that ended with a command hung.
+  Only a handler stuck in a blocking call, which no cancellation reaches, is left behind (logged).
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ log = logging.getLogger(__name__)
 
 STOP_CHECK_S = 1.0
 # After the run's end, how long the watcher waits for its command line to answer the commands left;
-# one still carrying out a command that hangs is left behind (a daemon thread), logged
+# then the command it still carries out is cancelled, and the line given LINE_CANCEL_S more to end
 LINE_DRAIN_S = 5.0
+LINE_CANCEL_S = 5.0
 NOT_CARRIED_OUT = "past its deadline when the worker took it: its sender had stopped waiting (a 504)"
 
 
@@ -87,9 +94,11 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
         client.close()
         for line in lines:
             line.join(LINE_DRAIN_S)
-            if line.is_alive():
-                log.warning("run %s: its command line is still carrying out %s; left behind, as the run has "
-                            "ended", handle.run_id, line.busy)  # fmt: skip
+            if line.is_alive() and line.cancel():
+                line.join(LINE_CANCEL_S)
+            if line.is_alive():  # a handler in a blocking call: no cancellation reaches it
+                log.warning("run %s: its command line is still carrying out %s after it was cancelled; left "
+                            "behind, as the run has ended", handle.run_id, line.busy)  # fmt: skip
 
 
 class CommandLine(threading.Thread):
@@ -104,6 +113,22 @@ class CommandLine(threading.Thread):
         self.backend = backend
         self.key = key(handle.run_id)
         self.busy: str | None = None  # the command being carried out, as the log names it
+        # The commands' loop, one for the line's life, and the command it carries out now: `cancel`
+        self._runner = asyncio.Runner()
+        self._task: asyncio.Task[tuple[int, dict[str, Any]]] | None = None
+        self._lock = threading.Lock()
+
+    def cancel(self) -> bool:
+        """Cancel the command being carried out (the run has ended: its answer is an ended run's);
+        whether there was one. Safe from any thread."""
+        with self._lock:
+            task = self._task
+            if task is None:
+                return False
+            log.warning("run %s: cancelling %s, still carried out at the run's end", self.handle.run_id,
+                        self.busy)  # fmt: skip
+            task.get_loop().call_soon_threadsafe(task.cancel)
+            return True
 
     def run(self) -> None:
         handle = self.handle
@@ -126,6 +151,7 @@ class CommandLine(threading.Thread):
                 log.warning("run %s: could not answer the commands left at its end: %r", handle.run_id, exc)
         finally:
             client.close()
+            self._runner.close()
 
     def _carry_out(self, inbox: RunInbox, command: dict[str, Any]) -> None:
         handle = self.handle
@@ -140,7 +166,10 @@ class CommandLine(threading.Thread):
         args = given if isinstance(given, dict) else {}
         self.busy = f"{op} from {actor}"
         try:
-            status, body = asyncio.run(apply(handle, op, args, actor, str(command["id"])))
+            status, body = self._runner.run(self._apply(op, args, actor, str(command["id"])))
+        except asyncio.CancelledError:  # `cancel`: the run has ended
+            status, body = 409, {"detail": f"run {handle.run_id} has ended ({handle.state.value}) while its "
+                                           f"{op} was carried out; cancelled"}  # fmt: skip
         except Exception as exc:  # fault tolerance: this thread takes the run's commands; it must go on
             log.exception("run %s: %s from %s failed", handle.run_id, op, actor)
             status, body = 500, {"detail": f"run {handle.run_id}'s orchestrator worker failed to carry out "
@@ -149,6 +178,19 @@ class CommandLine(threading.Thread):
             self.busy = None
         log.info("run %s: %s from %s answered %d", handle.run_id, op, actor, status)
         inbox.answer(command, status, body)
+
+    async def _apply(
+        self, op: str, args: dict[str, Any], actor: str, command_id: str
+    ) -> tuple[int, dict[str, Any]]:
+        """`apply` as a task `cancel` can reach."""
+        task = asyncio.ensure_future(apply(self.handle, op, args, actor, command_id))
+        with self._lock:
+            self._task = task
+        try:
+            return await task
+        finally:
+            with self._lock:
+                self._task = None
 
 
 def _stop_if_asked(client: redis.Redis, handle: RunHandle) -> bool:

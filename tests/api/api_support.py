@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+import redis
 import uvicorn
 from factories import wait_for as wait_for  # the tests here import it from this module
 from fastapi import FastAPI
@@ -64,6 +66,18 @@ def worker_env(tmp_path: Path, database_url: str, redis_url: str) -> dict[str, s
 
 
 WORKER_PROGRAM = "from app.cli import main; main()"
+# `corral`'s main in a worker whose pause and resume handlers never answer
+HUNG_ACT = """
+import asyncio
+import app.service.commands as commands
+
+async def hang(handle, action, actor, command_id=""):
+    await asyncio.sleep(3600)
+
+commands.act = hang
+from app.cli import main
+main()
+"""
 
 
 @contextmanager
@@ -88,6 +102,17 @@ def orchestrator_worker(
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
+
+
+def fresh_redis(url: str) -> redis.Redis:
+    """A client of the Redis database `url`, emptied; the test is skipped without a Redis."""
+    from factories import redis_answers
+
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    return client
 
 
 def make_settings(tmp_path: Path, database_url: str, **overrides: Any) -> Settings:

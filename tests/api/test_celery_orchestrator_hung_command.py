@@ -19,36 +19,28 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-import redis
-from api_support import TOKEN, make_settings, orchestrator_worker, serving, twin_runs, wait_for, worker_env
-from factories import redis_answers
+from api_support import (
+    HUNG_ACT,
+    TOKEN,
+    fresh_redis,
+    make_settings,
+    orchestrator_worker,
+    serving,
+    twin_runs,
+    wait_for,
+    worker_env,
+)
 
 from app.client import CorralClient
 
 REDIS_URL = "redis://127.0.0.1:6379/4"
 TIMEOUT_S = 3.0
-# `corral`'s main in a worker whose pause and resume handlers never answer
-HUNG_ACT = """
-import asyncio
-import app.service.commands as commands
-
-async def hang(handle, action, actor, command_id=""):
-    await asyncio.sleep(3600)
-
-commands.act = hang
-from app.cli import main
-main()
-"""
 
 
 def test_a_stop_is_honoured_while_a_command_hangs_and_metrics_come_from_the_worker(
     tmp_path: Path, backend_url: str
 ) -> None:
-    if not redis_answers():
-        pytest.skip("no Redis answering on 127.0.0.1:6379")
-    broker = redis.Redis.from_url(REDIS_URL)
-    broker.flushdb()
+    broker = fresh_redis(REDIS_URL)
     worker_log = tmp_path / "worker.log"
     settings = make_settings(tmp_path, backend_url, broker_url=REDIS_URL, command_timeout_s=TIMEOUT_S)
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -104,10 +96,11 @@ def test_a_stop_is_honoured_while_a_command_hangs_and_metrics_come_from_the_work
             )
             wait_for(
                 lambda: (
-                    "its command line is still carrying out pause from operator" in worker_log.read_text()
+                    "cancelling pause from operator, still carried out at the run's end"
+                    in worker_log.read_text()
                 ),
                 30,
-                what=f"the worker to leave the hung command behind; log {worker_log}",
+                what=f"the worker to cancel the hung command at the run's end; log {worker_log}",
             )
             ended = api.get(f"/api/runs/{remote}/metrics")
             assert ended.status_code == 200, ended.text
