@@ -25,8 +25,10 @@ def backend_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, backend_url: str) -> Iterator[str]:
-    """One server per test module and backend; tests share it through runs of their own."""
-    with serving(make_settings(tmp_path_factory.mktemp("serve"), backend_url)) as url:
+    """One server per test module and backend; tests share it through runs of their own (as many as
+    they start: the limit on runs executing at once has a test of its own, test_run_limit)."""
+    settings = make_settings(tmp_path_factory.mktemp("serve"), backend_url, max_runs=1000)
+    with serving(settings) as url:
         yield url
 
 
