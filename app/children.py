@@ -55,15 +55,48 @@ def _start_helpers() -> None:
     Python error: init_import_site", after the command's one line. It ignores SIGINT for good once
     started; the workers unblock both (`quiet_worker`). Blocked in this thread only, a signal that comes
     meanwhile is not lost: it waits, or another thread takes it. The resource tracker first: it blocks
-    SIGINT itself while it starts, and unblocks it after, whatever the mask was."""
-    from multiprocessing import forkserver, resource_tracker
+    SIGINT itself while it starts, and unblocks it after, whatever the mask was (`_start_tracker`)."""
+    from multiprocessing import forkserver
 
-    resource_tracker.ensure_running()
+    _start_tracker()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     try:
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+# The tracker's notice that it removes the pool's semaphores itself (when the command was killed by
+# SIGKILL) and its notice of one it could not remove; its -W options are taken from `sys.warnoptions`.
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def _start_tracker() -> None:
+    """Start multiprocessing's resource tracker (which removes the pool's named semaphores when the
+    command cannot: a SIGKILL) with SIGHUP blocked and its warnings off.
+
+    SIGHUP: the tracker ignores SIGINT and SIGTERM but not SIGHUP, so a terminal hanging up (or any
+    SIGHUP to the process group) killed it mid-search. The command then found it gone as it removed
+    the pool's semaphores, printed "resource_tracker: process died unexpectedly, relaunching" and the
+    new tracker one KeyError traceback per semaphore. Blocked in this thread while it starts, SIGHUP
+    stays blocked in the tracker for good (it unblocks only SIGINT and SIGTERM); it ends, as before,
+    when the last process holding its pipe has ended.
+
+    Warnings: after a SIGKILL to the command the tracker removes its five semaphores, which is its
+    job, and said so in a two-line UserWarning about "5 leaked semaphore objects" after the shell's
+    "Killed": nothing is left in /dev/shm, and there is nothing for the user to do."""
+    from multiprocessing import resource_tracker
+
+    quiet = _QUIET_TRACKER not in sys.warnoptions
+    if quiet:
+        sys.warnoptions.append(_QUIET_TRACKER)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if quiet:
+            sys.warnoptions.remove(_QUIET_TRACKER)
 
 
 def _let_the_fork_server_go() -> None:

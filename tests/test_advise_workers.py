@@ -3,13 +3,16 @@
 A SIGTERM to the command alone (not its process group, as a supervisor or `kill PID` sends it) used to
 leave both workers running for a minute or more, reparented to init. A SIGKILL to it left the workers
 of its fork server running for good (`app.children._let_the_fork_server_go`). A Ctrl-C while the fork
-server was still importing the simulator printed its KeyboardInterrupt traceback after the one line."""
+server was still importing the simulator printed its KeyboardInterrupt traceback after the one line.
+The resource tracker, a helper of the pool, printed a "leaked semaphore" warning after a SIGKILL and
+tracebacks after a SIGHUP to the process group (`app.children._start_tracker`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import pytest
 from proc_children import alive, command_line, in_session
 
 CORRAL = Path(sys.executable).with_name("corral")
+PROGRESS = re.compile(r"advise: \d+/\d+ simulations, \d+ s")
 
 
 @contextlib.contextmanager
@@ -42,17 +46,23 @@ def advising(tmp_path: Path, stderr: int) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(timeout=30)
 
 
+def busy_workers(proc: subprocess.Popen[bytes]) -> set[int]:
+    """The processes of `proc`'s session but itself, once its workers have started. The simulation
+    workers are the fork server's children; with the fork server and the resource tracker, which are
+    the command's own, they make its session: at least 4."""
+    deadline = time.monotonic() + 60
+    workers: set[int] = set()
+    while len(workers) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        workers = in_session(proc.pid) - {proc.pid}
+    assert len(workers) >= 4, f"the workers never started: {workers}"
+    return workers
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals) -> None:
     with advising(tmp_path, subprocess.DEVNULL) as proc:
-        deadline = time.monotonic() + 60
-        workers: set[int] = set()
-        while len(workers) < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            # The simulation workers are the fork server's children; with the fork server and the
-            # resource tracker, which are the command's own, they make its session.
-            workers = in_session(proc.pid) - {proc.pid}
-        assert len(workers) >= 4, f"the workers never started: {workers}"
+        workers = busy_workers(proc)
         os.kill(proc.pid, sig)  # the command alone, not its process group
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
@@ -64,6 +74,30 @@ def test_advise_workers_end_with_the_command(tmp_path: Path, sig: signal.Signals
             assert not written.exists()
         elif written.exists():  # SIGTERM acts as Ctrl-C: what was simulated is kept, marked incomplete
             assert json.loads(written.read_text())["complete"] is False
+
+
+def test_sigkill_to_advise_leaves_no_warning_from_its_helpers(tmp_path: Path) -> None:
+    """kill -9 of the command: its helpers end quietly. The resource tracker removed the pool's
+    semaphores, as is its job, and printed a two-line UserWarning about '5 leaked semaphore objects'."""
+    with advising(tmp_path, subprocess.PIPE) as proc:
+        busy_workers(proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)  # to end of file: every helper holding stderr has ended
+    assert not [line for line in stderr.decode().splitlines() if not PROGRESS.fullmatch(line)]
+
+
+def test_sighup_to_the_process_group_is_one_line(tmp_path: Path) -> None:
+    """SIGHUP to the whole process group (a terminal closed, here with stderr to a log): the command
+    ends as on Ctrl-C. The resource tracker died of it, and the command's cleanup printed "process died
+    unexpectedly, relaunching" and one KeyError traceback per semaphore from the new tracker."""
+    with advising(tmp_path, subprocess.PIPE) as proc:
+        busy_workers(proc)
+        os.killpg(proc.pid, signal.SIGHUP)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+    lines = [line for line in stderr.decode().splitlines() if not PROGRESS.fullmatch(line)]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("interrupted"), lines
 
 
 def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None:
