@@ -155,6 +155,35 @@ def test_outputs_sent_to_dev_null_are_thrown_away_and_dev_null_stays(tmp_path: P
     assert not Path("/dev/null.tmp").exists()
 
 
+def test_dev_stdout_is_standard_output_even_a_pipe(tmp_path: Path) -> None:
+    """`--json /dev/stdout | jq`: the link leads to /proc/self/fd/1, which names a pipe as `pipe:[N]`,
+    and the command refused it with "/proc/PID/fd/pipe:[N]: cannot write there: No such file or
+    directory". It is standard output, as `-` is; /dev/stderr, a pipe too, is refused by its own name."""
+    spec = write_yaml(tmp_path / "w.yaml", make_workload())
+    proc = corral("sim", "--workload", spec, "--json", "/dev/stdout", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["policy"] == "full"
+    assert "→ /dev/stdout" in proc.stderr
+    assert_refused(
+        corral("sim", "--workload", spec, "--json", "/dev/stderr", cwd=tmp_path),
+        "--json /dev/stderr",
+        "not a regular file",
+    )
+    plot = corral("sim", "--workload", spec, "--json", "-", "--plot", "/dev/stdout", cwd=tmp_path)
+    assert_refused(plot, "--plot /dev/stdout", "not written to standard output")
+    trial = tmp_path / "run" / "t" / "t.1"
+    trial.mkdir(parents=True)
+    stamps = ("trial_started_at", "agent_started_at", "agent_ended_at", "trial_ended_at")
+    record = {k: f"2025-01-01T00:00:0{i}Z" for i, k in enumerate(stamps)}
+    (trial / "results.json").write_text(json.dumps({"task_id": "t", "is_resolved": True, **record}))
+    trace = corral(
+        "trace", "import", "--format", "terminal-bench", "run", "--out", "/dev/stdout", cwd=tmp_path
+    )
+    assert trace.returncode == 0, trace.stderr
+    assert json.loads(trace.stdout)["agent_s"] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "w.yaml"]
+
+
 def test_unwritable_output_paths_are_refused(tmp_path: Path) -> None:
     spec = write_yaml(tmp_path / "w.yaml", make_workload())
     blocker = tmp_path / "a-file"

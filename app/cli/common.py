@@ -220,10 +220,16 @@ def output_path(value: str | Path) -> Path:
     return Path(value)
 
 
+# What a user types for standard output. A shell's /dev/stdout is a link to /proc/self/fd/1, which names
+# a pipe as `pipe:[N]`: `--json /dev/stdout | jq` was refused with "/proc/PID/fd/pipe:[N]: cannot write
+# there: No such file or directory", and with stdout a file, that file was replaced under the shell.
+STDOUT_NAMES = frozenset(Path(name) for name in ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"))
+
+
 def is_stdout(path: Path | None) -> bool:
-    """`-` given as --json or --out: the report goes to standard output (every other line the command
-    prints goes to stderr). It used to be written to a file named `-`."""
-    return path is not None and path == Path("-")
+    """`-` (or /dev/stdout) given as --json or --out: the report goes to standard output (every other
+    line the command prints goes to stderr). It used to be written to a file named `-`."""
+    return path is not None and path in STDOUT_NAMES
 
 
 def write_stdout(text: str) -> None:
@@ -267,9 +273,11 @@ def _check_output(path: Path, flag: str) -> None:
         fail(f"{flag} {path}: is a directory; give a file name")
     if is_null_device(path):
         return  # thrown away, as asked
-    path = _target(path)
+    # Before `_target`: the link /dev/stderr (/proc/self/fd/2) to a pipe reads as /proc/PID/fd/pipe:[N],
+    # a path that does not exist, and was refused as "cannot write there: No such file or directory".
     if path.exists() and not path.is_file():
         fail(f"{flag} {path}: is not a regular file (a device, pipe or socket); give a file name")
+    path = _target(path)
     created: list[Path] = []
     probe = path.with_name(path.name + ".tmp")  # write_json writes here first, then renames
     missing = [p for p in path.parents if not p.exists()]
@@ -366,7 +374,7 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = path.suffix.lower().removeprefix(".")
     if is_stdout(path):
-        fail(f"{flag} -: a plot is not written to standard output; give a file name, e.g. plot.png")
+        fail(f"{flag} {path}: a plot is not written to standard output; give a file name, e.g. plot.png")
     if os.path.isdir(path):  # not Path.is_dir: it raises on a name the OS refuses (too long)
         fail(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'plot.png'}")
     if is_null_device(path):
