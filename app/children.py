@@ -32,14 +32,18 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def quiet_worker() -> None:
+def quiet_worker(ignored: Iterable[int] = ()) -> None:
     """A simulation worker's initializer (`ProcessPoolExecutor(initializer=quiet_worker)`): Ctrl-C, or
     the terminal hanging up (SIGHUP), both sent to the whole process group, end the worker at once and
     quietly, where each worker used to print its own KeyboardInterrupt traceback; the parent gets the
     same signal and says what happened. The worker also ends with its parent (`die_with_parent`): a
-    SIGTERM or SIGKILL to the parent alone used to leave the workers running for minutes."""
+    SIGTERM or SIGKILL to the parent alone used to leave the workers running for minutes.
+
+    `ignored`: the signals of those two that the caller ignores (`nohup`; a background job of a script
+    ignores SIGINT), which the worker ignores too. It used to end on them, and the command, its workers
+    lost, ended as interrupted where it was meant to go on."""
     for sig in _STOPS:
-        signal.signal(sig, lambda *_: os._exit(130))
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else lambda *_: os._exit(130))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked in its fork server (`_start_helpers`)
     die_with_parent()
     _let_the_fork_server_go()
@@ -157,7 +161,8 @@ def worker_pool(processes: int) -> ProcessPoolExecutor:
     # import it again as it starts.
     context.set_forkserver_preload(["__main__", "app.children", "app.sim.advise", "app.sim.family"])
     _start_helpers()
-    return ProcessPoolExecutor(processes, mp_context=context, initializer=quiet_worker)
+    ignored = tuple(int(sig) for sig in _STOPS if signal.getsignal(sig) is signal.SIG_IGN)
+    return ProcessPoolExecutor(processes, mp_context=context, initializer=quiet_worker, initargs=(ignored,))
 
 
 def map_in_workers(

@@ -28,15 +28,19 @@ PROGRESS = re.compile(r"advise: \d+/\d+ simulations, \d+ s")
 
 
 @contextlib.contextmanager
-def advising(tmp_path: Path, stderr: int) -> Iterator[subprocess.Popen[bytes]]:
+def advising(
+    tmp_path: Path, stderr: int, ignored: signal.Signals | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`corral advise` on the default workload with 2 workers, in a session of its own (its process
-    group): killed whole afterwards, so nothing of it leaks into other tests."""
+    group), started ignoring `ignored`: killed whole afterwards, so nothing of it leaks into other
+    tests."""
     proc = subprocess.Popen(
         [str(CORRAL), "advise", "--workload", "default", "--workers", "2", "--json", "a.json"],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=stderr,
         start_new_session=True,
+        preexec_fn=None if ignored is None else lambda: signal.signal(ignored, signal.SIG_IGN),
     )
     try:
         yield proc
@@ -98,6 +102,22 @@ def test_sighup_to_the_process_group_is_one_line(tmp_path: Path) -> None:
     lines = [line for line in stderr.decode().splitlines() if not PROGRESS.fullmatch(line)]
     assert len(lines) == 1, lines
     assert lines[0].startswith("interrupted"), lines
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_signal_the_command_ignores_leaves_its_workers_running(tmp_path: Path, sig: signal.Signals) -> None:
+    """Started ignoring SIGINT (a background job of a script) or SIGHUP (`nohup`), the command goes on
+    when the signal comes to its process group. Its workers ended on it, and the command, its workers
+    lost, ended as interrupted after the simulations done so far."""
+    with advising(tmp_path, subprocess.PIPE, ignored=sig) as proc:
+        workers = busy_workers(proc)
+        os.killpg(proc.pid, sig)
+        time.sleep(2)
+        assert proc.poll() is None, proc.communicate()[1].decode()
+        assert all(alive(pid) for pid in workers)
+        os.kill(proc.pid, signal.SIGTERM)  # which still acts as Ctrl-C
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130, stderr.decode()
 
 
 def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None:
