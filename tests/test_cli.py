@@ -48,7 +48,8 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-PROGRESS_LINE = re.compile(r"(bench|advise): \d+/\d+ simulations, \d+ s")  # where the bar is off
+# Where the bar is off: bench and advise count simulations, sim its batches.
+PROGRESS_LINE = re.compile(r"(bench|advise): \d+/\d+ simulations, \d+ s|sim: \d+/\d+ batches, \d+ s")
 
 
 def corral(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -182,6 +183,18 @@ def test_dev_stdout_is_standard_output_even_a_pipe(tmp_path: Path) -> None:
     assert trace.returncode == 0, trace.stderr
     assert json.loads(trace.stdout)["agent_s"] == 1.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "w.yaml"]
+
+
+def test_a_long_sim_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:
+    """With stderr a log, `sim` printed nothing until its result: a workload of many batches (up to
+    100,000) ran for minutes, or hours, without a word. It now says how far it is from 5 s on."""
+    spec = tmp_path / "long.json"
+    spec.write_text(json.dumps({"batches": 60}))  # about 15 s on a CI runner
+    proc = corral("sim", "--workload", spec, "--json", "/dev/null", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert re.fullmatch(r"sim: \d+/60 batches, \d+ s", lines[0]), lines
+    assert lines[-1].startswith("full: 60 batches")
 
 
 def test_unwritable_output_paths_are_refused(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typer.core import TyperCommand
 
 from app import early_signals
 from app.cli.common import (
+    QUIET_S,
     cannot_write,
     check_apart,
     check_output,
@@ -35,8 +36,6 @@ from app.validation import MAX_DEFAULT_WORKERS
 if TYPE_CHECKING:
     from app.sim.advise import Advice
     from app.sim.workload import Workload
-
-TRACE_QUIET_S = 5.0  # off a terminal, a trace import says how far it is only once it has taken this long
 
 trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
 
@@ -71,7 +70,7 @@ def trace_import(
     check_output(out, "--out")
     _check_source(source, fmt)
     check_apart({"--out": out}, {"SOURCE": source})
-    lines = progress_lines("trace import", "results.json files", quiet_s=TRACE_QUIET_S)
+    lines = progress_lines("trace import", "results.json files", quiet_s=QUIET_S)
     try:
         if fmt is TraceFormat.TERMINAL_BENCH:
             with progress_bar() as progress:

@@ -81,6 +81,9 @@ def progress_bar() -> Iterator[Progress]:
 
 
 PROGRESS_LINE_S = 10.0  # off a terminal, at most one progress line this often
+# Off a terminal, `sim` and `trace import` say how far they are only once they have taken this long: a
+# quick one prints only its result.
+QUIET_S = 5.0
 
 
 class ProgressLines:

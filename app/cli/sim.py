@@ -15,6 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from app.cli.common import (
+    QUIET_S,
     check_apart,
     check_output,
     check_plot,
@@ -223,15 +224,17 @@ def sim(
     if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
         why = "" if admission is not None else f" (policy {policy.value} admits live unless told otherwise)"
         fail(f"--ready-surplus: only with --admission in_flight{why}")
+    # Off a terminal too: a long workload (batches: 10000) ran for most of an hour without a word.
+    lines = progress_lines("sim", "batches", quiet_s=QUIET_S)
     with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
-        report = simulate(
-            spec,
-            pol,
-            policy.value,
-            on_batch=lambda n: progress.update(task, completed=n),
-            timeline=plot is not None,
-        )
+
+        def on_batch(done: int) -> None:
+            progress.update(task, completed=done)
+            if lines is not None:
+                lines(done, spec.batches)
+
+        report = simulate(spec, pol, policy.value, on_batch=on_batch, timeline=plot is not None)
     finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
     say_serving_note(spec, report)
 
