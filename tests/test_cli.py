@@ -910,6 +910,29 @@ def test_sim_notes_serving_cores_below_what_the_busy_engines_use(
         assert last.startswith("full: 2 batches"), last
 
 
+@pytest.mark.parametrize("down", [True, False])
+def test_sim_notes_attempts_cut_short_by_the_run(tmp_path: Path, down: bool) -> None:
+    """With every engine down for the whole run, each attempt ran out of its agent time without a turn,
+    and the simulator fails it; the batches still came, so the summary line alone looked healthy."""
+    faults = [{"kind": "engine_down", "engine": e, "at_s": 0.0, "for_s": 1e6} for e in (0, 1)] if down else []
+    write_yaml(tmp_path / "w.yaml", make_workload_data(faults=faults))
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "w.yaml", "--json", "r.json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    if down:
+        played = report["attempts_played"]
+        assert report["attempts_cut_short"] == played > 0
+        note = f"note: full: {played:,} of {played:,} attempts (100%) ran out of their 60 s (trajectory."
+        assert note in proc.stderr, proc.stderr
+        assert "fail (reward 0)" in proc.stderr
+    else:
+        assert report["attempts_cut_short"] == 0
+        assert "ran out of" not in proc.stderr, proc.stderr
+
+
 def _sim_mean_and_last_line(tmp_path: Path, name: str, data: dict[str, Any]) -> tuple[float, str]:
     write_yaml(tmp_path / f"{name}.yaml", data)
     proc = subprocess.run(

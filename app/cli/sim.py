@@ -82,6 +82,26 @@ def say_serving_note(spec: Workload, report: Mapping[str, Any] | None) -> None:
         say(note)
 
 
+def cut_short_note(name: str, spec: Workload, report: Mapping[str, Any]) -> str | None:
+    """A note when at least `CUT_SHORT_NOTE` of the attempts ran out of their agent time before the turns
+    an idle machine finishes in it: the simulator fails them (reward 0), so the batches come on time but
+    hold failures. On `cpu-scarce` most of `full`'s attempts did, and nothing said so."""
+    from app.sim.family import cut_short_share
+
+    share = cut_short_share(report)
+    if share is None or share < CUT_SHORT_NOTE:
+        return None
+    return (
+        f"note: {name}: {report['attempts_cut_short']:,} of {report['attempts_played']:,} attempts "
+        f"({share:.0%}) ran out of their {spec.trajectory.timeout_s:g} s (trajectory.timeout_s) before the "
+        "turns an idle machine finishes in it, and fail (reward 0): its batches hold failures; engines or "
+        "sandbox cores too few for what runs at once is the likely cause"
+    )
+
+
+CUT_SHORT_NOTE = 0.05
+
+
 def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str | None:
     """A note when the serving/sandbox split behind the hard boundary of pinned lanes held the run back,
     found by the random workloads benchmark, where `full` lost to rungs that share CPUs and nothing
@@ -236,6 +256,8 @@ def sim(
 
         report = simulate(spec, pol, policy.value, on_batch=on_batch, timeline=plot is not None)
     finish(report, json_out, plot, f"lower bound {report['lower_bound_s']:.1f} s")
+    if (note := cut_short_note(policy.value, spec, report)) is not None:
+        say(note)
     say_serving_note(spec, report)
 
 
@@ -345,6 +367,9 @@ def bench(
     err.print(sweep_table(result), markup=False)
     for line in result["findings"]:
         err.print(f"!!! {line}", markup=False)
+    for name, report in result["policies"].items():
+        if (note := cut_short_note(name, spec, report)) is not None:
+            err.print(note, markup=False)
     say_serving_note(spec, result["policies"].get("full"))
 
 

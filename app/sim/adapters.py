@@ -176,11 +176,12 @@ class SimAgent:
     With `record`, each turn leaves a transcript entry (its policy version, tokens and times), as a real
     agent's does: a trainer taking a simulated run's batches sees the versions it trains on."""
 
-    __slots__ = ("record", "trajectory")  # one per attempt: no instance dict
+    __slots__ = ("record", "tally", "trajectory")  # one per attempt: no instance dict
 
-    def __init__(self, trajectory: Trajectory, record: bool = False) -> None:
+    def __init__(self, trajectory: Trajectory, record: bool = False, tally: list[int] | None = None) -> None:
         self.trajectory = trajectory
         self.record = record
+        self.tally = tally  # [attempts played to their validation, those cut short by the run]
 
     async def run(self, ctx: AttemptContext) -> AttemptOutcome:
         await ctx.reset()
@@ -206,6 +207,14 @@ class SimAgent:
         except TimeoutError:
             timed_out = True
         reward = await ctx.validate()
+        cut = turns < self.trajectory.turns_in_time
+        if cut:
+            # Its time ran out before turns an idle machine finishes in time (engines down or slow, a
+            # lane queue): the work its drawn reward stands for was not done, so its tests fail.
+            reward = 0.0
+        if self.tally is not None:
+            self.tally[0] += 1
+            self.tally[1] += cut
         return AttemptOutcome(reward=reward, turns=turns, timed_out=timed_out, transcript=transcript)
 
 
@@ -228,12 +237,16 @@ class SimSource:
         self.trajectories = trajectories
         self._lanes = lanes
         self._record = record  # transcripts: for a trainer taking the batches (the service's sim runs)
+        # Attempts played to their validation, and those the run cut short (their time ran out before
+        # the turns an idle machine finishes in time): they fail, so a policy that starves its attempts
+        # delivers fast batches of failures, and the report says how many.
+        self.tally = [0, 0]
 
     def make_attempt(
         self, group_id: int, task_index: int, attempt: int
     ) -> tuple[Agent, TaskSpec | None, Sandbox]:
         trajectory = self.trajectories.trajectory(task_index, attempt)
-        return SimAgent(trajectory, self._record), _SIM_TASK, SimSandbox(trajectory, self._lanes)
+        return SimAgent(trajectory, self._record, self.tally), _SIM_TASK, SimSandbox(trajectory, self._lanes)
 
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:

@@ -226,6 +226,9 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "restarted_trajectories": report["restarted_trajectories"],
         "wasted_trajectory_s": round(sum(report["wasted_trajectory_s"].values()), 1),
         "lost_groups": report["lost_groups"],
+        "mean_reward": report["mean_reward"],
+        "attempts_cut_short": report.get("attempts_cut_short"),
+        "attempts_cut_short_share": cut_short_share(report),
         "reset_lane": {
             "max_queue": lanes.get("reset", {}).get("max_queue_depth"),
             "mean_wait_s": lanes.get("reset", {}).get("wait_s_mean"),
@@ -236,6 +239,19 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "policy_config": report.get("policy_config"),
         "wall_s": report["wall_s"],
     }
+
+
+def cut_short_share(report: Mapping[str, Any]) -> float | None:
+    """The share of a simulated run's attempts that ran out of their agent time before the turns an
+    idle machine finishes in it (the simulator fails them); None for a report without the counts."""
+    played = report.get("attempts_played")
+    if not played:
+        return None
+    return round(int(report["attempts_cut_short"]) / int(played), 4)
+
+
+# A rung whose attempts were cut short this often delivers batches of failures: said beside its time.
+CUT_SHORT_FINDING = 0.25
 
 
 def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -256,4 +272,11 @@ def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
         for name, value in mean.items():
             if name not in ("full", "lanes", "completion", "sync") and value < mean["full"]:
                 out.append(f"{name} {value:.1f} s beats full {mean['full']:.1f} s")
+    for name, row in rungs.items():
+        share = row.get("attempts_cut_short_share")
+        if share is not None and share >= CUT_SHORT_FINDING:
+            out.append(
+                f"{name}: {share:.0%} of its attempts ran out of time before the turns an idle machine "
+                f"finishes in it and failed (mean reward {row['mean_reward']:.3f}): fast batches of failures"
+            )
     return out

@@ -103,7 +103,7 @@ def simulate(
         engines=engines,
         engine_slots=workload.engines.slots,
         lanes=lanes,
-        source=SimSource(source, lane_cpus),
+        source=(sim_source := SimSource(source, lane_cpus)),
         trainer=trainer or SimTrainer(workload.trainer.step_s),
         timeline=timeline,
         logger=SIM_LOG,
@@ -163,6 +163,9 @@ def simulate(
     )
     report = build_report(runtime.report_acc, static)
     report.update(ports.lane_report())
+    played, cut = sim_source.tally
+    report["attempts_played"] = played
+    report["attempts_cut_short"] = cut
     if trajectories is None:
         # Its draws, one per attempt, are ours alone: freed now by reference counting rather than by
         # the collection that ends the run (`_freed_after`), which would walk each of them first.

@@ -445,6 +445,17 @@ class Trajectory:
         return self.reset_s + self.agent_s + self.validate_s
 
     @property
+    def turns_in_time(self) -> int:
+        """The turns an idle machine would finish within the agent's time cap: an attempt cut short
+        before that many was cut by the run (its engines down, or contention), not by its own length."""
+        left = self.timeout_s
+        for done, turn in enumerate(self.turns):
+            left -= turn.llm_s + turn.tool_s
+            if left < 0:
+                return done
+        return len(self.turns)
+
+    @property
     def llm_work_s(self) -> float:
         """Engine time within the agent time cap."""
         left, total = self.timeout_s, 0.0

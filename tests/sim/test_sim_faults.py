@@ -124,3 +124,32 @@ def test_the_wait_while_every_engine_is_down_is_attributed_to_the_outage() -> No
     assert held["largest"] == "engine_outage"
     assert math.fsum(held["phases"].values()) == pytest.approx(held["wait_s"], abs=1e-5)
     assert "on engine outages" in waits["summary"]
+
+
+def test_attempts_the_run_cut_short_fail_and_are_counted() -> None:
+    """Every engine down for the whole run: no attempt makes a turn, each runs out of its agent time and
+    is validated; it failed (reward 0), it does not keep the reward drawn for the work it never did (it
+    did: the batches looked as healthy as without the fault). The same draws without the fault keep
+    theirs, and no attempt is cut short."""
+    down = [{"kind": "engine_down", "engine": e, "at_s": 0.0, "for_s": 1e6} for e in (0, 1)]
+    cut, _ = run_with_faults(down, batches=2)
+    healthy, _ = run_with_faults([], batches=2)
+    assert cut["turns"] == 0
+    assert cut["mean_reward"] == 0.0
+    assert cut["attempts_played"] > 0
+    assert cut["attempts_cut_short"] == cut["attempts_played"]
+    assert healthy["mean_reward"] > 0
+    assert healthy["attempts_played"] > 0
+    assert healthy["attempts_cut_short"] == 0
+
+
+def test_an_attempt_is_cut_short_only_below_the_turns_an_idle_machine_finishes_in_time() -> None:
+    from app.sim.workload import Trajectory, Turn
+
+    def drawn(*turns: tuple[float, float], timeout_s: float = 10.0) -> Trajectory:
+        return Trajectory(1.0, tuple(Turn(*t) for t in turns), 1.0, 1.0, timeout_s, 1.0)
+
+    assert drawn((2, 1), (3, 1)).turns_in_time == 2  # 7 s of 10: all of them
+    assert drawn((2, 1), (3, 1), (2, 2)).turns_in_time == 2  # the third ends at 11 s: past the cap
+    assert drawn((2, 1), (3, 1), (2, 1)).turns_in_time == 3  # the third ends at 10 s: in time
+    assert drawn((20, 1)).turns_in_time == 0  # its own length runs past the cap: keeps its drawn reward
