@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -196,9 +197,16 @@ def advise(
             f"updating={s.updating()} "
             f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
             f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
-            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s"
+            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s{outcome.cut_text()}"
         )
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
+    if passed := advice.passed_over:
+        fastest = min(passed, key=lambda o: o.batch_collection_s or math.inf)
+        say(
+            f"{len(passed)} faster candidate(s) not advised: they cut short more of their attempts than the "
+            f"current settings (fastest {fastest.mean_text()}{fastest.cut_text()}); an attempt out of time "
+            "before its turns fails"
+        )
     if failed := advice.failed:
         say(
             f"{len(failed)} candidate(s) could not be simulated and were ranked last, the first: "
