@@ -452,7 +452,10 @@ def _search(
                 later = rounds(grid, order[i + 1 :]) + (passes - done_passes - 1) * rounds(grid, order)
                 planned = len(seen) + len(new) + later
                 run_all([best.with_knob(knob, v) for v in values])
-                best = min((seen[best.with_knob(knob, v)] for v in values), key=_rank).settings
+                # the next knob is tried around the best that cuts short no more attempts than the
+                # current settings allow (`_cuts_more`), as the advice itself is chosen
+                tried = [seen[best], *(seen[best.with_knob(knob, v)] for v in values)]
+                best = min((o for o in tried if not _cuts_more(o, seen[start])), key=_rank).settings
     planned = len(seen)
     report()
 
