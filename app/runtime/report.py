@@ -156,6 +156,9 @@ class ReportAccumulator:
         self.batches: list[_Batch] = []
         self.trainer_wait_s = 0.0
         self.max_staleness = 0
+        # Delivered groups whose G rewards are all equal: GRPO's advantages are all zero there, so the
+        # group carries no learning signal (a group of attempts that all ran out of time, say).
+        self.delivered_zero_variance = 0
         self.restarts = 0
         self.turns = 0
         self.tokens = 0
@@ -267,6 +270,8 @@ class ReportAccumulator:
             self._group_s.pop(ev.group_id, None)
             self.max_staleness = max(self.max_staleness, ev.staleness)
             self._batch_rewards.setdefault(ev.batch_index, []).extend(ev.rewards)
+            if ev.rewards and min(ev.rewards) == max(ev.rewards):
+                self.delivered_zero_variance += 1
             self._end_row(ev.group_id, t, "delivered", ev.batch_index, ev.staleness, "")
         elif isinstance(ev, GroupDiscarded):
             self.wasted[ev.reason] = self.wasted.get(ev.reason, 0.0) + self._group_s.pop(ev.group_id, 0.0)
@@ -358,6 +363,7 @@ class ReportAccumulator:
             # extras
             "admitted_groups": ledger.admitted_count,
             "delivered_groups": ledger.delivered_count,
+            "delivered_zero_variance_groups": self.delivered_zero_variance,
             "run_s": _r(duration),
             "trainer_wait_s": _r(self.trainer_wait_s),
             "turns": self.turns,

@@ -229,6 +229,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "mean_reward": report["mean_reward"],
         "attempts_cut_short": report.get("attempts_cut_short"),
         "attempts_cut_short_share": cut_short_share(report),
+        "trainable_share": trainable_share(report),
         "reset_lane": {
             "max_queue": lanes.get("reset", {}).get("max_queue_depth"),
             "mean_wait_s": lanes.get("reset", {}).get("wait_s_mean"),
@@ -248,6 +249,15 @@ def cut_short_share(report: Mapping[str, Any]) -> float | None:
     if not played:
         return None
     return round(int(report["attempts_cut_short"]) / int(played), 4)
+
+
+def trainable_share(report: Mapping[str, Any]) -> float | None:
+    """The share of the delivered groups with a learning signal: rewards not all equal (GRPO's
+    advantages are all zero otherwise); None when none was delivered or the report has no count."""
+    delivered, flat = report.get("delivered_groups"), report.get("delivered_zero_variance_groups")
+    if not delivered or flat is None:
+        return None
+    return round(1 - int(flat) / int(delivered), 4)
 
 
 # A rung whose attempts were cut short this often delivers batches of failures: said beside its time.

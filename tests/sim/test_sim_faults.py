@@ -141,6 +141,9 @@ def test_attempts_the_run_cut_short_fail_and_are_counted() -> None:
     assert healthy["mean_reward"] > 0
     assert healthy["attempts_played"] > 0
     assert healthy["attempts_cut_short"] == 0
+    # a group of attempts that all failed has no learning signal: the report counts it
+    assert cut["delivered_zero_variance_groups"] == cut["delivered_groups"] > 0
+    assert healthy["delivered_zero_variance_groups"] < healthy["delivered_groups"]
 
 
 def test_an_attempt_is_cut_short_only_below_the_turns_an_idle_machine_finishes_in_time() -> None:
