@@ -9,7 +9,9 @@ order (`full` ≤ `completion` ≤ `sync` must hold) or another rung beats `full
 way: the findings are results, not failures.
 
 Run: `.venv/bin/python -m benchmarks.family --json docs/family.json --plot docs/family.png
-[--workloads default,design] [--no-peers] [--processes 2]`.
+[--workloads default,design] [--no-peers] [--processes 2] [--trainable]`. With `--trainable` every rung
+discards a group whose rewards are all equal (no learning signal under GRPO), so the table gives the
+times to *trainable* batches (`docs/family-trainable.json`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write a PNG of every workload's rungs here")
     parser.add_argument("--processes", type=int, default=1, help="simulations run in this many processes")
     parser.add_argument(
+        "--trainable",
+        action="store_true",
+        help="discard groups whose rewards are all equal (no learning signal): times to trainable batches",
+    )
+    parser.add_argument(
         "--reuse", type=Path, help="a JSON written before: its rungs are taken as they are, only new ones run"
     )
     args = parser.parse_args(argv)
@@ -79,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     result = interruptible(
         lambda: run_family(
-            names, peers=not args.no_peers, on_run=on_run, processes=max(1, args.processes), known=known
+            names,
+            peers=not args.no_peers,
+            on_run=on_run,
+            processes=max(1, args.processes),
+            known=known,
+            trainable=args.trainable,
         )
     )
     if result is None:

@@ -132,6 +132,7 @@ def run_family(
     on_run: OnRun | None = None,
     processes: int = 1,
     known: Mapping[str, Mapping[str, Any]] | None = None,
+    trainable: bool = False,
 ) -> dict[str, Any]:
     """Every rung (the ladder, the variants of `full`, and the peers) on every named workload, each
     workload's rungs on the same seeded draws. Returns per-workload summaries and the checks.
@@ -139,7 +140,9 @@ def run_family(
     A rung whose workload and policy equal an earlier rung's is not simulated again (`skyrl` and
     `areal` are the same policy). With `processes` > 1 the simulations run in that many processes;
     every simulation is seeded, so the results do not depend on it. `known` holds rungs already
-    simulated (workload name → rung name → summary, as returned before); they are not run again."""
+    simulated (workload name → rung name → summary, as returned before); they are not run again.
+    With `trainable`, every rung discards a group whose rewards are all equal (`filter_zero_variance`:
+    it has no learning signal), so the times are to batches of trainable groups."""
     from app.sim.peers import PEERS
 
     chosen = list(names or FAMILY)
@@ -149,7 +152,7 @@ def run_family(
         plan += [(name, variant) for variant in VARIANTS]
         if peers:
             plan += [(name, f"peer:{peer}") for peer in PEERS]
-    keys = {task: _key(*task) for task in plan}
+    keys = {task: _key(*task, trainable) for task in plan}
     summaries: dict[str, dict[str, Any]] = {}
     for (name, rung), key in keys.items():
         found = (known or {}).get(name, {}).get(rung.removeprefix("peer:"))
@@ -159,7 +162,7 @@ def run_family(
     for task in plan:
         if keys[task] not in summaries:
             unique.setdefault(keys[task], task)
-    todo = list(unique.items())
+    todo = [(key, (*task, trainable)) for key, task in unique.items()]
     if processes > 1:
         from app.children import map_in_workers
 
@@ -169,10 +172,10 @@ def run_family(
 
         summaries.update(map_in_workers(_simulate_rung, todo, processes, finished))
     else:
-        for done, (key, task) in enumerate(todo):
+        for done, (key, args) in enumerate(todo):
             if on_run is not None:
-                on_run(" ".join(task), done, len(todo))
-            summaries[key] = _simulate_rung(*task)
+                on_run(" ".join(unique[key]), done, len(todo))
+            summaries[key] = _simulate_rung(*args)
     if on_run is not None:
         on_run("done", len(todo), len(todo))
     results: dict[str, Any] = {name: {"rungs": {}} for name in chosen}
@@ -184,7 +187,12 @@ def run_family(
     return {"workloads": results, "specs": {n: FAMILY[n] for n in chosen}}
 
 
-def _workload_and_policy(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
+def _workload_and_policy(name: str, rung: str, trainable: bool = False) -> tuple[Workload, PolicyConfig]:
+    workload, policy = _rung_as_configured(name, rung)
+    return workload, policy.with_changes(filter_zero_variance=True) if trainable else policy
+
+
+def _rung_as_configured(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
     from app.sim.peers import peer_policy
     from app.sim.run import policy_for
 
@@ -198,18 +206,18 @@ def _workload_and_policy(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
     return workload, policy_for(workload, rung)
 
 
-def _key(name: str, rung: str) -> str:
-    workload, policy = _workload_and_policy(name, rung)
+def _key(name: str, rung: str, trainable: bool = False) -> str:
+    workload, policy = _workload_and_policy(name, rung, trainable)
     return workload.model_dump_json() + policy.model_dump_json()
 
 
 _DRAWS: dict[str, TrajectorySource] = {}
 
 
-def _simulate_rung(name: str, rung: str) -> dict[str, Any]:
+def _simulate_rung(name: str, rung: str, trainable: bool = False) -> dict[str, Any]:
     from app.sim.run import simulate
 
-    workload, policy = _workload_and_policy(name, rung)
+    workload, policy = _workload_and_policy(name, rung, trainable)
     # One workload's rungs share their draws (lane settings do not change what is drawn).
     source = _DRAWS.setdefault(name, TrajectorySource(builtin_workload(name)))
     return summarise(simulate(workload, policy, rung, trajectories=source))

@@ -167,6 +167,14 @@ def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.Monkey
     known = {"tiny": {rung: {**row, "mean_s": -1.0} for rung, row in rungs.items()}}
     again = run_family(["tiny"], known=known)
     assert all(row["mean_s"] == -1.0 for row in again["workloads"]["tiny"]["rungs"].values())
+    # Trainable batches: a group whose rewards are all equal is discarded, so none is delivered (such
+    # groups are common here, as the last line checks).
+    trainable = run_family(["tiny"], peers=False, trainable=True)["workloads"]["tiny"]["rungs"]
+    for rung, row in trainable.items():
+        assert row["policy_config"]["filter_zero_variance"] is True, rung
+        assert row["trainable_share"] == 1.0, rung
+    assert any(row["trainable_share"] < 1.0 for row in rungs.values())
+    assert all(row["policy_config"]["filter_zero_variance"] is False for row in rungs.values())
 
 
 def test_bench_with_peers_reports_every_peer_beside_the_ladder_and_its_findings() -> None:
