@@ -196,7 +196,8 @@ def test_a_long_sim_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:
     assert re.fullmatch(r"sim: \d+/60 batches, \d+ s", lines[0]), lines
     # the result, then the notes that apply (on this workload: attempts cut short)
     result = [i for i, line in enumerate(lines) if line.startswith("full: ")]
-    assert len(result) == 1 and lines[result[0]].startswith("full: 60 batches"), lines
+    assert len(result) == 1, lines
+    assert lines[result[0]].startswith("full: 60 batches"), lines
     assert all(line.startswith("note: ") for line in lines[result[0] + 1 :]), lines
 
 
