@@ -9,6 +9,13 @@ import math
 from collections.abc import Sequence
 
 
+def no_learning_signal(rewards: Sequence[float]) -> bool:
+    """Whether a finished group's rewards are all equal (and there is at least one): its advantages
+    are all zero. The scheduler discards such a group under `filter_zero_variance`; the run report
+    counts those delivered."""
+    return len(set(rewards)) == 1
+
+
 def grpo_advantages(rewards: Sequence[float], eps: float = 1e-6) -> tuple[float, ...]:
     if not rewards:
         return ()

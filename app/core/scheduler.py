@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from app.core.advantages import grpo_advantages
+from app.core.advantages import grpo_advantages, no_learning_signal
 from app.core.config import AdmissionMode, PolicyConfig
 from app.core.events import Event, GroupAdmitted, GroupDelivered, GroupDiscarded, GroupReady
 
@@ -309,7 +309,7 @@ class Scheduler:
             # Attempts admission: the attempt's room may admit a group
             return self._admit(now) if self.policy.admission is AdmissionMode.ATTEMPTS else []
         group.completed_at = now
-        if self.policy.filter_zero_variance and len(set(group.rewards)) == 1:
+        if self.policy.filter_zero_variance and no_learning_signal(group.rewards):
             self._end(group, GroupState.DISCARDED, now, DiscardReason.ZERO_VARIANCE, "all rewards equal")
             return self._admit(now)
         group.state = GroupState.READY

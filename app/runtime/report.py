@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from app.core.advantages import no_learning_signal
 from app.core.attribution import WaitAccumulator
 from app.core.events import (
     AttemptCancelled,
@@ -270,7 +271,7 @@ class ReportAccumulator:
             self._group_s.pop(ev.group_id, None)
             self.max_staleness = max(self.max_staleness, ev.staleness)
             self._batch_rewards.setdefault(ev.batch_index, []).extend(ev.rewards)
-            if ev.rewards and min(ev.rewards) == max(ev.rewards):
+            if no_learning_signal(ev.rewards):
                 self.delivered_zero_variance += 1
             self._end_row(ev.group_id, t, "delivered", ev.batch_index, ev.staleness, "")
         elif isinstance(ev, GroupDiscarded):
