@@ -968,8 +968,9 @@ def test_sim_notes_spare_serving_cores_while_lanes_queue_for_cores(
         return
     assert last.startswith(
         "note: cpus.serving is 6 cores, 2 more than the 4 that 2 busy engines use "
-        "(2 × cpus.engine_demand 2), while lane queues held the trainer for "
+        "(2 × cpus.engine_demand 2), while lane queues"
     ), last
+    assert " held the trainer for " in last, last
     assert "`lanes.borrow_serving_cpus: true` lends the cores the engines leave idle" in last, last
     data["lanes"]["borrow_serving_cpus"] = True
     borrowing, last = _sim_mean_and_last_line(tmp_path, "borrowing", data)

@@ -102,13 +102,19 @@ def cut_short_note(name: str, spec: Workload, report: Mapping[str, Any]) -> str 
 CUT_SHORT_NOTE = 0.05
 
 
+# The phases of the trainer's wait that more sandbox cores would shorten: lane queues, and the gate that
+# holds attempts out of their agent phase while the exec lane is full (app.runtime.gate).
+LANE_BOUND = ("lane_queue", "agent_gate")
+
+
 def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str | None:
     """A note when the serving/sandbox split behind the hard boundary of pinned lanes held the run back,
     found by the random workloads benchmark, where `full` lost to rungs that share CPUs and nothing
     said why:
     - the serving cores are fewer than the engines use when busy: the engines slow down while sandbox
       cores may sit idle;
-    - the serving cores are more than the busy engines use, lane queues were the largest part of the
+    - the serving cores are more than the busy engines use, lane queues (with the agent-phase gate in
+      front of the exec lane, whose waits are waits for exec slots) were the largest part of the
       trainer's wait in `report` (`full`'s run) and at their peak the lanes ran operations asking for
       every sandbox core: the spare serving cores sat idle while sandbox work queued (on one such
       workload `full` was slower than `completion`, 298.5 s against 258.7 s)."""
@@ -126,17 +132,20 @@ def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str
     report = report or {}
     waits = report.get("wait_attribution") or {}
     spare = cpus.serving - demand
-    if spare < 1 or waits.get("largest") != "lane_queue":
+    phases = waits.get("phases") or {}
+    gated = phases.get("agent_gate", 0.0)
+    queued = phases.get("lane_queue", 0.0) + gated
+    if spare < 1 or not phases or queued < max(v for k, v in phases.items() if k not in LANE_BOUND):
         return None
     # Lane queues from too few slots, not too few cores, are not this: more cores would not shorten them.
     by_lane = cpus.sandbox_demand.by_lane()
     peak = sum(lane["max_busy"] * by_lane[name] for name, lane in report.get("lanes", {}).items())
     if peak < cpus.total - cpus.serving:
         return None
-    queued = waits["phases"]["lane_queue"]
+    held = "lane queues and the agent-phase gate" if gated > 0 else "lane queues"
     return (
         f"note: cpus.serving is {cpus.serving} cores, {spare:g} more than the {demand:g} that {busy}, while "
-        f"lane queues held the trainer for {queued:.1f} s of its {waits['total_s']:.1f} s wait: behind the "
+        f"{held} held the trainer for {queued:.1f} s of its {waits['total_s']:.1f} s wait: behind the "
         "hard boundary of pinned lanes the spare serving cores sit idle; `lanes.borrow_serving_cpus: true` "
         "lends the cores the engines leave idle to the lanes, and `corral advise` sweeps both"
     )

@@ -29,6 +29,8 @@ Definitions (seconds on the run's clock):
   6. `model_turn`   a turn's engine call (`TurnDone.start` → `end`);
   7. `engine_wait`  a turn waiting for an engine slot (`TurnDone.queued_at` → `start`);
   8. `lane_queue`   a sandbox op waiting in its lane's queue (`SandboxOp.queued_at` → `start`);
+     `agent_gate`   an attempt, its reset done, waiting to start its agent phase while the exec lane
+                    is full (`AgentGateWait.queued_at` → `start`; app.runtime.gate);
   9. `reset`, `tool_call`, `validate`, `cleanup`  a sandbox op running in the lane of that name
                     (`reset`, `exec`, `validate`, `cleanup`);
   10. `agent`       inside the attempt, between recorded spans (the agent's own work).
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.events import (
+    AgentGateWait,
     AttemptFinished,
     AttemptRestarted,
     AttemptStarted,
@@ -75,6 +78,7 @@ PHASES: tuple[str, ...] = (
     "model_turn",
     "engine_wait",
     "lane_queue",
+    "agent_gate",
     "reset",
     "tool_call",
     "validate",
@@ -91,6 +95,7 @@ PHASE_LABELS: dict[str, str] = {
     "model_turn": "model turns",
     "engine_wait": "waits for an engine slot",
     "lane_queue": "lane queues",
+    "agent_gate": "the agent-phase gate",
     "reset": "sandbox resets",
     "tool_call": "tool calls",
     "validate": "validation",
@@ -189,7 +194,7 @@ class _Attempt:
     restarted: float | None = None
     # Its turns and sandbox ops as published; their spans are worked out only for a batch's critical
     # attempt (`spans`, `turns`), so folding an event costs one append.
-    ops: list[TurnDone | SandboxOp] = field(default_factory=list)
+    ops: list[TurnDone | SandboxOp | AgentGateWait] = field(default_factory=list)
 
     @property
     def spans(self) -> list[tuple[float, float, str]]:
@@ -198,6 +203,8 @@ class _Attempt:
             if isinstance(ev, TurnDone):
                 out.append((ev.queued_at, ev.start, "engine_wait"))
                 out.append((ev.start, ev.end, "model_turn"))
+            elif isinstance(ev, AgentGateWait):
+                out.append((ev.queued_at, ev.start, "agent_gate"))
             else:
                 out.append((ev.queued_at, ev.start, "lane_queue"))
                 out.append((ev.start, ev.end, LANE_PHASE.get(ev.lane, "tool_call")))
@@ -265,7 +272,7 @@ class WaitAccumulator:
 
     def on_envelope(self, env: Envelope) -> None:
         ev, t = env.event, env.t
-        if isinstance(ev, TurnDone | SandboxOp):  # the frequent kinds first
+        if isinstance(ev, TurnDone | SandboxOp | AgentGateWait):  # the frequent kinds first
             self.on_op(env)
         elif isinstance(ev, GroupAdmitted):
             self._admitted[ev.group_id] = t

@@ -76,6 +76,16 @@ class PolicyConfig(BaseModel):
         "follow demand (app.sim.lanes); real in-process lanes grow while they queue and their CPUs sit "
         "idle (app.lanes.adaptive); Celery lanes keep their workers' concurrency",
     )
+    agent_gate: float | None = Field(
+        None,
+        gt=0,
+        le=1_000,
+        allow_inf_nan=False,
+        description="attempts past their reset start their agent phase (and its time) only while fewer "
+        "than this × the exec lane's slots ÷ the measured share of agent time spent running tool calls "
+        "are in theirs (app.runtime.gate); None: no gate. Needs lanes whose slots can be read (the "
+        "simulator's, in-process lanes); Celery lanes have none",
+    )
     ready_surplus: int | None = Field(
         None,
         ge=0,
@@ -120,9 +130,11 @@ class PolicyConfig(BaseModel):
         # Defaults a rung picks that the caller may override. `full` admits in flight: a ready group
         # holds no sandbox and no engine slot, so B + S caps only what runs (measured in
         # docs/simulator.md); K still ages ready groups out. Its lanes adapt to measured demand
-        # (better or equal on every workload of the simulator's family, docs/simulator.md).
+        # (better or equal on every workload of the simulator's family, docs/simulator.md). Its attempts
+        # enter their agent phase through the gate (app.runtime.gate): on `cpu-scarce` without it 92% of
+        # them ran out of agent time queued for tool calls; elsewhere it changes nothing measurable.
         defaults: dict[PolicyName, dict[str, object]] = {
-            PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT, "adaptive_lanes": True}
+            PolicyName.FULL: {"admission": AdmissionMode.IN_FLIGHT, "adaptive_lanes": True, "agent_gate": 1.0}
         }
         pacing = overrides.get("update_pacing", UpdatePacing.FREE_SLOTS)
         if "max_updating_engines" not in overrides and pacing == UpdatePacing.FREE_SLOTS:

@@ -149,6 +149,18 @@ class SandboxOp(Event):
     busy: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class AgentGateWait(Event):
+    """An attempt whose reset was done waited at the agent-phase gate (app.runtime.gate) from `queued_at`
+    until `start`, when its agent phase (and its agent time) began. Published only for a wait."""
+
+    kind: ClassVar[str] = "agent_gate_wait"
+    group_id: int
+    attempt: int
+    queued_at: float
+    start: float
+
+
 # -- engines and weights ----------------------------------------------------------------------------
 
 
@@ -350,6 +362,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         AttemptRestarted,
         TurnDone,
         SandboxOp,
+        AgentGateWait,
         VersionPublished,
         EngineUpdateBegin,
         EngineUpdateEnd,

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 from app.core.config import PolicyConfig, UpdatePacing
 from app.core.events import (
+    AgentGateWait,
     AttemptCancelled,
     AttemptFinished,
     AttemptRestarted,
@@ -81,6 +82,7 @@ from app.runtime.engine_pool import (
     is_unreachable,
 )
 from app.runtime.events import EventBus
+from app.runtime.gate import AgentGate
 from app.runtime.ports import AttemptSource, Trainer, TrainingBatch
 from app.runtime.report import ReportAccumulator
 from app.sandboxes.base import ExecResult, Sandbox
@@ -203,12 +205,16 @@ class _AttemptContext:
         task = self.task
         if task is None:
             raise RuntimeError(f"{self.attempt_id}: this attempt has no task to reset from")
+        if self._rt.gate is not None:
+            return self._rt.reset_then_enter(self, LaneOp.reset(self.handle, task))
         return self._rt.lane_op(self._key, LaneOp.reset(self.handle, task))
 
     def exec(self, command: str, timeout_s: float) -> Coroutine[Any, Any, ExecResult]:
         return self._rt.lane_op(self._key, LaneOp.exec(self.handle, command, timeout_s))
 
     def validate(self) -> Coroutine[Any, Any, float]:
+        if self._rt.gate is not None:
+            self._rt.gate.leave(self)  # the agent phase is over
         return self._rt.lane_op(self._key, LaneOp.validate(self.handle))
 
 
@@ -269,6 +275,9 @@ class Runtime:
             self.bus.subscribe(self.report_acc.on_envelope, self.report_acc.by_type())
         self._lane_queued = dict.fromkeys(LaneName, 0)
         self._lane_busy = dict.fromkeys(LaneName, 0)
+        # Attempts past their reset enter their agent phase while the exec lane can serve them
+        # (app.runtime.gate); None: no gate (the policy has none, or the lanes' slots cannot be read).
+        self.gate = AgentGate.for_lanes(policy.agent_gate, lanes, self.now)
         self._start_failures = 0  # consecutive groups that could not start
         self._failed_in_a_row = 0  # groups discarded as failed since a group last completed
         self._run_target: tuple[int | None, float | None] = (None, None)
@@ -298,6 +307,10 @@ class Runtime:
 
     def now(self) -> float:
         return self._time()
+
+    def gate_report(self) -> dict[str, Any]:
+        """The report's `agent_gate`: its figures, or None when the run had no gate."""
+        return {"agent_gate": None if self.gate is None else self.gate.report()}
 
     def _trim(self, entries: list[Any]) -> None:
         """Past twice `history` entries, drop the oldest down to `history` (amortised O(1))."""
@@ -656,6 +669,8 @@ class Runtime:
                 outcome = AttemptOutcome(reward=0.0, turns=0, error=f"{type(exc).__name__}: {exc}")
         finally:
             assert self._tg is not None
+            if self.gate is not None:
+                self.gate.leave(ctx)  # ended (or failed) before its validation
             # An attempt ended before any op started on its sandbox (cancelled while its reset queued)
             # has nothing to clean up: a stop after a surplus flood queued tens of thousands of these.
             if not self.lanes.forget(ctx.handle):
@@ -677,6 +692,18 @@ class Runtime:
             await self.lane_op(key, LaneOp.cleanup(handle))
         except Exception as exc:  # a failed cleanup must not end the run; it is logged with context
             self._log.warning("sandbox cleanup failed: %r", exc)
+
+    async def reset_then_enter(self, ctx: _AttemptContext, op: LaneOp[ExecResult]) -> ExecResult:
+        """The reset, then a wait at the agent-phase gate: the agent's time starts when this returns."""
+        result = await self.lane_op(ctx._key, op)
+        assert self.gate is not None
+        reached = self._time()
+        await self.gate.enter(ctx)
+        entered = self._time()
+        if entered > reached:
+            key = ctx._key
+            self.bus.publish(AgentGateWait(key[0], key[1], reached, entered))
+        return result
 
     async def lane_op(self, key: AttemptKey, op: LaneOp[T]) -> T:
         """Run `op` in its lane and publish it as a `SandboxOp` (also when it fails or is cancelled)."""
@@ -709,6 +736,8 @@ class Runtime:
                 started = end
             else:
                 lane_busy[lane] -= 1
+                if lane is LaneName.EXEC and self.gate is not None:
+                    self.gate.exec_done(started - queued, end - started)
             self.bus.publish(
                 SandboxOp(key[0], key[1], _LANE_VALUE[lane], queued, started, end, ok, detail, depth, busy)
             )

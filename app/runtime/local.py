@@ -242,6 +242,7 @@ async def _run(
     report["engine_versions_at_end"] = versions
     report["published_version"] = runtime.plan.target
     report.update(fault_report(state, runtime))
+    report.update(runtime.gate_report())
     report["stopped_early"] = stop.count > 0 or runtime.stop_requested
     report["stop"] = stop.report()
     report["cpus"] = {

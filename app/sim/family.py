@@ -255,6 +255,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         },
         "lane_sharing": report.get("lane_sharing"),
         "lane_slots": report.get("lane_slots"),
+        "agent_gate": report.get("agent_gate"),
         "policy_config": report.get("policy_config"),
         "wall_s": report["wall_s"],
     }

@@ -163,6 +163,7 @@ def simulate(
     )
     report = build_report(runtime.report_acc, static)
     report.update(ports.lane_report())
+    report.update(runtime.gate_report())
     played, cut = sim_source.tally
     report["attempts_played"] = played
     report["attempts_cut_short"] = cut

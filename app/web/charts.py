@@ -31,6 +31,7 @@ PHASE_FILL = {
     "model_turn": "url(#pat-model_turn)",
     "engine_wait": "url(#pat-engine_wait)",
     "lane_queue": "url(#pat-lane_queue)",
+    "agent_gate": "#e8c66a",
     "reset": "url(#pat-reset)",
     "tool_call": "url(#pat-tool_call)",
     "validate": "url(#pat-validate)",

@@ -6,7 +6,8 @@ is pure: envelopes and run metadata in, plain rows out (times in seconds from th
 
 Definitions shown on the pages:
 - a trajectory's spans: `engine_wait` (queued for an engine slot), `model_turn`, `lane_queue` (queued
-  in a sandbox lane), `reset`, `tool_call`, `validate`, `cleanup` (running in that lane);
+  in a sandbox lane), `reset`, `tool_call`, `validate`, `cleanup` (running in that lane), `agent_gate`
+  (its reset done, held before its agent phase while the exec lane was full: app.runtime.gate);
 - a **straggler** group took more than `STRAGGLER_RATIO` × the median admission-to-completion time of
   the run's completed groups (with at least 3 completed);
 - a group **held** batch n when it was that batch's critical group (see app.core.attribution);
@@ -26,6 +27,7 @@ from typing import Any
 from app.core.attribution import LANE_PHASE, WaitAccumulator, WaitAttribution
 from app.core.config import AdmissionMode
 from app.core.events import (
+    AgentGateWait,
     AttemptFinished,
     AttemptStarted,
     BatchDelivered,
@@ -521,6 +523,12 @@ class RunViewBuilder:
             self._engine(ev.engine)
             self._tokens += ev.tokens
             self._turns += 1
+        elif isinstance(ev, AgentGateWait):
+            tr = self._traj(ev.group_id, ev.attempt)
+            q, s = ev.queued_at - t0, ev.start - t0
+            tr.spans.append(
+                Span(q, s, "agent_gate", "reset done; waited at the agent-phase gate (exec lane full)")
+            )
         elif isinstance(ev, SandboxOp):
             tr = self._traj(ev.group_id, ev.attempt)
             q, s, e = ev.queued_at - t0, ev.start - t0, ev.end - t0

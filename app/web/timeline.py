@@ -46,6 +46,7 @@ PHASE_STYLE: dict[str, tuple[str, str, str]] = {
     "engine_wait": ("engine-slot wait", "#9cc3ee", "dots"),
     "tool_call": ("tool call", "#d9822b", "vertical"),
     "lane_queue": ("lane queue wait", "#c8c8c8", "cross"),
+    "agent_gate": ("agent-phase gate wait", "#e8c66a", "dots"),
     "validate": ("validate", "#2e8b57", "grid"),
     "cleanup": ("cleanup", "#6b6b6b", "horizontal"),
     "group_running": ("group running", "#2f6fbf", "solid"),

@@ -7,7 +7,7 @@ from app.core.attribution import attribute_waits
 from app.core.events import Envelope
 
 
-def simulated_attribution(**overrides):
+def simulated_attribution(gate=None, **overrides):
     from factories import make_workload_data
 
     from app.sim.run import policy_for, simulate
@@ -15,8 +15,9 @@ def simulated_attribution(**overrides):
 
     workload = Workload.model_validate(make_workload_data(**overrides))
     envelopes: list[Envelope] = []
-    # Fixed lanes: adaptive lanes (full's default) would grow the reset lane away from the slow phase.
-    policy = policy_for(workload, "full", adaptive_lanes=False)
+    # Fixed lanes: adaptive lanes (full's default) would grow the reset lane away from the slow phase;
+    # no agent-phase gate unless asked for: it would hold attempts back from a slow exec lane.
+    policy = policy_for(workload, "full", adaptive_lanes=False, agent_gate=gate)
     report = simulate(workload, policy, "full", events=envelopes.append)
     return attribute_waits(envelopes), report
 
@@ -43,6 +44,20 @@ def simulated_attribution(**overrides):
 )
 def test_the_slow_phase_is_named_the_largest_share_in_a_simulated_run(overrides, phase):
     attribution, report = simulated_attribution(**overrides)
+    check_attribution(attribution, report, phase)
+
+
+def test_with_the_agent_gate_a_full_exec_lane_holds_attempts_at_the_gate():
+    """full's default gate: an exec lane of one slot keeps attempts out of their agent phase, and the
+    trainer's wait is put on the gate (its own events), not on the agent's work."""
+    slow_exec = {"lanes": {"reset": 4, "exec": 1, "validate": 2, "cleanup": 2}, "trajectory": {"tool_s": 3}}
+    attribution, report = simulated_attribution(gate=1.0, **slow_exec)
+    check_attribution(attribution, report, "agent_gate")
+    assert report["agent_gate"]["waited"] > 0
+    assert report["agent_gate"]["max_inside"] < (2 + 2) * 2  # fewer than the (B + S)·G attempts running
+
+
+def check_attribution(attribution, report, phase):
     assert attribution.largest() == phase
     assert report["wait_attribution"]["largest"] == phase  # the run report says the same
     assert report["wait_attribution"] == attribution.to_dict()
