@@ -194,7 +194,7 @@ def advise(
         s = outcome.settings
         say(
             f"{label}: S={s.surplus_groups} K={s.max_staleness} admission={s.admission()} "
-            f"updating={s.updating()} "
+            f"updating={s.updating()} gate={s.gate()} "
             f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
             f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s{outcome.cut_text()}"

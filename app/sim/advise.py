@@ -1,7 +1,8 @@
 """`corral advise`: search S, K, the admission mode (groups in flight, or attempts in flight), the
-number of updating engines, the lane concurrency and, where lanes are pinned, how the cores split
-between serving and sandboxes and whether the lanes may borrow the serving cores serving leaves idle,
-for the settings that minimise mean batch collection time on a workload, by simulating each candidate.
+number of updating engines, the lane concurrency, the agent-phase gate (app.runtime.gate) and, where
+lanes are pinned, how the cores split between serving and sandboxes and whether the lanes may borrow
+the serving cores serving leaves idle, for the settings that minimise mean batch collection time on
+a workload, by simulating each candidate.
 
 The search is coordinate descent from the workload's own settings, which are simulated exactly as
 the hand-written config runs (`full` with its own defaults: adaptive lanes, its update pacing and
@@ -65,10 +66,15 @@ class Settings:
     # B + S caps attempts in flight ((B + S)·G, `AdmissionMode.ATTEMPTS`); False: the policy's own
     # admission (in flight, for full), as the hand-written config runs.
     attempts_admission: bool = False
+    # The agent-phase gate's factor in percent (`policy.agent_gate` × 100; 0: no gate). None: the
+    # policy's own (1.0 for full).
+    agent_gate_percent: int | None = None
 
     def with_knob(self, knob: str, value: int | None) -> Settings:
         if knob == "max_updating_engines":
             return dataclasses.replace(self, max_updating_engines=value)
+        if knob == "agent_gate_percent":
+            return dataclasses.replace(self, agent_gate_percent=value)
         if value is None:
             raise ValueError(f"{knob} needs a value")
         if knob == "serving_cores":
@@ -99,9 +105,17 @@ class Settings:
     def admission(self) -> str:
         return AdmissionMode.ATTEMPTS.value if self.attempts_admission else "policy default"
 
-    def policy_overrides(self) -> dict[str, AdmissionMode]:
+    def gate(self) -> str:
+        if self.agent_gate_percent is None:
+            return "policy default"
+        return "off" if self.agent_gate_percent == 0 else f"{self.agent_gate_percent / 100:g}"
+
+    def policy_overrides(self) -> dict[str, Any]:
         """What these settings change of the policy itself (the rest goes into the workload)."""
-        return {"admission": AdmissionMode.ATTEMPTS} if self.attempts_admission else {}
+        overrides: dict[str, Any] = {"admission": AdmissionMode.ATTEMPTS} if self.attempts_admission else {}
+        if self.agent_gate_percent is not None:
+            overrides["agent_gate"] = self.agent_gate_percent / 100 or None
+        return overrides
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +124,8 @@ class Settings:
             "serving_cores": self.serving_cores,
             "borrow_serving_cpus": self.borrow_serving_cpus,
             "admission": AdmissionMode.ATTEMPTS.value if self.attempts_admission else None,
+            # The gate's factor (0: off); None: the policy's own
+            "agent_gate": None if self.agent_gate_percent is None else self.agent_gate_percent / 100,
         }
 
 
@@ -258,6 +274,13 @@ def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[s
     }
     for lane, slots in best.lane_slots:
         grid[lane] = list(sorted({max(1, slots // 2), slots, min(MAX_LANE_SLOTS, slots * 2)}))
+    # The agent-phase gate after the exec lane's slots, which its limit follows: off, half, double (and
+    # 1.0 where the current value is not the policy's own, which is 1.0 for full).
+    gate = best.agent_gate_percent
+    grid["agent_gate_percent"] = [
+        gate,
+        *(v for v in (0, 50, 100, 200) if v != gate and (v != 100 or gate is not None)),
+    ]
     if pinned:
         grid["serving_cores"] = list(serving_grid(workload, best.serving_cores or workload.cpus.serving))
         if workload.lanes.sharing is LaneSharing.WORK_CONSERVING:

@@ -131,6 +131,27 @@ def test_borrowing_is_a_knob_that_reaches_the_workload() -> None:
     assert evaluate(workload, borrowing).batch_collection_s > 0
 
 
+def test_the_agent_gate_is_a_knob_run_as_corral_sim_runs_it() -> None:
+    from app.sim.run import policy_for, simulate
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    start = current_settings(workload)
+    grid = knob_grid(workload, start)
+    # full's own gate (1.0) first, then off, half and double; 1.0 is not simulated twice
+    assert grid["agent_gate_percent"] == [None, 0, 50, 200]
+    assert start.as_dict()["agent_gate"] is None
+    assert start.gate() == "policy default"
+    off, half = start.with_knob("agent_gate_percent", 0), start.with_knob("agent_gate_percent", 50)
+    assert off.policy_overrides() == {"agent_gate": None}
+    assert off.gate() == "off"
+    assert half.policy_overrides() == {"agent_gate": 0.5}
+    assert half.as_dict()["agent_gate"] == 0.5
+    report = simulate(workload, policy_for(workload, "full", agent_gate=0.5), "full")
+    assert evaluate(workload, half).batch_collection_s == report["batch_collection_s"]["mean"]
+    assert report["agent_gate"]["factor"] == 0.5
+    assert knob_grid(workload, half)["agent_gate_percent"] == [50, 0, 100, 200]
+
+
 def test_attempts_admission_is_a_knob_tried_first_and_run_as_corral_sim_runs_it() -> None:
     from app.core.config import AdmissionMode
     from app.sim.advise import TIE_FRACTION
