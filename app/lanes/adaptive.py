@@ -199,7 +199,8 @@ class ResizableLimiter:
             self._detached.discard(task)  # its slot was handed on when it detached
             return
         self.busy -= 1
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def detach(self) -> None:
         """The calling task's operation stops counting toward the slots (its slot goes to the next

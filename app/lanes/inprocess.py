@@ -135,19 +135,28 @@ class InProcessLanes:
         stats = self._stats[lane]
         # `run`, without its closure and slot object, and without a coroutine of its own to take a free
         # slot (this is the simulator's hot path)
+        pinned = self.pinned
+        limiter = self.limiters[lane]
         try:
-            if not self._enter_now(lane, stats):
+            # `_enter_now` inline: a free slot, nobody queued before us
+            if pinned and not limiter.try_acquire():
                 await self._enter(lane, stats)
+            else:
+                if pinned and stats.queue_depth >= stats.max_queue_depth:
+                    stats.max_queue_depth = stats.queue_depth + 1
+                stats.busy += 1
+                if stats.busy > stats.max_busy:
+                    stats.max_busy = stats.busy
             try:
                 self._untouched.discard(op.handle.id)
                 if on_start is not None:
                     on_start()
-                return await execute_op(op, sandbox, self._cpus.get(lane) if self.pinned else None)
+                return await execute_op(op, sandbox, self._cpus.get(lane) if pinned else None)
             finally:  # `_leave`
                 stats.busy -= 1
                 stats.completed += 1
-                if self.pinned:
-                    self.limiters[lane].release()
+                if pinned:
+                    limiter.release()
         finally:
             if lane is LaneName.CLEANUP:
                 self._live.pop(op.handle.id, None)

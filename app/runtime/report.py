@@ -185,7 +185,11 @@ class ReportAccumulator:
     def on_turn(self, env: Envelope) -> None:
         """`on_envelope` for a `TurnDone`."""
         self.stream_events += 1
-        self.ledger.on_quiet(env)
+        ledger = self.ledger  # `ledger.on_quiet(env)` without its call
+        seq = env.seq
+        if seq != ledger.next_seq:
+            ledger.gaps += abs(seq - ledger.next_seq)
+        ledger.next_seq = seq + 1
         self.waits.on_op(env)
         ev: TurnDone = env.event  # type: ignore[assignment]
         engine = self.engines.get(ev.engine)
@@ -203,7 +207,11 @@ class ReportAccumulator:
     def on_sandbox_op(self, env: Envelope) -> None:
         """`on_envelope` for a `SandboxOp`."""
         self.stream_events += 1
-        self.ledger.on_quiet(env)
+        ledger = self.ledger  # `ledger.on_quiet(env)` without its call
+        seq = env.seq
+        if seq != ledger.next_seq:
+            ledger.gaps += abs(seq - ledger.next_seq)
+        ledger.next_seq = seq + 1
         self.waits.on_op(env)
         ev: SandboxOp = env.event  # type: ignore[assignment]
         lane = self.lanes.get(ev.lane)

@@ -42,6 +42,8 @@ LAG_SLACK_S = 0.02
 
 
 class PacedLoop(VirtualTimeLoop):
+    _one_heap = True  # `call_fast` timers share `_timers`, which this `_run_once` reads alone
+
     def __init__(
         self, speed: float = 1.0, start: float = 0.0, hold: Callable[[], bool] | None = None
     ) -> None:
