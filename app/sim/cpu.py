@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -322,8 +321,11 @@ class Stream:
         self.rate = 1.0
         self.served = 0.0  # service each job of this stream has received since the stream began
         self._last = 0.0
-        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
+        # Jobs by the service at which each finishes: a heap of those targets (floats, compared in C
+        # without a tuple's steps) and, for each, its job's future or, when several share it, their
+        # futures in the order they began; the same order as a heap of (target, seq, future) entries.
+        self._heap: list[float] = []
+        self._jobs: dict[float, Any] = {}
         self._timer: int | None = None  # token of the pending `call_fast` timer
         self._timer_when = math.inf
         self._loop: VirtualTimeLoop | None = None
@@ -341,13 +343,20 @@ class Stream:
 
     def reschedule(self, now: float) -> None:
         heap = self._heap
-        while heap and heap[0][2].done():
-            heapq.heappop(heap)  # cancelled jobs leave lazily
+        jobs = self._jobs
+        while heap:  # cancelled jobs leave lazily
+            waiting = jobs[heap[0]]
+            if type(waiting) is list:
+                if not all(fut.done() for fut in waiting):
+                    break
+            elif not waiting.done():
+                break
+            del jobs[heapq.heappop(heap)]
         if not heap or self.rate <= 0.0:
             self._timer = None  # a pending timer becomes stale and fires for nothing
             self._timer_when = math.inf
             return
-        wait = (heap[0][0] - self.served) / self.rate
+        wait = (heap[0] - self.served) / self.rate
         when = now + (wait if wait > 0.0 else 0.0)  # max(0, wait)
         if self._timer is not None and self._timer_when <= when:
             return  # a timer due no later than needed may stay: firing early only re-arms it
@@ -374,12 +383,23 @@ class Stream:
         served = self.served = self.served + (now - self._last) * self.rate  # `settle`
         self._last = now
         fut: asyncio.Future[None] = _Future(loop=loop)  # `create_future` without its frame
-        entry = (served + (work if work > 0.0 else 0.0), next(self._seq), fut)  # max(0, work)
+        target = served + (work if work > 0.0 else 0.0)  # max(0, work)
         heap = self._heap
-        _heappush(heap, entry)
+        jobs = self._jobs
+        other = jobs.get(target)
+        if other is None:
+            jobs[target] = fut
+            _heappush(heap, target)
+            first = heap[0] is target
+        else:  # a job began earlier with the same target: it stays ahead
+            if type(other) is list:
+                other.append(fut)
+            else:
+                jobs[target] = [other, fut]
+            first = False
         if demand:
             self.pool.change_demand(demand, self)
-        if heap[0] is entry or self._timer is None:
+        if first or self._timer is None:
             self.reschedule(now)
         try:
             await fut
@@ -401,8 +421,13 @@ class Stream:
         self._last = now
         limit = served + 1e-9 * (served if served > 1.0 else 1.0)  # served + 1e-9·max(1, served)
         heap = self._heap
-        while heap and (heap[0][0] <= limit or heap[0][2].done()):
-            fut = heapq.heappop(heap)[2]
-            if not fut.done():
-                fut.set_result(None)
-        self.reschedule(now)
+        jobs = self._jobs
+        while heap and heap[0] <= limit:
+            waiting = jobs.pop(heapq.heappop(heap))
+            if type(waiting) is list:
+                for fut in waiting:
+                    if not fut.done():
+                        fut.set_result(None)
+            elif not waiting.done():
+                waiting.set_result(None)
+        self.reschedule(now)  # drops the cancelled jobs now at the head
