@@ -249,6 +249,28 @@ def test_sim_runs_every_rung(tmp_path: Path, policy: str) -> None:
     assert report["lost_groups"] == 0
 
 
+def test_sim_agent_gate_is_full_s_own_and_a_flag_sets_or_removes_it(tmp_path: Path) -> None:
+    write_yaml(tmp_path / "w.yaml", make_workload_data())
+    gates = {}
+    for flag in ([], ["--agent-gate", "0"], ["--agent-gate", "2.5"]):
+        proc = subprocess.run(
+            [str(CORRAL), "sim", "--workload", "w.yaml", "--json", "r.json", *flag],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        gates[" ".join(flag)] = json.loads((tmp_path / "r.json").read_text())["agent_gate"]
+    assert gates[""]["factor"] == 1.0  # full's default
+    assert gates["--agent-gate 0"] is None
+    assert gates["--agent-gate 2.5"]["factor"] == 2.5
+    proc = subprocess.run(
+        [str(CORRAL), "sim", "--workload", "w.yaml", "--agent-gate", "-1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--agent-gate" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_sim_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     spec = write_yaml(tmp_path / "small.yaml", make_workload())
     reports = []

@@ -6,6 +6,7 @@ trajectories in flight within the simulator's memory limit, sweep lists non-empt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -218,6 +219,16 @@ def sim(
             "while (K + 1)·B wait ready",
         ),
     ] = None,
+    agent_gate: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            max=1000,
+            help="the agent-phase gate: attempts start their agent phase while fewer than this × the exec "
+            "lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: 1 for full, none "
+            "for the other rungs (docs/simulator.md)",
+        ),
+    ] = None,
 ) -> None:
     """Simulate one policy on a workload and write its report."""
     from app.sim.run import policy_for, simulate
@@ -241,6 +252,10 @@ def sim(
     overrides |= {
         k: v for k, v in {"admission": admission, "ready_surplus": ready_surplus}.items() if v is not None
     }
+    if agent_gate is not None:
+        if not math.isfinite(agent_gate):
+            fail(f"--agent-gate: a number from 0 to 1000, not {agent_gate}")
+        overrides["agent_gate"] = agent_gate or None  # 0: no gate
     if ready_surplus is not None and admission is AdmissionMode.ATTEMPTS:
         fail(
             "--ready-surplus: only with --admission in_flight (attempts admission caps ready groups at "

@@ -120,6 +120,15 @@ class PolicyKnobs(_Strict):
         description="lane slots grow while work queues and the lanes' CPUs sit idle (app.lanes.adaptive); "
         "default: the rung's (on for full)",
     )
+    agent_gate: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="the agent-phase gate (app.runtime.gate): attempts start their agent phase while fewer "
+        "than this × the exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; "
+        "default: the rung's (1 for full, none for the others)",
+    )
     admission: AdmissionMode | None = Field(
         None,
         description="what B + S caps: live groups, groups in flight (in_flight), or attempts in flight "
@@ -275,6 +284,8 @@ class LocalRunConfig(_Strict):
             settings["adaptive_lanes"] = self.policy.adaptive_lanes
         if self.policy.admission is not None:
             settings["admission"] = self.policy.admission
+        if self.policy.agent_gate is not None:
+            settings["agent_gate"] = self.policy.agent_gate or None  # 0: no gate
         return settings
 
     def lane_config(self) -> LanesConfig:

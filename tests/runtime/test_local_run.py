@@ -109,6 +109,16 @@ def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> Non
     off = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, adaptive_lanes: false}"))
     assert load_config(off).policy_settings()["adaptive_lanes"] is False
     assert "adaptive_lanes" not in load_config(write_config(tmp_path)).policy_settings()  # the rung decides
+    # The agent-phase gate: 0 turns it off, a factor sets it, a non-number or a negative is refused.
+    gate_off = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, agent_gate: 0}"))
+    assert load_config(gate_off).policy_settings()["agent_gate"] is None
+    gate = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, agent_gate: 0.5}"))
+    assert load_config(gate).policy_settings()["agent_gate"] == 0.5
+    assert "agent_gate" not in load_config(write_config(tmp_path)).policy_settings()
+    for value in (".nan", "-1", "many"):
+        bad = write_config(tmp_path, CONFIG.replace(knob, f"max_staleness: 2, agent_gate: {value}}}"))
+        with pytest.raises(LocalRunError, match=r"policy\.agent_gate"):
+            load_config(bad)
     attempts = write_config(tmp_path, CONFIG.replace(knob, "max_staleness: 2, admission: attempts}"))
     assert load_config(attempts).policy_settings()["admission"] == "attempts"
     assert "admission" not in load_config(write_config(tmp_path)).policy_settings()

@@ -141,6 +141,20 @@ def test_findings_name_every_out_of_order_rung(means: dict[str, float], expected
         assert line.startswith(start)
 
 
+def test_a_rung_that_beats_full_by_cutting_attempts_short_is_said_to() -> None:
+    rungs = make_rungs(sync=3, completion=2, full=1, areal=0.5, slime=0.6)
+    rungs["full"]["attempts_cut_short_share"] = 0.35
+    rungs["areal"]["attempts_cut_short_share"] = 0.99
+    rungs["slime"]["attempts_cut_short_share"] = 0.39  # within 5 points of full's: not said
+    for row in rungs.values():
+        row["mean_reward"] = 0.2
+    beats = [line for line in findings(rungs) if "beats full" in line]
+    assert beats == [
+        "areal 0.5 s beats full 1.0 s, cutting short 99% of its attempts against full's 35%",
+        "slime 0.6 s beats full 1.0 s",
+    ]
+
+
 def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
     import app.sim.family as family
 
