@@ -280,6 +280,7 @@ class Runtime:
         self.gate = AgentGate.for_lanes(policy.agent_gate, lanes, self.now)
         self._start_failures = 0  # consecutive groups that could not start
         self._failed_in_a_row = 0  # groups discarded as failed since a group last completed
+        self._flat_in_a_row = 0  # groups discarded for equal rewards since a group was last kept
         self._run_target: tuple[int | None, float | None] = (None, None)
         self._batch_waiter: asyncio.Future[DeliverBatch | None] | None = None
         self._stop_requested = False
@@ -575,7 +576,15 @@ class Runtime:
         for event in self.scheduler.drain_events():
             self.bus.publish(event)
             if isinstance(event, GroupReady):
-                self._failed_in_a_row = 0
+                self._failed_in_a_row = self._flat_in_a_row = 0
+            elif isinstance(event, GroupDiscarded) and event.reason == DiscardReason.ZERO_VARIANCE.value:
+                self._flat_in_a_row += 1
+                if self._flat_in_a_row > self._flat_limit() and given_up is None:
+                    given_up = (
+                        f"{self._flat_in_a_row} groups in a row had all their rewards equal (no learning "
+                        "signal) and filter_zero_variance discarded each, so no batch can be filled; the "
+                        "tasks are all solved or all failed at this policy (attempts cut short fail too)"
+                    )
             elif isinstance(event, GroupDiscarded) and event.reason == DiscardReason.FAILED.value:
                 self._failed_in_a_row += 1
                 if self._failed_in_a_row > self._failure_limit() and given_up is None:
@@ -643,6 +652,13 @@ class Runtime:
         """Groups that may fail in a row before the run ends: a source or sandbox that fails every group
         would otherwise admit and fail groups forever (a simulation with `p_infra_error: 1` did)."""
         return max(100, 4 * self.scheduler.capacity)
+
+    def _flat_limit(self) -> int:
+        """Groups that may be discarded for equal rewards in a row before the run ends: with every task
+        always failed (or every attempt cut short) a run that discards each such group never ends (a
+        simulated peer on `cpu-scarce` did not). Far above what a low but real share of groups with a
+        learning signal gives in a row (at 2%, 1,000 in a row has a chance of about 2 in a billion)."""
+        return max(1_000, 16 * self.scheduler.capacity)
 
     def _fail_start(self, key: AttemptKey, error: str) -> list[Decision]:
         """The group of `key` fails because that attempt could not start; many in a row end the run

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 from factories import make_workload_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -375,3 +376,23 @@ def test_invariants_hold_while_long_resets_leave_the_reset_lane() -> None:
     report = check_run(workload, policy_for(workload, "full"), [])
     assert report["lane_long_resets"] > 0
     assert report["lost_groups"] == 0
+
+
+def test_a_run_whose_every_group_has_equal_rewards_ends_instead_of_discarding_forever() -> None:
+    """With filter_zero_variance and tasks nobody solves, every group is discarded and a run admitted
+    groups for ever (a simulated peer on `cpu-scarce`, all of whose attempts ran out of time). It now
+    ends once 1,000 groups in a row were discarded so, and says why; nothing is lost on the way."""
+    from app.runtime.driver import RunCannotProceed
+
+    workload = make_workload(batches=2, trajectory={"p_success": 0.0})
+    envelopes: list[Envelope] = []
+    policy = policy_for(workload, "full", filter_zero_variance=True)
+    with pytest.raises(ExceptionGroup) as info:
+        simulate(workload, policy, "full", events=envelopes.append)
+    assert info.group_contains(RunCannotProceed, match="1001 groups in a row had all their rewards equal")
+    flat = [e for e in envelopes if isinstance(e.event, GroupDiscarded) and e.event.reason == "zero_variance"]
+    assert len(flat) >= 1001
+    ledger = Ledger()
+    for env in envelopes:
+        ledger.on_envelope(env)
+    assert (ledger.lost, ledger.gaps) == (0, 0)
