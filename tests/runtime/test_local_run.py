@@ -67,6 +67,11 @@ def test_full_run_publishes_weights_one_engine_at_a_time_without_restarts(tmp_pa
     assert {lane: s["configured"] for lane, s in slots.items()} == {"reset": 2, "exec": 2, "validate": 1,
                                                                     "cleanup": 1}  # fmt: skip
     assert all(s["configured"] <= s["final"] <= s["max"] <= 4 * s["configured"] for s in slots.values())
+    # full's agent-phase gate runs in real runs too: every attempt that finished its reset entered it.
+    gate = report["agent_gate"]
+    assert gate["factor"] == 1.0
+    assert gate["entered"] >= 2 * report["delivered_groups"]
+    assert 1 <= gate["max_inside"] <= gate["entered"]
     # Every group's task is named, and the delivered ones are counted per task.
     assert report["sandbox_time_limits"] == {"mode": "given", "backstop": 10.0}
     assert set(report["group_tasks"].values()) <= {"fix-off-by-one", "json-transform", "patch-config-sed",
@@ -88,6 +93,7 @@ def test_sync_run_restarts_in_flight_work_on_update(tmp_path: Path) -> None:
     assert report["lost_groups"] == 0
     assert report["cpus"]["lanes"] is None  # shared CPUs in the sync rung
     assert "lane_slots" not in report  # nothing to adapt: unpinned lanes have no slot limits
+    assert report["agent_gate"] is None  # only full has an agent-phase gate
 
 
 def test_bad_run_configs_are_refused_with_the_field_named(tmp_path: Path) -> None:
