@@ -710,8 +710,11 @@ class Runtime:
             self._log.warning("sandbox cleanup failed: %r", exc)
 
     async def reset_then_enter(self, ctx: _AttemptContext, op: LaneOp[ExecResult]) -> ExecResult:
-        """The reset, then a wait at the agent-phase gate: the agent's time starts when this returns."""
+        """The reset, then a wait at the agent-phase gate: the agent's time starts when this returns. A
+        reset that failed or timed out ends the attempt (the agent reports it), so it does not wait."""
         result = await self.lane_op(ctx._key, op)
+        if result.timed_out or result.exit_code != 0:
+            return result
         assert self.gate is not None
         reached = self._time()
         await self.gate.enter(ctx)

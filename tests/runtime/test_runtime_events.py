@@ -7,11 +7,13 @@ The runtime runs on the simulator's virtual clock with scripted attempts, so eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -536,3 +538,59 @@ def test_an_observer_that_raises_on_every_turn_costs_the_run_nothing() -> None:
     for key in ("delivered_groups", "discarded_groups", "turns", "lost_groups"):
         assert report[key] == expected[key], key
     assert report["discarded_groups"]["failed"] == 0
+
+
+class _FailingResetSandbox(NullSandbox):
+    async def reset(self, task: TaskSpec, cpus: Any = None) -> ExecResult:
+        return ExecResult(1, "set-up failed")
+
+
+class _GateAgent:
+    """Resets (a ShellAgent stops there when the set-up failed), then holds its agent phase `hold_s`."""
+
+    def __init__(self, hold_s: float, returned: dict[int, float], attempt: int) -> None:
+        self.hold_s, self.returned, self.attempt = hold_s, returned, attempt
+
+    async def run(self, ctx: AttemptContext) -> AttemptOutcome:
+        setup = await ctx.reset()
+        self.returned[self.attempt] = asyncio.get_running_loop().time()
+        if setup.exit_code != 0:
+            return AttemptOutcome(reward=0.0, turns=0, error="set-up failed")
+        await asyncio.sleep(self.hold_s)
+        await ctx.validate()
+        return AttemptOutcome(reward=float(self.attempt % 2), turns=1)
+
+
+def test_a_failed_reset_does_not_wait_at_the_agent_gate() -> None:
+    """An exec lane of one slot: the gate lets one attempt into its agent phase until a tool call has
+    ended. Attempt 0 holds it 100 s; attempt 1, whose reset failed, gets its result at once instead of
+    waiting for a place it will never use."""
+    returned: dict[int, float] = {}
+
+    class Source:
+        def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Any, Any, Any]:
+            task = TaskSpec(name="t", instruction="", root=Path("."), validation="true")
+            sandbox = _FailingResetSandbox() if attempt == 1 else NullSandbox()
+            return _GateAgent(100.0, returned, attempt), task, sandbox
+
+    lanes = InProcessLanes({**dict.fromkeys(LaneName, 64), LaneName.EXEC: 1}, dict.fromkeys(LaneName))
+    runtime = Runtime(
+        policy=make_policy(surplus_groups=0, agent_gate=1.0),
+        engines=[FakeEngine()],
+        engine_slots=8,
+        lanes=lanes,
+        source=Source(),
+        trainer=SleepTrainer(),
+    )
+    assert runtime.gate is not None
+
+    async def main() -> None:
+        task = asyncio.create_task(runtime.run(batches=1))
+        await asyncio.sleep(10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, BaseExceptionGroup):
+            await task
+
+    run_virtual(main())
+    assert returned[1] < 1.0  # not after attempt 0's 100 s
+    assert runtime.gate.report()["waited"] == 0
