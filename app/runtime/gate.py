@@ -13,7 +13,8 @@ can get) and *tool share* is the measured share of agent-phase time spent runnin
 counting time queued for an exec slot (the share the phase would have with no queue). Until a tool
 call has finished the share is taken as 1, so the first attempts enter at most one per exec slot.
 With room, attempts enter in the order they reached the gate. An attempt with nothing in its agent
-phase always enters, so the gate cannot stall a run.
+phase always enters, so the gate cannot stall a run. The driver lets an attempt whose reset failed or
+timed out past the gate at once (`Runtime.reset_then_enter`): its agent only reports the failure.
 
 The gate needs lanes whose slots it can read (`limiters`: the simulator's and the in-process lanes);
 with Celery lanes the policy's gate is off (`AgentGate.for_lanes` gives None).
