@@ -6,7 +6,6 @@ trajectories in flight within the simulator's memory limit, sweep lists non-empt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +29,7 @@ from app.cli.common import (
     say,
     write_report,
 )
-from app.core.config import AdmissionMode, PolicyName
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, PolicyName
 from app.runtime.report import shown_s
 from app.sim.family import FAMILY
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
@@ -223,7 +222,7 @@ def sim(
         float | None,
         typer.Option(
             min=0,
-            max=1000,
+            max=MAX_AGENT_GATE,
             help="the agent-phase gate: attempts start their agent phase while fewer than this × the exec "
             "lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: 1 for full, none "
             "for the other rungs (docs/simulator.md)",
@@ -252,9 +251,7 @@ def sim(
     overrides |= {
         k: v for k, v in {"admission": admission, "ready_surplus": ready_surplus}.items() if v is not None
     }
-    if agent_gate is not None:
-        if not math.isfinite(agent_gate):
-            fail(f"--agent-gate: a number from 0 to 1000, not {agent_gate}")
+    if agent_gate is not None:  # typer's range refuses NaN and infinities
         overrides["agent_gate"] = agent_gate or None  # 0: no gate
     if ready_surplus is not None and admission is AdmissionMode.ATTEMPTS:
         fail(

@@ -37,6 +37,10 @@ class PolicyName(StrEnum):
     FULL = "full"
 
 
+# The largest agent-phase gate factor a policy, a run config or `corral sim --agent-gate` takes.
+MAX_AGENT_GATE = 1_000
+
+
 class PolicyConfig(BaseModel):
     """The scheduler's policy. The three techniques are separate switches, for ablation."""
 
@@ -79,7 +83,7 @@ class PolicyConfig(BaseModel):
     agent_gate: float | None = Field(
         None,
         gt=0,
-        le=1_000,
+        le=MAX_AGENT_GATE,
         allow_inf_nan=False,
         description="attempts past their reset start their agent phase (and its time) only while fewer "
         "than this × the exec lane's slots ÷ the measured share of agent time spent running tool calls "

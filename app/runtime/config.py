@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import AdmissionMode, LanesConfig
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, LanesConfig
 from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
@@ -123,7 +123,7 @@ class PolicyKnobs(_Strict):
     agent_gate: float | None = Field(
         None,
         ge=0,
-        le=1000,
+        le=MAX_AGENT_GATE,
         allow_inf_nan=False,
         description="the agent-phase gate (app.runtime.gate): attempts start their agent phase while fewer "
         "than this × the exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; "

@@ -33,7 +33,7 @@ from app.children import fork_server_pid, stop_fork_server, worker_pool
 from app.core.config import AdmissionMode
 from app.outputs import save_figure
 from app.runtime.report import drawn_s
-from app.sim.family import cut_short_share
+from app.sim.family import cut_short_share, cuts_more
 from app.sim.lanes import LaneSharing
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 TIE_FRACTION = 0.01
-# Advice may cut short this much more of the attempts (a share, absolute) than the current settings.
-CUT_SHORT_SLACK = 0.05
 LANES = ("reset", "exec", "validate", "cleanup")
 MAX_LANE_SLOTS = 100_000
 
@@ -325,10 +323,9 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
 
 def _cuts_more(outcome: Outcome, current: Outcome) -> bool:
     """Whether `outcome` cuts short more of its attempts than the current settings, past
-    `CUT_SHORT_SLACK`: faster batches of failed attempts are not advice (on `default` the fastest
-    candidates cut 30-40% where the hand-written settings cut 12%)."""
-    share, now = outcome.attempts_cut_short_share, current.attempts_cut_short_share
-    return share is not None and now is not None and share > now + CUT_SHORT_SLACK
+    `app.sim.family.CUT_SHORT_SLACK`: faster batches of failed attempts are not advice (on `default`
+    the fastest candidates cut 30-40% where the hand-written settings cut 12%)."""
+    return cuts_more(outcome.attempts_cut_short_share, current.attempts_cut_short_share)
 
 
 def _rank(outcome: Outcome) -> tuple[float, float]:

@@ -283,11 +283,22 @@ def trainable_share(report: Mapping[str, Any]) -> float | None:
 CUT_SHORT_FINDING = 0.25
 
 
+# A share of attempts cut short (absolute) that one run may exceed another's by and still count as cutting
+# no more: the bench's findings and `corral advise` (which does not advise settings past it) both use it.
+CUT_SHORT_SLACK = 0.05
+
+
+def cuts_more(share: float | None, than: float | None) -> bool:
+    """Whether a run that cut short `share` of its attempts cut short more than one at `than`, past
+    `CUT_SHORT_SLACK` (False when either is unknown)."""
+    return share is not None and than is not None and share > than + CUT_SHORT_SLACK
+
+
 def _cut_more(rungs: Mapping[str, Mapping[str, Any]], name: str) -> str:
     """A clause for a rung that beats `full`'s time while it cut short more of its attempts than `full`
-    did, by more than 5 points: part of its speed is failures delivered sooner. Empty otherwise."""
+    did (`cuts_more`): part of its speed is failures delivered sooner. Empty otherwise."""
     share, full = rungs[name].get("attempts_cut_short_share"), rungs["full"].get("attempts_cut_short_share")
-    if share is None or full is None or share <= full + 0.05:
+    if not cuts_more(share, full):
         return ""
     return f", cutting short {share:.0%} of its attempts against full's {full:.0%}"
 

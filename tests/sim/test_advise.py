@@ -316,7 +316,8 @@ def test_faster_settings_that_cut_short_more_attempts_are_not_advised() -> None:
     """An attempt out of its agent time before its turns fails, so settings that are faster by cutting
     more attempts short deliver failures sooner: on `default` the fastest candidates cut 30-40% where
     the hand-written settings cut 12%. Advice may cut at most CUT_SHORT_SLACK more."""
-    from app.sim.advise import CUT_SHORT_SLACK, _choose
+    from app.sim.advise import _choose
+    from app.sim.family import CUT_SHORT_SLACK
 
     start = current_settings(load_workload(EXAMPLES / "small-trace.yaml"))
     current = make_outcome(start)
