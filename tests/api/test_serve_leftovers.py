@@ -27,6 +27,15 @@ def marked(registration: Path) -> list[Path]:
     return [m for root in roots for m in (Path(root) / ".corral-owners").glob("*")]
 
 
+def work_dirs(registration: Path) -> list[Path]:
+    """The sandbox work directories under the roots registered in `registration`. A marker is
+    written before its work directory, so a marker alone does not mean there is one yet."""
+    if not marked(registration):
+        return []
+    roots = json.loads(registration.read_text())["roots"]
+    return [p for root in roots for p in Path(root).iterdir() if not p.name.startswith(".")]
+
+
 @pytest.mark.slow
 def test_what_a_killed_corral_serve_left_is_removed_by_the_next_start(
     tmp_path: Path, backend_url: str
@@ -51,7 +60,7 @@ def test_what_a_killed_corral_serve_left_is_removed_by_the_next_start(
         wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
         assert api.post("/api/runs", json=spec).status_code < 300
         registration = owners / f"{first.pid}.json"
-        wait_for(lambda: marked(registration), 240, what=f"sandboxes of the local run; log: {log}")
+        wait_for(lambda: work_dirs(registration), 240, what=f"sandboxes of the local run; log: {log}")
         roots = [Path(r) for r in json.loads(registration.read_text())["roots"]]
         first.send_signal(signal.SIGKILL)
         assert first.wait(10) == -signal.SIGKILL
