@@ -82,13 +82,14 @@ class PolicyConfig(BaseModel):
     )
     agent_gate: float | None = Field(
         None,
-        gt=0,
+        ge=0,
         le=MAX_AGENT_GATE,
         allow_inf_nan=False,
         description="attempts past their reset start their agent phase (and its time) only while fewer "
         "than this × the exec lane's slots ÷ the measured share of agent time spent running tool calls "
-        "are in theirs (app.runtime.gate); None: no gate. Needs lanes whose slots can be read (the "
-        "simulator's, in-process lanes); Celery lanes have none",
+        "are in theirs (app.runtime.gate); None: no gate; 0: a gate held open, as an operator's live "
+        "change leaves it (a run config's or `corral sim`'s 0 asks for none). Needs lanes whose slots "
+        "can be read (the simulator's, in-process lanes); Celery lanes have none",
     )
     ready_surplus: int | None = Field(
         None,

@@ -532,6 +532,15 @@ class Runtime:
         self._do_updates(self.plan.set_max_staleness(max_staleness))
         self.pool.wake()  # engines within the new K serve again
 
+    def set_agent_gate(self, factor: float, actor: str = "operator", command_id: str = "") -> None:
+        """Change the agent-phase gate's factor (0: open). ValueError for a run without a gate."""
+        if self.gate is None:
+            raise ValueError("this run has no agent-phase gate")
+        old = self.gate.factor
+        self.gate.set_factor(factor)
+        self.policy = self.policy.with_changes(agent_gate=factor)
+        self._publish(PolicyChanged("agent_gate", old, factor, actor, command_id))
+
     def hold(self, held: bool) -> None:
         """An operator paused (or resumed) the run: while held no turn starts on any engine and no
         weight update begins (the caller pauses the engines, so turns in flight freeze); released, the

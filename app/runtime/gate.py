@@ -16,6 +16,10 @@ With room, attempts enter in the order they reached the gate. An attempt with no
 phase always enters, so the gate cannot stall a run. The driver lets an attempt whose reset failed or
 timed out past the gate at once (`Runtime.reset_then_enter`): its agent only reports the failure.
 
+A factor of 0 holds the gate open: every attempt waiting enters at once and none waits while it is 0.
+The factor can change while the run goes on (`set_factor`, an operator's `PATCH .../policy`); the gate
+counts who is inside whatever the factor, so a positive factor set after 0 closes it again at once.
+
 The gate needs lanes whose slots it can read (`limiters`: the simulator's and the in-process lanes);
 with Celery lanes the policy's gate is off (`AgentGate.for_lanes` gives None).
 """
@@ -39,9 +43,7 @@ class AgentGate:
     validation, or when the attempt ends some other way); `exec_done` after every exec operation."""
 
     def __init__(self, factor: float, exec_slots: Callable[[], int], now: Callable[[], float]) -> None:
-        if not math.isfinite(factor) or factor <= 0:
-            raise ValueError(f"agent gate factor must be a positive number, not {factor!r}")
-        self.factor = factor
+        self.factor = _checked(factor)
         self._slots = exec_slots
         self._now = now
         self._inside: dict[object, float] = {}  # token -> when it entered
@@ -79,7 +81,17 @@ class AgentGate:
         return 1.0 if phase <= 0 else min(1.0, max(MIN_TOOL_SHARE, self._run_s / phase))
 
     def limit(self, now: float | None = None) -> float:
+        """How many attempts may be in their agent phase at `now` (infinite while the gate is open)."""
+        if self.factor == 0:
+            return math.inf
         return self.factor * self._slots() / self.tool_share(now)
+
+    def set_factor(self, factor: float) -> None:
+        """Change the factor live: those waiting that the new limit has room for enter now (all of them
+        for 0); those inside stay inside, and a lower limit holds the next arrivals until enough leave."""
+        self.factor = _checked(factor)
+        self._last = self._now()
+        self._let_in()
 
     def _has_room(self) -> bool:
         return not self._inside or len(self._inside) < self.limit()
@@ -147,6 +159,12 @@ class AgentGate:
             "wait_s_max": round(self.wait_s_max, 3),
             "max_waiting": self.max_waiting,
             "max_inside": self.max_inside,
-            "final_limit": round(self.limit(self._last), 1),
+            "final_limit": None if self.factor == 0 else round(self.limit(self._last), 1),  # None: open
             "tool_share": round(self.tool_share(self._last), 4),
         }
+
+
+def _checked(factor: float) -> float:
+    if not math.isfinite(factor) or factor < 0:
+        raise ValueError(f"agent gate factor must be a number ≥ 0 (0: open), not {factor!r}")
+    return factor

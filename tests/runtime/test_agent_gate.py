@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from app.lanes.base import LaneName
 from app.runtime.gate import AgentGate
 
 
@@ -23,6 +24,17 @@ def make_gate(slots: int = 2, factor: float = 1.0) -> tuple[AgentGate, Clock, li
     return AgentGate(factor, lambda: exec_slots[0], clock), clock, exec_slots
 
 
+def entering(gate: AgentGate, names: str, entered: list[str]) -> list[asyncio.Task[None]]:
+    """An attempt for each of `names` (one letter each), in that order, that enters the gate and then
+    writes its name in `entered`."""
+
+    async def attempt(name: str) -> None:
+        await gate.enter(name)
+        entered.append(name)
+
+    return [asyncio.create_task(attempt(n)) for n in names]
+
+
 async def _settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -32,12 +44,7 @@ def test_until_a_tool_call_ends_one_attempt_enters_per_exec_slot() -> None:
     async def main() -> None:
         gate, _, _ = make_gate(slots=2)
         entered: list[str] = []
-
-        async def attempt(name: str) -> None:
-            await gate.enter(name)
-            entered.append(name)
-
-        tasks = [asyncio.create_task(attempt(n)) for n in "abcd"]
+        tasks = entering(gate, "abcd", entered)
         await _settle()
         assert entered == ["a", "b"]
         gate.leave("a")
@@ -128,12 +135,89 @@ def test_a_cancel_while_waiting_or_just_let_in_leaves_no_place_taken() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("factor", [0.0, -1.0, math.inf, math.nan])
-def test_a_factor_that_is_not_a_positive_number_is_refused(factor: float) -> None:
-    with pytest.raises(ValueError, match="positive number"):
+@pytest.mark.parametrize("factor", [-1.0, -0.0001, math.inf, -math.inf, math.nan])
+def test_a_factor_that_is_not_a_number_from_zero_up_is_refused(factor: float) -> None:
+    with pytest.raises(ValueError, match="number ≥ 0"):
         make_gate(factor=factor)
+    gate, _, _ = make_gate()
+    with pytest.raises(ValueError, match="number ≥ 0"):
+        gate.set_factor(factor)
+    assert gate.factor == 1.0  # a refused change changes nothing
+
+
+def test_factor_zero_holds_the_gate_open_and_still_counts_who_is_inside() -> None:
+    async def main() -> None:
+        gate, _, _ = make_gate(slots=1, factor=0.0)
+        for name in "abcde":  # 1 exec slot, yet nobody waits
+            await asyncio.wait_for(gate.enter(name), 1)
+        report = gate.report()
+        assert report["entered"] == 5
+        assert report["max_inside"] == 5
+        assert report["waited"] == 0
+        assert report["final_limit"] is None  # open: no limit
+        assert math.isinf(gate.limit())
+        gate.leave("a")
+        assert gate.report()["max_inside"] == 5
+
+    asyncio.run(main())
+
+
+def test_a_live_change_of_the_factor_opens_and_closes_the_gate() -> None:
+    """Opened (0), every attempt waiting enters at once; closed again (a positive factor), the attempts
+    still inside count against the new limit, so the next arrival waits until enough have left."""
+
+    async def main() -> None:
+        gate, clock, _ = make_gate(slots=1)
+        entered: list[str] = []
+        tasks = entering(gate, "abc", entered)
+        await _settle()
+        assert entered == ["a"]
+        clock.t = 2.0
+        gate.set_factor(0.0)
+        await _settle()
+        assert entered == ["a", "b", "c"]  # the waiting let in, in their order
+        assert gate.report()["waited"] == 2
+        assert gate.report()["wait_s_max"] == pytest.approx(2.0)
+        gate.set_factor(2.0)  # 2 × 1 slot: three inside, so the next waits
+        tasks += entering(gate, "d", entered)
+        await _settle()
+        assert entered == ["a", "b", "c"]
+        gate.leave("a")  # two still inside: no room yet
+        await _settle()
+        assert entered == ["a", "b", "c"]
+        gate.leave("b")
+        await asyncio.gather(*tasks)
+        assert entered == ["a", "b", "c", "d"]
+        assert gate.report()["factor"] == 2.0
+
+    asyncio.run(main())
+
+
+def test_opening_the_gate_with_nobody_waiting_changes_only_the_factor() -> None:
+    async def main() -> None:
+        gate, _, _ = make_gate(slots=1)
+        await gate.enter("a")
+        gate.set_factor(0.0)
+        await asyncio.wait_for(gate.enter("b"), 1)  # would have waited with the factor at 1
+        assert gate.report()["waited"] == 0
+
+    asyncio.run(main())
 
 
 def test_lanes_without_readable_slots_get_no_gate() -> None:
     assert AgentGate.for_lanes(1.0, object(), Clock()) is None
     assert AgentGate.for_lanes(None, object(), Clock()) is None
+
+
+def test_a_policy_factor_of_zero_gives_an_open_gate_where_slots_can_be_read() -> None:
+    """A run whose gate an operator opened (0) and that was restarted gets its gate back, open."""
+
+    class Limiter:
+        slots = 2
+
+    lanes = type("Lanes", (), {"limiters": {LaneName.EXEC: Limiter()}})()
+    gate = AgentGate.for_lanes(0.0, lanes, Clock())
+    assert gate is not None
+    assert gate.factor == 0.0
+    assert math.isinf(gate.limit())
+    assert AgentGate.for_lanes(None, lanes, Clock()) is None
