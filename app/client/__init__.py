@@ -218,10 +218,12 @@ class CorralClient:
         surplus_groups: int | None = None,
         max_updating_engines: int | None = None,
         pause_mode: str | None = None,
+        agent_gate: float | None = None,
     ) -> dict[str, Any]:
         body = _policy_body(
             {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
-             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode}
+             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode,
+             "agent_gate": agent_gate}
         )  # fmt: skip
         return dict(self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
 
@@ -315,10 +317,12 @@ class AsyncCorralClient:
         surplus_groups: int | None = None,
         max_updating_engines: int | None = None,
         pause_mode: str | None = None,
+        agent_gate: float | None = None,
     ) -> dict[str, Any]:
         body = _policy_body(
             {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
-             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode}
+             "max_updating_engines": max_updating_engines, "pause_mode": pause_mode,
+             "agent_gate": agent_gate}
         )  # fmt: skip
         return dict(await self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
 

@@ -119,7 +119,8 @@ async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> d
 async def set_policy(
     handle: RunHandle, patch: PolicyPatch, actor: str, command_id: str = ""
 ) -> dict[str, Any]:
-    """Change K, S, the rollout's pace or its pause mode live; answered once the changes are stored."""
+    """Change K, S, the rollout's pace, its pause mode or the agent-phase gate's factor live; answered
+    once the changes are stored."""
     if (problem := handle.patch_problem(patch)) is not None:
         raise CommandRefused(422, problem)
     command_id = new_command_id(command_id)

@@ -52,6 +52,11 @@ STORED_WAIT_S = 5.0
 
 T = TypeVar("T")
 
+NO_GATE = (
+    "agent_gate: run {} has no agent-phase gate (it started without one, or its lanes are Celery's); "
+    "set agent_gate when launching"
+)
+
 UNTIL_STOPPED = 2**31  # batches: a run without a batch count goes on until it is stopped
 # The runtime keeps the newest this many batches, updates and engine events of its own account (the
 # store has the whole stream) and folds no report: a run going on for days stays flat in memory.
@@ -111,6 +116,7 @@ class RunHandle:
             "max_updating_engines": self.policy.max_updating_engines,
             "pause_mode": self.policy.pause_mode.value,
             "ready_surplus": self.policy.ready_surplus,
+            "agent_gate": self.policy.agent_gate,  # the gate's factor (0: open); None: no gate
         }
         self.runtime: Runtime | None = None
         self.ports: RunPorts | None = None
@@ -203,6 +209,8 @@ class RunHandle:
                 _continue_numbering(runtime, resume.group_offset, resume.batch_offset)
                 runtime.before_batches = self.gateway.restored_steps
             self.runtime = runtime
+            if runtime.gate is None:  # lanes whose slots the gate cannot read (Celery's): no gate
+                self.knobs["agent_gate"] = None
             # "running" once the runtime executes, not before its first step: a command sent the moment
             # the state says so (a change of K starts groups) needs the runtime's task group.
             runtime.on_collecting = lambda: self._set_state(RunState.RUNNING, None)
@@ -294,7 +302,10 @@ class RunHandle:
     def patch_problem(self, patch: PolicyPatch) -> str | None:
         """Why `patch` cannot apply to this run whatever its state: its S must be one the run's own
         config would take (`surplus_problem`: none on the sync rung, a local run's config's bound, a
-        simulated run's (B + S) × G within the simulator's; B and G are fixed for the run's life)."""
+        simulated run's (B + S) × G within the simulator's; B and G are fixed for the run's life); its
+        agent gate needs a run that has the gate (`has_gate`)."""
+        if patch.agent_gate is not None and not self.has_gate():
+            return NO_GATE.format(self.run_id)
         if patch.surplus_groups is None:
             return None
         return surplus_problem(
@@ -304,6 +315,12 @@ class RunHandle:
             self.policy.groups_per_batch,
             self.policy.group_size,
         )
+
+    def has_gate(self) -> bool:
+        """Whether the run has an agent-phase gate to change: its policy has one, and its runtime (once
+        there is one) made it (`AgentGate.for_lanes`: not with Celery lanes)."""
+        runtime = self.runtime
+        return self.policy.agent_gate is not None and (runtime is None or runtime.gate is not None)
 
     def set_policy_marked(
         self, patch: PolicyPatch, actor: str, command_id: str = ""
@@ -352,6 +369,8 @@ class RunHandle:
             elif name == "pause_mode":
                 runtime.policy = runtime.policy.with_changes(pause_mode=PauseModeName(new))
                 self.recorder.publish(PolicyChanged(name, old, new, actor, command_id))
+            elif name == "agent_gate":
+                runtime.set_agent_gate(float(new), actor, command_id)
             self.knobs[name] = new
         return dict(self.knobs)
 
@@ -569,7 +588,8 @@ class RunHandle:
             self.gateway.ack(offer.batch_id, "sentinel-trainer")
 
 
-LIVE_KNOBS = ("surplus_groups", "max_staleness", "max_updating_engines", "pause_mode")  # PolicyPatch's
+# PolicyPatch's
+LIVE_KNOBS = ("surplus_groups", "max_staleness", "max_updating_engines", "pause_mode", "agent_gate")
 
 
 def resumed_policy(policy: PolicyConfig, stored: Mapping[str, Any]) -> PolicyConfig:

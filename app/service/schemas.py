@@ -9,17 +9,20 @@ in full (the workload or local-run config inside it) before anything starts.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from app.core.config import AdmissionMode, PauseModeName, PolicyName
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, PauseModeName, PolicyName
 from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
 from app.tasks.loader import builtin_task_names
 from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, in_flight_problem
 
+# The agent-phase gate's factor (app.runtime.gate), a JSON number: at launch 0 asks for no gate, live 0
+# opens the gate.
+GateFactor = Annotated[float, Field(ge=0, le=MAX_AGENT_GATE, allow_inf_nan=False, strict=True)]
 SYNC_SURPLUS = "surplus_groups: policy sync runs without surplus (S = 0), got {}"
 LOCAL_SURPLUS = "surplus_groups: a local run takes S up to {:,}, got {:,}"
 
@@ -133,6 +136,12 @@ class RunCreate(_Input):
         "attempts in flight ((B + S)·G, attempts); default: a local config's policy.admission, else the "
         "rung's (in_flight for full, live for the others)",
     )
+    agent_gate: GateFactor | None = Field(
+        None,
+        description="the agent-phase gate: attempts start their agent phase while fewer than this × the "
+        "exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: a local config's "
+        "policy.agent_gate, else the rung's (1 for full, none for the others)",
+    )
     ready_surplus: StrictInt | None = Field(
         None,
         ge=0,
@@ -239,11 +248,14 @@ class RunCreate(_Input):
             "max_staleness": self.max_staleness,
             "admission": self.admission,
         }
-        return {k: v for k, v in knobs.items() if v is not None}
+        overrides = {k: v for k, v in knobs.items() if v is not None}
+        if self.agent_gate is not None:
+            overrides["agent_gate"] = self.agent_gate or None  # 0: no gate
+        return overrides
 
 
 class PolicyPatch(_Input):
-    """Live changes: S and K, and the pace of weight rollouts."""
+    """Live changes: S and K, the pace of weight rollouts, and the agent-phase gate's factor."""
 
     max_staleness: StrictInt | None = Field(None, ge=0, le=MAX_RUN_STALENESS, description="K")
     surplus_groups: StrictInt | None = Field(None, ge=0, le=MAX_SURPLUS, description="S")
@@ -253,12 +265,18 @@ class PolicyPatch(_Input):
     pause_mode: PauseModeName | None = Field(
         None, description="how an updating engine treats in-flight turns"
     )
+    agent_gate: GateFactor | None = Field(
+        None,
+        description="the agent-phase gate's factor, on a run that has the gate; 0 opens it (nobody waits), "
+        "a positive factor closes it again",
+    )
 
     @model_validator(mode="after")
     def _something(self) -> PolicyPatch:
         if all(v is None for v in self.model_dump().values()):
             raise ValueError(
-                "give at least one of max_staleness, surplus_groups, max_updating_engines, pause_mode"
+                "give at least one of max_staleness, surplus_groups, max_updating_engines, pause_mode, "
+                "agent_gate"
             )
         return self
 

@@ -467,9 +467,9 @@ JSON_VALUES = st.recursive(
 )
 CREATE_FIELDS = [
     "name", "kind", "policy", "workload", "config", "batches", "speed", "trainer", "groups_per_batch",
-    "group_size", "surplus_groups", "max_staleness", "orchestrator",
+    "group_size", "surplus_groups", "max_staleness", "orchestrator", "agent_gate",
 ]  # fmt: skip
-PATCH_FIELDS = ["max_staleness", "surplus_groups", "max_updating_engines", "pause_mode"]
+PATCH_FIELDS = ["max_staleness", "surplus_groups", "max_updating_engines", "pause_mode", "agent_gate"]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

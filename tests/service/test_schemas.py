@@ -3,6 +3,7 @@ together."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,9 @@ from pydantic import ValidationError
 
 from app.core.config import AdmissionMode
 from app.runtime.config import default_config_path, load_config
+from app.service.handle import NO_GATE, RunHandle, resumed_policy
 from app.service.ports import run_policy
-from app.service.schemas import RunCreate
+from app.service.schemas import PolicyPatch, RunCreate
 
 
 def make_local_run(*, trainer: str, sentinel: bool, **overrides: Any) -> dict[str, Any]:
@@ -153,3 +155,79 @@ def test_a_run_may_ask_for_attempts_admission_over_its_rung_s_and_config_s() -> 
     with pytest.raises(ValidationError) as raised:
         RunCreate.model_validate({"kind": "sim", "admission": "tokens"})
     assert raised.value.errors()[0]["loc"] == ("admission",)
+
+
+@pytest.mark.parametrize(
+    ("body", "gate"),
+    [
+        ({"kind": "sim"}, 1.0),  # full's own
+        ({"kind": "sim", "agent_gate": 2.5}, 2.5),
+        ({"kind": "sim", "agent_gate": 0}, None),  # 0: no gate
+        ({"kind": "sim", "policy": "sync"}, None),  # the other rungs have none
+        ({"kind": "sim", "policy": "sync", "agent_gate": 0.5}, 0.5),  # as `corral sim --agent-gate` gives one
+        ({"kind": "local"}, 1.0),
+        ({"kind": "local", "config": {"policy": {"agent_gate": 3}}}, 3.0),
+        ({"kind": "local", "config": {"policy": {"agent_gate": 3}}, "agent_gate": 0.25}, 0.25),  # overrides
+        ({"kind": "local", "config": {"policy": {"agent_gate": 3}}, "agent_gate": 0}, None),
+    ],
+)
+def test_a_run_s_agent_gate_at_launch_overrides_its_rung_s_and_config_s(
+    body: dict[str, Any], gate: float | None
+) -> None:
+    assert run_policy(RunCreate.model_validate(body)).agent_gate == gate
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, 1e9, 1000.5, "1", "abc", True, float("nan"), float("inf")])
+def test_an_agent_gate_that_is_not_a_number_from_0_to_1000_is_refused(value: object) -> None:
+    for model, body in ((RunCreate, {"kind": "sim"}), (PolicyPatch, {})):
+        with pytest.raises(ValidationError) as raised:
+            model.model_validate({**body, "agent_gate": value})
+        assert raised.value.errors()[0]["loc"] == ("agent_gate",)
+
+
+def test_a_patch_of_the_agent_gate_alone_is_a_change() -> None:
+    assert PolicyPatch.model_validate({"agent_gate": 0}).agent_gate == 0
+    with pytest.raises(ValidationError, match="max_updating_engines, pause_mode, agent_gate"):
+        PolicyPatch.model_validate({})
+
+
+@pytest.mark.parametrize("stored", [0.0, 2.5])
+def test_a_resumed_run_keeps_the_agent_gate_set_live(stored: float) -> None:
+    """0 (opened live) too: the restarted run has its gate, open, so it can be closed again."""
+    policy = run_policy(RunCreate.model_validate({"kind": "sim"}))
+    stored_policy = {**policy.model_dump(mode="json"), "agent_gate": stored}
+    assert resumed_policy(policy, stored_policy).agent_gate == stored
+    assert resumed_policy(policy, policy.model_dump(mode="json")) == policy
+
+
+class _RuntimeWithoutGate:
+    gate = None  # as `Runtime` has it on Celery lanes (`AgentGate.for_lanes`)
+
+
+@pytest.fixture
+def make_handle(tmp_path: Path) -> Iterator[Callable[..., RunHandle]]:
+    """Handles of simulated runs (`spec`'s fields over `kind: sim`), never started: their loop and
+    recorder are closed afterwards."""
+    made: list[RunHandle] = []
+
+    def make(**spec: Any) -> RunHandle:
+        made.append(RunHandle("r1", RunCreate.model_validate({"kind": "sim", **spec}), tmp_path, 30.0, print))
+        return made[-1]
+
+    yield make
+    for handle in made:
+        handle.loop.close()
+        handle.recorder.close()
+
+
+def test_a_live_agent_gate_is_refused_where_the_run_has_no_gate(
+    make_handle: Callable[..., RunHandle],
+) -> None:
+    patch = PolicyPatch(agent_gate=2)
+    assert make_handle().patch_problem(patch) is None  # full: a gate
+    assert make_handle(policy="sync").patch_problem(patch) == NO_GATE.format("r1")
+    assert make_handle(agent_gate=0).patch_problem(patch) == NO_GATE.format("r1")
+    on_celery_lanes = make_handle()
+    on_celery_lanes.runtime = _RuntimeWithoutGate()  # type: ignore[assignment]
+    assert on_celery_lanes.patch_problem(patch) == NO_GATE.format("r1")
+    assert on_celery_lanes.patch_problem(PolicyPatch(max_staleness=3)) is None
