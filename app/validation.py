@@ -91,6 +91,24 @@ def parse_int(text: str, signed: bool = True) -> int:
     return int(text)
 
 
+# A decimal number as typed in ASCII, with an optional '-' and exponent (as app.cli.common reads a number
+# of seconds, which keeps its own: the CLI starts without pydantic; a '+' is refused, as `parse_int` does)
+_DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def parse_decimal(text: str) -> float:
+    """`text` as a finite decimal number typed in ASCII (`2`, `0.5`, `-1`, `1e3`); ValueError otherwise.
+
+    For numbers typed as text (form fields): `float()` alone also takes 'nan' and 'inf', '_' between
+    digits, surrounding whitespace and other scripts' digits, and makes `1e400` inf."""
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError(f"not a decimal number: {text!r}")
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"out of range for a number: {text!r}")
+    return number
+
+
 def finite_problem(value: float, *, low: float, high: float) -> str | None:
     """Why `value` is not a finite number in [low, high], or None."""
     if not math.isfinite(value):

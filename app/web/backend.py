@@ -51,7 +51,7 @@ class RunsBackend(Protocol):
 
     async def publish(self, run_id: str, actor: str) -> None: ...
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None: ...
+    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None: ...
 
     async def pause(self, run_id: str, actor: str) -> None: ...
 
@@ -133,7 +133,7 @@ class ReplayStore:
     async def publish(self, run_id: str, actor: str) -> None:
         raise ActionRefused("a replay is read-only")
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
+    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None:
         raise ActionRefused("a replay is read-only")
 
     async def pause(self, run_id: str, actor: str) -> None:

@@ -42,7 +42,7 @@ from app.service.manager import RunLimitError, described_lanes
 from app.service.schemas import SYNC_SURPLUS
 from app.service.store import TrainerFigures
 from app.store.repos import LaneRepo
-from app.validation import parse_int, problems
+from app.validation import parse_decimal, parse_int, problems
 from app.web.backend import ActionRefused
 from app.web.readmodel import ASKING, OUTCOMES, RunMeta, RunSummary, RunView, RunViewBuilder
 
@@ -388,6 +388,11 @@ class ManagerRuns:
                     data[name] = parse_int(raw)
                 except ValueError:
                     raise ValueError(f"{name}: expected a whole number, got {raw!r}") from None
+        if raw := form.get("agent_gate", "").strip():
+            try:
+                data["agent_gate"] = parse_decimal(raw)
+            except ValueError:
+                raise ValueError(f"agent_gate: expected a number, got {raw!r}") from None
         if data.get("policy") == "sync" and data.get("surplus_groups", 0) != 0:
             # The sync rung has no surplus (app.core.config.PolicyConfig.ladder sets S = 0): the run
             # would start with S = 0 and the page show it, whatever was asked.
@@ -410,8 +415,8 @@ class ManagerRuns:
         return {"executing": len(self.manager.executing()), "limit": self.manager.max_runs}
 
     def launch_placeholders(self) -> dict[str, str]:
-        """What each empty launch field takes, for the form to show: the default run's B, G, S, K
-        (policy full; sync's S is 0 whatever the default)."""
+        """What each empty launch field takes, for the form to show: the default run's B, G, S, K and
+        agent gate (policy full; sync's S is 0 whatever the default, and the other rungs have no gate)."""
         if self._placeholders is None:
             from app.service.ports import run_policy
             from app.service.schemas import RunCreate
@@ -422,6 +427,11 @@ class ManagerRuns:
                 "group_size": f"default {policy.group_size}",
                 "surplus_groups": f"default {policy.surplus_groups} (sync: 0)",
                 "max_staleness": f"default {policy.max_staleness}",
+                "agent_gate": (
+                    "default off"
+                    if policy.agent_gate is None
+                    else f"default {policy.agent_gate:g} (full; others: off)"
+                ),
             }
         return self._placeholders
 
@@ -430,7 +440,7 @@ class ManagerRuns:
 
         await self._command(run_id, ("publish_next", {}, actor), lambda h: commands.publish_next(h, actor))
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, int], actor: str) -> None:
+    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None:
         from pydantic import ValidationError
 
         from app.service import commands

@@ -35,7 +35,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.staticfiles import StaticFiles
 
 from app.core.attribution import PHASE_LABELS
-from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_int
+from app.core.config import MAX_AGENT_GATE
+from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_decimal, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
 from app.web.readmodel import ReportError, RunSummary, RunView
@@ -75,8 +76,10 @@ CONTROL_BLOCKS = ("stop_control", "publish_control", "policy_control", "pause_an
 # Pause or Resume, whichever the run's state offers: sent whenever that state changes (no typed input).
 PAUSE_BLOCK = "pause_control"
 RUN_BLOCKS = ("timeline", *LIVE_BLOCKS, *CONTROL_BLOCKS, PAUSE_BLOCK)
-POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S"}
-POLICY_MAX = {"max_staleness": MAX_RUN_STALENESS, "surplus_groups": MAX_SURPLUS}  # as the API takes them
+POLICY_FIELDS = {"max_staleness": "K", "surplus_groups": "S", "agent_gate": "agent gate"}
+# As the API takes them; K and S are whole numbers, the agent gate's factor any number in its range
+POLICY_MAX = {"max_staleness": MAX_RUN_STALENESS, "surplus_groups": MAX_SURPLUS, "agent_gate": MAX_AGENT_GATE}
+POLICY_DECIMALS = ("agent_gate",)
 # Paths whose errors stay the API's JSON (or plain text), not a dashboard page.
 NOT_PAGES = ("/api/", "/healthz", "/metrics", "/docs", "/openapi.json")
 FAVICON = STATIC / "favicon.svg"
@@ -92,6 +95,7 @@ def make_env() -> Environment:
     env.globals["phase_label"] = PHASE_LABELS.get
     env.filters["secs"] = lambda v: "—" if v is None else f"{v:.1f} s"
     env.filters["pct"] = lambda v: "—" if v is None else f"{v:.0%}"
+    env.filters["gate"] = lambda v: "off" if v is None else "0 (open)" if v == 0 else f"{v:g}"
     env.filters["utc"] = lambda v: "—" if v is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(v))
     return env
 
@@ -553,7 +557,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         async def change(backend: RunsBackend, form: dict[str, str]) -> str:
             changes = parse_policy_form(form)
             await backend.set_policy(run_id, changes, "operator")
-            return "Applied " + ", ".join(f"{POLICY_FIELDS[k]} = {v}" for k, v in changes.items()) + "."
+            return "Applied " + ", ".join(f"{POLICY_FIELDS[k]} = {v:g}" for k, v in changes.items()) + "."
 
         return await act(request, run_id, change)
 
@@ -582,22 +586,26 @@ def _eq(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def parse_policy_form(form: Mapping[str, str]) -> dict[str, int]:
-    """K and S from the policy form: whole numbers ≥ 0; empty fields are left unchanged."""
-    changes: dict[str, int] = {}
+def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:
+    """K and S (whole numbers ≥ 0) and the agent gate's factor (a number ≥ 0) from the policy form;
+    empty fields are left unchanged."""
+    changes: dict[str, float] = {}
     for name, short in POLICY_FIELDS.items():
         raw = form.get(name, "").strip()
         if not raw:
             continue
+        decimal = name in POLICY_DECIMALS
         try:
-            value = parse_int(raw)
+            value = parse_decimal(raw) if decimal else parse_int(raw)
         except ValueError:
-            raise ValueError(f"{name} ({short}): expected a whole number, got {raw!r}") from None
+            expected = "a number" if decimal else "a whole number"
+            raise ValueError(f"{name} ({short}): expected {expected}, got {raw!r}") from None
         if not 0 <= value <= POLICY_MAX[name]:
-            raise ValueError(f"{name} ({short}): must be between 0 and {POLICY_MAX[name]:,}, got {value:,}")
+            got = raw if decimal else f"{value:,}"
+            raise ValueError(f"{name} ({short}): must be between 0 and {POLICY_MAX[name]:,}, got {got}")
         changes[name] = value
     if not changes:
-        raise ValueError("policy: set K or S")
+        raise ValueError("policy: set K, S or the agent gate")
     return changes
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -185,6 +186,7 @@ def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
     page = new_page(browser, server, signed_in=True)
     page.get_by_label("Policy").select_option("lanes")
     page.get_by_label("S (surplus groups)").fill("1")
+    page.get_by_label("Agent gate").fill("2.5")  # lanes has none of its own
     page.get_by_label("Batches").fill("50")
     page.get_by_role("button", name="Launch").click()
     page.wait_for_url(f"{server}/runs/*")
@@ -192,6 +194,8 @@ def test_a_run_launched_from_the_form_runs_and_stops_from_its_page(
     assert launched != run_id
     run = api.get(f"/api/runs/{launched}").json()
     assert (run["config"]["policy"], run["policy"]["surplus_groups"]) == ("lanes", 1)
+    assert run["policy"]["agent_gate"] == 2.5
+    sync_api.expect(page.locator("#current-gate")).to_have_text("2.5")
     page.get_by_role("button", name="Stop the run after this step").click()
     sync_api.expect(page.locator("#stop-msg")).to_contain_text("Stopping")
     deadline = time.monotonic() + 30
@@ -360,18 +364,37 @@ def test_publish_weights_moves_engines_one_by_one(
     page.context.close()
 
 
+def policy_page(browser: object, server: str, run_id: str, api: httpx.Client, knob: str) -> tuple[Any, Any]:
+    """The run's page, signed in, and the run's `knob` (a policy field) as the API says it is."""
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run_id}")
+    return page, api.get(f"/api/runs/{run_id}").json()["policy"][knob]
+
+
 def test_changing_k_in_the_form_changes_it_in_the_api(
     browser: object, server: str, run_id: str, api: httpx.Client
 ) -> None:
-    page = new_page(browser, server, signed_in=True)
-    page.goto(f"{server}/runs/{run_id}")
-    current = api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"]
+    page, current = policy_page(browser, server, run_id, api, "max_staleness")
     new = current + 3
     page.get_by_label("K (staleness bound)").fill(str(new))
     page.get_by_role("button", name="Apply live").click()
     sync_api.expect(page.locator("#current-k")).to_have_text(str(new))
     sync_api.expect(page.locator("#audit")).to_contain_text(f"set max_staleness from {current} to {new}")
     assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] == new
+    page.context.close()
+
+
+def test_opening_the_agent_gate_in_the_form_opens_it_in_the_api(
+    browser: object, server: str, run_id: str, api: httpx.Client
+) -> None:
+    page, current = policy_page(browser, server, run_id, api, "agent_gate")
+    sync_api.expect(page.locator("#current-gate")).to_have_text(f"{current:g}")
+    for typed, shown in (("0", "0 (open)"), (f"{current:g}", f"{current:g}")):  # opened, then closed again
+        page.get_by_label("Agent gate").fill(typed)
+        page.get_by_role("button", name="Apply live").click()
+        sync_api.expect(page.locator("#current-gate")).to_have_text(shown)
+        assert api.get(f"/api/runs/{run_id}").json()["policy"]["agent_gate"] == float(typed)
+    sync_api.expect(page.locator("#audit")).to_contain_text(f"set agent_gate from {current} to 0.0")
     page.context.close()
 
 

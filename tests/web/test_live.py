@@ -121,6 +121,13 @@ async def test_a_run_is_paused_and_resumed_from_the_dashboard(runs):
         # a check across fields: pydantic's "Value error," reached the page ("run: Value error, ...")
         ({"groups_per_batch": "4096", "group_size": "1024"}, "groups_per_batch, group_size: \\(B \\+ S\\)"),
         ({"admission": "tokens"}, "admission"),
+        ({"agent_gate": "abc"}, "agent_gate: expected a number, got 'abc'"),
+        ({"agent_gate": "nan"}, "agent_gate: expected a number"),  # float() takes these
+        ({"agent_gate": "inf"}, "agent_gate: expected a number"),
+        ({"agent_gate": "1_0"}, "agent_gate: expected a number"),
+        ({"agent_gate": "1e400"}, "agent_gate: expected a number"),  # float() makes it inf
+        ({"agent_gate": "-1"}, "agent_gate: Input should be greater than or equal to 0"),
+        ({"agent_gate": "1e9"}, "agent_gate: Input should be less than or equal to 1000"),
     ],
 )
 async def test_a_bad_launch_form_names_the_field(runs, form, field):
@@ -324,6 +331,7 @@ async def test_the_launch_form_shows_the_values_its_empty_fields_take(runs):
         "group_size": f"default {policy['G']}",
         "surplus_groups": f"default {policy['S']} (sync: 0)",
         "max_staleness": f"default {policy['K']}",
+        "agent_gate": f"default {runs.view(run_id).policy['agent_gate']:g} (full; others: off)",
         "batches": "until stopped",
     }
     # The admission select offers every mode by its value, the policy's own first and chosen.
@@ -699,5 +707,78 @@ def test_a_run_another_process_drives_is_followed_within_a_second_and_an_ended_o
         clock[0] += live.IDLE_REFETCH_S
         assert runs.version("ended") != before["ended"]
         assert len(runs.view("ended").groups) == 1
+    finally:
+        manager.shutdown()
+
+
+async def test_the_agent_gate_is_set_from_the_launch_form_and_changed_from_the_policy_form(tmp_path):
+    """Through the dashboard's own routes: a bad value is the launch form's error, a good one the run's
+    gate; the policy form opens it (0) on a run that has one and is refused on one that has none."""
+    manager = RunManager(ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}"), tmp_path / "data", 30.0)
+    runs = ManagerRuns(lambda: manager)
+    app = FastAPI()
+    mount_dashboard(app, Dashboard(AccessConfig("op-token", None), live=runs))
+    htmx = {"HX-Request": "true"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            csrf = re.search(r'name="csrf_token" value="([^"]+)"', (await client.get("/")).text).group(1)
+            await client.post("/login", data={"csrf_token": csrf, "token": "op-token"})
+            form = {"csrf_token": csrf, "policy": "full", "name": "gated"}
+
+            bad = await client.post("/runs", data={**form, "agent_gate": "abc"}, headers=htmx)
+            assert bad.status_code == 422
+            assert "agent_gate: expected a number, got 'abc'" in html.unescape(bad.text)
+            assert (
+                'name="agent_gate" type="number" min="0" placeholder="default 1 (full; others: off)"'
+                in bad.text
+            )
+            too_big = await client.post("/runs", data={**form, "agent_gate": "2000"}, headers=htmx)
+            assert too_big.status_code == 422
+            assert "agent_gate: Input should be less than or equal to 1000" in too_big.text
+            assert 'value="2000"' in too_big.text  # the form keeps what was typed
+            assert runs.run_ids() == []
+
+            launched = await client.post("/runs", data={**form, "agent_gate": "0.5"}, headers=htmx)
+            assert launched.status_code == 204, launched.text
+            run_id = launched.headers["HX-Redirect"].rsplit("/", 1)[1]
+            handle = manager.get(run_id)
+            await asyncio.to_thread(wait_for, lambda: handle.state.value == "running")
+            assert handle.runtime.gate.factor == 0.5
+            page = (await client.get(f"/runs/{run_id}")).text
+            assert (
+                'id="p-gate" name="agent_gate" type="number" min="0" max="1000" step="any" value="0.5"'
+                in page
+            )
+            assert '<b>agent gate</b> = <span id="current-gate">0.5</span>' in page
+
+            opened = await client.post(
+                f"/runs/{run_id}/policy", data={"csrf_token": csrf, "agent_gate": "0"}, headers=htmx
+            )
+            assert opened.status_code == 200, opened.text
+            assert "Applied agent gate = 0." in opened.text
+            assert handle.runtime.gate.factor == 0
+            await asyncio.to_thread(wait_for, lambda: runs.view(run_id).audit)
+            block = (await client.get(f"/runs/{run_id}/block/policy")).text
+            assert '<span id="current-gate">0 (open)</span>' in block
+            assert "set agent_gate from 0.5 to 0.0" in block
+            nan = await client.post(
+                f"/runs/{run_id}/policy", data={"csrf_token": csrf, "agent_gate": "nan"}, headers=htmx
+            )
+            assert nan.status_code == 422
+            assert "agent_gate (agent gate): expected a number, got 'nan'" in html.unescape(nan.text)
+            await runs.stop(run_id, "tester")
+
+            sync = await client.post("/runs", data={**form, "policy": "sync"}, headers=htmx)
+            sync_id = sync.headers["HX-Redirect"].rsplit("/", 1)[1]
+            await asyncio.to_thread(wait_for, lambda: manager.get(sync_id).state.value == "running")
+            page = (await client.get(f"/runs/{sync_id}")).text
+            assert 'id="p-gate"' not in page  # nothing to change
+            assert '<span id="current-gate">off</span>' in page
+            refused = await client.post(
+                f"/runs/{sync_id}/policy", data={"csrf_token": csrf, "agent_gate": "1"}, headers=htmx
+            )
+            assert refused.status_code == 422
+            assert f"agent_gate: run {sync_id} has no agent-phase gate" in html.unescape(refused.text)
+            await runs.stop(sync_id, "tester")
     finally:
         manager.shutdown()

@@ -545,7 +545,7 @@ async def test_a_report_with_an_integer_too_long_for_python_is_a_422():
 @pytest.mark.parametrize(
     ("form", "message"),
     [
-        ({}, "set K or S"),
+        ({}, "policy: set K, S or the agent gate"),
         ({"max_staleness": "-1"}, "max_staleness (K): must be between"),
         # the bound the API holds to, not a million (a K of 50,000 passed here, then failed in the API)
         ({"max_staleness": "50000"}, "max_staleness (K): must be between 0 and 10,000, got 50,000"),
@@ -558,11 +558,62 @@ async def test_a_report_with_an_integer_too_long_for_python_is_a_422():
         ({"surplus_groups": "\u0967\u0968"}, "surplus_groups (S): expected a whole number"),  # Devanagari 12
         ({"surplus_groups": "1_000"}, "surplus_groups (S): expected a whole number, got '1_000'"),
         ({"surplus_groups": "+3"}, "surplus_groups (S): expected a whole number, got '+3'"),
+        ({"agent_gate": "-1"}, "agent_gate (agent gate): must be between 0 and 1,000, got -1"),
+        ({"agent_gate": "2e3"}, "agent_gate (agent gate): must be between 0 and 1,000, got 2e3"),
+        # float() takes all of these
+        ({"agent_gate": "nan"}, "agent_gate (agent gate): expected a number, got 'nan'"),
+        ({"agent_gate": "-inf"}, "agent_gate (agent gate): expected a number, got '-inf'"),
+        ({"agent_gate": "1e400"}, "agent_gate (agent gate): expected a number, got '1e400'"),  # inf
+        ({"agent_gate": "1_0"}, "agent_gate (agent gate): expected a number, got '1_0'"),
+        ({"agent_gate": "\u0663"}, "agent_gate (agent gate): expected a number, got '\u0663'"),
+        ({"agent_gate": "+3"}, "agent_gate (agent gate): expected a number, got '+3'"),
     ],
 )
 def test_policy_form_refuses_bad_values(form, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_policy_form(form)
+
+
+def test_policy_form_takes_the_agent_gate_as_a_number() -> None:
+    assert parse_policy_form({"agent_gate": "0"}) == {"agent_gate": 0.0}
+    assert parse_policy_form({"agent_gate": " 2.5 ", "max_staleness": "3"}) == {
+        "max_staleness": 3,
+        "agent_gate": 2.5,
+    }
+    assert parse_policy_form({"agent_gate": "1e3"}) == {"agent_gate": 1000.0}
+
+
+async def test_the_policy_form_changes_the_agent_gate_and_the_page_shows_it():
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await sign_in(client)
+        before = await client.get("/runs/live-1")
+        ok = await client.post(
+            "/runs/live-1/policy",
+            data={"csrf_token": token, "agent_gate": "0.5"},
+            headers={"HX-Request": "true"},
+        )
+        after = await client.get("/runs/live-1")
+        opened = await client.post(
+            "/runs/live-1/policy",
+            data={"csrf_token": token, "agent_gate": "0"},
+            headers={"HX-Request": "true"},
+        )
+        block = await client.get("/runs/live-1/block/policy")
+    # a run that started without a gate offers no field for one, and says it has none
+    assert 'id="p-gate"' not in before.text
+    assert '<b>agent gate</b> = <span id="current-gate">off</span>' in before.text
+    assert ok.status_code == 200
+    assert ok.text == '<p class="flash info" role="status">Applied agent gate = 0.5.</p>'
+    assert live.calls == [("policy", {"agent_gate": 0.5}), ("policy", {"agent_gate": 0.0})]
+    assert '<span id="current-gate">0.5</span>' in after.text
+    assert (
+        'id="p-gate" name="agent_gate" type="number" min="0" max="1000" step="any" value="0.5"' in after.text
+    )
+    assert opened.text == '<p class="flash info" role="status">Applied agent gate = 0.</p>'
+    assert '<span id="current-gate">0 (open)</span>' in block.text
+    assert "set agent_gate from None to 0.0" in block.text
 
 
 class FakeRequest:
