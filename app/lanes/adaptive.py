@@ -68,8 +68,11 @@ class AdaptiveLanesSpec(BaseModel):
     reweight: bool = Field(
         True, description="work-conserving lanes: guaranteed shares follow running + queued demand"
     )
+    # 1 (was 0.25): reweighting raises a queueing lane's guarantee, never lowers one below its configured
+    # share. Lower, the gate's short exec queue read as little demand, a reset storm took exec's cores,
+    # and full on cpu-scarce cut more attempts short (docs/simulator.md, "Adaptive lane slots").
     min_share: float = Field(
-        0.25, gt=0, le=1, description="a reweighted lane keeps at least this fraction of its configured share"
+        1.0, gt=0, le=1, description="a reweighted lane keeps at least this fraction of its configured share"
     )
     overload: float | None = Field(
         1.0,

@@ -163,7 +163,7 @@ def test_adaptive_slots_stay_in_bounds_and_grow_only_into_idle_cores(
 
 
 def test_reweighting_moves_the_guarantee_to_the_lane_with_queued_work() -> None:
-    controller = AdaptiveSlots({"reset": 4, "exec": 8}, AdaptiveLanesSpec())
+    controller = AdaptiveSlots({"reset": 4, "exec": 8}, AdaptiveLanesSpec(min_share=0.25))
     samples = {
         "reset": LaneSample(slots=4, busy=4, queued=40, idle_cores=0.0, op_demand=0.5),
         "exec": LaneSample(slots=8, busy=8, queued=0, idle_cores=0.0, op_demand=1.0),
@@ -173,6 +173,10 @@ def test_reweighting_moves_the_guarantee_to_the_lane_with_queued_work() -> None:
     assert shares == {"reset": 4.0, "exec": 4.0}
     idle = {lane: LaneSample(s.slots, 0, 0, 8.0, s.op_demand) for lane, s in samples.items()}
     assert controller.shares(idle, {"reset": 1.0, "exec": 7.0}) == {"reset": 0.25, "exec": 1.75}
+    # The default (min_share 1) only raises: reset gets its equal split, exec keeps its configured 7.
+    default = AdaptiveSlots({"reset": 4, "exec": 8}, AdaptiveLanesSpec())
+    assert default.shares(samples, {"reset": 1.0, "exec": 7.0}) == {"reset": 4.0, "exec": 7.0}
+    assert default.shares(idle, {"reset": 1.0, "exec": 7.0}) == {"reset": 1.0, "exec": 7.0}
 
 
 def test_new_guarantees_take_effect_at_once_and_partitions_refuse_them() -> None:
