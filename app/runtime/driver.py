@@ -278,6 +278,8 @@ class Runtime:
         # Attempts past their reset enter their agent phase while the exec lane can serve them
         # (app.runtime.gate); None: no gate (the policy has none, or the lanes' slots cannot be read).
         self.gate = AgentGate.for_lanes(policy.agent_gate, lanes, self.now)
+        if self.gate is None and policy.agent_gate is not None:  # asked for, but the lanes cannot have one
+            self.policy = policy.with_changes(agent_gate=None)  # so RunStarted and the report say so
         self._start_failures = 0  # consecutive groups that could not start
         self._failed_in_a_row = 0  # groups discarded as failed since a group last completed
         self._flat_in_a_row = 0  # groups discarded for equal rewards since a group was last kept

@@ -221,3 +221,46 @@ def test_a_policy_factor_of_zero_gives_an_open_gate_where_slots_can_be_read() ->
     assert gate.factor == 0.0
     assert math.isinf(gate.limit())
     assert AgentGate.for_lanes(None, lanes, Clock()) is None
+
+
+def test_a_runtime_whose_lanes_cannot_have_a_gate_reports_none_in_its_policy() -> None:
+    """Celery lanes expose no slots: the run has no gate, and its RunStarted policy and report say so
+    instead of the 1.0 that `full` asked for."""
+    from runtime_fakes import FakeEngine, FakeSource, FakeTrainer
+
+    from app.core.config import PolicyConfig
+    from app.lanes.inprocess import InProcessLanes
+    from app.runtime.driver import Runtime
+
+    class NoSlots:
+        """Lanes that run operations but show no slots, as Celery's."""
+
+        def __init__(self) -> None:
+            self._lanes = InProcessLanes(
+                concurrency=dict.fromkeys(LaneName, 8), cpus=dict.fromkeys(LaneName), pinned=False
+            )
+
+        def __getattr__(self, name: str) -> object:
+            if name == "limiters":
+                raise AttributeError(name)
+            return getattr(self._lanes, name)
+
+    def runtime(lanes: object) -> Runtime:
+        policy = PolicyConfig.ladder("full", groups_per_batch=2, group_size=2, surplus_groups=2)
+        assert policy.agent_gate == 1.0
+        return Runtime(
+            policy,
+            engines=[FakeEngine("engine-0")],
+            engine_slots=4,
+            lanes=lanes,  # type: ignore[arg-type]
+            source=FakeSource(),
+            trainer=FakeTrainer(),
+        )
+
+    with_slots = runtime(NoSlots()._lanes)
+    assert with_slots.gate is not None
+    assert with_slots.policy.agent_gate == 1.0
+    without = runtime(NoSlots())
+    assert without.gate is None
+    assert without.policy.agent_gate is None
+    assert without.gate_report() == {"agent_gate": None}
