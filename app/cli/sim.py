@@ -29,7 +29,7 @@ from app.cli.common import (
     say,
     write_report,
 )
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, PolicyName
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, PolicyName, launch_gate
 from app.runtime.report import shown_s
 from app.sim.family import FAMILY
 from app.sim.workload import Workload, WorkloadError, load_trace, load_workload
@@ -252,7 +252,7 @@ def sim(
         k: v for k, v in {"admission": admission, "ready_surplus": ready_surplus}.items() if v is not None
     }
     if agent_gate is not None:  # typer's range refuses NaN and infinities
-        overrides["agent_gate"] = agent_gate or None  # 0: no gate
+        overrides["agent_gate"] = launch_gate(agent_gate)
     if ready_surplus is not None and admission is AdmissionMode.ATTEMPTS:
         fail(
             "--ready-surplus: only with --admission in_flight (attempts admission caps ready groups at "

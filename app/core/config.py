@@ -41,6 +41,13 @@ class PolicyName(StrEnum):
 MAX_AGENT_GATE = 1_000
 
 
+def launch_gate(factor: float) -> float | None:
+    """The policy's `agent_gate` for a factor asked for at launch (a run config, `corral sim
+    --agent-gate`, `POST /api/runs`): 0 asks for no gate (None). A live change's 0 opens a gate instead
+    (app.runtime.gate)."""
+    return factor or None
+
+
 class PolicyConfig(BaseModel):
     """The scheduler's policy. The three techniques are separate switches, for ablation."""
 

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, LanesConfig
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, LanesConfig, launch_gate
 from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
@@ -285,7 +285,7 @@ class LocalRunConfig(_Strict):
         if self.policy.admission is not None:
             settings["admission"] = self.policy.admission
         if self.policy.agent_gate is not None:
-            settings["agent_gate"] = self.policy.agent_gate or None  # 0: no gate
+            settings["agent_gate"] = launch_gate(self.policy.agent_gate)
         return settings
 
     def lane_config(self) -> LanesConfig:

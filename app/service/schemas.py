@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, PauseModeName, PolicyName
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, PauseModeName, PolicyName, launch_gate
 from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
@@ -250,7 +250,7 @@ class RunCreate(_Input):
         }
         overrides = {k: v for k, v in knobs.items() if v is not None}
         if self.agent_gate is not None:
-            overrides["agent_gate"] = self.agent_gate or None  # 0: no gate
+            overrides["agent_gate"] = launch_gate(self.agent_gate)
         return overrides
 
 
