@@ -9,9 +9,10 @@ order (`full` ≤ `completion` ≤ `sync` must hold) or another rung beats `full
 way: the findings are results, not failures.
 
 Run: `.venv/bin/python -m benchmarks.family --json docs/family.json --plot docs/family.png
-[--workloads default,design] [--no-peers] [--processes 2] [--trainable]`. With `--trainable` every rung
-discards a group whose rewards are all equal (no learning signal under GRPO), so the table gives the
-times to *trainable* batches (`docs/family-trainable.json`).
+[--workloads default,design] [--no-peers] [--processes 2] [--trainable] [--seed N]`. With `--trainable`
+every rung discards a group whose rewards are all equal (no learning signal under GRPO), so the table
+gives the times to *trainable* batches (`docs/family-trainable.json`). `--seed N` runs other draws of
+the same workloads (their own seed is 0), to see whether a result holds beyond one draw.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.family import FAMILY, run_family
+from app.validation import MAX_SEED
 from benchmarks import seconds_cell
 
 
@@ -42,6 +44,32 @@ def table(result: dict[str, Any]) -> str:
     bounds = [seconds_cell(data["rungs"]["full"]["lower_bound_s"]) for data in workloads.values()]
     rows.append("| lower bound (full) | " + " | ".join(bounds) + " |")
     return "\n".join(rows)
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0..{MAX_SEED}")
+    return value
+
+
+def _reusable(path: Path, seed: int | None) -> tuple[dict[str, Any], str | None]:
+    """The rungs of a family JSON written before, by workload, or why they cannot be reused: the file
+    cannot be read, or it holds other draws than `seed` asks for."""
+    try:
+        data = json.loads(path.read_text())
+        rungs = {name: entry["rungs"] for name, entry in data["workloads"].items()}
+        specs = data.get("specs", {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return {}, f"{path}: not a family JSON ({exc})"
+    want = 0 if seed is None else seed  # the family's workloads draw with seed 0 of their own
+    other = sorted(name for name in rungs if specs.get(name, {}).get("seed", 0) != want)
+    if other:
+        return {}, f"{path}: {', '.join(other)} were drawn with another seed than {want}"
+    return rungs, None
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -65,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse", type=Path, help="a JSON written before: its rungs are taken as they are, only new ones run"
     )
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        metavar="N",
+        help="draw the workloads with this seed instead of their own (0)",
+    )
     args = parser.parse_args(argv)
     from benchmarks import check_outputs  # as a script (-m), the package is importable
 
@@ -81,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     known = None
     if args.reuse is not None:
-        known = {n: d["rungs"] for n, d in json.loads(args.reuse.read_text())["workloads"].items()}
+        known, problem = _reusable(args.reuse, args.seed)
+        if problem:
+            print(f"error: --reuse: {problem}", file=sys.stderr)
+            return 2
     from benchmarks import interruptible, write_results
 
     result = interruptible(
@@ -92,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             processes=max(1, args.processes),
             known=known,
             trainable=args.trainable,
+            seed=args.seed,
         )
     )
     if result is None:

@@ -242,3 +242,26 @@ def test_the_family_table_says_no_batch_where_a_rung_delivered_none(monkeypatch:
         "| full | 100.0 | 200.2 |",
         "| lower bound (full) | 80.0 | 150.0 |",
     ]
+
+
+def test_the_family_benchmark_reuses_only_rungs_of_the_same_draws(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.family import main
+
+    seeded = tmp_path / "seed3.json"
+    written = {"workloads": {"default": {"rungs": {}}}, "specs": {"default": {"seed": 3}}}
+    seeded.write_text(json.dumps(written))
+    assert main(["--workloads", "default", "--reuse", str(seeded)]) == 2
+    assert "default were drawn with another seed than 0" in capsys.readouterr().err
+    assert main(["--workloads", "default", "--seed", "4", "--reuse", str(seeded)]) == 2
+    assert "another seed than 4" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert main(["--reuse", str(broken)]) == 2
+    assert "not a family JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--seed", "-1"])
+    assert exit_info.value.code == 2
+    assert "--seed: -1 is outside" in capsys.readouterr().err

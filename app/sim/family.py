@@ -138,6 +138,7 @@ def run_family(
     processes: int = 1,
     known: Mapping[str, Mapping[str, Any]] | None = None,
     trainable: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Every rung (the ladder, the variants of `full`, and the peers) on every named workload, each
     workload's rungs on the same seeded draws. Returns per-workload summaries and the checks.
@@ -148,7 +149,8 @@ def run_family(
     simulated (workload name → rung name → summary, as returned before); they are not run again.
     With `trainable`, every rung discards a group whose rewards are all equal (`filter_zero_variance`:
     it has no learning signal), so the times are to batches of trainable groups; the peers of
-    `UNBOUNDED_WHEN_TRAINABLE` are left out then."""
+    `UNBOUNDED_WHEN_TRAINABLE` are left out then. `seed` replaces each workload's own seed (0): other
+    draws of the same workloads, to see whether a result holds beyond one draw."""
     from app.sim.peers import PEERS
 
     chosen = list(names or FAMILY)
@@ -162,7 +164,7 @@ def run_family(
                 for peer in PEERS
                 if not (trainable and peer in UNBOUNDED_WHEN_TRAINABLE)
             ]
-    keys = {task: _key(*task, trainable) for task in plan}
+    keys = {task: _key(*task, trainable, seed) for task in plan}
     summaries: dict[str, dict[str, Any]] = {}
     for (name, rung), key in keys.items():
         found = (known or {}).get(name, {}).get(rung.removeprefix("peer:"))
@@ -172,7 +174,7 @@ def run_family(
     for task in plan:
         if keys[task] not in summaries:
             unique.setdefault(keys[task], task)
-    todo = [(key, (*task, trainable)) for key, task in unique.items()]
+    todo = [(key, (*task, trainable, seed)) for key, task in unique.items()]
     if processes > 1:
         from app.children import map_in_workers
 
@@ -194,42 +196,54 @@ def run_family(
         results[name]["rungs"][rung.removeprefix("peer:")] = summaries[keys[task]]
     for name in chosen:
         results[name]["findings"] = findings(results[name]["rungs"])
-    return {"workloads": results, "specs": {n: FAMILY[n] for n in chosen}}
+    specs = {n: FAMILY[n] if seed is None else {**FAMILY[n], "seed": seed} for n in chosen}
+    return {"workloads": results, "specs": specs}
 
 
-def _workload_and_policy(name: str, rung: str, trainable: bool = False) -> tuple[Workload, PolicyConfig]:
-    workload, policy = _rung_as_configured(name, rung)
+def _seeded(name: str, seed: int | None, **overrides: Any) -> Workload:
+    """`builtin_workload(name, **overrides)`, with `seed` in place of its own when one is given."""
+    return builtin_workload(name, **overrides, **({} if seed is None else {"seed": seed}))
+
+
+def _workload_and_policy(
+    name: str, rung: str, trainable: bool = False, seed: int | None = None
+) -> tuple[Workload, PolicyConfig]:
+    workload, policy = _rung_as_configured(name, rung, seed)
     return workload, policy.with_changes(filter_zero_variance=True) if trainable else policy
 
 
-def _rung_as_configured(name: str, rung: str) -> tuple[Workload, PolicyConfig]:
+def _rung_as_configured(name: str, rung: str, seed: int | None = None) -> tuple[Workload, PolicyConfig]:
     from app.sim.peers import peer_policy
     from app.sim.run import policy_for
 
     if rung in VARIANTS:
         overrides, policy = VARIANTS[rung]
-        workload = builtin_workload(name, **overrides(builtin_workload(name)))
+        workload = _seeded(name, seed, **overrides(_seeded(name, seed)))
         return workload, policy_for(workload, "full", **policy)
-    workload = builtin_workload(name)
+    workload = _seeded(name, seed)
     if rung.startswith("peer:"):
         return workload, peer_policy(workload, rung.removeprefix("peer:"))
     return workload, policy_for(workload, rung)
 
 
-def _key(name: str, rung: str, trainable: bool = False) -> str:
-    workload, policy = _workload_and_policy(name, rung, trainable)
+def _key(name: str, rung: str, trainable: bool = False, seed: int | None = None) -> str:
+    workload, policy = _workload_and_policy(name, rung, trainable, seed)
     return workload.model_dump_json() + policy.model_dump_json()
 
 
-_DRAWS: dict[str, TrajectorySource] = {}
+_DRAWS: dict[str, TrajectorySource] = {}  # by the drawn workload's JSON
 
 
-def _simulate_rung(name: str, rung: str, trainable: bool = False) -> dict[str, Any]:
+def _simulate_rung(name: str, rung: str, trainable: bool = False, seed: int | None = None) -> dict[str, Any]:
     from app.sim.run import simulate
 
-    workload, policy = _workload_and_policy(name, rung, trainable)
-    # One workload's rungs share their draws (lane settings do not change what is drawn).
-    source = _DRAWS.setdefault(name, TrajectorySource(builtin_workload(name)))
+    workload, policy = _workload_and_policy(name, rung, trainable, seed)
+    # One workload's rungs share their draws (lane settings do not change what is drawn), kept by the
+    # workload drawn from, so another seed, or another workload under the same name, draws its own.
+    drawn = _seeded(name, seed)
+    source = _DRAWS.get(key := drawn.model_dump_json())
+    if source is None:
+        source = _DRAWS[key] = TrajectorySource(drawn)
     return summarise(simulate(workload, policy, rung, trajectories=source))
 
 

@@ -155,19 +155,23 @@ def test_a_rung_that_beats_full_by_cutting_attempts_short_is_said_to() -> None:
     ]
 
 
-def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.sim.family as family
-
-    small = {
+def _tiny(reset_s: object) -> dict[str, Any]:
+    """A workload small enough to run every rung of the family in a test."""
+    return {
         "batches": 2,
         "batch": {"groups": 2, "group_size": 2},
         "policy": {"surplus_groups": 2, "max_staleness": 1},
         "engines": {"count": 2, "slots": 4, "update_s": 1.0},
         "cpus": {"total": 12, "serving": 4},
         "lanes": {"reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
-        "trajectory": {"turns": {"uniform": [1, 3]}, "timeout_s": 60.0, "reset_s": 2.0},
+        "trajectory": {"turns": {"uniform": [1, 3]}, "timeout_s": 60.0, "reset_s": reset_s},
     }
-    monkeypatch.setitem(family.FAMILY, "tiny", small)
+
+
+def test_run_family_on_a_small_cut_reports_every_rung(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.sim.family as family
+
+    monkeypatch.setitem(family.FAMILY, "tiny", _tiny(reset_s=2.0))
     result = run_family(["tiny"])
     rungs = result["workloads"]["tiny"]["rungs"]
     assert set(rungs) == {"sync", "completion", "lanes", "full", *family.VARIANTS, *PEERS}
@@ -217,3 +221,23 @@ def test_a_rung_that_delivered_no_batch_is_named_and_compared_with_none() -> Non
     """Its mean is null (it was 0.0, which beat every rung and put the ladder out of order)."""
     rungs = {**make_rungs(sync=3, completion=2, full=1), "areal": {"mean_s": None}}
     assert findings(rungs) == ["areal delivered no batch"]
+
+
+def test_run_family_with_a_seed_runs_other_draws_and_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.sim.family as family
+
+    monkeypatch.setitem(family.FAMILY, "tiny", _tiny(reset_s={"uniform": [1, 4]}))
+    own = run_family(["tiny"], peers=False)
+    again = run_family(["tiny"], peers=False, seed=0)
+    other = run_family(["tiny"], peers=False, seed=5)
+    assert "seed" not in own["specs"]["tiny"]
+    assert other["specs"]["tiny"]["seed"] == 5
+
+    def means(result: dict[str, Any]) -> dict[str, float]:
+        return {rung: row["mean_s"] for rung, row in result["workloads"]["tiny"]["rungs"].items()}
+
+    assert means(again) == means(own)  # the family's own seed is 0
+    assert means(other) != means(own)
+    # Drawn afresh (no draws kept), the same seed gives the same figures.
+    family._DRAWS.clear()
+    assert means(run_family(["tiny"], peers=False, seed=5)) == means(other)
