@@ -1116,3 +1116,26 @@ def test_a_run_admitting_by_attempts_says_so_beside_its_policy():
         lines[mode] = re.search(r'<p class="policy">(.*?)</p>', page, re.DOTALL).group(1)
     assert "admission by attempts ((B + S)·G in flight)" in lines["attempts"]
     assert "admission" not in lines["in_flight"]
+
+
+def test_the_policy_line_gives_the_agent_gate_of_a_run_that_has_one():
+    """`full` has the gate (factor 1 unless told otherwise): the line under the run's title gives it
+    beside S and K; a run without one (another rung, or `agent_gate` 0 at launch) leaves it out."""
+    from app.web.readmodel import view_from_report
+
+    workload = Workload.model_validate(make_workload_data(batches=2))
+    dash = Dashboard(AccessConfig(None, None))
+    lines = {}
+    for label, policy in {
+        "full": policy_for(workload, "full"),
+        "factor 2.5": policy_for(workload, "full", agent_gate=2.5),
+        "none": policy_for(workload, "full", agent_gate=None),
+        "sync": policy_for(workload, "sync"),
+    }.items():
+        report = simulate(workload, policy, "full")
+        page = dash.render("run.html", run_context(view_from_report(f"replay-{label}", report)))
+        lines[label] = re.search(r'<p class="policy">(.*?)</p>', page, re.DOTALL).group(1)
+    assert '<b>agent gate</b> <span id="policy-gate">1</span>' in lines["full"]
+    assert '<span id="policy-gate">2.5</span>' in lines["factor 2.5"]
+    assert "agent gate" not in lines["none"]
+    assert "agent gate" not in lines["sync"]
