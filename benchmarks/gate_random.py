@@ -30,8 +30,8 @@ CONFIGS: dict[str, tuple[float | None, dict[str, Any]]] = {
 
 
 def one(task: tuple[int, int, str, bool]) -> dict[str, Any]:
-    from app.sim.family import summarise
-    from app.sim.run import policy_for, simulate
+    from app.sim.family import simulated_row
+    from app.sim.run import policy_for
     from app.sim.workload import TrajectorySource, Workload
 
     seed, index, config, trainable = task
@@ -42,7 +42,7 @@ def one(task: tuple[int, int, str, bool]) -> dict[str, Any]:
         spec = {**spec, "lanes": {**spec["lanes"], "adaptive": adaptive}}
     workload = Workload.model_validate(spec)
     policy = policy_for(workload, "full").with_changes(agent_gate=gate, filter_zero_variance=trainable)
-    row = summarise(simulate(workload, policy, "full", trajectories=draws))
+    row = simulated_row(workload, policy, "full", draws)
     return {
         "seed": seed,
         "idx": index,

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.config import PolicyName
-from app.sim.family import LADDER_RUNGS, findings, summarise
+from app.sim.family import LADDER_RUNGS, findings, simulated_row
 from app.sim.workload import TrajectorySource, Workload
 from benchmarks import seconds_cell
 
@@ -159,7 +159,7 @@ def features(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _simulate(seed: int, index: int, batches: int, rung: str) -> dict[str, Any]:
     from app.sim.peers import peer_policy
-    from app.sim.run import policy_for, simulate
+    from app.sim.run import policy_for
 
     spec = random_workload(index, seed, batches)
     draws = TrajectorySource(Workload.model_validate(spec))  # the serving split draws nothing
@@ -171,7 +171,7 @@ def _simulate(seed: int, index: int, batches: int, rung: str) -> dict[str, Any]:
         policy = policy_for(workload, PolicyName.FULL.value, admission="attempts")
     else:
         policy = policy_for(workload, PolicyName.FULL.value if variant else rung)
-    return summarise(simulate(workload, policy, rung, trajectories=draws))
+    return simulated_row(workload, policy, rung, draws)
 
 
 Progress = Callable[[str, int, int], None]

@@ -235,8 +235,6 @@ _DRAWS: dict[str, TrajectorySource] = {}  # by the drawn workload's JSON
 
 
 def _simulate_rung(name: str, rung: str, trainable: bool = False, seed: int | None = None) -> dict[str, Any]:
-    from app.sim.run import simulate
-
     workload, policy = _workload_and_policy(name, rung, trainable, seed)
     # One workload's rungs share their draws (lane settings do not change what is drawn), kept by the
     # workload drawn from, so another seed, or another workload under the same name, draws its own.
@@ -244,7 +242,51 @@ def _simulate_rung(name: str, rung: str, trainable: bool = False, seed: int | No
     source = _DRAWS.get(key := drawn.model_dump_json())
     if source is None:
         source = _DRAWS[key] = TrajectorySource(drawn)
-    return summarise(simulate(workload, policy, rung, trajectories=source))
+    return simulated_row(workload, policy, rung, source)
+
+
+def simulated_row(
+    workload: Workload, policy: PolicyConfig, rung: str, trajectories: TrajectorySource | None = None
+) -> dict[str, Any]:
+    """One rung simulated and summarised (`summarise`). A run that stopped because it could not fill a
+    batch (`RunCannotProceed`: every group failed, or, for trainable batches, none had a learning
+    signal) is a row that delivered no batch and says why (`stopped`), not an error that ends a whole
+    benchmark with a traceback."""
+    from app.runtime.driver import cannot_proceed
+    from app.sim.run import simulate
+
+    try:
+        report = simulate(workload, policy, rung, trajectories=trajectories)
+    except Exception as exc:
+        cause = cannot_proceed(exc)
+        if cause is None:
+            raise
+        row: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
+        row.update(policy_config=policy.model_dump(mode="json"), stopped=str(cause))
+        return row
+    return summarise(report)
+
+
+SUMMARY_KEYS = (
+    "mean_s",
+    "p90_s",
+    "lower_bound_s",
+    "lower_bound_given_admissions_s",
+    "stale_groups",
+    "restarted_trajectories",
+    "wasted_trajectory_s",
+    "lost_groups",
+    "mean_reward",
+    "attempts_cut_short",
+    "attempts_cut_short_share",
+    "trainable_share",
+    "reset_lane",
+    "lane_sharing",
+    "lane_slots",
+    "agent_gate",
+    "policy_config",
+    "wall_s",
+)
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
@@ -321,7 +363,11 @@ def findings(rungs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Where a ladder rung is worse than the rung below it (sync → completion → lanes → full; and
     `full` ≤ `completion` ≤ `sync` must hold), and where any other rung beats `full`, one line each; a
     rung that delivered no batch (its mean null) is named as such and compared with none."""
-    out = [f"{name} delivered no batch" for name, row in rungs.items() if row["mean_s"] is None]
+    out = [
+        f"{name} delivered no batch" + (f": {row['stopped']}" if row.get("stopped") else "")
+        for name, row in rungs.items()
+        if row["mean_s"] is None
+    ]
     mean = {name: row["mean_s"] for name, row in rungs.items() if row["mean_s"] is not None}
     pairs = [("completion", "sync"), ("lanes", "completion"), ("full", "lanes"), ("full", "completion")]
     for better, worse in pairs:

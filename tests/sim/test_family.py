@@ -241,3 +241,33 @@ def test_run_family_with_a_seed_runs_other_draws_and_says_which(monkeypatch: pyt
     # Drawn afresh (no draws kept), the same seed gives the same figures.
     family._DRAWS.clear()
     assert means(run_family(["tiny"], peers=False, seed=5)) == means(other)
+
+
+def test_a_rung_that_cannot_fill_a_batch_is_a_row_that_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nearly every attempt dies of an infra error, so no group completes and the runtime gives up
+    (RunCannotProceed): each rung is a row with no batch and the reason, the findings say so, and the
+    benchmark goes on (it ended with a traceback before)."""
+    import app.sim.family as family
+
+    doomed = _tiny(reset_s=1.0)
+    doomed["trajectory"] = {**doomed["trajectory"], "p_infra_error": 0.999}
+    monkeypatch.setitem(family.FAMILY, "doomed", doomed)
+    result = run_family(["doomed"], peers=False)
+    rungs = result["workloads"]["doomed"]["rungs"]
+    assert set(rungs) == {"sync", "completion", "lanes", "full", *family.VARIANTS}
+    for row in rungs.values():
+        assert row["mean_s"] is None
+        assert "groups in a row" in row["stopped"]
+        assert set(row) == {*family.SUMMARY_KEYS, "stopped"}
+    assert rungs["full"]["policy_config"]["agent_gate"] == 1.0
+    lines = result["workloads"]["doomed"]["findings"]
+    assert any(line.startswith("full delivered no batch: ") for line in lines)
+
+
+def test_a_row_has_the_same_fields_whether_or_not_its_run_stopped() -> None:
+    from app.sim.family import SUMMARY_KEYS, simulated_row
+    from app.sim.run import policy_for
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(_tiny(reset_s=1.0))
+    assert set(simulated_row(workload, policy_for(workload, "full"), "full")) == set(SUMMARY_KEYS)
