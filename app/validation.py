@@ -8,10 +8,11 @@ prefix or a "(top)" location. No I/O.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -233,3 +234,18 @@ def _print_tables() -> None:  # pragma: no cover - a documentation helper
 
 if __name__ == "__main__":
     _print_tables()
+
+
+def int_between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in minimum..maximum, refused with a message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} is outside {minimum}..{maximum}")
+        return value
+
+    return parse

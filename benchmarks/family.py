@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app.sim.family import FAMILY, run_family
-from app.validation import MAX_SEED
+from app.validation import MAX_SEED, int_between
 from benchmarks import seconds_cell
 
 
@@ -44,16 +44,6 @@ def table(result: dict[str, Any]) -> str:
     bounds = [seconds_cell(data["rungs"]["full"]["lower_bound_s"]) for data in workloads.values()]
     rows.append("| lower bound (full) | " + " | ".join(bounds) + " |")
     return "\n".join(rows)
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{value} is outside 0..{MAX_SEED}")
-    return value
 
 
 def _reusable(path: Path, seed: int | None) -> tuple[dict[str, Any], str | None]:
@@ -95,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--seed",
-        type=_seed,
+        type=int_between(0, MAX_SEED),
         metavar="N",
         help="draw the workloads with this seed instead of their own (0)",
     )

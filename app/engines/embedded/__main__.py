@@ -13,11 +13,12 @@ import errno
 import os
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
 
 from app.engines.embedded.cpus import CpuListError, parse_cpu_list, pin_cpus
 from app.runtime.config import MAX_ENGINE_SLOTS, MAX_HIDDEN, MAX_LAYERS, engines_memory_problem
+from app.validation import MAX_SEED, int_between
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -27,23 +28,8 @@ def _cpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _int_between(minimum: int, maximum: int) -> Callable[[str], int]:
-    """An argparse type: an integer in minimum..maximum, refused with a message that says so."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"{value} is outside {minimum}..{maximum}")
-        return value
-
-    return parse
-
-
-_port = _int_between(1, 65535)
-_seed = _int_between(0, 2**63 - 1)
+_port = int_between(1, 65535)
+_seed = int_between(0, MAX_SEED)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -85,13 +71,13 @@ def build_parser(prog: str = "corral engine") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--layers",
-        type=_int_between(1, MAX_LAYERS),
+        type=int_between(1, MAX_LAYERS),
         default=2,
         help=f"GRU layers, 1..{MAX_LAYERS} (default 2)",
     )
     parser.add_argument(
         "--hidden",
-        type=_int_between(1, MAX_HIDDEN),
+        type=int_between(1, MAX_HIDDEN),
         default=64,
         help=f"hidden size, 1..{MAX_HIDDEN} (default 64)",
     )
@@ -103,7 +89,7 @@ def build_parser(prog: str = "corral engine") -> argparse.ArgumentParser:
     parser.add_argument("--weight-version", type=_seed, default=0, help="version of the initial weights")
     parser.add_argument(
         "--max-batch",
-        type=_int_between(1, MAX_ENGINE_SLOTS),
+        type=int_between(1, MAX_ENGINE_SLOTS),
         default=64,
         help=f"most sequences per decode step, 1..{MAX_ENGINE_SLOTS}",
     )
