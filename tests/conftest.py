@@ -29,3 +29,13 @@ def base_dir() -> Iterator[Path]:
     path.chmod(0o711)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def task_root(tmp_path: Path) -> Path:
+    """A task's files: `greeting.txt` and `lib/helper.sh` (what `factories.make_echo_task` copies)."""
+    root = tmp_path / "task"
+    (root / "lib").mkdir(parents=True)
+    (root / "greeting.txt").write_text("hello world\n")
+    (root / "lib" / "helper.sh").write_text("echo helper\n")
+    return root

@@ -162,6 +162,18 @@ class PolicyConfig(BaseModel):
         return cls.model_validate(data)
 
 
+class LaneOrder(StrEnum):
+    """Which queued operation of a lane takes the next free slot.
+
+    `oldest_group`: the one whose group was admitted first (its group id), then the earliest queued. An
+    old group's last set-ups and tool calls then go ahead of those of groups admitted after it, so it
+    completes, and a batch fills, sooner; FIFO lets every live group's work share the lane alike, so they
+    all finish late together. `fifo`: the earliest queued (the order before this option existed)."""
+
+    OLDEST_GROUP = "oldest_group"
+    FIFO = "fifo"
+
+
 class LaneConfig(BaseModel):
     """One sandbox lane: how many operations run at once, and on which CPUs."""
 
@@ -190,6 +202,10 @@ class LanesConfig(BaseModel):
     serving_cpus: tuple[int, ...] = Field(description="CPUs of model serving")
     borrow_serving_cpus: bool = Field(
         False, description="lanes may use serving CPUs too, at a CPU weight far below serving's"
+    )
+    order: LaneOrder = Field(
+        LaneOrder.OLDEST_GROUP,
+        description="oldest_group: a lane's queue and its CPUs favour the oldest group; fifo: neither",
     )
 
     @model_validator(mode="after")

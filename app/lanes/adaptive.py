@@ -25,7 +25,9 @@ on those CPUs too, which makes the estimate of demand higher and growth more cau
 
 Invariants: a lane runs at most its current slots at once, not counting operations that left it
 (`ResizableLimiter.detach`; after a shrink, running operations finish and no new one starts until the
-lane is under its slots again); waiters are served in FIFO order; slots stay within
+lane is under its slots again); waiters are served lowest `order` first (a lane ordered oldest group
+first passes the group's admission number; FIFO lanes pass 0), in arrival order among equals; slots
+stay within
 [1, `max_factor` × configured] (with `overload` None, [configured, `max_factor` × configured]); the
 decisions are pure (no clock, no I/O): `ResizableLimiter.resize` carries them out.
 """
@@ -33,10 +35,11 @@ decisions are pure (no clock, no I/O): `ResizableLimiter.resize` carries them ou
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +159,8 @@ class AdaptiveSlots:
 
 
 class ResizableLimiter:
-    """An asyncio semaphore whose number of slots can change while operations hold and wait for them."""
+    """An asyncio semaphore whose number of slots can change while operations hold and wait for them.
+    Waiters are woken lowest `order` first, and in arrival order among equal orders."""
 
     def __init__(self, slots: int) -> None:
         if slots < 1:
@@ -164,7 +168,11 @@ class ResizableLimiter:
         self.slots = slots
         self.busy = 0
         self.max_slots = slots
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # A heap of (order, arrival, future). A cancelled waiter stays in it until `_wake` meets it:
+        # removing it at once would cost O(n) per cancellation, and a stop cancels thousands.
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+        self._queued = 0  # waiters neither woken nor through their cancellation
         self._detached: set[object] = set()  # tasks whose operation left the slots
 
     def locked(self) -> bool:
@@ -172,28 +180,30 @@ class ResizableLimiter:
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return self._queued
 
     def try_acquire(self) -> bool:
         """Take a slot now if `acquire` would not wait; False otherwise."""
-        if self.busy < self.slots and not self._waiters:
+        if self.busy < self.slots and not self._queued:
             self.busy += 1
             return True
         return False
 
-    async def acquire(self) -> bool:
-        if self.busy < self.slots and not self._waiters:
+    async def acquire(self, order: int = 0) -> bool:
+        if self.busy < self.slots and not self._queued:
             self.busy += 1
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        heapq.heappush(self._waiters, (order, next(self._arrivals), fut))
+        self._queued += 1
         try:
             await fut  # the slot is ours when this resolves: `_wake` counted it as busy
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()  # woken and cancelled at once: pass the slot on
-            elif fut in self._waiters:  # `_wake` drops cancelled waiters it meets first
-                self._waiters.remove(fut)
+            else:
+                self._queued -= 1
+                self._wake()  # a free slot may have passed over this waiter while it counted as queued
             raise
         return True
 
@@ -202,7 +212,7 @@ class ResizableLimiter:
             self._detached.discard(task)  # its slot was handed on when it detached
             return
         self.busy -= 1
-        if self._waiters:
+        if self._queued:
             self._wake()
 
     def detach(self) -> None:
@@ -220,11 +230,15 @@ class ResizableLimiter:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self.busy < self.slots:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        waiters = self._waiters
+        while waiters and self.busy < self.slots:
+            fut = heapq.heappop(waiters)[2]
+            if not fut.done():  # a cancelled waiter leaves `_queued` itself, in `acquire`
                 self.busy += 1
+                self._queued -= 1
                 fut.set_result(None)
+        if not self._queued:
+            waiters.clear()  # every waiter left is cancelled and already uncounted
 
 
 def resize_lanes(limiters: Mapping[str, ResizableLimiter], decided: Mapping[str, int]) -> dict[str, int]:

@@ -67,8 +67,9 @@ class Lanes(Protocol):
         dropped) when one may have, and then its cleanup op must run."""
         ...
 
-    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
-        """Run `op` in its lane; `on_start()` is called when it leaves the lane's queue and starts."""
+    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None, group: int = 0) -> T:
+        """Run `op` in its lane; `on_start()` is called when it leaves the lane's queue and starts. `group`
+        is the id of the op's group (ids grow with admission), for lanes ordered `oldest_group`."""
         ...
 
     def stats(self) -> dict[str, LaneStats]: ...

@@ -286,9 +286,11 @@ class CeleryLanes:
         """Never: an op sent to a worker may run there however it ends here, so cleanup always runs."""
         return False
 
-    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None) -> T:
-        # `on_start` fires once a poll sees the worker's STARTED mark (or the result, for an op done
-        # between two polls): the op's wait in its lane's queue ends then, to within one poll.
+    async def run_op(self, op: LaneOp[T], on_start: Callable[[], None] | None = None, group: int = 0) -> T:
+        # A lane's queue here is the broker's, first in first out: `group` does not reorder it (lanes
+        # ordered `oldest_group` apply only in process). `on_start` fires once a poll sees the worker's
+        # STARTED mark (or the result, for an op done between two polls): the op's wait in its lane's
+        # queue ends then, to within one poll.
         _queue(op)  # refuses an op whose handle has no host, before anything is counted
         stats = self._stats[op.lane]
         started = False

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, LanesConfig, launch_gate
+from app.core.config import MAX_AGENT_GATE, AdmissionMode, LaneOrder, LanesConfig, launch_gate
 from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
@@ -227,6 +227,11 @@ class LocalLanesConfig(_Strict):
     weights: LaneWeightsConfig = Field(
         default_factory=LaneWeightsConfig, description="the lanes' relative CPU shares (pinned policies)"
     )
+    order: LaneOrder = Field(
+        LaneOrder.OLDEST_GROUP,
+        description="oldest_group: queued sandbox work and CPU time go to the oldest group first (CPU "
+        "priority by niceness where this process may raise it again, as root); fifo: neither",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -299,6 +304,7 @@ class LocalRunConfig(_Strict):
                 "cleanup": {"slots": self.lanes.cleanup, "cpus": cpus},
                 "serving_cpus": tuple(self.engines.cpus),
                 "borrow_serving_cpus": self.lanes.borrow_serving_cpus,
+                "order": self.lanes.order,
             }
         )
 

@@ -753,7 +753,7 @@ class Runtime:
 
         ok, detail = False, "cancelled"
         try:
-            result = await self.lanes.run_op(op, on_start)
+            result = await self.lanes.run_op(op, on_start, key[0])
             ok, detail = True, ""
             return result
         except Exception as exc:

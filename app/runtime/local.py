@@ -202,7 +202,8 @@ async def _run(
             runtime: Runtime | None = None
             try:
                 if not stop.count:  # else it said "start-up abandoned" already: no "starting" after it
-                    progress.starting(config, serving_cpus, pinned_lanes=policy.pinned_lanes)
+                    pinned, niced = policy.pinned_lanes, lanes.cpu_priority
+                    progress.starting(config, serving_cpus, pinned_lanes=pinned, cpu_priority=niced)
                 engines.start()  # returns at once; a stop during start-up stops them again
                 runtime = Runtime(
                     policy=policy,
@@ -249,6 +250,8 @@ async def _run(
         "serving": list(serving_cpus),
         "lanes": list(lane_cpus) if policy.pinned_lanes else None,
         "lanes_borrow_serving": policy.pinned_lanes and config.lanes.borrow_serving_cpus,
+        "lanes_order": config.lanes.order.value if policy.pinned_lanes else None,
+        "lanes_cpu_priority": lanes.cpu_priority,
     }
     report["sandbox_isolation"] = getattr(factory, "isolation", None)
     report["sandbox_time_limits"] = {"mode": config.sandbox.time_limits, "backstop": config.sandbox.backstop}

@@ -20,6 +20,7 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
+from app.core.config import LaneOrder
 from app.core.events import (
     AttemptFinished,
     BatchDelivered,
@@ -117,8 +118,16 @@ class RunProgress:
                 f"{_count(self.sandbox_ops, 'sandbox operation')} so far"
             )
 
-    def starting(self, config: LocalRunConfig, serving_cpus: Sequence[int], *, pinned_lanes: bool) -> None:
-        """Where things run: the engines on the serving CPUs, the lanes on theirs (or shared)."""
+    def starting(
+        self,
+        config: LocalRunConfig,
+        serving_cpus: Sequence[int],
+        *,
+        pinned_lanes: bool,
+        cpu_priority: bool = False,
+    ) -> None:
+        """Where things run: the engines on the serving CPUs, the lanes on theirs (or shared), and in
+        which order the lanes serve groups."""
         count = config.engines.count
         self.groups_per_batch = config.batch.groups
         self.line(
@@ -132,6 +141,12 @@ class RunProgress:
         borrowed = sorted(set(lanes.cpus) & set(serving_cpus))
         if pinned_lanes and lanes.borrow_serving_cpus and borrowed:
             where += f" (on serving CPUs {format_cpu_list(borrowed)} only with what serving leaves idle)"
+        if pinned_lanes and lanes.order is LaneOrder.OLDEST_GROUP:
+            where += ", oldest group first" + (
+                " (its queued work, and CPU time by niceness)"
+                if cpu_priority
+                else " (its queued work; no CPU priority: lowering a niceness again needs root)"
+            )
         self.line(f"sandbox lanes (slots: {slots}) {where}")
 
     async def wait_for_engines(self, engines: _Engines, every_s: float = 0.5) -> None:

@@ -95,6 +95,26 @@ def probe_bwrap(bwrap: str = "bwrap") -> tuple[tuple[str, ...] | None, str]:
     return None, f"{path} cannot create namespaces here: {last}"
 
 
+def renice_session(leader: int, nice: int) -> None:
+    """Give the processes of the session and process group led by `leader` (0: this process, which
+    must lead its own) niceness `nice`, and their autogroup too: where the kernel groups each session
+    for the CPU (`sched_autogroup_enabled`) and the session sits in the root cpu cgroup, sessions share
+    the CPU by their autogroups' niceness, and a process's own only counts inside its session. Only
+    syscalls, so usable between fork and exec. Best effort: a process that is gone, or a niceness this
+    process may not lower, is left as it is."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PGRP, leader, nice)
+    try:
+        fd = os.open(f"/proc/{leader or 'self'}/autogroup", os.O_WRONLY)
+    except OSError:  # no autogroups here, or the leader has exited
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.write(fd, str(nice).encode())
+    finally:
+        os.close(fd)
+
+
 class _CappedBuffer:
     """Keeps the first `limit` bytes fed to it and counts the rest."""
 
@@ -268,10 +288,23 @@ class LocalSandbox(CommandSandbox):
         self.last_pin_method: str | None = None
         self._task: TaskSpec | None = None
         self._exec_seq = 0
+        self.nice = 0  # the CPU niceness its commands run at (`set_nice`)
+        self._process_groups: set[int] = set()  # of its commands running now
 
     @property
     def isolation(self) -> Isolation:
         return self.factory.isolation
+
+    def set_nice(self, nice: int) -> None:
+        """Run this sandbox's commands, those running now and those it starts later, at CPU niceness
+        `nice` (0..19): in-process lanes ordered oldest group first lower a younger group's priority
+        against the older groups' on the same CPUs. Best effort: a process that exits, or that this
+        process may not renice (lowering it needs CAP_SYS_NICE), keeps the niceness it has."""
+        if nice == self.nice:
+            return
+        self.nice = nice
+        for group in tuple(self._process_groups):
+            renice_session(group, nice)
 
     # -- the port -----------------------------------------------------------------------------------
 
@@ -423,10 +456,13 @@ class LocalSandbox(CommandSandbox):
         # v2 it sits in one group only, and the pids leaf wins.
         on_v2 = self.pids_group is not None and self.pids_group.version == "cgroup2"
         share = None if on_v2 else self.factory.lane_shares.get(lane)
+        nice = self.nice
 
         def preexec() -> None:
             # Runs in the child between fork and exec: only syscalls, nothing that takes a lock.
             pid = os.getpid()
+            if nice:
+                renice_session(0, nice)
             if leaf is not None:
                 PidsGroup.join(leaf, pid)
             if placement is not None:
@@ -452,6 +488,9 @@ class LocalSandbox(CommandSandbox):
             raise
         finally:
             os.close(write_fd)
+        self._process_groups.add(proc.pid)  # its own session: the process group is its pid
+        if self.nice != nice:  # `set_nice` ran while it started
+            renice_session(proc.pid, self.nice)
 
         buffer = _CappedBuffer(self.factory.output_limit)
         reader = asyncio.StreamReader()
@@ -481,6 +520,7 @@ class LocalSandbox(CommandSandbox):
             if proc.returncode is None:
                 await self._kill_exec(proc.pid, leaf)
                 await proc.wait()
+            self._process_groups.discard(proc.pid)
             if leaf is not None:
                 await asyncio.to_thread(self._remove_leaf_when_empty, leaf)
 

@@ -126,9 +126,11 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
         {
             **{lane: {"slots": slots[lane], "cpus": split[lane]} for lane in slots},
             "serving_cpus": tuple(range(cpus.serving)),
+            "order": workload.lanes.order,
         }
     )
-    lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes)
+    # Simulated sandboxes have no niceness: the CPU model shares a lane's cores alike among its ops.
+    lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes, cpu_priority=False)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0
     configured = {lane: g for lane, g in sandbox.guarantees.items() if lane != BACKGROUND} if sandbox else {}

@@ -32,15 +32,6 @@ def make_handle(**overrides: Any) -> SandboxHandle:
     return SandboxHandle(**fields)
 
 
-@pytest.fixture
-def task_root(tmp_path: Path) -> Path:
-    root = tmp_path / "task"
-    (root / "lib").mkdir(parents=True)
-    (root / "greeting.txt").write_text("hello world\n")
-    (root / "lib" / "helper.sh").write_text("echo helper\n")
-    return root
-
-
 def test_every_op_round_trips_through_json(tmp_path: Path) -> None:
     handle = make_handle()
     task = make_echo_task(tmp_path, tags=("a", "b"), candidate_actions=("ls",))

@@ -26,15 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 TEST_IMAGE = "corral-sandbox:test"
 
 
-@pytest.fixture
-def task_root(tmp_path: Path) -> Path:
-    root = tmp_path / "task"
-    (root / "lib").mkdir(parents=True)
-    (root / "greeting.txt").write_text("hello world\n")
-    (root / "lib" / "helper.sh").write_text("echo helper\n")
-    return root
-
-
 def _ping(client: Any) -> bool:
     try:
         return bool(client.ping())

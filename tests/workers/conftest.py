@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from celery_cluster import REDIS_URL, WORKER_CPUS, LaneCluster, Workers
@@ -34,12 +33,3 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaneClust
         app.close()
     finally:
         workers.stop()
-
-
-@pytest.fixture
-def task_root(tmp_path: Path) -> Path:
-    root = tmp_path / "task"
-    (root / "lib").mkdir(parents=True)
-    (root / "greeting.txt").write_text("hello world\n")
-    (root / "lib" / "helper.sh").write_text("echo helper\n")
-    return root
