@@ -311,6 +311,7 @@ class ManagerRuns:
                         "slots": lane.get("slots"),
                         "configured_slots": lane.get("configured"),
                         "cpus": lane.get("cpus", ""),
+                        "order": lane.get("order"),
                     }
                 )
         return replace(
@@ -559,9 +560,23 @@ def _lanes_config(lanes: Any) -> dict[str, dict[str, Any]]:
         return {}
     now = lanes.describe()
     return {
-        name: {"slots": now[name]["slots"], "configured": configured, "cpus": cpus}
+        name: {
+            "slots": now[name]["slots"],
+            "configured": configured,
+            "cpus": cpus,
+            "order": lane_order_text(now[name].get("order"), bool(now[name].get("cpu_priority"))),
+        }
         for name, (cpus, configured) in described.items()
     }
+
+
+def lane_order_text(order: object, cpu_priority: bool) -> str | None:
+    """Whom a lane serves first, for the run page: `lanes.order` and whether CPU priority is on."""
+    if order == "oldest_group":
+        return "oldest group first" + (", CPU too" if cpu_priority else " (queue only)")
+    if order == "fifo":
+        return "first come"
+    return None
 
 
 # A run waiting this long (wall seconds) on its trainer says so on its page; a trainer that takes, trains

@@ -152,6 +152,7 @@ class LaneRow:
     queue_depth: int | None = None
     p99_wait_s: float | None = None
     configured_slots: int | None = None  # differs from `slots` when adaptive lanes resized the lane
+    order: str | None = None  # whom the lane serves first, as the live lanes say (`lane_order_text`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -819,6 +820,7 @@ def _lanes(
                 queue_depth=snap.get("queue_depth", depth),
                 p99_wait_s=p99 if p99 is not None else _p99(waits.get(name, [])),
                 configured_slots=_first(snap.get("configured_slots"), configured),
+                order=snap.get("order"),
             )
         )
     return rows

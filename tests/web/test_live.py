@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from app.engines.embedded.weights import save_sentinel
+from app.lanes.inprocess import may_raise_priority
 from app.service.manager import RunManager
 from app.service.schemas import RunCreate, small_workload
 from app.service.store import ServiceStore
@@ -47,6 +48,8 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
     assert view.span_count > 0
     assert {e.name for e in view.engines} == {"engine-0", "engine-1"}
     assert all(lane.slots for lane in view.lanes)  # from the run's lanes
+    served = "oldest group first, CPU too" if may_raise_priority() else "oldest group first (queue only)"
+    assert {lane.order for lane in view.lanes} == {served}  # the default lanes.order, as the lanes say
     assert view.attribution is not None
     assert view.attribution.total_s == pytest.approx(sum(b.wait_s for b in view.batches), abs=1e-6)
 
@@ -195,6 +198,7 @@ async def test_an_ended_run_s_lanes_after_a_restart_show_what_was_stored_and_not
         assert (lane.busy, lane.queue_depth) == (0, 0)
         assert lane.slots == ended_here[name].slots  # the run config's, as stored
         assert lane.cpus == ended_here[name].cpus  # as recorded while it ran
+        assert lane.order is None  # known only from lanes executing here
         assert (ended_here[name].busy, ended_here[name].queue_depth) == (0, 0)
 
 
