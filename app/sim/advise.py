@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from app.children import fork_server_pid, stop_fork_server, worker_pool
 from app.core.config import AdmissionMode
 from app.outputs import save_figure
+from app.runtime.driver import cannot_proceed
 from app.runtime.report import drawn_s
 from app.sim.family import cut_short_share, cuts_more
 from app.sim.lanes import LaneSharing
@@ -139,6 +140,9 @@ class Outcome:
     # The share of its attempts that ran out of their agent time before the turns an idle machine
     # finishes in it, and failed (app.sim.family.cut_short_share); None where not simulated.
     attempts_cut_short_share: float | None = None
+    # Why its run stopped before delivering a batch (`RunCannotProceed`: every group failed, or none
+    # had a learning signal); it was simulated, and it ranks last, as no batch.
+    stopped: str | None = None
 
     @classmethod
     def failed(cls, settings: Settings, exc: BaseException) -> Outcome:
@@ -149,6 +153,8 @@ class Outcome:
         mean = self.batch_collection_s
         if self.error is not None:
             return f"not simulated ({self.error})"
+        if self.stopped is not None:
+            return f"no batch delivered (stopped: {self.stopped})"
         return "no batch delivered" if mean is None else f"{mean:.1f} s"
 
     def as_dict(self) -> dict[str, Any]:
@@ -160,6 +166,7 @@ class Outcome:
             "wasted_trajectory_s": self.wasted_trajectory_s,
             "lower_bound_s": self.lower_bound_s,
             "error": self.error,
+            "stopped": self.stopped,
             "attempts_cut_short_share": self.attempts_cut_short_share,
         }
 
@@ -206,6 +213,11 @@ class Advice:
         return self._verdict()
 
     def _verdict(self) -> str:
+        if self.recommended.batch_collection_s is None:  # no settings simulated delivered a batch
+            why = self.current.stopped or self.current.error
+            return f"none of the {len(self.evaluated)} settings simulated delivered a batch" + (
+                f"; the current ones stopped: {why}" if why else ""
+            )
         if not self.beats_current:
             return (
                 "the advice matches the current config: no candidate beat it by more than "
@@ -309,7 +321,15 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
     """Simulate one candidate (module-level so that worker processes can run it)."""
     candidate = _workload_with(workload, settings)  # its updating engines too, as `corral sim` runs them
     policy = policy_for(candidate, policy_name, **settings.policy_overrides())
-    report = simulate(candidate, policy, policy_name)
+    try:
+        report = simulate(candidate, policy, policy_name)
+    except Exception as exc:
+        # A run that can fill no batch is an outcome, not an error: the current settings stopping so
+        # ended the whole search, where another candidate may deliver batches.
+        cause = cannot_proceed(exc)
+        if cause is None:
+            raise
+        return Outcome(settings, None, None, 1.0, 0.0, 0.0, stopped=str(cause))
     return Outcome(
         settings=settings,
         batch_collection_s=report["batch_collection_s"]["mean"],

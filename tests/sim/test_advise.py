@@ -17,7 +17,7 @@ from app.sim.advise import (
     knob_grid,
     plot_advice,
 )
-from app.sim.workload import load_workload
+from app.sim.workload import Workload, load_workload
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -336,3 +336,28 @@ def test_faster_settings_that_cut_short_more_attempts_are_not_advised() -> None:
     alone = _choose(start, {start: current, starving.settings: starving}, complete=True)
     assert alone.recommended is current
     assert not alone.beats_current
+
+
+def test_settings_whose_run_cannot_proceed_are_an_outcome_and_the_search_goes_on() -> None:
+    """Where every group fails, a run stops with `RunCannotProceed`. That ended the whole search with a
+    traceback when the current settings did so; it is now an outcome of no batch that says why."""
+    small = load_workload(EXAMPLES / "small-trace.yaml")
+    data = small.model_dump(mode="json", by_alias=True, exclude_none=True)
+    data.pop("trace")
+    data["trajectory"]["p_infra_error"] = 0.99  # nearly every attempt loses its sandbox
+    workload = Workload.model_validate(data)
+    outcome = evaluate(workload, current_settings(workload))
+    assert outcome.batch_collection_s is None
+    assert outcome.error is None  # simulated: not a failure to simulate
+    assert outcome.stopped is not None
+    assert "no batch can be filled" in outcome.stopped
+    assert outcome.mean_text() == f"no batch delivered (stopped: {outcome.stopped})"
+    assert outcome.as_dict()["stopped"] == outcome.stopped
+    advice = advise(workload, passes=1, workers=1, knobs=["surplus_groups"])
+    assert advice.complete
+    assert len(advice.evaluated) > 1
+    assert all(o.batch_collection_s is None for o in advice.evaluated)
+    assert advice.verdict() == (
+        f"none of the {len(advice.evaluated)} settings simulated delivered a batch; "
+        f"the current ones stopped: {advice.current.stopped}"
+    )
