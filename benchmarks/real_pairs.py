@@ -15,6 +15,10 @@ A fast batch is worth nothing if hard tasks never make it in, so each run also r
 groups by reason and detail (e.g. `failed: task X: set-up timed out`), how many groups of each task its
 batches held, the tasks admitted that never reached a batch, and each task's reset times (median, max).
 
+With `--variant LABEL=CONFIG` each pair also runs `full` under CONFIG after the other two (for one
+setting against the default, e.g. `--variant fifo=docs/runs/stop34/fifo.yaml`): the summary gives
+the ratio variant/full of the means per pair (> 1 means the default config was faster) and its median.
+
 Ctrl-C stops the run in progress (it still writes its report) and summarises the runs that finished.
 """
 
@@ -114,12 +118,33 @@ def summarise(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     for pair in complete:
         pair["ratio_sync_over_full"] = round(pair["sync"]["mean_s"] / pair["full"]["mean_s"], 3)
     ratios = [p["ratio_sync_over_full"] for p in complete]
-    return {
+    summary = {
         "pairs": pairs,
         "median_ratio_sync_over_full": statistics.median(ratios) if ratios else None,
         "full_faster_in": sum(r > 1 for r in ratios),
         "complete_pairs": len(complete),
     }
+    with_variant = [
+        p for p in pairs if p.get("variant", {}).get("mean_s") and p.get("full", {}).get("mean_s")
+    ]
+    for pair in with_variant:
+        pair["ratio_variant_over_full"] = round(pair["variant"]["mean_s"] / pair["full"]["mean_s"], 3)
+    if with_variant:
+        variant_ratios = [p["ratio_variant_over_full"] for p in with_variant]
+        summary["variant"] = with_variant[0]["variant"]["label"]
+        summary["median_ratio_variant_over_full"] = statistics.median(variant_ratios)
+        summary["full_faster_than_variant_in"] = sum(r > 1 for r in variant_ratios)
+    return summary
+
+
+def variant_arg(text: str) -> tuple[str, Path]:
+    """`LABEL=CONFIG` for `--variant`: a config file that exists, under a label."""
+    label, sep, config = text.partition("=")
+    if not sep or not label or not config:
+        raise argparse.ArgumentTypeError(f"expected LABEL=CONFIG, got {text!r}")
+    if not Path(config).is_file():
+        raise argparse.ArgumentTypeError(f"no config file at {config}")
+    return label, Path(config)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -133,14 +158,20 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     xs = range(len(pairs))
-    for offset, policy, colour in ((-0.2, "full", "#2a7"), (0.2, "sync", "#c74")):
+    shown = [*POLICIES, *(["variant"] if all("ratio_variant_over_full" in p for p in pairs) else [])]
+    width = 0.76 / len(shown)
+    colours = {"full": "#2a7", "sync": "#c74", "variant": "#58c"}
+    for i, policy in enumerate(shown):
+        offset = (i - (len(shown) - 1) / 2) * width
         means = [p[policy]["mean_s"] for p in pairs]
         p90s = [p[policy]["p90_s"] for p in pairs]
-        ax.bar([x + offset for x in xs], means, width=0.38, color=colour, label=f"{policy} mean")
-        label = "p90" if policy == "sync" else None
+        name = f"full ({pairs[0]['variant']['label']})" if policy == "variant" else policy
+        xs_here = [x + offset for x in xs]
+        ax.bar(xs_here, means, width=width * 0.95, color=colours[policy], label=f"{name} mean")
+        label = "p90" if i == len(shown) - 1 else None
         ax.scatter([x + offset for x in xs], p90s, color="black", marker="_", s=200, zorder=3, label=label)
     ax.set_xticks(list(xs), [f"pair {p['pair']}\n{p['ratio_sync_over_full']:.2f}×" for p in pairs])
-    top = max(p[policy]["p90_s"] for p in pairs for policy in POLICIES)
+    top = max(p[policy]["p90_s"] for p in pairs for policy in shown)
     ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("batch collection time (s)")
     ax.set_title("real corral runs, back to back: sync/full under each pair", fontsize=10)
@@ -158,6 +189,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/runs"))
     parser.add_argument("--prefix", default="pair")
     parser.add_argument("--config", type=Path, default=None)
+    parser.add_argument(
+        "--variant", type=variant_arg, metavar="LABEL=CONFIG", help="also run full under CONFIG in each pair"
+    )
     args = parser.parse_args()
     if args.replot is not None:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
@@ -177,6 +211,12 @@ def main() -> None:
                 print(f"pair {i}/{args.pairs}: {policy}", flush=True)
                 report = args.out / f"{args.prefix}{i}-{policy}.json"
                 pair[policy] = run_one(policy, args.batches, report, args.config, f"{i}/{args.pairs}")
+            if args.variant is not None:
+                label, config = args.variant
+                print(f"pair {i}/{args.pairs}: full ({label})", flush=True)
+                report = args.out / f"{args.prefix}{i}-full-{label}.json"
+                run = run_one("full", args.batches, report, config, f"{i}/{args.pairs} {label}")
+                pair["variant"] = {"label": label, "config": str(config), **run}
     except KeyboardInterrupt:
         print("stopped: summarising the runs that finished", flush=True)
     summary = summarise(pairs)
@@ -195,6 +235,19 @@ def main() -> None:
     if median is not None:
         print(f"\nmedian sync/full: {median:.2f}×; full faster in {summary['full_faster_in']} of "
               f"{summary['complete_pairs']} pairs")  # fmt: skip
+    if "median_ratio_variant_over_full" in summary:
+        label = summary["variant"]
+        print(f"\n| pair | full mean (p90) s | full ({label}) mean (p90) s | {label}/full |")
+        print("| --- | --- | --- | --- |")
+        for p in summary["pairs"]:
+            if "ratio_variant_over_full" in p:
+                f, v = p["full"], p["variant"]
+                print(f"| {p['pair']} | {f['mean_s']:.1f} ({f['p90_s']:.1f}) | {v['mean_s']:.1f} "
+                      f"({v['p90_s']:.1f}) | {p['ratio_variant_over_full']:.2f}× |")  # fmt: skip
+        median = summary["median_ratio_variant_over_full"]
+        faster = summary["full_faster_than_variant_in"]
+        print(f"\nmedian {label}/full: {median:.2f}×; the default config faster in {faster} of "
+              f"{sum('ratio_variant_over_full' in p for p in summary['pairs'])} pairs")  # fmt: skip
     for p in summary["pairs"]:
         for policy in POLICIES:
             if policy in p and "waited" in p[policy]:

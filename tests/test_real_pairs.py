@@ -58,3 +58,40 @@ def test_a_report_without_group_tasks_still_gives_its_discards(real_pairs: Modul
     assert makeup["discarded"] == {"failed": 1, "stale": 0}
     assert "tasks_in_batches" not in makeup
     assert real_pairs.describe_run("old", makeup)[1].startswith("  failed x1: task slow")
+
+
+def run(mean: float) -> dict[str, Any]:
+    return {"mean_s": mean, "p90_s": 2 * mean}
+
+
+def test_a_variant_gets_its_ratio_to_full_per_pair_and_a_median(
+    real_pairs: ModuleType, tmp_path: Path
+) -> None:
+    pairs = [
+        {"pair": 1, "full": run(20.0), "sync": run(30.0), "variant": {"label": "fifo", **run(25.0)}},
+        {"pair": 2, "full": run(20.0), "sync": run(40.0), "variant": {"label": "fifo", **run(18.0)}},
+        {"pair": 3, "full": run(10.0), "sync": run(15.0), "variant": {"label": "fifo", **run(30.0)}},
+        {"pair": 4, "full": run(10.0), "sync": run(15.0)},  # interrupted before its variant ran
+    ]
+    summary = real_pairs.summarise(pairs)
+    assert [p.get("ratio_variant_over_full") for p in pairs] == [1.25, 0.9, 3.0, None]
+    assert summary["variant"] == "fifo"
+    assert summary["median_ratio_variant_over_full"] == 1.25
+    assert summary["full_faster_than_variant_in"] == 2
+    assert summary["median_ratio_sync_over_full"] == 1.5
+    real_pairs.plot(summary, tmp_path / "pairs.png")  # a pair without its variant plots two bars
+    assert (tmp_path / "pairs.png").stat().st_size > 0
+    assert "median_ratio_variant_over_full" not in real_pairs.summarise(pairs[3:])
+
+
+def test_a_variant_names_a_config_that_exists(real_pairs: ModuleType, tmp_path: Path) -> None:
+    config = tmp_path / "fifo.yaml"
+    config.write_text("seed: 0\n")
+    assert real_pairs.variant_arg(f"fifo={config}") == ("fifo", config)
+    for bad, needle in (
+        ("fifo", "LABEL=CONFIG"),
+        ("=x.yaml", "LABEL=CONFIG"),
+        ("fifo=/no/such.yaml", "no config"),
+    ):
+        with pytest.raises(real_pairs.argparse.ArgumentTypeError, match=needle):
+            real_pairs.variant_arg(bad)
