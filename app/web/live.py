@@ -573,9 +573,10 @@ def _lanes_config(lanes: Any) -> dict[str, dict[str, Any]]:
 def lane_order_text(order: object, cpu_priority: bool) -> str | None:
     """Whom a lane serves first, for the run page: `lanes.order` and whether CPU priority is on."""
     if order == "oldest_group":
-        return "oldest group first" + (", CPU too" if cpu_priority else " (queue only)")
+        how = "its queued work and, by niceness, CPU time" if cpu_priority else "its queued work only"
+        return f"oldest group first ({how})"
     if order == "fifo":
-        return "first come"
+        return "first come, first served"
     return None
 
 

@@ -48,8 +48,8 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
     assert view.span_count > 0
     assert {e.name for e in view.engines} == {"engine-0", "engine-1"}
     assert all(lane.slots for lane in view.lanes)  # from the run's lanes
-    served = "oldest group first, CPU too" if may_raise_priority() else "oldest group first (queue only)"
-    assert {lane.order for lane in view.lanes} == {served}  # the default lanes.order, as the lanes say
+    how = "its queued work and, by niceness, CPU time" if may_raise_priority() else "its queued work only"
+    assert {lane.order for lane in view.lanes} == {f"oldest group first ({how})"}  # the default lanes.order
     assert view.attribution is not None
     assert view.attribution.total_s == pytest.approx(sum(b.wait_s for b in view.batches), abs=1e-6)
 

@@ -1139,3 +1139,28 @@ def test_the_policy_line_gives_the_agent_gate_of_a_run_that_has_one():
     assert '<span id="policy-gate">2.5</span>' in lines["factor 2.5"]
     assert "agent gate" not in lines["none"]
     assert "agent gate" not in lines["sync"]
+
+
+def test_the_lanes_card_says_whom_the_lanes_serve_first_when_they_say_it():
+    """Live lanes give their order (`lanes.order`): one line under the Lanes table, not a column that
+    repeats it per lane; a replayed run, whose lanes do not say it, has no such line."""
+    from dataclasses import replace
+
+    from app.web.live import lane_order_text
+    from app.web.readmodel import view_from_report
+
+    workload = Workload.model_validate(make_workload_data(batches=2))
+    view = view_from_report("replay-lanes", simulate(workload, policy_for(workload, "full"), "full"))
+    dash = Dashboard(AccessConfig(None, None))
+    assert 'id="lanes-order"' not in dash.render("run.html", run_context(view))
+    served = lane_order_text("oldest_group", True)
+    assert served == "oldest group first (its queued work and, by niceness, CPU time)"
+    live = replace(view, lanes=[replace(lane, order=served) for lane in view.lanes])
+    page = dash.render("run.html", run_context(live))
+    assert re.search(
+        r'id="lanes-order"[^>]*>Served: oldest group first \(its queued work and, by niceness, CPU time\)\.',
+        page,
+    )
+    assert lane_order_text("oldest_group", False) == "oldest group first (its queued work only)"
+    assert lane_order_text("fifo", True) == "first come, first served"
+    assert lane_order_text(None, True) is None
