@@ -2,7 +2,7 @@
 
 Invariant: at most `limiters[lane].slots` operations of a lane run at once (`concurrency[lane]` unless
 adaptive lanes resized it, app.lanes.adaptive). An operation waits for a slot in FIFO order, or, with
-`order` `oldest_group` (the default), behind the queued operations of older groups only. With
+`order` `oldest_group`, behind the queued operations of older groups only. With
 `pinned=False` there is one shared, unbounded pool and no CPU set, which is the ablation baseline
 ("shared CPUs").
 

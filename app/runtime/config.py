@@ -228,9 +228,10 @@ class LocalLanesConfig(_Strict):
         default_factory=LaneWeightsConfig, description="the lanes' relative CPU shares (pinned policies)"
     )
     order: LaneOrder = Field(
-        LaneOrder.OLDEST_GROUP,
-        description="oldest_group: queued sandbox work and CPU time go to the oldest group first (CPU "
-        "priority by niceness where this process may raise it again, as root); fifo: neither",
+        LaneOrder.FIFO,
+        description="fifo: queued sandbox work starts in arrival order; oldest_group: it and CPU time go "
+        "to the oldest group first (CPU priority by niceness where this process may raise it again, as "
+        "root; slower in real runs of 6 batches, docs/runs/stop34)",
     )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)

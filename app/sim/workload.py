@@ -307,7 +307,7 @@ class LanesSpec(Strict):
     order: LaneOrder = Field(
         LaneOrder.FIFO,
         description="which queued operation of a lane goes next: the earliest queued (fifo) or the oldest "
-        "group's (oldest_group: the real runtime's default `lanes.order`, without its CPU priority, which "
+        "group's (oldest_group: the real runtime's `lanes.order` option, without its CPU priority, which "
         "the CPU model does not have; it moved `full` by under 0.2% on the family but `cpu-scarce`, "
         "where it was 2.5% slower)",
     )

@@ -7,7 +7,7 @@ import pytest
 from app.core.config import LanesConfig
 from app.lanes.celery import CeleryLanes
 from app.lanes.choose import choose_lanes
-from app.lanes.inprocess import InProcessLanes, may_raise_priority
+from app.lanes.inprocess import InProcessLanes
 from app.lanes.ops import LaneOpError
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -28,8 +28,8 @@ def test_no_broker_means_in_process_lanes_with_the_runs_slots() -> None:
         "slots": 2,
         "configured": 2,
         "cpus": (1,),
-        "order": "oldest_group",
-        "cpu_priority": may_raise_priority(),
+        "order": "fifo",
+        "cpu_priority": False,  # a fifo lane's
     }
 
 

@@ -241,3 +241,20 @@ def test_on_one_cpu_the_older_groups_command_gets_more_cpu_than_the_younger_ones
     print(f"older/younger loop rounds: oldest_group {ordered_ratio:.2f}, fifo {fifo_ratio:.2f}")
     assert ordered_ratio > 1.5  # the kernel's weights give about 2.4
     assert ordered_ratio > 1.3 * fifo_ratio
+
+
+def test_a_run_config_s_lane_order_reaches_its_lanes_and_fifo_is_the_default() -> None:
+    import yaml
+
+    from app.runtime.config import LocalRunConfig, default_config_path
+
+    data = yaml.safe_load(default_config_path().read_text())
+    shipped = LocalRunConfig.model_validate(data)
+    assert shipped.lane_config().order is LaneOrder.FIFO
+    assert InProcessLanes.from_config(shipped.lane_config(), pinned=True).cpu_priority is False
+    data["lanes"]["order"] = "oldest_group"
+    config = LocalRunConfig.model_validate(data).lane_config()
+    ordered = InProcessLanes.from_config(config, pinned=True)
+    assert ordered.order is LaneOrder.OLDEST_GROUP
+    assert ordered.cpu_priority is ROOT  # where this process may raise a niceness again
+    assert InProcessLanes.from_config(config, pinned=False).cpu_priority is False  # unpinned: none

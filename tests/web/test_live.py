@@ -10,7 +10,6 @@ import pytest
 from fastapi import FastAPI
 
 from app.engines.embedded.weights import save_sentinel
-from app.lanes.inprocess import may_raise_priority
 from app.service.manager import RunManager
 from app.service.schemas import RunCreate, small_workload
 from app.service.store import ServiceStore
@@ -48,8 +47,7 @@ async def test_a_launched_run_is_viewed_and_acted_on(runs):
     assert view.span_count > 0
     assert {e.name for e in view.engines} == {"engine-0", "engine-1"}
     assert all(lane.slots for lane in view.lanes)  # from the run's lanes
-    how = "its queued work and, by niceness, CPU time" if may_raise_priority() else "its queued work only"
-    assert {lane.order for lane in view.lanes} == {f"oldest group first ({how})"}  # the default lanes.order
+    assert {lane.order for lane in view.lanes} == {"first come, first served"}  # the default lanes.order
     assert view.attribution is not None
     assert view.attribution.total_s == pytest.approx(sum(b.wait_s for b in view.batches), abs=1e-6)
 
