@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 from app.children import fork_server_pid, stop_fork_server, worker_pool
 from app.core.config import AdmissionMode
 from app.outputs import save_figure
-from app.runtime.driver import cannot_proceed
 from app.runtime.report import drawn_s
 from app.sim.family import cut_short_share, cuts_more
 from app.sim.lanes import LaneSharing
-from app.sim.run import policy_for, simulate
+from app.sim.run import policy_for, simulate_unless_stopped
 from app.sim.workload import Workload
 from app.validation import MAX_DEFAULT_WORKERS
 
@@ -214,7 +213,7 @@ class Advice:
 
     def _verdict(self) -> str:
         if self.recommended.batch_collection_s is None:  # no settings simulated delivered a batch
-            why = self.current.stopped or self.current.error
+            why = self.current.stopped  # the current settings cannot have failed: that ends the search
             return f"none of the {len(self.evaluated)} settings simulated delivered a batch" + (
                 f"; the current ones stopped: {why}" if why else ""
             )
@@ -321,15 +320,11 @@ def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") 
     """Simulate one candidate (module-level so that worker processes can run it)."""
     candidate = _workload_with(workload, settings)  # its updating engines too, as `corral sim` runs them
     policy = policy_for(candidate, policy_name, **settings.policy_overrides())
-    try:
-        report = simulate(candidate, policy, policy_name)
-    except Exception as exc:
-        # A run that can fill no batch is an outcome, not an error: the current settings stopping so
-        # ended the whole search, where another candidate may deliver batches.
-        cause = cannot_proceed(exc)
-        if cause is None:
-            raise
-        return Outcome(settings, None, None, 1.0, 0.0, 0.0, stopped=str(cause))
+    # A run that can fill no batch is an outcome, not an error: the current settings stopping so ended
+    # the whole search, where another candidate may deliver batches.
+    report = simulate_unless_stopped(candidate, policy, policy_name)
+    if not isinstance(report, dict):
+        return Outcome(settings, None, None, 1.0, 0.0, 0.0, stopped=str(report))
     return Outcome(
         settings=settings,
         batch_collection_s=report["batch_collection_s"]["mean"],

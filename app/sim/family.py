@@ -252,17 +252,12 @@ def simulated_row(
     batch (`RunCannotProceed`: every group failed, or, for trainable batches, none had a learning
     signal) is a row that delivered no batch and says why (`stopped`), not an error that ends a whole
     benchmark with a traceback."""
-    from app.runtime.driver import cannot_proceed
-    from app.sim.run import simulate
+    from app.sim.run import simulate_unless_stopped
 
-    try:
-        report = simulate(workload, policy, rung, trajectories=trajectories)
-    except Exception as exc:
-        cause = cannot_proceed(exc)
-        if cause is None:
-            raise
+    report = simulate_unless_stopped(workload, policy, rung, trajectories)
+    if not isinstance(report, dict):
         row: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
-        row.update(policy_config=policy.model_dump(mode="json"), stopped=str(cause))
+        row.update(policy_config=policy.model_dump(mode="json"), stopped=str(report))
         return row
     return summarise(report)
 

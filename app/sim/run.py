@@ -16,7 +16,7 @@ from typing import Any, ParamSpec
 
 from app.core.config import AdmissionMode, PolicyConfig, PolicyName
 from app.core.events import BatchDelivered, Envelope, Event, SandboxOp, TurnDone
-from app.runtime.driver import RunState, Runtime
+from app.runtime.driver import RunCannotProceed, RunState, Runtime, cannot_proceed
 from app.runtime.ports import Trainer
 from app.runtime.report import ReportStatic, build_report
 from app.runtime.timeline import GroupSpans
@@ -175,3 +175,19 @@ def simulate(
 
 
 LADDER = [PolicyName.SYNC, PolicyName.COMPLETION, PolicyName.LANES, PolicyName.FULL]
+
+
+def simulate_unless_stopped(
+    workload: Workload, policy: PolicyConfig, name: str, trajectories: TrajectorySource | None = None
+) -> dict[str, Any] | RunCannotProceed:
+    """`simulate`'s report, or the `RunCannotProceed` that stopped the run because it could fill no batch
+    (every group failing, or, for trainable batches, none with a learning signal): for a sweep that is
+    an outcome of its settings (`app.sim.family.simulated_row`, `app.sim.advise.evaluate`), not an
+    error that ends the sweep."""
+    try:
+        return simulate(workload, policy, name, trajectories=trajectories)
+    except Exception as exc:
+        cause = cannot_proceed(exc)
+        if cause is None:
+            raise
+        return cause
