@@ -14,8 +14,8 @@ from app.engines.errors import EngineUnavailable
 from app.runtime.context import Agent, AttemptContext, AttemptOutcome
 from app.runtime.ports import TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
-from app.sim.cpu import CpuPool, Stream
-from app.sim.lanes import LongOps
+from app.sim.cpu import CpuPool, GroupedStream, Stream
+from app.sim.lanes import GroupLongOps, LongOps
 from app.sim.workload import FaultSpec, Trajectory, TrajectorySource, Workload
 from app.tasks.spec import TaskSpec
 
@@ -127,10 +127,32 @@ _OK = ExecResult(exit_code=0, output="")
 class SimLaneCpus:
     """Where each kind of sandbox operation runs (its lane's CPU stream) and the cores it keeps busy."""
 
-    reset: tuple[Stream | LongOps, float]  # LongOps: long resets leave the lane (app.sim.lanes)
+    reset: tuple[Stream | LongOps | GroupLongOps, float]  # long resets may leave the lane (app.sim.lanes)
     exec: tuple[Stream, float]
     validate: tuple[Stream, float]
     cleanup: tuple[Stream, float]
+
+    def by_group(self) -> bool:
+        """Whether the lanes share their cores by group age (then each attempt takes `for_group`)."""
+        return isinstance(self.exec[0], GroupedStream)
+
+    def for_group(self, group: int) -> SimLaneCpus:
+        """The streams of `group`'s operations, in lanes that share their cores by group age."""
+
+        def mine(stream: Stream) -> Stream:
+            return stream.for_group(group) if isinstance(stream, GroupedStream) else stream
+
+        reset, demand = self.reset
+        if isinstance(reset, LongOps) and isinstance(reset.lane, GroupedStream):
+            reset = GroupLongOps(reset, reset.lane.for_group(group))
+        elif isinstance(reset, Stream):
+            reset = mine(reset)
+        return SimLaneCpus(
+            (reset, demand),
+            (mine(self.exec[0]), self.exec[1]),
+            (mine(self.validate[0]), self.validate[1]),
+            (mine(self.cleanup[0]), self.cleanup[1]),
+        )
 
 
 class SimSandbox:
@@ -236,6 +258,7 @@ class SimSource:
     def __init__(self, trajectories: TrajectorySource, lanes: SimLaneCpus, record: bool = False) -> None:
         self.trajectories = trajectories
         self._lanes = lanes
+        self._by_group = lanes.by_group()
         self._record = record  # transcripts: for a trainer taking the batches (the service's sim runs)
         # Attempts played to their validation, and those the run cut short (their time ran out before
         # the turns an idle machine finishes in time): they fail, so a policy that starves its attempts
@@ -246,7 +269,8 @@ class SimSource:
         self, group_id: int, task_index: int, attempt: int
     ) -> tuple[Agent, TaskSpec | None, Sandbox]:
         trajectory = self.trajectories.trajectory(task_index, attempt)
-        return SimAgent(trajectory, self._record, self.tally), _SIM_TASK, SimSandbox(trajectory, self._lanes)
+        lanes = self._lanes.for_group(group_id) if self._by_group else self._lanes
+        return SimAgent(trajectory, self._record, self.tally), _SIM_TASK, SimSandbox(trajectory, lanes)
 
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:

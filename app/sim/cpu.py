@@ -33,6 +33,14 @@ Work runs in streams. All jobs of a stream progress at the stream's rate times i
 an engine is paused with `keep`). Each stream tracks the service every one of its jobs has received so
 far, so a rate change costs O(streams), not O(jobs).
 
+CPU priority by group age (`GroupedStream`, a lane's `cpu_priority`): the runtime's pinned lanes with
+`order: oldest_group` run each sandbox's commands at niceness 4 × its group's age rank among the
+groups with an operation running, at most 19 (app.lanes.inprocess). Modelled: inside a contended
+lane, each group's operations get the lane's allocation by weighted max-min fairness over the groups,
+by the kernel's CFS weight of that niceness per core of the group's demand (each operation is a
+process of its own at its group's niceness), instead of alike; each group's operations share its part
+as a lane's do. Where the lane is not contended every operation runs at full speed, as before.
+
 Invariants: a job of `work` seconds never finishes sooner than `work` seconds after it starts; in a
 `LanePool`, a lane with demand d gets at least min(d, g) cores and the allocations never exceed the
 pool's cores (its own plus, with a lender, the lender's idle cores at that moment).
@@ -43,12 +51,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from app.sim.clock import VirtualTimeLoop
 
 _EPS = 1e-9
+K = TypeVar("K", bound=Hashable)  # a lane's name, or a group's id
 
 
 def _oversubscribed_rate(demand: float, cores: float, thrash: float) -> float:
@@ -59,6 +69,14 @@ def _oversubscribed_rate(demand: float, cores: float, thrash: float) -> float:
     # Fair shares of cores that themselves lose efficiency to context switches and cache thrash in
     # proportion to the excess load.
     return 1.0 / (load * (1.0 + thrash * (load - 1.0)))
+
+
+class RatePool(Protocol):
+    """What a stream's jobs draw on: a pool of cores, or a grouped lane for its groups' streams."""
+
+    def change_demand(self, delta: float, stream: Stream | None = None) -> None: ...
+
+    def stream_rate(self, stream: Stream) -> float: ...
 
 
 class CpuPool:
@@ -206,6 +224,20 @@ class LanePool(CpuPool):
         self.lanes[name] = stream
         return stream
 
+    def grouped_stream(self, name: str, ranks: GroupRanks) -> GroupedStream:
+        """The stream of lane `name`, shared among its groups by their CPU weights in `ranks`."""
+        if name not in self.guarantees:
+            raise ValueError(f"CPU pool {self.name!r} has no lane {name!r}")
+        stream = GroupedStream(self, name, ranks)
+        ranks.pools[self] = None
+        self.streams.append(stream)
+        self.lanes[name] = stream
+        return stream
+
+    def contended(self) -> bool:
+        """Whether any lane wants more cores than it has now."""
+        return any(s.demand > self.allocation[name] + _EPS for name, s in self.lanes.items())
+
     def stream_rate(self, stream: Stream) -> float:
         demand = stream.demand
         alloc = self.allocation[stream.name]
@@ -279,7 +311,7 @@ class LanePool(CpuPool):
         return water_fill(demand, self.guarantees, self.cores)
 
 
-def water_fill(demand: Mapping[str, float], weights: Mapping[str, float], cores: float) -> dict[str, float]:
+def water_fill(demand: Mapping[K, float], weights: Mapping[K, float], cores: float) -> dict[K, float]:
     """Weighted max-min fair allocation of `cores` among `demand`: nobody gets more than it asks, and
     the cores nobody takes are split in proportion to `weights` among those that want more. Every sum runs
     in `demand`'s order (a dict, not a set: a set of names iterates in an order that changes from one
@@ -312,7 +344,7 @@ def _now() -> float:
 
 
 class Stream:
-    def __init__(self, pool: CpuPool, name: str, serving: bool = False) -> None:
+    def __init__(self, pool: RatePool, name: str, serving: bool = False) -> None:
         self.pool = pool
         self.name = name
         self.serving = serving
@@ -431,3 +463,142 @@ class Stream:
             elif not waiting.done():
                 waiting.set_result(None)
         self.reschedule(now)  # drops the cancelled jobs now at the head
+
+
+# The kernel's CFS weight of each niceness from 0 to 19 (`sched_prio_to_weight`): each level gets about
+# 1.25 times less CPU than the one before when they contend.
+NICE_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137, 110, 87, 70, 56, 45, 36, 29, 23, 18, 15)
+
+
+class GroupRanks:
+    """The groups with an operation running in any lane of a pool, ranked by age (a lower group id is an
+    older group: ids are given in admission order), and the CPU weight of each: the niceness `step` ×
+    its rank, at most 19, as the runtime's lanes give them (app.lanes.inprocess, `NICE_STEP`)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.pools: dict[LanePool, None] = {}  # a dict: retimed in a fixed order
+        self._running: dict[int, int] = {}  # group -> its lanes with demand
+        self._weights: dict[int, float] | None = None
+
+    def weight(self, group: int) -> float:
+        weights = self._weights
+        if weights is None:
+            step, last = self.step, len(NICE_WEIGHT) - 1
+            weights = self._weights = {
+                g: float(NICE_WEIGHT[min(last, step * i)]) for i, g in enumerate(sorted(self._running))
+            }
+        return weights.get(group, float(NICE_WEIGHT[0]))
+
+    def busy(self, group: int, busy: bool) -> None:
+        """A lane of `group` gained its first running operation (`busy`) or lost its last one: when that
+        changes which groups run, every rank after it moves, and so do the rates of contended lanes."""
+        running = self._running
+        before = running.get(group, 0)
+        count = before + (1 if busy else -1)
+        if count > 0:
+            running[group] = count
+        else:
+            del running[group]
+        if (before > 0) == (count > 0):
+            return  # it still runs elsewhere, or already did: no rank moves
+        self._weights = None
+        for pool in self.pools:
+            if pool.contended():
+                pool.retime(_nothing)
+
+
+def _nothing() -> None:
+    return None
+
+
+class _GroupStream(Stream):
+    """One group's operations in a `GroupedStream`: a stream of its own, with the group's share's rate."""
+
+    def __init__(self, lane: GroupedStream, group: int) -> None:
+        super().__init__(lane, lane.name)
+        self.group = group
+
+
+class GroupedStream(Stream):
+    """A lane's stream with CPU priority by group age: its pool sees one lane (its demand, its
+    allocation), while its operations run in one stream per group (`for_group`), each at the rate of
+    the group's part of the lane's allocation (weighted max-min by `GroupRanks.weight`) over the group's
+    demand, slowed by thrash as the whole lane is. Jobs are never run on the lane stream itself."""
+
+    def __init__(self, pool: LanePool, name: str, ranks: GroupRanks) -> None:
+        super().__init__(pool, name)
+        self.lane_pool = pool
+        self.ranks = ranks
+        # Each group's stream while any of its sandboxes holds it; those with demand, in the order they
+        # gained it (rates are computed and timers armed in that order, so a seed replays exactly).
+        self._groups: weakref.WeakValueDictionary[int, _GroupStream] = weakref.WeakValueDictionary()
+        self._busy: dict[int, _GroupStream] = {}
+        self._shares: dict[int, float] | None = None
+
+    def for_group(self, group: int) -> Stream:
+        stream = self._groups.get(group)
+        if stream is None:
+            stream = self._groups[group] = _GroupStream(self, group)
+        return stream
+
+    async def run(self, work: float, demand: float = 0.0, result: Any = None) -> Any:
+        raise RuntimeError(f"lane {self.name!r} shares its cores by group: run work on `for_group(g)`")
+
+    def settle(self, now: float) -> None:
+        for stream in self._busy.values():
+            stream.settle(now)
+
+    def rate_changed(self, now: float) -> None:
+        self.rate = self.lane_pool.stream_rate(self)
+        self._shares = None
+        for stream in self._busy.values():
+            stream.rate_changed(now)
+
+    # -- the pool of its group streams ---------------------------------------------------------
+
+    def change_demand(self, delta: float, stream: Stream | None = None) -> None:
+        assert isinstance(stream, _GroupStream)
+        group = stream.group
+        demand = stream.demand + delta
+        if demand > _EPS:
+            stream.demand = demand
+            began = group not in self._busy
+            if began:
+                stream.settle(_now())  # idle until now: its service so far stands
+                self._busy[group] = stream
+            self.lane_pool.change_demand(delta, self)  # retimes the lanes when contended
+            if began:
+                self.ranks.busy(group, True)
+        else:
+            now = _now()
+            stream.settle(now)
+            stream.demand = 0.0
+            del self._busy[group]
+            self.lane_pool.change_demand(delta, self)
+            self.ranks.busy(group, False)
+            if stream.rate != 1.0:  # idle: a later operation starts at whatever rate its lane gives
+                stream.rate = 1.0
+                stream.reschedule(now)
+
+    def stream_rate(self, stream: Stream) -> float:
+        lane_demand, alloc = self.demand, self.lane_pool.allocation[self.name]
+        if lane_demand <= alloc + _EPS or not isinstance(stream, _GroupStream) or stream.demand <= 0.0:
+            return 1.0
+        if alloc <= 0.0:
+            return 0.0
+        shares = self._shares
+        if shares is None:
+            busy = self._busy
+            # Each operation is its own process at its group's niceness, so a group weighs its
+            # weight per core of demand (all alike, this is the lane's plain processor sharing).
+            weight = self.ranks.weight
+            shares = self._shares = water_fill(
+                {g: s.demand for g, s in busy.items()},
+                {g: weight(g) * s.demand for g, s in busy.items()},
+                alloc,
+            )
+        # Its part of the lane's cores over its demand, with the lane's thrash at the lane's load.
+        load = lane_demand / alloc
+        share = shares.get(stream.group, 0.0) / stream.demand
+        return min(1.0, share) / (1.0 + self.lane_pool.thrash * (load - 1.0))

@@ -54,13 +54,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Coroutine
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.lanes.adaptive import ResizableLimiter
-from app.sim.cpu import Stream
+from app.sim.cpu import CpuPool, Stream
 
 
 class LaneSharing(StrEnum):
@@ -126,15 +127,19 @@ class LongOps:
     def demand(self) -> float:
         return self.lane.demand
 
-    async def run(self, work: float, demand: float = 0.0, result: Any = None) -> Any:
-        """`Stream.run` of the reset lane's stream, for resets that may leave it."""
-        stream = self.lane
+    async def run(
+        self, work: float, demand: float = 0.0, result: Any = None, lane: Stream | None = None
+    ) -> Any:
+        """`Stream.run` of the reset lane's stream (or of `lane`, a group's part of it, when the lane
+        shares its cores by group age), for resets that may leave it."""
+        stream = self.lane if lane is None else lane
         limit = self.threshold()
         if work <= limit:
             await stream.run(work, demand)
         else:
             await stream.run(limit, demand)
             pool = self.background.pool
+            assert isinstance(pool, CpuPool)
             # Its own demand left the pool with the first part: idle cores beside it are these.
             if not self.limiter.queued or pool.cores - pool.demand - demand >= demand:
                 # Nobody waits for the slot, or the lane's slots can grow into idle cores: keep it.
@@ -149,3 +154,17 @@ class LongOps:
                     self.slots.release()
         self.record(work)
         return result
+
+
+class GroupLongOps:
+    """`LongOps` for one group's resets, where the reset lane shares its cores by group age
+    (app.sim.cpu.GroupedStream): they run in the group's stream of the lane until they leave it."""
+
+    __slots__ = ("lane", "long")
+
+    def __init__(self, long: LongOps, lane: Stream) -> None:
+        self.long = long
+        self.lane = lane
+
+    def run(self, work: float, demand: float = 0.0, result: Any = None) -> Coroutine[Any, Any, Any]:
+        return self.long.run(work, demand, result, self.lane)

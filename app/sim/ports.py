@@ -20,10 +20,10 @@ from typing import Any
 from app.core.config import LanesConfig, PolicyConfig
 from app.lanes.adaptive import AdaptiveLanesSpec, AdaptiveSlots, LaneSample, resize_lanes
 from app.lanes.base import LaneName
-from app.lanes.inprocess import InProcessLanes
+from app.lanes.inprocess import NICE_STEP, InProcessLanes
 from app.runtime.driver import RunState, Runtime
 from app.sim.adapters import SimEngine, SimLaneCpus, lane_cpu_split
-from app.sim.cpu import CpuPool, LanePool, Stream
+from app.sim.cpu import CpuPool, GroupRanks, LanePool, Stream
 from app.sim.lanes import LaneSharing, LongOps
 from app.sim.workload import Workload
 
@@ -53,6 +53,8 @@ class SimPorts:
                 out["lane_max_serving_cores_used"] = round(self.sandbox.max_lent, 3)
         else:
             out["lane_sharing"] = "shared"
+        out["lanes_order"] = self.lanes.order.value
+        out["lanes_cpu_priority"] = self.lane_cpus.by_group()
         if self.controller is not None:
             out["lane_slots"] = {
                 lane.value: {
@@ -103,7 +105,11 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
                 guarantees[BACKGROUND] = share * (cpus.total - cpus.serving)
             lender = serving if borrowing else None
             sandbox = LanePool("sandbox", cpus.total - cpus.serving, guarantees, True, cpus.thrash, lender)
-        streams = {lane: sandbox.stream(lane) for lane in split}
+        if workload.lanes.by_group_age():
+            ranks = GroupRanks(NICE_STEP)
+            streams = {lane: sandbox.grouped_stream(lane, ranks) for lane in split}
+        else:
+            streams = {lane: sandbox.stream(lane) for lane in split}
     else:
         serving = CpuPool("shared", cpus.total, cpus.thrash, cpus.interference)
         shared = serving.stream("sandboxes")
@@ -129,7 +135,7 @@ def build_ports(workload: Workload, policy: PolicyConfig) -> SimPorts:
             "order": workload.lanes.order,
         }
     )
-    # Simulated sandboxes have no niceness: the CPU model shares a lane's cores alike among its ops.
+    # Simulated sandboxes have no niceness to set: the CPU model gives the priority (GroupedStream).
     lanes = InProcessLanes.from_config(lane_config, policy.pinned_lanes, cpu_priority=False)
     controller = AdaptiveSlots(slots, adaptive) if adaptive is not None and policy.pinned_lanes else None
     interval = adaptive.interval_s if adaptive is not None else 0.0

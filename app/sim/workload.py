@@ -307,9 +307,14 @@ class LanesSpec(Strict):
     order: LaneOrder = Field(
         LaneOrder.FIFO,
         description="which queued operation of a lane goes next: the earliest queued (fifo) or the oldest "
-        "group's (oldest_group: the real runtime's `lanes.order` option, without its CPU priority, which "
-        "the CPU model does not have; it moved `full` by under 0.2% on the family but `cpu-scarce`, "
-        "where it was 2.5% slower)",
+        "group's (oldest_group: the real runtime's `lanes.order` option)",
+    )
+    cpu_priority: bool | None = Field(
+        None,
+        description="with oldest_group and pinned lanes: a contended lane's cores also go to its "
+        "operations by their groups' age, at the CPU weight of niceness 4 × the group's age rank (the "
+        "runtime's CPU priority, app.sim.cpu.GroupedStream); None: on with oldest_group, as the runtime "
+        "run as root has it",
     )
 
     @model_validator(mode="after")
@@ -318,7 +323,13 @@ class LanesSpec(Strict):
             raise ValueError(
                 "borrow_serving_cpus needs work_conserving lanes: partitioned lanes own their cores"
             )
+        if self.cpu_priority and self.order is not LaneOrder.OLDEST_GROUP:
+            raise ValueError("cpu_priority ranks groups by age: it needs order: oldest_group")
         return self
+
+    def by_group_age(self) -> bool:
+        """Whether a contended lane's cores go to its groups by age (`cpu_priority`, pinned lanes only)."""
+        return self.order is LaneOrder.OLDEST_GROUP and self.cpu_priority is not False
 
     def slots(self) -> dict[str, int]:
         return {"reset": self.reset, "exec": self.exec, "validate": self.validate_, "cleanup": self.cleanup}

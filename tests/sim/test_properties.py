@@ -265,6 +265,7 @@ def test_sync_restarts_and_full_does_not() -> None:
         ]
     ),
     demand=st.sampled_from([0.25, 1.0, 3.0]),
+    order=st.sampled_from(["fifo", "oldest_group"]),  # oldest_group: CPU priority by group age too
     live=changes,
 )
 def test_invariants_hold_under_every_lane_mode(
@@ -273,14 +274,16 @@ def test_invariants_hold_under_every_lane_mode(
     sharing: str,
     adaptive: dict[str, float | None] | None,
     demand: float,
+    order: str,
     live: list[tuple[float, str, int]],
 ) -> None:
     data = workload.model_dump(by_alias=True)
-    data["lanes"] = {**data["lanes"], "sharing": sharing, "adaptive": adaptive}
+    data["lanes"] = {**data["lanes"], "sharing": sharing, "adaptive": adaptive, "order": order}
     data["cpus"] = {**data["cpus"], "sandbox_demand": demand}
     moded = Workload.model_validate(data)
     report = check_run(moded, policy_for(moded, rung.value), live)
     assert report["lane_sharing"] == sharing
+    assert report["lanes_cpu_priority"] is (order == "oldest_group")
     if adaptive is not None:
         floor = adaptive.get("overload", 1.0) is not None  # slots may go below configured, never below 1
         cap = AdaptiveLanesSpec.model_validate(adaptive).max_factor
@@ -357,7 +360,8 @@ def test_invariants_hold_for_every_peer_rung(
     assert report["max_engines_updating"] <= workload.engines.count
 
 
-def test_invariants_hold_while_long_resets_leave_the_reset_lane() -> None:
+@pytest.mark.parametrize("order", ["fifo", "oldest_group"])
+def test_invariants_hold_while_long_resets_leave_the_reset_lane(order: str) -> None:
     # Few sandbox cores, many groups and a long reset tail: long resets leave the reset lane's slots.
     workload = make_workload(
         batches=4,
@@ -370,10 +374,12 @@ def test_invariants_hold_while_long_resets_leave_the_reset_lane() -> None:
             "validate": 2,
             "cleanup": 2,
             "adaptive": {"interval_s": 1.0, "long_op_factor": 2.0},
+            "order": order,
         },
         trajectory={"reset_s": {"lognormal": {"median": 1, "p90": 20, "max": 300}}},
     )
     report = check_run(workload, policy_for(workload, "full"), [])
+    assert report["lanes_cpu_priority"] is (order == "oldest_group")
     assert report["lane_long_resets"] > 0
     assert report["lost_groups"] == 0
 
