@@ -223,6 +223,17 @@ CASES: dict[str, Case] = {
         ["sim", "--workload", "default", "--plot", "d"], ["--plot d: is a directory"], {"d/f": "x"}
     ),
     "sim --plot -": Case(["sim", "--workload", "default", "--plot", "-"], ["not written to standard output"]),
+    # PGF needs a LaTeX program (none on this machine): the plot failed after the work, a traceback
+    **(
+        {}
+        if shutil.which("xelatex")
+        else {
+            "sim --plot x.pgf": Case(
+                ["sim", "--workload", "default", "--plot", "x.pgf"],
+                ["--plot x.pgf", "which is not installed", "png"],
+            )
+        }
+    ),
     "run --plot x.foo": Case(["run", "--json", "o.json", "--plot", "x.foo"], ["--plot", "x.foo"]),
     # advise's simulations run in worker processes: a bad trace line was a worker's traceback
     "advise --trace with a bad line": Case(
@@ -362,6 +373,23 @@ CASES: dict[str, Case] = {
     "engine --port 70000": Case(["engine", "--port", "70000"], ["--port", "65535"]),
     "engine --port 0": Case(["engine", "--port", "0"], ["--port"]),
     "engine port in use": Case(["engine", "--port", "{busy_port}"], ["--port", "already in use"]),
+    # options that only mean something beside another, ignored without it
+    "serve --demo-kind sim without --demo": Case(
+        ["serve", "--demo-kind", "sim"], ["--demo-kind sim", "--demo"]
+    ),
+    "worker --state-dir without --docker-image": Case(
+        ["worker", "--lane", "exec", "--cpus", "0", "--state-dir", "st"], ["--state-dir", "--docker-image"]
+    ),
+    # passed through, it overrode corral engine's own: served on one port, said it stopped on the other
+    "engine -- --port": Case(["engine", "--port", "8198", "--", "--port=8197"], ["--port after `--`"]),
+    "engine -- --po (a prefix)": Case(["engine", "--", "--po", "8197"], ["--port after `--`"]),
+    # an empty label fails the name's IDNA encoding (UnicodeError), not the resolver: it was a traceback
+    "engine --host a..b": Case(
+        ["engine", "--host", "a..b", "--port", "1"], ["--host a..b", "not a host name"]
+    ),
+    "engine --host of a 64-character label": Case(
+        ["engine", "--host", "x" * 64, "--port", "1"], ["--host", "not a host name"]
+    ),
     "vllm port in use": Case(
         ["engine", "--backend", "vllm", "--model", "m", "--port", "{busy_port}"], ["--port", "already in use"]
     ),
@@ -1117,3 +1145,16 @@ def test_a_trace_of_good_lines_is_still_read_line_by_line(tmp_path: Path) -> Non
     path.write_bytes(f"{good}\n".encode() + b"\xff\n")
     with pytest.raises(WorkloadError, match=rf"not UTF-8 text \(byte {len(good) + 1}\)"):
         load_trace(path)
+
+
+def test_a_run_config_that_is_a_pipe_is_refused_instead_of_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`corral run --config FIFO` blocked in the read, with Ctrl-C and SIGTERM held for the run to take:
+    only SIGKILL ended it. Nobody writes the FIFO here, so a read would hang the test."""
+    os.mkfifo(tmp_path / "fifo.yaml")
+    code, out, err = corral_in_process(
+        ["run", "--config", "fifo.yaml", "--json", "r.json"], tmp_path, monkeypatch, capsys
+    )
+    case = Case([], ["--config fifo.yaml", "not a regular file", "give a file"])
+    assert_one_line_refusal(code, out, err, case)

@@ -550,7 +550,7 @@ def _limit_memory() -> None:
     ("args", "needles"),
     [
         (["sim", "--workload", "/dev/zero"], ["workload /dev/zero", "larger than 4 MB"]),
-        (["run", "--config", "/dev/zero"], ["run config /dev/zero", "larger than 4 MB"]),
+        (["run", "--config", "/dev/zero"], ["--config /dev/zero", "not a regular file"]),
         (["sim", "--workload", "big.yaml"], ["workload big.yaml", "larger than 4 MB"]),
         (["trace", "import", "--format", "corral-run", "/dev/zero"], ["/dev/zero", "not a JSON report"]),
         (["trace", "import", "--format", "corral-run", "big.json"], ["big.json", "larger than 2 GB"]),
@@ -1053,3 +1053,14 @@ def test_the_serving_note_counts_one_core_as_one() -> None:
     note = serving_note(Workload.model_validate({"cpus": {"total": 5, "serving": 1}}))
     assert note is not None
     assert note.startswith("note: cpus.serving is 1 core, below the 16 that 8 busy engines use")
+
+
+@pytest.mark.parametrize("args", [[], ["trace"]])
+def test_no_command_prints_the_help_as_help(args: list[str], tmp_path: Path) -> None:
+    """`corral` or `corral trace` alone: the help, laid out as `--help` lays it out (it was squashed into
+    one `error:` line), and exit code 2 (no command was run)."""
+    proc = corral(*args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"Usage: corral{' ' if args else ''}{' '.join(args)} [OPTIONS] COMMAND")
+    assert "\nCommands:\n" in proc.stderr
+    assert "error:" not in proc.stderr

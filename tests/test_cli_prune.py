@@ -92,3 +92,63 @@ def test_prune_of_a_database_that_does_not_exist_says_so_and_makes_none(
         "(`corral serve` makes one)\n"
     )
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []])
+def test_prune_leaves_a_database_that_is_not_corrals_as_it_was(tmp_path: Path, dry_run: list[str]) -> None:
+    """`check_database` migrated whatever it opened: a dry run gave another program's SQLite file (and an
+    empty file) Corral's tables, then said it would delete 0 runs from it."""
+    import sqlite3
+
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as db:
+        db.execute("create table notes (body text)")
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    for database in (other, empty):
+        before = database.read_bytes()
+        proc = prune(tmp_path, "--older-than-days", "0", *dry_run, database=database)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr == (
+            f"error: CORRAL_DATABASE_URL sqlite:///{database}: not a Corral database (it has no Corral "
+            "schema; `corral serve` makes one)\n"
+        )
+        assert database.read_bytes() == before
+
+
+def test_a_dry_run_does_not_migrate_an_older_schema_and_a_real_prune_does(tmp_path: Path) -> None:
+    from alembic import command
+
+    from app.store.migrate import alembic_config, current_revision, head_revision
+
+    url = f"sqlite:///{tmp_path / 'corral.db'}"
+    ServiceStore(url).close()
+    command.downgrade(alembic_config(url), "-1")
+    before = (tmp_path / "corral.db").read_bytes()
+    dry = prune(tmp_path, "--older-than-days", "0", "--dry-run")
+    assert dry.returncode == 2, dry.stdout + dry.stderr
+    assert "not this Corral's" in dry.stderr
+    assert "without --dry-run" in dry.stderr
+    assert (tmp_path / "corral.db").read_bytes() == before
+    real = prune(tmp_path, "--older-than-days", "0")
+    assert real.returncode == 0, real.stderr
+    assert "deleted 0 ended runs" in real.stdout
+    store = ServiceStore(url, migrate=False)
+    try:
+        assert current_revision(store.engine) == head_revision()
+    finally:
+        store.close()
+
+
+def test_a_database_host_that_is_no_host_name_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "CORRAL_DATABASE_URL": "postgresql://u:secret@bad..host/x",
+           "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+    proc = subprocess.run(
+        [str(CORRAL), "prune", "--older-than-days", "0", "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: CORRAL_DATABASE_URL postgresql://u:***@bad..host/x: cannot open the database: its host is "
+        "not a host name\n"
+    )

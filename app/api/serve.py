@@ -64,6 +64,8 @@ def serve(
         fail(settings_problem(exc, {name: f"--{name}" for name in overrides}))
     if demo_kind not in ("local", "sim"):
         fail(f"--demo-kind: {demo_kind!r} is not one of local, sim")
+    if demo_kind != "local" and not demo:  # it was ignored without a word, and no demo run started
+        fail(f"--demo-kind {demo_kind}: only with --demo (it picks the demo run's kind)")
     from app.engines.embedded.__main__ import port_problem
 
     # Before the database, the demo run and its engines: uvicorn would find it only after all of them.

@@ -123,6 +123,11 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except TyperException as exc:  # click's usage errors: a bad flag, value or command
+        # `corral`, `corral trace`: no command. By name: typer raises its own vendored click's class.
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            # Its message is the whole help, which the one-line form below squashed into one line.
+            err.print(str(exc.format_message()), markup=False, highlight=False)
+            sys.exit(2)
         ctx = getattr(exc, "ctx", None)
         where = f"{ctx.command_path}: " if ctx is not None else ""
         message = " ".join(str(exc.format_message()).split()).replace(": Value error, ", ": ")

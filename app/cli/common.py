@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -372,9 +373,14 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
     """A plot path must end in a format matplotlib writes, and be writable."""
     if path is None:
         return
+    from matplotlib import rcParams
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    # PGF is written by a LaTeX program: without it the plot failed after the work, with a traceback.
+    tex = str(rcParams["pgf.texsystem"])
+    if shutil.which(tex) is None:
+        formats.remove("pgf")
     suffix = path.suffix.lower().removeprefix(".")
     if is_stdout(path):
         fail(f"{flag} {path}: a plot is not written to standard output; give a file name, e.g. plot.png")
@@ -385,6 +391,9 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
     if suffix not in formats:
         if not suffix:
             fail(f"{flag} {path}: the name has no image extension; end it with one of {', '.join(formats)}")
+        if suffix == "pgf":
+            listed = ", ".join(formats)
+            fail(f"{flag} {path}: '.pgf' is made by {tex}, which is not installed; use one of {listed}")
         fail(f"{flag} {path}: '.{suffix}' is not an image format; use one of {', '.join(formats)}")
     check_output(path, flag)
 
@@ -577,11 +586,15 @@ def check_run_dirs(data_dir: Path, spill_dir: Path | None) -> None:
             fail(str(exc))
 
 
-def check_database(url: str, create: bool = True) -> str:
+def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
-    to show, with any password hidden. With `create` False a SQLite file that does not exist is refused
-    instead of made: `corral prune` in the wrong directory left a new, empty database there."""
+    to show, with any password hidden. With `create` False the database must be Corral's already: a
+    SQLite file that does not exist is refused instead of made (`corral prune` in the wrong directory
+    left a new, empty database there), and so is a database without Corral's schema, which is only read
+    (a dry run's prune gave another program's SQLite file Corral's tables). With `migrate` False too, a
+    schema behind this Corral's is refused rather than migrated: nothing is written."""
+    from alembic.util import CommandError
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
@@ -600,10 +613,45 @@ def check_database(url: str, create: bool = True) -> str:
         with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
             path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        ServiceStore(url).close()
+        if create:
+            ServiceStore(url).close()
+        else:
+            problem = _schema_problem(url, migrate)
+            if problem is not None:
+                fail(f"CORRAL_DATABASE_URL {shown}: {problem}")
     except SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
     except ImportError as exc:  # a driver named in the URL that is not installed
         fail(f"CORRAL_DATABASE_URL {shown}: its driver is not installed ({exc.name or exc})")
+    except UnicodeError:  # the host's IDNA encoding failed: an empty label (`a..b`) or one over 63
+        fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: its host is not a host name")
+    except CommandError as exc:  # a revision these migrations do not know: a newer Corral's schema
+        fail(f"CORRAL_DATABASE_URL {shown}: cannot migrate the database: {exc}")
     return shown
+
+
+def _schema_problem(url: str, migrate: bool) -> str | None:
+    """Why the database at `url` is not one to work on, read without writing to it; None when it is
+    (migrated to this Corral's schema first, with `migrate`)."""
+    from sqlalchemy import create_engine
+
+    from app.store.migrate import current_revision, head_revision, upgrade_to_head
+
+    engine = create_engine(url)
+    try:
+        revision = current_revision(engine)
+    finally:
+        engine.dispose()
+    head = head_revision()
+    if revision is None:
+        return "not a Corral database (it has no Corral schema; `corral serve` makes one)"
+    if revision == head:
+        return None
+    if not migrate:
+        return (
+            f"its schema is at revision {revision}, not this Corral's {head}; a dry run writes nothing, "
+            "so run it without --dry-run (or start `corral serve`) to migrate it first"
+        )
+    upgrade_to_head(url)
+    return None

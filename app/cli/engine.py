@@ -49,6 +49,10 @@ def engine(
 
         if model is not None:
             fail("--model is for --backend vllm; the embedded engine serves its own small policy")
+        repeated = owned_option(ctx.args)
+        if repeated is not None:
+            # passed through it overrode ours: the engine served on one port, the stop line named the other
+            fail(f"{repeated} after `--`: corral engine sets {repeated} itself; give it before `--`")
         argv = ["--port", str(port), "--host", host, *(["--cpus", cpus] if cpus is not None else [])]
         code = embedded_main([*argv, *ctx.args], prog="corral engine")
         # uvicorn returns once a stop signal (Ctrl-C, SIGTERM, SIGHUP) has shut it down gracefully.
@@ -77,6 +81,24 @@ def engine(
         typer.echo(f"corral engine: stopped vllm serve {model} (its exit status {code})")
         raise typer.Exit(0) from None
     raise typer.Exit(code)
+
+
+OWNED = ("--port", "--host", "--cpus")  # what `corral engine` passes the embedded engine itself
+
+
+def owned_option(extra: list[str]) -> str | None:
+    """The first of `OWNED` among the pass-through options, as the engine's parser reads them (a prefix
+    such as `--po` is `--port` there too, and `--port=8197` is `--port`); None if there is none."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for flag in OWNED:
+        parser.add_argument(flag, nargs="?")
+    try:
+        found, _ = parser.parse_known_args(extra)
+    except (argparse.ArgumentError, SystemExit):
+        return None  # the engine's own parser refuses these options, naming them
+    return next((flag for flag in OWNED if getattr(found, flag[2:]) is not None), None)
 
 
 def stop_child(proc: subprocess.Popen[bytes], grace_s: float = VLLM_STOP_GRACE_S) -> int:

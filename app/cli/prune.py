@@ -43,7 +43,7 @@ def prune(
         settings = load_settings()
     except ValidationError as exc:
         fail(settings_problem(exc))
-    database = check_database(settings.database_url, create=False)
+    database = check_database(settings.database_url, create=False, migrate=not dry_run)
     cutoff = datetime.now(UTC) - timedelta(days=older_than_days)
     store = store_for(settings, migrate=False)
     try:

@@ -73,6 +73,12 @@ def run(
     check_plot(plot)
     path = config if config is not None else default_config_path()
     check_not_a_directory(path, "--config", "the run config file")
+    if path.exists() and not path.is_file():
+        # A pipe (`--config <(...)`, a FIFO) blocked the read with Ctrl-C held for the run to act on:
+        # nothing but SIGKILL ended it. The config is read again as the run starts, so a pipe cannot work.
+        fail(
+            f"--config {path}: not a regular file (a pipe, a device); corral run reads it twice: give a file"
+        )
     check_apart({"--json": json_out, "--plot": plot}, {"--config": path})
     try:
         cfg = load_config(path)

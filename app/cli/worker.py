@@ -69,6 +69,8 @@ def worker(
         fail(f"--isolation: {isolation!r} is not one of auto, bwrap, none")
     if loglevel.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         fail(f"--loglevel: {loglevel!r} is not one of debug, info, warning, error, critical")
+    if docker_image is None and state_dir != DEFAULT_STATE_DIR:  # it was ignored without a word
+        fail("--state-dir: only with --docker-image (it is where docker sandboxes keep their state)")
     try:
         settings = BrokerSettings()
         settings.urls()

@@ -45,6 +45,8 @@ def port_problem(host: str, port: int) -> str | None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         return f"--host {host}: cannot resolve it ({exc.strerror})"
+    except UnicodeError:  # the name's IDNA encoding failed: an empty label (`a..b`) or one over 63
+        return f"--host {host}: not a host name (a label of it is empty or longer than 63 characters)"
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
