@@ -69,7 +69,12 @@ def serve(
     from app.engines.embedded.__main__ import port_problem
 
     # Before the database, the demo run and its engines: uvicorn would find it only after all of them.
-    problem = port_problem(settings.host, settings.port)
+    named = {  # where each came from: its flag, else its setting (the default when that is unset too)
+        name: f"--{name}" if given is not None or f"CORRAL_{name.upper()}" not in os.environ
+        else f"CORRAL_{name.upper()}"
+        for name, given in (("host", host), ("port", port))
+    }  # fmt: skip
+    problem = port_problem(settings.host, settings.port, named["host"], named["port"])
     if problem is not None:
         fail(problem)
     check_run_dirs(settings.data_dir, settings.spill_dir)

@@ -70,8 +70,10 @@ def test_bad_settings_are_one_line_and_exit_2(
     assert "CORRAL_BROKER_URL: CORRAL_BROKER_URL" not in lines[0]
 
 
-def test_a_port_in_use_is_refused_before_the_database_and_the_demo_run(tmp_path: Path) -> None:
-    """uvicorn found it only after the database was made and the demo run's engines had started."""
+@pytest.mark.parametrize("given_by", ["--port", "CORRAL_PORT"])
+def test_a_port_in_use_is_refused_before_the_database_and_the_demo_run(tmp_path: Path, given_by: str) -> None:
+    """uvicorn found it only after the database was made and the demo run's engines had started. The
+    refusal names where the port came from (it said --port for a CORRAL_PORT)."""
     import socket
     import subprocess
     import sys
@@ -81,13 +83,14 @@ def test_a_port_in_use_is_refused_before_the_database_and_the_demo_run(tmp_path:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{database}", "CORRAL_DATA_DIR": str(tmp_path)}
+        env.pop("CORRAL_PORT", None)
+        flag = ["--port", str(port)] if given_by == "--port" else []
+        if given_by == "CORRAL_PORT":
+            env["CORRAL_PORT"] = str(port)
         proc = subprocess.run(
-            [str(Path(sys.executable).with_name("corral")), "serve", "--demo", "--port", str(port)],
-            env={
-                **os.environ,
-                "CORRAL_DATABASE_URL": f"sqlite:///{database}",
-                "CORRAL_DATA_DIR": str(tmp_path),
-            },
+            [str(Path(sys.executable).with_name("corral")), "serve", "--demo", *flag],
+            env=env,
             capture_output=True,
             text=True,
             timeout=60,
@@ -95,7 +98,7 @@ def test_a_port_in_use_is_refused_before_the_database_and_the_demo_run(tmp_path:
         )
     assert proc.returncode == 2, proc.stderr
     in_use = f"127.0.0.1:{port} is already in use; pick another port"
-    assert proc.stderr.strip() == f"error: --port {port}: {in_use}"
+    assert proc.stderr.strip() == f"error: {given_by} {port}: {in_use}"
     assert not database.exists()
 
 

@@ -39,14 +39,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message.removeprefix('argument ')}\n")
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why the engine could not listen on host:port, found by binding it now (before torch loads)."""
+def port_problem(host: str, port: int, host_from: str = "--host", port_from: str = "--port") -> str | None:
+    """Why the engine could not listen on host:port, found by binding it now (before torch loads).
+    `host_from` and `port_from` name where each came from (a flag, or a setting such as CORRAL_PORT)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return f"--host {host}: cannot resolve it ({exc.strerror})"
+        return f"{host_from} {host}: cannot resolve it ({exc.strerror})"
     except UnicodeError:  # the name's IDNA encoding failed: an empty label (`a..b`) or one over 63
-        return f"--host {host}: not a host name (a label of it is empty or longer than 63 characters)"
+        return f"{host_from} {host}: not a host name (a label of it is empty or longer than 63 characters)"
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
@@ -54,10 +55,10 @@ def port_problem(host: str, port: int) -> str | None:
             sock.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return f"--port {port}: {host}:{port} is already in use; pick another port"
+                return f"{port_from} {port}: {host}:{port} is already in use; pick another port"
             if exc.errno == errno.EACCES:
-                return f"--port {port}: permission denied (ports below 1024 need privileges)"
-            return f"--host {host} --port {port}: cannot listen there ({exc.strerror})"
+                return f"{port_from} {port}: permission denied (ports below 1024 need privileges)"
+            return f"{host_from} {host} {port_from} {port}: cannot listen there ({exc.strerror})"
     return None
 
 
