@@ -144,6 +144,15 @@ CASES: dict[str, Case] = {
     ),
     "--duration nan": Case(["run", "--duration", "nan", "--json", "o.json"], ["--duration", "finite"]),
     "--duration inf": Case(["run", "--duration", "inf", "--json", "o.json"], ["--duration", "finite"]),
+    # a range's bound was what the refusal said ("should be less than or equal to 1000, not 'nan'")
+    "sim --agent-gate nan": Case(
+        ["sim", "--workload", "default", "--agent-gate", "nan"],
+        ["--agent-gate", "'nan' is not a finite number"],
+    ),
+    "sim --agent-gate=-inf": Case(
+        ["sim", "--workload", "default", "--agent-gate=-inf"],
+        ["--agent-gate", "'-inf' is not a finite number"],
+    ),
     "--duration -1": Case(["run", "--duration", "-1", "--json", "o.json"], ["--duration"]),
     # A denormal or sub-second duration was taken: the run started its engines and stopped at once, no batch.
     "--duration 1e-320": Case(

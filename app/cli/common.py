@@ -399,7 +399,7 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
 
 
 _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
-_NON_FINITE = re.compile(r"[+-]?(nan|inf|infinity)", re.IGNORECASE)
+NON_FINITE = re.compile(r"[+-]?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def seconds(value: str | float) -> float:
@@ -410,7 +410,7 @@ def seconds(value: str | float) -> float:
     as typed."""
     if isinstance(value, float):
         return value
-    if _NON_FINITE.fullmatch(value):
+    if NON_FINITE.fullmatch(value):
         return float(value)
     if not _DECIMAL.fullmatch(value):
         raise typer.BadParameter(f"{value!r} is not a number of seconds; give e.g. 600 or 2.5")
