@@ -43,7 +43,7 @@ from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, 
 from app.service import commands
 from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import TRAINER_CLOCK, CommandRefused
-from app.service.gateway import Offer, RunClosedError, TrainerGateway, UnknownBatchError
+from app.service.gateway import Offer, RunClosedError, RunDeletedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, DispatchError, RunLimitError, RunLiveError, RunManager
 from app.service.schemas import (
@@ -249,6 +249,8 @@ async def next_batch(
         gateway = await run_in_threadpool(_ended_gateway, manager, run_id)
     try:
         offer = await _unless_stopping(gateway.next_batch(timeout), request.app.state.stopping)
+    except RunDeletedError:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r} (deleted)") from None
     except RunClosedError as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"run {run_id!r} has ended ({exc}){NO_MORE_BATCHES}"

@@ -167,6 +167,8 @@ class TrainerGateway:
             with self._lock:
                 taken, next_expiry = self._take(now)
                 if taken is None and self._closed is not None and next_expiry is None:
+                    if self._closed == DELETED:
+                        raise RunDeletedError(DELETED)
                     raise RunClosedError(self._closed)  # nothing left to hand out, ever
             if taken is not None:
                 if self.on_take is not None:
@@ -253,6 +255,15 @@ class TrainerGateway:
             self._closed = reason
         self.notify()
 
+    def deleted(self) -> None:
+        """The run was deleted: its batches are gone, and a trainer waiting for one is told so at once
+        (`RunDeletedError`). A long-poll open across the delete waited out its timeout for a batch that
+        could no longer be acked, then answered 204."""
+        with self._lock:
+            self._offers.clear()
+            self._closed = DELETED
+        self.notify()
+
     # -- waking waiters on any loop --------------------------------------------------------------
 
     def notify(self) -> None:
@@ -325,6 +336,13 @@ class OfferFiles:
 
 class RunClosedError(RuntimeError):
     """The run ended; no more batches will be offered."""
+
+
+class RunDeletedError(RunClosedError):
+    """The run was deleted while a trainer waited: it has no batches any more."""
+
+
+DELETED = "deleted"  # the gateway's close reason once its run is deleted
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

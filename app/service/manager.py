@@ -747,6 +747,8 @@ class RunManager:
             raise RunLiveError(f"run {run_id!r} is {handle.state.value}; stop it and wait until it has ended")
         self.wait_written()  # its offers' and acks' mirrors land before its rows go, not after
         deleted = self.store.delete_run(run_id)
+        if handle is not None:
+            handle.gateway.deleted()  # a long-poll open on it answers 404 now, not 204 at its timeout
         self.handles.pop(run_id, None)
         self._records.pop(run_id, None)
         self._lanes_stored.discard(run_id)

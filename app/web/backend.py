@@ -68,10 +68,25 @@ def _not_a_number(name: str) -> float:
     raise ReportError(f"report: {name} is not a number (a report is strict JSON)")
 
 
+# No figure of a run comes near it (1e15 seconds is 30 million years; tokens, counts and ids stay far
+# below), and sums of up to millions of such numbers stay finite: two 1e308 batch times overflowed the
+# page's mean (a 500), and a timeline width came out NaN.
+MAX_REPORT_NUMBER = 1e15
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise ReportError(f"report: {text} is out of range for a number")
+    if abs(value) > MAX_REPORT_NUMBER:
+        raise ReportError(f"report: {text} is beyond any run's figures (at most {MAX_REPORT_NUMBER:g})")
+    return value
+
+
+def _whole(text: str) -> int:
+    value = int(text)  # a ValueError past Python's digit limit is answered by `add_json`
+    if abs(value) > MAX_REPORT_NUMBER:
+        raise ReportError(f"report: {text} is beyond any run's figures (at most {MAX_REPORT_NUMBER:g})")
     return value
 
 
@@ -96,7 +111,7 @@ class ReplayStore:
         if len(data) > MAX_REPORT_BYTES:
             raise ReportError(f"report: larger than {MAX_REPORT_BYTES // (1024 * 1024)} MiB")
         try:
-            report = json.loads(data, parse_constant=_not_a_number, parse_float=_finite)
+            report = json.loads(data, parse_constant=_not_a_number, parse_float=_finite, parse_int=_whole)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ReportError(f"report: not JSON ({exc})") from exc
         except RecursionError:

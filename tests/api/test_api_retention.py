@@ -36,3 +36,28 @@ def test_deleting_needs_the_operator_token(server: str) -> None:
         assert anonymous.delete("/api/runs/whatever").status_code == 401
         bad = anonymous.delete("/api/runs/whatever", headers={"Authorization": "Bearer not-the-token"})
         assert bad.status_code == 403
+
+
+def test_a_long_poll_open_across_the_delete_answers_404_at_once(api: httpx.Client) -> None:
+    """It waited out its timeout for a batch nobody could ack any more, then answered 204."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    run = api.post("/api/runs", json=make_run(batches=None)).json()["id"]  # the API's trainer: us
+    taken = api.get(f"/api/runs/{run}/batches/next", params={"timeout": 120})
+    assert taken.status_code == 200, taken.text  # leased to us and never acked
+    api.post(f"/api/runs/{run}/stop")
+    wait_for(lambda: api.get(f"/api/runs/{run}").json()["state"] == "stopped", what="stopped")
+    with (
+        httpx.Client(base_url=api.base_url, timeout=60) as poller,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        asked = time.monotonic()
+        poll = pool.submit(poller.get, f"/api/runs/{run}/batches/next", params={"timeout": 40})
+        time.sleep(1.0)
+        assert api.delete(f"/api/runs/{run}").status_code == 200
+        answer = poll.result()
+        waited = time.monotonic() - asked
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["detail"] == f"no run {run!r} (deleted)"
+    assert waited < 25  # answered at the delete, not at its 40 s timeout nor when the 30 s lease ends

@@ -528,6 +528,22 @@ async def test_a_report_with_a_non_finite_number_is_refused(number):
     assert dash.replays.run_ids() == ["replay-1"]
 
 
+@pytest.mark.parametrize("number", ["1e308", "-2e15", "10000000000000000000000000000000"])
+async def test_a_report_with_a_number_beyond_any_run_is_refused(number):
+    # Two batch times of 1e308 were accepted; their mean overflowed (fsum) and the run page was a 500.
+    client, dash = make_client()
+    text = json.dumps({"groups_timeline": [], "batch_collection_s": {"per_batch": ["X", "X"]}})
+    async with client:
+        token = await csrf_of(client)
+        await sign_in(client)
+        answer = await client.post(
+            "/replays", data={"csrf_token": token}, files={"report": ("r.json", text.replace('"X"', number))}
+        )
+    assert answer.status_code == 422, answer.text
+    assert f"report: {number} is beyond any run" in answer.text
+    assert dash.replays.run_ids() == ["replay-1"]
+
+
 async def test_a_report_with_an_integer_too_long_for_python_is_a_422():
     # json.loads raised a plain ValueError for an integer of more than 4,300 digits: the load was a 500.
     client, dash = make_client()
