@@ -40,6 +40,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.api.deps import Manager, Operator, Viewer, live_handle, not_executing, refuse_while_resuming
+from app.core.config import MAX_POLICY_VERSION
 from app.service import commands
 from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import TRAINER_CLOCK, CommandRefused
@@ -347,7 +348,10 @@ async def publish_weights(
 
 @router.get("/{run_id}/rollouts/{version}")
 async def get_rollout(
-    run_id: RunId, version: Annotated[int, PathParam(ge=1, le=2**31 - 1)], manager: Manager, _: Viewer
+    run_id: RunId,
+    version: Annotated[int, PathParam(ge=1, le=MAX_POLICY_VERSION)],
+    manager: Manager,
+    _: Viewer,
 ) -> dict[str, Any]:
     handle = manager.get(run_id)
     none = HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no rollout {version}")

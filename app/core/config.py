@@ -10,6 +10,10 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The newest policy version a run takes (the API's bound, a signed 32-bit integer). A run whose trainer
+# published it can train on no further batch, since the next one is to be published as a newer version.
+MAX_POLICY_VERSION = 2**31 - 1
+
 
 class PauseModeName(StrEnum):
     ABORT = "abort"

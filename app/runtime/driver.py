@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from app.core.config import PolicyConfig, UpdatePacing
+from app.core.config import MAX_POLICY_VERSION, PolicyConfig, UpdatePacing
 from app.core.events import (
     AgentGateWait,
     AttemptCancelled,
@@ -420,6 +420,12 @@ class Runtime:
             self.phase = "trainer_step"
             await self.before_batches()
         while (batches is None or n < batches) and not self._stop_requested:
+            if self._version >= MAX_POLICY_VERSION:
+                # The batch would be trained into a version nobody may publish: the run waited forever.
+                raise RunCannotProceed(
+                    f"policy version {self._version} is the newest a run takes ({MAX_POLICY_VERSION}): no "
+                    "batch after it can be published as a newer one"
+                )
             requested = self.now()
             self._batch_waiter = loop.create_future()
             self._publish(BatchRequested(self.scheduler.batches_delivered))

@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, PauseModeName, PolicyName, launch_gate
+from app.core.config import (
+    MAX_AGENT_GATE,
+    MAX_POLICY_VERSION,
+    AdmissionMode,
+    PauseModeName,
+    PolicyName,
+    launch_gate,
+)
 from app.runtime.config import MAX_SURPLUS as LOCAL_MAX_SURPLUS
 from app.runtime.config import LocalRunConfig, default_config_data, sentinel_trainer_problem
 from app.sim.workload import Workload
@@ -284,7 +291,7 @@ class PolicyPatch(_Input):
 class WeightsPublish(_Input):
     """A new policy version: weights in the directory `path` (on the engines' hosts), or a sentinel."""
 
-    version: StrictInt = Field(ge=1, le=2**31 - 1)
+    version: StrictInt = Field(ge=1, le=MAX_POLICY_VERSION)
     path: str | None = Field(None, min_length=1, max_length=4096)
     sentinel: StrictBool = False
 
