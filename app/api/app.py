@@ -232,6 +232,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
             message = "unknown field"
         if loc == "body" and NAMES_ITS_FIELD.match(message):
             problems.append(message)  # a check across fields names the one it refuses: not "body"
+        elif loc == "body" and not _json_content(request):
+            # FastAPI reads no JSON without a JSON Content-Type: "should be a valid dictionary" (curl -d
+            # sends application/x-www-form-urlencoded) hid what was wrong.
+            given = request.headers.get("content-type") or "none"
+            problems.append(f"body: send it as JSON, with Content-Type: application/json (not {given})")
         else:
             problems.append(f"{loc}: {message}")
     detail = "; ".join(problems)
@@ -241,6 +246,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
         status_code=422,
         content={"detail": detail, "errors": [{"field": p.split(":")[0], "problem": p} for p in problems]},
     )
+
+
+def _json_content(request: Request) -> bool:
+    """Whether the request says its body is JSON, as FastAPI reads it (application/json or a +json type)."""
+    kind = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The newest policy version a run takes (the API's bound, a signed 32-bit integer). A run whose trainer
 # published it can train on no further batch, since the next one is to be published as a newer version.
@@ -110,6 +110,12 @@ class PolicyConfig(BaseModel):
         "B + S + this (None: no admission while (K + 1)·B wait ready, as many as the next K + 1 "
         "batches take)",
     )
+
+    @field_validator("agent_gate")
+    @classmethod
+    def _no_negative_zero(cls, value: float | None) -> float | None:
+        # -0.0 passes ge=0 and was stored and shown as "-0" (the dashboard's form, a PATCH)
+        return None if value is None else value + 0.0
 
     @model_validator(mode="after")
     def _ready_surplus_in_flight(self) -> PolicyConfig:

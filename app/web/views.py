@@ -603,7 +603,7 @@ def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:
         if not 0 <= value <= POLICY_MAX[name]:
             got = raw if decimal else f"{value:,}"
             raise ValueError(f"{name} ({short}): must be between 0 and {POLICY_MAX[name]:,}, got {got}")
-        changes[name] = value
+        changes[name] = value + 0  # -0.0 becomes 0.0: it was applied and shown as "-0"
     if not changes:
         raise ValueError("policy: set K, S or the agent gate")
     return changes

@@ -121,6 +121,17 @@ def test_malformed_bodies_are_422(api: httpx.Client, content: str | bytes, names
     assert names.lower() in answer.json()["detail"].lower()
 
 
+@pytest.mark.parametrize("kind", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_json_body_sent_as_something_else_says_so(api: httpx.Client, kind: str | None) -> None:
+    """curl -d's default type (or none) made it "body: Input should be a valid dictionary"."""
+    headers = {} if kind is None else {"Content-Type": kind}
+    answer = api.post("/api/runs", content=json.dumps(make_run()), headers=headers)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"] == (
+        f"body: send it as JSON, with Content-Type: application/json (not {kind or 'none'})"
+    )
+
+
 @pytest.mark.parametrize("zoom", ["0", "nan", "x"])
 def test_a_bad_query_on_a_dashboard_page_is_a_page(api: httpx.Client, zoom: str) -> None:
     # Typed into the address bar, it showed the API's JSON.

@@ -1180,3 +1180,16 @@ def test_the_lanes_card_says_whom_the_lanes_serve_first_when_they_say_it():
     assert lane_order_text("oldest_group", False) == "oldest group first (its queued work only)"
     assert lane_order_text("fifo", True) == "first come, first served"
     assert lane_order_text(None, True) is None
+
+
+def test_a_negative_zero_gate_is_zero():
+    """-0 passed `0 <= value`, and the dashboard said "Applied agent gate = -0." and stored -0.0."""
+    import math
+
+    from app.core.config import PolicyConfig
+    from app.web.views import parse_policy_form
+
+    assert math.copysign(1.0, parse_policy_form({"agent_gate": "-0"})["agent_gate"]) == 1.0
+    gate = PolicyConfig(agent_gate=-0.0).agent_gate
+    assert gate is not None
+    assert math.copysign(1.0, gate) == 1.0
