@@ -508,6 +508,7 @@ class RunHandle:
             return True
         if isinstance(self.loop, PacedLoop):
             self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
+            self.loop.hurry()  # which nobody waits on: it ends in seconds, not minutes of wall time
         elif self.state is RunState.PAUSED:
             self._engines_paused(False)
             self._runtime().hold(False)

@@ -61,3 +61,20 @@ def test_a_long_poll_open_across_the_delete_answers_404_at_once(api: httpx.Clien
     assert answer.status_code == 404, answer.text
     assert answer.json()["detail"] == f"no run {run!r} (deleted)"
     assert waited < 25  # answered at the delete, not at its 40 s timeout nor when the 30 s lease ends
+
+
+def test_a_simulated_run_stopped_at_its_start_ends_in_seconds(api: httpx.Client) -> None:
+    """B = 32 groups of G = 8 at speed 1, stopped 3 s in: it stayed `stopping` for about 4 minutes while
+    its 768 simulated resets and clean-ups drained in wall time. A stopping run's clock now hurries."""
+    import time
+
+    workload = {"trajectory": {"reset_s": {"uniform": [5, 60]}}}
+    run = api.post("/api/runs", json=make_run(speed=1.0, batches=None, workload=workload)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run}").json()["state"] == "running", what="running")
+    time.sleep(3.0)
+    asked = time.monotonic()
+    assert api.post(f"/api/runs/{run}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run}").json()["state"] == "stopped", 120, what="stopped")
+    assert time.monotonic() - asked < 30  # 68 s without the hurry here; 4 minutes at the default reset times
+    record = api.get(f"/api/runs/{run}").json()
+    assert record["live"]["groups_live"] == 0

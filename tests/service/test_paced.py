@@ -109,3 +109,40 @@ def test_a_held_loop_stands_still_and_still_runs_commands() -> None:
     pace = loop.pace()
     assert 0.2 <= pace["held_s"] < 5.0
     assert pace["speed"] == 10.0
+
+
+def test_a_hurried_loop_fires_its_timers_at_once_in_order_and_still_holds() -> None:
+    """A stopping simulated run hurries: its clean-ups (minutes of simulated time) took minutes of wall
+    time at speed 1, the run `stopping` all along."""
+    holding = [False]
+    loop = PacedLoop(speed=1.0, hold=lambda: holding[0])
+
+    async def main() -> tuple[list[tuple[str, float]], float]:
+        fired: list[tuple[str, float]] = []
+        for name, at in (("b", 600.0), ("a", 300.0), ("c", 900.0)):
+            loop.call_at(at, lambda name=name: fired.append((name, loop.time())))
+        await asyncio.sleep(0.05)  # paced: 50 ms of wall time for 0.05 virtual seconds
+        loop.hurry()
+        wall = time.monotonic()
+        await asyncio.sleep(1000.0)  # 1000 virtual seconds, after the three timers
+        return fired, time.monotonic() - wall
+
+    fired, wall = run_on(loop, main())  # type: ignore[misc]
+    assert [name for name, _ in fired] == ["a", "b", "c"]
+    assert [at for _, at in fired] == [300.0, 600.0, 900.0]  # each at its own time, none skipped
+    assert wall < 5.0  # not 1000 s: nothing waited for in wall time
+
+    # A hold still stops a hurried clock: the store's writer comes first.
+    holding[0] = True
+    loop = PacedLoop(speed=1.0, hold=lambda: holding[0])
+    threading.Timer(0.3, lambda: holding.__setitem__(0, False)).start()
+
+    async def held() -> tuple[float, float]:
+        loop.hurry()
+        wall = time.monotonic()
+        await asyncio.sleep(100.0)
+        return loop.time(), time.monotonic() - wall
+
+    virtual, wall = run_on(loop, held())  # type: ignore[misc]
+    assert virtual >= 100.0
+    assert wall >= 0.25  # it waited out the hold before running on
