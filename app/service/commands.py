@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.schemas import PolicyPatch, WeightsPublish
+from app.store.models import TERMINAL_RUN_STATES
 from app.validation import problems
 
 T = TypeVar("T")
@@ -80,6 +81,9 @@ async def publish(
     if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
+    if handle.state in TERMINAL_RUN_STATES:
+        # as a newer version is refused by the run (on_run); an older one was a 422 "not newer" first
+        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({handle.state.value})")
     if body.sentinel:
         if (problem := handle.sentinel_problem()) is not None:
             raise CommandRefused(422, f"sentinel: {problem}")

@@ -262,6 +262,19 @@ def test_commands_on_a_run_that_ended_here_say_it_has_ended(api: httpx.Client) -
         assert answer.json()["detail"] == f"run {run_id!r} has ended (stopped)", path
 
 
+def test_an_older_version_to_an_ended_run_is_the_same_409(api: httpx.Client) -> None:
+    # It was a 422 "not newer than the published version", where a newer one got 409 "has ended".
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    assert api.post(f"/api/runs/{run_id}/weights", json={"version": 5, "sentinel": True}).status_code == 202
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+    for version in (3, 9):
+        answer = api.post(f"/api/runs/{run_id}/weights", json={"version": version, "sentinel": True})
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["detail"] == f"run {run_id!r} has ended (stopped)"
+
+
 def test_stops_sent_together_all_answer_200_and_one_of_them_stopped_it(api: httpx.Client) -> None:
     # A double-click or a client's retry: the second stop of a run already stopping was a 409 ("is
     # stopping; this needs it created or running or paused"), which a script takes for a failure.
