@@ -132,11 +132,12 @@ def main() -> None:
         where = f"{ctx.command_path}: " if ctx is not None else ""
         message = " ".join(str(exc.format_message()).split()).replace(": Value error, ", ": ")
         typed = typed_value(sys.argv[1:], getattr(getattr(exc, "param", None), "opts", ()))
-        if typed is not None and message.startswith("Invalid value") and NON_FINITE.fullmatch(typed.strip()):
-            # a range's bound ("should be less than or equal to 1000, not 'nan'") missed the point
-            message = f"{message.split(':', 1)[0]}: {typed!r} is not a finite number"
-        elif typed is not None and repr(typed) not in message and message.startswith("Invalid value"):
-            message += f", not {typed!r}"  # as a workload file's refusals say
+        if typed is not None and message.startswith("Invalid value"):
+            if NON_FINITE.fullmatch(typed.strip()):
+                # a range's bound ("should be less than or equal to 1000, not 'nan'") missed the point
+                message = f"{message.split(':', 1)[0]}: {typed!r} is not a finite number"
+            elif repr(typed) not in message:
+                message += f", not {typed!r}"  # as a workload file's refusals say
         err.print(f"error: {where}{message}", markup=False)
         sys.exit(2)
     except typer.Abort:

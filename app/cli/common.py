@@ -381,6 +381,7 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
     tex = str(rcParams["pgf.texsystem"])
     if shutil.which(tex) is None:
         formats.remove("pgf")
+    listed = ", ".join(formats)
     suffix = path.suffix.lower().removeprefix(".")
     if is_stdout(path):
         fail(f"{flag} {path}: a plot is not written to standard output; give a file name, e.g. plot.png")
@@ -390,11 +391,10 @@ def check_plot(path: Path | None, flag: str = "--plot") -> None:
         return  # drawn and thrown away (as PNG), as asked
     if suffix not in formats:
         if not suffix:
-            fail(f"{flag} {path}: the name has no image extension; end it with one of {', '.join(formats)}")
+            fail(f"{flag} {path}: the name has no image extension; end it with one of {listed}")
         if suffix == "pgf":
-            listed = ", ".join(formats)
             fail(f"{flag} {path}: '.pgf' is made by {tex}, which is not installed; use one of {listed}")
-        fail(f"{flag} {path}: '.{suffix}' is not an image format; use one of {', '.join(formats)}")
+        fail(f"{flag} {path}: '.{suffix}' is not an image format; use one of {listed}")
     check_output(path, flag)
 
 

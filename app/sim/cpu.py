@@ -564,8 +564,7 @@ class GroupedStream(Stream):
         if demand > _EPS:
             stream.demand = demand
             began = group not in self._busy
-            if began:
-                stream.settle(_now())  # idle until now: its service so far stands
+            if began:  # (its `run` settled it at this time already)
                 self._busy[group] = stream
             self.lane_pool.change_demand(delta, self)  # retimes the lanes when contended
             if began:

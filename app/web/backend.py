@@ -78,16 +78,19 @@ def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise ReportError(f"report: {text} is out of range for a number")
-    if abs(value) > MAX_REPORT_NUMBER:
-        raise ReportError(f"report: {text} is beyond any run's figures (at most {MAX_REPORT_NUMBER:g})")
+    _check_bound(value, text)
     return value
 
 
 def _whole(text: str) -> int:
     value = int(text)  # a ValueError past Python's digit limit is answered by `add_json`
+    _check_bound(value, text)
+    return value
+
+
+def _check_bound(value: float, text: str) -> None:
     if abs(value) > MAX_REPORT_NUMBER:
         raise ReportError(f"report: {text} is beyond any run's figures (at most {MAX_REPORT_NUMBER:g})")
-    return value
 
 
 class ReplayStore:
