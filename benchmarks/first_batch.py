@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workload", choices=sorted(FAMILY), default="default")
     args = parser.parse_args(argv)
-    for key, value in first_batch(args.workload).items():
+    from benchmarks import interruptible
+
+    row = interruptible(lambda: first_batch(args.workload))
+    if row is None:
+        return 130
+    for key, value in row.items():
         print(f"{key:>24}: {round(value, 1) if isinstance(value, float) else value}")
     return 0
 

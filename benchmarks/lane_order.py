@@ -82,13 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import check_outputs, save_json
 
     check_outputs(json=args.json_out)
-    rows = []
-    for done, seed in enumerate(args.seeds, 1):
-        row = run_seed(args.workload, seed)
-        rows.append(row)
-        cells = "  ".join(f"{v} {row[v]['mean_s']:.1f} s" for v in VARIANTS)
-        print(f"[{done}/{len(args.seeds)}] seed {seed}: {cells}", flush=True)
-    result = {"workload": args.workload, "runs": rows, "summary": summary(rows)}
+    rows: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for done, seed in enumerate(args.seeds, 1):
+            row = run_seed(args.workload, seed)
+            rows.append(row)
+            cells = "  ".join(f"{v} {row[v]['mean_s']:.1f} s" for v in VARIANTS)
+            print(f"[{done}/{len(args.seeds)}] seed {seed}: {cells}", flush=True)
+    except KeyboardInterrupt:  # the seeds done are kept: a Ctrl-C was a traceback that lost them
+        interrupted = True
+        print(f"interrupted after {len(rows)} of {len(args.seeds)} seeds", file=sys.stderr)
+        if not rows:
+            print("nothing written", file=sys.stderr)
+            return 130
+    result = {"workload": args.workload, "runs": rows, "summary": summary(rows), "interrupted": interrupted}
     for variant, figures in result["summary"].items():
         print(
             f"{variant} / fifo: median {figures['median_ratio_to_fifo']:.3f}x "
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json_out is not None:
         save_json(args.json_out, result)
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -45,3 +45,31 @@ def test_seeds_and_outputs_are_checked_before_any_work(
         lo.main(["--seeds", "1", "--json", "/proc/no/such.json"])
     assert exit_.value.code == 2
     assert "--json /proc/no/such.json" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_seeds_done(tmp_path: Path) -> None:
+    """Ctrl-C, as a terminal sends it (to the process group), after the first seed: it was a traceback
+    that lost the seed; the seeds done are written, marked interrupted, exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "order.json"
+    args = ["--workload", "design", "--seeds", "1-5", "--json", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.lane_order", *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # blocks until the first seed is done
+    assert first.startswith("[1/5] seed 1:"), first
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted after" in err
+    result = json.loads(out.read_text())
+    assert result["interrupted"] is True
+    assert 1 <= len(result["runs"]) < 5
+    assert result["summary"]["cpu_priority"]["seeds"] == len(result["runs"])
