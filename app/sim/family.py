@@ -126,11 +126,6 @@ VARIANTS: dict[str, tuple[Callable[[Workload], dict[str, Any]], dict[str, Any]]]
 }
 
 
-# Peers left out of a trainable run: on `cpu-scarce` every attempt of theirs runs out of time (100%
-# cut short), so no group has a learning signal, and a run that discards each one never ends.
-UNBOUNDED_WHEN_TRAINABLE = frozenset({"areal (no concurrency cap)", "skyrl (no concurrency cap)"})
-
-
 def run_family(
     names: Sequence[str] | None = None,
     peers: bool = True,
@@ -148,8 +143,10 @@ def run_family(
     every simulation is seeded, so the results do not depend on it. `known` holds rungs already
     simulated (workload name → rung name → summary, as returned before); they are not run again.
     With `trainable`, every rung discards a group whose rewards are all equal (`filter_zero_variance`:
-    it has no learning signal), so the times are to batches of trainable groups; the peers of
-    `UNBOUNDED_WHEN_TRAINABLE` are left out then. `seed` replaces each workload's own seed (0): other
+    it has no learning signal), so the times are to batches of trainable groups. A rung whose groups
+    all lack a signal (the uncapped peers on `cpu-scarce`, whose attempts all run out of time) stops
+    once the driver's limit of such groups in a row is reached, and is a row that delivered no batch
+    and says why. `seed` replaces each workload's own seed (0): other
     draws of the same workloads, to see whether a result holds beyond one draw."""
     from app.sim.peers import PEERS
 
@@ -159,11 +156,7 @@ def run_family(
         plan += [(name, rung.value) for rung in LADDER_RUNGS]
         plan += [(name, variant) for variant in VARIANTS]
         if peers:
-            plan += [
-                (name, f"peer:{peer}")
-                for peer in PEERS
-                if not (trainable and peer in UNBOUNDED_WHEN_TRAINABLE)
-            ]
+            plan += [(name, f"peer:{peer}") for peer in PEERS]
     keys = {task: _key(*task, trainable, seed) for task in plan}
     summaries: dict[str, dict[str, Any]] = {}
     for (name, rung), key in keys.items():

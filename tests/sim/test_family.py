@@ -271,3 +271,23 @@ def test_a_row_has_the_same_fields_whether_or_not_its_run_stopped() -> None:
 
     workload = Workload.model_validate(_tiny(reset_s=1.0))
     assert set(simulated_row(workload, policy_for(workload, "full"), "full")) == set(SUMMARY_KEYS)
+
+
+def test_a_trainable_family_run_where_every_attempt_fails_ends_with_rows_that_say_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every attempt fails (the uncapped peers' attempts on `cpu-scarce` all run out of time), so no
+    group has a learning signal: each rung, the uncapped peers included, stops at the driver's limit of
+    such groups in a row and is a row that delivered no batch and says why, not a run that never ends."""
+    import app.sim.family as family
+
+    spec = _tiny(reset_s=2.0)
+    spec["trajectory"] = {**spec["trajectory"], "p_success": 0.0}
+    monkeypatch.setitem(family.FAMILY, "tiny", spec)
+    result = run_family(["tiny"], trainable=True)["workloads"]["tiny"]
+    rungs = result["rungs"]
+    assert {"areal (no concurrency cap)", "skyrl (no concurrency cap)"} <= set(rungs)
+    for rung, row in rungs.items():
+        assert row["mean_s"] is None, rung
+        assert "no learning signal" in row["stopped"], rung
+    assert sum("delivered no batch" in line for line in result["findings"]) == len(rungs)
