@@ -12,7 +12,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -165,6 +165,63 @@ def worker_pool(processes: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(processes, mp_context=context, initializer=quiet_worker, initargs=(ignored,))
 
 
+class WorkerLost(RuntimeError):
+    """A simulation worker died of something other than a stop signal to the whole group (the kernel's
+    OOM killer, a `kill -9`, a crash): the pool is broken and its work lost. Not an interrupt: nobody
+    pressed Ctrl-C, and the command says what happened and exits 1 where it said "interrupted", 130."""
+
+
+def _lost_worker(pool: ProcessPoolExecutor) -> str | None:
+    """How a worker of a pool that broke ended, where it was not by a stop signal: "SIGKILL", "exit
+    status 3"; None when every worker ended as a stop ends it (Ctrl-C or SIGHUP: `quiet_worker`'s 130;
+    SIGTERM, which the pool also sends the others as it breaks) or is still running. Python keeps the
+    pool's processes in a private field; where it is missing this says None (an interrupt, as before)."""
+    processes = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        code = process.exitcode
+        if code is None or code in (0, 130, -signal.SIGTERM):
+            continue
+        if code < 0:
+            return signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"exit status {code}"
+    return None
+
+
+@contextlib.contextmanager
+def stopping_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of `workers` simulation processes (`worker_pool`). An exception out of the block (an
+    interrupt) drops the queued work and ends the running workers, whose results are lost anyway: the
+    pool's own exit waited for all of it (a SIGTERM to the command alone, which its workers do not get,
+    took 15-60 s to act). A pool broken by a worker that died of something else raises `WorkerLost`.
+
+    The pool's thread is joined before the exception goes on. `shutdown(wait=False)` used to come
+    first, and it forgets that thread, so the thread was still closing its wake-up pipe as the
+    interpreter exited, and the exit hook of `concurrent.futures` could write to the closed pipe:
+    "Exception ignored in: <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" after
+    the command's one line (CI saw it once). The ended workers break the pool, so the join is short.
+    The fork server is stopped too when this pool started it: still starting, it may have a worker to
+    fork, which found the pool's semaphores gone and printed a FileNotFoundError traceback after the
+    command's "interrupted"."""
+    import multiprocessing
+    from concurrent.futures.process import BrokenProcessPool
+
+    before = set(multiprocessing.active_children())  # not the pool's to end
+    server_before = fork_server_pid()
+    with worker_pool(workers) as pool:
+        try:
+            yield pool
+        except BaseException as exc:
+            lost = _lost_worker(pool) if isinstance(exc, BrokenProcessPool) else None
+            for child in set(multiprocessing.active_children()) - before:
+                child.terminate()
+            if server_before is None:  # the pool's own: still starting, it may have a worker to fork
+                stop_fork_server()
+            pool.shutdown(wait=True, cancel_futures=True)
+            if lost is not None:
+                raise WorkerLost(f"a simulation worker died ({lost}); its work is lost") from exc
+            raise
+
+
 def map_in_workers(
     fn: Callable[..., R],
     tasks: Iterable[tuple[K, tuple[Any, ...]]],
@@ -172,12 +229,13 @@ def map_in_workers(
     on_done: Callable[[K, int, int], None] | None = None,
 ) -> dict[K, R]:
     """`fn(*args)` for each (key, args) of `tasks` in `processes` worker processes (`quiet_worker`s),
-    by key; `on_done(key, done, total)` after each, in the order they finish."""
+    by key; `on_done(key, done, total)` after each, in the order they finish. A Ctrl-C stops the
+    workers at once (`stopping_pool`); a worker that died otherwise raises `WorkerLost`."""
     from concurrent.futures import as_completed
 
     todo = list(tasks)
     results: dict[K, R] = {}
-    with worker_pool(processes) as pool:
+    with stopping_pool(processes) as pool:
         futures = {pool.submit(fn, *args): key for key, args in todo}
         for done, future in enumerate(as_completed(futures)):
             results[futures[future]] = future.result()

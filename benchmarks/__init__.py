@@ -70,14 +70,46 @@ def save_plot(draw: Callable[[Path], None], path: Path | None, written: Path | N
 
 def interruptible(work: Callable[[], T]) -> T | None:
     """`work()`, or None after a Ctrl-C, which reaches a process pool's workers too (they end quietly:
-    `app.children.quiet_worker`), with one line saying nothing was written."""
+    `app.children.quiet_worker`), with one line saying nothing was written. SIGTERM and SIGHUP act as
+    Ctrl-C meanwhile, as they do for `corral`'s commands: they killed the script silently (exit -15).
+    Run as a script, it ignores stop signals once interrupted, so that it exits 130 as it says (a second
+    Ctrl-C killed it, -2). A worker lost otherwise (`WorkerLost`: killed, crashed) is one line, exit 1."""
+    import signal
     from concurrent.futures.process import BrokenProcessPool
 
+    from app.children import WorkerLost
+
+    def as_ctrl_c(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:  # `nohup`: a hang-up stays ignored
+            signal.signal(sig, as_ctrl_c)
     try:
         return work()
     except (KeyboardInterrupt, BrokenProcessPool):
+        _stopping()
         print("interrupted: nothing written", file=sys.stderr)
         return None
+    except WorkerLost as exc:
+        _stopping()
+        print(f"error: {exc}; nothing written", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is as_ctrl_c:
+                signal.signal(sig, handler)
+
+
+def _stopping() -> None:
+    """`app.early_signals.stopping` for a benchmark run as a script (`python -m benchmarks.NAME`), which
+    owns its process; not when a test calls its `main`."""
+    from app import early_signals
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", "").startswith("benchmarks."):
+        early_signals.ignore_stops()
 
 
 def write_results(

@@ -344,8 +344,9 @@ def test_staleness_sweep_rows_name_their_k() -> None:
         (["sim", "--workload", "w.json"], 1),
         (["sim", "--workload", "w.json"], 2),
         (["bench", "--family"], 1),
+        (["bench", "--family"], 2),
     ],
-    ids=["sim", "sim, Ctrl-C twice", "bench --family"],
+    ids=["sim", "sim, Ctrl-C twice", "bench --family", "bench --family, Ctrl-C twice"],
 )
 def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
     args: list[str], presses: int, tmp_path: Path
@@ -373,8 +374,10 @@ def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    # A second press may also end the exiting interpreter itself (killed by SIGINT: a shell says 130)
-    assert proc.returncode in ((130, -signal.SIGINT) if presses > 1 else (130,)), stderr
+    # A second press used to end the exiting interpreter itself at times (killed by SIGINT, -2, which a
+    # shell shows as 130 but a script's `subprocess` does not): the stop signals are ignored once the
+    # command is on its way out (`early_signals.stopping`)
+    assert proc.returncode == 130, stderr
     said = [line for line in stderr.splitlines() if not PROGRESS_LINE.fullmatch(line)]  # off a terminal
     assert said == ["interrupted; out.json not written"]
     assert not (tmp_path / "out.json").exists()

@@ -352,6 +352,42 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert leftover == set()
 
 
+def test_a_worker_killed_mid_search_is_an_error_that_keeps_what_was_simulated(tmp_path: Path) -> None:
+    """A simulation worker killed on its own (the OOM killer, `kill -9`) broke the pool, and `advise`
+    said "interrupted ...", exit 130, though nobody pressed Ctrl-C. It now says a worker died and how,
+    keeps what was simulated as an interrupt does, names the plot it wrote too, and exits 1."""
+    import os
+    import signal
+
+    (tmp_path / "w.json").write_text(json.dumps({"batches": 3}))  # about a second a simulation
+    proc = subprocess.Popen(
+        [str(CORRAL), "advise", "--workload", "w.json", "--passes", "5", "--workers", "2",
+         "--json", "a.json", "--plot", "a.png"],
+        cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_busy_workers(proc.pid, 2)  # the current settings done, a round under way
+        os.kill(min(simulation_workers(proc.pid)), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["complete"] is False
+    done = len(advice["evaluated"])
+    said = without_progress(stderr)
+    assert len(said) == 1, stderr
+    assert said[0].startswith(
+        "error: a simulation worker died (SIGKILL); its work is lost; the search stopped after"
+    )
+    assert said[0].endswith('a.json ("complete": false) and a.png')
+    assert (f"after {done} settings simulated" in said[0]) or (done == 1 and "only the current" in said[0])
+    assert (tmp_path / "a.png").stat().st_size > 0
+    assert left_in_session(proc.pid) == set()
+
+
 @pytest.mark.parametrize("sigint", ["default", "ignored"], ids=["", "Ctrl-C ignored"])
 def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_path: Path) -> None:
     """SIGTERM to the command alone (its workers do not get it) mid-round: the pool's shutdown waited

@@ -123,6 +123,32 @@ def test_a_stop_signal_stops_the_embedded_engine_with_one_line(sig: signal.Signa
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
 
 
+@pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.3])
+def test_ctrl_c_twice_to_the_embedded_engine_stops_it_as_once_does(gap_s: float) -> None:
+    """Two Ctrl-Cs to the process group: uvicorn raised each captured signal again after its shutdown
+    and took the second as "force quit", so `corral engine` printed a KeyboardInterrupt and a lifespan
+    CancelledError traceback below its "stopped" line (3 of 4 double presses), or died by the signal
+    (-2) when the second came as it exited. Now: the same line, exit 0, every time."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CORRAL, "engine", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_healthy(proc, port)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
+        time.sleep(gap_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, (out, err)
+    assert out.splitlines()[-1] == f"corral engine: stopped; no longer serving on http://127.0.0.1:{port}"
+    assert "Traceback" not in err, err
+
+
 FAKE_VLLM = """#!{python}
 import os, signal, sys, time
 open({pidfile!r}, "w").write(str(os.getpid()))

@@ -4,14 +4,18 @@ the rungs it ran, and a command line that refuses bad flags and unwritable outpu
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from proc_children import in_session, left_in_session
+from proc_children import command_line, in_session, left_in_session, parent
 
 from app.sim.workload import Workload
 
@@ -139,13 +143,18 @@ def test_the_command_writes_its_json_and_plot(tmp_path: Path) -> None:
     assert "full is best in" in out.stdout
 
 
-def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None:
-    """A Ctrl-C in a terminal signals the whole process group: the workers too. Each used to print its
-    own KeyboardInterrupt traceback; now they end quietly and the command says one line."""
-    import os
-    import signal
-    import time
+STOPS = {
+    "Ctrl-C": [signal.SIGINT],
+    "Ctrl-C twice": [signal.SIGINT, signal.SIGINT],
+    "SIGTERM": [signal.SIGTERM],  # killed it silently, -15
+    "SIGHUP": [signal.SIGHUP],  # the terminal closed: killed it silently, -1
+}
 
+
+def stopped_mid_run(tmp_path: Path, stop: Callable[[int], None]) -> tuple[int, str]:
+    """Run `benchmarks.random_workloads` with two workers in a session of its own, call `stop(its pid)`
+    once it simulates, and return its exit status and stderr; also check that it wrote nothing and
+    left no process behind."""
     out = tmp_path / "r.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.random_workloads", "--count", "4", "--processes", "2",
@@ -155,19 +164,52 @@ def test_ctrl_c_to_the_process_group_ends_it_in_one_line(tmp_path: Path) -> None
     try:
         time.sleep(4)  # imports done, workers started and simulating
         assert proc.poll() is None
-        workers = in_session(proc.pid, group=True)
-        assert len(workers) >= 3  # the command and its two workers (and their fork server)
-        os.killpg(proc.pid, signal.SIGINT)
+        # the command and its two workers (and their fork server)
+        assert len(in_session(proc.pid, group=True)) >= 3
+        stop(proc.pid)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130
-    assert "interrupted: nothing written" in err
     assert "Traceback" not in err
     assert not out.exists()
     assert left_in_session(proc.pid, group=True) == set()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_a_stop_to_the_process_group_ends_it_in_one_line(tmp_path: Path, stop: str) -> None:
+    """A Ctrl-C in a terminal signals the whole process group: the workers too. Each used to print its
+    own KeyboardInterrupt traceback; now they end quietly and the command says one line. A second
+    press 50 ms later at times killed it by the signal (-2); SIGTERM and SIGHUP killed it silently."""
+
+    def signal_the_group(pid: int) -> None:
+        for n, sig in enumerate(STOPS[stop]):
+            if n:
+                time.sleep(0.05)
+            os.killpg(pid, sig)
+
+    code, err = stopped_mid_run(tmp_path, signal_the_group)
+    assert code == 130, err
+    assert "interrupted: nothing written" in err
+
+
+def test_a_worker_killed_mid_run_is_an_error_not_an_interrupt(tmp_path: Path) -> None:
+    """A simulation worker killed on its own (the OOM killer, `kill -9`) broke the pool, and the script
+    said "interrupted: nothing written", exit 130, though nobody pressed Ctrl-C. It now says that a
+    worker died and how, exit 1."""
+
+    def kill_a_worker(pid: int) -> None:
+        servers = {p for p in in_session(pid, group=True) if b"forkserver" in command_line(p)}
+        workers = [p for p in in_session(pid, group=True) if parent(p) in servers]
+        assert workers
+        os.kill(workers[0], signal.SIGKILL)
+
+    code, err = stopped_mid_run(tmp_path, kill_a_worker)
+    assert code == 1, err
+    assert "error: a simulation worker died (SIGKILL); its work is lost; nothing written" in err
+    assert "interrupted" not in err
 
 
 def test_a_rung_that_delivered_no_batch_is_named_and_left_out_of_the_ratios(rw: ModuleType) -> None:

@@ -115,6 +115,9 @@ def typed_value(argv: list[str], opts: Any) -> str | None:
     return found
 
 
+INTERRUPTED = 130  # the exit status of a command a stop signal ended (128 + SIGINT, as a shell says)
+
+
 def main() -> None:
     if (problem := empty_argument(sys.argv[1:])) is not None:
         err.print(f"error: {problem}", markup=False)
@@ -140,9 +143,10 @@ def main() -> None:
                 message += f", not {typed!r}"  # as a workload file's refusals say
         err.print(f"error: {where}{message}", markup=False)
         sys.exit(2)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):  # the latter: a second Ctrl-C as click said the first
+        early_signals.stopping()
         err.print("interrupted", markup=False)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except OSError as exc:
         # A path the OS refuses to even look up (a name over 255 bytes): Python 3.11's `Path.exists`
         # raises on it. The flags' own checks name the flag; this catches any path they do not check.
@@ -152,6 +156,10 @@ def main() -> None:
         sys.exit(2)
     finally:
         early_signals.release()  # a caller in the same process gets its handlers back
+        # The command is over, however it ended: a stop signal from here on has nothing to stop, and
+        # left to Python's default it killed the process as it exited (-2 after "stopped" or
+        # "interrupted", where the status said was 0 or 130).
+        early_signals.stopping()
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -176,20 +176,17 @@ def advise(
             fail(f"--trace {trace}: {exc}")
     check_apart({"--json": json_out, "--plot": plot}, {"--trace": trace, **workload_inputs(workload, spec)})
     with early_signals.interruptible_once(), simulation_errors():  # a second Ctrl-C must not break the save
-        advice = _search(spec, passes, workers, json_out)
+        advice, lost = _search(spec, passes, workers, json_out)
         write_report(json_out, advice.as_dict(), lambda out: plot_advice(advice, str(out)), plot)
         if not advice.complete:  # what was simulated is kept: it cost minutes
+            why = "interrupted" if lost is None else f"error: {lost}; the search stopped"
+            files = f'{json_out} ("complete": false)' + ("" if plot is None else f" and {plot}")
             if advice.candidates:
-                say(
-                    f"interrupted after {len(advice.evaluated)} settings simulated; the best of them → "
-                    f'{json_out} ("complete": false)'
-                )
+                say(f"{why} after {len(advice.evaluated)} settings simulated; the best of them → {files}")
             else:
-                say(
-                    "interrupted after only the current settings were simulated; no advice, their figures → "
-                    f'{json_out} ("complete": false)'
-                )
-            raise typer.Exit(130)
+                only = "only the current settings were simulated; no advice, their figures"
+                say(f"{why} after {only} → {files}")
+            raise typer.Exit(130 if lost is None else 1)
     for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
         s = outcome.settings
         say(
@@ -214,9 +211,9 @@ def advise(
         )
 
 
-def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> Advice:
-    """The advice, with a progress bar (plain lines off a terminal); after a Ctrl-C, the advice from
-    what was simulated."""
+def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> tuple[Advice, str | None]:
+    """The advice, with a progress bar (plain lines off a terminal); after a Ctrl-C, or a worker lost
+    otherwise (the second item says how), the advice from what was simulated."""
     from app.sim.advise import AdviceInterrupted
     from app.sim.advise import advise as run_advice
 
@@ -230,9 +227,10 @@ def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) ->
                 lines(done, planned)
 
         try:
-            return run_advice(spec, passes=passes, workers=workers, on_run=on_run)
+            return run_advice(spec, passes=passes, workers=workers, on_run=on_run), None
         except AdviceInterrupted as stopped:
             if stopped.partial is None:
-                say(f"interrupted before the current settings were simulated; {json_out} not written")
-                raise typer.Exit(130) from None
-            return stopped.partial
+                why = "interrupted" if stopped.lost is None else f"error: {stopped.lost}; the search stopped"
+                say(f"{why} before the current settings were simulated; {json_out} not written")
+                raise typer.Exit(130 if stopped.lost is None else 1) from None
+            return stopped.partial, stopped.lost

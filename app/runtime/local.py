@@ -96,7 +96,10 @@ class _StopSignals:
                 self.phase_at_first = runtime.phase
                 self.updating_at_first = sorted(runtime.plan.updating)
         if runtime is None or runtime.phase == "startup":
-            self.say("stopping: start-up abandoned, stopping the engines, writing the report")
+            if self.count == 1:  # a second press said this line again
+                self.say("stopping: start-up abandoned, stopping the engines, writing the report")
+            else:
+                self.say("already stopping; the report is on its way")
             if self.task is not None:
                 self.task.cancel()
         elif self.count == 1:

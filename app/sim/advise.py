@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import os
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from app.children import fork_server_pid, stop_fork_server, worker_pool
+from app.children import WorkerLost, stopping_pool
 from app.core.config import AdmissionMode
 from app.outputs import save_figure
 from app.runtime.report import drawn_s
@@ -349,12 +347,14 @@ def _rank(outcome: Outcome) -> tuple[float, float]:
 
 
 class AdviceInterrupted(Exception):
-    """Ctrl-C (or a worker lost to it) stopped the search. `partial` is the advice from the settings
-    simulated so far, or None when not even the current settings were."""
+    """Ctrl-C (or a worker lost to it), or a worker that died otherwise (`lost`, which says how), stopped
+    the search. `partial` is the advice from the settings simulated so far, or None when not even the
+    current settings were."""
 
-    def __init__(self, partial: Advice | None) -> None:
-        super().__init__("the search was interrupted")
+    def __init__(self, partial: Advice | None, lost: str | None = None) -> None:
+        super().__init__(lost or "the search was interrupted")
         self.partial = partial
+        self.lost = lost
 
 
 def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool) -> Advice:
@@ -387,35 +387,10 @@ def advise(
     seen: dict[Settings, Outcome] = {}
     try:
         _search(workload, policy_name, passes, workers, on_run, knobs, start, seen)
-    except (KeyboardInterrupt, BrokenProcessPool):
-        raise AdviceInterrupted(_choose(start, seen, complete=False) if start in seen else None) from None
+    except (KeyboardInterrupt, BrokenProcessPool, WorkerLost) as exc:
+        partial = _choose(start, seen, complete=False) if start in seen else None
+        raise AdviceInterrupted(partial, str(exc) if isinstance(exc, WorkerLost) else None) from None
     return _choose(start, seen, complete=True)
-
-
-@contextmanager
-def _stopped_at_once(workers: int) -> Iterator[ProcessPoolExecutor]:
-    """A pool of `workers` simulation processes. An exception out of the block (an interrupt) drops the
-    queued candidates and ends the running ones, whose results the search then discards: the pool's own
-    exit waited for every candidate of the round (a SIGTERM to the command alone, which its workers do
-    not get, took 15-60 s to act).
-
-    The pool's thread is joined before the exception goes on. `shutdown(wait=False)` used to come
-    first, and it forgets that thread, so the thread was still closing its wake-up pipe as the
-    interpreter exited, and the exit hook of `concurrent.futures` could write to the closed pipe:
-    "Exception ignored in: <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" after
-    the command's one line (CI saw it once). The ended workers break the pool, so the join is short."""
-    before = set(multiprocessing.active_children())  # not the pool's to end
-    server_before = fork_server_pid()
-    with worker_pool(workers) as pool:
-        try:
-            yield pool
-        except BaseException:
-            for child in set(multiprocessing.active_children()) - before:
-                child.terminate()
-            if server_before is None:  # the pool's own: still starting, it may have a worker to fork
-                stop_fork_server()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
 
 
 def candidate_outcome(candidate: Settings, fut: Future[Outcome], start: Settings) -> Outcome:
@@ -464,7 +439,7 @@ def _search(
             reported = (len(seen), planned)
             on_run(*reported)
 
-    with _stopped_at_once(workers) as pool:
+    with stopping_pool(workers) as pool:
 
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]

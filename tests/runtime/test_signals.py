@@ -443,3 +443,25 @@ def test_a_ctrl_c_while_corral_loads_is_not_followed_by_a_starting_line(tmp_path
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["batches"] == 0
     assert report["stop"]["phase"] == "startup"
+
+
+def test_a_second_stop_signal_during_start_up_is_acknowledged_not_announced_again() -> None:
+    """Two Ctrl-Cs while `corral run` started: "stopping: start-up abandoned ..." was said twice. The
+    second is acknowledged as the later ones of a run already stopping are."""
+    from app.runtime.local import _StopSignals
+
+    said: list[str] = []
+    stops = _StopSignals(said.append)
+    stops.fire()
+    stops.fire()
+    assert said == [
+        "stopping: start-up abandoned, stopping the engines, writing the report",
+        "already stopping; the report is on its way",
+    ]
+    assert stops.report() == {
+        "signals": 2,
+        "phase": "startup",
+        "engines_updating": [],
+        "forced": True,
+        "hung_up": False,
+    }

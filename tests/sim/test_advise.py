@@ -233,7 +233,7 @@ def test_an_interrupted_pool_is_gone_before_the_interrupt_goes_on() -> None:
     import time
     from concurrent.futures.process import _ExecutorManagerThread
 
-    from app.sim.advise import _stopped_at_once
+    from app.children import stopping_pool
 
     class Interrupted(Exception):
         pass
@@ -245,7 +245,7 @@ def test_an_interrupted_pool_is_gone_before_the_interrupt_goes_on() -> None:
     assert not pool_threads()
     started = time.monotonic()
     try:
-        with _stopped_at_once(2) as pool:
+        with stopping_pool(2) as pool:
             busy = [pool.submit(time.sleep, 60) for _ in range(4)]
             while not all(f.running() for f in busy[:2]):
                 time.sleep(0.01)

@@ -13,13 +13,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -494,4 +498,30 @@ def serve(
         cpus=None if cpus is None else tuple(cpus),
     )
     app = create_app(config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except for what more than one stop signal does. uvicorn raised each signal it
+    caught again after its shutdown, to the handler it found (asyncio's runner's, while the loop still
+    ran), and took a second Ctrl-C as "force quit", which skips the application's shutdown so that its
+    lifespan task is cancelled as the loop closes. After two quick Ctrl-Cs `corral engine` printed a
+    KeyboardInterrupt and a lifespan CancelledError traceback below its "stopped" line (3 of 4 double
+    presses). Here a second signal changes nothing: the graceful stop is bounded anyway
+    (`timeout_graceful_shutdown`, 2 s), and the caller (`corral engine`, the engine's own `main`)
+    returns once `run` does, which is the stop it asked for."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
