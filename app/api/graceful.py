@@ -57,12 +57,33 @@ class _QuietCutOff(logging.Filter):
 _QUIET_CUT_OFF = _QuietCutOff()
 
 
+@contextlib.contextmanager
+def held_stops() -> Iterator[list[int]]:
+    """Hold the stop signals that come in the block, in the list it yields, for a `GracefulServer` to act
+    on once it runs (`early`). `corral serve` builds its application (and its demo run) before the
+    server starts: a Ctrl-C meanwhile was a KeyboardInterrupt there, "interrupted", exit 130, at times
+    with a "coroutine 'Server.serve' was never awaited" warning, where a moment later it was a clean
+    stop. SIGHUP reaches the holder through SIGINT's handler (`app.cli.common.sigterm_as_ctrl_c`)."""
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(
         self,
         app: Any,
         on_stop: Callable[[], None] | None = None,
         on_force: Callable[[], None] | None = None,
+        early: list[int] | None = None,
         **config: Any,
     ) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=STOP_WAIT_S, **config))
@@ -71,6 +92,7 @@ class GracefulServer(uvicorn.Server):
         self.on_force = on_force
         self.forced = False  # a second stop signal came: the shutdown stops waiting
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._early = early if early is not None else []  # stop signals held before it ran (`held_stops`)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
@@ -119,6 +141,9 @@ class GracefulServer(uvicorn.Server):
         # A bound method of the server on SIGTERM: sse-starlette finds the server there and ends its
         # streams once `should_exit` is set.
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        for sig in self._early:  # they came as the application was built: acted on as if they came now
+            self.handle_exit(sig, None)
+        self._early.clear()
         try:
             yield
         finally:

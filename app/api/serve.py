@@ -54,7 +54,7 @@ def serve(
 ) -> None:
     """Serve the control plane: runs, the trainer API, /metrics, /healthz and the docs at /docs."""
     from app.api.app import create_app
-    from app.api.graceful import GracefulServer
+    from app.api.graceful import GracefulServer, held_stops
     from app.settings import load_settings
 
     overrides: dict[str, object] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
@@ -101,21 +101,23 @@ def serve(
     elif multiprocess_dir() is not None:
         say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
     until = "; the demo run collects batches until then" if spec is not None else ""
-    say(f"Ctrl-C stops the server and the runs it executes{until}")
-    app = create_app(settings, demo=spec, hold=hold)
-    hold.watch(on_taken=_database_taken)
-    if spec is not None:
-        _say_demo_page(app, spec, url)
-    # Not uvicorn.run: a second Ctrl-C there skips the app's shutdown, which stops the runs.
-    server = GracefulServer(
-        app,
-        on_stop=app.state.stopping.set,
-        on_force=lambda: _abandon(app),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-    )
-    server.run()
+    with held_stops() as early:  # a Ctrl-C from the line below on is the server's clean stop
+        say(f"Ctrl-C stops the server and the runs it executes{until}")
+        app = create_app(settings, demo=spec, hold=hold)
+        hold.watch(on_taken=_database_taken)
+        if spec is not None:
+            _say_demo_page(app, spec, url)
+        # Not uvicorn.run: a second Ctrl-C there skips the app's shutdown, which stops the runs.
+        server = GracefulServer(
+            app,
+            on_stop=app.state.stopping.set,
+            on_force=lambda: _abandon(app),
+            early=early,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+        )
+        server.run()
     _say_goodbye(app, database)
     hold.release()
     # The interpreter's last garbage collection walks every object the runs left (events buffered for
