@@ -70,22 +70,14 @@ def save_plot(draw: Callable[[Path], None], path: Path | None, written: Path | N
 
 def interruptible(work: Callable[[], T]) -> T | None:
     """`work()`, or None after a Ctrl-C, which reaches a process pool's workers too (they end quietly:
-    `app.children.quiet_worker`), with one line saying nothing was written. SIGTERM and SIGHUP act as
-    Ctrl-C meanwhile, as they do for `corral`'s commands: they killed the script silently (exit -15).
-    Run as a script, it ignores stop signals once interrupted, so that it exits 130 as it says (a second
-    Ctrl-C killed it, -2). A worker lost otherwise (`WorkerLost`: killed, crashed) is one line, exit 1."""
-    import signal
+    `app.children.quiet_worker`), with one line saying nothing was written; as a script (`run_script`),
+    SIGTERM and SIGHUP too. Run as a script, it ignores stop signals once interrupted, so that it exits
+    130 as it says (a second Ctrl-C killed it, -2). A worker lost otherwise (`WorkerLost`: killed,
+    crashed) is one line, exit 1."""
     from concurrent.futures.process import BrokenProcessPool
 
     from app.children import WorkerLost
 
-    def as_ctrl_c(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    for sig, handler in previous.items():
-        if handler is not signal.SIG_IGN:  # `nohup`: a hang-up stays ignored
-            signal.signal(sig, as_ctrl_c)
     try:
         return work()
     except (KeyboardInterrupt, BrokenProcessPool):
@@ -96,10 +88,30 @@ def interruptible(work: Callable[[], T]) -> T | None:
         _stopping()
         print(f"error: {exc}; nothing written", file=sys.stderr)
         raise SystemExit(1) from None
-    finally:
-        for sig, handler in previous.items():
-            if signal.getsignal(sig) is as_ctrl_c:
-                signal.signal(sig, handler)
+
+
+def run_script(main: Callable[[], int | None]) -> None:
+    """A benchmark's `if __name__ == "__main__"`: `main()`'s status as the exit status. SIGTERM and SIGHUP
+    (the terminal closed) act as Ctrl-C does, through SIGINT's handler as for `corral`'s commands
+    (`sigterm_as_ctrl_c`: a simulation then stops at a safe point of its loop; raised anywhere, the
+    interrupt broke asyncio's state, "no running event loop"). One that `main` does not handle itself
+    ends it with one line, exit 130: it was a KeyboardInterrupt traceback (or a silent -15) from
+    wherever the script was, `benchmarks.scale` and the real-run benchmarks among them."""
+    from app.cli.common import sigterm_as_ctrl_c
+
+    code: int | None = None
+
+    def work() -> None:
+        nonlocal code
+        code = main()
+
+    try:
+        sigterm_as_ctrl_c(work)()
+    except KeyboardInterrupt:
+        _stopping()
+        print("interrupted", file=sys.stderr)
+        code = 130
+    raise SystemExit(code or 0)
 
 
 def _stopping() -> None:

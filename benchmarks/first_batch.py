@@ -9,7 +9,6 @@ Run: `.venv/bin/python -m benchmarks.first_batch [--workload default]`
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 
@@ -60,4 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import run_script
+
+    run_script(main)

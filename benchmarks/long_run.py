@@ -151,4 +151,6 @@ def _row(name: str, med: float, worst: float, out: object) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks import run_script
+
+    run_script(main)

@@ -50,4 +50,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks import run_script
+
+    run_script(main)

@@ -373,4 +373,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import run_script
+
+    run_script(main)

@@ -159,4 +159,6 @@ def _browser(events: list[Envelope], repeat: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks import run_script
+
+    run_script(main)

@@ -21,7 +21,6 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -168,4 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import run_script
+
+    run_script(main)

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -179,4 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import run_script
+
+    run_script(main)

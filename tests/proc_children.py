@@ -3,7 +3,11 @@ is left. (A module of its own at the tests root, importable from every test dire
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from app.sandboxes.limits import after_comm
@@ -83,3 +87,16 @@ def command_line(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """`proc`, a session leader (`start_new_session=True`), killed with its process group when the block
+    ends with it still running: a stop the test sent and the process lost, or an assertion that failed
+    before the test waited for it, must not leave it running into the next test."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

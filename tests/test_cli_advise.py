@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proc_children import command_line, cpu_ticks, in_session, left_in_session, parent
+from proc_children import command_line, cpu_ticks, in_session, left_in_session, parent, reaped
 
 from app.cli.common import ProgressLines
 
@@ -365,14 +365,10 @@ def test_a_worker_killed_mid_search_is_an_error_that_keeps_what_was_simulated(tm
          "--json", "a.json", "--plot", "a.png"],
         cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
+    with reaped(proc):
         wait_for_busy_workers(proc.pid, 2)  # the current settings done, a round under way
         os.kill(min(simulation_workers(proc.pid)), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 1, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from proc_children import command_line, in_session, left_in_session, parent
+from proc_children import command_line, in_session, left_in_session, parent, reaped
 
 from app.sim.workload import Workload
 
@@ -161,17 +161,13 @@ def stopped_mid_run(tmp_path: Path, stop: Callable[[int], None]) -> tuple[int, s
          "--json", str(out)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    try:
+    with reaped(proc):
         time.sleep(4)  # imports done, workers started and simulating
         assert proc.poll() is None
         # the command and its two workers (and their fork server)
         assert len(in_session(proc.pid, group=True)) >= 3
         stop(proc.pid)
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert "Traceback" not in err
     assert not out.exists()
     assert left_in_session(proc.pid, group=True) == set()
