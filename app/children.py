@@ -233,9 +233,14 @@ def map_in_workers(
     workers at once (`stopping_pool`); a worker that died otherwise raises `WorkerLost`."""
     from concurrent.futures import as_completed
 
+    from app import early_signals
+
     todo = list(tasks)
     results: dict[K, R] = {}
-    with stopping_pool(processes) as pool:
+    # A second Ctrl-C is ignored while the pool unwinds: landing inside `as_completed`'s locks it gave
+    # "RuntimeError: release unlocked lock" (2 of 10 double presses), or left a lock held that the
+    # pool's shutdown then waited on for ever (1 of 35).
+    with early_signals.interruptible_once(), stopping_pool(processes) as pool:
         futures = {pool.submit(fn, *args): key for key, args in todo}
         for done, future in enumerate(as_completed(futures)):
             results[futures[future]] = future.result()

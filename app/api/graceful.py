@@ -141,8 +141,11 @@ class GracefulServer(uvicorn.Server):
         # A bound method of the server on SIGTERM: sse-starlette finds the server there and ends its
         # streams once `should_exit` is set.
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
-        for sig in self._early:  # they came as the application was built: acted on as if they came now
-            self.handle_exit(sig, None)
+        # Held as the application was built: one of them acts as if it came now. Only one: a second,
+        # taken as "stop at once", found no runs' manager yet to abandon, and since the server counts
+        # one force only, no later press could cut the graceful stop short.
+        if self._early:
+            self.handle_exit(self._early[0], None)
         self._early.clear()
         try:
             yield
