@@ -115,9 +115,6 @@ def typed_value(argv: list[str], opts: Any) -> str | None:
     return found
 
 
-INTERRUPTED = 130  # the exit status of a command a stop signal ended (128 + SIGINT, as a shell says)
-
-
 def main() -> None:
     if (problem := empty_argument(sys.argv[1:])) is not None:
         err.print(f"error: {problem}", markup=False)
@@ -146,7 +143,7 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):  # the latter: a second Ctrl-C as click said the first
         early_signals.stopping()
         err.print("interrupted", markup=False)
-        sys.exit(INTERRUPTED)
+        sys.exit(130)
     except OSError as exc:
         # A path the OS refuses to even look up (a name over 255 bytes): Python 3.11's `Path.exists`
         # raises on it. The flags' own checks name the flag; this catches any path they do not check.

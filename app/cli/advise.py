@@ -179,14 +179,14 @@ def advise(
         advice, lost = _search(spec, passes, workers, json_out)
         write_report(json_out, advice.as_dict(), lambda out: plot_advice(advice, str(out)), plot)
         if not advice.complete:  # what was simulated is kept: it cost minutes
-            why = "interrupted" if lost is None else f"error: {lost}; the search stopped"
+            why, code = _stopped_by(lost)
             files = f'{json_out} ("complete": false)' + ("" if plot is None else f" and {plot}")
             if advice.candidates:
                 say(f"{why} after {len(advice.evaluated)} settings simulated; the best of them → {files}")
             else:
                 only = "only the current settings were simulated; no advice, their figures"
                 say(f"{why} after {only} → {files}")
-            raise typer.Exit(130 if lost is None else 1)
+            raise typer.Exit(code)
     for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
         s = outcome.settings
         say(
@@ -230,7 +230,15 @@ def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) ->
             return run_advice(spec, passes=passes, workers=workers, on_run=on_run), None
         except AdviceInterrupted as stopped:
             if stopped.partial is None:
-                why = "interrupted" if stopped.lost is None else f"error: {stopped.lost}; the search stopped"
+                why, code = _stopped_by(stopped.lost)
                 say(f"{why} before the current settings were simulated; {json_out} not written")
-                raise typer.Exit(130 if stopped.lost is None else 1) from None
+                raise typer.Exit(code) from None
             return stopped.partial, stopped.lost
+
+
+def _stopped_by(lost: str | None) -> tuple[str, int]:
+    """What ended a search before its end, in words to begin its line, and the exit status: a Ctrl-C
+    (or SIGTERM, SIGHUP), or a simulation worker that died otherwise (`lost` says how)."""
+    if lost is None:
+        return "interrupted", 130
+    return f"error: {lost}; the search stopped", 1

@@ -13,14 +13,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from types import FrameType
@@ -509,19 +506,8 @@ class _Server(uvicorn.Server):
     KeyboardInterrupt and a lifespan CancelledError traceback below its "stopped" line (3 of 4 double
     presses). Here a second signal changes nothing: the graceful stop is bounded anyway
     (`timeout_graceful_shutdown`, 2 s), and the caller (`corral engine`, the engine's own `main`)
-    returns once `run` does, which is the stop it asked for."""
+    returns once `run` does, which is the stop it asked for. uvicorn raises again only the signals its
+    own `handle_exit` recorded, and this one records none."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.should_exit = True
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
