@@ -4,6 +4,7 @@ and data directories; newer ones and runs that have not ended stay. Run for real
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -152,3 +153,188 @@ def test_a_database_host_that_is_no_host_name_is_one_line(tmp_path: Path) -> Non
         "error: CORRAL_DATABASE_URL postgresql://u:***@bad..host/x: cannot open the database: its host is "
         "not a host name\n"
     )
+
+
+def ended_runs(tmp_path: Path, count: int, files: int = 0) -> ServiceStore:
+    """`count` runs that ended 30 days ago (12-hex ids, as the service makes), each with a data directory
+    of `files` files."""
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    ended = datetime.now(UTC) - timedelta(days=30)
+    for i in range(count):
+        run_id = f"{i:012x}"
+        store.create_run(run_id, f"run{i}", {"kind": "sim"}, {})
+        store.set_state(run_id, RunState.RUNNING)
+        store.set_state(run_id, RunState.STOPPED)
+        with store.session() as s:
+            run = s.get(Run, run_id)
+            assert run is not None
+            run.ended_at = ended
+        directory = tmp_path / "data" / run_id
+        directory.mkdir(parents=True)
+        for j in range(files):
+            (directory / f"f{j}").write_bytes(b"x")
+    return store
+
+
+def whole(store: ServiceStore, tmp_path: Path) -> set[str]:
+    """The runs left, checked whole: each has its row and its directory, unmarked, with all its files;
+    no directory is left without its row."""
+    from app.service.retention import TOMBSTONE
+
+    runs = {r.id for r in store.list_runs(limit=10_000)}
+    dirs = {p.name for p in (tmp_path / "data").iterdir()}
+    assert dirs == runs
+    for run_id in runs:
+        assert not (tmp_path / "data" / run_id / TOMBSTONE).exists()
+    return runs
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_ends_prune_between_two_runs_and_says_what_it_did(tmp_path: Path, sig: int) -> None:
+    """A Ctrl-C to the process group (and SIGTERM, SIGHUP) landed between a run's rows and its files: in
+    3 of 7 tries a run's rows were gone and its directory half-deleted, never to be removed; SIGTERM and
+    SIGHUP killed prune without a word."""
+    store = ended_runs(tmp_path, 40, files=300)
+    env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+           "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+    proc = subprocess.Popen(
+        [str(CORRAL), "prune", "--older-than-days", "7"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # the first run deleted: the work is under way
+        assert first.startswith("deleted run "), first
+        os.killpg(proc.pid, sig)
+        out, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    try:
+        left = whole(store, tmp_path)
+        deleted = 40 - len(left)
+        assert proc.returncode == 130, rest
+        assert 0 < deleted < 40
+        assert (
+            rest.splitlines()[-1]
+            == f"interrupted: {deleted} of 40 ended runs deleted; the rest are untouched"
+        )
+        assert out == f"deleted {deleted} ended runs from sqlite:///{tmp_path / 'corral.db'}\n"
+        assert "Traceback" not in rest
+        again = prune(tmp_path, "--older-than-days", "7")
+        assert again.returncode == 0, again.stderr
+        assert whole(store, tmp_path) == set()
+    finally:
+        store.close()
+
+
+def test_prune_removes_what_an_earlier_deletion_left_and_nothing_else(tmp_path: Path) -> None:
+    """A deletion cut short after its rows (kill -9, a file it could not remove) left its marked directory
+    behind, and no later prune looked at directories without rows."""
+    from app.service.retention import TOMBSTONE
+
+    store = ended_runs(tmp_path, 2)
+    data = tmp_path / "data"
+    (data / "aaaaaaaaaaaa" / "offers").mkdir(parents=True)  # marked, its rows gone: left behind
+    (data / "aaaaaaaaaaaa" / TOMBSTONE).touch()
+    (data / "bbbbbbbbbbbb").mkdir()  # not marked: another database's run, perhaps; never ours to take
+    (data / "000000000000" / TOMBSTONE).touch()  # marked, but its run is still there: deleted as a run
+    try:
+        dry = prune(tmp_path, "--older-than-days", "7", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert f"would remove {data / 'aaaaaaaaaaaa'}: left by the deletion of run aaaaaaaaaaaa" in dry.stderr
+        assert dry.stdout.endswith("; would remove 1 directory left by earlier deletions\n")
+        assert (data / "aaaaaaaaaaaa").exists()
+        real = prune(tmp_path, "--older-than-days", "7")
+        assert real.returncode == 0, real.stderr
+        database = f"sqlite:///{tmp_path / 'corral.db'}"
+        summary = f"deleted 2 ended runs from {database}; removed 1 directory left by earlier deletions\n"
+        assert real.stdout == summary
+        assert {p.name for p in data.iterdir()} == {"bbbbbbbbbbbb"}
+        assert store.list_runs() == []
+    finally:
+        store.close()
+
+
+def test_a_read_only_database_is_one_line_and_keeps_every_run_whole(tmp_path: Path) -> None:
+    """A database prune may read but not write ended in a traceback (OperationalError); the URI form made a
+    directory named 'file:' in the working directory."""
+    store = ended_runs(tmp_path, 2, files=2)
+    env = {**os.environ, "CORRAL_DATA_DIR": str(tmp_path / "data"),
+           "CORRAL_DATABASE_URL": f"sqlite:///file:{tmp_path / 'corral.db'}?mode=ro&uri=true"}  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [str(CORRAL), "prune", "--older-than-days", "0"], env=env, cwd=tmp_path,
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+        shown = (
+            "sqlite:///file%3A" + str(tmp_path / "corral.db") + "?mode=ro&uri=true"
+        )  # as SQLAlchemy shows it
+        assert proc.stderr.splitlines()[-1] == (
+            f"error: cannot delete run 000000000000 from {shown}: attempt to write a readonly database"
+        )
+        assert proc.stdout == f"deleted 0 ended runs from {shown}\n"
+        assert not (tmp_path / "file:").exists()
+        assert whole(store, tmp_path) == {"000000000000", "000000000001"}
+    finally:
+        store.close()
+
+
+def test_a_data_directory_prune_cannot_change_is_refused_before_any_row_goes(tmp_path: Path) -> None:
+    """Its rows were deleted, the directories stayed (rmtree's errors ignored), and it said 'deleted'."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a read-only bind mount (permission bits do not stop root)")
+    store = ended_runs(tmp_path, 2, files=2)
+    data, view = tmp_path / "data", tmp_path / "ro"
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(data), str(view)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        store.close()
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True, capture_output=True)
+        env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+               "CORRAL_DATA_DIR": str(view)}  # fmt: skip
+        proc = subprocess.run(
+            [str(CORRAL), "prune", "--older-than-days", "0"], env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert (
+            proc.stderr == f"error: CORRAL_DATA_DIR: cannot create files in {view}: Read-only file system\n"
+        )
+        assert whole(store, tmp_path) == {"000000000000", "000000000001"}
+    finally:
+        subprocess.run(["umount", str(view)], check=False)
+        store.close()
+
+
+def test_a_summary_that_cannot_be_written_is_one_line_after_the_work(tmp_path: Path) -> None:
+    store = ended_runs(tmp_path, 1)
+    env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
+           "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+    try:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(
+                [str(CORRAL), "prune", "--older-than-days", "0"], env=env, stdout=full,
+                stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+            )  # fmt: skip
+        assert proc.returncode == 1
+        assert proc.stderr.splitlines()[-1] == (
+            "error: cannot write the report to standard output: No space left on device"
+        )
+        assert whole(store, tmp_path) == set()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("days", ["1_0", " 7 ", "1e400", "+"])
+def test_days_are_a_plain_decimal_number(tmp_path: Path, days: str) -> None:
+    proc = prune(tmp_path, "--older-than-days", days, "--dry-run")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert f"{days!r}" in proc.stderr
+    assert "number of days" in proc.stderr

@@ -51,7 +51,7 @@ app.command()(run)  # takes the stop signals held since start-up itself: it stop
 app.command()(interruptible_command(sigterm_as_ctrl_c(serve)))
 app.command()(interruptible_command(worker))
 app.command()(interruptible_command(sigterm_as_ctrl_c(advise)))
-app.command()(interruptible_command(prune))
+app.command()(interruptible_command(sigterm_as_ctrl_c(prune)))  # stops between two runs
 app.add_typer(trace_app, name="trace")
 
 

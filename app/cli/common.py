@@ -402,22 +402,29 @@ _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 NON_FINITE = re.compile(r"[+-]?(nan|inf|infinity)", re.IGNORECASE)
 
 
-def seconds(value: str | float) -> float:
-    """A number of seconds as typed (typer's `parser` for a duration flag): a plain decimal number in
+def decimal_parser(unit: str, example: str) -> Callable[[str | float], float]:
+    """typer's `parser` for a flag that takes a number of `unit` as typed: a plain decimal number in
     ASCII digits (`600`, `0.5`, `1e3`). `float()` alone also takes '_' between digits (`1_0` is 10),
-    surrounding whitespace and other scripts' digits. 'nan' and 'inf' pass, for `check_seconds` to
-    refuse by name; a decimal too large for a float (`1e400`, which `float()` makes inf) is refused here,
-    as typed."""
-    if isinstance(value, float):
-        return value
-    if NON_FINITE.fullmatch(value):
-        return float(value)
-    if not _DECIMAL.fullmatch(value):
-        raise typer.BadParameter(f"{value!r} is not a number of seconds; give e.g. 600 or 2.5")
-    number = float(value)
-    if not math.isfinite(number):
-        raise typer.BadParameter(f"{value!r} is out of range for a number of seconds")
-    return number
+    surrounding whitespace and other scripts' digits. 'nan' and 'inf' pass, for the flag's own check
+    to refuse by name; a decimal too large for a float (`1e400`, which `float()` makes inf) is refused
+    here, as typed."""
+
+    def parse(value: str | float) -> float:
+        if isinstance(value, float):
+            return value
+        if NON_FINITE.fullmatch(value):
+            return float(value)
+        if not _DECIMAL.fullmatch(value):
+            raise typer.BadParameter(f"{value!r} is not a number of {unit}; give e.g. {example}")
+        number = float(value)
+        if not math.isfinite(number):
+            raise typer.BadParameter(f"{value!r} is out of range for a number of {unit}")
+        return number + 0.0  # -0 is 0
+
+    return parse
+
+
+seconds = decimal_parser("seconds", "600 or 2.5")  # a duration flag's
 
 
 def check_seconds(value: float | None, flag: str, *, low: float, high: float) -> None:
@@ -570,7 +577,7 @@ def settings_problem(exc: Any, flags: Mapping[str, str] | None = None) -> str:
     return message if message.startswith(name) else f"{name}: {message}"
 
 
-def check_run_dirs(data_dir: Path, spill_dir: Path | None) -> None:
+def check_run_dirs(data_dir: Path | None, spill_dir: Path | None) -> None:
     """Refuse, in one line, a CORRAL_DATA_DIR (or CORRAL_SPILL_DIR) this process cannot create files in,
     before the server starts: it was found only by each run, a local run failing at once with a
     traceback in the log and a simulated one keeping no batch for a restart. A file is made in each
@@ -608,10 +615,12 @@ def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
     shown = parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         path = Path(parsed.database or "")
-        if not create and not parsed.query.get("uri") and not path.exists():
+        uri = bool(parsed.query.get("uri"))  # `file:...?mode=ro`: a URI, not a path
+        if not create and not uri and not path.exists():
             fail(f"CORRAL_DATABASE_URL {shown}: no database at {path} (`corral serve` makes one)")
-        with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, see below
-            path.parent.mkdir(parents=True, exist_ok=True)
+        if not uri:  # a URI's text made a directory named 'file:' in the working one
+            with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, below
+                path.parent.mkdir(parents=True, exist_ok=True)
     try:
         if create:
             ServiceStore(url).close()

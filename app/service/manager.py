@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import shutil
 import threading
 import time
 import uuid
@@ -51,6 +50,7 @@ from app.metrics import CorralMetrics
 from app.runtime import spill
 from app.runtime.events import RETRY_FIRST_S, RETRY_MAX_S
 from app.runtime.spill import SpillFile
+from app.service import retention
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
 from app.service.ports import LanesFactory, run_policy
@@ -746,7 +746,16 @@ class RunManager:
         if handle is not None and not handle.done.is_set():
             raise RunLiveError(f"run {run_id!r} is {handle.state.value}; stop it and wait until it has ended")
         self.wait_written()  # its offers' and acks' mirrors land before its rows go, not after
-        deleted = self.store.delete_run(run_id)
+        dirs = retention.run_dirs(run_id, self.data_dir, self.spill_dir)
+        try:
+            retention.mark(dirs)  # what a failed or cut-short removal below leaves, `corral prune` finishes
+        except OSError as exc:
+            log.warning("run %s: its directories cannot be marked for deletion: %s", run_id, exc)
+        try:
+            deleted = self.store.delete_run(run_id)
+        except BaseException:
+            retention.unmark(dirs)
+            raise
         if handle is not None:
             handle.gateway.deleted()  # a long-poll open on it answers 404 now, not 204 at its timeout
         self.handles.pop(run_id, None)
@@ -754,9 +763,10 @@ class RunManager:
         self._lanes_stored.discard(run_id)
         with self._ended_lock:
             self._ended.pop(run_id, None)
-        shutil.rmtree(self.data_dir / run_id, ignore_errors=True)
-        if self.spill_dir is not None:
-            shutil.rmtree(self.spill_dir / run_id, ignore_errors=True)
+        problems = retention.remove(dirs)
+        if problems:
+            log.warning("run %s: deleted, but not all of its files (corral prune removes them): %s",
+                        run_id, "; ".join(problems[:3]))  # fmt: skip
         if self.metrics is not None:
             self.metrics.drop_run(run_id)
         return deleted
