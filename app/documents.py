@@ -36,15 +36,16 @@ class TooLarge(ValueError):
 
 
 def read_text_at_most(path: Path, limit: int) -> str:
-    """The whole of `path` as UTF-8 text, reading at most `limit` bytes of it: a larger file, or an
-    endless one (/dev/zero, a pipe that never ends), raises `TooLarge` before it fills memory. Raises
-    OSError and UnicodeDecodeError as `Path.read_text` does."""
+    """The whole of `path` as UTF-8 text (a leading byte-order mark, which some Windows editors write,
+    dropped), reading at most `limit` bytes of it: a larger file, or an endless one (/dev/zero, a pipe
+    that never ends), raises `TooLarge` before it fills memory. Raises OSError and UnicodeDecodeError
+    as `Path.read_text` does."""
     with open_input(path) as f:
         check_size(f, limit)
         data = f.read(limit + 1)
     if len(data) > limit:
         raise TooLarge(limit)
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")
 
 
 # How long a read of a pipe or device waits before it looks again whether a signal came.

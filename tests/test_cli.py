@@ -526,6 +526,21 @@ def test_sigterm_mid_simulation_ends_in_one_line(command: str, sigint: str, tmp_
     assert not (tmp_path / "out.json").exists()
 
 
+def finished_attempt(group: int, attempt: int) -> list[dict[str, object]]:
+    """A `corral run` event log's least finished attempt: its reset, then its finish."""
+    return [
+        {
+            "kind": "sandbox_op",
+            "group_id": group,
+            "attempt": attempt,
+            "lane": "reset",
+            "start": 0.0,
+            "end": 1.0,
+        },
+        {"kind": "attempt_finished", "group_id": group, "attempt": attempt, "reward": 1.0, "error": None},
+    ]
+
+
 def test_dash_as_the_output_means_standard_output(tmp_path: Path) -> None:
     """`--json -` (and trace import's `--out -`) was written to a file named `-`; the report now goes to
     stdout, alone, so it can be piped (`| jq`), and the summary line stays on stderr."""
@@ -534,8 +549,7 @@ def test_dash_as_the_output_means_standard_output(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["batches"] == 1
     assert "1 batch" in proc.stderr
-    event = {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None}
-    (tmp_path / "r.json").write_text(json.dumps({"event_log": [event]}))
+    (tmp_path / "r.json").write_text(json.dumps({"event_log": finished_attempt(0, 0)}))
     proc = corral("trace", "import", "--format", "corral-run", "r.json", "--out", "-", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line)["reward"] for line in proc.stdout.splitlines()] == [1.0]
@@ -845,8 +859,7 @@ def test_a_report_to_a_full_or_closed_standard_output_is_one_line(tmp_path: Path
     import os
 
     write_yaml(tmp_path / "w.yaml", make_workload(batches=1))
-    event = {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None}
-    (tmp_path / "r.json").write_text(json.dumps({"event_log": [event]}))
+    (tmp_path / "r.json").write_text(json.dumps({"event_log": finished_attempt(0, 0)}))
     with open("/dev/full", "w") as full:
         proc = subprocess.run(
             [str(CORRAL), *args], stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120,
@@ -894,8 +907,7 @@ def test_an_output_that_cannot_be_written_has_one_exit_code_for_each_time(
 
     write_yaml(tmp_path / "w.yaml", make_workload(batches=1))
     (tmp_path / "r").write_text("a regular file\n")
-    events = [{"kind": "attempt_finished", "group_id": g, "attempt": a, "reward": 1.0, "error": None}
-              for g in range(10) for a in range(2)]  # fmt: skip
+    events = [event for g in range(10) for a in range(2) for event in finished_attempt(g, a)]
     (tmp_path / "in.json").write_text(json.dumps({"event_log": events}))
     (tmp_path / "tmp").mkdir()  # where a report not written is kept, if it can be
 

@@ -126,7 +126,7 @@ def corral_run_report(root: Path, *bad: object) -> Path:
     """A `corral run` report whose event log holds one finished attempt, then `bad`."""
     op = {"kind": "sandbox_op", "group_id": 0, "attempt": 0, "lane": "reset", "start": 0.0, "end": 2.0}
     events = [
-        {"kind": "group_admitted", "group_id": 0, "task_index": 0, "group_size": 1, "task": "hello"},
+        {"kind": "group_admitted", "group_id": 0, "task_index": 0, "group_size": 100, "task": "hello"},
         op,
         {**op, "lane": "exec", "start": 2.0, "end": 5.0},
         {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},

@@ -36,6 +36,7 @@ with its reason.
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
 import math
 from collections import Counter
@@ -246,14 +247,15 @@ def _report_text(path: Path) -> str:
     whitespace) is refused from its first bytes: /dev/zero would otherwise be read to the limit."""
     with open_input(path) as f:
         check_size(f, MAX_REPORT_BYTES)
-        head = f.read(65_536)
+        raw = f.read(65_536)
+        head = raw.removeprefix(codecs.BOM_UTF8)  # a byte-order mark, which some Windows editors write
         start = head.lstrip()[:1]
         if start and start != b"{":
             shown = repr(chr(start[0])) if 32 < start[0] < 127 else f"byte 0x{start[0]:02x}"
             raise ValueError(f"a corral run report begins with '{{', this one with {shown}")
         if not start:
             raise ValueError("the file is empty" if not head else "the file is only whitespace")
-        rest = f.read(MAX_REPORT_BYTES + 1 - len(head)) if len(head) == 65_536 else b""
+        rest = f.read(MAX_REPORT_BYTES + 1 - len(head)) if len(raw) == 65_536 else b""
     data = head + rest
     if len(data) > MAX_REPORT_BYTES:
         raise TooLarge(MAX_REPORT_BYTES)
@@ -303,6 +305,7 @@ def attempts_from_events(
     (group id → task name: `corral run`'s events leave `task` empty), else `task-<task_index>`."""
     named = group_tasks or {}
     tasks: dict[int, str] = {}
+    sizes: dict[int, int] = {}  # each group's G, as admitted
     phases: dict[tuple[int, int], dict[str, float]] = {}
     turns: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (start, model time) of each turn
     tools: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (start, time) of each exec op
@@ -317,6 +320,8 @@ def attempts_from_events(
         if kind == "group_admitted":
             gid = _integer(ev, i, "group_id")
             tasks[gid] = str(ev.get("task") or named.get(str(gid)) or f"task-{ev.get('task_index')}")
+            if isinstance(size := ev.get("group_size"), int) and not isinstance(size, bool):
+                sizes[gid] = size
             continue
         if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted", "attempt_cancelled"):
             continue
@@ -348,10 +353,23 @@ def attempts_from_events(
                 turns.setdefault(key, []).append((start, spent))
         else:
             reward = _finite(ev, i, "reward")
-            if ev.get("error"):
-                skipped["failed"] += 1
-                for kept in (phases, turns, tools, backwards):
-                    kept.pop(key, None)
+            # What no attempt of a real run reports: each would be a line of made-up zero seconds.
+            why = (
+                "failed"
+                if ev.get("error")
+                else "an attempt index outside its group"
+                if not 0 <= key[1] < sizes.get(key[0], key[1] + 1)
+                else "a second finish of one attempt"
+                if key in finished
+                else "no sandbox op and no turn recorded"
+                if key not in phases and key not in turns
+                else None
+            )
+            if why is not None:
+                skipped[why] += 1
+                if key not in finished:
+                    for kept in (phases, turns, tools, backwards):
+                        kept.pop(key, None)
                 continue
             lanes = phases.pop(key, {})
             attempt_turns = _turns_with_tools(turns.pop(key, []), tools.pop(key, []))

@@ -73,6 +73,21 @@ def test_a_terminal_bench_import_reports_each_file_read_of_all(tmp_path: Path) -
     assert reported == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]  # 3 trials and the run's summary
 
 
+def test_a_file_that_begins_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """A results.json or report saved by an editor that writes a UTF-8 byte-order mark was skipped as
+    "not JSON"."""
+    run = write_run(tmp_path, [make_trial("t", "t.1", True)])
+    trial = run / "t" / "t.1" / "results.json"
+    trial.write_bytes(b"\xef\xbb\xbf" + trial.read_bytes())
+    (run / "results.json").unlink()
+    result = import_terminal_bench(run)
+    assert len(result.records) == 1
+    assert not result.skipped
+    report = tmp_path / "report.json"
+    report.write_bytes(b"\xef\xbb\xbf" + json.dumps({"event_log": make_events()}).encode())
+    assert import_corral_run(report).records == [COUNT_PRIMES]
+
+
 def test_unnamed_trials_each_count_once(tmp_path: Path) -> None:
     """Trials without a trial_name were known by their directory: in a run's summary that is the run's,
     so every unnamed trial of a task but the first was dropped, and counted nowhere. A trial file and
@@ -147,6 +162,9 @@ COUNT_PRIMES = {
 }
 
 
+FINISHED_0 = {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None}
+
+
 def test_corral_run_events_give_one_line_per_finished_attempt() -> None:
     records, skipped = attempts_from_events(make_events())
     assert skipped == {"failed": 1}
@@ -187,6 +205,23 @@ def test_an_attempt_cancelled_with_its_group_is_counted() -> None:
     records, skipped = attempts_from_events(events)
     assert skipped == {"cancelled (its group was discarded)": 1}
     assert len(records) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({**FINISHED_0, "attempt": 0}, "a second finish of one attempt"),
+        ({**FINISHED_0, "attempt": 99}, "an attempt index outside its group"),
+        ({**FINISHED_0, "attempt": -5}, "an attempt index outside its group"),
+        ({**FINISHED_0, "group_id": 7}, "no sandbox op and no turn recorded"),
+    ],
+)
+def test_a_finish_no_real_attempt_reports_is_skipped_with_its_reason(extra: dict, why: str) -> None:
+    """Each of these became a line of zero seconds and reward 1 (the audit's duplicated, out-of-range and
+    span-less finishes), and a simulation of the trace then collected batches in 0.0 s."""
+    records, skipped = attempts_from_events([*make_events(), extra])
+    assert records == [COUNT_PRIMES]
+    assert skipped == {"failed": 1, why: 1}
 
 
 def without(event: dict, key: str) -> dict:
