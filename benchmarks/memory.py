@@ -8,10 +8,10 @@ nothing queues, and prints the peak and current RSS of this process when the 10,
 
 What still grows with history, by design and small: the simulator's per-group bound inputs (32 bytes a
 group), the ledger's bit per group id, and the report's per-batch figures (a few floats per batch).
-The simulator's `TrajectorySource` also keeps every trajectory it drew (so that the rungs of a bench
-replay the same draws); that cache belongs to the workload, not to the runtime, so by default this
-benchmark draws through an uncached source (the draws are seeded per group and attempt, so they are
-the same); `--cached` measures with the cache.
+A bench's `TrajectorySource` also keeps every trajectory it drew (so that its rungs replay the same
+draws); that cache belongs to the workload, not to the runtime, so by default this benchmark draws
+through an uncached source, as one simulation (`corral sim`) does (the draws are seeded per group and
+attempt, so they are the same); `--cached` measures with the cache.
 
 Run: `.venv/bin/python -m benchmarks.memory [--groups 100000 --batch-groups 50 --surplus 50] [--cached]`.
 """

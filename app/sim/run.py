@@ -94,7 +94,7 @@ def simulate(
     work (`run_virtual`).
     """
     wall = time.perf_counter()
-    source = trajectories or TrajectorySource(workload)
+    source = trajectories or TrajectorySource(workload, cache=False)  # one policy: nothing replays them
     ports = build_ports(workload, policy)
     engines, lanes, lane_cpus = ports.engines, ports.lanes, ports.lane_cpus
 
