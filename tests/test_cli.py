@@ -1070,6 +1070,19 @@ def test_the_serving_note_counts_one_core_as_one() -> None:
     assert note.startswith("note: cpus.serving is 1 core, below the 16 that 8 busy engines use")
 
 
+def test_a_trainer_that_never_waited_gets_no_serving_note() -> None:
+    """A workload whose every duration is 0 said "lane queues held the trainer for 0.0 s of its 0.0 s
+    wait"."""
+    from app.cli.sim import serving_note
+    from app.sim.workload import Workload
+
+    spec = Workload.model_validate({"cpus": {"total": 64, "serving": 32}})
+    report = {"wait_attribution": {"total_s": 0.0, "phases": {"lane_queue": 0.0, "model_turn": 0.0}}}
+    assert serving_note(spec, report) is None
+    only_lanes = {"wait_attribution": {"total_s": 3.0, "phases": {"lane_queue": 3.0}}, "lanes": {}}
+    assert serving_note(spec, only_lanes) is None  # max() of no other phase raised ValueError
+
+
 @pytest.mark.parametrize("args", [[], ["trace"]])
 def test_no_command_prints_the_help_as_help(args: list[str], tmp_path: Path) -> None:
     """`corral` or `corral trace` alone: the help, laid out as `--help` lays it out (it was squashed into

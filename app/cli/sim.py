@@ -135,7 +135,12 @@ def serving_note(spec: Workload, report: Mapping[str, Any] | None = None) -> str
     phases = waits.get("phases") or {}
     gated = phases.get("agent_gate", 0.0)
     queued = phases.get("lane_queue", 0.0) + gated
-    if spare < 1 or not phases or queued < max(v for k, v in phases.items() if k not in LANE_BOUND):
+    # A trainer that never waited (every duration 0) was held by nothing: "0.0 s of its 0.0 s wait".
+    if (
+        spare < 1
+        or queued <= 0
+        or queued < max((v for k, v in phases.items() if k not in LANE_BOUND), default=0.0)
+    ):
         return None
     # Lane queues from too few slots, not too few cores, are not this: more cores would not shorten them.
     by_lane = cpus.sandbox_demand.by_lane()
