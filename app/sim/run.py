@@ -94,7 +94,8 @@ def simulate(
     work (`run_virtual`).
     """
     wall = time.perf_counter()
-    source = trajectories or TrajectorySource(workload, cache=False)  # one policy: nothing replays them
+    # One policy replays no draw: only each group's duration is kept, for the bound
+    source = trajectories or TrajectorySource(workload, cache=False, durations=True)
     ports = build_ports(workload, policy)
     engines, lanes, lane_cpus = ports.engines, ports.lanes, ports.lane_cpus
 

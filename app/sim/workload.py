@@ -502,11 +502,14 @@ class TrajectorySource:
 
     `cache`: keep every draw (about 1.3 KB a group), so that the rungs of a bench replay them cheaply;
     without it each is drawn again when asked for (the draws are seeded per group and attempt, so they
-    are the same), as a run that goes on until stopped needs (`corral serve`'s simulated runs)."""
+    are the same), as a run that goes on until stopped needs (`corral serve`'s simulated runs).
+    `durations` (uncached): note each group's uncontended duration (`group_duration`) as its attempts
+    are drawn, two numbers a group, so that a run's lower bound does not draw them all again."""
 
-    def __init__(self, workload: Workload, cache: bool = True) -> None:
+    def __init__(self, workload: Workload, cache: bool = True, durations: bool = False) -> None:
         self.workload = workload
         self._keep = cache
+        self._note_durations = durations and not cache
         self._trace: dict[str, list[TraceAttempt]] | None = None
         self._trace_tasks: list[str] = []
         if workload.trace is not None:
@@ -514,6 +517,8 @@ class TrajectorySource:
             self._trace_tasks = sorted(self._trace)
         self._cache: dict[tuple[int, int], Trajectory] = {}
         self._tasks: dict[int, tuple[float, float, float, float]] = {}
+        # With `durations`: each group's attempts drawn (a bit each) and its slowest duration so far
+        self._noted: dict[int, tuple[int, float]] = {}
 
     def trajectory(self, group: int, attempt: int) -> Trajectory:
         key = (group, attempt)
@@ -522,15 +527,25 @@ class TrajectorySource:
             found = self._draw(group, attempt)
             if self._keep:
                 self._cache[key] = found
+            elif self._note_durations:
+                self._note(group, attempt, found.duration_s)
         return found
+
+    def _note(self, group: int, attempt: int, duration: float) -> None:
+        drawn, slowest = self._noted.get(group, (0, 0.0))
+        self._noted[group] = (drawn | 1 << attempt, max(slowest, duration))  # a restart's draw is the same
 
     def clear(self) -> None:
         """Drop every cached draw (they would be drawn again, the same, if asked for)."""
         self._cache.clear()
         self._tasks.clear()
+        self._noted.clear()
 
     def group_duration(self, group: int) -> float:
         size = self.workload.batch.group_size
+        drawn, slowest = self._noted.get(group, (0, 0.0))
+        if drawn == (1 << size) - 1:  # every attempt drawn
+            return slowest
         return max(self.trajectory(group, a).duration_s for a in range(size))
 
     def group_attempt_work(self, group: int) -> float:
