@@ -4,9 +4,12 @@ and data directories; newer ones and runs that have not ended stay. Run for real
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -189,39 +192,52 @@ def whole(store: ServiceStore, tmp_path: Path) -> set[str]:
     return runs
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_a_stop_signal_ends_prune_between_two_runs_and_says_what_it_did(tmp_path: Path, sig: int) -> None:
-    """A Ctrl-C to the process group (and SIGTERM, SIGHUP) landed between a run's rows and its files: in
-    3 of 7 tries a run's rows were gone and its directory half-deleted, never to be removed; SIGTERM and
-    SIGHUP killed prune without a word."""
-    store = ended_runs(tmp_path, 40, files=300)
+RUNS = 40
+
+
+def prune_stopped(tmp_path: Path, *stops: tuple[int, float]) -> subprocess.CompletedProcess[str]:
+    """`corral prune` of `RUNS` ended runs in a session of its own, sent each (signal, then a pause) of
+    `stops` to its process group once the first run is deleted; its output, once it has ended."""
     env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'corral.db'}",
            "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+    args = [str(CORRAL), "prune", "--older-than-days", "7"]
     proc = subprocess.Popen(
-        [str(CORRAL), "prune", "--older-than-days", "7"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stderr is not None
         first = proc.stderr.readline()  # the first run deleted: the work is under way
         assert first.startswith("deleted run "), first
-        os.killpg(proc.pid, sig)
+        for sig, pause_s in stops:
+            os.killpg(proc.pid, sig)
+            time.sleep(pause_s)
         out, rest = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    return subprocess.CompletedProcess(args, proc.returncode, out, first + rest)
+
+
+def check_stopped(done: subprocess.CompletedProcess[str], store: ServiceStore, tmp_path: Path) -> None:
+    """A prune stopped between two runs: what is left is whole, and it said how many it deleted."""
+    deleted = RUNS - len(whole(store, tmp_path))
+    assert done.returncode == 130, done.stderr
+    assert 0 < deleted < RUNS
+    assert "Traceback" not in done.stderr
+    assert done.stdout == f"deleted {deleted} ended runs from sqlite:///{tmp_path / 'corral.db'}\n"
+    said = f"interrupted: {deleted} of {RUNS} ended runs deleted; the rest are untouched"
+    assert done.stderr.splitlines()[-1] == said
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_ends_prune_between_two_runs_and_says_what_it_did(tmp_path: Path, sig: int) -> None:
+    """A Ctrl-C to the process group (and SIGTERM, SIGHUP) landed between a run's rows and its files: in
+    3 of 7 tries a run's rows were gone and its directory half-deleted, never to be removed; SIGTERM and
+    SIGHUP killed prune without a word."""
+    store = ended_runs(tmp_path, RUNS, files=300)
     try:
-        left = whole(store, tmp_path)
-        deleted = 40 - len(left)
-        assert proc.returncode == 130, rest
-        assert 0 < deleted < 40
-        assert (
-            rest.splitlines()[-1]
-            == f"interrupted: {deleted} of 40 ended runs deleted; the rest are untouched"
-        )
-        assert out == f"deleted {deleted} ended runs from sqlite:///{tmp_path / 'corral.db'}\n"
-        assert "Traceback" not in rest
+        check_stopped(prune_stopped(tmp_path, (sig, 0.0)), store, tmp_path)
         again = prune(tmp_path, "--older-than-days", "7")
         assert again.returncode == 0, again.stderr
         assert whole(store, tmp_path) == set()
@@ -232,14 +248,15 @@ def test_a_stop_signal_ends_prune_between_two_runs_and_says_what_it_did(tmp_path
 def test_prune_removes_what_an_earlier_deletion_left_and_nothing_else(tmp_path: Path) -> None:
     """A deletion cut short after its rows (kill -9, a file it could not remove) left its marked directory
     behind, and no later prune looked at directories without rows."""
-    from app.service.retention import TOMBSTONE
+    from app.service.retention import TOMBSTONE, database_identity
 
     store = ended_runs(tmp_path, 2)
     data = tmp_path / "data"
+    ours = database_identity(f"sqlite:///{tmp_path / 'corral.db'}") + "\n"
     (data / "aaaaaaaaaaaa" / "offers").mkdir(parents=True)  # marked, its rows gone: left behind
-    (data / "aaaaaaaaaaaa" / TOMBSTONE).touch()
+    (data / "aaaaaaaaaaaa" / TOMBSTONE).write_text(ours)
     (data / "bbbbbbbbbbbb").mkdir()  # not marked: another database's run, perhaps; never ours to take
-    (data / "000000000000" / TOMBSTONE).touch()  # marked, but its run is still there: deleted as a run
+    (data / "000000000000" / TOMBSTONE).write_text(ours)  # marked, but its run is still there: a run
     try:
         dry = prune(tmp_path, "--older-than-days", "7", "--dry-run")
         assert dry.returncode == 0, dry.stderr
@@ -338,3 +355,113 @@ def test_days_are_a_plain_decimal_number(tmp_path: Path, days: str) -> None:
     assert proc.stderr.count("\n") == 1
     assert f"{days!r}" in proc.stderr
     assert "number of days" in proc.stderr
+
+
+def chattr(flag: str, path: Path) -> bool:
+    """`chattr +i/-i path` (an immutable file: not even root removes it); False where it cannot be."""
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False).returncode == 0
+
+
+def test_a_removal_cut_short_keeps_its_tombstone_and_the_next_prune_finishes_it(tmp_path: Path) -> None:
+    """rmtree removed the tombstone with the rest, so the directory a file it could not remove kept was
+    no later prune's: 'a later prune tries again' was not true."""
+    from app.service.retention import TOMBSTONE
+
+    store = ended_runs(tmp_path, 2, files=3)
+    stuck = tmp_path / "data" / "000000000000" / "offers" / "o1"
+    stuck.parent.mkdir()
+    stuck.write_text("x")
+    if not chattr("+i", stuck):
+        store.close()
+        pytest.skip("needs root and a file system with immutable files (chattr +i)")
+    try:
+        first = prune(tmp_path, "--older-than-days", "0")
+        assert first.returncode == 1, first.stderr
+        assert "deleted run 000000000000 (run0, stopped, ended" in first.stderr
+        assert "but not all of its files" in first.stderr
+        assert (tmp_path / "data" / "000000000000" / TOMBSTONE).is_file()
+        assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["000000000000"]
+        chattr("-i", stuck)
+        second = prune(tmp_path, "--older-than-days", "0")
+        assert second.returncode == 0, second.stderr
+        assert f"removed {tmp_path / 'data' / '000000000000'}: left by the deletion of run" in second.stderr
+        assert list((tmp_path / "data").iterdir()) == []
+    finally:
+        chattr("-i", stuck)
+        store.close()
+
+
+def test_a_tombstone_of_another_database_is_never_taken(tmp_path: Path) -> None:
+    """Two databases, one data directory: a tombstone left on database A's run (a prune killed between
+    marking and deleting) was taken by database B's prune, which has no row for it, and A's files went."""
+    from app.service.retention import TOMBSTONE, database_identity
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    store_a = ended_runs(a, 1, files=2)
+    store_b = ServiceStore(f"sqlite:///{b / 'corral.db'}")
+    mark = a / "data" / "000000000000" / TOMBSTONE
+    mark.write_text(database_identity(f"sqlite:///{a / 'corral.db'}") + "\n")
+    try:
+        env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{b / 'corral.db'}",
+               "CORRAL_DATA_DIR": str(a / "data")}  # fmt: skip
+        proc = subprocess.run(
+            [str(CORRAL), "prune", "--older-than-days", "0"], env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"deleted 0 ended runs from sqlite:///{b / 'corral.db'}\n"
+        assert sorted(p.name for p in (a / "data" / "000000000000").iterdir()) == [TOMBSTONE, "f0", "f1"]
+        # A's own prune: its run still has its row, so the run is deleted as a run, files and all.
+        own = prune(a, "--older-than-days", "0")
+        assert own.returncode == 0, own.stderr
+        assert list((a / "data").iterdir()) == []
+    finally:
+        store_a.close()
+        store_b.close()
+
+
+@pytest.mark.parametrize("gap_s", [0.002, 0.005, 0.02])
+def test_ctrl_c_twice_still_says_what_prune_did(tmp_path: Path, gap_s: float) -> None:
+    """A second press a few ms after the first landed as the store closed: no count on stdout, just
+    'interrupted', and 2 of 3 times SQLAlchemy's 'Exception closing connection' traceback."""
+    store = ended_runs(tmp_path, RUNS, files=300)
+    try:
+        check_stopped(prune_stopped(tmp_path, (signal.SIGINT, gap_s), (signal.SIGINT, 0.0)), store, tmp_path)
+    finally:
+        store.close()
+
+
+def test_an_entry_prune_may_not_look_at_is_skipped_with_a_note(tmp_path: Path) -> None:
+    """A root-owned lost+found (mode 700) in a data directory on its own volume made a prune run as
+    another user end in a PermissionError traceback, --dry-run too."""
+    from app.service.retention import leftovers
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to look as another user at a directory only root may read")
+    # Under /tmp itself: pytest's own directories are only root's, so another user could not even look in
+    base = Path(tempfile.mkdtemp(prefix="corral-prune-", dir="/tmp"))
+    base.chmod(0o755)
+    data = base / "data"
+    (data / "lost+found").mkdir(parents=True, mode=0o700)
+    data.chmod(0o755)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's result goes through the pipe
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            seen: list[str] = []
+            found = leftovers(data, None, "db", lambda run_id: False, seen)
+            os.write(write, repr((found, seen)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    os.waitpid(child, 0)
+    shutil.rmtree(base)
+    assert answer == repr(([], [f"{data / 'lost+found'}: Permission denied"]))

@@ -36,6 +36,7 @@ from app.cli.common import (
     settings_problem,
     write_stdout,
 )
+from app.service import retention
 
 if TYPE_CHECKING:
     from app.service.store import RunRecord, ServiceStore
@@ -73,14 +74,15 @@ def prune(
     cutoff = datetime.now(UTC) - timedelta(days=older_than_days)
     store = store_for(settings, migrate=False)
     stopped: list[bool] = []
-    try:
-        # Ctrl-C (and SIGTERM, SIGHUP) stop the work between two runs, never inside one.
-        with early_signals.interruptible_once(on_first=lambda: stopped.append(True)):
-            pruned = _Prune(store, settings, database, dry_run, stopped)
+    # Ctrl-C (and SIGTERM, SIGHUP) stop the work between two runs, never inside one; a second press is
+    # ignored until the summary is out (landing in the store's close, it cost the count, and a traceback).
+    with early_signals.interruptible_once(on_first=lambda: stopped.append(True)):
+        pruned = _Prune(store, settings, database, dry_run, stopped)
+        try:
             pruned.run(cutoff)
-    finally:
-        store.close()
-    pruned.finish()
+        finally:
+            store.close()
+        pruned.finish()
 
 
 def _roots(settings: Settings) -> tuple[Path, Path | None]:
@@ -96,6 +98,7 @@ class _Prune:
         self.store = store
         self.data_dir, self.spill_dir = _roots(settings)
         self.database = database
+        self.identity = retention.database_identity(settings.database_url)
         self.dry_run = dry_run
         self.stopped = stopped
         self.listed = 0
@@ -104,10 +107,11 @@ class _Prune:
         self.leftovers = 0
 
     def run(self, cutoff: datetime) -> None:
-        from app.service import retention
-
         # What earlier deletions left, found before this one's own deletions can leave anything.
-        left = retention.leftovers(self.data_dir, self.spill_dir, lambda run_id: self._has_run(run_id))
+        unreadable: list[str] = []
+        left = retention.leftovers(self.data_dir, self.spill_dir, self.identity, self._has_run, unreadable)
+        if unreadable:
+            say(f"note: skipped what could not be looked at: {_first(unreadable)}")
         runs = self.store.ended_runs(cutoff)
         self.listed = len(runs)
         for run in runs:
@@ -136,7 +140,6 @@ class _Prune:
     def _delete(self, run: RunRecord) -> None:
         from sqlalchemy.exc import SQLAlchemyError
 
-        from app.service import retention
         from app.service.store import RunLiveError
 
         ended = datetime.fromtimestamp(run.ended_at or 0.0, UTC).isoformat(timespec="seconds")
@@ -146,7 +149,7 @@ class _Prune:
             return
         dirs = retention.run_dirs(run.id, self.data_dir, self.spill_dir)
         try:
-            retention.mark(dirs)
+            retention.mark(dirs, self.identity)
         except OSError as exc:
             say(f"kept {what}: its directory cannot be changed: {exc.strerror or exc}")
             return

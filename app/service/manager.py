@@ -747,8 +747,8 @@ class RunManager:
             raise RunLiveError(f"run {run_id!r} is {handle.state.value}; stop it and wait until it has ended")
         self.wait_written()  # its offers' and acks' mirrors land before its rows go, not after
         dirs = retention.run_dirs(run_id, self.data_dir, self.spill_dir)
-        try:
-            retention.mark(dirs)  # what a failed or cut-short removal below leaves, `corral prune` finishes
+        try:  # what a failed or cut-short removal below leaves, `corral prune` finishes
+            retention.mark(dirs, retention.database_identity(self.store.url))
         except OSError as exc:
             log.warning("run %s: its directories cannot be marked for deletion: %s", run_id, exc)
         try:
@@ -763,7 +763,13 @@ class RunManager:
         self._lanes_stored.discard(run_id)
         with self._ended_lock:
             self._ended.pop(run_id, None)
-        problems = retention.remove(dirs)
+        # No such run in this database (pruned meanwhile, or never here): the files of its id, if any, are
+        # not this deletion's to take (a data directory shared with another database holds its runs).
+        problems: list[str] = []
+        if deleted:
+            problems = retention.remove(dirs)
+        else:
+            retention.unmark(dirs)
         if problems:
             log.warning("run %s: deleted, but not all of its files (corral prune removes them): %s",
                         run_id, "; ".join(problems[:3]))  # fmt: skip

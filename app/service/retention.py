@@ -3,42 +3,64 @@
 A run's rows go in one transaction (`ServiceStore.delete_run`); its directories (under the data
 directory, and under the spill directory when one is set) go after, file by file, which a crash, a
 `kill -9` or a file the process may not remove can stop half-way. So before the rows go, each of the
-run's directories is marked with a tombstone file. A directory that holds a tombstone and whose run
-has no row any more is what a deletion left behind, and the next `corral prune` removes it; one whose
-run still has its row (the deletion never happened, or was refused) is left alone, since the run is
-still there. A directory without a tombstone is never removed for lack of a row: a data directory
-shared by two servers with different databases holds the other's runs.
+run's directories is marked with a tombstone file naming the database (`database_identity`). A
+directory whose tombstone names this database and whose run has no row in it any more is what a
+deletion left behind, and the next `corral prune` removes it. One whose run still has its row (the
+deletion never happened, or was refused) is left alone, and so is one whose tombstone names another
+database: a data directory shared by two servers with different databases holds the other's runs, and
+only that database can say whether a run is gone. A directory without a tombstone is never removed for
+lack of a row.
 
-Invariant: `corral prune` deletes no row while one of its run's directories could not be marked
-(`mark` raises first), so a read-only data directory keeps both the rows and the files. The API's
-deletion (`Manager.delete`) goes on and logs it, as it always removed what it could.
+Invariants:
+- `corral prune` deletes no row while one of its run's directories could not be marked (`mark` raises
+  first), so a read-only data directory keeps both the rows and the files. The API's deletion
+  (`Manager.delete`) goes on and logs it, as it always removed what it could;
+- the tombstone is the last thing removed from a directory, so a removal that stopped half-way leaves
+  it for the next prune;
+- a run directory that is a symbolic link is never followed: the link goes, what it points to stays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 TOMBSTONE = ".corral-deleted"
 
 
+def database_identity(url: str) -> str:
+    """The database a tombstone names: its URL with any password hidden, and for a SQLite file its
+    absolute path (two spellings of one URL then name it once; a spelling this misses only keeps a
+    leftover, never takes another database's run)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.query.get("uri"):
+        parsed = parsed.set(database=os.path.abspath(parsed.database))
+    return parsed.render_as_string(hide_password=True)
+
+
 def run_dirs(run_id: str, data_dir: Path, spill_dir: Path | None) -> list[Path]:
-    """The run's directories that exist, the spill's first (the data directory, removed last, keeps
-    its tombstone until the rest has gone)."""
+    """The run's directories that exist (a symbolic link counts, as itself), the spill's first."""
     roots = dict.fromkeys(root for root in (spill_dir, data_dir) if root is not None)  # one, if the same
-    return [root / run_id for root in roots if (root / run_id).is_dir()]
+    return [p for root in roots if (p := root / run_id).is_symlink() or p.is_dir()]
 
 
-def mark(dirs: Iterable[Path]) -> None:
-    """A tombstone in each of `dirs`; OSError (and the tombstones made so far taken back) when one
-    cannot be made: the rows must then stay."""
+def mark(dirs: Iterable[Path], database: str) -> None:
+    """A tombstone naming `database` in each of `dirs` (none in a symbolic link's target); OSError,
+    and the tombstones made so far taken back, when one cannot be made: the rows must then stay."""
     made: list[Path] = []
     try:
         for directory in dirs:
+            if directory.is_symlink():
+                continue
             stone = directory / TOMBSTONE
-            stone.touch()
+            stone.write_text(database + "\n")
             made.append(stone)
     except OSError:
         unmark(made)
@@ -46,7 +68,7 @@ def mark(dirs: Iterable[Path]) -> None:
 
 
 def unmark(dirs_or_stones: Iterable[Path]) -> None:
-    """Take the tombstones back (the run's deletion was refused: it is still there)."""
+    """Take the tombstones back (the run's deletion was refused, or never happened: it is still there)."""
     for path in dirs_or_stones:
         stone = path if path.name == TOMBSTONE else path / TOMBSTONE
         with contextlib.suppress(OSError):
@@ -54,26 +76,84 @@ def unmark(dirs_or_stones: Iterable[Path]) -> None:
 
 
 def remove(dirs: Iterable[Path]) -> list[str]:
-    """Remove `dirs` (tombstone last, with its directory); what could not be removed, in words (empty:
-    everything went). A failure leaves the tombstone, so a later prune tries again."""
+    """Remove `dirs`: everything in each but its tombstone, then the tombstone and the directory (a
+    symbolic link: the link alone). What could not be removed, in words (empty: everything went; what
+    is gone already counts as removed). A failure leaves the tombstone, so a later prune tries again."""
     problems: list[str] = []
 
-    def failed(function: Callable[..., object], path: str, info: tuple[type, BaseException, object]) -> None:
-        exc = info[1]
-        problems.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
+    def failed(path: str | os.PathLike[str], exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):  # gone meanwhile (another prune, the API)
+            problems.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
 
     for directory in dirs:
-        shutil.rmtree(directory, onerror=failed)
+        before = len(problems)
+        try:
+            if directory.is_symlink():
+                directory.unlink()
+                continue
+            children = [child for child in directory.iterdir() if child.name != TOMBSTONE]
+        except OSError as exc:
+            failed(directory, exc)
+            continue
+        for child in children:
+            try:
+                if child.is_dir() and not child.is_symlink():
+                    _rmtree(child, failed)
+                else:
+                    child.unlink()
+            except OSError as exc:
+                failed(child, exc)
+        if len(problems) > before:
+            continue  # the tombstone stays
+        try:
+            (directory / TOMBSTONE).unlink(missing_ok=True)
+            directory.rmdir()
+        except OSError as exc:
+            failed(directory, exc)
     return problems
 
 
-def leftovers(data_dir: Path, spill_dir: Path | None, has_run: Callable[[str], bool]) -> list[Path]:
-    """The tombstoned directories whose run has no row any more: what deletions left behind."""
+def _rmtree(path: Path, failed: Callable[[str, BaseException], None]) -> None:
+    """`shutil.rmtree`, each failure handed to `failed` and the rest removed (`onexc` from 3.12, where
+    `onerror` is deprecated)."""
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda _fn, p, exc: failed(p, exc))
+    else:
+
+        def onerror(_fn: Any, p: str, info: tuple[type, BaseException, Any]) -> None:
+            failed(p, info[1])
+
+        shutil.rmtree(path, onerror=onerror)
+
+
+def leftovers(
+    data_dir: Path,
+    spill_dir: Path | None,
+    database: str,
+    has_run: Callable[[str], bool],
+    unreadable: list[str] | None = None,
+) -> list[Path]:
+    """The directories whose tombstone names `database` and whose run has no row any more: what
+    deletions left behind. An entry that cannot be looked at (a root-owned `lost+found`, a stale
+    mount) is skipped, and named in `unreadable`."""
     found: list[Path] = []
     for root in dict.fromkeys(root for root in (spill_dir, data_dir) if root is not None):
-        if not root.is_dir():
+        try:
+            entries = sorted(root.iterdir()) if root.is_dir() else []
+        except OSError as exc:
+            if unreadable is not None:
+                unreadable.append(f"{root}: {exc.strerror or exc}")
             continue
-        for directory in sorted(root.iterdir()):
-            if (directory / TOMBSTONE).is_file() and not has_run(directory.name):
+        for directory in entries:
+            try:
+                stone = directory / TOMBSTONE
+                if directory.is_symlink() or not stone.is_file():
+                    continue
+                named = stone.read_text(errors="replace").strip()
+            except OSError as exc:
+                if unreadable is not None:
+                    unreadable.append(f"{directory}: {exc.strerror or exc}")
+                continue
+            if named == database and not has_run(directory.name):
                 found.append(directory)
     return found
