@@ -248,11 +248,11 @@ def test_a_stop_signal_ends_prune_between_two_runs_and_says_what_it_did(tmp_path
 def test_prune_removes_what_an_earlier_deletion_left_and_nothing_else(tmp_path: Path) -> None:
     """A deletion cut short after its rows (kill -9, a file it could not remove) left its marked directory
     behind, and no later prune looked at directories without rows."""
-    from app.service.retention import TOMBSTONE, database_identity
+    from app.service.retention import TOMBSTONE
 
     store = ended_runs(tmp_path, 2)
     data = tmp_path / "data"
-    ours = database_identity(f"sqlite:///{tmp_path / 'corral.db'}") + "\n"
+    ours = f"{store.instance_id()}\nsqlite:///...\n"
     (data / "aaaaaaaaaaaa" / "offers").mkdir(parents=True)  # marked, its rows gone: left behind
     (data / "aaaaaaaaaaaa" / TOMBSTONE).write_text(ours)
     (data / "bbbbbbbbbbbb").mkdir()  # not marked: another database's run, perhaps; never ours to take
@@ -396,7 +396,7 @@ def test_a_removal_cut_short_keeps_its_tombstone_and_the_next_prune_finishes_it(
 def test_a_tombstone_of_another_database_is_never_taken(tmp_path: Path) -> None:
     """Two databases, one data directory: a tombstone left on database A's run (a prune killed between
     marking and deleting) was taken by database B's prune, which has no row for it, and A's files went."""
-    from app.service.retention import TOMBSTONE, database_identity
+    from app.service.retention import TOMBSTONE
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -404,7 +404,7 @@ def test_a_tombstone_of_another_database_is_never_taken(tmp_path: Path) -> None:
     store_a = ended_runs(a, 1, files=2)
     store_b = ServiceStore(f"sqlite:///{b / 'corral.db'}")
     mark = a / "data" / "000000000000" / TOMBSTONE
-    mark.write_text(database_identity(f"sqlite:///{a / 'corral.db'}") + "\n")
+    mark.write_text(f"{store_a.instance_id()}\n")
     try:
         env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{b / 'corral.db'}",
                "CORRAL_DATA_DIR": str(a / "data")}  # fmt: skip

@@ -47,6 +47,7 @@ from app.service.commands import TRAINER_CLOCK, CommandRefused
 from app.service.gateway import Offer, RunClosedError, RunDeletedError, TrainerGateway, UnknownBatchError
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, DispatchError, RunLimitError, RunLiveError, RunManager
+from app.service.retention import MarkError
 from app.service.schemas import (
     AckResult,
     PolicyPatch,
@@ -165,6 +166,10 @@ def delete_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, An
         deleted = manager.delete(run_id)
     except RunLiveError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+    except MarkError as exc:  # a read-only or full disk: the rows stay with the files
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, f"run {run_id!r} was not deleted: {exc}"
+        ) from None
     if not deleted:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     return {"id": run_id, "deleted": True, "actor": actor}

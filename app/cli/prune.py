@@ -98,7 +98,7 @@ class _Prune:
         self.store = store
         self.data_dir, self.spill_dir = _roots(settings)
         self.database = database
-        self.identity = retention.database_identity(settings.database_url)
+        self.identity = store.instance_id(create=not dry_run) or ""  # a dry run writes nothing
         self.dry_run = dry_run
         self.stopped = stopped
         self.listed = 0
@@ -149,22 +149,23 @@ class _Prune:
             return
         dirs = retention.run_dirs(run.id, self.data_dir, self.spill_dir)
         try:
-            retention.mark(dirs, self.identity)
-        except OSError as exc:
-            say(f"kept {what}: its directory cannot be changed: {exc.strerror or exc}")
+            made = retention.mark(dirs, self.identity, self.database)
+        except retention.MarkError as exc:
+            say(f"kept {what}: cannot mark its directory for deletion: {exc}")
             return
         try:
             gone = self.store.delete_run(run.id)
         except RunLiveError as exc:  # only a run resumed meanwhile: it is left alone
-            retention.unmark(dirs)
+            retention.unmark(made)
             say(f"kept run {run.id}: {exc}")
             return
         except SQLAlchemyError as exc:
-            retention.unmark(dirs)
+            retention.unmark(made)
             reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             self._summary()
             fail(f"cannot delete run {run.id} from {self.database}: {reason}", FAILED)
         if not gone:
+            retention.unmark(made)
             return  # deleted meanwhile (another prune, the API), which removes its files
         self.deleted += 1
         problems = retention.remove(dirs)

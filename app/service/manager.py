@@ -61,6 +61,7 @@ from app.settings import MAX_RUNS, SPILL_MAX_BYTES, STORE_BUFFER
 from app.store.db import through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
+from app.validation import hide_password
 
 
 class DispatchError(RuntimeError):
@@ -741,20 +742,21 @@ class RunManager:
         """Delete an ended run: its rows in the store (`ServiceStore.delete_run`), its data directory
         (kept batches, sentinel weights) and what this server holds of it (its handle, metrics series).
         False for no such run; `RunLiveError`, and nothing deleted, for a run that has not ended, here
-        or in the store (one executing in an orchestrator worker says so there)."""
+        or in the store (one executing in an orchestrator worker says so there); `retention.MarkError`,
+        and nothing deleted, when its directories cannot be marked for deletion (a read-only or full
+        disk): files that outlived their rows would be no later prune's to find."""
         handle = self.handles.get(run_id)
         if handle is not None and not handle.done.is_set():
             raise RunLiveError(f"run {run_id!r} is {handle.state.value}; stop it and wait until it has ended")
         self.wait_written()  # its offers' and acks' mirrors land before its rows go, not after
-        dirs = retention.run_dirs(run_id, self.data_dir, self.spill_dir)
-        try:  # what a failed or cut-short removal below leaves, `corral prune` finishes
-            retention.mark(dirs, retention.database_identity(self.store.url))
-        except OSError as exc:
-            log.warning("run %s: its directories cannot be marked for deletion: %s", run_id, exc)
+        # Only a run this database has is marked: another database's run of the same id (a data directory
+        # shared) is not this deletion's. What a failed or cut-short removal below leaves, prune finishes.
+        dirs = retention.run_dirs(run_id, self.data_dir, self.spill_dir) if self.store.get_run(run_id) else []
+        made = retention.mark(dirs, self.store.instance_id() or "", hide_password(self.store.url))
         try:
             deleted = self.store.delete_run(run_id)
         except BaseException:
-            retention.unmark(dirs)
+            retention.unmark(made)
             raise
         if handle is not None:
             handle.gateway.deleted()  # a long-poll open on it answers 404 now, not 204 at its timeout
@@ -768,8 +770,8 @@ class RunManager:
         problems: list[str] = []
         if deleted:
             problems = retention.remove(dirs)
-        else:
-            retention.unmark(dirs)
+        else:  # deleted meanwhile (a prune): its files are that deletion's
+            retention.unmark(made)
         if problems:
             log.warning("run %s: deleted, but not all of its files (corral prune removes them): %s",
                         run_id, "; ".join(problems[:3]))  # fmt: skip

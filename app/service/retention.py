@@ -3,20 +3,22 @@
 A run's rows go in one transaction (`ServiceStore.delete_run`); its directories (under the data
 directory, and under the spill directory when one is set) go after, file by file, which a crash, a
 `kill -9` or a file the process may not remove can stop half-way. So before the rows go, each of the
-run's directories is marked with a tombstone file naming the database (`database_identity`). A
-directory whose tombstone names this database and whose run has no row in it any more is what a
-deletion left behind, and the next `corral prune` removes it. One whose run still has its row (the
+run's directories is marked with a tombstone file naming the database by its own random id
+(`ServiceStore.instance_id`, made by migration 0005: a URL names a database only roughly). A directory
+whose tombstone names this database and whose run has no row in it any more is what a deletion left
+behind, and the next `corral prune` removes it. One whose run still has its row (the
 deletion never happened, or was refused) is left alone, and so is one whose tombstone names another
 database: a data directory shared by two servers with different databases holds the other's runs, and
 only that database can say whether a run is gone. A directory without a tombstone is never removed for
 lack of a row.
 
 Invariants:
-- `corral prune` deletes no row while one of its run's directories could not be marked (`mark` raises
-  first), so a read-only data directory keeps both the rows and the files. The API's deletion
-  (`Manager.delete`) goes on and logs it, as it always removed what it could;
-- the tombstone is the last thing removed from a directory, so a removal that stopped half-way leaves
-  it for the next prune;
+- no row is deleted while one of its run's directories could not be marked (`mark` raises first), by
+  `corral prune` or the API (`RunManager.delete`), so a read-only data directory keeps both the rows
+  and the files; a directory marked by another database's deletion is not marked over;
+- only a run this database has is marked, and only the tombstones a deletion made are taken back;
+- the tombstone is the last thing removed from a directory, and is put back if the directory itself
+  cannot go, so a removal that stopped half-way leaves it for the next prune;
 - a run directory that is a symbolic link is never followed: the link goes, what it points to stays.
 """
 
@@ -33,16 +35,17 @@ from typing import Any
 TOMBSTONE = ".corral-deleted"
 
 
-def database_identity(url: str) -> str:
-    """The database a tombstone names: its URL with any password hidden, and for a SQLite file its
-    absolute path (two spellings of one URL then name it once; a spelling this misses only keeps a
-    leftover, never takes another database's run)."""
-    from sqlalchemy.engine import make_url
+class MarkError(OSError):
+    """A run directory that could not be marked for deletion: the run's rows must stay."""
 
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.query.get("uri"):
-        parsed = parsed.set(database=os.path.abspath(parsed.database))
-    return parsed.render_as_string(hide_password=True)
+
+def _named(stone: Path) -> str | None:
+    """The database id a tombstone names (its first line), or None where it names none."""
+    try:
+        first = stone.read_text(errors="replace").partition("\n")[0].strip()
+    except FileNotFoundError:
+        return None
+    return first or None
 
 
 def run_dirs(run_id: str, data_dir: Path, spill_dir: Path | None) -> list[Path]:
@@ -51,26 +54,35 @@ def run_dirs(run_id: str, data_dir: Path, spill_dir: Path | None) -> list[Path]:
     return [p for root in roots if (p := root / run_id).is_symlink() or p.is_dir()]
 
 
-def mark(dirs: Iterable[Path], database: str) -> None:
-    """A tombstone naming `database` in each of `dirs` (none in a symbolic link's target); OSError,
-    and the tombstones made so far taken back, when one cannot be made: the rows must then stay."""
+def mark(dirs: Iterable[Path], database: str, shown: str = "") -> list[Path]:
+    """A tombstone naming `database` (its id; `shown`, the URL with any password hidden, on a second line
+    for whoever looks) in each of `dirs`, none in a symbolic link's target; returns those it made, for
+    `unmark`. `MarkError` (an OSError), and the ones made so far taken back, when one cannot be made
+    or another database's deletion marked the directory already: the rows must then stay."""
     made: list[Path] = []
     try:
         for directory in dirs:
             if directory.is_symlink():
                 continue
             stone = directory / TOMBSTONE
-            stone.write_text(database + "\n")
-            made.append(stone)
-    except OSError:
+            named = _named(stone)
+            if named is not None and named != database:
+                raise MarkError(f"{directory} is marked for deletion by another database ({named})")
+            stone.write_text(f"{database}\n{shown}\n")
+            if named is None:
+                made.append(stone)  # one this database had put there before stays (its run is gone)
+    except OSError as exc:
         unmark(made)
-        raise
+        if isinstance(exc, MarkError):
+            raise
+        raise MarkError(f"{directory}: {exc.strerror or exc}") from exc
+    return made
 
 
-def unmark(dirs_or_stones: Iterable[Path]) -> None:
-    """Take the tombstones back (the run's deletion was refused, or never happened: it is still there)."""
-    for path in dirs_or_stones:
-        stone = path if path.name == TOMBSTONE else path / TOMBSTONE
+def unmark(stones: Iterable[Path]) -> None:
+    """Take back the tombstones `mark` made (the run's deletion was refused, or never happened: it is
+    still there)."""
+    for stone in stones:
         with contextlib.suppress(OSError):
             stone.unlink()
 
@@ -105,11 +117,20 @@ def remove(dirs: Iterable[Path]) -> list[str]:
                 failed(child, exc)
         if len(problems) > before:
             continue  # the tombstone stays
+        stone = directory / TOMBSTONE
         try:
-            (directory / TOMBSTONE).unlink(missing_ok=True)
-            directory.rmdir()
+            kept = stone.read_bytes() if stone.exists() else None
+            stone.unlink(missing_ok=True)
         except OSError as exc:
             failed(directory, exc)
+            continue
+        try:
+            directory.rmdir()
+        except OSError as exc:  # a file made meanwhile (an open file's .nfs copy): the tombstone goes back
+            failed(directory, exc)
+            if kept is not None and not isinstance(exc, FileNotFoundError):
+                with contextlib.suppress(OSError):
+                    stone.write_bytes(kept)
     return problems
 
 
@@ -149,7 +170,7 @@ def leftovers(
                 stone = directory / TOMBSTONE
                 if directory.is_symlink() or not stone.is_file():
                     continue
-                named = stone.read_text(errors="replace").strip()
+                named = _named(stone)
             except OSError as exc:
                 if unreadable is not None:
                     unreadable.append(f"{directory}: {exc.strerror or exc}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from app.store.models import (
     TERMINAL_RUN_STATES,
     Batch,
     EventRow,
+    Instance,
     RolloutStep,
     Run,
     RunState,
@@ -189,6 +191,23 @@ class ServiceStore:
 
     def create_run(self, run_id: str, name: str, config: dict[str, Any], policy: dict[str, Any]) -> RunRecord:
         return self._write(lambda s: RunRecord.of(RunRepo(s).create(name, config, policy, run_id=run_id)))
+
+    def instance_id(self, create: bool = True) -> str | None:
+        """This database's own random id (migration 0005 makes it): what run directories' tombstones
+        name. A schema made otherwise gets one here, unless `create` is False (None then)."""
+        with self.session() as s:
+            found = s.scalars(select(Instance.id)).first()
+        if found is not None or not create:
+            return found
+
+        def write(s: Session) -> str:
+            made = s.scalars(select(Instance.id)).first()  # another process's, made meanwhile
+            if made is None:
+                made = uuid.uuid4().hex
+                s.add(Instance(id=made))
+            return made
+
+        return self._write(write)
 
     def get_run(self, run_id: str) -> RunRecord | None:
         with self.session() as s:

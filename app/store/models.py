@@ -111,6 +111,16 @@ def _run_key() -> Mapped[str]:
     return mapped_column(String(64), primary_key=True)
 
 
+class Instance(Base):
+    """This database's own random id, one row made by migration 0005: what a run directory's tombstone
+    names (`app.service.retention`), so that a data directory shared by two databases never has one's
+    leftovers taken for the other's, however their URLs are spelled."""
+
+    __tablename__ = "instance"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+
+
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (CheckConstraint(_in("state", RunState), name="state"),)

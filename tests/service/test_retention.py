@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.service.manager import RunManager
-from app.service.retention import TOMBSTONE, database_identity, leftovers, mark, remove, run_dirs
+from app.service.retention import TOMBSTONE, MarkError, leftovers, mark, remove, run_dirs
 from app.service.store import ServiceStore
 from app.store.models import Run, RunState
 
@@ -69,18 +69,88 @@ def test_a_directory_gone_meanwhile_counts_as_removed(tmp_path: Path) -> None:
     assert remove([gone]) == []
 
 
-def test_the_database_a_tombstone_names_is_one_however_its_sqlite_path_is_spelled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert database_identity("sqlite:///corral.db") == database_identity(
-        f"sqlite:///{tmp_path / 'corral.db'}"
-    )
-    assert database_identity("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
-    data = tmp_path / "data"
-    (data / "aaaaaaaaaaaa").mkdir(parents=True)
-    mark([data / "aaaaaaaaaaaa"], database_identity("sqlite:///corral.db"))
-    assert leftovers(data, None, database_identity(f"sqlite:///{tmp_path}/corral.db"), lambda _: False) == [
-        data / "aaaaaaaaaaaa"
-    ]
-    assert leftovers(data, None, database_identity("sqlite:///other.db"), lambda _: False) == []
+def test_a_tombstone_names_its_database_by_an_id_of_its_own(tmp_path: Path) -> None:
+    """Named by its URL, two databases could be one name: a SQLite `file:` URI relative to the working
+    directory, a Postgres URL whose host is PGHOST's. Each database has a random id (migration 0005)."""
+    one = ServiceStore(f"sqlite:///{tmp_path / 'one.db'}")
+    two = ServiceStore(f"sqlite:///{tmp_path / 'two.db'}")
+    try:
+        first = one.instance_id()
+        assert first is not None
+        assert len(first) == 32
+        assert first != two.instance_id()
+        data = tmp_path / "data"
+        (data / "aaaaaaaaaaaa").mkdir(parents=True)
+        assert mark([data / "aaaaaaaaaaaa"], first, "sqlite:///one.db") == [data / "aaaaaaaaaaaa" / TOMBSTONE]
+        assert leftovers(data, None, first, lambda _: False) == [data / "aaaaaaaaaaaa"]
+        assert leftovers(data, None, str(two.instance_id()), lambda _: False) == []
+        with pytest.raises(MarkError, match="marked for deletion by another database"):
+            mark([data / "aaaaaaaaaaaa"], str(two.instance_id()))  # never marked over
+        assert mark([data / "aaaaaaaaaaaa"], first) == []  # its own mark stays, and is not taken back
+    finally:
+        one.close()
+        two.close()
+    again = ServiceStore(f"sqlite:///{tmp_path / 'one.db'}")
+    try:
+        assert again.instance_id() == first  # the database's, not the process's
+    finally:
+        again.close()
+
+
+def test_a_directory_that_cannot_go_gets_its_tombstone_back(tmp_path: Path) -> None:
+    """The tombstone was unlinked before the directory's rmdir: a file made meanwhile (an open file's
+    .nfs copy) kept the directory, and no tombstone was left for a later prune."""
+    directory = tmp_path / "data" / "aaaaaaaaaaaa"
+    directory.mkdir(parents=True)
+    (directory / "f").write_text("x")
+    mark([directory], "db")
+    real_rmdir = Path.rmdir
+
+    def late_writer(self: Path) -> None:
+        (self / ".nfs0000deadbeef").write_text("held open")
+        real_rmdir(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "rmdir", late_writer)
+        problems = remove([directory])
+    assert len(problems) == 1
+    assert "Directory not empty" in problems[0]
+    assert (directory / TOMBSTONE).read_text() == "db\n\n"
+
+
+def test_a_run_marked_by_another_database_is_not_deleted_through_the_api(tmp_path: Path) -> None:
+    """Marking that failed was logged and the rows deleted anyway: files no prune would find. Now the
+    deletion is refused (the API answers 503) and the run stays whole."""
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    manager = RunManager(store, tmp_path / "data", 30.0)
+    try:
+        ours = ended_run(store, tmp_path / "data", "aaaaaaaaaaaa")
+        (ours / TOMBSTONE).write_text("0" * 32 + "\n")  # another database's deletion, killed half-way
+        with pytest.raises(MarkError, match="another database"):
+            manager.delete("aaaaaaaaaaaa")
+        assert store.get_run("aaaaaaaaaaaa") is not None
+        assert (ours / "offers" / "o1").exists()
+        assert (ours / TOMBSTONE).read_text() == "0" * 32 + "\n"
+    finally:
+        manager.shutdown()
+        store.close()
+
+
+def test_a_second_delete_leaves_the_first_ones_tombstone_for_prune(tmp_path: Path) -> None:
+    """A DELETE repeated after one whose removal was cut short took the first one's tombstone back (its
+    id had no row any more), and the files stayed for ever."""
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    manager = RunManager(store, tmp_path / "data", 30.0)
+    try:
+        ours = ended_run(store, tmp_path / "data", "aaaaaaaaaaaa")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("app.service.retention.remove", lambda dirs: ["cut short"])
+            assert manager.delete("aaaaaaaaaaaa") is True
+        assert (ours / TOMBSTONE).is_file()
+        assert manager.delete("aaaaaaaaaaaa") is False
+        assert (ours / TOMBSTONE).read_text().startswith(str(store.instance_id()))
+        found = leftovers(tmp_path / "data", None, str(store.instance_id()), lambda run_id: False)
+        assert found == [ours]
+    finally:
+        manager.shutdown()
+        store.close()
