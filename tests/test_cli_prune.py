@@ -274,26 +274,36 @@ def test_prune_removes_what_an_earlier_deletion_left_and_nothing_else(tmp_path: 
         store.close()
 
 
-def test_a_read_only_database_is_one_line_and_keeps_every_run_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("has_id", [True, False])
+def test_a_read_only_database_is_one_line_and_keeps_every_run_whole(tmp_path: Path, has_id: bool) -> None:
     """A database prune may read but not write ended in a traceback (OperationalError); the URI form made a
-    directory named 'file:' in the working directory."""
+    directory named 'file:' in the working directory. A database without its id yet is refused before
+    any run is touched (exit 2); one with it fails at its first deletion (exit 1)."""
     store = ended_runs(tmp_path, 2, files=2)
+    if has_id:
+        store.instance_id()
     env = {**os.environ, "CORRAL_DATA_DIR": str(tmp_path / "data"),
            "CORRAL_DATABASE_URL": f"sqlite:///file:{tmp_path / 'corral.db'}?mode=ro&uri=true"}  # fmt: skip
+    shown = "sqlite:///file%3A" + str(tmp_path / "corral.db") + "?mode=ro&uri=true"  # as SQLAlchemy shows it
     try:
         proc = subprocess.run(
             [str(CORRAL), "prune", "--older-than-days", "0"], env=env, cwd=tmp_path,
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
-        assert proc.returncode == 1, proc.stderr
         assert "Traceback" not in proc.stderr
-        shown = (
-            "sqlite:///file%3A" + str(tmp_path / "corral.db") + "?mode=ro&uri=true"
-        )  # as SQLAlchemy shows it
-        assert proc.stderr.splitlines()[-1] == (
-            f"error: cannot delete run 000000000000 from {shown}: attempt to write a readonly database"
-        )
-        assert proc.stdout == f"deleted 0 ended runs from {shown}\n"
+        if has_id:
+            assert proc.returncode == 1, proc.stderr
+            assert proc.stderr.splitlines()[-1] == (
+                f"error: cannot delete run 000000000000 from {shown}: attempt to write a readonly database"
+            )
+            assert proc.stdout == f"deleted 0 ended runs from {shown}\n"
+        else:
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr == (
+                f"error: CORRAL_DATABASE_URL {shown}: cannot write to the database: attempt to write a "
+                "readonly database; nothing deleted\n"
+            )
+            assert proc.stdout == ""
         assert not (tmp_path / "file:").exists()
         assert whole(store, tmp_path) == {"000000000000", "000000000001"}
     finally:

@@ -166,10 +166,9 @@ def delete_run(run_id: RunId, manager: Manager, actor: Operator) -> dict[str, An
         deleted = manager.delete(run_id)
     except RunLiveError as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
-    except MarkError as exc:  # a read-only or full disk: the rows stay with the files
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, f"run {run_id!r} was not deleted: {exc}"
-        ) from None
+    except MarkError as exc:  # a read-only or full disk (503), or another database's mark (409)
+        code = status.HTTP_409_CONFLICT if exc.foreign else status.HTTP_503_SERVICE_UNAVAILABLE
+        raise HTTPException(code, f"run {run_id!r} was not deleted: {exc}") from None
     if not deleted:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id!r}")
     return {"id": run_id, "deleted": True, "actor": actor}

@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -85,6 +86,20 @@ def prune(
         pruned.finish()
 
 
+def _instance_id(store: ServiceStore, database: str, dry_run: bool) -> str:
+    """The database's own id, for its tombstones (`retention`); a dry run makes none (it writes
+    nothing, and finds no leftover of a database that never had one). A database prune may not write
+    is refused here, before any run is touched."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return store.instance_id(create=not dry_run) or ""
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        store.close()
+        fail(f"CORRAL_DATABASE_URL {database}: cannot write to the database: {reason}; nothing deleted")
+
+
 def _roots(settings: Settings) -> tuple[Path, Path | None]:
     return settings.data_dir, settings.spill_dir
 
@@ -98,7 +113,7 @@ class _Prune:
         self.store = store
         self.data_dir, self.spill_dir = _roots(settings)
         self.database = database
-        self.identity = store.instance_id(create=not dry_run) or ""  # a dry run writes nothing
+        self.identity = _instance_id(store, database, dry_run)
         self.dry_run = dry_run
         self.stopped = stopped
         self.listed = 0
@@ -137,6 +152,15 @@ class _Prune:
     def _has_run(self, run_id: str) -> bool:
         return self.store.get_run(run_id) is not None
 
+    def _unmark_if_there(self, run_id: str, made: list[Path]) -> None:
+        """Take back the tombstones of a run whose deletion failed, if its row is there to say it is not
+        gone (a tombstone beside a row is inert: only a run without one is a leftover)."""
+        from sqlalchemy.exc import SQLAlchemyError
+
+        with contextlib.suppress(SQLAlchemyError):
+            if self._has_run(run_id):
+                retention.unmark(made)
+
     def _delete(self, run: RunRecord) -> None:
         from sqlalchemy.exc import SQLAlchemyError
 
@@ -160,13 +184,14 @@ class _Prune:
             say(f"kept run {run.id}: {exc}")
             return
         except SQLAlchemyError as exc:
-            retention.unmark(made)
+            self._unmark_if_there(run.id, made)
             reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             self._summary()
             fail(f"cannot delete run {run.id} from {self.database}: {reason}", FAILED)
-        if not gone:
-            retention.unmark(made)
-            return  # deleted meanwhile (another prune, the API), which removes its files
+        if (
+            not gone
+        ):  # deleted meanwhile (another prune, the API), whose removal its tombstone may still serve
+            return
         self.deleted += 1
         problems = retention.remove(dirs)
         if problems:

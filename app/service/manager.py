@@ -755,8 +755,8 @@ class RunManager:
         made = retention.mark(dirs, self.store.instance_id() or "", hide_password(self.store.url))
         try:
             deleted = self.store.delete_run(run_id)
-        except BaseException:
-            retention.unmark(made)
+        except RunLiveError:
+            retention.unmark(made)  # its row is there: it is not gone
             raise
         if handle is not None:
             handle.gateway.deleted()  # a long-poll open on it answers 404 now, not 204 at its timeout
@@ -765,13 +765,9 @@ class RunManager:
         self._lanes_stored.discard(run_id)
         with self._ended_lock:
             self._ended.pop(run_id, None)
-        # No such run in this database (pruned meanwhile, or never here): the files of its id, if any, are
-        # not this deletion's to take (a data directory shared with another database holds its runs).
-        problems: list[str] = []
-        if deleted:
-            problems = retention.remove(dirs)
-        else:  # deleted meanwhile (a prune): its files are that deletion's
-            retention.unmark(made)
+        # Not deleted: never here (nothing was marked), or gone meanwhile (a prune), whose removal the
+        # tombstones may still serve, so they stay.
+        problems = retention.remove(dirs) if deleted else []
         if problems:
             log.warning("run %s: deleted, but not all of its files (corral prune removes them): %s",
                         run_id, "; ".join(problems[:3]))  # fmt: skip

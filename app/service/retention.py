@@ -16,7 +16,9 @@ Invariants:
 - no row is deleted while one of its run's directories could not be marked (`mark` raises first), by
   `corral prune` or the API (`RunManager.delete`), so a read-only data directory keeps both the rows
   and the files; a directory marked by another database's deletion is not marked over;
-- only a run this database has is marked, and only the tombstones a deletion made are taken back;
+- only a run this database has is marked, and a deletion takes back only the tombstones it made, and
+  only while the run's row is there to say it is not gone (a tombstone beside a row is inert; one
+  taken from a run another deletion removed meanwhile left that removal's leftovers unmarked);
 - the tombstone is the last thing removed from a directory, and is put back if the directory itself
   cannot go, so a removal that stopped half-way leaves it for the next prune;
 - a run directory that is a symbolic link is never followed: the link goes, what it points to stays.
@@ -36,7 +38,10 @@ TOMBSTONE = ".corral-deleted"
 
 
 class MarkError(OSError):
-    """A run directory that could not be marked for deletion: the run's rows must stay."""
+    """A run directory that could not be marked for deletion: the run's rows must stay. `foreign`: it
+    is marked by another database's deletion already (a retry will not do), else the disk refused."""
+
+    foreign = False
 
 
 def _named(stone: Path) -> str | None:
@@ -67,7 +72,9 @@ def mark(dirs: Iterable[Path], database: str, shown: str = "") -> list[Path]:
             stone = directory / TOMBSTONE
             named = _named(stone)
             if named is not None and named != database:
-                raise MarkError(f"{directory} is marked for deletion by another database ({named})")
+                refused = MarkError(f"{directory} is marked for deletion by another database ({named})")
+                refused.foreign = True
+                raise refused
             stone.write_text(f"{database}\n{shown}\n")
             if named is None:
                 made.append(stone)  # one this database had put there before stays (its run is gone)

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import func, select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from app.core.events import Envelope, Ledger
@@ -193,21 +193,24 @@ class ServiceStore:
         return self._write(lambda s: RunRecord.of(RunRepo(s).create(name, config, policy, run_id=run_id)))
 
     def instance_id(self, create: bool = True) -> str | None:
-        """This database's own random id (migration 0005 makes it): what run directories' tombstones
-        name. A schema made otherwise gets one here, unless `create` is False (None then)."""
+        """This database's own random id: what run directories' tombstones name. Made when first asked
+        for, unless `create` is False (None then); two processes asking at once get the same one (the
+        table holds one row, key 1: the second insert fails, and reads the first's)."""
         with self.session() as s:
             found = s.scalars(select(Instance.id)).first()
         if found is not None or not create:
             return found
 
         def write(s: Session) -> str:
-            made = s.scalars(select(Instance.id)).first()  # another process's, made meanwhile
-            if made is None:
-                made = uuid.uuid4().hex
-                s.add(Instance(id=made))
+            made = uuid.uuid4().hex
+            s.add(Instance(key=1, id=made))
             return made
 
-        return self._write(write)
+        try:
+            return self._write(write)
+        except IntegrityError:  # another process's, made meanwhile
+            with self.session() as s:
+                return s.scalars(select(Instance.id)).one()
 
     def get_run(self, run_id: str) -> RunRecord | None:
         with self.session() as s:

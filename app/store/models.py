@@ -112,13 +112,16 @@ def _run_key() -> Mapped[str]:
 
 
 class Instance(Base):
-    """This database's own random id, one row made by migration 0005: what a run directory's tombstone
-    names (`app.service.retention`), so that a data directory shared by two databases never has one's
-    leftovers taken for the other's, however their URLs are spelled."""
+    """This database's own random id: what a run directory's tombstone names (`app.service.retention`),
+    so that a data directory shared by two databases never has one's leftovers taken for the other's,
+    however their URLs are spelled. One row at most (its key is 1), made when first asked for
+    (`ServiceStore.instance_id`): two processes asking at once get the same one."""
 
     __tablename__ = "instance"
+    __table_args__ = (CheckConstraint("key = 1", name="one_row"),)
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    id: Mapped[str] = mapped_column(String(32))
 
 
 class Run(Base):

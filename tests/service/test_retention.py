@@ -154,3 +154,26 @@ def test_a_second_delete_leaves_the_first_ones_tombstone_for_prune(tmp_path: Pat
     finally:
         manager.shutdown()
         store.close()
+
+
+def test_a_deletion_that_lost_the_race_leaves_the_winners_tombstone(tmp_path: Path) -> None:
+    """Two deletions of one run (a prune and the API): the one whose rows were gone first took back the
+    tombstone the other's removal relied on, so what that removal could not remove was left unmarked."""
+    store = ServiceStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    manager = RunManager(store, tmp_path / "data", 30.0)
+    try:
+        ours = ended_run(store, tmp_path / "data", "aaaaaaaaaaaa")
+        real_delete = store.delete_run
+
+        def other_won(run_id: str) -> bool:
+            assert real_delete(run_id)  # the other deletion's rows go first: this one finds none
+            return False
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store, "delete_run", other_won)
+            assert manager.delete("aaaaaaaaaaaa") is False
+        assert (ours / TOMBSTONE).is_file()  # still there for the winner's removal, or the next prune
+        assert leftovers(tmp_path / "data", None, str(store.instance_id()), lambda run_id: False) == [ours]
+    finally:
+        manager.shutdown()
+        store.close()
