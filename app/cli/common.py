@@ -593,6 +593,11 @@ def check_run_dirs(data_dir: Path | None, spill_dir: Path | None) -> None:
             fail(str(exc))
 
 
+def database_reason(exc: Exception) -> str:
+    """A database error's reason in one line: the driver's own message, not SQLAlchemy's wrapping."""
+    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+
+
 def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
@@ -629,7 +634,7 @@ def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
             if problem is not None:
                 fail(f"CORRAL_DATABASE_URL {shown}: {problem}")
     except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        reason = database_reason(exc)
         fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: {reason}")
     except ImportError as exc:  # a driver named in the URL that is not installed
         fail(f"CORRAL_DATABASE_URL {shown}: its driver is not installed ({exc.name or exc})")

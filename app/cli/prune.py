@@ -31,6 +31,7 @@ from app.cli.common import (
     FAILED,
     check_database,
     check_run_dirs,
+    database_reason,
     decimal_parser,
     fail,
     say,
@@ -95,7 +96,7 @@ def _instance_id(store: ServiceStore, database: str, dry_run: bool) -> str:
     try:
         return store.instance_id(create=not dry_run) or ""
     except SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        reason = database_reason(exc)
         store.close()
         fail(f"CORRAL_DATABASE_URL {database}: cannot write to the database: {reason}; nothing deleted")
 
@@ -185,12 +186,10 @@ class _Prune:
             return
         except SQLAlchemyError as exc:
             self._unmark_if_there(run.id, made)
-            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            reason = database_reason(exc)
             self._summary()
             fail(f"cannot delete run {run.id} from {self.database}: {reason}", FAILED)
-        if (
-            not gone
-        ):  # deleted meanwhile (another prune, the API), whose removal its tombstone may still serve
+        if not gone:  # deleted meanwhile (another prune, the API): the tombstones may serve its removal
             return
         self.deleted += 1
         problems = retention.remove(dirs)

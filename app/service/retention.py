@@ -4,7 +4,8 @@ A run's rows go in one transaction (`ServiceStore.delete_run`); its directories 
 directory, and under the spill directory when one is set) go after, file by file, which a crash, a
 `kill -9` or a file the process may not remove can stop half-way. So before the rows go, each of the
 run's directories is marked with a tombstone file naming the database by its own random id
-(`ServiceStore.instance_id`, made by migration 0005: a URL names a database only roughly). A directory
+(`ServiceStore.instance_id`, in the one-row table of migration 0005: a URL names a database only
+roughly). A directory
 whose tombstone names this database and whose run has no row in it any more is what a deletion left
 behind, and the next `corral prune` removes it. One whose run still has its row (the
 deletion never happened, or was refused) is left alone, and so is one whose tombstone names another
@@ -53,10 +54,14 @@ def _named(stone: Path) -> str | None:
     return first or None
 
 
+def _roots(data_dir: Path, spill_dir: Path | None) -> list[Path]:
+    """Where runs' directories are: the spill's first, then the data directory (one, if the same)."""
+    return list(dict.fromkeys(root for root in (spill_dir, data_dir) if root is not None))
+
+
 def run_dirs(run_id: str, data_dir: Path, spill_dir: Path | None) -> list[Path]:
     """The run's directories that exist (a symbolic link counts, as itself), the spill's first."""
-    roots = dict.fromkeys(root for root in (spill_dir, data_dir) if root is not None)  # one, if the same
-    return [p for root in roots if (p := root / run_id).is_symlink() or p.is_dir()]
+    return [p for root in _roots(data_dir, spill_dir) if (p := root / run_id).is_symlink() or p.is_dir()]
 
 
 def mark(dirs: Iterable[Path], database: str, shown: str = "") -> list[Path]:
@@ -165,7 +170,7 @@ def leftovers(
     deletions left behind. An entry that cannot be looked at (a root-owned `lost+found`, a stale
     mount) is skipped, and named in `unreadable`."""
     found: list[Path] = []
-    for root in dict.fromkeys(root for root in (spill_dir, data_dir) if root is not None):
+    for root in _roots(data_dir, spill_dir):
         try:
             entries = sorted(root.iterdir()) if root.is_dir() else []
         except OSError as exc:
