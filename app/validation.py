@@ -40,6 +40,7 @@ MAX_CORES = 1_000_000
 MAX_SWEEP_VALUES = 32
 # `corral advise` without --workers: one simulation per CPU it may use, at most this many.
 MAX_DEFAULT_WORKERS = 8
+MAX_ADVICE_SEEDS = 10  # `corral advise --seeds`: each candidate is simulated this many times
 # (B + S) × G: trajectories the simulator keeps live at once. `python -m benchmarks.scale` peaks at
 # 62 MB above the import baseline with 10,000 short trajectories live, about 6 KB each.
 MAX_TRAJECTORIES_IN_FLIGHT = 1_000_000

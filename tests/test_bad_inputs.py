@@ -436,6 +436,26 @@ CASES: dict[str, Case] = {
         ["--plot", "names a directory"],
         {"w.json": workload()},
     ),
+    "advise --advised-workload dir/": Case(
+        ["advise", "--workload", "w.json", "--advised-workload", "a/"],
+        ["--advised-workload", "names a directory"],
+        {"w.json": workload()},
+    ),
+    "advise --advised-workload - beside --json -": Case(
+        ["advise", "--workload", "w.json", "--json", "-", "--advised-workload", "-"],
+        ["--advised-workload -", "--json is standard output already"],
+        {"w.json": workload()},
+    ),
+    "advise --advised-workload the workload itself": Case(
+        ["advise", "--workload", "w.json", "--advised-workload", "w.json"],
+        ["--advised-workload w.json", "writing it would destroy that file"],
+        {"w.json": workload()},
+    ),
+    "advise --seeds beyond the seeds a workload has": Case(
+        ["advise", "--workload", "w.json", "--seeds", "3"],
+        ["--seeds 3", "leaves room for 1"],
+        {"w.json": workload(seed=2**63 - 1)},
+    ),
     "trace import --out dir/": Case(
         ["trace", "import", "--format", "corral-run", "r.json", "--out", "t/"], ["--out", "names a directory"]
     ),

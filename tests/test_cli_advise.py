@@ -247,6 +247,42 @@ def test_trace_import_counts_every_trial_file_it_skips(tmp_path: Path) -> None:
     skipped = "skipped 4 trials: 1 is_resolved is not a boolean, 2 not JSON, 1 not an object"
     assert f"1 attempt of 1 task → t.jsonl ({skipped})" in done.stderr
     assert json.loads((tmp_path / "t.jsonl").read_text())["task"] == "good"
+    # each reason names where to look (no trial was named: among thousands none could be found)
+    assert "  not JSON: run/binary/results.json, run/truncated/results.json\n" in done.stderr
+    assert "  not an object: run/list/results.json\n" in done.stderr
+    assert "  is_resolved is not a boolean: run/yes\n" in done.stderr
+
+
+def test_trace_import_says_what_it_assumed_and_which_attempts_outrun_the_default_agent_time(
+    tmp_path: Path,
+) -> None:
+    """A trial whose agent crashed is imported with the time its sandbox was held, and said so; a trace
+    whose attempts ran their agent longer than the simulator's default agent time (420 s) was cut short
+    there without a word (6 of 38 attempts of a real-looking run failed in every replay)."""
+    run = tmp_path / "run"
+    trials = {
+        "quick": ("2025-01-01T00:03:05Z", True),
+        "crashed": (None, False),
+        "long": ("2025-01-01T03:20:00.2Z", True),
+    }
+    for name, (agent_end, resolved) in trials.items():
+        (run / name).mkdir(parents=True)
+        record = {
+            "task_id": name,
+            "is_resolved": resolved,
+            "trial_started_at": "2025-01-01T00:00:00Z",
+            "agent_started_at": "2025-01-01T00:00:05Z",
+            "agent_ended_at": agent_end,
+            "trial_ended_at": "2025-01-01T03:30:00Z",
+        }
+        (run / name / "results.json").write_text(json.dumps(record))
+    done = corral("trace", "import", "--format", "terminal-bench", "run", "--out", "t.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "3 attempts of 3 tasks → t.jsonl (none skipped)" in done.stderr
+    assert "imported 1 trial with no agent end (it crashed or was killed)" in done.stderr
+    # the crashed agent held its sandbox to the trial's end, 12,595 s; the long one 11,995.2 s
+    assert "note: 2 of 3 attempts ran their agent longer than 420 s" in done.stderr
+    assert "unless it sets trajectory: {timeout_s: 12595} or more" in done.stderr
 
 
 def test_advise_writes_its_advice(tmp_path: Path) -> None:
@@ -259,6 +295,51 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert advice["recommended"]["batch_collection_s"] <= advice["current"]["batch_collection_s"]
     assert (tmp_path / "advice.png").stat().st_size > 0
     assert "settings simulated" in done.stderr
+
+
+def test_advise_writes_a_workload_that_simulates_as_advised(tmp_path: Path) -> None:
+    """The advice could not be applied as given: printed as Python dicts, with admission and the gate
+    flags of `corral sim` alone, which a workload file refused (`policy.admission: Extra inputs are not
+    permitted`). It now says what changes in the workload's own names and writes the workload with
+    them, which `corral sim` simulates to the advised figure."""
+    done = corral(
+        "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1", "--workers", "2",
+        "--json", "a.json", "--advised-workload", "out/advised.yaml", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert (
+        advice["beats_current"] is True
+    )  # else this test shows nothing: small-trace's advice changes things
+    changes = advice["changes"]
+    assert changes
+    assert set(changes) <= {"policy", "lanes", "cpus"}
+    import yaml
+
+    written = yaml.safe_load((tmp_path / "out" / "advised.yaml").read_text())
+    for section, keys in changes.items():
+        for key, value in keys.items():
+            assert written[section][key] == value
+    flow = "; ".join(
+        f"{section}: " + yaml.safe_dump(keys, default_flow_style=True, sort_keys=False).strip()
+        for section, keys in changes.items()
+    )
+    assert f"to apply, in the workload: {flow}\n" in done.stderr
+    sim = corral(
+        "sim", "--workload", "out/advised.yaml", "--policy", "full", "--json", "s.json", cwd=tmp_path
+    )
+    assert sim.returncode == 0, sim.stderr
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["batch_collection_s"]["mean"] == advice["recommended"]["batch_collection_s"]
+    # and advise on the advised workload finds its own settings current
+    again = corral(
+        "advise", "--workload", "out/advised.yaml", "--passes", "1", "--workers", "2", "--json", "b.json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert second["current"]["settings"] == advice["recommended"]["settings"]
+    assert second["current"]["batch_collection_s"] == advice["recommended"]["batch_collection_s"]
 
 
 def test_advise_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from app.cli.common import (
     check_output,
     check_plot,
     fail,
+    interrupt_says,
     interruptible_command,
     is_stdout,
     output_path,
@@ -27,15 +28,16 @@ from app.cli.common import (
     say,
     sigterm_as_ctrl_c,
     why_not_written,
+    write_output,
     write_report,
     write_stdout,
 )
 from app.cli.sim import WORKLOAD_HELP, checked_trace, load, simulation_errors, workload_inputs
-from app.sim.workload import WorkloadError
-from app.validation import MAX_DEFAULT_WORKERS
+from app.sim.workload import WorkloadError, over_agent_limit
+from app.validation import MAX_ADVICE_SEEDS, MAX_DEFAULT_WORKERS, MAX_SEED
 
 if TYPE_CHECKING:
-    from app.sim.advise import Advice
+    from app.sim.advise import Advice, Outcome
     from app.sim.workload import Workload
 
 trace_app = typer.Typer(help="Turn recorded runs into Corral traces for the simulator.", no_args_is_help=True)
@@ -72,32 +74,43 @@ def trace_import(
     _check_source(source, fmt)
     check_apart({"--out": out}, {"SOURCE": source})
     lines = progress_lines("trace import", "results.json files", quiet_s=QUIET_S)
-    try:
-        if fmt is TraceFormat.TERMINAL_BENCH:
-            with progress_bar() as progress:
-                task = progress.add_task("reading trials", total=None)
-
-                def on_file(read: int, total: int) -> None:
-                    progress.update(task, completed=read, total=total)
-                    if lines is not None:
-                        lines(read, total)
-
-                result = import_terminal_bench(source, on_file=on_file)
-        else:
-            result = import_corral_run(source)
-    except WorkloadError as exc:
-        fail(str(exc))
-    if is_stdout(out):
-        write_stdout(trace_text(result.records))
-        written = len(result.records)
-    else:
+    with interrupt_says(out):
         try:
-            written = write_trace(result.records, out)
-        except OSError as exc:  # checked before the import: something changed since (exit 1, not 2)
-            cannot_write(out, why_not_written(out, exc))
+            if fmt is TraceFormat.TERMINAL_BENCH:
+                with progress_bar() as progress:
+                    task = progress.add_task("reading trials", total=None)
+
+                    def on_file(read: int, total: int) -> None:
+                        progress.update(task, completed=read, total=total)
+                        if lines is not None:
+                            lines(read, total)
+
+                    result = import_terminal_bench(source, on_file=on_file)
+            else:
+                result = import_corral_run(source)
+        except WorkloadError as exc:
+            fail(str(exc))
+        if is_stdout(out):
+            write_stdout(trace_text(result.records))
+            written = len(result.records)
+        else:
+            try:
+                written = write_trace(result.records, out)
+            except OSError as exc:  # checked before the import: something changed since (exit 1, not 2)
+                cannot_write(out, why_not_written(out, exc))
     tasks = len({r["task"] for r in result.records})
     unit = "trial" if fmt is TraceFormat.TERMINAL_BENCH else "attempt"
     say(f"{_count(written, 'attempt')} of {_count(tasks, 'task')} → {out} ({_skipped(result.skipped, unit)})")
+    for why, where in result.examples.items():
+        more = result.skipped[why] - len(where)
+        say(f"  {why}: {', '.join(where)}" + (f" and {more} more" if more else ""))
+    for why, n in sorted(result.assumed.items()):
+        say(f"imported {_count(n, unit)} with {why}")
+    for why, n in sorted(result.unread.items()):
+        summaries = "a run summary" if n == 1 else f"{n} run summaries"
+        say(f"not read: {summaries} ({why}); the trials below it were read from their own files")
+    if (note := over_agent_limit(result.records)) is not None:
+        say(note)
 
 
 def _count(n: int, noun: str) -> str:
@@ -145,7 +158,25 @@ def advise(
             parser=output_path,
         ),
     ] = None,
+    advised_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--advised-workload",
+            help="also write the workload with the advised settings (YAML), which corral sim --workload "
+            "simulates as advised",
+            parser=output_path,
+        ),
+    ] = None,
     passes: Annotated[int, typer.Option(min=1, max=5, help="rounds over the knobs")] = 2,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=MAX_ADVICE_SEEDS,
+            help="judge each candidate by its means over this many seeds (the workload's and the ones "
+            "after it); one seed's draws can favour settings another's do not",
+        ),
+    ] = 1,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -158,12 +189,18 @@ def advise(
 ) -> None:
     """Sweep S, K, admission, updating engines, lane slots and serving cores by simulation; recommend the
     fastest."""
-    from app.sim.advise import plot_advice
+    from app.sim.advise import plot_advice, workload_changes
     from app.sim.workload import TraceSpec, Workload, load_trace
 
+    if advised_out is not None and is_stdout(advised_out) and is_stdout(json_out):
+        fail("--advised-workload -: --json is standard output already; give one of them a file")
     check_output(json_out, "--json")
     check_plot(plot)
+    if advised_out is not None:
+        check_output(advised_out, "--advised-workload")
     spec = load(workload)
+    if spec.seed + seeds - 1 > MAX_SEED:
+        fail(f"--seeds {seeds}: the workload's seed {spec.seed} leaves room for {MAX_SEED - spec.seed + 1}")
     if trace is not None:
         try:
             load_trace(trace, "--trace")  # refused as typed, not as the absolute trace.path below
@@ -174,13 +211,20 @@ def advise(
             fail(str(exc))
         except ValueError as exc:
             fail(f"--trace {trace}: {exc}")
-    check_apart({"--json": json_out, "--plot": plot}, {"--trace": trace, **workload_inputs(workload, spec)})
+    outputs = {"--json": json_out, "--plot": plot, "--advised-workload": advised_out}
+    check_apart(outputs, {"--trace": trace, **workload_inputs(workload, spec)})
     with early_signals.interruptible_once(), simulation_errors():  # a second Ctrl-C must not break the save
-        advice, lost = _search(spec, passes, workers, json_out)
-        write_report(json_out, advice.as_dict(), lambda out: plot_advice(advice, str(out)), plot)
+        advice, lost = _search(spec, passes, workers, json_out, seeds)
+        current, advised = advice.current.settings, advice.recommended.settings
+        changes = workload_changes(spec, current, advised)
+        report = {**advice.as_dict(), "changes": changes}
+        write_report(json_out, report, lambda out: plot_advice(advice, str(out)), plot)
+        if advised_out is not None:
+            write_output(advised_out, _advised_yaml(spec, advice, changes, workload))
         if not advice.complete:  # what was simulated is kept: it cost minutes
             why, code = _stopped_by(lost)
             files = f'{json_out} ("complete": false)' + ("" if plot is None else f" and {plot}")
+            files += "" if advised_out is None else f" and {advised_out}"
             if advice.candidates:
                 say(f"{why} after {len(advice.evaluated)} settings simulated; the best of them → {files}")
             else:
@@ -194,9 +238,21 @@ def advise(
             f"updating={s.updating()} gate={s.gate()} "
             f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
             f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
-            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s{outcome.cut_text()}"
+            f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s{outcome.cut_text()}{_per_seed(outcome)}"
         )
-    say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated) → {json_out}")
+    each = f", each on {seeds} seeds" if seeds > 1 else ""
+    say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated{each}) → {json_out}")
+    wasted_now, wasted = advice.current.wasted_trajectory_s, advice.recommended.wasted_trajectory_s
+    if advice.beats_current and wasted > WASTE_NOTE_FACTOR * max(wasted_now, 1.0):
+        say(
+            f"note: the advised settings waste {wasted / max(wasted_now, 1.0):.1f}× the trajectory-seconds "
+            f"of the current ones ({wasted:,.0f} against {wasted_now:,.0f}: discarded and cancelled groups' "
+            "sandbox work)"
+        )
+    if changes:
+        say(f"to apply, in the workload: {_flow(changes)}")
+    if advised_out is not None:
+        say(f"the workload with them → {advised_out} (corral sim --workload {advised_out} simulates it)")
     if passed := advice.passed_over:
         fastest = min(passed, key=lambda o: o.batch_collection_s or math.inf)
         say(
@@ -211,7 +267,59 @@ def advise(
         )
 
 
-def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) -> tuple[Advice, str | None]:
+WASTE_NOTE_FACTOR = 2.0  # advised settings that waste more than this × the current ones' work are noted
+
+
+def _per_seed(outcome: Outcome) -> str:
+    """`; by seed 82.3, 85.1, 80.0 s` where the outcome is a mean over seeds."""
+    if outcome.per_seed_s is None:
+        return ""
+    return "; by seed " + ", ".join("none" if m is None else f"{m:.1f}" for m in outcome.per_seed_s) + " s"
+
+
+def _over_seeds(spec: Workload, advice: Advice) -> str:
+    """`, the mean over seeds 1 to 3 (seed 1, which this file runs: 82.3 s)`, or "" for one seed."""
+    per_seed = advice.recommended.per_seed_s
+    if advice.seeds == 1 or not per_seed:
+        return ""
+    first = "none delivered" if per_seed[0] is None else f"{per_seed[0]:.1f} s"
+    last = spec.seed + advice.seeds - 1
+    return f", the mean over seeds {spec.seed} to {last} (seed {spec.seed}, which this file runs: {first})"
+
+
+def _flow(changes: Mapping[str, Mapping[str, Any]]) -> str:
+    """`policy: {surplus_groups: 12, admission: attempts}; lanes: {reset: 16}`: YAML's flow style."""
+    import yaml
+
+    return "; ".join(
+        f"{section}: " + yaml.safe_dump(dict(keys), default_flow_style=True, sort_keys=False).strip()
+        for section, keys in changes.items()
+    )
+
+
+def _advised_yaml(
+    spec: Workload, advice: Advice, changes: Mapping[str, Mapping[str, Any]], source: Path
+) -> str:
+    """The workload with the advised settings, as a YAML file that says where it came from."""
+    import yaml
+
+    from app.sim.advise import advised_workload
+
+    complete = "" if advice.complete else " (an interrupted search: the best of what it simulated)"
+    lines = [
+        f"{source} with the settings corral advise advised{complete}.",
+        f"Predicted mean batch collection time: {advice.recommended.mean_text()} (the workload's own "
+        f"settings: {advice.current.mean_text()}), policy full{_over_seeds(spec, advice)}.",
+        "corral sim --workload THIS_FILE simulates it. What changed, in the workload's names:",
+        *(f"  {part}" for part in _flow(changes).split("; ") if part),
+    ]
+    data = advised_workload(spec, advice.recommended.settings)
+    return "".join(f"# {line}\n" for line in lines) + yaml.safe_dump(data, sort_keys=False)
+
+
+def _search(
+    spec: Workload, passes: int, workers: int | None, json_out: Path, seeds: int
+) -> tuple[Advice, str | None]:
     """The advice, with a progress bar (plain lines off a terminal); after a Ctrl-C, or a worker lost
     otherwise (the second item says how), the advice from what was simulated."""
     from app.sim.advise import AdviceInterrupted
@@ -227,7 +335,7 @@ def _search(spec: Workload, passes: int, workers: int | None, json_out: Path) ->
                 lines(done, planned)
 
         try:
-            return run_advice(spec, passes=passes, workers=workers, on_run=on_run), None
+            return run_advice(spec, passes=passes, workers=workers, on_run=on_run, seeds=seeds), None
         except AdviceInterrupted as stopped:
             if stopped.partial is None:
                 why, code = _stopped_by(stopped.lost)

@@ -448,15 +448,19 @@ def write_json(path: Path, data: Any) -> None:
     if bad:
         say(f"warning: {path}: no finite value at {', '.join(bad)}; written as null")
         data = _finite_or_none(data)
-    text = json.dumps(data, indent=2, allow_nan=False)
+    write_output(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
+
+
+def write_output(path: Path, text: str) -> None:
+    """`text` to the file at `path` (`-`: stdout), atomically; where it cannot be written there, the
+    work is not lost: it goes where it can, said in one line, exit 1."""
     if is_stdout(path):
-        write_stdout(text + "\n")
+        write_stdout(text)
         return
     try:
-        write_text_atomically(_target(path), text + "\n")
+        write_text_atomically(_target(path), text)
     except OSError as exc:
-        # The work is not lost: it goes where it can.
-        kept = _keep_elsewhere(path, text + "\n")
+        kept = _keep_elsewhere(path, text)
         where = f"; written to {kept} instead" if kept is not None else "; it could not be written anywhere"
         cannot_write(path, why_not_written(path, exc) + where)
 

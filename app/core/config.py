@@ -7,6 +7,7 @@ field has a bound, so a bad value is refused when the policy is built, never hal
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -43,6 +44,30 @@ class PolicyName(StrEnum):
 
 # The largest agent-phase gate factor a policy, a run config or `corral sim --agent-gate` takes.
 MAX_AGENT_GATE = 1_000
+
+
+def gate_option(default: str) -> Any:
+    """The agent-phase gate's factor as asked for at launch (a run config, a workload, `POST /api/runs`):
+    0 asks for no gate (`launch_gate`); `default` says what leaving it out gives."""
+    return Field(
+        None,
+        ge=0,
+        le=MAX_AGENT_GATE,
+        allow_inf_nan=False,
+        strict=True,
+        description="the agent-phase gate (app.runtime.gate): attempts start their agent phase while fewer "
+        f"than this × the exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: "
+        f"{default}",
+    )
+
+
+def admission_option(default: str) -> Any:
+    """What B + S caps, as asked for at launch; `default` says what leaving it out gives."""
+    return Field(
+        None,
+        description="what B + S caps: live groups (live: in flight + ready), groups in flight (in_flight), "
+        f"or attempts in flight ((B + S)·G, attempts); default: {default}",
+    )
 
 
 def launch_gate(factor: float) -> float | None:

@@ -24,7 +24,14 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import MAX_AGENT_GATE, AdmissionMode, LaneOrder, LanesConfig, launch_gate
+from app.core.config import (
+    AdmissionMode,
+    LaneOrder,
+    LanesConfig,
+    admission_option,
+    gate_option,
+    launch_gate,
+)
 from app.cpulist import MAX_CPU, parse_cpu_list
 from app.documents import DocumentError, read_document
 from app.sandboxes.cpushare import DEFAULT_LANE_WEIGHTS, MAX_WEIGHT, MIN_WEIGHT
@@ -120,20 +127,8 @@ class PolicyKnobs(_Strict):
         description="lane slots grow while work queues and the lanes' CPUs sit idle (app.lanes.adaptive); "
         "default: the rung's (on for full)",
     )
-    agent_gate: float | None = Field(
-        None,
-        ge=0,
-        le=MAX_AGENT_GATE,
-        allow_inf_nan=False,
-        description="the agent-phase gate (app.runtime.gate): attempts start their agent phase while fewer "
-        "than this × the exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; "
-        "default: the rung's (1 for full, none for the others)",
-    )
-    admission: AdmissionMode | None = Field(
-        None,
-        description="what B + S caps: live groups, groups in flight (in_flight), or attempts in flight "
-        "((B + S)·G, `attempts`); default: the rung's (in_flight for full)",
-    )
+    agent_gate: float | None = gate_option("the rung's (1 for full, none for the others)")
+    admission: AdmissionMode | None = admission_option("the rung's (in_flight for full)")
 
 
 class EnginesConfig(_Strict):

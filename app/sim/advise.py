@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -106,13 +107,6 @@ class Settings:
             return "policy default"
         return "off" if self.agent_gate_percent == 0 else f"{self.agent_gate_percent / 100:g}"
 
-    def policy_overrides(self) -> dict[str, Any]:
-        """What these settings change of the policy itself (the rest goes into the workload)."""
-        overrides: dict[str, Any] = {"admission": AdmissionMode.ATTEMPTS} if self.attempts_admission else {}
-        if self.agent_gate_percent is not None:
-            overrides["agent_gate"] = self.agent_gate_percent / 100 or None
-        return overrides
-
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.as_policy(),
@@ -141,6 +135,33 @@ class Outcome:
     # had a learning signal); it was simulated, and it ranks last, as no batch.
     stopped: str | None = None
 
+    # With advise's `seeds` above 1: each seed's mean batch collection time, in seed order (the figures
+    # above are their means); None for one seed.
+    per_seed_s: list[float | None] | None = None
+
+    @classmethod
+    def mean_of(cls, settings: Settings, runs: list[Outcome]) -> Outcome:
+        """One outcome of the same settings on several seeds: each figure the mean over them. A seed on
+        which no batch was delivered (or that stopped) leaves no mean, so the settings rank last."""
+        means = [r.batch_collection_s for r in runs]
+        stopped = next((r.stopped for r in runs if r.stopped is not None), None)
+
+        def mean(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return round(statistics.fmean(known), 6) if len(known) == len(values) else None
+
+        return cls(
+            settings=settings,
+            batch_collection_s=mean(list(means)),
+            p90_s=mean([r.p90_s for r in runs]),
+            trainer_idle_fraction=round(statistics.fmean(r.trainer_idle_fraction for r in runs), 6),
+            wasted_trajectory_s=round(statistics.fmean(r.wasted_trajectory_s for r in runs), 3),
+            lower_bound_s=round(statistics.fmean(r.lower_bound_s for r in runs), 6),
+            attempts_cut_short_share=mean([r.attempts_cut_short_share for r in runs]),
+            stopped=stopped,
+            per_seed_s=list(means),
+        )
+
     @classmethod
     def failed(cls, settings: Settings, exc: BaseException) -> Outcome:
         return cls(settings, None, None, 0.0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
@@ -165,6 +186,7 @@ class Outcome:
             "error": self.error,
             "stopped": self.stopped,
             "attempts_cut_short_share": self.attempts_cut_short_share,
+            "per_seed_s": self.per_seed_s,
         }
 
     def cut_text(self) -> str:
@@ -178,6 +200,7 @@ class Advice:
     recommended: Outcome
     evaluated: list[Outcome] = field(default_factory=list)
     complete: bool = True  # False: the search was interrupted; the best of what it simulated
+    seeds: int = 1  # each outcome's figures are the means over this many seeds
 
     @property
     def beats_current(self) -> bool:
@@ -232,6 +255,7 @@ class Advice:
             "recommended": self.recommended.as_dict(),
             "beats_current": self.beats_current,
             "complete": self.complete,
+            "seeds": self.seeds,
             "verdict": self.verdict(),
             "passed_over_for_cut_attempts": len(self.passed_over),
             "evaluated": [o.as_dict() for o in self.evaluated],
@@ -239,6 +263,8 @@ class Advice:
 
 
 def current_settings(workload: Workload) -> Settings:
+    gate = workload.policy.agent_gate
+    percent = None if gate is None or (gate * 100) % 1 else round(gate * 100)  # None: the workload's own
     return Settings(
         surplus_groups=workload.policy.surplus_groups,
         max_staleness=workload.policy.max_staleness,
@@ -246,6 +272,8 @@ def current_settings(workload: Workload) -> Settings:
         lane_slots=tuple(workload.lanes.slots().items()),
         serving_cores=workload.cpus.serving,
         borrow_serving_cpus=workload.lanes.borrow_serving_cpus,
+        attempts_admission=workload.policy.admission is AdmissionMode.ATTEMPTS,
+        agent_gate_percent=percent,
     )
 
 
@@ -299,12 +327,19 @@ def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[s
 def _workload_with(workload: Workload, settings: Settings) -> Workload:
     data = workload.model_dump(by_alias=True)
     data["lanes"] = {**data["lanes"], **dict(settings.lane_slots)}
+    own = workload.policy.admission
     data["policy"] = {
         **data["policy"],
         "surplus_groups": settings.surplus_groups,
         "max_staleness": settings.max_staleness,
         "max_updating_engines": settings.max_updating_engines,
+        # not by attempts: the workload's own admission, or the rung's where the workload's is attempts
+        "admission": AdmissionMode.ATTEMPTS
+        if settings.attempts_admission
+        else (None if own is AdmissionMode.ATTEMPTS else own),
     }
+    if settings.agent_gate_percent is not None:  # else the workload's own gate, or the rung's
+        data["policy"]["agent_gate"] = settings.agent_gate_percent / 100
     if settings.serving_cores is not None:
         data["cpus"] = {**data["cpus"], "serving": settings.serving_cores}
     if settings.borrow_serving_cpus is not None:
@@ -314,10 +349,43 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
     return Workload.model_validate(data)
 
 
-def evaluate(workload: Workload, settings: Settings, policy_name: str = "full") -> Outcome:
-    """Simulate one candidate (module-level so that worker processes can run it)."""
-    candidate = _workload_with(workload, settings)  # its updating engines too, as `corral sim` runs them
-    policy = policy_for(candidate, policy_name, **settings.policy_overrides())
+def advised_workload(workload: Workload, settings: Settings) -> dict[str, Any]:
+    """`workload` with `settings`, as data that `corral sim --workload` reads back into the same
+    workload (JSON's types; a trace by its absolute path), so that it simulates what was evaluated."""
+    return _workload_with(workload, settings).model_dump(mode="json", by_alias=True)
+
+
+APPLIED_SECTIONS = ("policy", "lanes", "cpus")  # the workload's sections a setting lives in
+
+
+def workload_changes(workload: Workload, current: Settings, advised: Settings) -> dict[str, dict[str, Any]]:
+    """What `advised` changes of `workload` (whose own settings are `current`): by section, the keys
+    whose values differ, in the workload's own names, so that a user can apply them by hand."""
+    before, after = advised_workload(workload, current), advised_workload(workload, advised)
+    changes = {}
+    for section in APPLIED_SECTIONS:
+        diff = {k: v for k, v in after[section].items() if before[section].get(k) != v}
+        if diff:
+            changes[section] = diff
+    return changes
+
+
+def evaluate(workload: Workload, settings: Settings, policy_name: str = "full", seeds: int = 1) -> Outcome:
+    """Simulate one candidate (module-level so that worker processes can run it); with `seeds` above 1,
+    on the workload's seed and the `seeds - 1` after it, each figure the mean over them."""
+    candidate = _workload_with(workload, settings)  # all of its settings, as `corral sim` runs them
+    if seeds == 1:
+        return _evaluate_once(candidate, settings, policy_name)
+    data = candidate.model_dump(by_alias=True)
+    runs = [
+        _evaluate_once(Workload.model_validate({**data, "seed": candidate.seed + i}), settings, policy_name)
+        for i in range(seeds)
+    ]
+    return Outcome.mean_of(settings, runs)
+
+
+def _evaluate_once(candidate: Workload, settings: Settings, policy_name: str) -> Outcome:
+    policy = policy_for(candidate, policy_name)
     # A run that can fill no batch is an outcome, not an error: the current settings stopping so ended
     # the whole search, where another candidate may deliver batches.
     report = simulate_unless_stopped(candidate, policy, policy_name)
@@ -357,13 +425,13 @@ class AdviceInterrupted(Exception):
         self.lost = lost
 
 
-def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool) -> Advice:
+def _choose(start: Settings, seen: dict[Settings, Outcome], complete: bool, seeds: int = 1) -> Advice:
     current = seen[start]
     top = min((o for o in seen.values() if not _cuts_more(o, current)), key=_rank)
     best, now = top.batch_collection_s, current.batch_collection_s
     if best is None or (now is not None and best >= now * (1 - TIE_FRACTION)):
         top = current
-    return Advice(current, top, sorted(seen.values(), key=_rank), complete)
+    return Advice(current, top, sorted(seen.values(), key=_rank), complete, seeds)
 
 
 def default_workers() -> int:
@@ -379,18 +447,21 @@ def advise(
     workers: int | None = None,
     on_run: OnRun | None = None,
     knobs: Iterable[str] | None = None,
+    seeds: int = 1,
 ) -> Advice:
     """Coordinate descent over the knobs; `on_run(done, planned)` reports progress. A Ctrl-C raises
-    `AdviceInterrupted` with the advice from what was simulated so far."""
+    `AdviceInterrupted` with the advice from what was simulated so far. With `seeds` above 1 each
+    candidate is judged by its means over that many seeds (`evaluate`): one seed's draws can favour
+    settings that another's do not."""
     workers = workers or default_workers()
     start = current_settings(workload)
     seen: dict[Settings, Outcome] = {}
     try:
-        _search(workload, policy_name, passes, workers, on_run, knobs, start, seen)
+        _search(workload, policy_name, passes, workers, on_run, knobs, start, seen, seeds)
     except (KeyboardInterrupt, BrokenProcessPool, WorkerLost) as exc:
-        partial = _choose(start, seen, complete=False) if start in seen else None
+        partial = _choose(start, seen, complete=False, seeds=seeds) if start in seen else None
         raise AdviceInterrupted(partial, str(exc) if isinstance(exc, WorkerLost) else None) from None
-    return _choose(start, seen, complete=True)
+    return _choose(start, seen, complete=True, seeds=seeds)
 
 
 def candidate_outcome(candidate: Settings, fut: Future[Outcome], start: Settings) -> Outcome:
@@ -416,6 +487,7 @@ def _search(
     knobs: Iterable[str] | None,
     start: Settings,
     seen: dict[Settings, Outcome],
+    seeds: int,
 ) -> None:
     """The coordinate descent of `advise`, recording every outcome in `seen` as it arrives. `planned`,
     the total it reports, is the whole search's from the start: what is simulated, plus this knob's new
@@ -443,7 +515,7 @@ def _search(
 
         def run_all(candidates: list[Settings]) -> None:
             todo = [c for c in dict.fromkeys(candidates) if c not in seen]
-            futures = [pool.submit(evaluate, workload, c, policy_name) for c in todo]
+            futures = [pool.submit(evaluate, workload, c, policy_name, seeds) for c in todo]
             if todo:
                 report()  # the round's count, before its first result
             for candidate, fut in zip(todo, futures, strict=True):

@@ -10,11 +10,19 @@ list holds the same records). A trial record has ISO-8601 timestamps `trial_star
 `is_resolved`. The phases map as:
   reset = trial start → agent start;  agent = agent start → agent end;
   validate = test start → test end;   cleanup = test end → trial end;   reward = 1 if resolved else 0.
-A trial missing a timestamp the agent phase needs is skipped and counted, never guessed; a missing
-timestamp of another phase counts that phase as 0. A results.json that is not a JSON object, a time that
-is not ISO-8601, a span that runs backwards or an `is_resolved` that is not a boolean (or null, which
-terminal-bench writes for an unresolved trial) skips that trial, counted with its reason. A directory
-beside a trial's with no results.json in it (a trial that never ended) is counted as not finished.
+A trial whose agent started and never ended (it crashed or was killed: terminal-bench's `failure_mode`
+says which) held its sandbox all the same: its agent time runs to the test start, or to the trial end
+when no test ran, and its outcome is as recorded (a crashed agent's trial is unresolved); a trial whose
+tests started and never ended (they timed out) counts validation to the trial end and no cleanup. Each
+such trial is counted in `ImportResult.assumed`. A trial with no agent start, or with neither an agent
+end nor a later time to end it at, is skipped and counted; a missing timestamp of another phase counts
+that phase as 0. A results.json that is not a JSON object, a time that is not ISO-8601, a span that
+runs backwards or an `is_resolved` that is not a boolean (or null, which terminal-bench writes for an
+unresolved trial) skips that trial, counted with its reason. A directory
+beside a trial's with no results.json in it (a trial that never ended) is counted as not finished. A
+run-level summary that cannot be read is no trial: it is counted apart (`ImportResult.unread`), since
+the trials it lists were read from their own files. Up to `MAX_EXAMPLES` of the skipped of each reason
+are named (`ImportResult.examples`), so that a user can find them among thousands.
 
 A `corral run` report carries its event stream under `event_log`; each attempt's phases are summed from
 its sandbox operations (by lane) and model turns, and its task is named by the report's `group_tasks`.
@@ -54,11 +62,27 @@ from app.validation import MAX_REPORT_BYTES
 FORMATS = ("terminal-bench", "corral-run")
 
 
+MAX_EXAMPLES = 3  # of the trials skipped for one reason, named in what the import says
+
+
 @dataclass
 class ImportResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
     sources: int = 0
+    # Where to find the first skipped of each reason: a trial's directory, a results.json, a summary's
+    # trial as `path: name`.
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    # Trials imported with a phase's end taken from a later time (AGENT_CUT, TEST_CUT), by which.
+    assumed: Counter[str] = field(default_factory=Counter)
+    # Run-level summaries not read, by why (the trials below them were read from their own files).
+    unread: Counter[str] = field(default_factory=Counter)
+
+    def skip(self, why: str, where: str, n: int = 1) -> None:
+        self.skipped[why] += n
+        shown = self.examples.setdefault(why, [])
+        if len(shown) < MAX_EXAMPLES:
+            shown.append(where)
 
 
 class _Skip(Exception):
@@ -93,30 +117,48 @@ def _span(
     return seconds
 
 
-def terminal_bench_record(record: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """One trial record → one trace line, or (None, why it was skipped)."""
+AGENT_CUT = "no agent end (it crashed or was killed): agent time counted to the test start or trial end"
+TEST_CUT = "no test end (the tests timed out): validation counted to the trial end"
+
+
+STAMPS = ("agent_ended_at", "test_started_at", "test_ended_at", "trial_ended_at")
+
+
+def terminal_bench_record(record: dict[str, Any]) -> tuple[dict[str, Any] | None, str, tuple[str, ...]]:
+    """One trial record → (its trace line, "", what was assumed: AGENT_CUT, TEST_CUT), or (None, why it
+    was skipped, ())."""
     try:
-        return _trial_line(record), ""
+        line, assumed = _trial_line(record)
     except _Skip as skip:
-        return None, str(skip)
+        return None, str(skip), ()
+    return line, "", assumed
 
 
-def _trial_line(record: dict[str, Any]) -> dict[str, Any]:
+def _trial_line(record: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     task = record.get("task_id")
     if not isinstance(task, str) or not task:
         raise _Skip("no task_id")
     resolved = record.get("is_resolved")
     if resolved is not None and not isinstance(resolved, bool):
         raise _Skip("is_resolved is not a boolean")
-    agent = _span(record, "agent_started_at", "agent_ended_at", backwards="agent ends before it starts")
+    assumed: tuple[str, ...] = ()
+    agent_end, test_end = "agent_ended_at", "test_ended_at"
+    has = {key: _stamp(record, key) is not None for key in (*STAMPS, "agent_started_at")}
+    if has["agent_started_at"] and not has["agent_ended_at"]:
+        # Its sandbox was held until the tests began, or the trial ended, whatever the agent did.
+        agent_end = "test_started_at" if has["test_started_at"] else "trial_ended_at"
+        assumed += (AGENT_CUT,)
+    agent = _span(record, "agent_started_at", agent_end, backwards="agent ends before it starts")
     if agent is None:
         raise _Skip("no agent start/end")
+    if has["test_started_at"] and not has["test_ended_at"] and has["trial_ended_at"]:
+        test_end, assumed = "trial_ended_at", (*assumed, TEST_CUT)
     reset = _span(record, "trial_started_at", "agent_started_at") or 0.0
-    validate = _span(record, "test_started_at", "test_ended_at") or 0.0
-    cleanup = _span(record, "test_ended_at", "trial_ended_at")
+    validate = _span(record, "test_started_at", test_end) or 0.0
+    cleanup = _span(record, test_end, "trial_ended_at")
     if cleanup is None:
-        cleanup = _span(record, "agent_ended_at", "trial_ended_at") or 0.0
-    return {
+        cleanup = _span(record, agent_end, "trial_ended_at") or 0.0
+    line = {
         "task": task,
         "reset_s": round(reset, 3),
         "agent_s": round(agent, 3),
@@ -124,6 +166,7 @@ def _trial_line(record: dict[str, Any]) -> dict[str, Any]:
         "cleanup_s": round(cleanup, 3),
         "reward": 1.0 if resolved else 0.0,
     }
+    return line, assumed
 
 
 def _trial_records(path: Path) -> tuple[list[Any], bool]:
@@ -146,16 +189,16 @@ def _trial_records(path: Path) -> tuple[list[Any], bool]:
 NO_RESULTS = "no results.json (the trial did not finish)"
 
 
-def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> int:
+def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> list[Path]:
     """Directories beside a trial's that hold no results.json at any depth and that no record named:
     trials of the same task that never wrote one (terminal-bench writes it when a trial ends)."""
-    unfinished = 0
-    for parent in {d.parent for d in trial_dirs}:
-        for sibling in parent.iterdir():
+    unfinished = []
+    for parent in sorted({d.parent for d in trial_dirs}):
+        for sibling in sorted(parent.iterdir()):
             if sibling in trial_dirs or sibling.name in trial_names or not sibling.is_dir():
                 continue
             if next(sibling.rglob("results.json"), None) is None:
-                unfinished += 1
+                unfinished.append(sibling)
     return unfinished
 
 
@@ -169,6 +212,7 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
     result = ImportResult()
     seen: set[tuple[str, str]] = set()
     trial_dirs: set[Path] = set()
+    above_trials: set[Path] = set()  # the directories that hold a trial's below them
     # Trial files first, so a run-level summary of the same trials adds nothing twice.
     files = sorted(directory.rglob("results.json"), key=lambda p: (-len(p.parts), str(p)))
     for path in files:
@@ -178,14 +222,18 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
         try:
             records, summary = _trial_records(path)
         except _Skip as skip:
-            result.skipped[str(skip)] += 1
-            trial_dirs.add(path.parent)
+            if path.parent in above_trials:  # the trials below it were read from their own files
+                result.unread[str(skip)] += 1
+            else:
+                result.skip(str(skip), str(path))
+                trial_dirs.add(path.parent)
             continue
         if not summary:
             trial_dirs.add(path.parent)
+            above_trials.update(path.parent.parents)
         for record in records:
             if not isinstance(record, dict):
-                result.skipped["not an object"] += 1
+                result.skip("not an object", str(path))
                 continue
             # A trial without a name is known by what it records: by its directory, every unnamed trial of
             # a task in a run's summary was one, and all but the first were dropped uncounted.
@@ -194,18 +242,18 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
             if key in seen:
                 continue
             seen.add(key)
-            line, why = terminal_bench_record(record)
+            line, why, assumed = terminal_bench_record(record)
             if line is not None and (unloadable := trace_line_problem(line)) is not None:
                 line, why = None, unloadable  # it would be refused by the simulator that reads it
             if line is None:
-                result.skipped[why] += 1
+                result.skip(why, f"{path}: {_shown(name)}" if summary else str(path.parent))
             else:
                 result.records.append(line)
+                result.assumed.update(assumed)
     if on_file is not None:
         on_file(len(files), len(files))
-    unfinished = _unfinished_trials(trial_dirs, {name for _, name in seen})
-    if unfinished:
-        result.skipped[NO_RESULTS] += unfinished
+    for unfinished in _unfinished_trials(trial_dirs, {name for _, name in seen}):
+        result.skip(NO_RESULTS, str(unfinished))
     if not result.records:
         raise WorkloadError(
             f"{directory}: no usable terminal-bench trial found "

@@ -16,7 +16,7 @@ import math
 import os
 import random
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import LaneOrder
+from app.core.config import AdmissionMode, LaneOrder, admission_option, gate_option
 from app.documents import DocumentError, TooLarge, check_size, open_input, read_document
 from app.lanes.adaptive import AdaptiveLanesSpec
 from app.sim.lanes import LaneSharing, LaneWeights
@@ -204,6 +204,13 @@ class PolicySpec(Strict):
         strict=True,
         description="engines loading new weights at once, a fixed number (what `corral advise` calls "
         "`updating`); None: the policy's own pace (`full`: by free slots)",
+    )
+    admission: AdmissionMode | None = admission_option(
+        "the rung's (in_flight for full), as in a `corral run` config; `corral sim --admission` goes over it"
+    )
+    agent_gate: float | None = gate_option(
+        "the rung's (1 for full, none for the others), as in a `corral run` config; `corral sim "
+        "--agent-gate` goes over it"
     )
 
 
@@ -653,6 +660,22 @@ def _turns_over_agent(rec: _TraceLine) -> float | None:
 
 def _seconds(x: float) -> str:
     return f"{x:,.3f}".rstrip("0").rstrip(".")
+
+
+def over_agent_limit(records: Iterable[Mapping[str, Any]]) -> str | None:
+    """What to tell the user of a trace whose attempts ran their agent longer than the simulator's
+    default agent time (`trajectory.timeout_s`), which a replay applies to them too: they would run out
+    of it and fail, unless the workload sets a longer one. None when every attempt fits."""
+    limit = TrajectorySpec.model_fields["timeout_s"].default
+    agent = [float(r["agent_s"]) for r in records]
+    over = [a for a in agent if a > limit]
+    if not over:
+        return None
+    return (
+        f"note: {len(over)} of {len(agent)} attempts ran their agent longer than {limit:g} s, the "
+        f"simulator's default agent time (trajectory.timeout_s); a workload replaying this trace cuts them "
+        f"short, and they fail, unless it sets trajectory: {{timeout_s: {math.ceil(max(over))}}} or more"
+    )
 
 
 def trace_line_problem(data: Mapping[str, Any]) -> str | None:

@@ -12,10 +12,12 @@ from app.sim.advise import (
     Settings,
     advice_figure,
     advise,
+    advised_workload,
     current_settings,
     evaluate,
     knob_grid,
     plot_advice,
+    workload_changes,
 )
 from app.sim.workload import Workload, load_workload
 
@@ -142,9 +144,11 @@ def test_the_agent_gate_is_a_knob_run_as_corral_sim_runs_it() -> None:
     assert start.as_dict()["agent_gate"] is None
     assert start.gate() == "policy default"
     off, half = start.with_knob("agent_gate_percent", 0), start.with_knob("agent_gate_percent", 50)
-    assert off.policy_overrides() == {"agent_gate": None}
+    written = Workload.model_validate(advised_workload(workload, off))
+    assert written.policy.agent_gate == 0.0
+    assert policy_for(written, "full").agent_gate is None  # 0: no gate
     assert off.gate() == "off"
-    assert half.policy_overrides() == {"agent_gate": 0.5}
+    assert advised_workload(workload, half)["policy"]["agent_gate"] == 0.5
     assert half.as_dict()["agent_gate"] == 0.5
     report = simulate(workload, policy_for(workload, "full", agent_gate=0.5), "full")
     assert evaluate(workload, half).batch_collection_s == report["batch_collection_s"]["mean"]
@@ -361,3 +365,57 @@ def test_settings_whose_run_cannot_proceed_are_an_outcome_and_the_search_goes_on
         f"none of the {len(advice.evaluated)} settings simulated delivered a batch; "
         f"the current ones stopped: {advice.current.stopped}"
     )
+
+
+def test_a_workload_carries_admission_and_the_gate_as_corral_sim_flags_do() -> None:
+    """`policy.admission` and `policy.agent_gate` in a workload run as `--admission` and `--agent-gate`
+    do, and advise starts from them as the workload's own settings."""
+    from app.core.config import AdmissionMode
+    from app.sim.run import policy_for, simulate
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    data = workload.model_dump(by_alias=True)
+    data["policy"] |= {"admission": "attempts", "agent_gate": 0.5}
+    carried = Workload.model_validate(data)
+    flags = policy_for(workload, "full", admission=AdmissionMode.ATTEMPTS, agent_gate=0.5)
+    assert policy_for(carried, "full") == flags
+    assert (
+        simulate(carried, policy_for(carried, "full"), "full")["batch_collection_s"]
+        == simulate(workload, flags, "full")["batch_collection_s"]
+    )
+    start = current_settings(carried)
+    assert start.attempts_admission is True
+    assert start.agent_gate_percent == 50
+    # not by attempts, for this workload, is the rung's own admission (in flight for full)
+    other = start.with_knob("attempts_admission", 0)
+    assert policy_for(Workload.model_validate(advised_workload(carried, other)), "full").admission is (
+        AdmissionMode.IN_FLIGHT
+    )
+    assert workload_changes(carried, start, other) == {"policy": {"admission": None}}
+
+
+def test_advice_over_seeds_judges_each_candidate_by_its_means() -> None:
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    start = current_settings(workload)
+    over = evaluate(workload, start, seeds=3)
+    data = workload.model_dump(by_alias=True)
+    each = [evaluate(Workload.model_validate({**data, "seed": workload.seed + i}), start) for i in range(3)]
+    assert over.per_seed_s == [o.batch_collection_s for o in each]
+    assert len(set(over.per_seed_s)) > 1  # the seeds differ, or this shows nothing
+    assert over.batch_collection_s == pytest.approx(math.fsum(over.per_seed_s) / 3)
+    assert over.wasted_trajectory_s == pytest.approx(sum(o.wasted_trajectory_s for o in each) / 3, abs=1e-3)
+    assert evaluate(workload, start).per_seed_s is None
+    advice = advise(workload, passes=1, workers=2, knobs=["attempts_admission"], seeds=2)
+    assert advice.seeds == 2
+    assert advice.as_dict()["seeds"] == 2
+    assert all(len(o.per_seed_s or []) == 2 for o in advice.evaluated)
+
+
+def test_a_seed_that_delivers_no_batch_leaves_no_mean() -> None:
+    settings = Settings(4, 2, None, (("reset", 1),))
+    ok = Outcome(settings, 10.0, 12.0, 0.5, 100.0, 5.0, attempts_cut_short_share=0.0)
+    stopped = Outcome(settings, None, None, 1.0, 0.0, 0.0, stopped="every group failed")
+    mean = Outcome.mean_of(settings, [ok, stopped])
+    assert mean.batch_collection_s is None
+    assert mean.stopped == "every group failed"
+    assert mean.per_seed_s == [10.0, None]

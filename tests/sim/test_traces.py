@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 
 from app.sim.traces import (
+    AGENT_CUT,
+    MAX_EXAMPLES,
     NO_RESULTS,
+    TEST_CUT,
     attempts_from_events,
     import_corral_run,
     import_terminal_bench,
@@ -46,12 +49,13 @@ def test_terminal_bench_phases_map_to_trace_fields(tmp_path: Path) -> None:
         [
             make_trial("hello-world", "hello-world.1-of-2", True),
             make_trial("hello-world", "hello-world.2-of-2", False),
-            make_trial("broken", "broken.1-of-1", None, agent_ended_at=None),
+            make_trial("broken", "broken.1-of-1", None, agent_started_at=None),
         ],
     )
     result = import_terminal_bench(run)
     assert len(result.records) == 2
     assert result.skipped == {"no agent start/end": 1}
+    assert result.examples == {"no agent start/end": [str(run / "broken" / "broken.1-of-1")]}
     first = result.records[0]
     assert first == {
         "task": "hello-world",
@@ -421,3 +425,74 @@ def test_a_trial_that_never_wrote_its_results_is_counted(tmp_path: Path) -> None
     result = import_terminal_bench(run)
     assert len(result.records) == 3
     assert result.skipped == {NO_RESULTS: 1}
+
+
+def test_a_trial_whose_agent_or_tests_never_ended_imports_with_the_time_its_sandbox_was_held(
+    tmp_path: Path,
+) -> None:
+    """A crashed agent (terminal-bench: failure_mode unknown_agent_error, agent_ended_at null) was
+    skipped, so a trace replayed attempts that never die; a test timeout (test_ended_at null) had its
+    test time counted as cleanup. Each is imported with the time its sandbox was held, and counted."""
+    crashed = make_trial("c", "c.1", False, agent_ended_at=None)
+    crashed["failure_mode"] = "unknown_agent_error"
+    crashed_untested = make_trial(
+        "c", "c.2", None, agent_ended_at=None, test_started_at=None, test_ended_at=None
+    )
+    test_timeout = make_trial("t", "t.1", False, test_ended_at=None)
+    both = make_trial("b", "b.1", False, agent_ended_at=None, test_ended_at=None)
+    never_ended = make_trial(
+        "n", "n.1", None, agent_ended_at=None, test_started_at=None, test_ended_at=None, trial_ended_at=None
+    )
+    result = import_terminal_bench(
+        write_run(tmp_path, [crashed, crashed_untested, test_timeout, both, never_ended])
+    )
+    by_task = {(r["task"], r["agent_s"]): r for r in result.records}
+    # agent start 10:00:07; test start 10:04:40; trial end 10:04:58.5
+    assert by_task[("c", 273.0)] == {
+        "task": "c",
+        "reset_s": 7.0,
+        "agent_s": 273.0,
+        "validate_s": 5.5,
+        "cleanup_s": 13.0,
+        "reward": 0.0,
+    }
+    assert by_task[("c", 291.5)] == {
+        "task": "c",
+        "reset_s": 7.0,
+        "agent_s": 291.5,
+        "validate_s": 0.0,
+        "cleanup_s": 0.0,
+        "reward": 0.0,
+    }
+    assert by_task[("t", 270.0)] == {
+        "task": "t",
+        "reset_s": 7.0,
+        "agent_s": 270.0,
+        "validate_s": 18.5,
+        "cleanup_s": 0.0,
+        "reward": 0.0,
+    }
+    assert by_task[("b", 273.0)]["validate_s"] == 18.5
+    assert result.assumed == {AGENT_CUT: 3, TEST_CUT: 2}
+    assert result.skipped == {"no agent start/end": 1}
+    # with no test, the crashed agent held its sandbox from trial start to trial end, 298.5 s
+    assert sum(v for k, v in by_task[("c", 291.5)].items() if k.endswith("_s")) == 298.5
+
+
+def test_an_unreadable_run_summary_is_no_skipped_trial_and_skipped_trials_are_named(tmp_path: Path) -> None:
+    """A truncated run-level results.json was counted as a skipped trial ("not JSON"), though every
+    trial had been read from its own file; and no skipped trial was named, so among thousands a user
+    could not find them."""
+    trials = [make_trial("t", f"t.{i}", True, agent_started_at=None) for i in range(MAX_EXAMPLES + 2)]
+    run = write_run(tmp_path, [make_trial("good", "good.1", True), *trials])
+    (run / "results.json").write_text('{"results": [')
+    result = import_terminal_bench(run)
+    assert len(result.records) == 1
+    assert result.skipped == {"no agent start/end": MAX_EXAMPLES + 2}
+    assert result.examples["no agent start/end"] == [str(run / "t" / f"t.{i}") for i in range(MAX_EXAMPLES)]
+    assert result.unread == {"not JSON": 1}
+    # a broken trial file is still a skipped trial, named by its path
+    (run / "good" / "good.1" / "results.json").write_text("{")
+    (run / "results.json").unlink()
+    with pytest.raises(WorkloadError, match="no usable"):
+        import_terminal_bench(run)
