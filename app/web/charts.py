@@ -75,6 +75,13 @@ def _label_width(text: str) -> float:
     return 5.6 * len(text)
 
 
+def _mid_x(x: float, text: str, char_px: float = 5.6) -> float:
+    """Where a middle-anchored label centred at `x` goes so that it stays inside the chart: the last
+    step's label at the right edge was cut (`1079` for `10989`)."""
+    half = char_px * len(text) / 2
+    return min(max(x, half + 1), W - half - 1)
+
+
 def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
@@ -153,8 +160,8 @@ def bar_chart(
             )
         if i % every == 0:
             parts.append(
-                f'<text x="{x + span_w / 2:.1f}" y="{H - PAD_B + 11}" text-anchor="middle" '
-                f'style="font:9px sans-serif">{escape(label)}</text>'
+                f'<text x="{_mid_x(x + span_w / 2, label, 5.04):.1f}" y="{H - PAD_B + 11}" '
+                f'text-anchor="middle" style="font:9px sans-serif">{escape(label)}</text>'
             )
     if reference is not None:
         # The line crosses the bars; its label goes in the title row, after a sample of the line, where
@@ -223,7 +230,7 @@ def histogram(
         if width > 1:
             parts.append(f'<line x1="{x:.1f}" y1="{y0}" x2="{x:.1f}" y2="{y0 + 3}" stroke="#444"/>')
         at = x + span_w / 2 if width == 1 else x
-        parts.append(f'<text x="{at:.1f}" y="{y0 + 11}" {_SMALL_MID}>{start}</text>')
+        parts.append(f'<text x="{_mid_x(at, str(start)):.1f}" y="{y0 + 11}" {_SMALL_MID}>{start}</text>')
     return "".join(parts) + "</svg>"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -287,6 +287,7 @@ class RunView(_RunFace):
     detailed: bool = True  # False: group-level rows only (a report without its event log)
     pending_request: float | None = None  # when the trainer asked for a batch it has not got yet
     dropped_groups: int = 0  # ended groups no longer kept (a long live run keeps its latest)
+    dropped_outcomes: dict[str, int] = field(default_factory=dict)  # how those groups ended
     started_at: float | None = None  # Unix time the run started (stored runs; None for replays)
     pool_note: str | None = None  # the whole pool's state (every engine down, or given up), when it holds
     refusals: list[RefusalRow] = field(default_factory=list)  # the latest, oldest first
@@ -304,6 +305,28 @@ class RunView(_RunFace):
     resume_note: str | None = None  # the run is being resumed after a restart, and how far it has got
 
     # -- figures ----------------------------------------------------------------------------------
+
+    @property
+    def group_counts(self) -> dict[str, int]:
+        """Groups by where they are: in flight, ready, delivered, then each discard reason, those no
+        longer kept included."""
+        counts = Counter(g.outcome for g in self.groups) + Counter(self.dropped_outcomes)
+        first = [k for k in ("in flight", "ready", "delivered") if counts[k]]
+        return {
+            k: counts[k]
+            for k in (*first, *sorted(set(counts) - set(first) - {"in flight", "ready", "delivered"}))
+        }
+
+    @property
+    def group_counts_text(self) -> str:
+        """`12 in flight, 3 ready, 480 delivered, 423 discarded (stale 420, failed 3)`."""
+        counts = self.group_counts
+        shown = [f"{counts[k]:,} {k}" for k in ("in flight", "ready", "delivered") if k in counts]
+        discarded = {k: n for k, n in counts.items() if k not in ("in flight", "ready", "delivered")}
+        if discarded:
+            reasons = ", ".join(f"{k} {n:,}" for k, n in discarded.items())
+            shown.append(f"{sum(discarded.values()):,} discarded ({reasons})")
+        return ", ".join(shown) or "none yet"
 
     @property
     def mean_collection_s(self) -> float | None:
@@ -391,11 +414,13 @@ class RunViewBuilder:
         self.last_seq = -1
         self.started_policy: dict[str, Any] = {}
         self.policy_changes: dict[str, Any] = {}
+        self.surplus_seen: set[int] = set()  # every S the run had: live changes' old and new values
         self.ended: str | None = None
         self.groups: dict[int, GroupRow] = {}
         self.trajs: dict[int, dict[int, Trajectory]] = defaultdict(dict)
         self.ended_order: deque[int] = deque()
         self.dropped_groups = 0
+        self.dropped_outcomes: Counter[str] = Counter()  # how the groups no longer kept ended
         self.durations: list[float] = []  # admission to completion of every completed group
         self.first_admitted: float | None = None  # the run's first admission
         self.batches: list[BatchRow] = []
@@ -453,7 +478,8 @@ class RunViewBuilder:
         while (groups_over or spans_over) and len(self.ended_order) > 1:
             old = self.ended_order.popleft()
             self._kept_spans -= self._ended_spans.popleft()
-            self.groups.pop(old, None)
+            if (dropped := self.groups.pop(old, None)) is not None:
+                self.dropped_outcomes[dropped.outcome] += 1
             self.trajs.pop(old, None)
             self.dropped_groups += 1
             groups_over = self.keep_groups is not None and len(self.ended_order) > self.keep_groups
@@ -542,6 +568,11 @@ class RunViewBuilder:
             tr.spans.append(Span(s, e, LANE_PHASE.get(ev.lane, "tool_call"), detail))
         elif isinstance(ev, VersionPublished):
             self.publications.append((t, ev.version))
+            if ev.command_id:  # a command's (the dashboard's Publish, the API's), not a built-in trainer's
+                previous = self.publications[-2][1] if len(self.publications) > 1 else None
+                did = f"published weights v{ev.version}" + (" (a sentinel)" if ev.path is None else "")
+                self.audit.append(AuditRow(t, ev.actor, "weights", previous, ev.version, did))
+                self.audit_total += 1
         elif isinstance(ev, EngineUpdateBegin):
             row_e = self._engine(ev.engine)
             row_e.state, row_e.target_version = "updating", ev.version
@@ -592,10 +623,19 @@ class RunViewBuilder:
             self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
             self.audit_total += 1
             self.policy_changes[ev.field] = ev.new
+            if ev.field == "surplus_groups":
+                self.surplus_seen.update(v for v in (ev.old, ev.new) if isinstance(v, int))
         elif isinstance(ev, LaneResized):
             self.audit.append(AuditRow(t, "adaptive lanes", f"lanes.{ev.lane}.slots", ev.old, ev.new))
             self.audit_total += 1
             self.lane_slots[ev.lane] = (ev.new, ev.configured)
+
+    def _bound_policy(self, policy: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`policy` with the largest S the run had: a live change of S applies from then on, and the
+        bound at the latest S was above the mean of a run whose S was larger before (1.1 s against
+        0.9 s after S went down to 0)."""
+        surplus = [v for v in (policy.get("surplus_groups"), *self.surplus_seen) if isinstance(v, int)]
+        return {**policy, "surplus_groups": max(surplus)} if surplus else policy
 
     def view(self, meta: RunMeta | None = None) -> RunView:
         """A snapshot: copies of the rows, safe to render while the builder goes on folding."""
@@ -668,7 +708,9 @@ class RunViewBuilder:
             attribution=attribution,
             lower_bound_s=meta.lower_bound_s
             if meta.lower_bound_s is not None
-            else _observed_bound(self.durations, self.first_admitted, self.batches, policy),
+            else _observed_bound(
+                self.durations, self.first_admitted, self.batches, self._bound_policy(policy)
+            ),
             lower_bound_observed=meta.lower_bound_s is None and bool(self.batches),
             label=meta.label,
             last_seq=self.last_seq,
@@ -676,6 +718,7 @@ class RunViewBuilder:
             pending_request=self.pending if state in ASKING or partial else None,
             unanswered_s=unanswered,
             dropped_groups=self.dropped_groups,
+            dropped_outcomes=dict(self.dropped_outcomes),
             started_at=meta.started_at,
             pool_note=self.pool[1] if self.pool is not None else None,
             refusals=list(self.refusals),
@@ -727,7 +770,8 @@ def _observed_bound(
 ) -> float | None:
     """The clairvoyant bound of `app.sim.bound` over the run's observed group durations (admission to
     completion): still a lower bound on this run's mean batch collection time, since each delivered
-    group took its observed duration, at most B + S were live at once, and the trainer's steps are
+    group took its observed duration, at most B + S were live at once (S the largest the run had: the
+    caller's `policy` gives it), and the trainer's steps are
     subtracted as they were, as is any head start of groups admitted before the first batch was asked
     for. A live run knows no uncontended durations, so this is the bound it can state. Under attempts
     admission more than B + S groups can be live, so only the order statistic is stated."""

@@ -4,7 +4,9 @@ completion order.
 - spans are filled by phase with a colour *and* a pattern (stripes, dots, hatching, outline), so
   phases stay distinguishable without hue; the legend uses the same fills;
 - a trajectory's policy version is marked where it changes (`v3` above the turn that first used it);
-- weight publications are dashed vertical lines, batch deliveries solid ones, both labelled on the axis;
+- weight publications are dashed vertical lines, batch deliveries solid ones, both labelled on the axis
+  (in the header only where they would be closer than `MIN_LINE_GAP_PX` on average: they striped every
+  row);
   the header's labels (batches, weight versions, time ticks) are each in a row of their own, thinned so
   that none runs into another, and drawn after every line over the header's colour, so however many
   marks cross the header no line strikes through a label;
@@ -37,7 +39,9 @@ MIN_WIDTH, MAX_WIDTH = 400, 8000  # the widths a page may ask for (its box's, at
 MAX_SPANS = 6000  # beyond this, the latest groups only: the SVG stays a few hundred kB
 MAX_GROUPS = 1000  # and at most this many groups: queued ones (no span yet) have no span to count
 MAX_ZOOM = 64.0
+MIN_WINDOW_S, MAX_WINDOW_S = 10.0, 31_536_000.0  # a window of the last so many seconds: 10 s to a year
 MAX_TICKS = 1000  # the axis of the widest zoom has about 700
+MIN_LINE_GAP_PX = 8.0  # batch and version lines closer than this on average are drawn in the header only
 
 # phase -> (label, colour, pattern kind)
 PHASE_STYLE: dict[str, tuple[str, str, str]] = {
@@ -198,14 +202,25 @@ def _waiting(row: tuple[GroupRow, list[Trajectory]]) -> bool:
     return row[0].outcome == "in flight" and not any(t.spans for t in row[1])
 
 
+def _last_seen(row: tuple[GroupRow, list[Trajectory]]) -> float:
+    """When a group was last seen at work: never done while it runs or waits to be delivered (inf),
+    else its end, or its last span's if later."""
+    group, trajs = row
+    if group.outcome in ("in flight", "ready"):
+        return math.inf
+    return max([group.ended or 0.0, *(s.end for t in trajs for s in t.spans)])
+
+
 def _latest(
-    view: RunView, max_spans: int, max_groups: int
+    view: RunView, max_spans: int, max_groups: int, since: float | None = None
 ) -> tuple[list[tuple[GroupRow, list[Trajectory]]], int]:
     """The groups to draw, in the view's order (completion order, open ones last), and how many of the
     waiting ones (`_waiting`) were left out: the last groups with spans that fit in `max_spans` spans
     and `max_groups` groups (at least one), then, in the groups left, the waiting ones, earliest admitted
-    first (the next to start)."""
+    first (the next to start). With `since`, only the groups at work at or after it (`_last_seen`)."""
     rows = view.rows()
+    if since is not None:
+        rows = [row for row in rows if _last_seen(row) >= since]
     waiting = [i for i, row in enumerate(rows) if _waiting(row)]
     skip = set(waiting)
     kept: list[int] = []
@@ -228,21 +243,27 @@ def render_timeline(
     width: int = BASE_WIDTH,
     max_spans: int = MAX_SPANS,
     max_groups: int = MAX_GROUPS,
+    window_s: float | None = None,
 ) -> str:
     """The timeline SVG for `view`; `zoom` stretches time (the page scrolls it), clamped to [1, 64];
     a non-finite zoom is a ValueError. A run with more than `max_spans` spans or `max_groups` groups
     shows its latest groups only (waiting ones, earliest admitted first, in the groups left), from the
-    earliest start among them, and says how many it left out."""
-    if not math.isfinite(zoom):
-        raise ValueError(f"zoom: must be a finite number, got {zoom}")
+    earliest start among them, and says how many it left out. With `window_s`, the last `window_s`
+    seconds up to now only: the groups at work in them, their spans cut at its start (the whole run when
+    it is shorter)."""
+    if not math.isfinite(zoom) or (window_s is not None and not (math.isfinite(window_s) and window_s > 0)):
+        raise ValueError(f"zoom and window: must be finite numbers, window above 0, got {zoom}, {window_s}")
     zoom = min(max(zoom, 1.0), MAX_ZOOM)
-    rows, waiting_left_out = _latest(view, max_spans, max_groups)
+    since = None if window_s is None or view.now <= window_s else view.now - window_s
+    rows, waiting_left_out = _latest(view, max_spans, max_groups, since)
     shown = [t for _, trajs in rows for t in trajs]
     last = max((s.end for t in shown for s in t.spans), default=0.0)
     t_from = 0.0
     total = len(view.groups) + view.dropped_groups
     partial = len(rows) < total
-    if partial:
+    if since is not None:
+        t_from = since
+    elif partial:
         starts = [s.start for t in shown for s in t.spans] + [
             g.admitted for g, _ in rows if g.admitted is not None
         ]
@@ -257,7 +278,7 @@ def render_timeline(
     y = AXIS_H
     for group, trajs in rows:
         lines = trajs or [Trajectory(group.group_id, 0)]
-        y = _group(out, group, lines, y, px_per_s, x0, view.now, plot_w, live=view.source == "live")
+        y = _group(out, group, lines, y, px_per_s, x0, view.now, plot_w, view.source == "live", t_from)
         y += GROUP_GAP
     height = max(y, AXIS_H + 20)
 
@@ -271,42 +292,45 @@ def render_timeline(
         x = x0 + t * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="{AXIS_H - 10}" x2="{_f(x)}" y2="{height}" stroke="#e6e6e6"/>')
         tick_labels.add(x, f"{t:g} s")
+    batches = [b for b in view.batches if b.delivered >= t_from]
+    publications = [(t, v) for t, v in view.publications if t >= t_from]
+    # Lines closer than MIN_LINE_GAP_PX on average striped every row (a fast run's hundreds of batches
+    # and versions at one screen's width): they stay in the header then, and zooming in brings them down.
+    dense = plot_w / max(len(batches) + len(publications), 1) < MIN_LINE_GAP_PX
+    line_end = AXIS_H - 4 if dense else height
     batch_labels = _LabelRow(10, total_w)
-    for b in view.batches:
-        if b.delivered < t_from:
-            continue
+    for b in batches:
         x = x0 + b.delivered * px_per_s
         axis.append(
-            f'<line x1="{_f(x)}" y1="2" x2="{_f(x)}" y2="{height}" class="bat">'
+            f'<line x1="{_f(x)}" y1="2" x2="{_f(x)}" y2="{line_end}" class="bat">'
             f"<title>batch {b.index} delivered at {b.delivered:.1f} s after {b.wait_s:.1f} s of trainer wait"
             f"</title></line>"
         )
         batch_labels.add(x, f"b{b.index}")
     version_labels = _LabelRow(21, total_w, fill="#b00020")
-    for t_pub, version in view.publications:
-        if t_pub < t_from:
-            continue
+    for t_pub, version in publications:
         x = x0 + t_pub * px_per_s
         axis.append(
-            f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{height}" class="pub">'
+            f'<line x1="{_f(x)}" y1="12" x2="{_f(x)}" y2="{line_end}" class="pub">'
             f"<title>weights v{version} published at {t_pub:.1f} s</title></line>"
         )
         version_labels.add(x, f"v{version}")
+    live = view.source == "live" and view.outcome is None  # a run that goes on: the page follows its edge
     if view.source == "live":
         x = x0 + view.now * px_per_s
         axis.append(f'<line x1="{_f(x)}" y1="0" x2="{_f(x)}" y2="{height}" stroke="#000" stroke-width="2"/>')
     # drawn after every line, so that no line runs through a label
     axis += [row.markup() for row in (tick_labels, batch_labels, version_labels)]
     note = ""
-    if partial:
-        note = (
-            f"; the latest {len(rows)} of {total} groups, from {t_from:.0f} s, {total - len(rows)} left out"
-        )
+    if partial or since is not None:
+        which = f"last {window_s:g} s:" if since is not None else "latest"
+        left = total - len(rows)
+        note = f"; the {which} {len(rows)} of {total} groups, from {t_from:.0f} s, {left} left out"
         if waiting_left_out:
             note += f" ({waiting_left_out} of them not started yet)"
         # In the gutter, a line each, so it never runs into the axis labels (the label keeps it whole)
         gutter = [
-            f"latest {len(rows)} of {total} groups",
+            f"{which} {len(rows)} of {total} groups",
             f"from {t_from:.0f} s; {total - len(rows)} left out",
         ]
         if waiting_left_out:
@@ -318,7 +342,8 @@ def render_timeline(
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '
         f'width="{total_w}" height="{height}" data-width="{width}" data-spans="{view.span_count}" '
         f'data-trajectories="{len(view.trajectories)}" data-groups-shown="{len(rows)}" '
-        f'data-groups-left-out="{total - len(rows)}">'
+        f'data-groups-left-out="{total - len(rows)}" data-live="{int(live)}" '
+        f'data-lines="{"header" if dense else "rows"}">'
     )
     return head + DEFS + STYLE + "".join(axis) + "".join(out) + "</svg>"
 
@@ -333,6 +358,7 @@ def _group(
     now: float,
     plot_w: float,
     live: bool,
+    t_from: float,
 ) -> int:
     h = len(trajs) * (ROW_H + ROW_GAP)
     status = group.outcome
@@ -372,8 +398,10 @@ def _group(
         out.append(f'<text x="{GUTTER - 22}" y="{ry + ROW_H - 2}" class="lbl">a{traj.attempt}</text>')
         last_end = None
         for s in traj.spans:
-            x = x0 + s.start * px_per_s
-            w = max((s.end - s.start) * px_per_s, 0.8)
+            if s.end < t_from:  # before a window's start
+                continue
+            x = x0 + max(s.start, t_from) * px_per_s
+            w = max((s.end - max(s.start, t_from)) * px_per_s, 0.8)
             out.append(
                 f'<rect class="sp" x="{_f(x)}" y="{ry}" width="{_f(w)}" height="{ROW_H}" '
                 f'fill="url(#pat-{s.phase})"><title>{PHASE_STYLE[s.phase][0]} '
@@ -383,6 +411,7 @@ def _group(
             last_end = s.end if last_end is None else max(last_end, s.end)
         if live and traj.finished is None and not group.discarded and group.ended is None:
             begin = last_end if last_end is not None else (traj.started or group.admitted or now)
+            begin = max(begin, t_from)
             if now > begin:
                 x = x0 + begin * px_per_s
                 out.append(
@@ -391,7 +420,7 @@ def _group(
                     f"(g{traj.group_id} a{traj.attempt})</title></rect>"
                 )
         for n, (t_v, version) in enumerate(traj.versions):
-            if n == 0:
+            if n == 0 or t_v < t_from:
                 continue
             x = x0 + t_v * px_per_s
             out.append(

@@ -3,7 +3,8 @@ those templates rendered alone for htmx requests and for the live stream (SSE).
 
 Routes (all HTML; the JSON API lives under /api and is not this module's):
   GET  /                         runs page                    GET /runs/{id}         run page
-  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64, and ?width=)
+  GET  /runs/{id}/block/{name}   one named block of the run page (timeline takes ?zoom=, 1–64, ?width= and
+                                 ?window=, its last so many seconds, 10–31,536,000)
   GET  /stream, /runs/{id}/stream   server-sent events: named blocks, re-rendered when the run changes
   GET  /login                    the sign-in page (?next= a path on this site to return to)
   POST /login, /logout           set or clear the token cookie
@@ -19,8 +20,9 @@ re-rendered block, errors included.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -39,7 +41,7 @@ from app.core.config import MAX_AGENT_GATE
 from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_decimal, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
-from app.web.readmodel import ReportError, RunSummary, RunView
+from app.web.readmodel import BatchRow, ReportError, RunSummary, RunView
 from app.web.security import (
     CSRF_FIELD,
     AccessConfig,
@@ -53,8 +55,10 @@ from app.web.security import (
 from app.web.timeline import (
     BASE_WIDTH,
     MAX_WIDTH,
+    MAX_WINDOW_S,
     MAX_ZOOM,
     MIN_WIDTH,
+    MIN_WINDOW_S,
     discard_legend_html,
     legend_html,
     render_timeline,
@@ -88,6 +92,9 @@ Action = Callable[["RunsBackend", dict[str, str]], Awaitable[str]]
 Zoom = Annotated[float, Query(ge=1.0, le=MAX_ZOOM, allow_inf_nan=False)]
 # The timeline's width at zoom 1, in pixels: the page sends its box's width, so that the plot fills it.
 Width = Annotated[int, Query(ge=MIN_WIDTH, le=MAX_WIDTH)]
+# The timeline's window: its last so many seconds (the page offers TIMELINE_WINDOWS); absent, the run.
+Window = Annotated[float | None, Query(ge=MIN_WINDOW_S, le=MAX_WINDOW_S, allow_inf_nan=False)]
+TIMELINE_WINDOWS = ((None, "whole run"), (300, "last 5 min"), (900, "last 15 min"), (3600, "last hour"))
 
 
 def make_env() -> Environment:
@@ -184,7 +191,26 @@ def runs_context(dash: Dashboard) -> dict[str, Any]:
     }
 
 
-def run_context(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> dict[str, Any]:
+IDLE_WINDOW_BATCHES = 10  # the idle chart's window: the whole run's fraction hid a change made late in it
+
+
+def rolling_idle(batches: Sequence[BatchRow], n: int = IDLE_WINDOW_BATCHES) -> list[tuple[float, float]]:
+    """At each batch's delivery, the percentage of the time since the `n`-th last batch was asked for
+    that the trainer spent waiting for batches (the summary's idle is the whole run's: after S and K
+    were cut, batches took twice as long and it moved from 56% to 59%)."""
+    points = []
+    for i, x in enumerate(batches):
+        first = batches[max(0, i - n + 1)]
+        span = x.delivered - first.requested
+        if span > 0:
+            waited = math.fsum(b.wait_s for b in batches[max(0, i - n + 1) : i + 1])
+            points.append((x.delivered, min(100.0, 100 * waited / span)))
+    return points
+
+
+def run_context(
+    view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH, window: float | None = None
+) -> dict[str, Any]:
     b = view.batches
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
@@ -200,7 +226,9 @@ def run_context(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> di
         "view": view,
         "ended": ended,
         "zoom": zoom,
-        "timeline": Lazy(lambda: render_timeline(view, zoom, width)),
+        "window": window,
+        "windows": TIMELINE_WINDOWS,
+        "timeline": Lazy(lambda: render_timeline(view, zoom, width, window_s=window)),
         "legend": Lazy(lambda: legend_html(None if view.detailed else ("group_running", "group_ready"))),
         "discard_legend": Lazy(lambda: discard_legend_html([g.outcome for g in view.groups if g.discarded])),
         "collection_chart": Lazy(
@@ -230,8 +258,8 @@ def run_context(view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH) -> di
         ),
         "idle_chart": Lazy(
             lambda: charts.line_chart(
-                "trainer idle fraction over time",
-                [(x.delivered, 100 * x.idle_fraction) for x in b if x.idle_fraction is not None],
+                f"trainer idle fraction, last {IDLE_WINDOW_BATCHES} batches",
+                rolling_idle(b),
                 "%",
                 top=100.0,
                 x_label="run time at each batch",
@@ -334,17 +362,24 @@ def make_router(dash: Dashboard) -> APIRouter:
         return dash.page(request, "runs.html", runs_context(dash), block)
 
     @router.get("/runs/{run_id}", response_class=HTMLResponse)
-    def run_page(request: Request, run_id: str, zoom: Zoom = 1.0, width: Width = BASE_WIDTH) -> Response:
+    def run_page(
+        request: Request, run_id: str, zoom: Zoom = 1.0, width: Width = BASE_WIDTH, window: Window = None
+    ) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
         found = run_or_404(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
-        return dash.page(request, "run.html", run_context(found[1], zoom, width))
+        return dash.page(request, "run.html", run_context(found[1], zoom, width, window))
 
     @router.get("/runs/{run_id}/block/{name}", response_class=HTMLResponse)
     def run_block(
-        request: Request, run_id: str, name: str, zoom: Zoom = 1.0, width: Width = BASE_WIDTH
+        request: Request,
+        run_id: str,
+        name: str,
+        zoom: Zoom = 1.0,
+        width: Width = BASE_WIDTH,
+        window: Window = None,
     ) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
@@ -353,7 +388,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         found = run_or_404(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
-        return dash.page(request, "run.html", run_context(found[1], zoom, width), name)
+        return dash.page(request, "run.html", run_context(found[1], zoom, width, window), name)
 
     @router.get("/runs/{run_id}/stream")
     async def run_stream(request: Request, run_id: str) -> Response:
@@ -556,6 +591,11 @@ def make_router(dash: Dashboard) -> APIRouter:
     async def policy(request: Request, run_id: str) -> Response:
         async def change(backend: RunsBackend, form: dict[str, str]) -> str:
             changes = parse_policy_form(form)
+            found = run_or_404(request, run_id)
+            if form.get("large") != "1" and not isinstance(found, HTMLResponse):
+                why = large_change(found[1].policy, changes)
+                if why is not None:
+                    raise ValueError(why)
             await backend.set_policy(run_id, changes, "operator")
             return "Applied " + ", ".join(f"{POLICY_FIELDS[k]} = {v:g}" for k, v in changes.items()) + "."
 
@@ -584,6 +624,28 @@ def _eq(a: str, b: str) -> bool:
     import hmac
 
     return hmac.compare_digest(a.encode(), b.encode())
+
+
+LARGE_CHANGE = 4  # a live S that lets more than this × the trajectories in flight run is confirmed first
+
+
+def large_change(policy: Mapping[str, Any], changes: Mapping[str, float]) -> str | None:
+    """Why a live change of S needs the form's "a large change" ticked: it lets more than `LARGE_CHANGE`
+    times the trajectories run at once ((B + S)·G, and 64 more at least), each with its sandbox and
+    engine turns. An S of 100,000 typed for 10 on a run of B = 2, G = 2 was applied at once and stalled
+    the whole server (200,004 groups' trajectories admitted). None for any other change."""
+    b, g, s = (policy.get(k) for k in ("groups_per_batch", "group_size", "surplus_groups"))
+    wanted = changes.get("surplus_groups")
+    if wanted is None or not (isinstance(b, int) and isinstance(g, int) and isinstance(s, int)):
+        return None
+    now, then = (b + s) * g, (b + int(wanted)) * g
+    if then <= max(LARGE_CHANGE * now, now + 64):
+        return None
+    return (
+        f"surplus_groups (S): {int(wanted):,} lets up to {then:,} trajectories run at once, "
+        f"{then / max(now, 1):,.0f}× the {now:,} now, each with its sandbox and engine turns; tick "
+        "\u201ca large change\u201d and apply again to make it"
+    )
 
 
 def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:

@@ -183,7 +183,7 @@ def test_a_bounded_builder_keeps_the_latest_ended_groups_and_the_whole_runs_figu
     from app.web.readmodel import RunViewBuilder
     from app.web.timeline import render_timeline
 
-    events = synthetic_run(groups=24, group_size=2, batch_groups=4)
+    events = synthetic_run(groups=26, group_size=2, batch_groups=4)  # 2 groups left over: cancelled
     full = view_from_events("r", events)
     builder = RunViewBuilder("r", "live", keep_groups=5)
     for env in events:
@@ -196,6 +196,15 @@ def test_a_bounded_builder_keeps_the_latest_ended_groups_and_the_whole_runs_figu
     assert view.batches == full.batches
     assert view.staleness == full.staleness
     assert view.attribution == full.attribution
+    # the groups' counts are the whole run's, those no longer kept included; the page had none, so a
+    # run discarding a quarter of its groups as stale showed only red bands in the timeline
+    assert view.group_counts == full.group_counts
+    assert sum(full.group_counts.values()) == len(full.groups)
+    assert full.group_counts == {k: sum(1 for g in full.groups if g.outcome == k) for k in full.group_counts}
+    assert next(iter(full.group_counts)) == "delivered"
+    assert "cancelled" in full.group_counts  # synthetic_run's leftover groups, or this shows little
+    delivered, cancelled = full.group_counts["delivered"], full.group_counts["cancelled"]
+    assert f"{delivered} delivered, {cancelled} discarded (cancelled {cancelled})" in full.group_counts_text
     assert [g.straggler for g in view.groups] == [
         g.straggler for g in full.groups if g.group_id in {r.group_id for r in view.groups}
     ]
@@ -253,6 +262,34 @@ def test_a_lane_resize_joins_the_audit_list_without_changing_the_policy():
     row = view.audit[-1]
     assert (row.actor, row.field, row.old, row.new) == ("adaptive lanes", "lanes.exec.slots", 2, 4)
     assert "lanes.exec.slots" not in view.policy
+
+
+def test_an_operator_s_publication_joins_the_audit_list_and_the_trainer_s_own_do_not():
+    """docs/api.md says the audit trail holds publications; the dashboard's Publish left none there."""
+    from app.core.events import VersionPublished
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard, run_context
+
+    _, events = make_view(groups=4, group_size=2, batch_groups=2)
+    tail = events[-1]
+    own = VersionPublished(7, "/w/7")
+    operator = VersionPublished(8, None, actor="alice", command_id="c-1")
+    view = view_from_events(
+        "run-1",
+        [
+            *events,
+            Envelope("run-1", tail.seq + 1, tail.t + 1, own),
+            Envelope("run-1", tail.seq + 2, tail.t + 2, operator),
+        ],
+        RunMeta(),
+    )
+    rows = [a for a in view.audit if a.field == "weights"]
+    assert [(a.actor, a.old, a.new, a.did) for a in rows] == [
+        ("alice", 7, 8, "published weights v8 (a sentinel)")
+    ]
+    audit = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "policy")
+    assert "<b>alice</b> published weights v8 (a sentinel)</li>" in audit
+    assert "v7" not in "".join(a.did for a in view.audit)  # a built-in trainer's own, with no command
 
 
 def test_an_update_under_way_when_the_run_ends_is_not_shown_updating_for_ever():
@@ -652,6 +689,27 @@ def test_the_observed_bound_never_exceeds_the_runs_own_mean(durations, steps, he
     if not view.batches:
         return
     assert view.lower_bound_observed
+    assert view.lower_bound_s is not None
+    assert view.lower_bound_s <= view.mean_collection_s + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    durations=st.lists(st.floats(0.1, 50.0), min_size=4, max_size=60),
+    b=st.integers(1, 4),
+    s=st.integers(1, 6),
+    lowered_to=st.integers(0, 5),
+)
+def test_the_observed_bound_holds_after_a_live_change_lowers_s(durations, b, s, lowered_to):
+    """The bound took the S of the latest live change for the whole run: after an operator set S from 2
+    to 0, the page read 'mean 0.9 s, lower bound (observed) 1.1 s'. It takes the largest S the run had."""
+    events = completion_order_run(durations, [0.0] * (len(durations) // b), 0.0, b, s)
+    last = events[-1]
+    change = PolicyChanged("surplus_groups", s, min(lowered_to, s - 1))
+    view = view_from_events("run-1", [*events, Envelope("run-1", last.seq + 1, last.t, change)], RunMeta())
+    if not view.batches:
+        return
+    assert view.policy["surplus_groups"] == min(lowered_to, s - 1)  # the page shows S as it is now
     assert view.lower_bound_s is not None
     assert view.lower_bound_s <= view.mean_collection_s + 1e-9
 

@@ -198,13 +198,17 @@ ZOOM_PATHS = ["/runs/replay-1", "/runs/replay-1/block/timeline"]
 
 BAD_ZOOMS = ["nan", "NaN", "inf", "-inf", "1e309", "-1", "0", "0.5", "65", "x", ""]
 BAD_WIDTHS = ["nan", "inf", "-1", "0", "399", "8001", "1e9", "1.5", "x", ""]
+BAD_WINDOWS = ["nan", "inf", "-300", "0", "9.9", "31536001", "x"]
 
 
 @pytest.mark.parametrize("path", ZOOM_PATHS)
 @pytest.mark.parametrize(
-    ("name", "value"), [("zoom", z) for z in BAD_ZOOMS] + [("width", w) for w in BAD_WIDTHS]
+    ("name", "value"),
+    [("zoom", z) for z in BAD_ZOOMS]
+    + [("width", w) for w in BAD_WIDTHS]
+    + [("window", w) for w in BAD_WINDOWS],
 )
-async def test_a_bad_zoom_or_width_is_a_422_not_a_500(path, name, value):
+async def test_a_bad_zoom_width_or_window_is_a_422_not_a_500(path, name, value):
     client, _ = make_client()
     async with client:
         r = await client.get(path, params={name: value})
@@ -229,6 +233,23 @@ async def test_the_timeline_is_drawn_at_the_width_the_page_asks_for(path):
         wide = await client.get(path, params={"width": 1600, "zoom": 1})
     assert 'width="1100"' in default.text
     assert 'width="1600" height=' in wide.text
+
+
+@pytest.mark.parametrize("path", ZOOM_PATHS)
+async def test_the_timeline_s_window_links_each_show_their_last_seconds(path):
+    client, _ = make_client()
+    async with client:
+        whole = await client.get(path)
+        last = await client.get(path, params={"window": 60, "zoom": 2})
+    assert whole.status_code == last.status_code == 200
+    assert "last 60 s:" in last.text
+    assert "last 60 s:" not in whole.text
+    if path == "/runs/replay-1":  # the page's links keep the zoom and mark the window shown
+        assert 'data-window="60"' not in whole.text  # 60 s is no link the page offers
+        for seconds in ("", "300", "900", "3600"):
+            assert f'data-window="{seconds}"' in whole.text
+        assert re.search(r'class="button current" data-window=""', whole.text)
+        assert 'href="/runs/replay-1?zoom=2&amp;window=300"' in last.text
 
 
 async def test_the_run_page_explains_every_discard_reason():
@@ -322,6 +343,44 @@ async def test_bad_policy_values_and_refused_actions_say_why():
     assert "groups_per_batch" in launch_bad.text
     assert launch_ok.status_code == 303
     assert launch_ok.headers["location"] == "/runs/live-1"
+
+
+async def test_a_live_s_many_times_what_runs_now_is_applied_only_when_ticked_as_a_large_change():
+    """S = 100,000 typed for 10 on a run of B = 2, G = 2 was applied at once: 200,004 trajectories
+    admitted, and the whole server stalled for minutes."""
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await sign_in(client)
+        policy = (await client.get("/runs/live-1")).text
+        assert 'name="large" type="checkbox"' in policy
+        ask = {"csrf_token": token, "surplus_groups": "100000"}
+        htmx = {"HX-Request": "true"}
+        unticked = await client.post("/runs/live-1/policy", data=ask, headers=htmx)
+        small = await client.post(
+            "/runs/live-1/policy", data={"csrf_token": token, "surplus_groups": "3"}, headers=htmx
+        )
+        ticked = await client.post("/runs/live-1/policy", data={**ask, "large": "1"}, headers=htmx)
+    assert unticked.status_code == 422
+    assert "surplus_groups (S): 100,000 lets up to 200,004 trajectories run at once" in unticked.text
+    assert "a large change" in unticked.text
+    assert small.status_code == 200
+    assert ticked.status_code == 200
+    assert live.calls == [("policy", {"surplus_groups": 3}), ("policy", {"surplus_groups": 100_000})]
+
+
+def test_a_large_change_is_one_that_multiplies_the_trajectories_in_flight():
+    from app.web.views import large_change
+
+    policy = {"groups_per_batch": 4, "group_size": 8, "surplus_groups": 12}  # 128 in flight
+    assert large_change(policy, {"surplus_groups": 60}) is None  # 512: 4×
+    assert large_change(policy, {"surplus_groups": 61}) is not None
+    assert large_change(policy, {"max_staleness": 1000}) is None
+    assert (
+        large_change({"groups_per_batch": 1, "group_size": 2, "surplus_groups": 0}, {"surplus_groups": 32})
+        is None
+    )
+    assert large_change({}, {"surplus_groups": 10**5}) is None  # a run whose B and G the page does not know
 
 
 async def test_a_refused_action_without_javascript_links_back_to_its_run():
@@ -956,7 +1015,7 @@ def test_the_trainer_charts_say_what_their_axes_count_and_idle_is_a_percentage()
     assert ">trainer step</text>" in charts["batch collection time per step"]
     assert ">trainer step</text>" in charts["tokens/s per step"]
     assert ">versions behind (bar height: groups)</text>" in charts["staleness of delivered groups"]
-    idle = charts["trainer idle fraction over time"]
+    idle = charts["trainer idle fraction, last 10 batches"]
     assert ">100%</text>" in idle
     assert ">0 s</text>" in idle
     assert ">run time at each batch</text>" in idle
@@ -1044,6 +1103,13 @@ def test_a_long_run_s_per_step_chart_labels_every_nth_step_without_overlap():
         assert x2 - x1 >= (charts._label_width(t1) + charts._label_width(t2)) / 2 + 2, f"{t1} runs into {t2}"
     few = charts.bar_chart("t", ["0", "1", "2"], [1.0, 2.0, 3.0])
     assert len(re.findall(rf'y="{charts.H - charts.PAD_B + 11}"', few)) == 3  # all fit: each labelled
+    # every label inside the chart: the last of a long run's was cut at the right edge (1079 for 10989)
+    wide = charts.bar_chart("t", [str(i) for i in range(10_101)], [1.0] * 10_101)  # 10098 was at x 349.5
+    for x, text in re.findall(
+        rf'<text x="([\d.]+)" y="{charts.H - charts.PAD_B + 11}"[^>]*>([^<]+)</text>', wide
+    ):
+        half = 5.04 * len(text) / 2  # the tick labels' 9 px font
+        assert half <= float(x) <= charts.W - half, text
 
 
 @pytest.fixture
@@ -1111,11 +1177,32 @@ def test_a_long_run_s_live_blocks_and_charts_stay_small_and_say_how_they_bucket(
     mean, most = charts._num(sum(b.wait_s for b in head) / k), charts._num(max(b.wait_s for b in head))
     assert bars[0] == f"{head[0].index}–{head[-1].index}: mean {mean} s, max {most} s"
     assert f"tokens/s per step: a bar is the mean of {k} steps" in blocks["trainer"]
-    idle = found[f"trainer idle fraction over time: a point is the mean of {k} batches"]
+    idle = found[f"trainer idle fraction, last 10 batches: a point is the mean of {k} batches"]
     assert len(re.findall("<circle", idle)) <= charts.MAX_POINTS
     assert len(view.audit) == AUDIT_KEPT < view.audit_total
     assert f'id="audit-kept">(the latest {AUDIT_KEPT} of {view.audit_total})' in blocks["policy"]
     assert blocks["policy"].count("<li>") == AUDIT_KEPT
+
+
+def test_the_idle_chart_follows_the_last_batches_so_a_late_change_shows():
+    """The chart was the whole run's idle fraction: after S and K were cut late in a run, its batches
+    took twice as long and the line moved from 56% to 59%."""
+    from app.web.readmodel import BatchRow
+    from app.web.views import rolling_idle
+
+    # 30 batches of 1 s wait and 1 s step (50% idle), then 10 of 3 s wait and 1 s step (75%)
+    batches, t = [], 0.0
+    for i, wait in enumerate([1.0] * 30 + [3.0] * 10):
+        batches.append(BatchRow(i, t, t + wait, wait))
+        t += wait + 1.0
+    points = rolling_idle(batches)
+    assert len(points) == 40
+    assert [t for t, _ in points] == [b.delivered for b in batches]
+    assert points[0][1] == 100.0  # the first batch: asked for and waited on, nothing else yet
+    assert points[29][1] == pytest.approx(100 * 10 / 19)  # 10 waits of 1 s in the 19 s from the 21st ask
+    assert points[-1][1] == pytest.approx(100 * 30 / 39)  # the last 10: 30 s of waiting in 39 s
+    cumulative = sum(b.wait_s for b in batches) / batches[-1].delivered
+    assert points[-1][1] > 100 * cumulative + 10  # the whole run's figure lags it
 
 
 def test_a_run_admitting_by_attempts_says_so_beside_its_policy():

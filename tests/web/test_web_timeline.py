@@ -325,3 +325,64 @@ def test_every_discard_reason_a_row_shows_is_in_the_legend():
     for label in shown:
         assert f">{escape(label)}</b>" in legend
     assert set(DISCARD_REASONS) <= {label[2:] for label in shown}  # every reason Corral writes is known
+
+
+def test_a_window_shows_the_groups_at_work_in_its_last_seconds_cut_at_its_start():
+    """At one screen's width a long run squeezed its newest groups into slivers at the right edge, and
+    the page opened at its oldest groups: an operator could not see the last few minutes."""
+    view = make_view(groups=24, group_size=2, batch_groups=2)
+    window = view.now / 4
+    since = view.now - window
+    root = ET.fromstring(render_timeline(view, window_s=window))
+    at_work = [
+        g.group_id
+        for g, trajs in view.rows()
+        if max((s.end for t in trajs for s in t.spans), default=0) >= since
+    ]
+    assert 0 < len(at_work) < len(view.groups)
+    assert [int(g.get("data-group")) for g in root.iter(f"{SVG}g")] == at_work
+    spans = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "sp"]
+    # time starts at the window's start: no span reaches into the gutter, and the plot spans the window
+    assert min(float(r.get("x")) for r in spans) == pytest.approx(GUTTER, abs=0.1)
+    assert int(root.get("width")) == 1100  # the window fits the width, as the whole run did
+    texts = [t.text or "" for t in root.iter(f"{SVG}text") if t.get("class") == "ax"]
+    ticks = [float(t[:-2]) for t in texts if t.endswith(" s")]
+    assert ticks
+    assert min(ticks) >= since
+    assert f"last {window:g} s: {len(at_work)} of {len(view.groups)} groups" in root.get("aria-label")
+    # a window longer than the run is the whole run
+    assert render_timeline(view, window_s=view.now * 2) == render_timeline(view)
+
+
+def test_a_live_run_s_groups_at_work_stay_in_its_window_and_the_svg_says_it_is_live():
+    events = synthetic_run(groups=12, group_size=2, batch_groups=2)
+    view = view_from_events("run-1", events[: len(events) // 2], source="live")
+    root = ET.fromstring(render_timeline(view, window_s=10))
+    open_groups = {g.group_id for g in view.groups if g.outcome in ("in flight", "ready")}
+    assert open_groups
+    assert open_groups <= {int(g.get("data-group")) for g in root.iter(f"{SVG}g")}
+    assert root.get("data-live") == "1"
+    assert ET.fromstring(render_timeline(make_view(groups=4))).get("data-live") == "0"
+
+
+@pytest.mark.parametrize("window", [0.0, -5.0, math.nan, math.inf])
+def test_a_window_that_is_no_length_of_time_is_refused(window):
+    with pytest.raises(ValueError, match="window"):
+        render_timeline(make_view(groups=4), window_s=window)
+
+
+def test_batch_and_version_lines_too_close_to_read_stay_in_the_header():
+    """A fast run's hundreds of batch and version lines at one screen's width striped every row; drawn
+    in the header only, they come down into the rows once zoomed in far enough to tell them apart."""
+    view = make_view(groups=60, group_size=2, batch_groups=2)
+    marks = len(view.batches) + len(view.publications)
+    narrow = ET.fromstring(render_timeline(view, width=400))
+    wide = ET.fromstring(render_timeline(view, width=400, zoom=64))
+    assert (
+        (400 - GUTTER - 20) / marks < 8 < 64 * (400 - GUTTER - 20) / marks
+    )  # the two cases, or this shows nothing
+    for root, lines, bottom in ((narrow, "header", AXIS_H - 4), (wide, "rows", int(wide.get("height")))):
+        assert root.get("data-lines") == lines
+        drawn = [ln for ln in root.iter(f"{SVG}line") if ln.get("class") in ("bat", "pub")]
+        assert len(drawn) == marks
+        assert {float(ln.get("y2")) for ln in drawn} == {bottom}

@@ -1,7 +1,10 @@
-// The timeline: zoom and live refresh fetch the SVG and swap it in directly (no htmx swap: for a
-// 2,000-span SVG that halves the time), keeping the time under the box's centre in place.
+// The timeline: zoom, window and live refresh fetch the SVG and swap it in directly (no htmx swap: for
+// a 2,000-span SVG that halves the time). The scroll position is read as the new SVG arrives, not when
+// it was asked for, so scrolling during a fetch is kept; a box at its right or bottom edge stays there
+// (it follows a live run's newest time and groups), else the time under the box's centre stays put.
 (function () {
-  var busy = false, again = false;
+  var busy = false, again = false, first = true;
+  var EDGE = 4;  // px from an edge that still counts as at it
 
   function box() { return document.getElementById("tl-scroll"); }
   function holder() { return document.getElementById("timeline"); }
@@ -9,68 +12,98 @@
   // The timeline's width at zoom 1: the box's, so that the plot fills it (the server's bounds).
   function width() { return Math.min(Math.max(Math.floor(box().clientWidth), 400), 8000); }
 
-  function setZoomControls(zoom) {
+  // The links keep the zoom and window they do not change, and the current window is marked.
+  function setControls(zoom, win) {
     var label = document.getElementById("zoom-label");
     if (label) label.textContent = "Zoom \u00d7" + zoom;
     var next = { "in": Math.min(zoom * 2, 64), "out": Math.max(zoom / 2, 1), "fit": 1 };
-    document.querySelectorAll("a[data-zoom]").forEach(function (a) {
+    document.querySelectorAll("a[data-zoom], a[data-window]").forEach(function (a) {
       var url = new URL(a.href);
-      url.searchParams.set("zoom", next[a.dataset.zoom]);
+      url.searchParams.set("zoom", a.dataset.zoom ? next[a.dataset.zoom] : zoom);
+      var w = a.dataset.window !== undefined ? a.dataset.window : win;
+      if (w) url.searchParams.set("window", w); else url.searchParams.delete("window");
       a.href = url.toString();
+      if (a.dataset.window !== undefined) {
+        var current = a.dataset.window === win;
+        a.classList.toggle("current", current);
+        if (current) a.setAttribute("aria-current", "true"); else a.removeAttribute("aria-current");
+      }
     });
   }
 
-  function load(zoom) {
+  // Where the box is, as the new SVG arrives: at an edge, or the time under its centre.
+  function place(b) {
+    var svg = holder().querySelector("svg");
+    var total = svg ? svg.width.baseVal.value : 1;
+    return {
+      right: b.scrollLeft + b.clientWidth >= b.scrollWidth - EDGE && b.scrollWidth > b.clientWidth,
+      bottom: b.scrollTop + b.clientHeight >= b.scrollHeight - EDGE && b.scrollHeight > b.clientHeight,
+      centre: (b.scrollLeft + b.clientWidth / 2) / total,
+      top: b.scrollTop,
+    };
+  }
+
+  function restore(b, at, fresh, follow) {
+    if (at.right || follow) b.scrollLeft = b.scrollWidth;
+    else b.scrollLeft = Math.max(0, at.centre * fresh.width.baseVal.value - b.clientWidth / 2);
+    b.scrollTop = at.bottom || follow ? b.scrollHeight : at.top;
+  }
+
+  function load(zoom, win, follow) {
     var h = holder(), b = box();
     if (!h || !b) return;
     if (busy) { again = true; return; }
     busy = true;
-    var svg = h.querySelector("svg");
-    var total = svg ? svg.width.baseVal.value : 1;
-    var centre = (b.scrollLeft + b.clientWidth / 2) / total, top = b.scrollTop;
-    var url = h.dataset.src + "?zoom=" + zoom + "&width=" + width();
+    var url = h.dataset.src + "?zoom=" + zoom + "&width=" + width() + (win ? "&window=" + win : "");
     fetch(url, { headers: { "HX-Request": "true" }, credentials: "same-origin" })
       .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
       .then(function (html) {
+        var at = place(b);
         h.innerHTML = html;
         h.dataset.zoom = zoom;
-        setZoomControls(zoom);
+        h.dataset.window = win;
+        setControls(zoom, win);
         var fresh = h.querySelector("svg");
         if (fresh) {
           var counts = document.getElementById("tl-counts");
           if (counts) counts.textContent = fresh.dataset.trajectories + " trajectories, " + fresh.dataset.spans + " spans";
-          b.scrollLeft = Math.max(0, centre * fresh.width.baseVal.value - b.clientWidth / 2);
-          b.scrollTop = top;
+          restore(b, at, fresh, follow);
         }
         h.dispatchEvent(new CustomEvent("timeline:loaded", { bubbles: true }));
       })
       .catch(function () {})
       .finally(function () {
         busy = false;
-        if (again) { again = false; load(Number(holder().dataset.zoom)); }
+        if (again) { again = false; reload(); }
       });
   }
 
+  function reload() { var h = holder(); if (h) load(Number(h.dataset.zoom), h.dataset.window, false); }
+
   document.addEventListener("click", function (e) {
-    var a = e.target.closest && e.target.closest("a[data-zoom]");
+    var a = e.target.closest && e.target.closest("a[data-zoom], a[data-window]");
     if (!a || !holder()) return;
     e.preventDefault();
-    load(Number(new URL(a.href).searchParams.get("zoom")));
+    var url = new URL(a.href);
+    // a new window of a live run starts at its newest groups and time
+    var live = holder().querySelector("svg[data-live='1']") !== null;
+    load(Number(url.searchParams.get("zoom")), url.searchParams.get("window") || "", live && a.dataset.window !== undefined);
   });
   // The page's own timeline is drawn at a default width: redraw it at the box's, and as the box resizes.
+  // A live run's page opens at its newest groups and time, where an operator looks first.
   var resized = null;
   function fit() {
     var h = holder(), b = box(), svg = h && h.querySelector("svg");
     if (!svg || !b) return;
-    if (Number(svg.dataset.width) !== width()) load(Number(h.dataset.zoom));
+    var live = first && svg.dataset.live === "1";
+    if (live) { b.scrollLeft = b.scrollWidth; b.scrollTop = b.scrollHeight; }
+    first = false;
+    if (Number(svg.dataset.width) !== width()) load(Number(h.dataset.zoom), h.dataset.window, live);
   }
   document.addEventListener("DOMContentLoaded", fit);
   window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(fit, 250); });
-  // The live stream's "timeline" message: the run changed, refresh at the current zoom.
+  // The live stream's "timeline" message: the run changed, refresh at the current zoom and window.
   document.addEventListener("htmx:sseOpen", function (e) {
-    e.detail.source.addEventListener("timeline", function () {
-      var h = holder();
-      if (h) load(Number(h.dataset.zoom));
-    });
+    e.detail.source.addEventListener("timeline", reload);
   });
 })();
