@@ -431,7 +431,7 @@ class ManagerRuns:
                 "agent_gate": (
                     "default off"
                     if policy.agent_gate is None
-                    else f"default {policy.agent_gate:g} (full; others: off)"
+                    else f"default {policy.agent_gate:g} (full)"
                 ),
             }
         return self._placeholders

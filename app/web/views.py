@@ -406,8 +406,8 @@ def make_router(dash: Dashboard) -> APIRouter:
 
         def blocks() -> list[tuple[str, str]]:
             view = backend.view(run_id)
-            if view is None:
-                return []
+            if view is None:  # deleted while its page is open: it read "completed" with no word of it
+                return [("summary", RUN_GONE.format(escape(run_id)))]
             ctx = {**run_context(view), "csrf": csrf_token(request), "csrf_field": CSRF_FIELD}
             ctx["operator"] = is_operator(request, dash.access)
             names: tuple[str, ...] = LIVE_BLOCKS
@@ -626,6 +626,11 @@ def _eq(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+# What a run's page shows in place of its figures once the run is deleted while the page is open
+RUN_GONE = (
+    '<p class="flash error" id="run-gone" role="alert">Run {} was deleted: it is no longer in this '
+    'server\'s database, and this page no longer follows it. <a href="/">All runs</a></p>'
+)
 LARGE_CHANGE = 4  # a live S that lets more than this × the trajectories in flight run is confirmed first
 
 

@@ -333,7 +333,7 @@ async def test_the_launch_form_shows_the_values_its_empty_fields_take(runs):
         "group_size": f"default {policy['G']}",
         "surplus_groups": f"default {policy['S']} (sync: 0)",
         "max_staleness": f"default {policy['K']}",
-        "agent_gate": f"default {runs.view(run_id).policy['agent_gate']:g} (full; others: off)",
+        "agent_gate": f"default {runs.view(run_id).policy['agent_gate']:g} (full)",
         "batches": "until stopped",
     }
     # The admission select offers every mode by its value, the policy's own first and chosen.
@@ -731,7 +731,7 @@ async def test_the_agent_gate_is_set_from_the_launch_form_and_changed_from_the_p
             assert bad.status_code == 422
             assert "agent_gate: expected a number, got 'abc'" in html.unescape(bad.text)
             assert (
-                'name="agent_gate" type="number" min="0" placeholder="default 1 (full; others: off)"'
+                'name="agent_gate" type="number" min="0" placeholder="default 1 (full)"'
                 in bad.text
             )
             too_big = await client.post("/runs", data={**form, "agent_gate": "2000"}, headers=htmx)

@@ -922,6 +922,53 @@ async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_change
     assert [(shown, 'id="pause-msg"' in d) for shown, d in answers] == [(3, False)]
 
 
+async def test_a_run_deleted_while_its_page_is_open_says_so():
+    """Its page went on reading "✓ completed", and only a reload said the run was gone."""
+    events = synthetic_run(groups=4, group_size=2, batch_groups=2)
+    versions = itertools.count()
+
+    class Deleted(OneRun):
+        gone = False
+
+        def view(self, run_id):
+            return (
+                None if self.gone else replace(view_from_events("live-1", events, RunMeta()), source="live")
+            )
+
+        def version(self, run_id):
+            return next(versions)
+
+    backend = Deleted(None)
+    router = make_router(Dashboard(AccessConfig(None, None), live=backend, stream_interval_s=0.0))
+    stream = next(r.endpoint for r in router.routes if getattr(r, "path", "") == "/runs/{run_id}/stream")
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/runs/live-1/stream",
+        "headers": [],
+        "query_string": b"",
+    }
+    response = await stream(Request(scope, receive), "live-1")
+    summaries = []
+
+    async def read() -> None:
+        async for msg in response.body_iterator:
+            if msg["event"] == "summary":
+                summaries.append(msg["data"])
+                backend.gone = True
+            if len(summaries) == 2:
+                return
+
+    await asyncio.wait_for(read(), 10)  # before, nothing more came
+    assert 'id="run-state"' in summaries[0]
+    assert 'id="run-gone"' in summaries[1]
+    assert "Run live-1 was deleted" in summaries[1]
+
+
 @pytest.mark.parametrize(("state", "message"), [("running", ""), ("stopping", "Stopping"), ("stopped", None)])
 async def test_the_stop_message_goes_with_the_stop_control(state, message):
     # 'Stopping after the current trainer step.' (the stop form's answer) stayed under the stopped badge:
