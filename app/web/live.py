@@ -429,9 +429,7 @@ class ManagerRuns:
                 "surplus_groups": f"default {policy.surplus_groups} (sync: 0)",
                 "max_staleness": f"default {policy.max_staleness}",
                 "agent_gate": (
-                    "default off"
-                    if policy.agent_gate is None
-                    else f"default {policy.agent_gate:g} (full)"
+                    "default off" if policy.agent_gate is None else f"default {policy.agent_gate:g} (full)"
                 ),
             }
         return self._placeholders

@@ -730,10 +730,7 @@ async def test_the_agent_gate_is_set_from_the_launch_form_and_changed_from_the_p
             bad = await client.post("/runs", data={**form, "agent_gate": "abc"}, headers=htmx)
             assert bad.status_code == 422
             assert "agent_gate: expected a number, got 'abc'" in html.unescape(bad.text)
-            assert (
-                'name="agent_gate" type="number" min="0" placeholder="default 1 (full)"'
-                in bad.text
-            )
+            assert 'name="agent_gate" type="number" min="0" placeholder="default 1 (full)"' in bad.text
             too_big = await client.post("/runs", data={**form, "agent_gate": "2000"}, headers=htmx)
             assert too_big.status_code == 422
             assert "agent_gate: Input should be less than or equal to 1000" in too_big.text
