@@ -80,3 +80,43 @@ def test_attempts_that_take_no_time_end_the_simulation(tmp_path: Path, policy: s
     k, b = 2, 2
     # in flight ≤ B + S; ready ≤ (K + 1)·B
     assert report["max_groups_in_flight"] <= (2 + 2) + (k + 1) * b, report["max_groups_in_flight"]
+
+
+@pytest.mark.parametrize(
+    ("admission", "needle"),
+    [
+        ("live", "--ready-surplus: only with --admission in_flight; the workload's policy.admission is live"),
+        ("attempts", "(K + 1)·B); the workload's policy.admission is attempts"),
+    ],
+)
+def test_a_ready_surplus_refused_by_the_workload_s_admission_says_it_is_the_workload_s(
+    tmp_path: Path, admission: str, needle: str
+) -> None:
+    """The refusal blamed the rung ("policy full admits live unless told otherwise": full admits in
+    flight) or named a field of pydantic's, where the workload had set the admission."""
+    path = tmp_path / "w.yaml"
+    data = make_workload_data(seed=5, batches=3)
+    data["policy"] = {**data.get("policy", {}), "admission": admission}
+    path.write_text(json.dumps(data))
+    proc = corral("sim", "--workload", path, "--json", tmp_path / "r.json", "--ready-surplus", "2")
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_rung_other_than_full_says_it_runs_without_the_workload_s_admission_and_gate(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "w.yaml"
+    data = make_workload_data(seed=5, batches=2)
+    data["policy"] = {**data.get("policy", {}), "admission": "attempts", "agent_gate": 0.5}
+    path.write_text(json.dumps(data))
+    proc = corral("sim", "--workload", path, "--json", tmp_path / "r.json", "--policy", "completion")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "note: the workload's policy.admission and policy.agent_gate are full's; policy completion"
+        in proc.stderr
+    )
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["policy_config"]["admission"] == "live"
+    assert report["policy_config"]["agent_gate"] is None

@@ -71,6 +71,21 @@ def without_progress(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if not PROGRESS_LINE.fullmatch(line)]
 
 
+def stopped_lines(advice: dict, json_out: str) -> list[str]:
+    """What an interrupted `advise` says last: where the partial advice went, then, where the best of
+    what it simulated changes anything, what to change."""
+    import yaml
+
+    lines = [interrupted_line(len(advice["evaluated"]), json_out)]
+    if advice["changes"] and len(advice["evaluated"]) > 1:
+        flow = "; ".join(
+            f"{section}: " + yaml.safe_dump(keys, default_flow_style=True, sort_keys=False).strip()
+            for section, keys in advice["changes"].items()
+        )
+        lines.append(f"to apply the best of them, in the workload: {flow}")
+    return lines
+
+
 def interrupted_line(simulated: int, json_out: str) -> str:
     """The line an interrupted `advise` ends with, having simulated `simulated` settings."""
     kept = f'{json_out} ("complete": false)'
@@ -302,8 +317,14 @@ def test_advise_writes_a_workload_that_simulates_as_advised(tmp_path: Path) -> N
     flags of `corral sim` alone, which a workload file refused (`policy.admission: Extra inputs are not
     permitted`). It now says what changes in the workload's own names and writes the workload with
     them, which `corral sim` simulates to the advised figure."""
+    import shutil
+
+    # the workload by a relative path, its trace beside it: the advised file, written elsewhere, named
+    # the trace by that relative path, and `corral sim` read another file of that name, or none
+    for name in ("small-trace.yaml", "small-trace.jsonl"):
+        shutil.copy(EXAMPLES / name, tmp_path / name)
     done = corral(
-        "advise", "--workload", str(EXAMPLES / "small-trace.yaml"), "--passes", "1", "--workers", "2",
+        "advise", "--workload", "small-trace.yaml", "--passes", "1", "--workers", "2",
         "--json", "a.json", "--advised-workload", "out/advised.yaml", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -340,6 +361,30 @@ def test_advise_writes_a_workload_that_simulates_as_advised(tmp_path: Path) -> N
     second = json.loads((tmp_path / "b.json").read_text())
     assert second["current"]["settings"] == advice["recommended"]["settings"]
     assert second["current"]["batch_collection_s"] == advice["recommended"]["batch_collection_s"]
+
+
+def test_advise_with_a_trace_keeps_the_workload_s_engine_share_and_names_the_trace_it_replayed(
+    tmp_path: Path,
+) -> None:
+    """--trace put the default llm_fraction (0.6) in place of the workload's (0.3), and the changes to
+    apply said nothing of the trace: the same edits to the workload gave 111.6 s against 82.3 advised."""
+    import yaml
+
+    data = yaml.safe_load((EXAMPLES / "small-trace.yaml").read_text())
+    data["trace"] = {"path": str(EXAMPLES / "small-trace.jsonl"), "llm_fraction": 0.3}
+    (tmp_path / "lf.yaml").write_text(yaml.safe_dump(data))
+    done = corral(
+        "advise", "--workload", "lf.yaml", "--trace", str(EXAMPLES / "small-trace.jsonl"), "--passes", "1",
+        "--workers", "2", "--json", "a.json", "--advised-workload", "adv.yaml", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    advice = json.loads((tmp_path / "a.json").read_text())
+    assert advice["changes"]["trace"] == {"path": str((EXAMPLES / "small-trace.jsonl").resolve())}
+    assert yaml.safe_load((tmp_path / "adv.yaml").read_text())["trace"]["llm_fraction"] == 0.3
+    sim = corral("sim", "--workload", "adv.yaml", "--json", "s.json", cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr
+    mean = json.loads((tmp_path / "s.json").read_text())["batch_collection_s"]["mean"]
+    assert mean == advice["recommended"]["batch_collection_s"]
 
 
 def test_advise_off_a_terminal_says_how_far_it_is(tmp_path: Path) -> None:
@@ -429,7 +474,7 @@ def test_sigterm_to_advise_alone_keeps_what_it_simulated(tmp_path: Path) -> None
     assert proc.returncode == 130, stderr
     advice = json.loads((tmp_path / "a.json").read_text())
     assert advice["complete"] is False
-    assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
+    assert without_progress(stderr) == stopped_lines(advice, "a.json")
     assert leftover == set()
 
 
@@ -455,7 +500,7 @@ def test_a_worker_killed_mid_search_is_an_error_that_keeps_what_was_simulated(tm
     assert advice["complete"] is False
     done = len(advice["evaluated"])
     said = without_progress(stderr)
-    assert len(said) == 1, stderr
+    assert said[1:] == stopped_lines(advice, "a.json")[1:], stderr  # and what to change, if anything
     assert said[0].startswith(
         "error: a simulation worker died (SIGKILL); its work is lost; the search stopped after"
     )
@@ -497,7 +542,7 @@ def test_sigterm_to_advise_alone_does_not_wait_for_the_round(sigint: str, tmp_pa
     assert advice["complete"] is False
     assert len(advice["evaluated"]) < 7, "the round ran to its end"
     assert took < 5, f"{took:.1f} s from SIGTERM to exit"
-    assert without_progress(stderr) == [interrupted_line(len(advice["evaluated"]), "a.json")]
+    assert without_progress(stderr) == stopped_lines(advice, "a.json")
     assert leftover == set()
 
 

@@ -106,9 +106,8 @@ def trace_import(
         say(f"  {why}: {', '.join(where)}" + (f" and {more} more" if more else ""))
     for why, n in sorted(result.assumed.items()):
         say(f"imported {_count(n, unit)} with {why}")
-    for why, n in sorted(result.unread.items()):
-        summaries = "a run summary" if n == 1 else f"{n} run summaries"
-        say(f"not read: {summaries} ({why}); the trials below it were read from their own files")
+    for what, n in sorted(result.unread.items()):
+        say(f"not read: {what}" + (f" ({n} such files)" if n > 1 else ""))
     if (note := over_agent_limit(result.records)) is not None:
         say(note)
 
@@ -205,7 +204,9 @@ def advise(
         try:
             load_trace(trace, "--trace")  # refused as typed, not as the absolute trace.path below
             data = spec.model_dump(by_alias=True)
-            data["trace"] = TraceSpec(path=trace.resolve())
+            # the workload's own share of agent time on the engine, if it replays a trace already
+            own = {} if spec.trace is None else {"llm_fraction": spec.trace.llm_fraction}
+            data["trace"] = TraceSpec(path=trace.resolve(), **own)
             spec = checked_trace(Workload.model_validate(data))
         except WorkloadError as exc:
             fail(str(exc))
@@ -217,6 +218,8 @@ def advise(
         advice, lost = _search(spec, passes, workers, json_out, seeds)
         current, advised = advice.current.settings, advice.recommended.settings
         changes = workload_changes(spec, current, advised)
+        if trace is not None:  # what --trace changed of the workload is part of what was simulated
+            changes = {"trace": {"path": str(trace.resolve())}, **changes}
         report = {**advice.as_dict(), "changes": changes}
         write_report(json_out, report, lambda out: plot_advice(advice, str(out)), plot)
         if advised_out is not None:
@@ -227,6 +230,8 @@ def advise(
             files += "" if advised_out is None else f" and {advised_out}"
             if advice.candidates:
                 say(f"{why} after {len(advice.evaluated)} settings simulated; the best of them → {files}")
+                if changes:
+                    say(f"to apply the best of them, in the workload: {_flow(changes)}")
             else:
                 only = "only the current settings were simulated; no advice, their figures"
                 say(f"{why} after {only} → {files}")
@@ -271,10 +276,10 @@ WASTE_NOTE_FACTOR = 2.0  # advised settings that waste more than this × the cur
 
 
 def _per_seed(outcome: Outcome) -> str:
-    """`; by seed 82.3, 85.1, 80.0 s` where the outcome is a mean over seeds."""
+    """`; by seed 82.3 s, no batch, 80.0 s` where the outcome is a mean over seeds."""
     if outcome.per_seed_s is None:
         return ""
-    return "; by seed " + ", ".join("none" if m is None else f"{m:.1f}" for m in outcome.per_seed_s) + " s"
+    return "; by seed " + ", ".join("no batch" if m is None else f"{m:.1f} s" for m in outcome.per_seed_s)
 
 
 def _over_seeds(spec: Workload, advice: Advice) -> str:

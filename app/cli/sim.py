@@ -210,8 +210,8 @@ def sim(
         typer.Option(
             help="what B + S caps: live groups (in flight + ready), or only groups in flight (a ready "
             "group holds no sandbox and no engine slot), or attempts in flight ((B + S)·G: a group's "
-            "finished attempts make room for more groups); default: in_flight for full, live for the "
-            "other rungs"
+            "finished attempts make room for more groups); default: for full the workload's "
+            "policy.admission, else in_flight; live for the other rungs"
         ),
     ] = None,
     ready_surplus: Annotated[
@@ -229,8 +229,8 @@ def sim(
             min=0,
             max=MAX_AGENT_GATE,
             help="the agent-phase gate: attempts start their agent phase while fewer than this × the exec "
-            "lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: 1 for full, none "
-            "for the other rungs (docs/simulator.md)",
+            "lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: for full the "
+            "workload's policy.agent_gate, else 1; none for the other rungs (docs/simulator.md)",
         ),
     ] = None,
 ) -> None:
@@ -258,10 +258,13 @@ def sim(
     }
     if agent_gate is not None:  # typer's range refuses NaN and infinities
         overrides["agent_gate"] = launch_gate(agent_gate)
-    if ready_surplus is not None and admission is AdmissionMode.ATTEMPTS:
+    # The admission asked for: the flag's, else the workload's where the rung takes it
+    own = spec.policy_settings(policy.value).get("admission")
+    workload_says = f"; the workload's policy.admission is {own}" if admission is None and own else ""
+    if ready_surplus is not None and (admission or own) is AdmissionMode.ATTEMPTS:
         fail(
             "--ready-surplus: only with --admission in_flight (attempts admission caps ready groups at "
-            "(K + 1)·B)"
+            f"(K + 1)·B){workload_says}"
         )
     try:
         pol = policy_for(spec, policy.value, **overrides)
@@ -269,7 +272,10 @@ def sim(
         fail(problems(exc, FLAGS))
     if ready_surplus is not None and pol.admission is AdmissionMode.LIVE:
         why = "" if admission is not None else f" (policy {policy.value} admits live unless told otherwise)"
-        fail(f"--ready-surplus: only with --admission in_flight{why}")
+        fail(f"--ready-surplus: only with --admission in_flight{workload_says or why}")
+    if policy is not PolicyName.FULL and (keys := spec.full_only()):
+        named = " and ".join(f"policy.{k}" for k in keys)
+        say(f"note: the workload's {named} are full's; policy {policy.value} runs with its own")
     # Off a terminal too: a long workload (batches: 10000) ran for most of an hour without a word.
     lines = progress_lines("sim", "batches", quiet_s=QUIET_S)
     with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:

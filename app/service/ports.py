@@ -59,12 +59,7 @@ def run_policy(spec: RunCreate) -> PolicyConfig:
     """The run's policy: the ladder rung, B/G/S/K from the workload or config, then the overrides."""
     if spec.kind is RunKind.SIM:
         assert spec.workload is not None
-        base: dict[str, object] = {
-            "groups_per_batch": spec.workload.batch.groups,
-            "group_size": spec.workload.batch.group_size,
-            "surplus_groups": spec.workload.policy.surplus_groups,
-            "max_staleness": spec.workload.policy.max_staleness,
-        }
+        base = spec.workload.policy_settings(spec.policy.value)  # as `corral sim` runs it
     else:
         config = spec.config
         assert config is not None

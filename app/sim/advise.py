@@ -60,12 +60,16 @@ class Settings:
     # Lanes also run on the serving cores serving leaves idle (`lanes.borrow_serving_cpus`). None: the
     # workload's own.
     borrow_serving_cpus: bool | None = None
-    # B + S caps attempts in flight ((B + S)·G, `AdmissionMode.ATTEMPTS`); False: the policy's own
-    # admission (in flight, for full), as the hand-written config runs.
+    # B + S caps attempts in flight ((B + S)·G, `AdmissionMode.ATTEMPTS`); False: the workload's own
+    # admission (`own_admission`), else the policy's (in flight, for full), as the hand-written config runs.
     attempts_admission: bool = False
     # The agent-phase gate's factor in percent (`policy.agent_gate` × 100; 0: no gate). None: the
-    # policy's own (1.0 for full).
+    # workload's own (`own_gate`), else the policy's (1.0 for full).
     agent_gate_percent: int | None = None
+    # Not knobs: what the workload itself sets, which the settings above fall back to (every candidate
+    # has the same), so that they say so: a workload's live admission read "policy default".
+    own_admission: str | None = None
+    own_gate: float | None = None
 
     def with_knob(self, knob: str, value: int | None) -> Settings:
         if knob == "max_updating_engines":
@@ -100,12 +104,20 @@ class Settings:
         return "policy default" if self.max_updating_engines is None else str(self.max_updating_engines)
 
     def admission(self) -> str:
-        return AdmissionMode.ATTEMPTS.value if self.attempts_admission else "policy default"
+        if self.attempts_admission:
+            return AdmissionMode.ATTEMPTS.value
+        return "policy default" if self.own_admission is None else f"{self.own_admission} (the workload's)"
+
+    def gate_factor(self) -> float | None:
+        """The gate's factor these settings run with (0: no gate); None: the policy's own."""
+        return self.own_gate if self.agent_gate_percent is None else self.agent_gate_percent / 100
 
     def gate(self) -> str:
-        if self.agent_gate_percent is None:
+        factor = self.gate_factor()
+        if factor is None:
             return "policy default"
-        return "off" if self.agent_gate_percent == 0 else f"{self.agent_gate_percent / 100:g}"
+        said = "off" if factor == 0 else f"{factor:g}"
+        return f"{said} (the workload's)" if self.agent_gate_percent is None else said
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -113,9 +125,9 @@ class Settings:
             "lanes": dict(self.lane_slots),
             "serving_cores": self.serving_cores,
             "borrow_serving_cpus": self.borrow_serving_cpus,
-            "admission": AdmissionMode.ATTEMPTS.value if self.attempts_admission else None,
+            "admission": AdmissionMode.ATTEMPTS.value if self.attempts_admission else self.own_admission,
             # The gate's factor (0: off); None: the policy's own
-            "agent_gate": None if self.agent_gate_percent is None else self.agent_gate_percent / 100,
+            "agent_gate": self.gate_factor(),
         }
 
 
@@ -150,6 +162,10 @@ class Outcome:
             known = [v for v in values if v is not None]
             return round(statistics.fmean(known), 6) if len(known) == len(values) else None
 
+        # the seeds that played attempts (a seed that stopped has no share: it would turn off the guard
+        # against advice that cuts more attempts short, `_cuts_more`)
+        shares = [r.attempts_cut_short_share for r in runs if r.attempts_cut_short_share is not None]
+
         return cls(
             settings=settings,
             batch_collection_s=mean(list(means)),
@@ -157,7 +173,7 @@ class Outcome:
             trainer_idle_fraction=round(statistics.fmean(r.trainer_idle_fraction for r in runs), 6),
             wasted_trajectory_s=round(statistics.fmean(r.wasted_trajectory_s for r in runs), 3),
             lower_bound_s=round(statistics.fmean(r.lower_bound_s for r in runs), 6),
-            attempts_cut_short_share=mean([r.attempts_cut_short_share for r in runs]),
+            attempts_cut_short_share=round(statistics.fmean(shares), 6) if shares else None,
             stopped=stopped,
             per_seed_s=list(means),
         )
@@ -235,7 +251,8 @@ class Advice:
     def _verdict(self) -> str:
         if self.recommended.batch_collection_s is None:  # no settings simulated delivered a batch
             why = self.current.stopped  # the current settings cannot have failed: that ends the search
-            return f"none of the {len(self.evaluated)} settings simulated delivered a batch" + (
+            every = f" on every one of the {self.seeds} seeds" if self.seeds > 1 else ""
+            return f"none of the {len(self.evaluated)} settings simulated delivered a batch{every}" + (
                 f"; the current ones stopped: {why}" if why else ""
             )
         if not self.beats_current:
@@ -263,8 +280,9 @@ class Advice:
 
 
 def current_settings(workload: Workload) -> Settings:
-    gate = workload.policy.agent_gate
-    percent = None if gate is None or (gate * 100) % 1 else round(gate * 100)  # None: the workload's own
+    gate, admission = workload.policy.agent_gate, workload.policy.admission
+    # a whole percent is a knob's value; another gate (0.333) stays the workload's own, not a percent
+    percent = None if gate is None or abs(gate * 100 - round(gate * 100)) > 1e-9 else round(gate * 100)
     return Settings(
         surplus_groups=workload.policy.surplus_groups,
         max_staleness=workload.policy.max_staleness,
@@ -272,8 +290,10 @@ def current_settings(workload: Workload) -> Settings:
         lane_slots=tuple(workload.lanes.slots().items()),
         serving_cores=workload.cpus.serving,
         borrow_serving_cpus=workload.lanes.borrow_serving_cpus,
-        attempts_admission=workload.policy.admission is AdmissionMode.ATTEMPTS,
+        attempts_admission=admission is AdmissionMode.ATTEMPTS,
         agent_gate_percent=percent,
+        own_admission=None if admission in (None, AdmissionMode.ATTEMPTS) else admission.value,
+        own_gate=gate if percent is None else None,
     )
 
 
@@ -314,7 +334,12 @@ def knob_grid(workload: Workload, best: Settings, pinned: bool = True) -> dict[s
     gate = best.agent_gate_percent
     grid["agent_gate_percent"] = [
         gate,
-        *(v for v in (0, 50, 100, 200) if v != gate and (v != 100 or gate is not None)),
+        # 1.0 is what None runs unless the workload sets a gate of its own
+        *(
+            v
+            for v in (0, 50, 100, 200)
+            if v != gate and (v != 100 or gate is not None or best.own_gate is not None)
+        ),
     ]
     if pinned:
         grid["serving_cores"] = list(serving_grid(workload, best.serving_cores or workload.cpus.serving))
@@ -352,7 +377,10 @@ def _workload_with(workload: Workload, settings: Settings) -> Workload:
 def advised_workload(workload: Workload, settings: Settings) -> dict[str, Any]:
     """`workload` with `settings`, as data that `corral sim --workload` reads back into the same
     workload (JSON's types; a trace by its absolute path), so that it simulates what was evaluated."""
-    return _workload_with(workload, settings).model_dump(mode="json", by_alias=True)
+    data = _workload_with(workload, settings).model_dump(mode="json", by_alias=True)
+    if data.get("trace") is not None:  # as loaded: next to a workload given by a relative path, relative
+        data["trace"]["path"] = os.path.abspath(data["trace"]["path"])
+    return data
 
 
 APPLIED_SECTIONS = ("policy", "lanes", "cpus")  # the workload's sections a setting lives in

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
-from app.core.config import AdmissionMode, PolicyConfig, PolicyName, launch_gate
+from app.core.config import AdmissionMode, PolicyConfig, PolicyName
 from app.core.events import BatchDelivered, Envelope, Event, SandboxOp, TurnDone
 from app.runtime.driver import RunCannotProceed, RunState, Runtime, cannot_proceed
 from app.runtime.ports import Trainer
@@ -61,19 +61,7 @@ SIM_LOG.setLevel(logging.ERROR)
 
 
 def policy_for(workload: Workload, name: str, **overrides: Any) -> PolicyConfig:
-    base: dict[str, Any] = {
-        "groups_per_batch": workload.batch.groups,
-        "group_size": workload.batch.group_size,
-        "surplus_groups": workload.policy.surplus_groups,
-        "max_staleness": workload.policy.max_staleness,
-    }
-    if workload.policy.max_updating_engines is not None:  # else the rung's own pacing
-        base["max_updating_engines"] = workload.policy.max_updating_engines
-    if workload.policy.admission is not None:  # else the rung's own
-        base["admission"] = workload.policy.admission
-    if workload.policy.agent_gate is not None:
-        base["agent_gate"] = launch_gate(workload.policy.agent_gate)
-    return PolicyConfig.ladder(name, **{**base, **overrides})
+    return PolicyConfig.ladder(name, **{**workload.policy_settings(name), **overrides})
 
 
 @_freed_after

@@ -75,7 +75,8 @@ class ImportResult:
     examples: dict[str, list[str]] = field(default_factory=dict)
     # Trials imported with a phase's end taken from a later time (AGENT_CUT, TEST_CUT), by which.
     assumed: Counter[str] = field(default_factory=Counter)
-    # Run-level summaries not read, by why (the trials below them were read from their own files).
+    # Files not read that hold no trial of their own, by what they are and why: a run summary whose
+    # trials were read from their own files, a trial's file whose trial a summary held.
     unread: Counter[str] = field(default_factory=Counter)
 
     def skip(self, why: str, where: str, n: int = 1) -> None:
@@ -151,6 +152,8 @@ def _trial_line(record: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]
     agent = _span(record, "agent_started_at", agent_end, backwards="agent ends before it starts")
     if agent is None:
         raise _Skip("no agent start/end")
+    # a test that began while the agent still ran would count that time twice (in agent and validate)
+    _span(record, agent_end, "test_started_at", backwards="tests start before the agent ends")
     if has["test_started_at"] and not has["test_ended_at"] and has["trial_ended_at"]:
         test_end, assumed = "trial_ended_at", (*assumed, TEST_CUT)
     reset = _span(record, "trial_started_at", "agent_started_at") or 0.0
@@ -189,11 +192,12 @@ def _trial_records(path: Path) -> tuple[list[Any], bool]:
 NO_RESULTS = "no results.json (the trial did not finish)"
 
 
-def _unfinished_trials(trial_dirs: set[Path], trial_names: set[str]) -> list[Path]:
-    """Directories beside a trial's that hold no results.json at any depth and that no record named:
-    trials of the same task that never wrote one (terminal-bench writes it when a trial ends)."""
+def _unfinished_trials(root: Path, trial_dirs: set[Path], trial_names: set[str]) -> list[Path]:
+    """Directories beside a trial's, under `root`, that hold no results.json at any depth and that no
+    record named: trials of the same task that never wrote one (terminal-bench writes it when a trial
+    ends). A trial directory imported alone has no siblings: those of `root` are not the import's."""
     unfinished = []
-    for parent in sorted({d.parent for d in trial_dirs}):
+    for parent in sorted({d.parent for d in trial_dirs if d != root}):
         for sibling in sorted(parent.iterdir()):
             if sibling in trial_dirs or sibling.name in trial_names or not sibling.is_dir():
                 continue
@@ -213,6 +217,7 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
     seen: set[tuple[str, str]] = set()
     trial_dirs: set[Path] = set()
     above_trials: set[Path] = set()  # the directories that hold a trial's below them
+    unreadable: list[tuple[Path, str]] = []  # results.json files not read that are no run summary
     # Trial files first, so a run-level summary of the same trials adds nothing twice.
     files = sorted(directory.rglob("results.json"), key=lambda p: (-len(p.parts), str(p)))
     for path in files:
@@ -223,9 +228,11 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
             records, summary = _trial_records(path)
         except _Skip as skip:
             if path.parent in above_trials:  # the trials below it were read from their own files
-                result.unread[str(skip)] += 1
-            else:
-                result.skip(str(skip), str(path))
+                result.unread[
+                    f"a run summary ({skip}); the trials below it were read from their own files"
+                ] += 1
+            else:  # a trial's, unless a summary read later holds that trial
+                unreadable.append((path, str(skip)))
                 trial_dirs.add(path.parent)
             continue
         if not summary:
@@ -252,7 +259,13 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
                 result.assumed.update(assumed)
     if on_file is not None:
         on_file(len(files), len(files))
-    for unfinished in _unfinished_trials(trial_dirs, {name for _, name in seen}):
+    names = {name for _, name in seen}
+    for path, why in unreadable:
+        if path.parent.name in names:  # a summary held it: the trial was imported, its own file not read
+            result.unread[f"a trial's results.json ({why}); the trial was read from its run's summary"] += 1
+        else:
+            result.skip(why, str(path))
+    for unfinished in _unfinished_trials(directory, trial_dirs, names):
         result.skip(NO_RESULTS, str(unfinished))
     if not result.records:
         raise WorkloadError(

@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.core.config import AdmissionMode, LaneOrder, admission_option, gate_option
+from app.core.config import AdmissionMode, LaneOrder, PolicyName, admission_option, gate_option, launch_gate
 from app.documents import DocumentError, TooLarge, check_size, open_input, read_document
 from app.lanes.adaptive import AdaptiveLanesSpec
 from app.sim.lanes import LaneSharing, LaneWeights
@@ -177,6 +177,9 @@ def _ln(median: float, p90: float, cap: float | None = None) -> Dist:
     return Dist(lognormal=Lognormal(median=median, p90=p90, max=cap))
 
 
+FULL_RUNG = PolicyName.FULL.value
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -205,12 +208,12 @@ class PolicySpec(Strict):
         description="engines loading new weights at once, a fixed number (what `corral advise` calls "
         "`updating`); None: the policy's own pace (`full`: by free slots)",
     )
+    # full's alone (Workload.policy_settings): the other rungs keep their own
     admission: AdmissionMode | None = admission_option(
-        "the rung's (in_flight for full), as in a `corral run` config; `corral sim --admission` goes over it"
+        "in_flight; full's alone (the other rungs keep their own); `corral sim --admission` goes over it"
     )
     agent_gate: float | None = gate_option(
-        "the rung's (1 for full, none for the others), as in a `corral run` config; `corral sim "
-        "--agent-gate` goes over it"
+        "1; full's alone (the other rungs keep their own); `corral sim --agent-gate` goes over it"
     )
 
 
@@ -441,6 +444,30 @@ class Workload(Strict):
         """Cores the engines' serving loops use when every engine is busy: `engines.count ×
         cpus.engine_demand`."""
         return self.engines.count * self.cpus.engine_demand
+
+    def policy_settings(self, rung: str) -> dict[str, object]:
+        """What this workload sets of rung `rung`'s policy, for `PolicyConfig.ladder` (`corral sim`,
+        `bench`, `advise` and a simulated run of `corral serve` alike): B, G, S and K, the updating
+        engines where given, and, for `full` alone, its admission and agent gate where given. Those two
+        are `full`'s settings (what `corral advise` advises): a workload written by `--advised-workload`
+        with a gate of 0.05 turned `corral bench`'s sync and completion rungs into something else."""
+        base: dict[str, object] = {
+            "groups_per_batch": self.batch.groups,
+            "group_size": self.batch.group_size,
+            "surplus_groups": self.policy.surplus_groups,
+            "max_staleness": self.policy.max_staleness,
+        }
+        if self.policy.max_updating_engines is not None:  # else the rung's own pacing
+            base["max_updating_engines"] = self.policy.max_updating_engines
+        if rung == FULL_RUNG and self.policy.admission is not None:  # else the rung's own
+            base["admission"] = self.policy.admission
+        if rung == FULL_RUNG and self.policy.agent_gate is not None:
+            base["agent_gate"] = launch_gate(self.policy.agent_gate)
+        return base
+
+    def full_only(self) -> list[str]:
+        """The `policy` keys this workload sets that only `full` takes (`policy_settings`)."""
+        return [k for k in ("admission", "agent_gate") if getattr(self.policy, k) is not None]
 
 
 @dataclass(frozen=True)

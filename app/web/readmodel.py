@@ -326,7 +326,11 @@ class RunView(_RunFace):
         if discarded:
             reasons = ", ".join(f"{k} {n:,}" for k, n in discarded.items())
             shown.append(f"{sum(discarded.values()):,} discarded ({reasons})")
-        return ", ".join(shown) or "none yet"
+        if shown:
+            return ", ".join(shown)
+        if self.source == "replay":  # a report without its groups' rows (`corral sim` without --plot)
+            return "not in this report"
+        return "none" if self.outcome is not None else "none yet"
 
     @property
     def mean_collection_s(self) -> float | None:
@@ -414,7 +418,11 @@ class RunViewBuilder:
         self.last_seq = -1
         self.started_policy: dict[str, Any] = {}
         self.policy_changes: dict[str, Any] = {}
-        self.surplus_seen: set[int] = set()  # every S the run had: live changes' old and new values
+        # The S in force (the start's, then each live change's) and every S some group was admitted under:
+        # at an admission at most B + S groups are live, and between admissions their number only falls
+        self._publication_run = (0, 0)  # the first version and count of the audit's last publication row
+        self.surplus_now: object = None
+        self.surplus_admitting: set[int] = set()
         self.ended: str | None = None
         self.groups: dict[int, GroupRow] = {}
         self.trajs: dict[int, dict[int, Trajectory]] = defaultdict(dict)
@@ -495,6 +503,7 @@ class RunViewBuilder:
         ev, t = env.event, env.t - t0
         if isinstance(ev, RunStarted):
             self.started_policy = dict(ev.policy)
+            self.surplus_now = self.started_policy.get("surplus_groups")
             for name in getattr(ev, "engines", ()):
                 self._engine(name)
         elif isinstance(ev, RunEnded):
@@ -510,6 +519,8 @@ class RunViewBuilder:
             # The lanes close with the run: nothing runs or queues in them any more.
             self.lane_now = dict.fromkeys(self.lane_now, (0, 0))
         elif isinstance(ev, GroupAdmitted):
+            if isinstance(self.surplus_now, int):
+                self.surplus_admitting.add(self.surplus_now)
             self.groups[ev.group_id] = GroupRow(ev.group_id, task=ev.task or str(ev.task_index), admitted=t)
             if self.first_admitted is None:
                 self.first_admitted = t
@@ -569,10 +580,7 @@ class RunViewBuilder:
         elif isinstance(ev, VersionPublished):
             self.publications.append((t, ev.version))
             if ev.command_id:  # a command's (the dashboard's Publish, the API's), not a built-in trainer's
-                previous = self.publications[-2][1] if len(self.publications) > 1 else None
-                did = f"published weights v{ev.version}" + (" (a sentinel)" if ev.path is None else "")
-                self.audit.append(AuditRow(t, ev.actor, "weights", previous, ev.version, did))
-                self.audit_total += 1
+                self._audit_publication(t, ev)
         elif isinstance(ev, EngineUpdateBegin):
             row_e = self._engine(ev.engine)
             row_e.state, row_e.target_version = "updating", ev.version
@@ -623,19 +631,38 @@ class RunViewBuilder:
             self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
             self.audit_total += 1
             self.policy_changes[ev.field] = ev.new
-            if ev.field == "surplus_groups":
-                self.surplus_seen.update(v for v in (ev.old, ev.new) if isinstance(v, int))
+            if ev.field == "surplus_groups":  # published before the admissions the change makes
+                self.surplus_now = ev.new
         elif isinstance(ev, LaneResized):
             self.audit.append(AuditRow(t, "adaptive lanes", f"lanes.{ev.lane}.slots", ev.old, ev.new))
             self.audit_total += 1
             self.lane_slots[ev.lane] = (ev.new, ev.configured)
 
+    def _audit_publication(self, t: float, ev: VersionPublished) -> None:
+        """A publication by a command as an audit row; one actor's publications in a row are one row
+        (`published weights v5–v110 (106 versions)`): a trainer publishing each step through the API
+        put every other row, an operator's K included, out of the list's latest 100."""
+        last = self.audit[-1] if self.audit else None
+        if last is not None and last.field == "weights" and last.actor == ev.actor:
+            first, n = self._publication_run
+            self._publication_run = (first, n + 1)
+            did = f"published weights v{first}–v{ev.version} ({n + 1} versions)"
+            self.audit[-1] = AuditRow(t, ev.actor, "weights", last.old, ev.version, did)
+            return
+        self._publication_run = (ev.version, 1)
+        previous = self.publications[-2][1] if len(self.publications) > 1 else None
+        did = f"published weights v{ev.version}" + (" (a sentinel)" if ev.path is None else "")
+        self.audit.append(AuditRow(t, ev.actor, "weights", previous, ev.version, did))
+        self.audit_total += 1
+
     def _bound_policy(self, policy: Mapping[str, Any]) -> Mapping[str, Any]:
-        """`policy` with the largest S the run had: a live change of S applies from then on, and the
-        bound at the latest S was above the mean of a run whose S was larger before (1.1 s against
-        0.9 s after S went down to 0)."""
-        surplus = [v for v in (policy.get("surplus_groups"), *self.surplus_seen) if isinstance(v, int)]
-        return {**policy, "surplus_groups": max(surplus)} if surplus else policy
+        """`policy` with the largest S any group was admitted under, the most groups the run had live
+        (B + S) however S changed: the latest S, taken for the whole run, put the bound above the mean
+        of a run whose S was larger before (1.1 s against 0.9 s after S went down to 0), and the largest
+        S it ever had made it 0.0 s after an S set for a moment, while paused, admitted nothing."""
+        if not self.surplus_admitting:
+            return policy
+        return {**policy, "surplus_groups": max(self.surplus_admitting)}
 
     def view(self, meta: RunMeta | None = None) -> RunView:
         """A snapshot: copies of the rows, safe to render while the builder goes on folding."""

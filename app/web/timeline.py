@@ -261,12 +261,15 @@ def render_timeline(
     t_from = 0.0
     total = len(view.groups) + view.dropped_groups
     partial = len(rows) < total
+    starts = [s.start for t in shown for s in t.spans] + [
+        g.admitted for g, _ in rows if g.admitted is not None
+    ]
+    # a window with more at work in it than the span and group budgets allow shows its latest groups,
+    # from the earliest start among them: from the window's start, its early part was left blank
+    capped = since is not None and len(rows) < sum(1 for row in view.rows() if _last_seen(row) >= since)
     if since is not None:
-        t_from = since
+        t_from = max(since, min(starts, default=since)) if capped else since
     elif partial:
-        starts = [s.start for t in shown for s in t.spans] + [
-            g.admitted for g, _ in rows if g.admitted is not None
-        ]
         t_from = min(starts, default=0.0)
     duration = max(max(view.now, last) - t_from, 1.0)
     px_per_s = (width - GUTTER - 20) / duration * zoom
@@ -323,7 +326,9 @@ def render_timeline(
     axis += [row.markup() for row in (tick_labels, batch_labels, version_labels)]
     note = ""
     if partial or since is not None:
-        which = f"last {window_s:g} s:" if since is not None else "latest"
+        which = "latest"
+        if since is not None:
+            which = f"last {window_s:.15g} s, cut to its latest" if capped else f"last {window_s:.15g} s:"
         left = total - len(rows)
         note = f"; the {which} {len(rows)} of {total} groups, from {t_from:.0f} s, {left} left out"
         if waiting_left_out:

@@ -648,8 +648,8 @@ def large_change(policy: Mapping[str, Any], changes: Mapping[str, float]) -> str
         return None
     return (
         f"surplus_groups (S): {int(wanted):,} lets up to {then:,} trajectories run at once, "
-        f"{then / max(now, 1):,.0f}× the {now:,} now, each with its sandbox and engine turns; tick "
-        "\u201ca large change\u201d and apply again to make it"
+        f"{then / max(now, 1):,.0f}× the {now:,} now, each with its sandbox and engine turns; nothing "
+        "was applied: tick \u201ca large change\u201d and apply again to make it"
     )
 
 

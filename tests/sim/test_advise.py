@@ -386,12 +386,55 @@ def test_a_workload_carries_admission_and_the_gate_as_corral_sim_flags_do() -> N
     start = current_settings(carried)
     assert start.attempts_admission is True
     assert start.agent_gate_percent == 50
+    assert start.own_admission is None
     # not by attempts, for this workload, is the rung's own admission (in flight for full)
     other = start.with_knob("attempts_admission", 0)
     assert policy_for(Workload.model_validate(advised_workload(carried, other)), "full").admission is (
         AdmissionMode.IN_FLIGHT
     )
     assert workload_changes(carried, start, other) == {"policy": {"admission": None}}
+
+
+def test_a_workload_s_own_admission_and_gate_are_named_as_its_own_and_full_s_gate_is_tried() -> None:
+    """A workload's live admission read "policy default" (JSON null), as did a gate of 0.333, and with
+    such a gate the policy's own 1.0 was never tried."""
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    data = workload.model_dump(by_alias=True)
+    data["policy"] |= {"admission": "live", "agent_gate": 0.333}
+    own = current_settings(Workload.model_validate(data))
+    assert own.admission() == "live (the workload's)"
+    assert own.gate() == "0.333 (the workload's)"
+    assert own.as_dict()["admission"] == "live"
+    assert own.as_dict()["agent_gate"] == 0.333
+    assert knob_grid(workload, own)["agent_gate_percent"] == [None, 0, 50, 100, 200]
+    # a whole percent is a knob's value, however the float rounds (0.29 * 100 is 28.999999999999996)
+    for gate, percent in ((0.29, 29), (0.57, 57), (0.07, 7), (1.1, 110)):
+        data["policy"]["agent_gate"] = gate
+        assert current_settings(Workload.model_validate(data)).agent_gate_percent == percent
+
+
+def test_a_workload_s_admission_and_gate_are_full_s_alone() -> None:
+    """An advised workload's gate of 0.05 turned `corral bench`'s sync and completion rungs into
+    something else (sync 141.9 -> 637.0 s); a simulated run of `corral serve` ignored both."""
+    from app.core.config import AdmissionMode
+    from app.service.ports import run_policy
+    from app.service.schemas import RunCreate
+    from app.sim.run import policy_for
+
+    workload = load_workload(EXAMPLES / "small-trace.yaml")
+    data = workload.model_dump(mode="json", by_alias=True)
+    data["policy"] |= {"admission": "attempts", "agent_gate": 0.05, "max_updating_engines": 1}
+    carried = Workload.model_validate(data)
+    full = policy_for(carried, "full")
+    assert (full.admission, full.agent_gate, full.max_updating_engines) == (AdmissionMode.ATTEMPTS, 0.05, 1)
+    for rung in ("sync", "completion", "lanes"):
+        assert policy_for(carried, rung) == policy_for(workload, rung).with_changes(max_updating_engines=1)
+    # a simulated run of `corral serve` takes them as `corral sim` does (the API's runs read no trace)
+    untraced = {**data, "trace": None}
+    for rung in ("full", "completion"):
+        spec = RunCreate.model_validate({"kind": "sim", "policy": rung, "workload": untraced})
+        assert run_policy(spec) == policy_for(Workload.model_validate(untraced), rung)
+    assert run_policy(RunCreate.model_validate({"kind": "sim", "workload": untraced})).agent_gate == 0.05
 
 
 def test_advice_over_seeds_judges_each_candidate_by_its_means() -> None:

@@ -14,6 +14,7 @@ from app.sim.traces import (
     attempts_from_events,
     import_corral_run,
     import_terminal_bench,
+    terminal_bench_record,
     write_trace,
 )
 from app.sim.workload import WorkloadError, load_trace, trace_line_problem
@@ -382,7 +383,15 @@ BAD_TRIALS = {
     "is_resolved a word": ({"is_resolved": "yes"}, "is_resolved is not a boolean"),
     "is_resolved a number": ({"is_resolved": 1}, "is_resolved is not a boolean"),
     # imported, and then the simulator refused the whole trace at this line (agent_s: 251,698,233,594 s)
-    "an agent end far off": ({"agent_ended_at": "9999-12-31T23:59:59+00:00"}, "agent_s over 1,000,000 s"),
+    "an agent end far off": (
+        {
+            "agent_ended_at": "9999-12-31T23:59:59+00:00",
+            "test_started_at": None,
+            "test_ended_at": None,
+            "trial_ended_at": None,
+        },
+        "agent_s over 1,000,000 s",
+    ),
 }
 
 
@@ -490,9 +499,44 @@ def test_an_unreadable_run_summary_is_no_skipped_trial_and_skipped_trials_are_na
     assert len(result.records) == 1
     assert result.skipped == {"no agent start/end": MAX_EXAMPLES + 2}
     assert result.examples["no agent start/end"] == [str(run / "t" / f"t.{i}") for i in range(MAX_EXAMPLES)]
-    assert result.unread == {"not JSON": 1}
+    assert result.unread == {
+        "a run summary (not JSON); the trials below it were read from their own files": 1
+    }
     # a broken trial file is still a skipped trial, named by its path
     (run / "good" / "good.1" / "results.json").write_text("{")
     (run / "results.json").unlink()
     with pytest.raises(WorkloadError, match="no usable"):
         import_terminal_bench(run)
+
+
+def test_a_trial_file_not_read_whose_trial_a_summary_holds_is_no_skipped_trial(tmp_path: Path) -> None:
+    """With a run summary listing t.1 and t.2 and t.1's own file truncated, t.1 was imported from the
+    summary and counted skipped ("not JSON") as well."""
+    run = write_run(tmp_path, [make_trial("t", "t.1", True), make_trial("t", "t.2", False)])
+    (run / "t" / "t.1" / "results.json").write_text("{")
+    result = import_terminal_bench(run)
+    assert sorted(r["reward"] for r in result.records) == [0.0, 1.0]
+    assert result.skipped == {}
+    assert result.unread == {
+        "a trial's results.json (not JSON); the trial was read from its run's summary": 1
+    }
+
+
+def test_a_trial_directory_imported_alone_has_no_unfinished_siblings(tmp_path: Path) -> None:
+    """Importing one trial's directory counted the folders beside it, outside the import, as trials
+    that never finished."""
+    run = write_run(tmp_path, [make_trial("t", "t.1", True)])
+    (run / "t" / "t.2-unrelated").mkdir()
+    alone = import_terminal_bench(run / "t" / "t.1")
+    assert len(alone.records) == 1
+    assert alone.skipped == {}
+    assert import_terminal_bench(run).skipped == {NO_RESULTS: 1}  # from the run's directory, it is one
+
+
+def test_a_test_that_starts_before_the_agent_ends_is_skipped() -> None:
+    """Its overlap was counted twice, in agent_s and validate_s: a 305 s trial imported as 530 s."""
+    line, why, _ = terminal_bench_record(
+        make_trial("t", "t.1", True, test_started_at="2025-06-01T10:04:00+00:00")
+    )
+    assert line is None
+    assert why == "tests start before the agent ends"

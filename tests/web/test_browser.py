@@ -11,6 +11,7 @@ directory, so a test run leaves the committed ones alone.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -395,6 +396,60 @@ def test_opening_the_agent_gate_in_the_form_opens_it_in_the_api(
         sync_api.expect(page.locator("#current-gate")).to_have_text(shown)
         assert api.get(f"/api/runs/{run_id}").json()["policy"]["agent_gate"] == float(typed)
     sync_api.expect(page.locator("#audit")).to_contain_text(f"set agent_gate from {current} to 0.0")
+    page.context.close()
+
+
+def test_a_large_change_is_confirmed_once_and_the_box_unticks_itself(
+    browser: object, server: str, api: httpx.Client
+) -> None:
+    """Ticked for one large S, the box stayed ticked, and the next large S went through unconfirmed
+    (898 groups admitted into a paused run)."""
+    created = api.post("/api/runs", json=make_run_spec(name="large-change"))
+    assert created.status_code == 201, created.text
+    run = created.json()["id"]
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run}")
+    try:
+        api.post(f"/api/runs/{run}/pause")  # B = 2, G = 2, S = 4: 12 trajectories; no group admitted now
+        box = page.locator("#p-large")
+        for wanted in (40, 400):  # 84, then 804 trajectories: each over 4 times what runs
+            page.get_by_label("S (surplus groups)").fill(str(wanted))
+            page.get_by_role("button", name="Apply live").click()
+            sync_api.expect(page.locator("#policy-msg")).to_contain_text("a large change")
+            box.check()
+            page.get_by_role("button", name="Apply live").click()
+            sync_api.expect(page.locator("#current-s")).to_have_text(str(wanted))
+            sync_api.expect(box).not_to_be_checked()
+        assert api.get(f"/api/runs/{run}").json()["policy"]["surplus_groups"] == 400
+    finally:
+        api.post(f"/api/runs/{run}/stop")
+        page.context.close()
+
+
+def test_the_timeline_s_window_links_redraw_it_in_place_and_follow_the_run(
+    browser: object, server: str, run_id: str
+) -> None:
+    page = new_page(browser, server, signed_in=False)
+    page.goto(f"{server}/runs/{run_id}")
+    page.evaluate("window.__loadedOnce = true")
+    sync_api.expect(page.locator("#timeline-svg rect.sp").first).to_be_visible()
+    page.get_by_role("link", name="last 5 min").click()
+    sync_api.expect(page.locator("#timeline")).to_have_attribute("data-window", "300")
+    sync_api.expect(page.get_by_role("link", name="last 5 min")).to_have_class(re.compile(r"\bcurrent\b"))
+    # zooming keeps the window, and the live refreshes after it keep both
+    page.get_by_role("link", name="zoom in on time").click()
+    sync_api.expect(page.locator("#zoom-label")).to_have_text("Zoom ×2")
+    zoom_in = page.get_by_role("link", name="zoom in on time").get_attribute("href") or ""
+    assert "window=300" in zoom_in
+    spans = span_count(page)
+    deadline = time.monotonic() + 20
+    while span_count(page) == spans and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    assert page.locator("#timeline").get_attribute("data-window") == "300"
+    assert page.locator("#timeline").get_attribute("data-zoom") == "2"
+    page.get_by_role("link", name="whole run").click()
+    sync_api.expect(page.locator("#timeline")).to_have_attribute("data-window", "")
+    assert page.evaluate("window.__loadedOnce") is True  # all in place, no navigation
     page.context.close()
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import pytest
@@ -205,6 +206,10 @@ def test_a_bounded_builder_keeps_the_latest_ended_groups_and_the_whole_runs_figu
     assert "cancelled" in full.group_counts  # synthetic_run's leftover groups, or this shows little
     delivered, cancelled = full.group_counts["delivered"], full.group_counts["cancelled"]
     assert f"{delivered} delivered, {cancelled} discarded (cancelled {cancelled})" in full.group_counts_text
+    empty = dataclasses.replace(full, groups=[], dropped_outcomes={})
+    assert dataclasses.replace(empty, source="replay").group_counts_text == "not in this report"
+    assert dataclasses.replace(empty, state="running").group_counts_text == "none yet"
+    assert dataclasses.replace(empty, state="completed").group_counts_text == "none"
     assert [g.straggler for g in view.groups] == [
         g.straggler for g in full.groups if g.group_id in {r.group_id for r in view.groups}
     ]
@@ -290,6 +295,33 @@ def test_an_operator_s_publication_joins_the_audit_list_and_the_trainer_s_own_do
     audit = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "policy")
     assert "<b>alice</b> published weights v8 (a sentinel)</li>" in audit
     assert "v7" not in "".join(a.did for a in view.audit)  # a built-in trainer's own, with no command
+
+
+def test_one_actor_s_publications_in_a_row_are_one_audit_row():
+    """An external trainer publishing each step through the API (each with a command id) filled the
+    list's latest 100 rows, and an operator's change of K went out of it."""
+    from app.core.events import VersionPublished
+
+    _, events = make_view(groups=4, group_size=2, batch_groups=2)
+    seq, t = events[-1].seq, events[-1].t
+    tail = []
+    for i, ev in enumerate(
+        [
+            *(VersionPublished(v, f"/w/{v}", actor="bot", command_id=f"c{v}") for v in range(5, 110)),
+            PolicyChanged("max_staleness", 2, 3, "alice"),
+            *(VersionPublished(v, f"/w/{v}", actor="bot", command_id=f"c{v}") for v in range(110, 113)),
+        ]
+    ):
+        tail.append(Envelope("run-1", seq + 1 + i, t + i, ev))
+    before = view_from_events("run-1", events, RunMeta()).audit_total
+    view = view_from_events("run-1", [*events, *tail], RunMeta())
+    rows = [(a.actor, a.field, a.did) for a in view.audit][-3:]
+    assert rows == [
+        ("bot", "weights", "published weights v5–v109 (105 versions)"),
+        ("alice", "max_staleness", ""),
+        ("bot", "weights", "published weights v110–v112 (3 versions)"),
+    ]
+    assert view.audit_total == before + 3
 
 
 def test_an_update_under_way_when_the_run_ends_is_not_shown_updating_for_ever():
@@ -712,6 +744,24 @@ def test_the_observed_bound_holds_after_a_live_change_lowers_s(durations, b, s, 
     assert view.policy["surplus_groups"] == min(lowered_to, s - 1)  # the page shows S as it is now
     assert view.lower_bound_s is not None
     assert view.lower_bound_s <= view.mean_collection_s + 1e-9
+
+
+def test_an_s_that_admitted_no_group_leaves_the_observed_bound_as_it_was() -> None:
+    """The bound took the largest S the run ever had: an S of 900 set for a moment while the run was
+    paused, then put back, took it from 0.6 s to 0.0 s for the rest of the run. Only an S some group was
+    admitted under counts."""
+    durations = [float(d) for d in (5, 9, 3, 7, 4, 8, 6, 2, 9, 5, 3, 7)]
+    events = completion_order_run(durations, [0.5] * 6, 0.0, 2, 1)
+    last = events[-1]
+    spike = [
+        Envelope("run-1", last.seq + 1, last.t, PolicyChanged("surplus_groups", 1, 900)),
+        Envelope("run-1", last.seq + 2, last.t, PolicyChanged("surplus_groups", 900, 1)),
+    ]
+    plain = view_from_events("run-1", events, RunMeta())
+    spiked = view_from_events("run-1", [*events, *spike], RunMeta())
+    assert plain.lower_bound_s is not None
+    assert plain.lower_bound_s > 0
+    assert spiked.lower_bound_s == plain.lower_bound_s
 
 
 def test_the_observed_bound_of_an_attempts_admission_run_is_its_order_statistic() -> None:

@@ -349,7 +349,7 @@ def test_a_window_shows_the_groups_at_work_in_its_last_seconds_cut_at_its_start(
     ticks = [float(t[:-2]) for t in texts if t.endswith(" s")]
     assert ticks
     assert min(ticks) >= since
-    assert f"last {window:g} s: {len(at_work)} of {len(view.groups)} groups" in root.get("aria-label")
+    assert f"last {window:.15g} s: {len(at_work)} of {len(view.groups)} groups" in root.get("aria-label")
     # a window longer than the run is the whole run
     assert render_timeline(view, window_s=view.now * 2) == render_timeline(view)
 
@@ -386,3 +386,34 @@ def test_batch_and_version_lines_too_close_to_read_stay_in_the_header():
         drawn = [ln for ln in root.iter(f"{SVG}line") if ln.get("class") in ("bat", "pub")]
         assert len(drawn) == marks
         assert {float(ln.get("y2")) for ln in drawn} == {bottom}
+
+
+def test_a_window_with_more_at_work_than_the_budget_starts_at_its_latest_groups():
+    """With more spans at work in the window than the budget, the plot began at the window's start and
+    its early part was left blank (the first span drawn 71 s into a 300 s window), as if nothing ran."""
+    view = make_view(groups=40, group_size=2, batch_groups=2)
+    window = view.now * 0.8
+    root = ET.fromstring(render_timeline(view, window_s=window, max_spans=120))
+    spans = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "sp"]
+    assert min(float(r.get("x")) for r in spans) == pytest.approx(GUTTER, abs=0.1)
+    label = root.get("aria-label")
+    assert f"the last {window:.15g} s, cut to its latest" in label
+    started = float(re.search(r"from (\d+) s", label).group(1))
+    assert started > view.now - window  # later than the window's start: the budget cut it
+
+
+def test_a_window_of_a_million_seconds_or_more_is_written_whole():
+    """'%g' wrote 1e+06, whose '+' a query string reads as a space: the links and every refresh were
+    422s."""
+    view = make_view(groups=4)
+    assert "last 1234567 s" not in render_timeline(view, window_s=1_234_567)  # longer than the run
+    from app.web.views import run_context
+
+    context = run_context(view, window=1_234_567.0)
+    from app.web.security import AccessConfig
+    from app.web.views import Dashboard
+
+    page = Dashboard(AccessConfig(None, None)).render("run.html", {**context, "csrf": "", "csrf_field": ""})
+    assert 'data-window="1234567"' in page
+    assert "window=1234567" in page
+    assert "e+06" not in page

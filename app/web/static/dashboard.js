@@ -3,7 +3,7 @@
 // it was asked for, so scrolling during a fetch is kept; a box at its right or bottom edge stays there
 // (it follows a live run's newest time and groups), else the time under the box's centre stays put.
 (function () {
-  var busy = false, again = false, first = true;
+  var busy = false, queued = null, first = true;
   var EDGE = 4;  // px from an edge that still counts as at it
 
   function box() { return document.getElementById("tl-scroll"); }
@@ -49,10 +49,15 @@
     b.scrollTop = at.bottom || follow ? b.scrollHeight : at.top;
   }
 
-  function load(zoom, win, follow) {
+  // A load asked for while one is under way waits for it: a click's zoom and window replace a queued
+  // refresh's (which would draw the old ones), a refresh never replaces a queued click's.
+  function load(zoom, win, follow, refresh) {
     var h = holder(), b = box();
     if (!h || !b) return;
-    if (busy) { again = true; return; }
+    if (busy) {
+      if (!refresh || !queued) queued = [zoom, win, follow, refresh];
+      return;
+    }
     busy = true;
     var url = h.dataset.src + "?zoom=" + zoom + "&width=" + width() + (win ? "&window=" + win : "");
     fetch(url, { headers: { "HX-Request": "true" }, credentials: "same-origin" })
@@ -74,11 +79,11 @@
       .catch(function () {})
       .finally(function () {
         busy = false;
-        if (again) { again = false; reload(); }
+        if (queued) { var q = queued; queued = null; load(q[0], q[1], q[2], q[3]); }
       });
   }
 
-  function reload() { var h = holder(); if (h) load(Number(h.dataset.zoom), h.dataset.window, false); }
+  function reload() { var h = holder(); if (h) load(Number(h.dataset.zoom), h.dataset.window, false, true); }
 
   document.addEventListener("click", function (e) {
     var a = e.target.closest && e.target.closest("a[data-zoom], a[data-window]");
@@ -103,6 +108,12 @@
   document.addEventListener("DOMContentLoaded", fit);
   window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(fit, 250); });
   // The live stream's "timeline" message: the run changed, refresh at the current zoom and window.
+  // The policy form's "a large change" is for one change: after each answer it is unticked again (left
+  // ticked, the next large S went through unconfirmed).
+  document.addEventListener("htmx:afterRequest", function (e) {
+    var large = e.target && e.target.id === "policy-form" && document.getElementById("p-large");
+    if (large) large.checked = false;
+  });
   document.addEventListener("htmx:sseOpen", function (e) {
     e.detail.source.addEventListener("timeline", reload);
   });
