@@ -140,14 +140,14 @@ class RunCreate(_Input):
     admission: AdmissionMode | None = Field(
         None,
         description="what B + S caps: live groups (in flight + ready), groups in flight (in_flight), or "
-        "attempts in flight ((B + S)·G, attempts); default: a local config's policy.admission, else the "
-        "rung's (in_flight for full, live for the others)",
+        "attempts in flight ((B + S)·G, attempts); default: a local config's policy.admission, for full a "
+        "workload's, else the rung's (in_flight for full, live for the others)",
     )
     agent_gate: GateFactor | None = Field(
         None,
         description="the agent-phase gate: attempts start their agent phase while fewer than this × the "
         "exec lane's slots ÷ the measured tool share are in theirs; 0: no gate; default: a local config's "
-        "policy.agent_gate, else the rung's (1 for full, none for the others)",
+        "policy.agent_gate, for full a workload's, else the rung's (1 for full, none for the others)",
     )
     ready_surplus: StrictInt | None = Field(
         None,
