@@ -108,10 +108,11 @@
   document.addEventListener("DOMContentLoaded", fit);
   window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(fit, 250); });
   // The live stream's "timeline" message: the run changed, refresh at the current zoom and window.
-  // The policy form's "a large change" is for one change: after each answer it is unticked again (left
-  // ticked, the next large S went through unconfirmed).
+  // The policy form's "a large change" is for one change: once a change is applied it is unticked again
+  // (left ticked, the next large S went through unconfirmed). A refusal leaves it as it is: unticking
+  // then could undo a tick made as the refusal came.
   document.addEventListener("htmx:afterRequest", function (e) {
-    var large = e.target && e.target.id === "policy-form" && document.getElementById("p-large");
+    var large = e.target && e.target.id === "policy-form" && e.detail.successful && document.getElementById("p-large");
     if (large) large.checked = false;
   });
   document.addEventListener("htmx:sseOpen", function (e) {
