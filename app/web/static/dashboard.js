@@ -111,8 +111,10 @@
   // The policy form's "a large change" is for one change: once a change is applied it is unticked again
   // (left ticked, the next large S went through unconfirmed). A refusal leaves it as it is: unticking
   // then could undo a tick made as the refusal came.
+  // (htmx counts a 422 as successful: the page's config swaps refusals in.)
   document.addEventListener("htmx:afterRequest", function (e) {
-    var large = e.target && e.target.id === "policy-form" && e.detail.successful && document.getElementById("p-large");
+    var xhr = e.detail && e.detail.xhr, applied = xhr && xhr.status >= 200 && xhr.status < 300;
+    var large = e.target && e.target.id === "policy-form" && applied && document.getElementById("p-large");
     if (large) large.checked = false;
   });
   document.addEventListener("htmx:sseOpen", function (e) {
