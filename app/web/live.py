@@ -178,7 +178,14 @@ class ManagerRuns:
             return hash(("catching up", self._fetch(run_id)))
         handle = self.manager.get(run_id)
         if handle is not None:
-            return hash((handle.recorder.view.last_seq, str(handle.state), _live_key(handle)))
+            newest = handle.recorder.view.last_seq
+            if entry.last_seq < newest and time.monotonic() - entry.fetched_at >= VIEW_TTL_S:
+                # Events the view has not folded yet, as of a fetch within its TTL: without a fetch here
+                # a run that then went quiet (paused) kept the stale view, and a second live S stayed
+                # "Now: S = 40" on its page, the store and the API at 400. The version changes again
+                # once they are folded, and the page gets the view with them.
+                self._fetch(run_id)
+            return hash((newest, entry.last_seq, str(handle.state), _live_key(handle)))
         if (replay := self.manager.replay_progress(run_id)) is not None:  # the page follows the replay
             return hash(("resuming", entry.last_seq, repr(replay)))
         if time.monotonic() - entry.fetched_at >= refetch_s(entry.stored_state):

@@ -421,6 +421,8 @@ def test_a_large_change_is_confirmed_once_and_the_box_unticks_itself(
             box.check()
             page.get_by_role("button", name="Apply live").click()
             sync_api.expect(page.locator("#policy-msg")).to_contain_text(f"Applied K = 2, S = {wanted}")
+            # the run is paused: no later event brings the page its new S (the second stayed 40)
+            sync_api.expect(page.locator("#current-s")).to_have_text(str(wanted))
             sync_api.expect(box).not_to_be_checked()
         assert api.get(f"/api/runs/{run}").json()["policy"]["surplus_groups"] == 400
     finally:
