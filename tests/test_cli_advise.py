@@ -74,16 +74,20 @@ def without_progress(stderr: str) -> list[str]:
 def stopped_lines(advice: dict, json_out: str) -> list[str]:
     """What an interrupted `advise` says last: where the partial advice went, then, where the best of
     what it simulated changes anything, what to change."""
-    import yaml
-
     lines = [interrupted_line(len(advice["evaluated"]), json_out)]
     if advice["changes"] and len(advice["evaluated"]) > 1:
-        flow = "; ".join(
-            f"{section}: " + yaml.safe_dump(keys, default_flow_style=True, sort_keys=False).strip()
-            for section, keys in advice["changes"].items()
-        )
-        lines.append(f"to apply the best of them, in the workload: {flow}")
+        lines.append(f"to apply the best of them, in the workload: {flow_of(advice['changes'])}")
     return lines
+
+
+def flow_of(changes: dict) -> str:
+    """`policy: {admission: attempts}; lanes: {exec: 16}`: the changes as advise says them."""
+    import yaml
+
+    return "; ".join(
+        f"{section}: " + yaml.safe_dump(keys, default_flow_style=True, sort_keys=False).strip()
+        for section, keys in changes.items()
+    )
 
 
 def interrupted_line(simulated: int, json_out: str) -> str:
@@ -341,11 +345,7 @@ def test_advise_writes_a_workload_that_simulates_as_advised(tmp_path: Path) -> N
     for section, keys in changes.items():
         for key, value in keys.items():
             assert written[section][key] == value
-    flow = "; ".join(
-        f"{section}: " + yaml.safe_dump(keys, default_flow_style=True, sort_keys=False).strip()
-        for section, keys in changes.items()
-    )
-    assert f"to apply, in the workload: {flow}\n" in done.stderr
+    assert f"to apply, in the workload: {flow_of(changes)}\n" in done.stderr
     sim = corral(
         "sim", "--workload", "out/advised.yaml", "--policy", "full", "--json", "s.json", cwd=tmp_path
     )

@@ -213,11 +213,12 @@ def _last_seen(row: tuple[GroupRow, list[Trajectory]]) -> float:
 
 def _latest(
     view: RunView, max_spans: int, max_groups: int, since: float | None = None
-) -> tuple[list[tuple[GroupRow, list[Trajectory]]], int]:
-    """The groups to draw, in the view's order (completion order, open ones last), and how many of the
-    waiting ones (`_waiting`) were left out: the last groups with spans that fit in `max_spans` spans
-    and `max_groups` groups (at least one), then, in the groups left, the waiting ones, earliest admitted
-    first (the next to start). With `since`, only the groups at work at or after it (`_last_seen`)."""
+) -> tuple[list[tuple[GroupRow, list[Trajectory]]], int, int]:
+    """The groups to draw, in the view's order (completion order, open ones last), how many of the
+    waiting ones (`_waiting`) were left out, and how many groups there were to choose from: the last
+    groups with spans that fit in `max_spans` spans and `max_groups` groups (at least one), then, in the
+    groups left, the waiting ones, earliest admitted first (the next to start). With `since`, only the
+    groups at work at or after it (`_last_seen`)."""
     rows = view.rows()
     if since is not None:
         rows = [row for row in rows if _last_seen(row) >= since]
@@ -234,7 +235,7 @@ def _latest(
         kept.append(i)
     room = max(max_groups - len(kept), 0)
     kept += waiting[:room]
-    return [rows[i] for i in sorted(kept)], len(waiting) - min(room, len(waiting))
+    return [rows[i] for i in sorted(kept)], len(waiting) - min(room, len(waiting)), len(rows)
 
 
 def render_timeline(
@@ -255,7 +256,7 @@ def render_timeline(
         raise ValueError(f"zoom and window: must be finite numbers, window above 0, got {zoom}, {window_s}")
     zoom = min(max(zoom, 1.0), MAX_ZOOM)
     since = None if window_s is None or view.now <= window_s else view.now - window_s
-    rows, waiting_left_out = _latest(view, max_spans, max_groups, since)
+    rows, waiting_left_out, candidates = _latest(view, max_spans, max_groups, since)
     shown = [t for _, trajs in rows for t in trajs]
     last = max((s.end for t in shown for s in t.spans), default=0.0)
     t_from = 0.0
@@ -266,7 +267,7 @@ def render_timeline(
     ]
     # a window with more at work in it than the span and group budgets allow shows its latest groups,
     # from the earliest start among them: from the window's start, its early part was left blank
-    capped = since is not None and len(rows) < sum(1 for row in view.rows() if _last_seen(row) >= since)
+    capped = since is not None and len(rows) < candidates
     if since is not None:
         t_from = max(since, min(starts, default=since)) if capped else since
     elif partial:

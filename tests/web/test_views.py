@@ -5,6 +5,7 @@ import json
 import re
 import threading
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
@@ -872,6 +873,25 @@ async def test_pause_and_resume_reach_the_backend_and_say_what_happened():
     assert runs.calls == [("pause", "live-1")]
 
 
+async def live_stream(backend: Any) -> Any:
+    """The run page's live stream of run live-1 over `backend`, polled without pause, its client never
+    leaving."""
+    router = make_router(Dashboard(AccessConfig(None, None), live=backend, stream_interval_s=0.0))
+    stream = next(r.endpoint for r in router.routes if getattr(r, "path", "") == "/runs/{run_id}/stream")
+
+    async def receive():
+        await asyncio.sleep(3600)  # the client never leaves
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/runs/live-1/stream",
+        "headers": [],
+        "query_string": b"",
+    }
+    return await stream(Request(scope, receive), "live-1")
+
+
 async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_changes():
     # The stream re-sent the controls only when a run began stopping or ended: a run paused through the
     # API kept showing Pause (and a resumed one Resume) until a reload.
@@ -888,20 +908,7 @@ async def test_the_live_stream_sends_pause_or_resume_when_the_run_s_state_change
             return next(versions)  # a change at every poll
 
     backend = Switching(None)
-    router = make_router(Dashboard(AccessConfig(None, None), live=backend, stream_interval_s=0.0))
-    stream = next(r.endpoint for r in router.routes if getattr(r, "path", "") == "/runs/{run_id}/stream")
-
-    async def receive():
-        await asyncio.sleep(3600)  # the client never leaves
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/runs/live-1/stream",
-        "headers": [],
-        "query_string": b"",
-    }
-    response = await stream(Request(scope, receive), "live-1")
+    response = await live_stream(backend)
     pauses, answers, summaries = [], [], 0
     async for msg in response.body_iterator:
         summaries += msg["event"] == "summary"
@@ -939,20 +946,7 @@ async def test_a_run_deleted_while_its_page_is_open_says_so():
             return next(versions)
 
     backend = Deleted(None)
-    router = make_router(Dashboard(AccessConfig(None, None), live=backend, stream_interval_s=0.0))
-    stream = next(r.endpoint for r in router.routes if getattr(r, "path", "") == "/runs/{run_id}/stream")
-
-    async def receive():
-        await asyncio.sleep(3600)
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/runs/live-1/stream",
-        "headers": [],
-        "query_string": b"",
-    }
-    response = await stream(Request(scope, receive), "live-1")
+    response = await live_stream(backend)
     summaries = []
 
     async def read() -> None:
