@@ -81,6 +81,25 @@ def in_flight_problem(groups: int, group_size: int, surplus: int) -> str | None:
     )
 
 
+# A live S that lets more than this × the trajectories in flight run must be confirmed as a large change
+LARGE_CHANGE = 4
+
+
+def large_surplus_change(groups: int, group_size: int, surplus: int, wanted: int, confirm: str) -> str | None:
+    """Why a live change of S from `surplus` to `wanted` needs confirming (`confirm` says how): it lets
+    more than `LARGE_CHANGE` times the trajectories run at once ((B + S)·G, and 64 more at least), each
+    with its sandbox and engine turns. An S of 100,000 typed for 10 on a run of B = 2, G = 2 was applied
+    at once and stalled the whole server (200,004 groups' trajectories admitted). None when it does not."""
+    now, then = (groups + surplus) * group_size, (groups + wanted) * group_size
+    if then <= max(LARGE_CHANGE * now, now + 64):
+        return None
+    return (
+        f"surplus_groups (S): {wanted:,} lets up to {then:,} trajectories run at once, "
+        f"{then / max(now, 1):,.0f}\u00d7 the {now:,} now, each with its sandbox and engine turns; nothing "
+        f"was applied: {confirm} to make it"
+    )
+
+
 def parse_int(text: str, signed: bool = True) -> int:
     """`text` as an integer typed in ASCII digits, with an optional leading '-' when `signed`;
     ValueError otherwise (and for more digits than Python converts).

@@ -8,7 +8,8 @@
 - `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update),
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
 - `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode,
-  agent_gate}` (answered once the changes are in the store, so a crash right after still resumes with them);
+  agent_gate, confirm_large_change}` (answered once the changes are in the store, so a crash right after
+  still resumes with them; an S letting over 4× the trajectories run needs `confirm_large_change`);
 - `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`;
 - `GET /api/runs/{id}/commands/{command_id}` (a celery run's command's outcome, kept a day);
 - `DELETE /api/runs/{id}` (operator: an ended run and everything stored for it; 409 for one that has

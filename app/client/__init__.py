@@ -219,11 +219,12 @@ class CorralClient:
         max_updating_engines: int | None = None,
         pause_mode: str | None = None,
         agent_gate: float | None = None,
+        confirm_large_change: bool | None = None,
     ) -> dict[str, Any]:
         body = _policy_body(
             {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
              "max_updating_engines": max_updating_engines, "pause_mode": pause_mode,
-             "agent_gate": agent_gate}
+             "agent_gate": agent_gate, "confirm_large_change": confirm_large_change}
         )  # fmt: skip
         return dict(self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
 
@@ -318,11 +319,12 @@ class AsyncCorralClient:
         max_updating_engines: int | None = None,
         pause_mode: str | None = None,
         agent_gate: float | None = None,
+        confirm_large_change: bool | None = None,
     ) -> dict[str, Any]:
         body = _policy_body(
             {"max_staleness": max_staleness, "surplus_groups": surplus_groups,
              "max_updating_engines": max_updating_engines, "pause_mode": pause_mode,
-             "agent_gate": agent_gate}
+             "agent_gate": agent_gate, "confirm_large_change": confirm_large_change}
         )  # fmt: skip
         return dict(await self._call("PATCH", f"/api/runs/{run_id}/policy", json=body))
 

@@ -45,6 +45,7 @@ from app.service.rollouts import rollout_answer
 from app.service.schemas import PolicyPatch, RunCreate, RunKind, TrainerKind, surplus_problem
 from app.service.store import ResumePoint
 from app.store.models import TERMINAL_RUN_STATES, RunState
+from app.validation import large_surplus_change
 
 log = logging.getLogger(__name__)
 # How long a policy change or a publication waits for its events to reach the store before it answers
@@ -56,6 +57,8 @@ NO_GATE = (
     "agent_gate: run {} has no agent-phase gate (it started without one, or its lanes are Celery's); "
     "set agent_gate when launching"
 )
+# How a large change of S is confirmed, through either door
+CONFIRM_LARGE = 'send "confirm_large_change": true (the dashboard: tick \u201ca large change\u201d)'
 
 UNTIL_STOPPED = 2**31  # batches: a run without a batch count goes on until it is stopped
 # The runtime keeps the newest this many batches, updates and engine events of its own account (the
@@ -306,15 +309,14 @@ class RunHandle:
         agent gate needs a run that has the gate (`has_gate`)."""
         if patch.agent_gate is not None and not self.has_gate():
             return NO_GATE.format(self.run_id)
-        if patch.surplus_groups is None:
+        wanted = patch.surplus_groups
+        if wanted is None:
             return None
-        return surplus_problem(
-            self.spec.kind,
-            self.spec.policy,
-            patch.surplus_groups,
-            self.policy.groups_per_batch,
-            self.policy.group_size,
-        )
+        b, g = self.policy.groups_per_batch, self.policy.group_size
+        problem = surplus_problem(self.spec.kind, self.spec.policy, wanted, b, g)
+        if problem is None and not patch.confirm_large_change:
+            problem = large_surplus_change(b, g, int(self.knobs["surplus_groups"]), wanted, CONFIRM_LARGE)
+        return problem
 
     def has_gate(self) -> bool:
         """Whether the run has an agent-phase gate to change: its policy has one, and its runtime (once
@@ -353,8 +355,7 @@ class RunHandle:
         """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`."""
         self._require(RunState.RUNNING, RunState.PAUSED)
         runtime = self._runtime()
-        changes = patch.model_dump(exclude_none=True, mode="json")
-        for name, new in changes.items():
+        for name, new in patch.changes().items():
             old = self.knobs[name]
             if old == new:
                 continue

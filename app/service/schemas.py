@@ -277,10 +277,19 @@ class PolicyPatch(_Input):
         description="the agent-phase gate's factor, on a run that has the gate; 0 opens it (nobody waits), "
         "a positive factor closes it again",
     )
+    confirm_large_change: StrictBool | None = Field(
+        None,
+        description="true to apply an S that lets more than 4 times the trajectories now in flight run "
+        "at once ((B + S)·G, and 64 more at least); such an S is refused (422) without it",
+    )
+
+    def changes(self) -> dict[str, Any]:
+        """The knobs this patch changes, by name (JSON values), without the confirmation."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"confirm_large_change"})
 
     @model_validator(mode="after")
     def _something(self) -> PolicyPatch:
-        if all(v is None for v in self.model_dump().values()):
+        if not self.changes():
             raise ValueError(
                 "give at least one of max_staleness, surplus_groups, max_updating_engines, pause_mode, "
                 "agent_gate"

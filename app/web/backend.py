@@ -51,7 +51,12 @@ class RunsBackend(Protocol):
 
     async def publish(self, run_id: str, actor: str) -> None: ...
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None: ...
+    async def set_policy(
+        self, run_id: str, changes: Mapping[str, float], actor: str, large: bool = False
+    ) -> None:
+        """Change the run's policy live; `large`: the operator confirmed an S that lets many times the
+        trajectories run (the server refuses one unconfirmed)."""
+        ...
 
     async def pause(self, run_id: str, actor: str) -> None: ...
 
@@ -151,7 +156,9 @@ class ReplayStore:
     async def publish(self, run_id: str, actor: str) -> None:
         raise ActionRefused("a replay is read-only")
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None:
+    async def set_policy(
+        self, run_id: str, changes: Mapping[str, float], actor: str, large: bool = False
+    ) -> None:
         raise ActionRefused("a replay is read-only")
 
     async def pause(self, run_id: str, actor: str) -> None:

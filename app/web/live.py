@@ -446,14 +446,16 @@ class ManagerRuns:
 
         await self._command(run_id, ("publish_next", {}, actor), lambda h: commands.publish_next(h, actor))
 
-    async def set_policy(self, run_id: str, changes: Mapping[str, float], actor: str) -> None:
+    async def set_policy(
+        self, run_id: str, changes: Mapping[str, float], actor: str, large: bool = False
+    ) -> None:
         from pydantic import ValidationError
 
         from app.service import commands
         from app.service.schemas import PolicyPatch
 
         try:
-            patch = PolicyPatch(**changes)
+            patch = PolicyPatch(**changes, confirm_large_change=large or None)
         except ValidationError as exc:
             raise ValueError(problems(exc)) from None
         command = ("policy", patch.model_dump(mode="json", exclude_none=True), actor)

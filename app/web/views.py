@@ -38,7 +38,7 @@ from starlette.staticfiles import StaticFiles
 
 from app.core.attribution import PHASE_LABELS
 from app.core.config import MAX_AGENT_GATE
-from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, parse_decimal, parse_int
+from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, large_surplus_change, parse_decimal, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
 from app.web.readmodel import BatchRow, ReportError, RunSummary, RunView
@@ -592,11 +592,12 @@ def make_router(dash: Dashboard) -> APIRouter:
         async def change(backend: RunsBackend, form: dict[str, str]) -> str:
             changes = parse_policy_form(form)
             found = run_or_404(request, run_id)
-            if form.get("large") != "1" and not isinstance(found, HTMLResponse):
+            large = form.get("large") == "1"
+            if not large and not isinstance(found, HTMLResponse):
                 why = large_change(found[1].policy, changes)
                 if why is not None:
                     raise ValueError(why)
-            await backend.set_policy(run_id, changes, "operator")
+            await backend.set_policy(run_id, changes, "operator", large)
             return "Applied " + ", ".join(f"{POLICY_FIELDS[k]} = {v:g}" for k, v in changes.items()) + "."
 
         return await act(request, run_id, change)
@@ -631,26 +632,16 @@ RUN_GONE = (
     '<p class="flash error" id="run-gone" role="alert">Run {} was deleted: it is no longer in this '
     'server\'s database, and this page no longer follows it. <a href="/">All runs</a></p>'
 )
-LARGE_CHANGE = 4  # a live S that lets more than this × the trajectories in flight run is confirmed first
 
 
 def large_change(policy: Mapping[str, Any], changes: Mapping[str, float]) -> str | None:
-    """Why a live change of S needs the form's "a large change" ticked: it lets more than `LARGE_CHANGE`
-    times the trajectories run at once ((B + S)·G, and 64 more at least), each with its sandbox and
-    engine turns. An S of 100,000 typed for 10 on a run of B = 2, G = 2 was applied at once and stalled
-    the whole server (200,004 groups' trajectories admitted). None for any other change."""
+    """Why a live change of S needs the form's "a large change" ticked (`large_surplus_change`); None
+    for any other change, and on a run whose B, G and S the page does not know."""
     b, g, s = (policy.get(k) for k in ("groups_per_batch", "group_size", "surplus_groups"))
     wanted = changes.get("surplus_groups")
     if wanted is None or not (isinstance(b, int) and isinstance(g, int) and isinstance(s, int)):
         return None
-    now, then = (b + s) * g, (b + int(wanted)) * g
-    if then <= max(LARGE_CHANGE * now, now + 64):
-        return None
-    return (
-        f"surplus_groups (S): {int(wanted):,} lets up to {then:,} trajectories run at once, "
-        f"{then / max(now, 1):,.0f}× the {now:,} now, each with its sandbox and engine turns; nothing "
-        "was applied: tick \u201ca large change\u201d and apply again to make it"
-    )
+    return large_surplus_change(b, g, s, int(wanted), "tick \u201ca large change\u201d and apply again")
 
 
 def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:

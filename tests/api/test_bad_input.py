@@ -228,6 +228,36 @@ def test_a_surplus_past_the_simulators_bound_is_refused_live(api: httpx.Client) 
     assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
 
 
+def test_a_live_s_many_times_what_runs_now_is_applied_only_when_confirmed(
+    api: httpx.Client, server: str
+) -> None:
+    # The dashboard asked for "a large change" to be ticked; the API applied an S of 100,000 typed for
+    # 10 at once, and the run admitted every group's trajectories while the server stopped answering.
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", what="running")
+    policy = api.get(f"/api/runs/{run_id}").json()["policy"]
+    b, g, s = policy["groups_per_batch"], policy["group_size"], policy["surplus_groups"]
+    large = 40 * (b + s)
+    refused = api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": large, "max_staleness": 7})
+    assert refused.status_code == 422, refused.text
+    detail = refused.json()["detail"]
+    lets = f"surplus_groups (S): {large:,} lets up to {(b + large) * g:,} trajectories"
+    assert detail.startswith(lets), detail
+    assert '"confirm_large_change": true' in detail
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] != 7  # nothing was applied
+    # a change that is not large needs nothing, and a large one confirmed is applied
+    assert api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": s + 1}).status_code == 200
+    client = CorralClient(server, token=TOKEN)
+    answer = client.set_policy(run_id, surplus_groups=large, confirm_large_change=True)
+    assert answer["policy"]["surplus_groups"] == large
+    assert "confirm_large_change" not in answer["policy"]
+    assert api.get(f"/api/runs/{run_id}").json()["policy"]["surplus_groups"] == large
+    refused = api.patch(f"/api/runs/{run_id}/policy", json={"confirm_large_change": True})
+    assert refused.status_code == 422
+    assert "at least one" in refused.json()["detail"]
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+
+
 def test_a_sync_runs_surplus_cannot_be_changed_live(api: httpx.Client) -> None:
     # The dashboard refused it; the API took it, and the sync run admitted groups beyond its batch.
     run_id = api.post("/api/runs", json=make_run(batches=None, policy="sync")).json()["id"]
@@ -493,7 +523,14 @@ CREATE_FIELDS = [
     "name", "kind", "policy", "workload", "config", "batches", "speed", "trainer", "groups_per_batch",
     "group_size", "surplus_groups", "max_staleness", "orchestrator", "agent_gate",
 ]  # fmt: skip
-PATCH_FIELDS = ["max_staleness", "surplus_groups", "max_updating_engines", "pause_mode", "agent_gate"]
+PATCH_FIELDS = [
+    "max_staleness",
+    "surplus_groups",
+    "max_updating_engines",
+    "pause_mode",
+    "agent_gate",
+    "confirm_large_change",
+]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

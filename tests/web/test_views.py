@@ -67,10 +67,10 @@ class FakeRuns:
     async def publish(self, run_id, actor):
         self.calls.append(("publish", run_id))
 
-    async def set_policy(self, run_id, changes, actor):
+    async def set_policy(self, run_id, changes, actor, large=False):
         for name, value in changes.items():
             self._append(PolicyChanged(name, None, value, actor))
-        self.calls.append(("policy", dict(changes)))
+        self.calls.append(("policy", dict(changes), *(["large"] if large else [])))
 
     async def pause(self, run_id, actor):
         self.calls.append(("pause", run_id))
@@ -367,7 +367,8 @@ async def test_a_live_s_many_times_what_runs_now_is_applied_only_when_ticked_as_
     assert "a large change" in unticked.text
     assert small.status_code == 200
     assert ticked.status_code == 200
-    assert live.calls == [("policy", {"surplus_groups": 3}), ("policy", {"surplus_groups": 100_000})]
+    # the tick goes on to the server, which refuses a large S unconfirmed whichever door it comes through
+    assert live.calls == [("policy", {"surplus_groups": 3}), ("policy", {"surplus_groups": 100_000}, "large")]
 
 
 def test_a_large_change_is_one_that_multiplies_the_trajectories_in_flight():
