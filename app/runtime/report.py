@@ -135,6 +135,8 @@ class _Batch:
     delivered_at: float
     ready_at: float
     mean_reward: float
+    groups: int = 0  # delivered in it
+    signal: int = 0  # of them with a learning signal (rewards not all equal)
 
 
 class ReportAccumulator:
@@ -173,6 +175,7 @@ class ReportAccumulator:
         self._tries: dict[tuple[int, int], float] = {}  # open tries: start time
         self._group_s: dict[int, float] = {}  # live groups: seconds of their closed current tries
         self._batch_rewards: dict[int, list[float]] = {}
+        self._batch_groups: dict[int, list[int]] = {}  # batch → [groups delivered, with a learning signal]
         self._rows: dict[int, dict[str, Any]] = {}  # per group, only with `timeline`
         self._batch_marks: list[tuple[int, float, float]] = []
         self._updates: list[tuple[float, str, int, str]] = []
@@ -279,8 +282,12 @@ class ReportAccumulator:
             self._group_s.pop(ev.group_id, None)
             self.max_staleness = max(self.max_staleness, ev.staleness)
             self._batch_rewards.setdefault(ev.batch_index, []).extend(ev.rewards)
+            counts = self._batch_groups.setdefault(ev.batch_index, [0, 0])
+            counts[0] += 1
             if no_learning_signal(ev.rewards):
                 self.delivered_zero_variance += 1
+            else:
+                counts[1] += 1
             self._end_row(ev.group_id, t, "delivered", ev.batch_index, ev.staleness, "")
         elif isinstance(ev, GroupDiscarded):
             self.wasted[ev.reason] = self.wasted.get(ev.reason, 0.0) + self._group_s.pop(ev.group_id, 0.0)
@@ -295,7 +302,8 @@ class ReportAccumulator:
             self.trainer_wait_s += t - ev.requested_at
             rewards = self._batch_rewards.pop(ev.batch_index, [])
             mean = sum(rewards) / len(rewards) if rewards else 0.0
-            self.batches.append(_Batch(ev.requested_at, t, ev.ready_at, mean))
+            groups, signal = self._batch_groups.pop(ev.batch_index, (0, 0))
+            self.batches.append(_Batch(ev.requested_at, t, ev.ready_at, mean, groups, signal))
             self._batch_marks.append((ev.batch_index, ev.requested_at, t))
         elif isinstance(ev, VersionPublished):
             self.trainer_version = max(self.trainer_version, ev.version)
@@ -381,6 +389,12 @@ class ReportAccumulator:
             "mean_reward": (
                 _r(statistics.fmean(b.mean_reward for b in self.batches)) if self.batches else None
             ),
+            # each batch's mean reward, and the share of its groups with a learning signal (rewards not
+            # all equal: GRPO's advantages are all zero in the others); null for a batch without groups
+            "mean_reward_per_batch": [_r(b.mean_reward) if b.groups else None for b in self.batches],
+            "trainable_share_per_batch": [
+                _r(b.signal / b.groups) if b.groups else None for b in self.batches
+            ],
             "wasted_trajectory_s": {k: _r(v) for k, v in self.wasted.items()},
             "discard_details": {reason: dict(d) for reason, d in sorted(self.details.items())},
             "max_groups_running": ledger.max_running,

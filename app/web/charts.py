@@ -120,11 +120,13 @@ def bar_chart(
     empty: str = "no data yet",
     max_bars: int = MAX_BARS,
     items: str = "steps",
+    hovers: Sequence[str] = (),
 ) -> str:
     """Bars labelled underneath, every n-th bar where all would not fit side by side (a long run's
     trainer steps: past 24 bars none was labelled); `x_label` says what the labels are (a trainer step,
     a staleness). Past `max_bars` values, k consecutive ones (`items`) make a bar: their mean, with a
-    tick at their max, labelled with the first one's label; the title and `x_label` say so."""
+    tick at their max, labelled with the first one's label; the title and `x_label` say so. `hovers`,
+    one a value, replace what a bar says on hover while each bar is one value. Values are ≥ 0."""
     if not values:
         return _empty(title, empty)
     k = _per_bucket(len(values), max_bars)
@@ -145,7 +147,7 @@ def bar_chart(
         x = PAD_L + i * span_w + 1
         w = max(span_w - 2, 1)
         if k == 1:
-            said = f"{escape(label)}: {_num(v)}{unit}"
+            said = escape(hovers[c[0]]) if hovers else f"{escape(label)}: {_num(v)}{unit}"
         else:
             said = f"{escape(label)}–{escape(labels[c[-1]])}: mean {_num(v)}{unit}, max {_num(most)}{unit}"
         parts.append(

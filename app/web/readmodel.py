@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import statistics
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from app.core.advantages import no_learning_signal
 from app.core.attribution import LANE_PHASE, WaitAccumulator, WaitAttribution
 from app.core.config import AdmissionMode
 from app.core.events import (
@@ -116,6 +118,8 @@ class BatchRow:
     groups: tuple[int, ...] = ()
     tokens_per_s: float | None = None
     idle_fraction: float | None = None
+    mean_reward: float | None = None  # over its groups' attempts
+    trainable: float | None = None  # the share of its groups with a learning signal (rewards not all equal)
 
 
 @dataclass
@@ -432,6 +436,8 @@ class RunViewBuilder:
         self.durations: list[float] = []  # admission to completion of every completed group
         self.first_admitted: float | None = None  # the run's first admission
         self.batches: list[BatchRow] = []
+        # rewards of the batches not yet delivered: batch → [reward sum, rewards, groups, with a signal]
+        self._batch_rewards: dict[int, list[float]] = {}
         self.engines: dict[str, EngineRow] = {}
         self.pool: tuple[str, str] | None = None  # the whole pool's state and its detail, while not serving
         self.publications: list[tuple[float, int]] = []
@@ -533,6 +539,11 @@ class RunViewBuilder:
             row = self._group(ev.group_id)
             row.ended, row.outcome, row.batch, row.staleness = t, "delivered", ev.batch_index, ev.staleness
             self.staleness[ev.staleness] += 1
+            sums = self._batch_rewards.setdefault(ev.batch_index, [0.0, 0, 0, 0])
+            sums[0] += math.fsum(ev.rewards)
+            sums[1] += len(ev.rewards)
+            sums[2] += 1
+            sums[3] += not no_learning_signal(ev.rewards)
             self._ended(ev.group_id)
         elif isinstance(ev, GroupDiscarded):
             row = self._group(ev.group_id)
@@ -615,6 +626,7 @@ class RunViewBuilder:
             requested = ev.requested_at - t0
             interval = t - self._last_delivered
             self._waited += t - requested
+            total, rewards, groups, signal = self._batch_rewards.pop(ev.batch_index, (0.0, 0, 0, 0))
             self.batches.append(
                 BatchRow(
                     ev.batch_index,
@@ -624,6 +636,8 @@ class RunViewBuilder:
                     ev.group_ids,
                     tokens_per_s=self._tokens / interval if interval > 0 and self._turns else None,
                     idle_fraction=self._waited / t if t > 0 else None,
+                    mean_reward=total / rewards if rewards else None,
+                    trainable=signal / groups if groups else None,
                 )
             )
             self._tokens, self._last_delivered = 0, t
@@ -844,6 +858,12 @@ def _mark_groups(
                 groups[b.group_id].held_batch = b.batch_index
 
 
+def _number_at(values: Sequence[Any], i: int) -> float | None:
+    """The `i`th of a report's per-batch figures, None where it has none (an older report, a null)."""
+    value = values[i] if i < len(values) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def _with_rates(batches: list[BatchRow]) -> list[BatchRow]:
     """Idle fraction at each batch (a report has no turn times, so no tokens/s)."""
     out: list[BatchRow] = []
@@ -851,7 +871,7 @@ def _with_rates(batches: list[BatchRow]) -> list[BatchRow]:
     for b in batches:
         waited += b.wait_s
         idle = waited / b.delivered if b.delivered > 0 else None
-        out.append(BatchRow(b.index, b.requested, b.delivered, b.wait_s, b.groups, idle_fraction=idle))
+        out.append(replace(b, idle_fraction=idle))
     return out
 
 
@@ -1051,6 +1071,8 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
                 tr.spans.append(Span(g.ready, g.ended, "group_ready", "ready, waiting to be consumed"))
         trajs[gid, 0] = tr
     waits = (report.get("batch_collection_s") or {}).get("per_batch") or []
+    rewards = report.get("mean_reward_per_batch") or []
+    trainable = report.get("trainable_share_per_batch") or []
     batches = [
         BatchRow(
             int(m["batch"]),
@@ -1058,13 +1080,16 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
             float(m["delivered_s"]),
             float(m["delivered_s"]) - float(m["requested_s"]),
             tuple(g.group_id for g in groups if g.batch == m["batch"]),
+            mean_reward=_number_at(rewards, i),
+            trainable=_number_at(trainable, i),
         )
-        for m in report.get("batch_marks") or []
+        for i, m in enumerate(report.get("batch_marks") or [])
     ]
     if not batches:
         t = 0.0
         for i, w in enumerate(waits):
-            batches.append(BatchRow(i, t, t + float(w), float(w)))
+            r, share = _number_at(rewards, i), _number_at(trainable, i)
+            batches.append(BatchRow(i, t, t + float(w), float(w), mean_reward=r, trainable=share))
             t += float(w)
     updates: list[tuple[str, float, float, int]] = []
     begins: dict[str, float] = {}

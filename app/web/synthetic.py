@@ -61,6 +61,7 @@ def synthetic_run(
     ready: list[tuple[float, int]] = []
     pending: list[tuple[int, int, str, float, float, float, int]] = []  # turns, versioned at the end
     version_at: list[tuple[float, int]] = [(0.0, 0)]
+    rewards: dict[int, list[float]] = {}
     for gid in range(groups):
         admitted = (gid // (2 * batch_groups)) * 40.0 + rng.uniform(0, 2)
         at(admitted, GroupAdmitted(gid, gid, group_size, f"task-{gid}"))
@@ -79,7 +80,9 @@ def synthetic_run(
                 t = _op(at, rng, gid, a, "exec", end, rng.lognormvariate(-0.5, 1.0))
                 del k
             t = _op(at, rng, gid, a, "validate", t, rng.uniform(0.2, 1.5))
-            at(t, AttemptFinished(gid, a, rng.random()))
+            reward = rng.random()
+            rewards.setdefault(gid, []).append(reward)
+            at(t, AttemptFinished(gid, a, reward))
             _op(at, rng, gid, a, "cleanup", t, rng.uniform(0.1, 0.5))
             ends.append(t)
         done = max(ends)
@@ -92,9 +95,9 @@ def synthetic_run(
         chunk = ready[index * batch_groups : (index + 1) * batch_groups]
         delivered = max(requested, chunk[-1][0]) + 0.01
         at(requested, BatchRequested(index))
+        for _, gid in chunk:  # as the scheduler does: its groups first, with their rewards
+            at(delivered, GroupDelivered(gid, index, rng.randrange(0, 3), tuple(rewards[gid])))
         at(delivered, BatchDelivered(index, tuple(g for _, g in chunk), version, requested, delivered))
-        for _, gid in chunk:
-            at(delivered, GroupDelivered(gid, index, rng.randrange(0, 3)))
         version = index + 1
         published = delivered + 1.0
         at(published, VersionPublished(version))

@@ -208,6 +208,30 @@ def rolling_idle(batches: Sequence[BatchRow], n: int = IDLE_WINDOW_BATCHES) -> l
     return points
 
 
+def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
+    """Each step's mean reward, its hover with the share of the batch's groups with a learning signal
+    (rewards not all equal): a run whose reward climbs towards 1 while that share falls is running out
+    of groups to learn from. Steps without rewards (a report from before they were kept) are left out."""
+    title = "mean reward per step"
+    rows = [x for x in batches if x.mean_reward is not None]
+    if any(x.mean_reward is not None and x.mean_reward < 0 for x in rows):
+        below = "rewards below 0: see the report's mean_reward_per_batch"
+        return charts.bar_chart(title, [], [], empty=below)
+
+    def said(x: BatchRow) -> str:
+        signal = "" if x.trainable is None else f"; {x.trainable:.0%} of its groups with a learning signal"
+        return f"step {x.index}: mean reward {x.mean_reward:.3g}{signal}"
+
+    return charts.bar_chart(
+        title,
+        [str(x.index) for x in rows],
+        [x.mean_reward or 0.0 for x in rows],
+        x_label="trainer step",
+        empty=empty,
+        hovers=[said(x) for x in rows],
+    )
+
+
 def run_context(
     view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH, window: float | None = None
 ) -> dict[str, Any]:
@@ -267,6 +291,7 @@ def run_context(
                 items="batches",
             )
         ),
+        "reward_chart": Lazy(lambda: reward_chart(b, empty)),
         "staleness_chart": Lazy(
             lambda: charts.histogram(
                 "staleness of delivered groups",

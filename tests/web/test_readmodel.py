@@ -158,6 +158,12 @@ def test_a_simulated_report_replays_group_by_group():
     assert view.attribution is not None  # from the report's wait_attribution
     assert view.attribution.largest() == report["wait_attribution"]["largest"]
     assert view.attribution.total_s == pytest.approx(report["wait_attribution"]["total_s"])
+    # each batch's mean reward and learning-signal share, from the report's per-batch lists
+    assert [b.mean_reward for b in view.batches] == pytest.approx(report["mean_reward_per_batch"])
+    assert [b.trainable for b in view.batches] == pytest.approx(report["trainable_share_per_batch"])
+    assert report["mean_reward"] == pytest.approx(
+        sum(report["mean_reward_per_batch"]) / report["batches"], abs=1e-5
+    )
 
 
 def test_the_owners_plan_settles_updates_and_the_stream_keeps_other_states():
@@ -564,6 +570,11 @@ def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engin
     trainer = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "trainer")
     assert "no data yet" not in trainer
     assert trainer.count(">not in this report</text>") == 2  # tokens/s and staleness: no groups, no turns
+    # the report's per-batch rewards are drawn, a bar a batch, each saying its learning signal
+    assert [b.mean_reward for b in view.batches] == pytest.approx(report["mean_reward_per_batch"])
+    reward = trainer[trainer.index('aria-label="mean reward per step"') :].split("</svg>")[0]
+    assert reward.count("<rect") == report["batches"]
+    assert "of its groups with a learning signal" in reward
 
 
 def test_an_engine_more_than_k_behind_is_marked_as_taking_no_turns():
@@ -775,3 +786,32 @@ def test_the_observed_bound_of_an_attempts_admission_run_is_its_order_statistic(
     assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "in_flight"}) == 10.0
     # attempts admission: only that no group is ready before 10 s, so the mean is at least 5 s
     assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "attempts"}) == 5.0
+
+
+def test_each_batch_s_mean_reward_and_learning_signal_come_from_its_groups():
+    view, events = make_view(groups=12, group_size=3, batch_groups=3)
+    delivered = [e.event for e in events if e.event.kind == "group_delivered"]
+    for batch in view.batches:
+        rewards = [r for ev in delivered if ev.batch_index == batch.index for r in ev.rewards]
+        assert len(rewards) == 3 * 3
+        assert batch.mean_reward == pytest.approx(sum(rewards) / len(rewards))
+        assert batch.trainable == 1.0  # uniform draws: no group's three rewards are all equal
+
+
+def test_a_batch_whose_groups_all_solved_or_all_failed_has_no_learning_signal():
+    from app.core.events import BatchDelivered, BatchRequested, GroupAdmitted, GroupDelivered, RunStarted
+
+    policy = {"groups_per_batch": 2, "group_size": 2, "surplus_groups": 0, "max_staleness": 1}
+    stream = [
+        RunStarted(policy),
+        GroupAdmitted(0, 0, 2, "a"),
+        GroupAdmitted(1, 1, 2, "b"),
+        BatchRequested(0),
+        GroupDelivered(0, 0, 0, (1.0, 1.0)),
+        GroupDelivered(1, 0, 0, (0.0, 1.0)),
+        BatchDelivered(0, (0, 1), 0, 0.0, 1.0),
+    ]
+    envelopes = [Envelope("run-1", i, float(i), ev) for i, ev in enumerate(stream)]
+    (batch,) = view_from_events("run-1", envelopes).batches
+    assert batch.mean_reward == pytest.approx(0.75)
+    assert batch.trainable == pytest.approx(0.5)

@@ -1025,7 +1025,7 @@ def test_an_ended_run_with_nothing_to_show_does_not_say_yet(state, source):
     for said in ("No batch was delivered", "No change was made", "No engine was seen", "No lane was used"):
         assert f"{said}." in page
     if source == "live":
-        assert page.count(">no data</text>") == 4
+        assert page.count(">no data</text>") == 5
     running = replace(view, state="running", source="live")
     assert "No batch delivered yet." in Dashboard(AccessConfig(None, None)).render(
         "run.html", {**run_context(running), "csrf": "", "csrf_field": ""}
@@ -1322,3 +1322,23 @@ def test_a_negative_zero_gate_is_zero():
     gate = PolicyConfig(agent_gate=-0.0).agent_gate
     assert gate is not None
     assert math.copysign(1.0, gate) == 1.0
+
+
+def test_the_reward_chart_draws_each_step_s_mean_and_says_its_learning_signal():
+    from app.web.readmodel import BatchRow
+    from app.web.views import reward_chart
+
+    rows = [
+        BatchRow(0, 0.0, 5.0, 5.0, mean_reward=0.25, trainable=0.5),
+        BatchRow(1, 5.0, 7.0, 2.0),  # a batch of a report from before rewards were kept: left out
+        BatchRow(2, 7.0, 9.0, 2.0, mean_reward=1.0, trainable=0.0),
+    ]
+    svg = reward_chart(rows, "no data yet")
+    assert svg.count("<rect") == 2
+    assert "step 0: mean reward 0.25; 50% of its groups with a learning signal" in svg
+    assert "step 2: mean reward 1; 0% of its groups with a learning signal" in svg
+    assert "no data yet" in reward_chart(rows[1:2], "no data yet")
+    # bars start at 0: a negative mean is said in words, never drawn as a bar of negative height
+    below = reward_chart([BatchRow(0, 0.0, 1.0, 1.0, mean_reward=-0.5)], "no data yet")
+    assert "<rect" not in below
+    assert "rewards below 0" in below
