@@ -88,6 +88,7 @@ class Trajectory:
     started: float | None = None
     finished: float | None = None
     error: str | None = None
+    reward: float | None = None  # its validation's, once it finished
 
 
 @dataclass
@@ -554,7 +555,7 @@ class RunViewBuilder:
             tr.started = t if tr.started is None else tr.started
         elif isinstance(ev, AttemptFinished):
             tr = self._traj(ev.group_id, ev.attempt)
-            tr.finished, tr.error = t, ev.error
+            tr.finished, tr.error, tr.reward = t, ev.error, ev.reward
         elif ev.kind == "attempt_cancelled":  # the try stopped because its group was discarded
             tr = self._traj(getattr(ev, "group_id", -1), getattr(ev, "attempt", -1))
             tr.finished, tr.error = t, f"cancelled ({getattr(ev, 'reason', '')})"
@@ -688,7 +689,7 @@ class RunViewBuilder:
         state = meta.state or (f"ended ({self.ended})" if self.ended is not None else "running")
         groups = {gid: replace(g) for gid, g in self.groups.items()}
         trajs = {
-            (gid, a): Trajectory(gid, a, list(tr.spans), list(tr.versions), tr.started, tr.finished, tr.error)
+            (gid, a): replace(tr, spans=list(tr.spans), versions=list(tr.versions))
             for gid, by_attempt in self.trajs.items()
             if gid in groups or (self.keep_groups is None and self.keep_spans is None)
             for a, tr in by_attempt.items()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from html import escape
+from urllib.parse import quote
 
 from app.web.readmodel import GroupRow, RunView, Trajectory
 
@@ -86,6 +87,7 @@ STYLE = (
     ".note{font:9px sans-serif;fill:#555}"
     ".ver{font:bold 8px sans-serif;fill:#000}.pub{stroke:#b00020;stroke-width:1.2;stroke-dasharray:4 3}"
     ".bat{stroke:#111;stroke-width:1}.tag{font:bold 10px sans-serif}"
+    ".glink{fill:#1a56a8;text-decoration:underline}"
     "</style>"
 )
 
@@ -280,9 +282,10 @@ def render_timeline(
 
     out: list[str] = []
     y = AXIS_H
+    pages = f"/runs/{quote(view.run_id, safe='')}/groups/"
     for group, trajs in rows:
         lines = trajs or [Trajectory(group.group_id, 0)]
-        y = _group(out, group, lines, y, px_per_s, x0, view.now, plot_w, view.source == "live", t_from)
+        y = _group(out, group, lines, y, px_per_s, x0, view.now, plot_w, view.source == "live", t_from, pages)
         y += GROUP_GAP
     height = max(y, AXIS_H + 20)
 
@@ -365,7 +368,9 @@ def _group(
     plot_w: float,
     live: bool,
     t_from: float,
+    pages: str,
 ) -> int:
+    """Draw `group`'s rows from `y`; its label links to its page (`pages` + its id). The next row's y."""
     h = len(trajs) * (ROW_H + ROW_GAP)
     status = group.outcome
     # A group cancelled because the run ended (or a stop) lost nothing to a fault: grey, not red.
@@ -388,7 +393,8 @@ def _group(
     )
     out.append(
         f'<g class="grp" data-group="{group.group_id}"><title>{title}</title>'
-        f'<text x="4" y="{y + ROW_H - 2}" class="lbl tag">g{group.group_id}</text>'
+        f'<a href="{pages}{group.group_id}"><text x="4" y="{y + ROW_H - 2}" class="lbl tag glink">'
+        f"g{group.group_id}</text></a>"
     )
     if tags:
         colour = "#8a5a00"

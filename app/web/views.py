@@ -59,6 +59,7 @@ from app.web.timeline import (
     MAX_ZOOM,
     MIN_WIDTH,
     MIN_WINDOW_S,
+    PHASE_STYLE,
     discard_legend_html,
     legend_html,
     render_timeline,
@@ -68,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
 STATIC = Path(__file__).resolve().parent / "static"
 NODE_MODULES = ROOT / "node_modules"
+PHASE_NAMES = {phase: style[0] for phase, style in PHASE_STYLE.items()}  # as the timeline's legend says
 VENDOR = {  # served path -> file installed by `npm ci` (package.json)
     "htmx.min.js": NODE_MODULES / "htmx.org" / "dist" / "htmx.min.js",
     "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
@@ -230,6 +232,36 @@ def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
         empty=empty,
         hovers=[said(x) for x in rows],
     )
+
+
+def group_context(view: RunView, group_id: int) -> dict[str, Any] | None:
+    """What the group page shows of group `group_id`: its own facts and, attempt by attempt, its
+    reward, its time by phase and every span in order (turns with their engine, version and tokens;
+    sandbox operations with their lane). None when the view does not hold the group."""
+    group = next((g for g in view.groups if g.group_id == group_id), None)
+    if group is None:
+        return None
+    attempts = []
+    for (gid, _), traj in sorted(view.trajectories.items()):
+        if gid != group_id:
+            continue
+        spans = sorted(traj.spans, key=lambda x: (x.start, x.end))
+        phases: dict[str, float] = {}
+        for x in spans:
+            phases[x.phase] = phases.get(x.phase, 0.0) + (x.end - x.start)
+        started = traj.started if traj.started is not None else min((x.start for x in spans), default=None)
+        attempts.append(
+            {
+                "traj": traj,
+                "started": started,
+                "took": None if started is None or traj.finished is None else traj.finished - started,
+                "turns": sum(1 for x in spans if x.phase == "model_turn"),
+                "versions": [v for _, v in traj.versions],
+                "phases": sorted(phases.items(), key=lambda kv: -kv[1]),
+                "spans": spans,
+            }
+        )
+    return {"view": view, "group": group, "attempts": attempts, "phase_names": PHASE_NAMES}
 
 
 def run_context(
@@ -396,6 +428,30 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         return dash.page(request, "run.html", run_context(found[1], zoom, width, window))
+
+    @router.get("/runs/{run_id}/groups/{group_id}", response_class=HTMLResponse)
+    def group_page(request: Request, run_id: str, group_id: str) -> Response:
+        """One group, attempt by attempt: every turn and sandbox operation in order, with its times."""
+        if (denied := guard_view(request)) is not None:
+            return denied
+        found = run_or_404(request, run_id)
+        if isinstance(found, HTMLResponse):
+            return found
+        view, back = found[1], f"/runs/{quote(run_id, safe='')}"
+        try:
+            gid = parse_int(group_id, signed=False)
+        except ValueError:
+            return _error(dash, request, f"no group {_shown(group_id)}: a group is a whole number", 404, back)
+        ctx = group_context(view, gid)
+        if ctx is None:
+            why = f"run {_shown(run_id)} has no group {gid}"
+            if view.dropped_groups:
+                why += (
+                    f" on this page, which keeps the latest ended groups (groups no longer kept: "
+                    f"{view.dropped_groups:,}); GET /api/runs/{_shown(run_id)}/timeline has every event"
+                )
+            return _error(dash, request, why, 404, back)
+        return dash.page(request, "group.html", ctx)
 
     @router.get("/runs/{run_id}/block/{name}", response_class=HTMLResponse)
     def run_block(

@@ -506,6 +506,15 @@ def test_screenshots_of_a_run_in_full_swing(
     page.get_by_role("button", name="Apply live").click()
     sync_api.expect(page.locator("#audit")).to_contain_text("set max_staleness")
     page.screenshot(path=str(shots / "run.png"), full_page=True)
+    # a group's label on the timeline opens its page: each attempt's turns and lane operations
+    label = page.locator("#timeline-svg a text.glink").first
+    group = label.text_content()
+    assert group is not None
+    label.click()
+    sync_api.expect(page.locator("h1")).to_contain_text(f"Group {group[1:]}")
+    sync_api.expect(page.locator("section.attempt").first).to_contain_text("model turn")
+    page.screenshot(path=str(shots / "group.png"), full_page=True)
     page.context.close()
     assert (shots / "runs.png").stat().st_size > 0
     assert (shots / "run.png").stat().st_size > 0
+    assert (shots / "group.png").stat().st_size > 0

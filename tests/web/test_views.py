@@ -1342,3 +1342,54 @@ def test_the_reward_chart_draws_each_step_s_mean_and_says_its_learning_signal():
     below = reward_chart([BatchRow(0, 0.0, 1.0, 1.0, mean_reward=-0.5)], "no data yet")
     assert "<rect" not in below
     assert "rewards below 0" in below
+
+
+async def test_a_group_s_page_lists_each_attempt_s_turns_and_sandbox_operations_in_order():
+    # The timeline showed a group's spans only as hovers on slivers; an operator asking why one attempt
+    # took long had no list of its turns, versions and lane operations.
+    client, dash = make_client()
+    view = dash.find("replay-1")[1]
+    group = next(g for g in view.groups if g.outcome == "delivered")
+    async with client:
+        run = (await client.get("/runs/replay-1")).text
+        page = await client.get(f"/runs/replay-1/groups/{group.group_id}")
+        missing = await client.get("/runs/replay-1/groups/99999")
+        bad = await client.get("/runs/replay-1/groups/g1")
+        no_run = await client.get(f"/runs/nope/groups/{group.group_id}")
+    assert f'<a href="/runs/replay-1/groups/{group.group_id}">' in run  # the timeline's label links it
+    assert page.status_code == 200
+    assert f"<h1>Group {group.group_id} " in page.text
+    assert f"in batch {group.batch}" in page.text
+    trajs = [t for (gid, _), t in sorted(view.trajectories.items()) if gid == group.group_id]
+    assert page.text.count('class="card attempt"') == len(trajs) == 2
+    sections = page.text.split('class="card attempt"')[1:]
+    for traj, section in zip(trajs, sections, strict=True):
+        assert f'<dd class="reward">{traj.reward:g}</dd>' in section
+        turns = sum(1 for x in traj.spans if x.phase == "model_turn")
+        assert f'<dd class="turns">{turns}</dd>' in section
+        assert section.count('class="span-row"') == len(traj.spans)
+        row = r'<tr class="span-row"><td class="num">\d+</td><td>[^<]*</td><td class="num">([0-9.]+)'
+        starts = [float(m) for m in re.findall(row, section)]
+        assert starts == sorted(starts)
+        assert "model turn" in section
+        assert "exec lane" in section  # a tool call's lane and status
+    assert missing.status_code == 404
+    assert "run replay-1 has no group 99999" in missing.text
+    assert 'href="/runs/replay-1"' in missing.text  # back to the run
+    assert bad.status_code == 404
+    assert "a group is a whole number" in bad.text
+    assert no_run.status_code == 404
+
+
+async def test_a_group_no_longer_kept_says_where_its_events_are():
+    events = synthetic_run(groups=12, group_size=2, batch_groups=2)
+    view = replace(view_from_events("live-1", events, RunMeta(state="running")), source="live")
+    first = view.groups[0].group_id
+    client, _ = make_client(live=OneRun(replace(view, groups=view.groups[1:], dropped_groups=1)))
+    async with client:
+        gone = await client.get(f"/runs/live-1/groups/{first}")
+        kept = await client.get(f"/runs/live-1/groups/{view.groups[1].group_id}")
+    assert gone.status_code == 404
+    assert "(groups no longer kept: 1); GET /api/runs/live-1/timeline has every event" in gone.text
+    assert kept.status_code == 200
+    assert "A snapshot: reload for what happened since." in kept.text
