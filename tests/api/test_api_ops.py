@@ -228,3 +228,24 @@ def test_the_openapi_docs_describe_the_error_answers_the_api_gives(api: httpx.Cl
         assert answer.status_code == status, (path, answer.text)
         documented(method, path, status, answer.json())
     assert "503" in spec["paths"]["/healthz"]["get"]["responses"]
+
+
+def test_large_answers_are_compressed_and_the_live_stream_is_not(api: httpx.Client) -> None:
+    # A live run's timeline went whole on each change, uncompressed: 1.3 MB of SVG every few seconds on
+    # a fast run, to each open page.
+    spec = make_run(batches=3, trainer="sentinel", sentinel_step_s=0)
+    run_id = api.post("/api/runs", json=spec).json()["id"]
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "completed", what="completed")
+    zipped = api.get(f"/runs/{run_id}/block/timeline", headers={"Accept-Encoding": "gzip"})
+    assert zipped.status_code == 200
+    assert zipped.headers["content-encoding"] == "gzip"
+    assert zipped.text.startswith('<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg"')  # as sent
+    assert int(zipped.headers["content-length"]) < len(zipped.content) / 3
+    plain = api.get(f"/runs/{run_id}/block/timeline", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers
+    assert plain.text == zipped.text
+    small = api.get("/healthz", headers={"Accept-Encoding": "gzip"})
+    assert "content-encoding" not in small.headers  # under GZIP_MIN_BYTES: not worth it
+    with api.stream("GET", f"/runs/{run_id}/stream", headers={"Accept-Encoding": "gzip"}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        assert "content-encoding" not in stream.headers  # each event goes out as it is made
