@@ -89,6 +89,20 @@ from app.sandboxes.base import ExecResult, Sandbox
 from app.tasks.spec import TaskSpec
 
 log = logging.getLogger(__name__)
+# `extra` of a log record whose news also goes out as an event (an engine's state, a refusal): a reader
+# that prints the events (`corral run`'s progress) filters such records out (`without_event_records`)
+AS_EVENT = {"as_event": True}
+
+
+def without_event_records(logger: logging.Logger) -> logging.Logger:
+    """`logger`, given a filter that drops the records marked `AS_EVENT` (once, however often asked)."""
+    if not any(f is _not_an_event for f in logger.filters):
+        logger.addFilter(_not_an_event)
+    return logger
+
+
+def _not_an_event(record: logging.LogRecord) -> bool:
+    return not getattr(record, "as_event", False)
 
 AttemptKey = tuple[int, int]
 T = TypeVar("T")
@@ -947,7 +961,7 @@ class Runtime:
         if name in self.plan.down:
             return
         assert self._tg is not None
-        self._log.warning("engine %s is down: %s", name, detail)
+        self._log.warning("engine %s is down: %s", name, detail, extra=AS_EVENT)
         self.pool.mark_down(name)
         update = self._update_tasks.pop(name, None)
         if update is not None and update is not asyncio.current_task():
@@ -958,7 +972,7 @@ class Runtime:
             self._do_updates(actions)
         if self.plan.all_down and self._all_down_since is None:
             self._all_down_since = self.now()
-            self._log.warning("every engine is down: turns wait for a restart")
+            self._log.warning("every engine is down: turns wait for a restart", extra=AS_EVENT)
             self._engine_state("*", "all_down", "every engine is down; turns wait for a restart")
         if not self._stopping:
             self._recoveries[name] = self._tg.create_task(self._recover_engine(name))
@@ -969,7 +983,8 @@ class Runtime:
         self.state.all_down_s += self.now() - self._all_down_since
         self._all_down_since = None
         if back:  # not when the run merely stops
-            self._log.warning("an engine is back: turns flow again")  # pairs with "every engine is down"
+            # pairs with "every engine is down"
+            self._log.warning("an engine is back: turns flow again", extra=AS_EVENT)
             self._engine_state("*", "serving", "an engine is back; turns flow again")
 
     async def _recover_engine(self, name: str) -> None:
@@ -1002,7 +1017,7 @@ class Runtime:
                     self._log.info("engine %s: not back yet (probe %d): %s", name, tries, exc)
                     self._engine_state(name, "unhealthy", f"not back yet (probe {tries}): {exc}")
                 else:
-                    self._log.warning("engine %s: restart %d failed: %s", name, tries, exc)
+                    self._log.warning("engine %s: restart %d failed: %s", name, tries, exc, extra=AS_EVENT)
                     self._engine_state(name, "unhealthy", f"restart {tries} failed: {exc}")
                 last = f"the last one: {exc}"
                 continue
@@ -1010,7 +1025,8 @@ class Runtime:
         del self._recoveries[name]
         record.up_since = self.now()
         record.restarts += 1 if self.supervisor is not None else 0
-        self._log.warning("engine %s is back at version %s", name, version)  # pairs with "is down"
+        # pairs with "is down"
+        self._log.warning("engine %s is back at version %s", name, version, extra=AS_EVENT)
         self._engine_state(name, "serving", f"back at version {version}")
         actions = self.plan.on_engine_up(name, version)
         self._do_updates(actions)
@@ -1021,7 +1037,7 @@ class Runtime:
         """`name` stays down for the rest of the run; when no engine is left, the run stops."""
         del self._recoveries[name]
         self.state.given_up[name] = reason
-        self._log.error("engine %s given up: %s", name, reason)
+        self._log.error("engine %s given up: %s", name, reason, extra=AS_EVENT)
         self._engine_state(name, "given_up", reason)
         if self.state.given_up.keys() == self.pool.by_name.keys():
             self._engine_state("*", "given_up", "every engine was given up: the run stops")
@@ -1075,6 +1091,7 @@ class Runtime:
             version,
             self.plan.versions[name],
             reason,
+            extra=AS_EVENT,
         )
         self.state.update_log.append((now, name, version, "failed"))
         self.state.update_failures.append((now, name, version, reason))

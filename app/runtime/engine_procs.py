@@ -76,6 +76,13 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 @dataclass
 class EngineProcess:
     name: str
@@ -83,6 +90,20 @@ class EngineProcess:
     log: Path
     proc: subprocess.Popen[bytes]
     starts: int = 1
+    log_from: int = 0  # where this start's output begins in `log` (a restart appends to it)
+
+    def last_said(self, most: int = 300) -> str:
+        """The last line this start of the engine wrote (a traceback's last line names the error), cut to
+        `most` characters; "" when it wrote nothing."""
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.log_from)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        return last if len(last) <= most else last[: most - 1] + "…"
 
     @property
     def pid(self) -> int:
@@ -135,7 +156,7 @@ class EngineProcesses:
             name = f"engine-{i}"
             port = _free_port()
             log = self.log_dir / f"{name}.log"
-            self.engines[name] = EngineProcess(name, port, log, self._spawn(name, port, log))
+            self.engines[name] = EngineProcess(name, port, log, self._spawn(name, port, log), 1, _size(log))
 
     async def _wait_one(
         self, engine: EngineProcess, client: httpx.AsyncClient, exit_ok: bool = False
@@ -148,9 +169,10 @@ class EngineProcesses:
                         f"exited with {engine.proc.returncode} during start-up"
                     )
                     return
-                tail = engine.log.read_text(errors="replace")[-800:]
+                said = engine.last_said()
                 raise LocalRunError(
-                    f"{engine.name} (port {engine.port}) exited with {engine.proc.returncode}:\n{tail}"
+                    f"{engine.name} (port {engine.port}) exited with {engine.proc.returncode}"
+                    + (f": {said}" if said else "")
                 )
             try:
                 if (await client.get(f"http://127.0.0.1:{engine.port}/health")).status_code == 200:
@@ -189,8 +211,10 @@ class EngineProcesses:
         port = _free_port()
         with engine.log.open("ab") as out:
             out.write(f"\n--- corral run: restart {engine.starts} of {name} on port {port} ---\n".encode())
+        begins = _size(engine.log)
         # Popen runs here, on the run's main thread, so that PDEATHSIG follows the run itself.
-        fresh = EngineProcess(name, port, engine.log, self._spawn(name, port, engine.log), engine.starts + 1)
+        proc = self._spawn(name, port, engine.log)
+        fresh = EngineProcess(name, port, engine.log, proc, engine.starts + 1, begins)
         self.engines[name] = fresh
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:

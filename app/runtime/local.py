@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import tempfile
@@ -40,7 +41,8 @@ from app.core.events import Envelope
 from app.lanes.adaptive import lane_adapter
 from app.lanes.inprocess import InProcessLanes
 from app.runtime.config import LocalRunConfig, LocalRunError, load_config
-from app.runtime.driver import RunState, Runtime, cannot_proceed
+from app.runtime.driver import RunState, Runtime, cannot_proceed, without_event_records
+from app.runtime.driver import log as runtime_log
 from app.runtime.engine_procs import EngineProcesses, fault_config
 from app.runtime.progress import RunProgress
 from app.runtime.report import ReportStatic, build_report
@@ -57,6 +59,9 @@ __all__ = ["LocalRunError", "load_config", "run_local"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _VERSION_QUERY_S = 5.0
+# The runtime's logger in `corral run`: its progress lines say engines' states, so it drops the records
+# that say them again (`without_event_records`); without a console it is the runtime's own
+RUN_LOG = logging.getLogger("app.runtime.local.run")
 _PRINTED = {"batch", "engine_updated", "group_discarded", "engine_state", "engine_update_failed"}
 
 
@@ -220,6 +225,8 @@ async def _run(
                     timeline=True,
                     lane_adapter=lane_adapter(policy.adaptive_lanes, lanes, lane_cpus),
                     weights_from_disk=True,  # embedded engines, through the vLLM client
+                    # the progress lines show engines' states: their log records would say them twice
+                    logger=without_event_records(RUN_LOG) if console is not None else runtime_log,
                 )
                 stop.runtime = runtime
                 runtime.bus.observe(progress.on_envelope, "progress")

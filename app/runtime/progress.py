@@ -209,7 +209,8 @@ class RunProgress:
         if isinstance(event, EngineStateChanged):
             if event.engine == "*":  # the state of the whole pool, e.g. every engine down
                 return event.detail or event.state
-            return f"{event.engine} is {event.state}" + (f": {event.detail}" if event.detail else "")
+            state = event.state.replace("_", " ")  # given_up
+            return f"{event.engine} is {state}" + (f": {event.detail}" if event.detail else "")
         if isinstance(event, LaneResized):
             slots = f"{event.old} → {event.new} slots (configured {event.configured}"
             return f"lane {event.lane}: {slots}; {event.why})"

@@ -683,6 +683,19 @@ def test_when_every_engine_is_given_up_corral_run_stops_with_a_report_and_exit_1
     assert report["error"].startswith("every engine was given up (engines.max_restarts)")
     assert [e["state"] for e in report["engine_events"] if e["engine"] == "*"] == ["all_down", "given_up"]
     assert "error: every engine was given up" in out
+    # One line each: the error was 41 lines and each failed restart printed twice, with the engine's
+    # whole log so far (every earlier restart's banner and output) in each copy: 837 lines of stderr.
+    lines = out.splitlines()
+    (error,) = [line for line in lines if line.startswith("error:")]
+    assert error == "error: " + report["error"]
+    assert "\n" not in report["error"]
+    assert report["error"].count("start fails on purpose") == 2  # each engine's last start, said once
+    assert "--- corral run: restart" not in out
+    restarts = [line for line in lines if "restart 1 failed" in line]
+    assert len(restarts) == 2, restarts  # one for each engine, stamped by the progress printer
+    assert all(line.startswith("[") for line in restarts)
+    assert not any(line.startswith("engine engine-") for line in lines)  # the logger's copies
+    assert "is given up:" in out
 
 
 def test_an_update_abandoned_for_a_failed_probe_leaves_no_unread_task_exception() -> None:
