@@ -104,6 +104,7 @@ def without_event_records(logger: logging.Logger) -> logging.Logger:
 def _not_an_event(record: logging.LogRecord) -> bool:
     return not getattr(record, "as_event", False)
 
+
 AttemptKey = tuple[int, int]
 T = TypeVar("T")
 # How long a stopping run waits for weight updates under way before it abandons them (the engines are
