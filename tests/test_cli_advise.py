@@ -316,6 +316,30 @@ def test_advise_writes_its_advice(tmp_path: Path) -> None:
     assert "settings simulated" in done.stderr
 
 
+def test_advise_on_a_workload_that_can_fill_no_batch_says_so_and_exits_2(tmp_path: Path) -> None:
+    # It exited 0 where corral sim and corral bench exit 2, printed an "advised" line the same as the
+    # current one, said "(31 settings simulated)" after "none of the 31 settings simulated", and its
+    # plot wrote each run's stop reason under its bar, one over the other.
+    (tmp_path / "w.yaml").write_text(
+        "batches: 2\nbatch: {groups: 2, group_size: 2}\ntrajectory: {p_infra_error: 0.999}\n"
+    )
+    done = corral(
+        "advise", "--workload", "w.yaml", "--passes", "1", "--workers", "2",
+        "--json", "advice.json", "--plot", "advice.png", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    said = [line for line in done.stderr.splitlines() if not line.startswith("advise: ")]
+    assert [line.split(":")[0] for line in said] == ["current", "error"], said
+    assert "lanes reset " in said[0]  # in words, not a Python dict
+    advice = json.loads((tmp_path / "advice.json").read_text())
+    n = len(advice["evaluated"])
+    assert said[1].startswith(f"error: none of the {n} settings simulated delivered a batch; ")
+    assert said[1].endswith("the advice's figures → advice.json")
+    assert said[1].count("settings simulated") == 1
+    assert advice["recommended"]["batch_collection_s"] is None
+    assert (tmp_path / "advice.png").stat().st_size > 0
+
+
 def test_advise_writes_a_workload_that_simulates_as_advised(tmp_path: Path) -> None:
     """The advice could not be applied as given: printed as Python dicts, with admission and the gate
     flags of `corral sim` alone, which a workload file refused (`policy.admission: Extra inputs are not

@@ -236,15 +236,24 @@ def advise(
                 only = "only the current settings were simulated; no advice, their figures"
                 say(f"{why} after {only} → {files}")
             raise typer.Exit(code)
-    for label, outcome in (("current", advice.current), ("advised", advice.recommended)):
+    # no setting delivered a batch: there is no advised one to show, and the workload is at fault
+    none_delivered = advice.recommended.batch_collection_s is None
+    shown = (("current", advice.current),) if none_delivered else (
+        ("current", advice.current), ("advised", advice.recommended)
+    )  # fmt: skip
+    for label, outcome in shown:
         s = outcome.settings
+        lanes = ", ".join(f"{lane} {slots}" for lane, slots in s.lane_slots)
         say(
             f"{label}: S={s.surplus_groups} K={s.max_staleness} admission={s.admission()} "
             f"updating={s.updating()} gate={s.gate()} "
-            f"lanes={dict(s.lane_slots)} serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
+            f"lanes {lanes}; serving cores={s.serving_cores} borrowing={s.borrow_serving_cpus} → "
             f"{outcome.mean_text()}, idle {outcome.trainer_idle_fraction:.0%}, "
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s{outcome.cut_text()}{_per_seed(outcome)}"
         )
+    if none_delivered:  # as corral sim and corral bench: the workload can fill no batch (exit 2)
+        say(f"error: {advice.verdict()}; the advice's figures → {json_out}")
+        raise typer.Exit(2)
     each = f", each on {seeds} seeds" if seeds > 1 else ""
     say(f"{advice.verdict()} ({len(advice.evaluated)} settings simulated{each}) → {json_out}")
     wasted_now, wasted = advice.current.wasted_trajectory_s, advice.recommended.wasted_trajectory_s

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import statistics
+import textwrap
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -594,8 +595,12 @@ def advice_figure(advice: Advice) -> Figure:
     means = [drawn_s(o.batch_collection_s) for o in pair]
     bars = left.bar(names, means, color=["#999999", "#2b7bba"][: len(names)])
     for bar, outcome in zip(bars, pair, strict=True):
+        mean = outcome.batch_collection_s
+        # why a run delivered nothing is in the verdict above: under a bar it ran into the next one's
+        said = f"{mean:.1f} s" if mean is not None else "no batch"
+        said = "not simulated" if outcome.error is not None else said
         left.annotate(
-            f"{outcome.mean_text()}\nidle {outcome.trainer_idle_fraction:.0%}\n"
+            f"{said}\nidle {outcome.trainer_idle_fraction:.0%}\n"
             f"wasted {outcome.wasted_trajectory_s:,.0f} traj-s",
             (bar.get_x() + bar.get_width() / 2, 0.0 if math.isnan(bar.get_height()) else bar.get_height()),
             ha="center",
@@ -615,9 +620,13 @@ def advice_figure(advice: Advice) -> Figure:
     )
     left.set_ylabel("mean batch collection time (s)")
     left.set_ylim(0, 1.3 * max([m for m in means if not math.isnan(m)] or [1.0]))
-    fig.suptitle(advice.verdict(), fontsize=10)
+    # a long verdict (why no batch came) is wrapped, not cut at the figure's edges
+    fig.suptitle(textwrap.shorten(advice.verdict(), 330, placeholder=" …"), fontsize=10, wrap=True)
     left.legend(fontsize=8)
-    if advice.candidates:
+    if advice.candidates and all(o.batch_collection_s is None for o in advice.evaluated):
+        right.set_axis_off()
+        right.text(0.5, 0.5, "no setting simulated delivered a batch", ha="center", va="center")
+    elif advice.candidates:
         xs = range(len(advice.evaluated))
         candidates = [drawn_s(o.batch_collection_s) for o in advice.evaluated]
         right.plot(xs, candidates, "o-", ms=3, label="candidate")

@@ -365,6 +365,17 @@ def test_settings_whose_run_cannot_proceed_are_an_outcome_and_the_search_goes_on
         f"none of the {len(advice.evaluated)} settings simulated delivered a batch; "
         f"the current ones stopped: {advice.current.stopped}"
     )
+    # its plot says so in words: each bar's stop reason ran into the next one's, and the right panel
+    # drew an empty line chart
+    import matplotlib.pyplot as plt
+
+    from app.sim.advise import advice_figure
+
+    fig = advice_figure(advice)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    plt.close(fig)
+    assert "no setting simulated delivered a batch" in texts
+    assert [t.split("\n")[0] for t in texts if "idle" in t] == ["no batch", "no batch"]
 
 
 def test_a_workload_carries_admission_and_the_gate_as_corral_sim_flags_do() -> None:
