@@ -53,12 +53,14 @@ with CorralClient(args.url, token=args.token, actor="example-trainer") as corral
         # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
         try:
             patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
+        except RunEnded:
+            pass  # the run ended after it offered this batch: no engine loads a version now
         except CorralError as exc:
             # Published already: by this loop, before an answer it never got, or by an operator. The
             # engines have this version or a newer one; the step still ends with the ack.
             if exc.status != 422 or "is not newer than" not in exc.detail:
                 raise
-        patiently(lambda: corral.ack(args.run, batch.batch_id))
+        patiently(lambda: corral.ack(args.run, batch.batch_id))  # an ended run's batch is acked too
         steps += 1
         print(
             f"batch {batch.index}: {len(batch.groups)} groups, mean reward "

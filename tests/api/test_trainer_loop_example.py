@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from api_support import TOKEN, make_run
+from api_support import TOKEN, make_run, wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
@@ -54,3 +54,28 @@ def test_the_examples_command_line_runs_as_written_outside_the_virtualenv() -> N
     )
     assert done.returncode == 0, f"{command}: {done.stderr}"
     assert "--token" in done.stdout
+
+
+def test_the_loop_ends_cleanly_on_a_run_that_ended_while_it_held_a_batch(
+    server: str, api: httpx.Client
+) -> None:
+    # The run ended with a batch offered and not acked (a Ctrl-C of the trainer, or of corral serve,
+    # mid-step): the server offers it again, as documented, and the loop's publish was refused with
+    # RunEnded (409), which it raised; every rerun crashed the same way, and the batch stayed unacked.
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    held = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60})
+    assert held.status_code == 200, held.text
+    assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--url", server, "--run", run_id, "--token", TOKEN, "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=EXAMPLE.parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == [f"batch {held.json()['index']}"]
+    again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
+    assert again.status_code == 409, again.text  # acked: nothing is offered again, the run has ended
