@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.gzip import GZipMiddleware
 
 from app.api.body_limit import BodyLimit
+from app.api.deps import require_viewer
 from app.api.docs import mount_docs
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
@@ -40,7 +41,7 @@ from app.service.channel import RunChannel
 from app.service.compose import manager_for, store_for
 from app.service.manager import DispatchError, RunManager
 from app.service.queued import StartTimeout
-from app.service.schemas import RunCreate
+from app.service.schemas import Problem, RunCreate, ValidationProblem
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
 from app.store.db import DatabaseHold, is_outage, outage_kind, outage_reason
@@ -48,6 +49,14 @@ from app.web.views import dashboard_for, error_page, mount_dashboard
 
 GZIP_MIN_BYTES = 1024  # smaller answers go as they are: compressing them saves less than it costs
 GZIP_LEVEL = 5
+# What a read behind the view token may answer besides, as the OpenAPI documents it
+READ_ANSWERS: dict[int | str, dict[str, Any]] = {
+    401: {
+        "model": Problem,
+        "description": "a view token is set, and the request has neither it nor the operator's",
+    },
+    422: {"model": ValidationProblem, "description": "an Authorization header that is not valid UTF-8"},
+}
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +138,16 @@ def create_app(
             }
         },
     )
-    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"], tags=["ops"])
+    # Its figures are labelled with run ids: a read like the API's, behind the view token when one is set
+    # (Prometheus sends it: `authorization: {credentials: TOKEN}` in the scrape config)
+    app.add_api_route(
+        "/metrics",
+        prometheus_metrics,
+        methods=["GET"],
+        tags=["ops"],
+        dependencies=[Depends(require_viewer)],
+        responses=READ_ANSWERS,
+    )
     mount_docs(app)
     return app
 

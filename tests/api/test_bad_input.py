@@ -505,6 +505,10 @@ def test_a_view_token_guards_reads_and_gives_no_operator_rights(
         assert httpx.get(f"{url}/api/runs", headers=viewer).status_code == 200
         assert httpx.get(f"{url}/api/runs", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
         assert httpx.post(f"{url}/api/runs", json=make_run(), headers=viewer).status_code == 403
+        # Prometheus's figures name every run: they answered anyone while the API's reads needed the token
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert "corral_" in httpx.get(f"{url}/metrics", headers=viewer).text
+        assert httpx.get(f"{url}/healthz").status_code in (200, 503)  # a probe needs no token
 
 
 SCALARS = (
