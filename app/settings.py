@@ -11,6 +11,7 @@ for the run manager, which this module cannot import: it imports this one).
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S
 from app.validation import hide_password
 
 # The database drivers installed with Corral: SQLite's own and psycopg 3 (`postgresql://` means it).
+_WHOLE = re.compile(r"[+-]?[0-9]+")
 DATABASE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg")
 
 
@@ -154,6 +156,19 @@ class Settings(BaseSettings):
         description="the longest pause before the store sink tries a batch the database refused again "
         "(the pauses double from 0.5 s up to it)",
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, value: object, info: ValidationInfo) -> object:
+        """A count given as text is a whole number as written: `2.0` was taken as 2 (pydantic's lax
+        mode), where docs/limits.md says it is refused."""
+        name = info.field_name
+        annotation = cls.model_fields[name].annotation if name is not None else None
+        if annotation in (int, "int") and isinstance(value, str) and not _WHOLE.fullmatch(value.strip()):
+            raise ValueError(
+                f"Input should be a valid integer, written without a point or exponent: {value!r}"
+            )
+        return value
 
     @field_validator("database_url")
     @classmethod

@@ -65,6 +65,10 @@ def serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
         ("CORRAL_MAX_RUNS", "0", "greater than or equal to 1"),
         ("CORRAL_MAX_RUNS", "-3", "greater than or equal to 1"),
         ("CORRAL_MAX_RUNS", "2.5", "integer"),
+        # docs/limits.md: a count is a real integer; 2.0 was taken as 2, and a port of 8000.0 as 8000
+        ("CORRAL_MAX_RUNS", "2.0", "integer"),
+        ("CORRAL_PORT", "8000.0", "integer"),
+        ("CORRAL_SPILL_MAX_BYTES", "1048576.0", "integer"),
         ("CORRAL_MAX_RUNS", "nan", "integer"),
         ("CORRAL_MAX_RUNS", "many", "integer"),
         ("CORRAL_MAX_RUNS", "1000000", "less than or equal to 1000"),
