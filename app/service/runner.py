@@ -93,12 +93,14 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
     finally:
         client.close()
         for line in lines:
+            line.stop()  # the run ended, or this worker hands it off (a second Ctrl-C): take no more
+        for line in lines:
             line.join(LINE_DRAIN_S)
             if line.is_alive() and line.cancel():
                 line.join(LINE_CANCEL_S)
             if line.is_alive():  # a handler in a blocking call: no cancellation reaches it
                 log.warning("run %s: its command line is still carrying out %s after it was cancelled; left "
-                            "behind, as the run has ended", handle.run_id, line.busy)  # fmt: skip
+                            "behind, as this worker is done with it", handle.run_id, line.busy)  # fmt: skip
 
 
 class CommandLine(threading.Thread):
@@ -117,6 +119,13 @@ class CommandLine(threading.Thread):
         self._runner = asyncio.Runner()
         self._task: asyncio.Task[tuple[int, dict[str, Any]]] | None = None
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Take no more commands once the one under way (and the wait for the next, at most
+        `STOP_CHECK_S`) is done. A run handed off, not ended, leaves the rest on its list for the
+        worker that resumes it. Safe from any thread."""
+        self._stopped.set()
 
     def cancel(self) -> bool:
         """Cancel the command being carried out (the run has ended: its answer is an ended run's);
@@ -136,7 +145,7 @@ class CommandLine(threading.Thread):
         client = redis_client(self.backend, STOP_CHECK_S + COMMAND_TIMEOUT_S)
         inbox = RunInbox(client, handle.run_id, self.key)
         try:
-            while not handle.join(0):
+            while not handle.join(0) and not self._stopped.is_set():
                 try:
                     command = inbox.take(STOP_CHECK_S)
                     if command is not None:
@@ -144,6 +153,8 @@ class CommandLine(threading.Thread):
                 except redis.RedisError as exc:  # fault tolerance: the run goes on; taken next time
                     log.warning("run %s: could not take an operator's commands: %r", handle.run_id, exc)
                     handle.join(STOP_CHECK_S)
+            if not handle.join(0):
+                return  # handed off: the next worker takes what is left
             try:  # those sent as it ended are answered as an ended run's: "has ended (<state>)"
                 for command in inbox.left():
                     self._carry_out(inbox, command)

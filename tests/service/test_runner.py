@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from app.service.runner import run_orchestrator
 from app.service.store import ServiceStore
 from app.settings import Settings
@@ -50,3 +52,45 @@ def test_a_policy_change_is_written_over_the_stored_policy_keeping_its_shape(tmp
         assert stored.policy == {**created, "surplus_groups": 5, "max_staleness": 1}
     finally:
         store.close()
+
+
+def test_a_command_line_stops_when_its_worker_hands_the_run_off_and_leaves_its_commands() -> None:
+    """A second Ctrl-C hands a run to another worker, with the run going on: its command lines took
+    commands on (they stop once the run ends, which it had not), so the worker logged twice 'still
+    carrying out None after it was cancelled; left behind, as the run has ended' and took 7 s to exit."""
+    import json
+    import time
+
+    import redis
+    from factories import redis_answers
+
+    from app.service.channel import commands_key
+    from app.service.runner import STOP_CHECK_S, CommandLine
+
+    if not redis_answers():
+        pytest.skip("no Redis answering on 127.0.0.1:6379")
+    url = "redis://127.0.0.1:6379/14"
+
+    class GoesOn:  # a run that does not end here: handed off, not stopped
+        run_id = f"handoff-{time.monotonic_ns()}"
+
+        def join(self, timeout: float | None = None) -> bool:
+            return False
+
+    handle = GoesOn()
+    line = CommandLine(handle, url, commands_key)  # type: ignore[arg-type]
+    client = redis.Redis.from_url(url)
+    try:
+        line.start()
+        time.sleep(0.2)  # in its wait for commands
+        line.stop()
+        line.join(STOP_CHECK_S + 2.0)
+        assert not line.is_alive()
+        assert line.busy is None
+        # a command sent now stays on the run's list for the worker that resumes it
+        client.rpush(commands_key(handle.run_id), json.dumps({"id": "c1", "op": "pause", "args": {}}))
+        time.sleep(STOP_CHECK_S)
+        assert client.llen(commands_key(handle.run_id)) == 1
+    finally:
+        client.delete(commands_key(handle.run_id))
+        client.close()
