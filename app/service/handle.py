@@ -88,7 +88,10 @@ class RunHandle:
         on_state: Callable[[RunHandle, RunState, str | None], None],
         resume: ResumePoint | None = None,
         lanes: LanesFactory | None = None,
+        paused: bool = False,
     ) -> None:
+        """`paused`: the run was paused when its previous incarnation died (`resume` given): it comes
+        back paused, starting no turn until it is resumed."""
         self.run_id = run_id
         self._lanes = lanes  # how a local run gets its lanes (None: in-process)
         self.spec = spec
@@ -126,6 +129,7 @@ class RunHandle:
         self.gateway = TrainerGateway(run_id, ack_timeout_s, self._published_version)
         self._on_state = on_state
         self._resume = resume
+        self._start_paused = paused
         self._thread: threading.Thread | None = None
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._pending_lock = threading.Lock()
@@ -216,7 +220,7 @@ class RunHandle:
                 self.knobs["agent_gate"] = None
             # "running" once the runtime executes, not before its first step: a command sent the moment
             # the state says so (a change of K starts groups) needs the runtime's task group.
-            runtime.on_collecting = lambda: self._set_state(RunState.RUNNING, None)
+            runtime.on_collecting = self._collecting
             batches = self.spec.batches or UNTIL_STOPPED
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -243,6 +247,17 @@ class RunHandle:
         if self.runtime is not None:
             return list(self.runtime.pool.by_name.values())
         return list(self.ports.engines) if self.ports is not None else []
+
+    def _collecting(self) -> None:
+        """The runtime executes: the run is running, or paused again when it was paused before the
+        restart that resumed it (held before any of its turns can start: an operator's pause outlives
+        a crash)."""
+        if self._start_paused:
+            self._start_paused = False
+            self._hold(True)
+            self._set_state(RunState.PAUSED, None)
+        else:
+            self._set_state(RunState.RUNNING, None)
 
     def _store_behind(self) -> bool:
         """Whether the simulated clock should stand still for the store (`RunRecorder.backlogged`); not
@@ -460,21 +475,26 @@ class RunHandle:
 
     def pause(self) -> None:
         self._require(RunState.RUNNING)
-        if isinstance(self.loop, PacedLoop):
-            self.loop.pause()  # simulated time stops: nothing progresses until resume
-        else:
-            self._runtime().hold(True)  # no turn starts and no update begins, on any engine
-            self._engines_paused(True)
+        self._hold(True)
         self._set_state(RunState.PAUSED, None)
 
     def resume(self) -> None:
         self._require(RunState.PAUSED)
-        if isinstance(self.loop, PacedLoop):
-            self.loop.resume()
+        self._hold(False)
+        self._set_state(RunState.RUNNING, None)
+
+    def _hold(self, paused: bool) -> None:
+        if isinstance(self.loop, PacedLoop):  # simulated time stops: nothing progresses until resume
+            if paused:
+                self.loop.pause()
+            else:
+                self.loop.resume()
+        elif paused:
+            self._runtime().hold(True)  # no turn starts and no update begins, on any engine
+            self._engines_paused(True)
         else:
             self._engines_paused(False)
             self._runtime().hold(False)
-        self._set_state(RunState.RUNNING, None)
 
     def _engines_paused(self, paused: bool) -> None:
         """Local runs: every engine holds its in-flight turns (`keep`) and starts none until resumed."""

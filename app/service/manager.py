@@ -8,7 +8,8 @@ Snapshot and restore: at start-up `resume_unfinished` finds the runs the previou
 (not created, not ended). Each resumes as a new incarnation: the groups its predecessor left open are
 discarded with the reason `orphaned` (events, so the stored stream stays the account), and it goes on
 from the stored sequence number, group and batch numbers and policy version, its live counts and
-rollouts from the stored stream's. Batches handed out and not acked are kept as files under the run's
+rollouts from the stored stream's. A run that was paused comes back paused: no turn starts until an
+operator resumes it. Batches handed out and not acked are kept as files under the run's
 data directory until acked, so a resumed run offers them again (at least once, across restarts too);
 a batch its gateway does not hold (acked before the restart) is acked in the store (`ack_stored`). A
 run that was stopping is ended instead of resumed. A run that had ended before the restart still hands
@@ -249,7 +250,7 @@ class RunManager:
         spec = RunCreate.model_validate(record.config)
         self._recover_spill(run_id, self._spill_path(run_id))
         point = None if record.state == RunState.CREATED.value else self.store.resume_point(run_id)
-        return self._start(run_id, spec, point)
+        return self._start(run_id, spec, point, paused=record.state == RunState.PAUSED.value)
 
     def resume_unfinished(self) -> list[str]:
         """Resume (or end) every run the previous server left unfinished, now: the runs resumed."""
@@ -372,7 +373,7 @@ class RunManager:
         with self._start_lock:  # none starts once the shutdown has begun: it would never be stopped
             if self._closing:
                 return None
-            self._start(record.id, spec, point)
+            self._start(record.id, spec, point, paused=record.state == RunState.PAUSED.value)
         return record.id
 
     def _attach_sinks(self, recorder: RunRecorder) -> None:
@@ -391,7 +392,11 @@ class RunManager:
         if self.metrics is not None:
             recorder.bus.add_sink(self.metrics.sink(recorder.run_id), name="metrics", flush_interval_s=0.1)
 
-    def _start(self, run_id: str, spec: RunCreate, point: ResumePoint | None) -> RunHandle:
+    def _start(
+        self, run_id: str, spec: RunCreate, point: ResumePoint | None, paused: bool = False
+    ) -> RunHandle:
+        """Start a run here: from its beginning, or resumed from `point`; `paused`: it was paused
+        when the process driving it died, and comes back paused (an operator's pause outlives it)."""
         offers = OfferFiles(self.data_dir / run_id / "offers")
         kept = offers.load() if point is not None else []
         if point is not None and kept:
@@ -411,7 +416,14 @@ class RunManager:
                 batch_offset=max([point.batch_offset] + [o.index + 1 for o in kept]),
             )
         handle = RunHandle(
-            run_id, spec, self.data_dir / run_id, self.ack_timeout_s, self._on_state, point, self.lanes
+            run_id,
+            spec,
+            self.data_dir / run_id,
+            self.ack_timeout_s,
+            self._on_state,
+            point,
+            self.lanes,
+            paused=paused and point is not None,
         )
         self._attach_sinks(handle.recorder)
         if point is not None:
