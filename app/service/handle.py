@@ -178,10 +178,11 @@ class RunHandle:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()
-            self.gateway.close(reason)
             final = {"completed": RunState.COMPLETED, "stopped": RunState.STOPPED}.get(
                 reason, RunState.FAILED
             )
+            # Told the state the run ends in, as its other commands and a later server say it
+            self.gateway.close(final.value)
             if self.runtime is None or self.runtime.phase == "startup":
                 # It ended before the runtime ran (stopped while starting), so nobody recorded its end.
                 self.recorder.publish(RunEnded(reason, detail))

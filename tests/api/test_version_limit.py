@@ -19,6 +19,14 @@ def test_the_newest_version_ends_the_run_with_its_reason(api: httpx.Client) -> N
     wait_for(lambda: api.get(f"/api/runs/{run}").json()["state"] == "failed", what="the run to end")
     record = api.get(f"/api/runs/{run}").json()
     assert f"policy version {MAX_POLICY_VERSION} is the newest a run takes" in record["error"]
+    # a trainer asking for its next batch hears how it ended, in the words its other commands use (its
+    # batch endpoint said "has ended (error)", and "(failed)" once the server had restarted)
+    ended = api.get(f"/api/runs/{run}/batches/next", params={"timeout": 1})
+    assert ended.status_code == 409, ended.text
+    assert ended.json()["detail"] == f"run {run!r} has ended (failed); no more batches"
+    paused = api.post(f"/api/runs/{run}/pause")
+    assert paused.status_code == 409, paused.text
+    assert f"run {run!r} has ended (failed)" in paused.json()["detail"]
     # and beyond it, nothing is taken
     over = api.post(f"/api/runs/{run}/weights", json={"version": MAX_POLICY_VERSION + 1, "sentinel": True})
     assert over.status_code == 422
