@@ -776,7 +776,9 @@ class RunManager:
         self._records.pop(run_id, None)
         self._lanes_stored.discard(run_id)
         with self._ended_lock:
-            self._ended.pop(run_id, None)
+            ended = self._ended.pop(run_id, None)
+        if ended is not None:  # an ended run's kept batches, a long-poll open on them: 404 now too
+            ended.deleted()
         # Not deleted: never here (nothing was marked), or gone meanwhile (a prune), whose removal the
         # tombstones may still serve, so they stay.
         problems = retention.remove(dirs) if deleted else []
