@@ -194,7 +194,9 @@ async def resume_run(run_id: RunId, request: Request, manager: Manager, actor: O
 async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Operator) -> Any:
     """End the run after the current step: live groups are discarded as cancelled, sandboxes cleaned.
     A run already stopping or stopped answers 200 with `already_stopped` (a retried or repeated stop
-    asks for what is under way); one that completed or failed answers 409. A run a celery orchestrator
+    asks for what is under way); one that completed or failed answers 409. A run a crash left unfinished
+    that this server did not resume (CORRAL_RESUME_RUNS=false) is ended `stopped` in the store (200;
+    `already_stopped` when it was stopping), so it can then be deleted. A run a celery orchestrator
     worker drives is sent the stop (202): the worker stops it within a second or so, or the next worker
     to take it, if it is still queued."""
     record = manager.store.get_run(run_id) if manager.get(run_id) is None else None
@@ -202,6 +204,12 @@ async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Ope
         return {"id": run_id, "state": record.state, "actor": actor, "already_stopped": True}
     if driven_elsewhere(record):
         return await _stop_elsewhere(request, run_id, record.state, actor)
+    if record is not None and record.state not in ENDED_STATES and run_id not in manager.resuming:
+        # Left unfinished by a crash and not resumed here (CORRAL_RESUME_RUNS=false): ended in the store
+        left = await run_in_threadpool(manager.stop_left, run_id, actor)
+        if left is not None:
+            ended, stopped = left
+            return {"id": run_id, "state": ended.state, "actor": actor, "already_stopped": not stopped}
     handle = live_handle(manager, run_id)
     try:
         stopped = await handle.call(handle.stop)

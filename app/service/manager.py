@@ -196,6 +196,7 @@ class RunManager:
         self._abandoned = threading.Event()  # shutting down at once: no more waiting (`abandon`)
         self._abandoned_by = float("inf")  # the monotonic time every wait ends once abandoned
         self._start_lock = threading.Lock()
+        self._left_lock = threading.Lock()  # `stop_left`
         self.resuming: set[str] = set()  # runs of the previous server still to resume (`start_resuming`)
         self._ended_here: deque[str] = deque()  # runs ended here whose handles are kept, oldest first
         # How far each run being resumed has replayed its stored stream (`replay_progress`)
@@ -572,6 +573,34 @@ class RunManager:
             gateway.close(record.state)
             self._ended[run_id] = gateway
             return gateway
+
+    def stop_left(self, run_id: str, actor: str) -> tuple[RunRecord, bool] | None:
+        """Stop a stored run a crash left unfinished (created, running, paused or stopping) that executes
+        nowhere: this server did not resume it (`CORRAL_RESUME_RUNS=false`, or its resume failed) and it
+        is no celery run (the caller sends those to their worker). It is ended `stopped` in the store as a
+        run found stopping by a restart is: the groups its stream shows open discarded `orphaned`, then
+        its end. Without this, such a run could be neither stopped (not executing here) nor deleted (not
+        ended). Returns its row now and whether this call stopped it (False: it was stopping already,
+        or had ended); None for a run executing here, being created or resumed, or not stored."""
+        with self._left_lock:  # two stops at once end it once
+            if run_id in self.handles or run_id in self._creating or run_id in self.resuming:
+                return None
+            record = self.store.get_run(run_id)
+            if record is None:
+                return None
+            if record.state in ENDED_STATES:
+                return record, False
+            # What the dead process left in its spill first: the end is numbered after it
+            self._recover_spill(run_id, self._spill_path(run_id))
+            stopping = record.state == RunState.STOPPING.value
+            detail = (
+                "was stopping when the control plane stopped"
+                if stopping
+                else f"stopped by {actor}: not resumed after the control plane stopped"
+            )
+            self._end_unresumable(record, detail)
+            ended = self.store.get_run(run_id)
+            return (ended or record), not stopping
 
     def _end_unresumable(self, record: RunRecord, detail: str, point: ResumePoint | None = None) -> None:
         point = point or self.store.resume_point(record.id)
