@@ -266,12 +266,15 @@ class RunManager:
         server left in its runs' spills is stored first, on that thread too (`recover_spills`: up to
         4 GiB of events a run, which is no reason for `/healthz` not to answer)."""
         records = self.store.unfinished_runs()
-        self.resuming = {r.id for r in records}
+        # A celery run is not resumed here (`_resume`): its orchestrator worker drives it, taking commands
+        # meanwhile. Listed, it showed "being resumed", its controls hidden, while other runs replayed.
+        here = [r.id for r in records if r.config.get("orchestrator") != OrchestratorKind.CELERY.value]
+        self.resuming = set(here)
         self._resumer = threading.Thread(
             target=self._resume_all, args=(records,), name="corral-resume", daemon=True
         )
         self._resumer.start()
-        return [r.id for r in records]
+        return here
 
     def _resume_all(self, records: list[RunRecord]) -> None:
         resumed = []
