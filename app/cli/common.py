@@ -512,7 +512,8 @@ def _non_finite(data: Any, where: str = "") -> Iterator[str]:
 
 def summary_line(report: dict[str, Any], json_out: Path, detail: str) -> str:
     """The one line a command ends with; a run with no batch says so instead of a mean of nothing."""
-    idle = f"trainer idle {report['trainer_idle_fraction']:.0%}"
+    share = report["trainer_idle_fraction"]
+    idle = "stopped before collecting" if share is None else f"trainer idle {share:.0%}"
     if not report["batches"]:
         return f"{report['policy']}: no batch delivered, {detail}, {idle} → {json_out}"
     bc = report["batch_collection_s"]

@@ -7,8 +7,9 @@ discarded_groups {stale, failed, cancelled, zero_variance}, restarted_trajectori
 tokens_per_s, events, wall_s — plus the extras listed in `ReportAccumulator.report`.
 
 A figure over no value is null, never 0.0: `batch_collection_s` mean, p50 and p90 and `mean_reward`
-when no batch was delivered (`batches` 0: a run stopped or failed before its first), and
-`batch_interval_s.mean` below two batches. Every reader of these says so in words instead.
+when no batch was delivered (`batches` 0: a run stopped or failed before its first),
+`batch_interval_s.mean` below two batches, and `trainer_idle_fraction` for a run that never collected
+(stopped while its engines started). Every reader of these says so in words instead.
 
 `max_groups_in_flight` counts live groups (in flight + ready: what B + S caps in the default admission
 mode); `max_groups_running` counts groups in flight only (what B + S caps in the in-flight mode).
@@ -367,7 +368,9 @@ class ReportAccumulator:
                 "per_batch": [_r(w) for w in waits],
             },
             "batch_interval_s": {"mean": _r(statistics.fmean(intervals)) if intervals else None},
-            "trainer_idle_fraction": _r(self.trainer_wait_s / duration),
+            # of no time collecting there is no share: null, not 0% (a run stopped during its engines'
+            # start-up read 0% idle, one stopped while collecting its first batch 100%)
+            "trainer_idle_fraction": _r(self.trainer_wait_s / duration) if end > t0 else None,
             "lower_bound_s": None if static.lower_bound_s is None else _r(static.lower_bound_s),
             "max_staleness": self.max_staleness,
             "max_groups_in_flight": ledger.max_open,

@@ -424,7 +424,8 @@ def _evaluate_once(candidate: Workload, settings: Settings, policy_name: str) ->
         settings=settings,
         batch_collection_s=report["batch_collection_s"]["mean"],
         p90_s=report["batch_collection_s"]["p90"],
-        trainer_idle_fraction=report["trainer_idle_fraction"],
+        # a simulated run always collects (its clock starts with it): a share, never null
+        trainer_idle_fraction=report["trainer_idle_fraction"] or 0.0,
         wasted_trajectory_s=round(sum(report["wasted_trajectory_s"].values()), 3),
         lower_bound_s=report["lower_bound_s"],
         attempts_cut_short_share=cut_short_share(report),

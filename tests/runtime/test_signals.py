@@ -443,6 +443,11 @@ def test_a_ctrl_c_while_corral_loads_is_not_followed_by_a_starting_line(tmp_path
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["batches"] == 0
     assert report["stop"]["phase"] == "startup"
+    # It never collected: no share of its time idle (it read 0%, and a run stopped while collecting
+    # its first batch 100%)
+    assert report["trainer_idle_fraction"] is None
+    assert "no batch delivered" in done.stderr
+    assert "stopped before collecting" in done.stderr
 
 
 def test_a_second_stop_signal_during_start_up_is_acknowledged_not_announced_again() -> None:

@@ -280,7 +280,7 @@ def test_settings_that_delivered_no_batch_rank_last_and_are_never_advised(tmp_pa
     assert advice.recommended is current
     assert advice.verdict() == "the advised settings deliver batches where the current ones delivered none"
     left = advice_figure(advice).axes[0]
-    assert left.texts[0].get_text().startswith("no batch delivered\n")
+    assert left.texts[0].get_text().startswith("no batch\n")
 
 
 def test_a_candidate_that_cannot_be_simulated_is_ranked_last_and_the_search_goes_on(
