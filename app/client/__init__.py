@@ -22,6 +22,7 @@ raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a trainer asks 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,17 @@ def _publish_body(version: int, path: str | None, sentinel: bool) -> dict[str, A
     return body
 
 
+def _check_body(body: Any) -> None:
+    """A body JSON cannot carry (NaN, infinity) is refused here as the API refuses bad input, a 422 that
+    names the problem: a NaN given to `set_policy` raised a bare ValueError from the JSON encoder."""
+    if body is None:
+        return
+    try:
+        json.dumps(body, allow_nan=False)
+    except ValueError as exc:
+        raise CorralError(422, f"not sent: its body is not valid JSON ({exc}); give finite numbers") from None
+
+
 def _policy_body(knobs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in knobs.items() if v is not None}
 
@@ -171,6 +183,7 @@ class CorralClient:
         self._http.close()
 
     def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        _check_body(kwargs.get("json"))
         try:
             response = self._http.request(method, url, **kwargs)
         except httpx.TransportError as exc:
@@ -272,6 +285,7 @@ class AsyncCorralClient:
         await self._http.aclose()
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        _check_body(kwargs.get("json"))
         try:
             response = await self._http.request(method, url, **kwargs)
         except httpx.TransportError as exc:

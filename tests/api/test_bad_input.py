@@ -556,3 +556,23 @@ def test_no_live_change_is_answered_with_a_500(
 ) -> None:
     assert api.patch(f"/api/runs/{run_id}/policy", json=patch).status_code in (200, 422)
     assert api.post(f"/api/runs/{run_id}/weights", json=weights).status_code in (202, 422)
+
+
+def test_the_clients_refuse_a_body_json_cannot_carry_as_the_api_refuses_bad_input() -> None:
+    # AsyncCorralClient.set_policy(run, max_staleness=nan) raised a bare ValueError from the JSON encoder
+    import asyncio
+
+    from app.client import AsyncCorralClient, CorralError
+
+    with CorralClient("http://127.0.0.1:9", token=TOKEN) as client, pytest.raises(CorralError) as refused:
+        client.set_policy("r", max_staleness=float("nan"))  # type: ignore[arg-type]
+    assert refused.value.status == 422
+    assert "not valid JSON" in refused.value.detail
+
+    async def asynchronously() -> None:
+        async with AsyncCorralClient("http://127.0.0.1:9", token=TOKEN) as client:
+            await client.set_policy("r", agent_gate=float("inf"))
+
+    with pytest.raises(CorralError) as refused:
+        asyncio.run(asynchronously())
+    assert refused.value.status == 422
