@@ -425,6 +425,40 @@ class CeleryLanes:
         except lost_ops.BROKER_ERRORS as exc:  # the broker is away: ask at the next check
             log.warning("op %s: could not check its worker (%s)", op.op_id, exc)
 
+    async def _resend_if_taker_died(self, op: LaneOp[Any], result: AsyncResult, watch: _HolderWatch) -> None:
+        """One check of an op not started: sent again (same id) once its message has sat among the
+        broker's unacked ones, held by no live worker of its queue, for `HOLDER_MISSES` checks in a row.
+        A worker killed whole (`kill -9` of its process group) after it took the op and before it marked
+        it STARTED left it there, and the broker delivers it again only after its visibility timeout: the
+        attempt waited `start_timeout_s` (900 s) and failed with a live worker on its queue."""
+        client = self._epoch.client
+        if client is None:
+            return  # not a Redis broker: nothing to look in
+        queue = _queue(op)
+        try:
+            if not await asyncio.to_thread(lost_ops.delivered_only, self.celery, client, op.op_id, queue):
+                watch.misses = 0  # queued, or not taken yet
+                return
+            if await asyncio.to_thread(lost_ops.held_by_a_worker, self.celery, op.op_id, queue) is not False:
+                watch.misses = 0  # a live worker has it reserved, or none of its queue answered
+                return
+            watch.misses += 1
+            if watch.misses < lost_ops.HOLDER_MISSES:
+                return
+            if await asyncio.to_thread(lambda: result.state) != states.PENDING:
+                return  # it started or ended meanwhile
+            log.warning(
+                "op %s (%s): the worker that took it stopped before starting it (killed?); sent again",
+                op.op_id,
+                op.name.value,
+            )
+            await asyncio.to_thread(lost_ops.drop_unacked, self.celery, client, op.op_id, queue)
+            watch.misses = 0
+            self._stats[op.lane].resent += 1
+            await asyncio.to_thread(self._send, op)
+        except lost_ops.BROKER_ERRORS as exc:  # the broker is away: ask at the next check
+            log.warning("op %s: could not look for its worker (%s)", op.op_id, exc)
+
     async def _holder_gone(self, result: AsyncResult) -> bool:
         """Whether a started op's worker does not answer while others do: cancelled, its op would be
         waited for `cancel_grace_s` for nothing."""
@@ -503,6 +537,9 @@ class CeleryLanes:
                 if epoch is not None and loop_now >= next_look:
                     epoch = await self._resend_if_lost(op, result, epoch)
                     next_look = asyncio.get_running_loop().time() + lost_ops.EPOCH_CHECK_S
+                if loop_now >= watch.next_at:  # taken by a worker killed before it started the op?
+                    await self._resend_if_taker_died(op, result, watch)
+                    watch.next_at = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S
             elif state == states.STARTED and loop_now >= watch.next_at:  # its worker killed?
                 await self._resend_if_holder_died(op, result, watch)
                 watch.next_at = asyncio.get_running_loop().time() + lost_ops.HOLDER_CHECK_S

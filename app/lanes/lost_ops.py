@@ -160,6 +160,17 @@ def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
     return held_by_a_worker(celery, op_id, queue)
 
 
+def delivered_only(celery: Celery, client: Redis, op_id: str, queue: str) -> bool:
+    """Whether the op's message left its queue for a consumer (it is among the broker's unacked ones)
+    and is not queued again: with no live worker holding it, its consumer died before it marked the op
+    STARTED, and the broker gives it back only after its visibility timeout. `client`: the broker's."""
+    names = _redis_names(celery, queue)
+    needle = op_id.encode()
+    if any(needle in raw for name in sorted(names.lists) for raw in client.lrange(name, 0, -1)):
+        return False
+    return any(needle in raw for raw in client.hvals(names.unacked))
+
+
 def holder_of(result: Any) -> str | None:
     """The worker that marked the op STARTED (Celery's STARTED meta: its node name), or None."""
     info = result.info

@@ -265,3 +265,66 @@ async def test_a_cancelled_op_whose_worker_was_killed_is_not_waited_for(killed_w
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(killed_worker.op, 120)
     assert time.monotonic() - began < 15  # a ping's time, not cancel_grace_s
+
+
+THIEF = """
+import sys, time
+from kombu import Connection
+with Connection(sys.argv[1]) as conn:
+    queue = conn.SimpleQueue(sys.argv[2])
+    queue.get(block=True, timeout=60)  # taken, never acked: as a worker killed before it starts the op
+    print("taken", flush=True)
+    time.sleep(3600)
+"""
+
+
+def _start_thief(url: str, queue: str) -> subprocess.Popen[str]:
+    """A consumer of `queue` that takes one message, says `taken`, never acks it and waits to be killed."""
+    import sys
+
+    argv = [sys.executable, "-c", THIEF, url, queue]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+async def test_an_op_taken_by_a_worker_killed_before_it_started_it_is_sent_again(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker killed whole after it took an op and before it marked the op STARTED left the message
+    # among Redis's unacked ones, held by nobody: with a live worker on its queue the attempt waited
+    # start_timeout_s (900 s) and failed with LaneStartTimeout (a user's kill -9 of a whole exec worker).
+    monkeypatch.setattr(lost_ops, "HOLDER_CHECK_S", 1.0)  # checks each second, not each 10 s
+    url, host, workers, lanes = _lanes_on(redis, tmp_path)
+    thief: subprocess.Popen[str] | None = None
+    try:
+        env = broker_env(url, url)
+        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+        for lane in ("reset", "cleanup"):
+            workers.start("--lane", lane, *one_slot, env=env)
+        sandbox = base_dir / "taken"
+        handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
+        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+        queue = lane_queue(host, LaneName.EXEC)
+        thief = _start_thief(url, queue)
+        op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt; echo done", 60)))
+        assert thief.stdout is not None
+        assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
+        os.killpg(thief.pid, signal.SIGKILL)
+        thief.wait()
+        client = RedisClient.from_url(url)
+        assert [raw for raw in client.hvals("unacked") if b"runs.txt" in raw]  # left there, held by nobody
+        workers.start("--lane", "exec", *one_slot, env=env)
+        assert (await asyncio.wait_for(op, 120)).output.strip() == "done"
+        assert (sandbox / "runs.txt").read_text() == "run\n"  # run once
+        assert lanes.stats()["exec"].resent == 1
+        assert not [raw for raw in client.hvals("unacked") if b"runs.txt" in raw]  # not delivered again
+        client.close()
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        if thief is not None:
+            if thief.poll() is None:
+                os.killpg(thief.pid, signal.SIGKILL)
+                thief.wait()
+            if thief.stdout is not None:
+                thief.stdout.close()
+        lanes.close()
+        workers.stop()
