@@ -895,6 +895,12 @@ class Runtime:
                 elif misses[key] >= self.faults.health_misses:
                     self._engine_down(name, self._unanswered(misses[key]))
 
+    def _with_exit(self, detail: str, name: str) -> str:
+        """`detail`, and how the engine's process ended where it did (a `kill -9` read as a failed
+        health check alone)."""
+        ended = None if self.supervisor is None else self.supervisor.exit_status(name)
+        return detail if ended is None else f"{detail}: its process {ended}"
+
     def _unanswered(self, probes: int) -> str:
         limit = self.faults.health_timeout_s
         if probes == 1:
@@ -961,6 +967,8 @@ class Runtime:
         (the rolling update goes on to the next engine), and a restart with backoff begins."""
         if name in self.plan.down:
             return
+        if not detail.startswith("exited"):  # said already by a death at start-up
+            detail = self._with_exit(detail, name)
         assert self._tg is not None
         self._log.warning("engine %s is down: %s", name, detail, extra=AS_EVENT)
         self.pool.mark_down(name)

@@ -50,6 +50,10 @@ class EngineSupervisor(Protocol):
         answers its health check; raise when it cannot be started."""
         ...
 
+    def exit_status(self, name: str) -> str | None:
+        """How engine `name`'s process ended (`exited with -9 (SIGKILL)`), None while it runs."""
+        ...
+
 
 def is_engine_fault(exc: BaseException) -> bool:
     """A failure that may be the engine's, not the turn's: worth a health probe and a retry elsewhere.

@@ -224,6 +224,18 @@ class EngineProcesses:
             raise
         return self.client(name)
 
+    def exit_status(self, name: str) -> str | None:
+        engine = self.engines.get(name)
+        code = None if engine is None else engine.proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"exited with {code} ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return f"exited with {code}"
+
     async def _kill(self, engine: EngineProcess) -> None:
         _signal_group(engine.pid, signal.SIGKILL)
         await asyncio.to_thread(engine.proc.wait)  # SIGKILL cannot be ignored: this returns promptly

@@ -108,6 +108,9 @@ class FakeSupervisor:
     engines: dict[str, FakeEngine] = field(default_factory=dict)
     refuse: set[int] = field(default_factory=set)  # versions the engines it starts refuse
 
+    def exit_status(self, name: str) -> str | None:
+        return None  # no process of its own
+
     async def restart(self, name: str) -> FakeEngine:
         self.restarts.append((asyncio.get_running_loop().time(), name))
         await asyncio.sleep(self.start_s)

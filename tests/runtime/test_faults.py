@@ -528,6 +528,9 @@ def test_kill_9_of_an_engine_mid_turn_during_corral_run(tmp_path: Path) -> None:
     assert_recovered(report, "engine-0")
     assert report["turn_retries"] >= 1  # the cut-off turns ran again on the other engine
     assert report["discarded_groups"]["failed"] == 0
+    # why it went down says how its process ended, where it read as a failed turn or probe alone
+    down = next(e for e in report["engine_events"] if e["engine"] == "engine-0")
+    assert down["detail"].endswith("its process exited with -9 (SIGKILL)"), down
 
 
 @pytest.mark.slow
