@@ -345,8 +345,9 @@ def test_staleness_sweep_rows_name_their_k() -> None:
         (["sim", "--workload", "w.json"], 2),
         (["bench", "--family"], 1),
         (["bench", "--family"], 2),
+        (["sim", "--workload", "w.json", "--plot", "p.png"], 1),
     ],
-    ids=["sim", "sim, Ctrl-C twice", "bench --family", "bench --family, Ctrl-C twice"],
+    ids=["sim", "sim, Ctrl-C twice", "bench --family", "bench --family, Ctrl-C twice", "sim with a plot"],
 )
 def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
     args: list[str], presses: int, tmp_path: Path
@@ -379,8 +380,10 @@ def test_ctrl_c_to_the_process_group_mid_simulation_ends_in_one_line(
     # command is on its way out (`early_signals.stopping`)
     assert proc.returncode == 130, stderr
     said = [line for line in stderr.splitlines() if not PROGRESS_LINE.fullmatch(line)]  # off a terminal
-    assert said == ["interrupted; out.json not written"]
+    # the plot asked for is not written either, and the line said only the report
+    assert said == [f"interrupted; out.json{' and p.png' if '--plot' in args else ''} not written"]
     assert not (tmp_path / "out.json").exists()
+    assert not (tmp_path / "p.png").exists()
 
 
 def wait_for_reader(fifo: Path, proc: subprocess.Popen[str], timeout: float = 60) -> int:

@@ -193,13 +193,13 @@ def _as_ctrl_c(signum: int, frame: Any) -> None:
 
 
 @contextmanager
-def interrupt_says(json_out: Path) -> Iterator[None]:
-    """A Ctrl-C during the work ends the command with one line saying nothing was written, exit 130
-    (typer would end it silently)."""
+def interrupt_says(json_out: Path, plot: Path | None = None) -> Iterator[None]:
+    """A Ctrl-C during the work ends the command with one line saying nothing was written (the plot
+    too, when one was asked for), exit 130 (typer would end it silently)."""
     try:
         yield
     except KeyboardInterrupt:
-        say(f"interrupted; {json_out} not written")
+        say(f"interrupted; {json_out}{'' if plot is None else f' and {plot}'} not written")
         raise typer.Exit(130) from None
 
 

@@ -278,7 +278,7 @@ def sim(
         say(f"note: the workload's {named} are full's; policy {policy.value} runs with its own")
     # Off a terminal too: a long workload (batches: 10000) ran for most of an hour without a word.
     lines = progress_lines("sim", "batches", quiet_s=QUIET_S)
-    with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
+    with interrupt_says(json_out, plot), simulation_errors(), progress_bar() as progress:
         task = progress.add_task(f"sim {policy.value}", total=spec.batches)
 
         def on_batch(done: int) -> None:
@@ -382,7 +382,7 @@ def bench(
     check_apart({"--json": json_out, "--plot": plot}, workload_inputs(workload, spec))
     for s in s_values:
         check_surplus(spec, s, "--surplus-sweep")
-    with interrupt_says(json_out), simulation_errors(), progress_bar() as progress:
+    with interrupt_says(json_out, plot), simulation_errors(), progress_bar() as progress:
         task = progress.add_task("bench", total=None)
         lines = progress_lines("bench", "simulations")
 
@@ -412,7 +412,7 @@ def _bench_family(json_out: Path, plot: Path | None, peers: bool) -> None:
     check_output(json_out, "--json")
     check_plot(plot)
     check_apart({"--json": json_out, "--plot": plot}, {})
-    with interrupt_says(json_out), progress_bar() as progress:
+    with interrupt_says(json_out, plot), progress_bar() as progress:
         task = progress.add_task("bench --family", total=None)
         lines = progress_lines("bench", "simulations")
 
