@@ -632,6 +632,15 @@ def advice_figure(advice: Advice) -> Figure:
         candidates = [drawn_s(o.batch_collection_s) for o in advice.evaluated]
         right.plot(xs, candidates, "o-", ms=3, label="candidate")
         right.plot(xs, [o.lower_bound_s for o in advice.evaluated], "k--", lw=1, label="its lower bound")
+        # the faster ones not advised, and the advised one, marked: the curve's first point was a setting
+        # passed over for cutting more attempts short, with nothing to say so
+        passed = {id(o) for o in advice.passed_over}
+        marked = [(x, y) for x, o, y in zip(xs, advice.evaluated, candidates, strict=True) if id(o) in passed]
+        if marked:
+            right.plot(*zip(*marked, strict=True), "x", color="#b00020", ms=7, mew=1.5,
+                       label="faster, not advised: cuts more attempts short")  # fmt: skip
+        at = next(x for x, o in zip(xs, advice.evaluated, strict=True) if o is advice.recommended)
+        right.plot([at], [candidates[at]], "o", ms=9, mfc="none", mec="#2b7bba", mew=2, label="advised")
         right.set_xlabel("simulated settings, best first")
         right.xaxis.get_major_locator().set_params(integer=True)
         right.set_ylabel("mean batch collection time (s)")

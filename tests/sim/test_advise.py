@@ -209,7 +209,8 @@ def test_an_advice_interrupted_before_any_candidate_says_there_is_none(tmp_path:
     other = make_outcome(start.with_knob("surplus_groups", 0), batch_collection_s=150.0)
     one = Advice(current, current, [current, other], complete=False)
     assert one.verdict().startswith("the advice matches the current config")
-    assert len(advice_figure(one).axes[1].lines) == 2
+    labels = [line.get_label() for line in advice_figure(one).axes[1].lines]
+    assert labels == ["candidate", "its lower bound", "advised"]
 
 
 def test_each_bar_of_the_advice_plot_has_its_own_lower_bound() -> None:
@@ -335,6 +336,13 @@ def test_faster_settings_that_cut_short_more_attempts_are_not_advised() -> None:
     assert advice.recommended is fair
     assert advice.passed_over == [starving]
     assert advice.as_dict()["passed_over_for_cut_attempts"] == 1
+    # the plot marks it: the curve began with it, faster than the advised setting, and said nothing
+    from app.sim.advise import advice_figure
+
+    lines = {line.get_label(): line for line in advice_figure(advice).axes[1].lines}
+    marked = lines["faster, not advised: cuts more attempts short"]
+    assert list(marked.get_xdata()) == [advice.evaluated.index(starving)]
+    assert list(lines["advised"].get_xdata()) == [advice.evaluated.index(fair)]
     assert fair.cut_text() == ", 17% of attempts cut short"
     # with nothing else, the current settings stand
     alone = _choose(start, {start: current, starving.settings: starving}, complete=True)
