@@ -247,8 +247,8 @@ def test_a_live_s_many_times_what_runs_now_is_applied_only_when_confirmed(
     assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] != 7  # nothing was applied
     # a change that is not large needs nothing, and a large one confirmed is applied
     assert api.patch(f"/api/runs/{run_id}/policy", json={"surplus_groups": s + 1}).status_code == 200
-    client = CorralClient(server, token=TOKEN)
-    answer = client.set_policy(run_id, surplus_groups=large, confirm_large_change=True)
+    with CorralClient(server, token=TOKEN) as client:
+        answer = client.set_policy(run_id, surplus_groups=large, confirm_large_change=True)
     assert answer["policy"]["surplus_groups"] == large
     assert "confirm_large_change" not in answer["policy"]
     assert api.get(f"/api/runs/{run_id}").json()["policy"]["surplus_groups"] == large
