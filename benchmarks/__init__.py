@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -15,6 +16,15 @@ def seconds_cell(value: float | None) -> str:
     """A mean in seconds for a table or a line; a rung that delivered no batch has no mean (null in its
     JSON), and says so."""
     return "no batch" if value is None else f"{value:.1f}"
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """A benchmark's flags, refused as `corral`'s commands refuse theirs: one line, `error: --flag: why`
+    (with `app.validation.int_between` as the type, `error: --batches: 0 is outside 1..1000`), exit code
+    2, where argparse prints its usage and `prog: error: argument ...`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
 
 
 @contextmanager

@@ -14,7 +14,6 @@ machine are never touched. The debug routes need `CORRAL_ENGINE_DEBUG=1` (app/en
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -30,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from app.runtime.config import MAX_RUN_BATCHES
+from app.validation import int_between
 
 CONFIG = """
 seed: 3
@@ -97,10 +99,29 @@ def engines_of(run_pid: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def wait_ready(run_pid: int, timeout_s: float = 180.0) -> list[tuple[int, int]]:
+def run_ended(proc: subprocess.Popen[str], lines: list[str], reader: threading.Thread, waiting: str) -> None:
+    """If `corral run` has exited (a refused flag or config, a failed start), end the script with one line
+    saying so and then the run's own last line of stderr: exit 2 when the run refused its input (2),
+    1 otherwise. It waited out its 180 s for engines that would never start, then raised a traceback."""
+    code = proc.poll()
+    if code is None:
+        return
+    reader.join(5)
+    said = [line.strip() for line in lines if line.strip()]
+    print(f"error: corral run exited {code} {waiting}; its last line:", file=sys.stderr)
+    print(said[-1] if said else "(it wrote nothing)", file=sys.stderr)
+    raise SystemExit(2 if code == 2 else 1)
+
+
+def wait_ready(
+    proc: subprocess.Popen[str], lines: list[str], reader: threading.Thread, timeout_s: float = 180.0
+) -> list[tuple[int, int]]:
+    """The run's two engines once both answer /health; the script ends (`run_ended`) if the run exits
+    first or they are not ready within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        engines = engines_of(run_pid)
+        run_ended(proc, lines, reader, "before its engines were ready")
+        engines = engines_of(proc.pid)
         if len(engines) == 2:
             try:
                 if all(httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
@@ -109,7 +130,10 @@ def wait_ready(run_pid: int, timeout_s: float = 180.0) -> list[tuple[int, int]]:
             except httpx.TransportError:
                 pass
         time.sleep(0.1)
-    raise TimeoutError("engines not ready")
+    said = [line.strip() for line in lines if line.strip()]
+    print(f"error: corral run's engines not ready after {timeout_s:g} s; its last line:", file=sys.stderr)
+    print(said[-1] if said else "(it wrote nothing)", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:
@@ -132,9 +156,10 @@ def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        engines = wait_ready(proc.pid)
+        engines = wait_ready(proc, lines, reader)
         if fault.after_first_batch:
             while not any(BATCH_LINE.search(line) for line in list(lines)):
+                run_ended(proc, lines, reader, "before its first batch")
                 time.sleep(0.05)
         (e0, port0), (e1, port1) = engines
         while fault.turn_on_e0:
@@ -203,14 +228,17 @@ def startup_stop_s(tmp: Path) -> float:
     return took
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=6)
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import ScriptParser, check_outputs, save_json  # as a script (-m), it is importable
+
+    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int_between(1, MAX_RUN_BATCHES), default=6)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", default="", help="run only the faults whose name contains this")
-    parser.add_argument("--startup-stops", type=int, default=0, help="also time N Ctrl-Cs during start-up")
-    args = parser.parse_args()
-    from benchmarks import check_outputs, save_json  # as a script (-m), the package is importable
+    parser.add_argument(
+        "--startup-stops", type=int_between(0, 1000), default=0, help="also time N Ctrl-Cs during start-up"
+    )
+    args = parser.parse_args(argv)
 
     check_outputs(json=args.json)
     rows = []

@@ -46,3 +46,35 @@ def test_a_stop_signal_mid_benchmark_is_one_line_and_exit_130(sig: signal.Signal
     assert err.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in err
     assert left_in_session(proc.pid, group=True) == set()
+
+
+def run_module(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", name, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_faults_refuses_a_bad_batch_count_in_one_line() -> None:
+    for value in ("0", "-1", "x"):
+        done = run_module("benchmarks.faults", "--batches", value)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: --batches: "), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_faults_ends_with_the_runs_own_error_when_the_run_exits_before_its_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `corral run` that refuses its flags exits 2 at once: the script polled for its engines for
+    180 s, then raised `TimeoutError: engines not ready` without the run's error."""
+    monkeypatch.syspath_prepend(str(REPO))  # benchmarks/ is imported from the checkout
+    from benchmarks import faults
+
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        faults.run_fault(faults.FAULTS[0], 0, tmp_path)  # --batches 0 reaches the run itself
+    assert exit_info.value.code == 2
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: corral run exited 2 before its engines were ready")
+    assert "--batches" in err[-1]
