@@ -17,7 +17,6 @@ the same workloads (their own seed is 0), to see whether a result holds beyond o
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -69,12 +68,16 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    from benchmarks import ScriptParser, check_outputs  # as a script (-m), the package is importable
+
+    parser = ScriptParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workloads", default=",".join(FAMILY), help="comma-separated built-in names")
     parser.add_argument("--no-peers", action="store_true", help="leave out the peer rungs")
     parser.add_argument("--json", dest="json_out", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of every workload's rungs here")
-    parser.add_argument("--processes", type=int, default=1, help="simulations run in this many processes")
+    parser.add_argument(
+        "--processes", type=int_between(1, 64), default=1, help="simulations run in this many processes"
+    )
     parser.add_argument(
         "--trainable",
         action="store_true",
@@ -90,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         help="draw the workloads with this seed instead of their own (0)",
     )
     args = parser.parse_args(argv)
-    from benchmarks import check_outputs  # as a script (-m), the package is importable
-
     check_outputs(json=args.json_out, plot=args.plot)
     names = [n for n in args.workloads.split(",") if n]
     unknown = [n for n in names if n not in FAMILY]
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             names,
             peers=not args.no_peers,
             on_run=on_run,
-            processes=max(1, args.processes),
+            processes=args.processes,
             known=known,
             trainable=args.trainable,
             seed=args.seed,

@@ -22,7 +22,6 @@ machine disturbs much less; `--repeat N` prints the medians of N runs.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import math
 import pstats
@@ -31,8 +30,18 @@ import sys
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from app.sim.run import policy_for, simulate
 from app.sim.workload import Workload
+from app.validation import (
+    MAX_BATCHES,
+    MAX_GROUP_SIZE,
+    MAX_GROUPS_PER_BATCH,
+    MAX_SURPLUS,
+    int_between,
+    problems,
+)
 
 SHAPES = {
     "short": {"uniform": [2, 4]},
@@ -175,21 +184,36 @@ def time_default_bench() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--groups", type=int, default=250, help="B")
-    parser.add_argument("--group-size", type=int, default=8, help="G")
-    parser.add_argument("--surplus", type=int, default=1000, help="S")
-    parser.add_argument("--batches", type=int, default=3)
+    from benchmarks import ScriptParser, check_outputs, save_json  # as a script (-m), it is importable
+
+    parser = ScriptParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--groups", type=int_between(1, MAX_GROUPS_PER_BATCH), default=250, help="B")
+    parser.add_argument("--group-size", type=int_between(2, MAX_GROUP_SIZE), default=8, help="G")
+    parser.add_argument("--surplus", type=int_between(0, MAX_SURPLUS), default=1000, help="S")
+    parser.add_argument("--batches", type=int_between(1, MAX_BATCHES), default=3)
     parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
     parser.add_argument("--no-bench", action="store_true", help="skip timing `corral bench`")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N under cProfile")
+    parser.add_argument(
+        "--profile",
+        type=int_between(0, 10_000),
+        default=0,
+        metavar="N",
+        help="print the top N under cProfile",
+    )
     parser.add_argument("--json", dest="json_out", help="also write the figures to this file")
     parser.add_argument(
-        "--repeat", type=int, default=1, metavar="N", help="run each shape N times; print the medians"
+        "--repeat",
+        type=int_between(1, 100),
+        default=1,
+        metavar="N",
+        help="run each shape N times; print the medians",
     )
     args = parser.parse_args(argv)
-    from benchmarks import check_outputs, save_json  # as a script (-m), the package is importable
-
+    typed = f"--groups {args.groups} --group-size {args.group_size} --surplus {args.surplus}"
+    try:  # (B + S)·G sizes the engines, slots and cores (2 for each live trajectory), which have bounds
+        scale_workload(args.groups, args.group_size, args.surplus, args.batches)
+    except ValidationError as exc:
+        parser.error(f"{typed}: the scale workload is out of bounds: {problems(exc)}")
     check_outputs(json=args.json_out)
     shapes = list(SHAPES) if args.shape == "both" else [args.shape]
     results = []
@@ -204,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runs = [
                 run_scale(args.groups, args.group_size, args.surplus, args.batches, shape)
-                for _ in range(max(1, args.repeat))
+                for _ in range(args.repeat)
             ]
             result = dict(runs[0])  # a copy: each run's own figures are listed after the medians
             if len(runs) > 1:  # a shared machine is noisy: the medians, and every run's figure

@@ -78,3 +78,29 @@ def test_faults_ends_with_the_runs_own_error_when_the_run_exits_before_its_engin
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("error: corral run exited 2 before its engines were ready")
     assert "--batches" in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "flag"),
+    [
+        ("benchmarks.scale", ["--groups", "0"], "--groups"),
+        ("benchmarks.scale", ["--group-size", "1"], "--group-size"),
+        ("benchmarks.scale", ["--surplus", "-1"], "--surplus"),
+        ("benchmarks.scale", ["--batches", "0"], "--batches"),
+        ("benchmarks.scale", ["--repeat", "0"], "--repeat"),
+        ("benchmarks.scale", ["--profile", "x"], "--profile"),
+        ("benchmarks.scale", ["--groups", "10000", "--surplus", "100000"], "--groups 10000"),
+        ("benchmarks.family", ["--processes", "0"], "--processes"),
+        ("benchmarks.family", ["--processes", "-2"], "--processes"),
+        ("benchmarks.family", ["--processes", "65"], "--processes"),
+        ("benchmarks.family", ["--seed", "-1"], "--seed"),
+    ],
+)
+def test_scale_and_family_refuse_bad_numbers_in_one_line(module: str, args: list[str], flag: str) -> None:
+    """`scale --groups 0` was a pydantic traceback (exit 1); `scale --repeat 0` and `family --processes 0`
+    ran as if 1 was given."""
+    done = run_module(module, *args, "--no-bench" if module.endswith("scale") else "--no-peers")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {flag}"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stdout == ""
