@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from benchmarks import check_outputs
 
-    check_outputs(json=args.out)
+    check_outputs(out=args.out)
     from multiprocessing import Pool
 
     tasks = [(s, i, c, t) for s in (0, 1) for i in range(24) for c in CONFIGS for t in (False, True)]

@@ -104,3 +104,11 @@ def test_scale_and_family_refuse_bad_numbers_in_one_line(module: str, args: list
     assert done.stderr.startswith(f"error: {flag}"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
+
+
+def test_gate_random_names_its_own_flag_for_an_unwritable_output(tmp_path: Path) -> None:
+    """`--out DIR` was refused as `error: --json DIR: is a directory`: there is no --json flag."""
+    done = run_module("benchmarks.gate_random", "--out", str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: --out {tmp_path}: "), done.stderr
+    assert "--json" not in done.stderr
