@@ -7,7 +7,7 @@ agent phase median 270 s and p90 660 s, capped at 660 s like most harness timeou
 p90 55 s, capped at 120 s; cleanup median 13 s, p90 17 s, capped at 38 s), with a per-task difficulty
 (log-sd 0.6 across tasks) shared by the task's attempts and its setup. A few setups are stretched into
 a long tail (beyond an hour) as a held-out trace showed. Seeded, so the file is reproducible:
-`.venv/bin/python -m benchmarks.make_trace`.
+`.venv/bin/python -m benchmarks.make_trace [--out PATH]` (default: examples/tb-trace.jsonl).
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ def lognormal(rng: random.Random, median: float, p90: float, scale: float = 1.0)
     return median * scale * math.exp(rng.gauss(0.0, math.log(p90 / median) / Z90))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks import ScriptParser, check_outputs  # as a script (-m), the package is importable
+
+    parser = ScriptParser(description="Write a small, seeded, synthetic terminal-bench-style trace.")
+    parser.add_argument("--out", type=Path, default=OUT, help="write the trace here (default: %(default)s)")
+    args = parser.parse_args(argv)
+    check_outputs(out=args.out)
     rng = random.Random(20261129)
     lines = []
     for t in range(40):
@@ -45,8 +51,8 @@ def main() -> None:
                     "reward": 1.0 if rng.random() < 0.5**difficulty else 0.0,
                 }
             )
-    OUT.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    print(f"wrote {len(lines)} attempts of 40 tasks to {OUT}")
+    args.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    print(f"wrote {len(lines)} attempts of 40 tasks to {args.out}")
 
 
 if __name__ == "__main__":

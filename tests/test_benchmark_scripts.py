@@ -112,3 +112,18 @@ def test_gate_random_names_its_own_flag_for_an_unwritable_output(tmp_path: Path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: --out {tmp_path}: "), done.stderr
     assert "--json" not in done.stderr
+
+
+def test_make_trace_help_writes_nothing_and_out_writes_the_same_trace(tmp_path: Path) -> None:
+    """`make_trace --help` ignored its arguments and rewrote the tracked examples/tb-trace.jsonl."""
+    tracked = REPO / "examples" / "tb-trace.jsonl"
+    before = tracked.stat().st_mtime_ns
+    helped = run_module("benchmarks.make_trace", "--help")
+    assert helped.returncode == 0
+    assert "--out" in helped.stdout
+    assert tracked.stat().st_mtime_ns == before
+    out = tmp_path / "trace.jsonl"
+    done = run_module("benchmarks.make_trace", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == tracked.read_bytes()  # the default invocation's output, byte for byte
+    assert tracked.stat().st_mtime_ns == before
