@@ -204,12 +204,16 @@ def family_figure(result: dict[str, Any]) -> Figure:
         ("corral", "Corral's ladder and variants of full"),
         ("peer", "other systems, emulated (docs/peers.md)"),
     ]
-    fig.legend(
+    # One panel (5.2 in) is narrower than the legend in one row: it was cut off at both sides, so there
+    # it takes a row an entry; the panels are laid out below however many rows it has.
+    legend = fig.legend(
         handles=[Patch(color=FAMILY_COLOURS[k], label=text) for k, text in keys],
         loc="upper center",
-        ncols=len(keys),
+        ncols=len(keys) if len(workloads) > 1 else 1,
         fontsize=9,
         frameon=False,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.canvas.draw()
+    height = legend.get_window_extent().height / fig.bbox.height
+    fig.tight_layout(rect=(0, 0, 1, 1 - height - 0.01))
     return fig

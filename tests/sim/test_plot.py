@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 from matplotlib.colors import to_rgba
 
 from app.sim.plot import bench_figure, plot_bench
@@ -90,6 +91,30 @@ def test_the_family_plot_colours_only_the_emulated_systems_as_peers(tmp_path: Pa
     ]
     plot_family(result, tmp_path / "family.png")
     assert (tmp_path / "family.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_the_family_plot_legend_fits_the_figure_above_the_panels(count: int) -> None:
+    """With one workload (the README's rerun of `benchmarks.family --workloads default`) the figure was
+    5.2 inches wide and its one-row legend of three entries was cut off at both sides."""
+    import matplotlib.pyplot as plt
+
+    from app.sim.plot import family_figure
+
+    rungs = {
+        name: {"mean_s": 100.0 + 10 * i, "lower_bound_s": 90.0} for i, name in enumerate(["full", *PEERS])
+    }
+    figure = family_figure({"workloads": {f"w{i}": {"rungs": rungs} for i in range(count)}})
+    figure.canvas.draw()
+    (legend,) = figure.legends
+    box, whole = legend.get_window_extent(), figure.bbox
+    assert whole.x0 <= box.x0
+    assert box.x1 <= whole.x1
+    assert whole.y0 <= box.y0
+    assert box.y1 <= whole.y1
+    for ax in figure.axes:  # the panels' titles sit below it
+        assert ax.get_tightbbox().y1 <= box.y0 + 1
+    plt.close(figure)
 
 
 def test_the_bench_plot_shows_the_staleness_sweep() -> None:
