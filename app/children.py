@@ -181,10 +181,14 @@ def _lost_worker(pool: ProcessPoolExecutor) -> str | None:
         code = process.exitcode
         if code is None or code in (0, 130, -signal.SIGTERM):
             continue
-        if code < 0:
-            return signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        return f"exit status {code}"
+        return signal_name(code) if code < 0 else f"exit status {code}"
     return None
+
+
+def signal_name(code: int) -> str:
+    """The signal a negative exit code (a `Popen.returncode`, a `Process.exitcode`) stands for: "SIGKILL"
+    for -9, "signal 99" for one this system does not name."""
+    return signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -107,10 +107,15 @@ def run_ended(proc: subprocess.Popen[str], lines: list[str], reader: threading.T
     if code is None:
         return
     reader.join(5)
+    _give_up(lines, f"corral run exited {code} {waiting}", 2 if code == 2 else 1)
+
+
+def _give_up(lines: list[str], why: str, code: int) -> NoReturn:
+    """End the script: `why` in one line, then the run's own last line of stderr."""
     said = [line.strip() for line in lines if line.strip()]
-    print(f"error: corral run exited {code} {waiting}; its last line:", file=sys.stderr)
+    print(f"error: {why}; its last line:", file=sys.stderr)
     print(said[-1] if said else "(it wrote nothing)", file=sys.stderr)
-    raise SystemExit(2 if code == 2 else 1)
+    raise SystemExit(code)
 
 
 def wait_ready(
@@ -130,10 +135,7 @@ def wait_ready(
             except httpx.TransportError:
                 pass
         time.sleep(0.1)
-    said = [line.strip() for line in lines if line.strip()]
-    print(f"error: corral run's engines not ready after {timeout_s:g} s; its last line:", file=sys.stderr)
-    print(said[-1] if said else "(it wrote nothing)", file=sys.stderr)
-    raise SystemExit(1)
+    _give_up(lines, f"corral run's engines not ready after {timeout_s:g} s", 1)
 
 
 def run_fault(fault: Fault, batches: int, tmp: Path) -> dict[str, Any]:

@@ -147,15 +147,22 @@ def _redis_names(celery: Celery, queue: str) -> _RedisNames:
         )
 
 
+def _in_broker(celery: Celery, client: Redis, op_id: str, queue: str) -> str | None:
+    """Where the broker's Redis (`client`) holds the op's message: "queued" in `queue`, "unacked"
+    (delivered to a consumer that has not acked it), or None."""
+    names = _redis_names(celery, queue)
+    needle = op_id.encode()
+    if any(needle in raw for name in sorted(names.lists) for raw in client.lrange(name, 0, -1)):
+        return "queued"
+    if any(needle in raw for raw in client.hvals(names.unacked)):
+        return "unacked"
+    return None
+
+
 def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:
     """Whether the broker or a worker of `queue` holds the op (True), neither does (False), or no worker
     of `queue` answered (None: undecided). `client`: the broker's Redis."""
-    names = _redis_names(celery, queue)
-    lists, unacked = names.lists, names.unacked
-    needle = op_id.encode()
-    if any(needle in raw for name in sorted(lists) for raw in client.lrange(name, 0, -1)):
-        return True
-    if any(needle in raw for raw in client.hvals(unacked)):
+    if _in_broker(celery, client, op_id, queue) is not None:
         return True
     return held_by_a_worker(celery, op_id, queue)
 
@@ -164,11 +171,7 @@ def delivered_only(celery: Celery, client: Redis, op_id: str, queue: str) -> boo
     """Whether the op's message left its queue for a consumer (it is among the broker's unacked ones)
     and is not queued again: with no live worker holding it, its consumer died before it marked the op
     STARTED, and the broker gives it back only after its visibility timeout. `client`: the broker's."""
-    names = _redis_names(celery, queue)
-    needle = op_id.encode()
-    if any(needle in raw for name in sorted(names.lists) for raw in client.lrange(name, 0, -1)):
-        return False
-    return any(needle in raw for raw in client.hvals(names.unacked))
+    return _in_broker(celery, client, op_id, queue) == "unacked"
 
 
 def holder_of(result: Any) -> str | None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from app.children import die_with_parent
+from app.children import die_with_parent, signal_name
 from app.engines.vllm import VLLMEngine
 from app.runtime.config import EnginesConfig, LocalRunError
 from app.runtime.engine_pool import EngineFaultConfig
@@ -229,12 +229,7 @@ class EngineProcesses:
         code = None if engine is None else engine.proc.poll()
         if code is None:
             return None
-        if code < 0:
-            try:
-                return f"exited with {code} ({signal.Signals(-code).name})"
-            except ValueError:
-                pass
-        return f"exited with {code}"
+        return f"exited with {code}" + (f" ({signal_name(code)})" if code < 0 else "")
 
     async def _kill(self, engine: EngineProcess) -> None:
         _signal_group(engine.pid, signal.SIGKILL)

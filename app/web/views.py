@@ -242,9 +242,7 @@ def group_context(view: RunView, group_id: int) -> dict[str, Any] | None:
     if group is None:
         return None
     attempts = []
-    for (gid, _), traj in sorted(view.trajectories.items()):
-        if gid != group_id:
-            continue
+    for _, traj in sorted((key, t) for key, t in view.trajectories.items() if key[0] == group_id):
         spans = sorted(traj.spans, key=lambda x: (x.start, x.end))
         phases: dict[str, float] = {}
         for x in spans:

@@ -9,21 +9,16 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import httpx
-from api_support import TOKEN, free_port, make_run, serve_env, stored_run, wait_for
-from test_serve_restart import _healthy, corral_serve
+from api_support import make_run, stored_run, wait_for
+from test_serve_restart import _healthy, _on_sqlite, corral_serve
 
 from app.service.store import ServiceStore
 from app.store.models import RunState
 
 
 def test_runs_a_crash_left_unfinished_and_not_resumed_can_be_stopped_and_deleted(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    database = f"sqlite:///{tmp_path / 'corral.db'}"
-    env = serve_env(tmp_path, database, port)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, log, api = _on_sqlite(tmp_path)
+    database = env["CORRAL_DATABASE_URL"]
     store = ServiceStore(database, migrate=False)
     try:
         with corral_serve(env, log) as first:

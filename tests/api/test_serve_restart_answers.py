@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import httpx
 import pytest
 from api_support import TOKEN, free_port, make_run, make_settings, serving, stored_run, wait_for
 from test_serve_restart import _healthy, corral_serve
+from test_trainer_loop_example import run_example
 
 from app.client import CorralClient, RunEnded
 from app.core.events import (
@@ -29,8 +28,6 @@ from app.core.events import (
 from app.service.store import ServiceStore
 from app.store.models import Run, RunState
 from app.store.repos import BatchRepo, GroupRepo
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
 
 def _serve_env(tmp_path: Path) -> tuple[dict[str, str], str, str, Path, httpx.Client]:
@@ -180,13 +177,7 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             assert paused.status_code == 409
             assert "has ended (stopped)" in paused.json()["detail"]
 
-            done = subprocess.run(
-                [sys.executable, str(EXAMPLE), "--url", url, "--run", run_id, "--token", TOKEN],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                cwd=EXAMPLE.parents[1],
-            )
+            done = run_example(url, run_id)
             assert done.returncode == 0, done.stderr
             assert "Traceback" not in done.stderr
             assert done.stdout == ""  # no batch: the loop ended at once

@@ -10,19 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from api_support import TOKEN, free_port, make_run, serve_env, stored_run, wait_for
-from test_serve_restart import _healthy, corral_serve
+from api_support import make_run, stored_run, wait_for
+from test_serve_restart import _healthy, _on_sqlite, corral_serve
 
 POLL_S = 20  # the long-poll's timeout; the 404 comes long before it
 
 
 def test_deleting_a_run_ended_before_a_restart_ends_a_long_poll_on_its_kept_batch(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    database = f"sqlite:///{tmp_path / 'corral.db'}"
-    env = serve_env(tmp_path, database, port)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, log, api = _on_sqlite(tmp_path)
+    database = env["CORRAL_DATABASE_URL"]
     try:
         with corral_serve(env, log) as first:
             wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from api_support import TOKEN, free_port, make_run, serve_env, stored_run, wait_for
-from test_serve_restart import _healthy, corral_serve
+from api_support import make_run, stored_run, wait_for
+from test_serve_restart import _healthy, _on_sqlite, corral_serve
 
 PAUSED_LOOK_S = 3.0  # how long a paused run is watched for work it should not do
 
@@ -27,12 +27,8 @@ def _work(live: dict[str, Any]) -> tuple[int, int]:
 
 
 def test_a_run_paused_at_a_kill_9_comes_back_paused(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    database = f"sqlite:///{tmp_path / 'corral.db'}"
-    env = serve_env(tmp_path, database, port)
-    log = tmp_path / "serve.log"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    env, url, log, api = _on_sqlite(tmp_path)
+    database = env["CORRAL_DATABASE_URL"]
     spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0.05, speed=8.0)
     try:
         with corral_serve(env, log) as first:

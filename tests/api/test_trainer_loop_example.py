@@ -12,15 +12,15 @@ from api_support import TOKEN, make_run, wait_for
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
 
+def run_example(url: str, run_id: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """examples/trainer_loop.py on `run_id` at `url`, from the repository root, as its docstring runs it."""
+    argv = [sys.executable, str(EXAMPLE), "--url", url, "--run", run_id, "--token", TOKEN, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=EXAMPLE.parents[1])
+
+
 def test_the_readme_trainer_loop_trains_on_three_batches(server: str, api: httpx.Client) -> None:
     run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--url", server, "--run", run_id, "--token", TOKEN, "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=EXAMPLE.parents[1],
-    )
+    done = run_example(server, run_id, "--steps", "3")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["batch 0", "batch 1", "batch 2"]
@@ -67,13 +67,7 @@ def test_the_loop_ends_cleanly_on_a_run_that_ended_while_it_held_a_batch(
     assert held.status_code == 200, held.text
     assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
     wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", what="stopped")
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--url", server, "--run", run_id, "--token", TOKEN, "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=EXAMPLE.parents[1],
-    )
+    done = run_example(server, run_id, "--steps", "3")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [f"batch {held.json()['index']}"]
