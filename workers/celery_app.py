@@ -7,7 +7,8 @@ lane; a worker consumes exactly one lane of one host.
 Delivery: late acks, a prefetch of 1 and redelivery when a pool process dies mid-task, so a lost worker
 never loses an op; tasks are idempotent by op id (the op id is the Celery task id, and a redelivered op
 whose result is already stored returns that result). On Redis a message not acked within the
-visibility timeout is delivered again, so the timeout is set above the longest op.
+visibility timeout is delivered again, so the timeout is set above the longest op. A revoked op is
+recorded in the result backend, and refused by whatever worker it is delivered to afterwards.
 
 The app is built by `make_celery` from explicit URLs, in each entry point, with the configuration
 clients use too (`app.lanes.celery.make_celery`); nothing reads the environment at import time.
@@ -25,6 +26,7 @@ from app.lanes.celery import (
     ORCHESTRATOR_QUEUE,
     ORCHESTRATOR_TASK,
     broker_urls,
+    cancelled_key,
     check_lane_host,
     lane_queue,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "ORCHESTRATOR_TASK",
     "BrokerError",
     "BrokerSettings",
+    "cancelled_key",
     "check_host",
     "make_celery",
     "queue_name",

@@ -9,6 +9,8 @@ Invariants:
 - an op runs only on the worker of its lane and host (a misrouted op is refused, never run);
 - the op id is the task id; a delivery of an op whose result is already stored returns that result
   without running the op again (idempotent under at-least-once delivery);
+- an op its client revoked (`app.lanes.celery.cancelled_key`) is not run, whenever it is delivered: it is
+  marked REVOKED and its message acked, so its attempt's end is final;
 - the op runs through `app.lanes.ops.execute_op`, as in-process lanes run it.
 """
 
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import Task, shared_task, states
+from celery.exceptions import Ignore
 from celery.signals import worker_process_init
 
 from app.engines.embedded.cpus import pin_cpus
 from app.lanes.base import LaneName
 from app.lanes.ops import LaneOp, LaneOpError, encode_result, execute_op
-from workers.celery_app import LANE_OP_TASK
+from workers.celery_app import LANE_OP_TASK, cancelled_key
 from workers.sandboxes import HostSandboxes
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,13 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
         # The backend keeps the first result (it never overwrites a success), which is what we return.
         log.warning("op %s (%s) delivered again: returning its stored result", op.op_id, op.name.value)
         return {**stored["result"], "replayed": True}
+    if self.backend.client.exists(cancelled_key(op.op_id)):
+        # Celery's own revoke did not stop it: this worker was not up when it was sent, or has restarted
+        # since (a host back, a killed worker's replacement given its unacked message after the visibility
+        # timeout).
+        log.warning("op %s (%s) was revoked by its client: not run", op.op_id, op.name.value)
+        self.backend.mark_as_revoked(op.op_id, "revoked by its client", request=self.request)
+        raise Ignore  # acked, its REVOKED state kept
     started = time.time()
     sandbox = _worker.sandboxes.resolve(op.handle)
     result = asyncio.run(execute_op(op, sandbox, _worker.cpus))

@@ -11,6 +11,8 @@ Invariants:
 - a cancelled op is revoked (a queued op then never runs) and the cancellation waits, up to
   `cancel_grace_s`, for the op to settle: a sandbox's cleanup, sent after the cancellation, never
   overtakes its own reset still running in another lane;
+- a revoked op (cancelled, or timed out) never starts afterwards, whatever worker its message reaches,
+  however late (up to `CANCELLED_TTL_S`): it is recorded in the result backend before it is revoked;
 - a worker's error is raised here (its type when importable, else celery's), never swallowed;
 - with `start_timeout_s`, an op no worker has started in that time (its host is down, or its lane has
   no worker) is revoked and fails with `LaneStartTimeout`, so an attempt never hangs on a lost host;
@@ -72,6 +74,18 @@ def lease_key(run_id: str) -> str:
 
 def run_stop_key(run_id: str) -> str:
     return f"corral:stop:{run_id}"
+
+
+# A revoked op (cancelled, or timed out): a key in the result backend's Redis, which every lane worker
+# reads before it runs an op (workers.lane_tasks). Celery's revoke reaches only the workers up when it is
+# sent and lives in their memory, while the op's message may be delivered later, to a worker that never
+# heard of it: one still queued for a host that was down, or one a worker killed whole left among Redis's
+# unacked messages, given out again after the visibility timeout. Kept a week, above that timeout.
+CANCELLED_TTL_S = 7 * 24 * 3600
+
+
+def cancelled_key(op_id: str) -> str:
+    return f"corral:cancelled:{op_id}"
 
 
 def request_run_stop(result_backend: str, run_id: str, actor: str) -> None:
@@ -363,6 +377,11 @@ class CeleryLanes:
         after = self._epoch.now()
         return result, (after if before == after else lost_ops.UNKNOWN)
 
+    def _revoke(self, op: LaneOp[Any]) -> None:
+        """Revoke the op, recorded first where a worker that takes it later looks (`cancelled_key`)."""
+        self.celery.backend.client.set(cancelled_key(op.op_id), op.name.value, ex=CANCELLED_TTL_S)
+        self.celery.control.revoke(op.op_id)
+
     async def _resend_if_lost(self, op: LaneOp[Any], result: AsyncResult, epoch: str) -> str | None:
         """The op's epoch after a check: sent again (same id) if the broker lost it in a restart."""
         latest = await asyncio.to_thread(self._epoch.latest)
@@ -546,13 +565,13 @@ class CeleryLanes:
 
         try:
             if not await self._settled(result, deadline, on_started, start_deadline, look_for_it):
-                await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+                await asyncio.to_thread(self._revoke, op)
                 raise LaneOpTimeout(f"op {op.op_id} ({op.name.value}) not done in {self._op_timeout_s} s")
         except LaneStartTimeout:
-            await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+            await asyncio.to_thread(self._revoke, op)
             raise
         except asyncio.CancelledError:
-            await asyncio.to_thread(self.celery.control.revoke, op.op_id)
+            await asyncio.to_thread(self._revoke, op)
             deadline = asyncio.get_running_loop().time() + self._cancel_grace_s
             next_check = asyncio.get_running_loop().time()
 

@@ -27,7 +27,8 @@ the op it had started in the broker's unacked messages, redelivered only after t
 after `HOLDER_MISSES` checks in a row without its answer while other workers answer, it is sent again
 (same id) when a worker of its queue answered and none of them holds it (`held_by_a_worker`); its
 stale message is dropped from the unacked ones (`drop_unacked`). A cancelled op whose worker does not
-answer is not waited for.
+answer is not waited for; its message, left among the unacked ones, is refused by the worker it reaches
+later (app.lanes.celery.cancelled_key).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 its result stored once it is back, and the run's client waits the outage out instead of failing the op.
 The test runs its own `redis-server` on a free port (this machine's Redis on 6379 serves the rest of the
 suite), keeping nothing on disk, as the machine's does. Also here, as it loses ops the same way: a worker
-killed whole with an op it had started."""
+killed whole with an op it had started; and, as they need a Redis of their own to hand out its unacked
+messages again, revoked ops delivered to a worker that never heard of the revoke."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -20,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery_cluster import WORKER_CPUS, Workers, broker_env
+from celery import states
+from celery.result import AsyncResult
+from celery_cluster import WORKER_CPUS, Workers, broker_env, wait_for
 from factories import make_echo_task
 from redis import Redis as RedisClient
 
 from app.lanes import lost_ops
 from app.lanes.base import LaneName
-from app.lanes.celery import LANE_OP_TASK, CeleryLanes, lane_queue
+from app.lanes.celery import LANE_OP_TASK, CeleryLanes, LaneStartTimeout, lane_queue
 from app.lanes.ops import LaneOp
 from app.sandboxes.local import LocalSandboxFactory
 from workers.celery_app import make_celery
@@ -267,6 +271,74 @@ async def test_a_cancelled_op_whose_worker_was_killed_is_not_waited_for(killed_w
     assert time.monotonic() - began < 15  # a ping's time, not cancel_grace_s
 
 
+def redeliver_unacked(url: str) -> None:
+    """What Redis's transport does with the unacked messages once the visibility timeout (4 h) has passed,
+    done now: kombu's own `restore_visible`, under a timeout of 0, puts them back in their queues."""
+    app = make_celery(url, url)
+    app.conf.broker_transport_options = {"visibility_timeout": 0}
+    try:
+        with app.connection_for_write() as conn:
+            conn.default_channel.qos.restore_visible(num=100)
+    finally:
+        app.close()
+
+
+async def test_a_cancelled_op_whose_worker_was_killed_is_not_run_when_redis_delivers_it_again(
+    killed_worker: KilledWorker,
+) -> None:
+    # The cancellation ended its attempt, but its message stayed among Redis's unacked ones: 4 h later
+    # Redis handed it out again and the worker that replaced the killed one ran it (its revoke was
+    # broadcast before that worker started), on a sandbox whose attempt had ended.
+    k = killed_worker
+    await asyncio.sleep(0.5)
+    k.op.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(k.op, 120)
+    client = RedisClient.from_url(k.url)
+    try:
+        [message] = [raw for raw in client.hvals("unacked") if b"sleep 4" in raw]  # still there
+        result = AsyncResult(json.loads(message)[0]["headers"]["id"], app=k.lanes.celery)
+        k.workers.start(
+            "--lane", "exec", "--cpus", WORKER_CPUS, "--host", k.host, env=broker_env(k.url, k.url)
+        )
+        await asyncio.to_thread(redeliver_unacked, k.url)
+        await asyncio.to_thread(wait_for, lambda: result.state in states.READY_STATES, 60, "the redelivery")
+        assert result.state == states.REVOKED
+        assert k.runs.read_text() == "run\n"  # started once, on the killed worker, never again
+        assert not [raw for raw in client.hvals("unacked") if b"sleep 4" in raw]  # acked
+    finally:
+        client.close()
+
+
+async def test_an_op_revoked_while_its_host_had_no_worker_is_not_run_by_the_worker_started_later(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path
+) -> None:
+    # The op waited in the queue of a lane with no worker and failed with LaneStartTimeout (revoked):
+    # the exec worker started afterwards never got the revoke and ran it, after its attempt had ended.
+    url, host, workers, lanes = _lanes_on(redis, tmp_path)
+    hasty = CeleryLanes(lanes.celery, (host,), start_timeout_s=1.0)
+    try:
+        env = broker_env(url, url)
+        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+        for lane in ("reset", "cleanup"):
+            workers.start("--lane", lane, *one_slot, env=env)
+        sandbox = base_dir / "late"
+        handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
+        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+        with pytest.raises(LaneStartTimeout):
+            await hasty.run_op(LaneOp.exec(handle, "echo run >> runs.txt", 30))
+        workers.start("--lane", "exec", *one_slot, env=env)
+        # One slot, first in first out: once this op is done, the revoked one ahead of it was taken.
+        after = await asyncio.wait_for(lanes.run_op(LaneOp.exec(handle, "echo after", 30)), 120)
+        assert after.output.strip() == "after"
+        assert not (sandbox / "runs.txt").exists()
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        hasty.close()
+        lanes.close()
+        workers.stop()
+
+
 THIEF = """
 import sys, time
 from kombu import Connection
@@ -317,6 +389,51 @@ async def test_an_op_taken_by_a_worker_killed_before_it_started_it_is_sent_again
         assert (sandbox / "runs.txt").read_text() == "run\n"  # run once
         assert lanes.stats()["exec"].resent == 1
         assert not [raw for raw in client.hvals("unacked") if b"runs.txt" in raw]  # not delivered again
+        client.close()
+        await lanes.run_op(LaneOp.cleanup(handle))
+    finally:
+        if thief is not None:
+            if thief.poll() is None:
+                os.killpg(thief.pid, signal.SIGKILL)
+                thief.wait()
+            if thief.stdout is not None:
+                thief.stdout.close()
+        lanes.close()
+        workers.stop()
+
+
+async def test_a_cancelled_op_taken_by_a_worker_killed_before_it_started_it_is_never_run(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path
+) -> None:
+    # Cancelled while a consumer killed whole held it unstarted, its message stayed among Redis's unacked
+    # ones: handed out again after the visibility timeout, the exec worker started since then ran it.
+    url, host, workers, lanes = _lanes_on(redis, tmp_path)
+    thief: subprocess.Popen[str] | None = None
+    try:
+        env = broker_env(url, url)
+        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+        for lane in ("reset", "cleanup"):
+            workers.start("--lane", lane, *one_slot, env=env)
+        sandbox = base_dir / "dropped"
+        handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
+        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+        thief = _start_thief(url, lane_queue(host, LaneName.EXEC))
+        op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt", 60)))
+        assert thief.stdout is not None
+        assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
+        op.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(op, 120)
+        os.killpg(thief.pid, signal.SIGKILL)
+        thief.wait()
+        workers.start("--lane", "exec", *one_slot, env=env)
+        await asyncio.to_thread(redeliver_unacked, url)
+        # One slot, first in first out: once this op is done, the cancelled one ahead of it was taken.
+        after = await asyncio.wait_for(lanes.run_op(LaneOp.exec(handle, "echo after", 30)), 120)
+        assert after.output.strip() == "after"
+        assert not (sandbox / "runs.txt").exists()
+        client = RedisClient.from_url(url)
+        assert not [raw for raw in client.hvals("unacked") if b"runs.txt" in raw]  # acked
         client.close()
         await lanes.run_op(LaneOp.cleanup(handle))
     finally:
