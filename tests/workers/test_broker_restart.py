@@ -8,6 +8,7 @@ messages again, revoked ops delivered to a worker that never heard of the revoke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,12 +27,13 @@ from celery import states
 from celery.result import AsyncResult
 from celery_cluster import WORKER_CPUS, Workers, broker_env, wait_for
 from factories import make_echo_task
+from proc_children import reaped
 from redis import Redis as RedisClient
 
 from app.lanes import lost_ops
 from app.lanes.base import LaneName
 from app.lanes.celery import LANE_OP_TASK, CeleryLanes, LaneStartTimeout, lane_queue
-from app.lanes.ops import LaneOp
+from app.lanes.ops import LaneOp, SandboxHandle
 from app.sandboxes.local import LocalSandboxFactory
 from workers.celery_app import make_celery
 
@@ -350,12 +352,38 @@ with Connection(sys.argv[1]) as conn:
 """
 
 
-def _start_thief(url: str, queue: str) -> subprocess.Popen[str]:
-    """A consumer of `queue` that takes one message, says `taken`, never acks it and waits to be killed."""
+@contextlib.contextmanager
+def _thief(url: str, queue: str) -> Iterator[subprocess.Popen[str]]:
+    """A consumer of `queue` that takes one message, says `taken`, never acks it and waits to be killed;
+    killed on the way out if the test did not."""
     import sys
 
     argv = [sys.executable, "-c", THIEF, url, queue]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    with popen as thief, reaped(thief):
+        yield thief
+
+
+async def _reset_without_exec_worker(
+    url: str, host: str, workers: Workers, lanes: CeleryLanes, sandbox: Path, task_root: Path
+) -> tuple[dict[str, str], tuple[str, ...], Path, SandboxHandle]:
+    """Reset and cleanup workers of one slot on `host`, no exec worker yet, and a sandbox at `sandbox`,
+    reset: returns the workers' environment, their one-slot options, the sandbox and its handle."""
+    env = broker_env(url, url)
+    one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
+    for lane in ("reset", "cleanup"):
+        workers.start("--lane", lane, *one_slot, env=env)
+    handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
+    await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
+    return env, one_slot, sandbox, handle
+
+
+async def _took_it(thief: subprocess.Popen[str]) -> None:
+    """Wait until the thief took its message, then kill it whole."""
+    assert thief.stdout is not None
+    assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
+    os.killpg(thief.pid, signal.SIGKILL)
+    thief.wait()
 
 
 async def test_an_op_taken_by_a_worker_killed_before_it_started_it_is_sent_again(
@@ -366,22 +394,14 @@ async def test_an_op_taken_by_a_worker_killed_before_it_started_it_is_sent_again
     # start_timeout_s (900 s) and failed with LaneStartTimeout (a user's kill -9 of a whole exec worker).
     monkeypatch.setattr(lost_ops, "HOLDER_CHECK_S", 1.0)  # checks each second, not each 10 s
     url, host, workers, lanes = _lanes_on(redis, tmp_path)
-    thief: subprocess.Popen[str] | None = None
     try:
-        env = broker_env(url, url)
-        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
-        for lane in ("reset", "cleanup"):
-            workers.start("--lane", lane, *one_slot, env=env)
-        sandbox = base_dir / "taken"
-        handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
-        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
-        queue = lane_queue(host, LaneName.EXEC)
-        thief = _start_thief(url, queue)
-        op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt; echo done", 60)))
-        assert thief.stdout is not None
-        assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
-        os.killpg(thief.pid, signal.SIGKILL)
-        thief.wait()
+        env, one_slot, sandbox, handle = await _reset_without_exec_worker(
+            url, host, workers, lanes, base_dir / "taken", task_root
+        )
+        with _thief(url, lane_queue(host, LaneName.EXEC)) as thief:
+            cmd = "echo run >> runs.txt; echo done"
+            op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, cmd, 60)))
+            await _took_it(thief)
         client = RedisClient.from_url(url)
         assert [raw for raw in client.hvals("unacked") if b"runs.txt" in raw]  # left there, held by nobody
         workers.start("--lane", "exec", *one_slot, env=env)
@@ -392,12 +412,6 @@ async def test_an_op_taken_by_a_worker_killed_before_it_started_it_is_sent_again
         client.close()
         await lanes.run_op(LaneOp.cleanup(handle))
     finally:
-        if thief is not None:
-            if thief.poll() is None:
-                os.killpg(thief.pid, signal.SIGKILL)
-                thief.wait()
-            if thief.stdout is not None:
-                thief.stdout.close()
         lanes.close()
         workers.stop()
 
@@ -408,24 +422,17 @@ async def test_a_cancelled_op_taken_by_a_worker_killed_before_it_started_it_is_n
     # Cancelled while a consumer killed whole held it unstarted, its message stayed among Redis's unacked
     # ones: handed out again after the visibility timeout, the exec worker started since then ran it.
     url, host, workers, lanes = _lanes_on(redis, tmp_path)
-    thief: subprocess.Popen[str] | None = None
     try:
-        env = broker_env(url, url)
-        one_slot = ("--cpus", WORKER_CPUS, "--host", host, "--concurrency", "1")
-        for lane in ("reset", "cleanup"):
-            workers.start("--lane", lane, *one_slot, env=env)
-        sandbox = base_dir / "dropped"
-        handle = lanes.attach(LocalSandboxFactory(sandbox.parent).create(sandbox.name))
-        await lanes.run_op(LaneOp.reset(handle, make_echo_task(task_root)))
-        thief = _start_thief(url, lane_queue(host, LaneName.EXEC))
-        op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt", 60)))
-        assert thief.stdout is not None
-        assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
-        op.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(op, 120)
-        os.killpg(thief.pid, signal.SIGKILL)
-        thief.wait()
+        env, one_slot, sandbox, handle = await _reset_without_exec_worker(
+            url, host, workers, lanes, base_dir / "dropped", task_root
+        )
+        with _thief(url, lane_queue(host, LaneName.EXEC)) as thief:
+            op = asyncio.create_task(lanes.run_op(LaneOp.exec(handle, "echo run >> runs.txt", 60)))
+            assert thief.stdout is not None
+            assert (await asyncio.to_thread(thief.stdout.readline)).strip() == "taken"
+            op.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(op, 120)
         workers.start("--lane", "exec", *one_slot, env=env)
         await asyncio.to_thread(redeliver_unacked, url)
         # One slot, first in first out: once this op is done, the cancelled one ahead of it was taken.
@@ -437,11 +444,5 @@ async def test_a_cancelled_op_taken_by_a_worker_killed_before_it_started_it_is_n
         client.close()
         await lanes.run_op(LaneOp.cleanup(handle))
     finally:
-        if thief is not None:
-            if thief.poll() is None:
-                os.killpg(thief.pid, signal.SIGKILL)
-                thief.wait()
-            if thief.stdout is not None:
-                thief.stdout.close()
         lanes.close()
         workers.stop()
