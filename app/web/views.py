@@ -725,11 +725,13 @@ def large_change(policy: Mapping[str, Any], changes: Mapping[str, float]) -> str
 
 def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:
     """K and S (whole numbers ≥ 0) and the agent gate's factor (a number ≥ 0) from the policy form;
-    empty fields are left unchanged."""
+    empty fields are left unchanged, and so is a field still showing what the page showed in it
+    (`<name>_shown`): the form is filled in with the policy as the page loaded, and sent whole it set
+    K, S and the gate back to those values, undoing a change made since (the API's, another page's)."""
     changes: dict[str, float] = {}
     for name, short in POLICY_FIELDS.items():
         raw = form.get(name, "").strip()
-        if not raw:
+        if not raw or raw == form.get(f"{name}_shown", "").strip():
             continue
         decimal = name in POLICY_DECIMALS
         try:
@@ -742,7 +744,7 @@ def parse_policy_form(form: Mapping[str, str]) -> dict[str, float]:
             raise ValueError(f"{name} ({short}): must be between 0 and {POLICY_MAX[name]:,}, got {got}")
         changes[name] = value + 0  # -0.0 becomes 0.0: it was applied and shown as "-0"
     if not changes:
-        raise ValueError("policy: set K, S or the agent gate")
+        raise ValueError("policy: set K, S or the agent gate (a field left as it shows is no change)")
     return changes
 
 

@@ -420,11 +420,50 @@ def test_a_large_change_is_confirmed_once_and_the_box_unticks_itself(
             sync_api.expect(page.locator("#policy-form")).not_to_have_class(re.compile("htmx-request"))
             box.check()
             page.get_by_role("button", name="Apply live").click()
-            sync_api.expect(page.locator("#policy-msg")).to_contain_text(f"Applied K = 2, S = {wanted}")
+            sync_api.expect(page.locator("#policy-msg")).to_have_text(f"Applied S = {wanted}.")
             # the run is paused: no later event brings the page its new S (the second stayed 40)
             sync_api.expect(page.locator("#current-s")).to_have_text(str(wanted))
             sync_api.expect(box).not_to_be_checked()
         assert api.get(f"/api/runs/{run}").json()["policy"]["surplus_groups"] == 400
+    finally:
+        api.post(f"/api/runs/{run}/stop")
+        page.context.close()
+
+
+def test_the_policy_form_changes_only_what_was_typed_in_it(
+    browser: object, server: str, api: httpx.Client
+) -> None:
+    """The form, filled in as the page loaded, was sent whole: changing K alone there set S back to the
+    page's 4 after the API had set it to 8."""
+    created = api.post("/api/runs", json=make_run_spec(name="form-fields"))
+    assert created.status_code == 201, created.text
+    run = created.json()["id"]
+    page = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run}")
+
+    def policy() -> tuple[int, int]:
+        got = api.get(f"/api/runs/{run}").json()["policy"]
+        return got["max_staleness"], got["surplus_groups"]
+
+    def apply(field: str, value: int, said: str) -> None:
+        sync_api.expect(page.locator("#policy-form")).not_to_have_class(re.compile("htmx-request"))
+        page.get_by_label(field).fill(str(value))
+        page.get_by_role("button", name="Apply live").click()
+        sync_api.expect(page.locator("#policy-msg")).to_have_text(said)
+
+    try:
+        api.post(f"/api/runs/{run}/pause")  # no admission while S moves
+        assert policy() == (2, 4)
+        assert api.patch(f"/api/runs/{run}/policy", json={"surplus_groups": 8}).status_code == 200
+        sync_api.expect(page.locator("#current-s")).to_have_text("8")
+        apply("K (staleness bound)", 3, "Applied K = 3.")
+        assert policy() == (3, 8)
+        # once applied, what a field holds is what it shows: S typed and applied is not sent again
+        apply("S (surplus groups)", 5, "Applied S = 5.")
+        assert api.patch(f"/api/runs/{run}/policy", json={"surplus_groups": 7}).status_code == 200
+        sync_api.expect(page.locator("#current-s")).to_have_text("7")
+        apply("K (staleness bound)", 4, "Applied K = 4.")
+        assert policy() == (4, 7)
     finally:
         api.post(f"/api/runs/{run}/stop")
         page.context.close()

@@ -371,6 +371,31 @@ async def test_a_live_s_many_times_what_runs_now_is_applied_only_when_ticked_as_
     assert live.calls == [("policy", {"surplus_groups": 3}), ("policy", {"surplus_groups": 100_000}, "large")]
 
 
+async def test_a_policy_field_left_as_the_page_showed_it_changes_nothing():
+    """The form is filled in with the policy as the page loaded and was sent whole: S set to 8 through the
+    API meanwhile went back to the 4 the page showed when the operator changed only K."""
+    live = FakeRuns(synthetic_run(groups=4, group_size=2, batch_groups=2))
+    client, _ = make_client(live=live)
+    async with client:
+        token = await sign_in(client)
+        page = (await client.get("/runs/live-1")).text
+        form = dict(re.findall(r'<input[^>]*name="(\w+_shown)" value="([^"]*)"', page))
+        assert set(form) == {"max_staleness_shown", "surplus_groups_shown"}
+        shown = {"csrf_token": token, **form, "surplus_groups": form["surplus_groups_shown"]}
+        htmx = {"HX-Request": "true"}
+        k_only = await client.post("/runs/live-1/policy", data={**shown, "max_staleness": "7"}, headers=htmx)
+        untouched = await client.post(
+            "/runs/live-1/policy",
+            data={**shown, "max_staleness": form["max_staleness_shown"]},
+            headers=htmx,
+        )
+    assert k_only.status_code == 200
+    assert k_only.text == '<p class="flash info" role="status">Applied K = 7.</p>'
+    assert untouched.status_code == 422
+    assert "a field left as it shows is no change" in untouched.text
+    assert live.calls == [("policy", {"max_staleness": 7})]
+
+
 def test_a_large_change_is_one_that_multiplies_the_trajectories_in_flight():
     from app.web.views import large_change
 

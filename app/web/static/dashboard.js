@@ -114,8 +114,15 @@
   // (htmx counts a 422 as successful: the page's config swaps refusals in.)
   document.addEventListener("htmx:afterRequest", function (e) {
     var xhr = e.detail && e.detail.xhr, applied = xhr && xhr.status >= 200 && xhr.status < 300;
-    var large = e.target && e.target.id === "policy-form" && applied && document.getElementById("p-large");
+    var form = e.target && e.target.id === "policy-form" && applied && e.target;
+    if (!form) return;
+    var large = document.getElementById("p-large");
     if (large) large.checked = false;
+    // What was applied is now what the fields show: left as they are, they are no change next time.
+    form.querySelectorAll("input[name$='_shown']").forEach(function (shown) {
+      var field = form.elements[shown.name.slice(0, -"_shown".length)];
+      if (field) shown.value = field.value;
+    });
   });
   document.addEventListener("htmx:sseOpen", function (e) {
     e.detail.source.addEventListener("timeline", reload);
