@@ -10,7 +10,7 @@ small as fits): the bar is their mean, a tick marks their max, and the chart's t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
 from app.core.attribution import PHASE_LABELS
@@ -121,12 +121,14 @@ def bar_chart(
     max_bars: int = MAX_BARS,
     items: str = "steps",
     hovers: Sequence[str] = (),
+    bucket_hover: Callable[[range], str] | None = None,
 ) -> str:
     """Bars labelled underneath, every n-th bar where all would not fit side by side (a long run's
     trainer steps: past 24 bars none was labelled); `x_label` says what the labels are (a trainer step,
     a staleness). Past `max_bars` values, k consecutive ones (`items`) make a bar: their mean, with a
     tick at their max, labelled with the first one's label; the title and `x_label` say so. `hovers`,
-    one a value, replace what a bar says on hover while each bar is one value. Values are ≥ 0."""
+    one a value, replace what a bar says on hover while each bar is one value; past that, `bucket_hover`
+    of a bar's indices is added to what it says. Values are ≥ 0."""
     if not values:
         return _empty(title, empty)
     k = _per_bucket(len(values), max_bars)
@@ -150,6 +152,8 @@ def bar_chart(
             said = escape(hovers[c[0]]) if hovers else f"{escape(label)}: {_num(v)}{unit}"
         else:
             said = f"{escape(label)}–{escape(labels[c[-1]])}: mean {_num(v)}{unit}, max {_num(most)}{unit}"
+            if bucket_hover is not None:
+                said += escape(bucket_hover(c))
         parts.append(
             f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{w:.1f}" height="{h:.1f}" '
             f'fill="#4a78b5"><title>{said}</title></rect>'

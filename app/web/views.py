@@ -224,6 +224,15 @@ def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
         signal = "" if x.trainable is None else f"; {x.trainable:.0%} of its groups with a learning signal"
         return f"step {x.index}: mean reward {x.mean_reward:.3g}{signal}"
 
+    def said_of(steps: range) -> str:
+        """A bar of several steps: their mean share with a learning signal and the lowest (past 100 steps
+        the bars said only their rewards, and the share, the point of the chart, was gone)."""
+        shares = [s for s in (rows[i].trainable for i in steps) if s is not None]
+        if not shares:
+            return ""
+        mean = math.fsum(shares) / len(shares)
+        return f"; {mean:.0%} of their groups with a learning signal (the lowest step {min(shares):.0%})"
+
     return charts.bar_chart(
         title,
         [str(x.index) for x in rows],
@@ -231,6 +240,7 @@ def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
         x_label="trainer step",
         empty=empty,
         hovers=[said(x) for x in rows],
+        bucket_hover=said_of,
     )
 
 

@@ -1369,6 +1369,23 @@ def test_the_reward_chart_draws_each_step_s_mean_and_says_its_learning_signal():
     assert "rewards below 0" in below
 
 
+def test_the_reward_chart_of_a_long_run_still_says_its_learning_signal():
+    # Past 100 steps a bar is several steps, and its hover said only their rewards' mean and max: the
+    # learning-signal share, what the chart is for, was gone from every long run's chart.
+    from app.web.readmodel import BatchRow
+    from app.web.views import reward_chart
+
+    rows = [
+        BatchRow(i, i, i + 1.0, 1.0, mean_reward=0.5, trainable=0.25 if i % 2 else 0.75) for i in range(150)
+    ]
+    rows[11] = replace(rows[11], trainable=0.0)
+    svg = reward_chart(rows, "no data yet")
+    assert "a bar is the mean of 2 steps" in svg
+    assert "0–1: mean 0.5, max 0.5; 50% of their groups with a learning signal (the lowest step 25%)" in svg
+    assert "10–11: mean 0.5, max 0.5; 38% of their groups with a learning signal (the lowest step 0%)" in svg
+    assert svg.count("of their groups with a learning signal") == 75
+
+
 async def test_a_group_s_page_lists_each_attempt_s_turns_and_sandbox_operations_in_order():
     # The timeline showed a group's spans only as hovers on slivers; an operator asking why one attempt
     # took long had no list of its turns, versions and lane operations.
