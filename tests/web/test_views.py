@@ -1409,6 +1409,10 @@ async def test_a_group_s_page_lists_each_attempt_s_turns_and_sandbox_operations_
         assert f'<dd class="reward">{traj.reward:g}</dd>' in section
         turns = sum(1 for x in traj.spans if x.phase == "model_turn")
         assert f'<dd class="turns">{turns}</dd>' in section
+        # versions as the timeline marks them: "2" beside "model turns 1" read as two versions
+        shown = ", ".join(f"v{v}" for _, v in traj.versions)
+        assert f'<dd class="versions">{shown}</dd>' in section
+        assert re.search(rf"<dt>policy versions?</dt><dd class=\"versions\">{shown}</dd>", section)
         assert section.count('class="span-row"') == len(traj.spans)
         row = r'<tr class="span-row"><td class="num">\d+</td><td>[^<]*</td><td class="num">([0-9.]+)'
         starts = [float(m) for m in re.findall(row, section)]
