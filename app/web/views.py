@@ -449,10 +449,15 @@ def make_router(dash: Dashboard) -> APIRouter:
         try:
             gid = parse_int(group_id, signed=False)
         except ValueError:
-            return _error(dash, request, f"no group {_shown(group_id)}: a group is a whole number", 404, back)
-        ctx = group_context(view, gid)
+            # a whole number of more digits than Python converts is no group either, not a bad number
+            if not (group_id.isascii() and group_id.isdigit()):
+                return _error(
+                    dash, request, f"no group {_shown(group_id)}: a group is a whole number", 404, back
+                )
+            gid = -1
+        ctx = group_context(view, gid) if gid >= 0 else None
         if ctx is None:
-            why = f"run {_shown(run_id)} has no group {gid}"
+            why = f"run {_shown(run_id)} has no group {group_id}"
             if view.dropped_groups:
                 why += (
                     f" on this page, which keeps the latest ended groups (groups no longer kept: "

@@ -496,6 +496,20 @@ def test_the_timeline_s_window_links_redraw_it_in_place_and_follow_the_run(
     page.context.close()
 
 
+def test_a_missing_group_s_page_fits_a_narrow_window(browser: object, server: str, run_id: str) -> None:
+    """The 404 page quotes the group id typed into the URL: 300 digits made an 800 px page 2,700 px wide."""
+    context = browser.new_context(viewport={"width": 800, "height": 600})  # type: ignore[attr-defined]
+    page = context.new_page()
+    try:
+        answer = page.goto(f"{server}/runs/{run_id}/groups/{'9' * 300}")
+        assert answer is not None
+        assert answer.status == 404
+        sync_api.expect(page.locator(".flash.error")).to_contain_text(f"has no group {'9' * 300}")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 800
+    finally:
+        context.close()
+
+
 def test_an_action_without_the_operator_token_is_refused(
     browser: object, server: str, run_id: str, api: httpx.Client
 ) -> None:

@@ -1398,6 +1398,7 @@ async def test_a_group_s_page_lists_each_attempt_s_turns_and_sandbox_operations_
         missing = await client.get("/runs/replay-1/groups/99999")
         bad = await client.get("/runs/replay-1/groups/g1")
         no_run = await client.get(f"/runs/nope/groups/{group.group_id}")
+        huge = await client.get(f"/runs/replay-1/groups/{'9' * 5000}")  # more digits than int() takes
     assert f'<a href="/runs/replay-1/groups/{group.group_id}">' in run  # the timeline's label links it
     assert page.status_code == 200
     assert f"<h1>Group {group.group_id} " in page.text
@@ -1425,6 +1426,8 @@ async def test_a_group_s_page_lists_each_attempt_s_turns_and_sandbox_operations_
     assert bad.status_code == 404
     assert "a group is a whole number" in bad.text
     assert no_run.status_code == 404
+    assert huge.status_code == 404
+    assert f"run replay-1 has no group {'9' * 5000}" in huge.text  # it said "a group is a whole number"
 
 
 async def test_a_group_no_longer_kept_says_where_its_events_are():
