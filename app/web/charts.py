@@ -51,17 +51,27 @@ def _head(title: str, w: int = W, h: int = H, note: str = "") -> str:
     )
 
 
-def _axis(top: float, unit: str) -> str:
+def _axis(top: float, unit: str, bottom: float = 0.0) -> str:
     """The axes, with 0 and the top value written level with the heights they mark (and a faint line
-    at the top value), so a mark at the top reads as that value, not above it."""
+    at the top value), so a mark at the top reads as that value, not above it. With `bottom` below 0
+    (a reward), the axis runs from it, written at the foot, and 0 is a line across the chart."""
     y0, y1 = H - PAD_B, PAD_T
-    return (
-        f'<line x1="{PAD_L}" y1="{y1}" x2="{W - PAD_R}" y2="{y1}" stroke="#e6e6e6"/>'
-        f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#444"/>'
-        f'<line x1="{PAD_L}" y1="{y0}" x2="{PAD_L}" y2="{y1}" stroke="#444"/>'
-        f'<text x="{PAD_L - 4}" y="{y1 + 3.5}" {_SMALL_END}>{_num(top)}{unit}</text>'
-        f'<text x="{PAD_L - 4}" y="{y0 + 3.5}" {_SMALL_END}>0{unit}</text>'
-    )
+    parts = [
+        f'<line x1="{PAD_L}" y1="{y1}" x2="{W - PAD_R}" y2="{y1}" stroke="#e6e6e6"/>',
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{W - PAD_R}" y2="{y0}" stroke="#444"/>',
+        f'<line x1="{PAD_L}" y1="{y0}" x2="{PAD_L}" y2="{y1}" stroke="#444"/>',
+        f'<text x="{PAD_L - 4}" y="{y1 + 3.5}" {_SMALL_END}>{_num(top)}{unit}</text>',
+    ]
+    if bottom < 0:
+        zero = y0 - (0 - bottom) / (top - bottom) * (y0 - y1)
+        parts += [
+            f'<line x1="{PAD_L}" y1="{zero:.1f}" x2="{W - PAD_R}" y2="{zero:.1f}" stroke="#444"/>',
+            f'<text x="{PAD_L - 4}" y="{zero + 3.5:.1f}" {_SMALL_END}>0{unit}</text>',
+            f'<text x="{PAD_L - 4}" y="{y0 + 3.5}" {_SMALL_END}>{_num(bottom)}{unit}</text>',
+        ]
+    else:
+        parts.append(f'<text x="{PAD_L - 4}" y="{y0 + 3.5}" {_SMALL_END}>0{unit}</text>')
+    return "".join(parts)
 
 
 _SMALL_END = 'text-anchor="end" style="font:10px sans-serif"'
@@ -83,7 +93,7 @@ def _mid_x(x: float, text: str, char_px: float = 5.6) -> float:
 
 
 def _num(v: float) -> str:
-    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def _empty(title: str, note: str = "no data yet") -> str:
@@ -128,7 +138,8 @@ def bar_chart(
     a staleness). Past `max_bars` values, k consecutive ones (`items`) make a bar: their mean, with a
     tick at their max, labelled with the first one's label; the title and `x_label` say so. `hovers`,
     one a value, replace what a bar says on hover while each bar is one value; past that, `bucket_hover`
-    of a bar's indices is added to what it says. Values are ≥ 0."""
+    of a bar's indices is added to what it says. A value below 0 (a reward) hangs below a 0 line, and the
+    axis runs down to the least bar."""
     if not values:
         return _empty(title, empty)
     k = _per_bucket(len(values), max_bars)
@@ -139,13 +150,20 @@ def bar_chart(
     means = [math.fsum(values[j] for j in c) / len(c) for c in chunks]
     maxes = [max(values[j] for j in c) for c in chunks]
     firsts = [labels[c[0]] for c in chunks]
-    top = max([*maxes, reference or 0.0]) or 1.0
+    bottom = min(0.0, *means)
+    top = max([*maxes, reference or 0.0, 0.0])
+    if top == bottom:
+        top = bottom + 1.0
     span_w = (W - PAD_L - PAD_R) / len(chunks)
     every = math.ceil((max(_label_width(label) for label in firsts) + 4) / span_w)
     plot_h = H - PAD_T - PAD_B
-    parts = [_head(title, note=note), _axis(top, unit), _x_label(x_label)]
+    parts = [_head(title, note=note), _axis(top, unit, bottom), _x_label(x_label)]
+
+    def y_of(v: float) -> float:
+        return H - PAD_B - (v - bottom) / (top - bottom) * plot_h
+
     for i, (label, c, v, most) in enumerate(zip(firsts, chunks, means, maxes, strict=True)):
-        h = v / top * plot_h
+        y, h = y_of(max(v, 0.0)), abs(v) / (top - bottom) * plot_h
         x = PAD_L + i * span_w + 1
         w = max(span_w - 2, 1)
         if k == 1:
@@ -155,11 +173,11 @@ def bar_chart(
             if bucket_hover is not None:
                 said += escape(bucket_hover(c))
         parts.append(
-            f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{w:.1f}" height="{h:.1f}" '
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" '
             f'fill="#4a78b5"><title>{said}</title></rect>'
         )
         if most > v:
-            y = H - PAD_B - most / top * plot_h
+            y = y_of(most)
             parts.append(
                 f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{x + w:.1f}" y2="{y:.1f}" stroke="#1b3a66" '
                 f'stroke-width="1.5"/>'
@@ -172,7 +190,7 @@ def bar_chart(
     if reference is not None:
         # The line crosses the bars; its label goes in the title row, after a sample of the line, where
         # no bar reaches it (drawn beside the line it sat on the last bars).
-        y = H - PAD_B - reference / top * plot_h
+        y = y_of(reference)
         label = escape(reference_label)
         parts.append(
             f'<line x1="{PAD_L}" y1="{y:.1f}" x2="{W - PAD_R}" y2="{y:.1f}" stroke="#b00020" '

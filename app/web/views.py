@@ -216,9 +216,6 @@ def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
     of groups to learn from. Steps without rewards (a report from before they were kept) are left out."""
     title = "mean reward per step"
     rows = [x for x in batches if x.mean_reward is not None]
-    if any(x.mean_reward is not None and x.mean_reward < 0 for x in rows):
-        below = "rewards below 0: see the report's mean_reward_per_batch"
-        return charts.bar_chart(title, [], [], empty=below)
 
     def said(x: BatchRow) -> str:
         signal = "" if x.trainable is None else f"; {x.trainable:.0%} of its groups with a learning signal"

@@ -1363,10 +1363,28 @@ def test_the_reward_chart_draws_each_step_s_mean_and_says_its_learning_signal():
     assert "step 0: mean reward 0.25; 50% of its groups with a learning signal" in svg
     assert "step 2: mean reward 1; 0% of its groups with a learning signal" in svg
     assert "no data yet" in reward_chart(rows[1:2], "no data yet")
-    # bars start at 0: a negative mean is said in words, never drawn as a bar of negative height
-    below = reward_chart([BatchRow(0, 0.0, 1.0, 1.0, mean_reward=-0.5)], "no data yet")
-    assert "<rect" not in below
-    assert "rewards below 0" in below
+    # Rewards in [-1, 1]: one step below 0 replaced the whole chart with a note (a live run has no
+    # report to look at). A negative mean hangs below a 0 line; the axis runs down to it.
+    import re
+
+    signed = reward_chart(
+        [BatchRow(0, 0.0, 1.0, 1.0, mean_reward=-0.5), BatchRow(1, 1.0, 2.0, 1.0, mean_reward=0.5)], ""
+    )
+    bars = [
+        tuple(map(float, m))
+        for m in re.findall(r'<rect x="[^"]+" y="([^"]+)" width="[^"]+" height="([^"]+)"', signed)
+    ]
+    assert len(bars) == 2
+    (neg_y, neg_h), (pos_y, pos_h) = bars
+    assert neg_h == pytest.approx(pos_h)
+    assert neg_h > 0
+    assert neg_y == pytest.approx(pos_y + pos_h)  # one starts where the other ends: at the 0 line
+    zero = re.search(r'<text x="[^"]+" y="([^"]+)"[^>]*>0</text>', signed)
+    assert zero is not None
+    assert float(zero.group(1)) - 3.5 == pytest.approx(neg_y, abs=0.1)
+    assert ">-0.5</text>" in signed
+    assert ">0.5</text>" in signed
+    assert "step 0: mean reward -0.5" in signed
 
 
 def test_the_reward_chart_of_a_long_run_still_says_its_learning_signal():
