@@ -244,7 +244,8 @@ def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
 def group_context(view: RunView, group_id: int) -> dict[str, Any] | None:
     """What the group page shows of group `group_id`: its own facts and, attempt by attempt, its
     reward, its time by phase and every span in order (turns with their engine, version and tokens;
-    sandbox operations with their lane). None when the view does not hold the group."""
+    sandbox operations with their lane), when its clean-up ended if after it finished, and for one
+    still running, for how long as of the view. None when the view does not hold the group."""
     group = next((g for g in view.groups if g.group_id == group_id), None)
     if group is None:
         return None
@@ -255,11 +256,20 @@ def group_context(view: RunView, group_id: int) -> dict[str, Any] | None:
         for x in spans:
             phases[x.phase] = phases.get(x.phase, 0.0) + (x.end - x.start)
         started = traj.started if traj.started is not None else min((x.start for x in spans), default=None)
+        last = max((x.end for x in spans), default=None)
         attempts.append(
             {
                 "traj": traj,
                 "started": started,
                 "took": None if started is None or traj.finished is None else traj.finished - started,
+                # its sandbox's clean-up runs on after it finished: "took" stops at the finish
+                "cleaned_up": last
+                if traj.finished is not None and last is not None and last > traj.finished
+                else None,
+                # still running: for how long, as of the view's clock (the page is a snapshot)
+                "running_s": None
+                if traj.finished is not None or traj.error or started is None
+                else view.now - started,
                 "turns": sum(1 for x in spans if x.phase == "model_turn"),
                 "versions": [v for _, v in traj.versions],
                 "phases": sorted(phases.items(), key=lambda kv: -kv[1]),

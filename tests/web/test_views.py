@@ -1460,3 +1460,46 @@ async def test_a_group_no_longer_kept_says_where_its_events_are():
     assert "(groups no longer kept: 1); GET /api/runs/live-1/timeline has every event" in gone.text
     assert kept.status_code == 200
     assert "A snapshot: reload for what happened since." in kept.text
+
+
+async def test_a_group_s_page_says_a_failure_s_score_the_clean_up_after_a_finish_and_how_long_one_runs():
+    # A failed attempt read "reward 0" as a real zero score; "took 11.1 s" left out a clean-up that ran
+    # to 52.7 s without saying so; an attempt still running said only "in progress".
+    from app.web.readmodel import Span, Trajectory
+
+    events = synthetic_run(groups=4, group_size=3, batch_groups=2)
+    view = replace(view_from_events("live-1", events, RunMeta(state="running")), source="live")
+    gid = view.groups[0].group_id
+    trajs = {
+        (gid, 0): Trajectory(
+            gid,
+            0,
+            [Span(1.0, 4.0, "model_turn"), Span(4.0, 9.0, "validate")],
+            error="SimInfraError",
+            reward=0.0,
+            started=1.0,
+            finished=4.0,
+        ),
+        (gid, 1): Trajectory(
+            gid,
+            1,
+            [Span(1.0, 11.0, "model_turn"), Span(11.0, 52.7, "cleanup")],
+            reward=1.0,
+            started=1.0,
+            finished=11.0,
+        ),
+        (gid, 2): Trajectory(gid, 2, [Span(2.0, 30.0, "model_turn")], started=2.0),
+    }
+    others = {k: t for k, t in view.trajectories.items() if k[0] != gid}
+    client, _ = make_client(live=OneRun(replace(view, trajectories={**others, **trajs}, now=62.0)))
+    async with client:
+        page = await client.get(f"/runs/live-1/groups/{gid}")
+    assert page.status_code == 200
+    failed, done, running = page.text.split('class="card attempt"')[1:]
+    assert '0 <small class="muted">(it failed: the score of a failure)</small>' in failed
+    assert "SimInfraError" in failed
+    assert '<dd class="took">3.0 s <small class="muted">(clean-up until 9.0 s)</small>' in failed
+    assert '<dd class="reward">1</dd>' in done
+    assert '<dd class="took">10.0 s <small class="muted">(clean-up until 52.7 s)</small>' in done
+    assert "in progress since 2.0 s: 60.0 s at 62.0 s" in running
+    assert '<dd class="took">—</dd>' in running
