@@ -220,16 +220,18 @@ def histogram(
     counts: Mapping[int, int],
     x_label: str = "",
     empty: str = "no data yet",
+    from_zero: bool = True,
 ) -> str:
     """How many of each whole number (a staleness), on an axis that runs evenly from 0 (or the least, if
-    below) to the largest: a bar a number, labelled under its middle, while that is at most `MAX_BINS`
+    below; with `from_zero` False, the least: durations that all run long would crowd the right) to the
+    largest: a bar a number, labelled under its middle, while that is at most `MAX_BINS`
     bars, else a bar for each run of numbers of a 1-2-5 width, labelled with its first number at its
     left edge (0 to 116: 24 bars of five, "0, 10, 20, ..."). Every n-th bar is labelled, n as small as
     keeps the labels apart. (As a bar chart of the numbers present, 0 to 116 drew ~30 bars a pixel
     wide, the 3 tallest at the far left, and, past 24 bars, no label at all.)"""
     if not counts:
         return _empty(title, empty)
-    lo, hi = min(0, *counts), max(counts)
+    lo, hi = min(0, *counts) if from_zero else min(counts), max(counts)
     width = _bin_width(lo, hi)
     first = lo // width
     bins = [0] * (hi // width - first + 1)

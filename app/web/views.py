@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
@@ -210,6 +211,23 @@ def rolling_idle(batches: Sequence[BatchRow], n: int = IDLE_WINDOW_BATCHES) -> l
     return points
 
 
+def duration_chart(view: RunView, empty: str) -> str:
+    """How long groups took from admission to completion, in whole seconds, binned: the spread and the
+    tail that S has to cover, at a glance (the timeline shows each group, but not how many ran long).
+    Groups discarded before they completed are not in it; a long live run's are its latest kept."""
+    counts = Counter(
+        int(g.ready - g.admitted) for g in view.groups if g.ready is not None and g.admitted is not None
+    )
+    kept = " (the latest groups kept)" if view.dropped_groups else ""
+    return charts.histogram(
+        "group time, admission to completion" + kept,
+        counts,
+        x_label="whole seconds (bar height: groups)",
+        empty=empty,
+        from_zero=False,
+    )
+
+
 def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
     """Each step's mean reward, its hover with the share of the batch's groups with a learning signal
     (rewards not all equal): a run whose reward climbs towards 1 while that share falls is running out
@@ -339,6 +357,7 @@ def run_context(
             )
         ),
         "reward_chart": Lazy(lambda: reward_chart(b, empty)),
+        "duration_chart": Lazy(lambda: duration_chart(view, empty)),
         "staleness_chart": Lazy(
             lambda: charts.histogram(
                 "staleness of delivered groups",

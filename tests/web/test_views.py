@@ -1503,3 +1503,25 @@ async def test_a_group_s_page_says_a_failure_s_score_the_clean_up_after_a_finish
     assert '<dd class="took">10.0 s <small class="muted">(clean-up until 52.7 s)</small>' in done
     assert "in progress since 2.0 s: 60.0 s at 62.0 s" in running
     assert '<dd class="took">—</dd>' in running
+
+
+def test_the_duration_chart_counts_completed_groups_by_whole_seconds_from_admission():
+    # The timeline shows each group, not how many ran long: the spread that S has to cover.
+    from app.web.views import duration_chart
+
+    events = synthetic_run(groups=6, group_size=2, batch_groups=2)
+    view = view_from_events("replay-1", events, RunMeta(state="running"))
+    groups = [
+        GroupRow(1, admitted=0.0, ready=3.2, outcome="delivered"),
+        GroupRow(2, admitted=1.0, ready=4.9, outcome="delivered"),
+        GroupRow(3, admitted=2.0, ready=9.5, outcome="ready"),
+        GroupRow(4, admitted=2.0, outcome="in flight"),  # not completed: left out
+    ]
+    svg = duration_chart(replace(view, groups=groups), "no data yet")
+    assert "<title>3: 2</title>" in svg  # 3.2 and 3.9 s
+    assert "<title>7: 1</title>" in svg  # 7.5 s
+    assert svg.count("<rect") == 5  # 3 to 7 s, one bar a second: from the least, not from 0
+    assert "the latest groups kept" not in svg
+    kept = duration_chart(replace(view, groups=groups, dropped_groups=3), "")
+    assert "group time, admission to completion (the latest groups kept)" in kept
+    assert "no data yet" in duration_chart(replace(view, groups=groups[3:]), "no data yet")
