@@ -569,7 +569,8 @@ def test_a_simulated_report_without_its_group_timeline_replays_its_batches_engin
     # a replay's empty charts said 'no data yet', as if more would come
     trainer = Dashboard(AccessConfig(None, None)).render("run.html", run_context(view), "trainer")
     assert "no data yet" not in trainer
-    assert trainer.count(">not in this report</text>") == 2  # tokens/s and staleness: no groups, no turns
+    # tokens/s, staleness and group time: no groups, no turns
+    assert trainer.count(">not in this report</text>") == 3
     # the report's per-batch rewards are drawn, a bar a batch, each saying its learning signal
     assert [b.mean_reward for b in view.batches] == pytest.approx(report["mean_reward_per_batch"])
     reward = trainer[trainer.index('aria-label="mean reward per step"') :].split("</svg>")[0]
