@@ -456,8 +456,12 @@ def test_the_policy_form_changes_only_what_was_typed_in_it(
         assert policy() == (2, 4)
         assert api.patch(f"/api/runs/{run}/policy", json={"surplus_groups": 8}).status_code == 200
         sync_api.expect(page.locator("#current-s")).to_have_text("8")
+        # the field follows the policy the stream brings: it showed the page's 4 beside "Now: S = 8"
+        sync_api.expect(page.get_by_label("S (surplus groups)")).to_have_value("8")
         apply("K (staleness bound)", 3, "Applied K = 3.")
         assert policy() == (3, 8)
+        apply("S (surplus groups)", 4, "Applied S = 4.")  # the page's first value: a change now
+        assert policy() == (3, 4)
         # once applied, what a field holds is what it shows: S typed and applied is not sent again
         apply("S (surplus groups)", 5, "Applied S = 5.")
         assert api.patch(f"/api/runs/{run}/policy", json={"surplus_groups": 7}).status_code == 200

@@ -124,6 +124,21 @@
       if (field) shown.value = field.value;
     });
   });
+  // The policy as the stream brings it (the API's change, another page's) becomes what the form's fields
+  // show, so the form reads as what runs now; a field being edited keeps what is typed in it. Until
+  // then the form showed the policy as the page loaded, and S typed back to that value was "no change".
+  var CURRENT = { max_staleness: "current-k", surplus_groups: "current-s", agent_gate: "current-gate" };
+  document.addEventListener("htmx:sseMessage", function (e) {
+    var form = document.getElementById("policy-form");
+    if (!form || !e.target || e.target.id !== "policy") return;
+    Object.keys(CURRENT).forEach(function (name) {
+      var now = document.getElementById(CURRENT[name]), field = form.elements[name];
+      var shown = form.elements[name + "_shown"], value = now && now.dataset.value;
+      if (!field || !shown || !value) return;
+      if (field.value === shown.value && document.activeElement !== field) field.value = value;
+      shown.value = value;
+    });
+  });
   document.addEventListener("htmx:sseOpen", function (e) {
     e.detail.source.addEventListener("timeline", reload);
   });
