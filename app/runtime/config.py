@@ -257,6 +257,14 @@ class SandboxConfig(_Strict):
         strict=True,
         description="given-time limits also end at this multiple in wall time",
     )
+    docker_image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        pattern=r"^\S+$",
+        description="run each sandbox as a container of this image on DOCKER_HOST's daemon; "
+        "default: local sandboxes",
+    )
 
 
 class LocalRunConfig(_Strict):

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -54,6 +54,9 @@ from app.sandboxes.limits import SandboxLimitError
 from app.sandboxes.local import LocalSandboxFactory, SandboxError
 from app.sandboxes.timelimits import TimeLimits
 from app.tasks.spec import TaskSpec
+
+if TYPE_CHECKING:
+    from app.sandboxes.docker import DockerSandboxFactory
 
 __all__ = ["LocalRunError", "load_config", "run_local"]
 
@@ -241,6 +244,9 @@ async def _run(
                         await client.aclose()
                 stop.shutting_down = True
                 await asyncio.to_thread(engines.stop)  # the loop keeps taking signals meanwhile
+                close = getattr(factory, "close", None)  # a docker factory holds its daemon's connections
+                if close is not None:
+                    close()
     finally:
         for sig in taken:
             loop.remove_signal_handler(sig)
@@ -280,12 +286,24 @@ async def _run(
     return report
 
 
-def sandbox_factory(config: LocalRunConfig, policy: PolicyConfig, base_dir: Path) -> LocalSandboxFactory:
-    """The local sandboxes a run config asks for: `corral run`'s and a `corral serve` local run's alike.
+def sandbox_factory(
+    config: LocalRunConfig, policy: PolicyConfig, base_dir: Path
+) -> LocalSandboxFactory | DockerSandboxFactory:
+    """The sandboxes a run config asks for: `corral run`'s and a `corral serve` local run's alike.
     Pinned policies put each lane's processes in a cpu group of its weight (`lanes.weights`), yielding
     to serving where the lanes borrow its CPUs; the others share the CPUs as they come. What this host
-    cannot give (isolation, cgroups, a safe uid claims directory) is a `LocalRunError`, said before any
-    engine starts."""
+    cannot give (isolation, cgroups, a safe uid claims directory; for docker sandboxes a daemon that
+    answers and has the image) is a `LocalRunError`, said before any engine starts."""
+    if config.sandbox.docker_image is not None:
+        from app.sandboxes.docker import DockerSandboxFactory  # the docker SDK only where it is used
+
+        docker = DockerSandboxFactory(config.sandbox.docker_image)
+        try:
+            docker.check()
+        except SandboxError as exc:
+            docker.close()
+            raise LocalRunError(f"sandbox.docker_image: {exc}") from None
+        return docker
     try:
         return LocalSandboxFactory(
             base_dir,

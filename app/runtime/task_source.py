@@ -9,8 +9,7 @@ from pathlib import Path
 
 from app.runtime.config import LocalRunError, TasksConfig
 from app.runtime.context import Agent
-from app.sandboxes.base import Sandbox
-from app.sandboxes.local import LocalSandboxFactory
+from app.sandboxes.base import Sandbox, SandboxFactory
 from app.tasks.loader import TaskError, builtin_suite_path, load_suite
 from app.tasks.spec import TaskSpec
 
@@ -18,9 +17,7 @@ from app.tasks.spec import TaskSpec
 class TaskSource:
     """Group n works on a task drawn by a seeded shuffle of the suite; each attempt gets its own sandbox."""
 
-    def __init__(
-        self, tasks: Sequence[TaskSpec], factory: LocalSandboxFactory, agent: Agent, seed: int
-    ) -> None:
+    def __init__(self, tasks: Sequence[TaskSpec], factory: SandboxFactory, agent: Agent, seed: int) -> None:
         self.tasks = list(tasks)
         self.factory = factory
         self.agent = agent

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import tarfile
 import time
 from collections.abc import Sequence
@@ -55,9 +56,12 @@ if [ -e /tmp/.corral-timeout-$p ]; then rm -f /tmp/.corral-timeout-$p; exit 124;
 exit $rc
 """
 TIMEOUT_EXIT = 124
+CALL_TIMEOUT_S = 60  # one SDK call (the SDK's default); an exec's output socket waits as long as it runs
 
 
 class DockerSandboxFactory:
+    isolation = "docker"
+
     def __init__(
         self,
         image: str,
@@ -87,12 +91,46 @@ class DockerSandboxFactory:
         # Built lazily: creating a client talks to the daemon, which must not happen at import or
         # construction time inside the event loop.
         if self._client is None:
-            self._client = (
-                docker.DockerClient(base_url=self._base_url) if self._base_url else docker.from_env()
-            )
+            self._client = self._connect(CALL_TIMEOUT_S)
             if self.owner_label:
                 self.remove_leftovers()
         return self._client
+
+    @property
+    def daemon(self) -> str:
+        """Where the daemon is looked for, as the user would name it."""
+        return self._base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock (default)"
+
+    def check(self, timeout_s: float = 10.0) -> None:
+        """Before any work: a `SandboxError` of one line when no daemon answers within `timeout_s` or
+        it lacks the image. A declared owner's first use of the daemon also removes dead owners'
+        containers (leftovers.py)."""
+        if self._client is None:
+            try:
+                client = self._connect(timeout_s)
+            except docker.errors.DockerException as exc:
+                raise SandboxError(f"no docker daemon answers at {self.daemon}: {_reason(exc)}") from None
+            client.api.timeout = CALL_TIMEOUT_S  # the short wait was for the first answer only
+            self._client = client
+            if self.owner_label:
+                self.remove_leftovers()
+        try:
+            self.client.images.get(self.image)
+        except docker.errors.ImageNotFound:
+            raise SandboxError(
+                f"docker image {self.image!r} is not on the daemon at {self.daemon}: build or pull it first"
+            ) from None
+        except docker.errors.DockerException as exc:
+            raise SandboxError(f"docker daemon at {self.daemon}: {_reason(exc)}") from None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def _connect(self, timeout_s: float) -> docker.DockerClient:
+        if self._base_url:
+            return docker.DockerClient(base_url=self._base_url, timeout=timeout_s)
+        return docker.from_env(timeout=timeout_s)
 
     def remove_leftovers(self) -> int:
         """Remove the containers that dead corral processes of this host left (leftovers.py)."""
@@ -243,3 +281,11 @@ def _task_archive(task: TaskSpec) -> bytes:
                 raise SandboxError(f"task {task.name!r}: file {rel!r} not found under {root}")
             tar.add(src, arcname=str(Path(rel)), recursive=True)
     return data.getvalue()
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of an SDK error, on one line (the SDK nests requests' and urllib3's)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
