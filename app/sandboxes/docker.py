@@ -23,6 +23,7 @@ import contextlib
 import io
 import os
 import tarfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,6 +156,12 @@ class DockerSandbox(CommandSandbox):
         self.container_id: str | None = None
         self._cpus: str | None = None
         self._task: TaskSpec | None = None
+        # Creation and removal run in threads, which a cancelled await leaves running: a reset
+        # cancelled mid-creation (the run stopping) must not create its container after the cleanup
+        # that followed it has removed nothing. Each removal starts a new generation under the lock; a
+        # creation of an older generation gives up.
+        self._lock = threading.Lock()
+        self._generation = 0
 
     isolation = "docker"
 
@@ -163,7 +170,7 @@ class DockerSandbox(CommandSandbox):
     async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
         archive = await asyncio.to_thread(_task_archive, task)
         await asyncio.to_thread(self._remove)
-        await asyncio.to_thread(self._start, cpus, archive)
+        await asyncio.to_thread(self._start, cpus, archive, self._generation)
         return await self._set_up(task, cpus)
 
     async def cleanup(self, cpus: Sequence[int] | None = None) -> None:
@@ -184,7 +191,13 @@ class DockerSandbox(CommandSandbox):
             raise SandboxError(f"sandbox {self.attempt_id!r} used before reset (or after cleanup)")
         return self._task
 
-    def _start(self, cpus: Sequence[int] | None, archive: bytes) -> None:
+    def _start(self, cpus: Sequence[int] | None, archive: bytes, generation: int) -> None:
+        with self._lock:
+            if generation != self._generation:
+                raise SandboxError(f"sandbox {self.attempt_id!r} was cleaned up while its reset started")
+            self._start_locked(cpus, archive)
+
+    def _start_locked(self, cpus: Sequence[int] | None, archive: bytes) -> None:
         f = self.factory
         kwargs: dict[str, Any] = {}
         if cpus:
@@ -211,6 +224,11 @@ class DockerSandbox(CommandSandbox):
             raise SandboxError(f"copying the task files into {self.container_name}:{f.work_dir} failed")
 
     def _remove(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._remove_locked()
+
+    def _remove_locked(self) -> None:
         try:
             container = self.factory.client.containers.get(self.container_name)
         except docker.errors.NotFound:

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +108,43 @@ async def test_reset_replaces_the_container(docker_client: Any, task_root: Path)
     listing = await sb.exec("ls", timeout_s=10)
     assert listing.output.split() == ["greeting.txt", "lib"]
     await sb.cleanup()
+
+
+class _SlowCreation:
+    """The real client, whose container creation says when it begins and takes half a second longer:
+    time for a cancelled reset's cleanup to run meanwhile."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.containers = self
+        self.creating = threading.Event()
+        self.created = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client.containers if name in ("get", "list") else self._client, name)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.creating.set()
+        time.sleep(0.5)
+        try:
+            return self._client.containers.run(*args, **kwargs)
+        finally:
+            self.created.set()
+
+
+async def test_a_reset_cancelled_while_its_container_is_created_leaves_no_container(
+    docker_client: Any, task_root: Path
+) -> None:
+    # A run that stops cancels the resets in flight and cleans their sandboxes up; the creation goes on
+    # in its thread. Before the fix the cleanup removed nothing and the container was created after it.
+    client = _SlowCreation(docker_client)
+    sb = make_factory(client).create("pytest-d-cancel")
+    reset = asyncio.create_task(sb.reset(make_task(task_root, setup="")))
+    assert await asyncio.to_thread(client.creating.wait, 30)
+    reset.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reset
+    await sb.cleanup()
+    assert await asyncio.to_thread(client.created.wait, 30)
+    await asyncio.sleep(0.5)  # the creation's thread copies the task files after the container exists
+    assert docker_client.containers.list(all=True, filters={"name": sb.container_name}) == []
