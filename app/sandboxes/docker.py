@@ -25,13 +25,14 @@ import os
 import tarfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
 import docker.utils.socket
+import requests.exceptions
 
 from app.cpulist import format_cpu_list
 from app.sandboxes import leftovers
@@ -57,6 +58,8 @@ if [ -e /tmp/.corral-timeout-$p ]; then rm -f /tmp/.corral-timeout-$p; exit 124;
 exit $rc
 """
 TIMEOUT_EXIT = 124
+SIGKILL_EXIT = 137
+DEATH_CHECKS, DEATH_CHECK_S = 5, 0.1  # how long a SIGKILLed command's container may take to show exited
 CALL_TIMEOUT_S = 60  # one SDK call (the SDK's default); an exec's output socket waits as long as it runs
 
 
@@ -195,7 +198,8 @@ class DockerSandbox(CommandSandbox):
         with self._lock:
             if generation != self._generation:
                 raise SandboxError(f"sandbox {self.attempt_id!r} was cleaned up while its reset started")
-            self._start_locked(cpus, archive)
+            with self._docker_errors("starting"):
+                self._start_locked(cpus, archive)
 
     def _start_locked(self, cpus: Sequence[int] | None, archive: bytes) -> None:
         f = self.factory
@@ -226,7 +230,8 @@ class DockerSandbox(CommandSandbox):
     def _remove(self) -> None:
         with self._lock:
             self._generation += 1
-            self._remove_locked()
+            with self._docker_errors("removing"):
+                self._remove_locked()
 
     def _remove_locked(self) -> None:
         try:
@@ -248,7 +253,58 @@ class DockerSandbox(CommandSandbox):
             self.factory.client.api.update_container(self.container_id, cpuset_cpus=wanted)
             self._cpus = wanted
 
+    @contextlib.contextmanager
+    def _docker_errors(self, doing: str) -> Iterator[None]:
+        """An SDK failure as a `SandboxError` of one line that says what failed: the daemon, or this
+        sandbox's container (killed, stopped or removed behind corral's back)."""
+        try:
+            yield
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            problem = self._container_problem() if isinstance(exc, docker.errors.APIError) else None
+            if problem is None:
+                problem = f"docker daemon at {self.factory.daemon}: {_reason(exc)}"
+        else:
+            return
+        # Raised outside the handler: the SDK's exception, whose frames hold the socket of a failed
+        # connection, is not kept alive as this one's context.
+        raise SandboxError(f"{doing} {self.container_name}: {problem}")
+
+    def _container_problem(self) -> str | None:
+        """Why this sandbox's container cannot run commands, or None when it is running."""
+        try:
+            api = self.factory.client.api
+            state = api.inspect_container(self.container_id or self.container_name)["State"]
+        except docker.errors.NotFound:
+            return "the container is gone (removed outside corral)"
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            return f"docker daemon at {self.factory.daemon}: {_reason(exc)}"
+        if state.get("Running"):
+            return None
+        oom = f", out of memory (mem_limit {self.factory.mem_limit})" if state.get("OOMKilled") else ""
+        status = state.get("Status", "not running")
+        return (
+            f"the container is {status} (exit code {state.get('ExitCode')}{oom}): "
+            "killed or stopped outside corral, or its daemon restarted"
+        )
+
     def _exec_blocking(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
+        with self._docker_errors("running a command in"):
+            result = self._exec_unchecked(command, timeout_s, cpus)
+        if not result.timed_out and (result.exit_code is None or result.exit_code >= 128):
+            # A container that died under the command ends it as a SIGKILL would: say what happened. The
+            # daemon may mark the container exited a moment after the command's end; a command that
+            # killed itself costs that wait.
+            problem = self._container_problem()
+            for _ in range(DEATH_CHECKS if result.exit_code in (None, SIGKILL_EXIT) else 0):
+                if problem is not None:
+                    break
+                time.sleep(DEATH_CHECK_S)
+                problem = self._container_problem()
+            if problem is not None:
+                raise SandboxError(f"running a command in {self.container_name}: {problem}")
+        return result
+
+    def _exec_unchecked(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
         started = time.monotonic()
         self._set_cpus(cpus)
         api = self.factory.client.api

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
+import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +152,62 @@ async def test_a_reset_cancelled_while_its_container_is_created_leaves_no_contai
     assert await asyncio.to_thread(client.created.wait, 30)
     await asyncio.sleep(0.5)  # the creation's thread copies the task files after the container exists
     assert docker_client.containers.list(all=True, filters={"name": sb.container_name}) == []
+
+
+async def test_a_container_killed_mid_command_fails_it_with_the_reason(
+    docker_client: Any, task_root: Path
+) -> None:
+    # `docker kill` of a sandbox during a tool call. Before, the command came back as a plain exit 137
+    # and every later op raised APIError(HTTPError('409 Client Error: Conflict for url: ...')).
+    sb = make_factory(docker_client).create("pytest-d-killed")
+    await sb.reset(make_task(task_root, setup=""))
+    running = asyncio.create_task(sb.exec("echo started; sleep 60", timeout_s=120))
+    container = docker_client.containers.get(sb.container_id)
+    for _ in range(100):
+        if "sleep 60" in str(container.top()["Processes"]):
+            break
+        await asyncio.sleep(0.1)
+    container.kill()
+    with pytest.raises(
+        SandboxError, match=r"corral-pytest-d-killed: the container is exited \(exit code 137\)"
+    ):
+        await running
+    with pytest.raises(SandboxError, match="killed or stopped outside corral"):
+        await sb.validate()
+    await sb.cleanup()
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.containers.get(container.id)
+
+
+def _hang_up_on_every_request(path: Path, stop: threading.Event) -> None:
+    """A daemon dying under its clients: each connection is accepted and closed unanswered."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen()
+        server.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                server.accept()[0].close()
+
+
+@pytest.mark.parametrize("op", ["exec", "cleanup"])
+async def test_a_daemon_that_does_not_answer_is_named(tmp_path: Path, task_root: Path, op: str) -> None:
+    # dockerd killed mid-run. Before: every op failed with ConnectionError(ProtocolError('Connection
+    # aborted.', ...)), naming neither docker nor the container.
+    path = tmp_path / "dying.sock"
+    stop = threading.Event()
+    server = threading.Thread(target=_hang_up_on_every_request, args=(path, stop))
+    server.start()
+    client = docker.DockerClient(base_url=f"unix://{path}", version="1.41")  # made while it answered
+    try:
+        sb = DockerSandboxFactory(IMAGE, client=client, base_url=f"unix://{path}").create("pytest-d-gone")
+        sb.adopt(make_task(task_root, setup=""), "0123456789ab")
+        with pytest.raises(SandboxError, match=rf"corral-pytest-d-gone: docker daemon at unix://{path}: "):
+            await (sb.exec("true", timeout_s=5) if op == "exec" else sb.cleanup())
+    finally:
+        client.close()
+        stop.set()
+        server.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # the SDK drops a failed connection unclosed
+            gc.collect()
