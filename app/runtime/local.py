@@ -202,7 +202,7 @@ async def _run(
             engines = EngineProcesses(config.engines, serving_cpus, Path(tmp), exits_at_start_ok=True)
             stop.engines = engines
             lanes = InProcessLanes.from_config(config.lane_config(), policy.pinned_lanes)
-            factory = sandbox_factory(config, policy, work)
+            factory = await make_sandbox_factory(config, policy, work)
             agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
             trainer = SentinelTrainer(config.trainer.step_s, weights)
 
@@ -284,6 +284,16 @@ async def _run(
         report.update(runtime.lane_adapter.report())
     report.update(event_log.as_report())
     return report
+
+
+async def make_sandbox_factory(
+    config: LocalRunConfig, policy: PolicyConfig, base_dir: Path
+) -> LocalSandboxFactory | DockerSandboxFactory:
+    """`sandbox_factory` from a running loop: docker sandboxes' check of the daemon (up to 10 s) runs in
+    a thread, so signals and, in `corral serve`, requests are still served meanwhile."""
+    if config.sandbox.docker_image is not None:
+        return await asyncio.to_thread(sandbox_factory, config, policy, base_dir)
+    return sandbox_factory(config, policy, base_dir)
 
 
 def sandbox_factory(

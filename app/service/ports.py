@@ -142,7 +142,7 @@ async def _local_ports(
 ) -> AsyncIterator[RunPorts]:
     from app.agent.loop import ShellAgent, ShellAgentConfig
     from app.runtime.engine_procs import EngineProcesses, fault_config
-    from app.runtime.local import sandbox_factory
+    from app.runtime.local import make_sandbox_factory
     from app.runtime.task_source import TaskSource, load_tasks
     from app.sandboxes import leftovers
     from app.sandboxes.local import scratch_base
@@ -161,6 +161,7 @@ async def _local_ports(
     engines = EngineProcesses(config.engines, serving_cpus, work_dir, exits_at_start_ok=True)
     clients: list[Engine] = []
     lanes: Lanes | None = None
+    factory: object = None
     try:
         lanes = make_lanes(config.lane_config(), policy.pinned_lanes)
         # On the run's own thread, not a worker thread: a start-up cancelled (the run stopped while
@@ -169,7 +170,7 @@ async def _local_ports(
         engines.start()
         await engines.wait_healthy()
         clients = list(engines.clients())
-        factory = sandbox_factory(config, policy, sandboxes)
+        factory = await make_sandbox_factory(config, policy, sandboxes)
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
             engines=clients,
@@ -187,6 +188,9 @@ async def _local_ports(
             await client.aclose()
         await asyncio.to_thread(engines.stop)
         close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
+        if close is not None:
+            close()
+        close = getattr(factory, "close", None)  # a docker factory holds its daemon's connections
         if close is not None:
             close()
         if scratch:  # the run is over: its sandboxes cleaned up, its engines stopped
