@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import os
+import socket
 import tarfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import docker
 import docker.errors
@@ -42,6 +44,9 @@ from app.sandboxes.local import DEFAULT_OUTPUT_LIMIT, SandboxError, _CappedBuffe
 
 if TYPE_CHECKING:
     from app.tasks.spec import TaskSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LABEL = "corral.attempt"
 # $0 = command, $1 = timeout in seconds. The watcher is a separate sh so that killing it (trap)
@@ -60,7 +65,13 @@ exit $rc
 TIMEOUT_EXIT = 124
 SIGKILL_EXIT = 137
 DEATH_CHECKS, DEATH_CHECK_S = 5, 0.1  # how long a SIGKILLed command's container may take to show exited
+DAEMON_WAIT_S = 60.0  # how long an op waits for a daemon that cannot be reached (a restart) to come back
+DAEMON_POLL_S = 0.5
 CALL_TIMEOUT_S = 60  # one SDK call (the SDK's default); an exec's output socket waits as long as it runs
+
+
+class DaemonAway(SandboxError):
+    """The daemon could not be reached (connection refused, socket gone): it may come back."""
 
 
 class DockerSandboxFactory:
@@ -77,6 +88,7 @@ class DockerSandboxFactory:
         pids_limit: int = 512,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         keep_alive_cmd: Sequence[str] = ("sleep", "2147483647"),
+        daemon_wait_s: float = DAEMON_WAIT_S,
     ) -> None:
         if output_limit <= 0:
             raise SandboxError(f"output_limit must be positive, got {output_limit}")
@@ -88,6 +100,9 @@ class DockerSandboxFactory:
         self.pids_limit = pids_limit
         self.output_limit = output_limit
         self.keep_alive_cmd = list(keep_alive_cmd)
+        self.daemon_wait_s = daemon_wait_s
+        self._away_lock = threading.Lock()
+        self._away_since: float | None = None
         self.owner_label = leftovers.container_owner_label()  # empty unless this process owns them
 
     @property
@@ -130,6 +145,41 @@ class DockerSandboxFactory:
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+    def wait_for_daemon(self, deadline: float) -> bool:
+        """Whether the daemon answers a ping again before `deadline` (said once per outage)."""
+        with self._away_lock:
+            if self._away_since is None:
+                self._away_since = time.monotonic()
+                log.warning("docker daemon at %s does not answer: sandbox ops wait for it", self.daemon)
+        while True:
+            with contextlib.suppress(docker.errors.DockerException, requests.exceptions.RequestException):
+                if self._accepts() and self.client.ping():
+                    with self._away_lock:
+                        if self._away_since is not None:
+                            log.warning(
+                                "docker daemon at %s answers again after %.1f s",
+                                self.daemon,
+                                time.monotonic() - self._away_since,
+                            )
+                            self._away_since = None
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(DAEMON_POLL_S)
+
+    def _accepts(self) -> bool:
+        """Whether a unix-socket daemon takes connections (any other: assumed), probed with a plain socket:
+        the SDK leaks the socket of every connection that fails."""
+        where = self._base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        if not where.startswith("unix://"):
+            return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(where.removeprefix("unix://"))
+            except OSError:
+                return False
+        return True
 
     def _connect(self, timeout_s: float) -> docker.DockerClient:
         if self._base_url:
@@ -198,8 +248,13 @@ class DockerSandbox(CommandSandbox):
         with self._lock:
             if generation != self._generation:
                 raise SandboxError(f"sandbox {self.attempt_id!r} was cleaned up while its reset started")
-            with self._docker_errors("starting"):
+
+            def start_afresh() -> None:
+                # Again from scratch after the daemon went away: it may have made the container.
+                self._remove_locked()
                 self._start_locked(cpus, archive)
+
+            self._while_daemon_away("starting", start_afresh)
 
     def _start_locked(self, cpus: Sequence[int] | None, archive: bytes) -> None:
         f = self.factory
@@ -230,8 +285,7 @@ class DockerSandbox(CommandSandbox):
     def _remove(self) -> None:
         with self._lock:
             self._generation += 1
-            with self._docker_errors("removing"):
-                self._remove_locked()
+            self._while_daemon_away("removing", self._remove_locked)
 
     def _remove_locked(self) -> None:
         try:
@@ -253,6 +307,20 @@ class DockerSandbox(CommandSandbox):
             self.factory.client.api.update_container(self.container_id, cpuset_cpus=wanted)
             self._cpus = wanted
 
+    def _while_daemon_away(self, doing: str, op: Callable[[], T]) -> T:
+        """`op`, again once the daemon answers when it could not be reached (a restart), for up to the
+        factory's `daemon_wait_s`; then the `DaemonAway` stands."""
+        deadline: float | None = None
+        while True:
+            try:
+                with self._docker_errors(doing):
+                    return op()
+            except DaemonAway:
+                if deadline is None:
+                    deadline = time.monotonic() + self.factory.daemon_wait_s
+                if not self.factory.wait_for_daemon(deadline):
+                    raise
+
     @contextlib.contextmanager
     def _docker_errors(self, doing: str) -> Iterator[None]:
         """An SDK failure as a `SandboxError` of one line that says what failed: the daemon, or this
@@ -261,13 +329,15 @@ class DockerSandbox(CommandSandbox):
             yield
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             problem = self._container_problem() if isinstance(exc, docker.errors.APIError) else None
+            away = isinstance(exc, requests.exceptions.ConnectionError)
             if problem is None:
                 problem = f"docker daemon at {self.factory.daemon}: {_reason(exc)}"
         else:
             return
         # Raised outside the handler: the SDK's exception, whose frames hold the socket of a failed
         # connection, is not kept alive as this one's context.
-        raise SandboxError(f"{doing} {self.container_name}: {problem}")
+        kind = DaemonAway if away else SandboxError
+        raise kind(f"{doing} {self.container_name}: {problem}")
 
     def _container_problem(self) -> str | None:
         """Why this sandbox's container cannot run commands, or None when it is running."""
@@ -304,16 +374,25 @@ class DockerSandbox(CommandSandbox):
                 raise SandboxError(f"running a command in {self.container_name}: {problem}")
         return result
 
+    def _create_exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> str:
+        self._set_cpus(cpus)
+        assert self.container_id is not None
+        return str(
+            self.factory.client.api.exec_create(
+                self.container_id,
+                ["sh", "-c", _WRAPPER, command, f"{max(timeout_s, 0.001):.3f}"],
+                workdir=self.factory.work_dir,
+            )["Id"]
+        )
+
     def _exec_unchecked(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> ExecResult:
         started = time.monotonic()
-        self._set_cpus(cpus)
         api = self.factory.client.api
-        assert self.container_id is not None
-        exec_id = api.exec_create(
-            self.container_id,
-            ["sh", "-c", _WRAPPER, command, f"{max(timeout_s, 0.001):.3f}"],
-            workdir=self.factory.work_dir,
-        )["Id"]
+        # Until the command starts, an op can wait for a daemon that went away and try again; once it
+        # runs, what it did is unknown, so a daemon lost then fails it.
+        exec_id = self._while_daemon_away(
+            "running a command in", lambda: self._create_exec(command, timeout_s, cpus)
+        )
         buffer = _CappedBuffer(self.factory.output_limit)
         # The raw socket rather than stream=True: the SDK's stream leaves its socket open.
         sock = api.exec_start(exec_id, socket=True)
