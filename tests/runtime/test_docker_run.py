@@ -4,7 +4,6 @@ that a run leaves no container behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import docker_fixtures
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "corral_sandbox_fixtures", Path(__file__).resolve().parents[1] / "sandboxes" / "conftest.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-_fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_fixtures)
-docker_client = _fixtures.docker_client  # a fixture: the daemon that answers, or a private dockerd
-TEST_IMAGE = _fixtures.TEST_IMAGE
+docker_client = docker_fixtures.docker_client  # a fixture: the daemon that answers, or a private dockerd
+TEST_IMAGE = docker_fixtures.TEST_IMAGE
 
 CORRAL = Path(sys.executable).with_name("corral")
 

@@ -4,10 +4,10 @@ private dockerd and busybox image)."""
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 from pathlib import Path
 
+import docker_fixtures
 import pytest
 from factories import make_echo_task
 
@@ -15,15 +15,8 @@ from app.lanes.ops import LaneOp, LaneOpError, execute_op, handle_of
 from app.sandboxes.docker import DockerSandboxFactory
 from workers.sandboxes import HostSandboxes
 
-_spec = importlib.util.spec_from_file_location(
-    "corral_sandbox_fixtures", Path(__file__).resolve().parents[1] / "sandboxes" / "conftest.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-_fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_fixtures)
-docker_client = _fixtures.docker_client  # a fixture: the daemon that answers, or a private dockerd
-TEST_IMAGE = _fixtures.TEST_IMAGE
+docker_client = docker_fixtures.docker_client  # a fixture: the daemon that answers, or a private dockerd
+TEST_IMAGE = docker_fixtures.TEST_IMAGE
 
 
 @pytest.mark.docker
