@@ -62,7 +62,8 @@ def run(
         ),
     ] = None,
 ) -> None:
-    """Collect trajectories for real: embedded engines, local sandboxes, the built-in tasks.
+    """Collect trajectories for real: embedded engines, local (or, with sandbox.docker_image, docker)
+    sandboxes, the built-in tasks.
 
     Prints each step as it happens. Ctrl-C ends the run after the current step and still writes the
     report."""
