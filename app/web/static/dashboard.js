@@ -127,13 +127,11 @@
   // The policy as the stream brings it (the API's change, another page's) becomes what the form's fields
   // show, so the form reads as what runs now; a field being edited keeps what is typed in it. Until
   // then the form showed the policy as the page loaded, and S typed back to that value was "no change".
-  var CURRENT = { max_staleness: "current-k", surplus_groups: "current-s", agent_gate: "current-gate" };
   document.addEventListener("htmx:sseMessage", function (e) {
-    var form = document.getElementById("policy-form");
-    if (!form || !e.target || e.target.id !== "policy") return;
-    Object.keys(CURRENT).forEach(function (name) {
-      var now = document.getElementById(CURRENT[name]), field = form.elements[name];
-      var shown = form.elements[name + "_shown"], value = now && now.dataset.value;
+    var form = document.getElementById("policy-form"), now = document.getElementById("policy-now");
+    if (!form || !now || !e.target || e.target.id !== "policy") return;
+    ["max_staleness", "surplus_groups", "agent_gate"].forEach(function (name) {
+      var field = form.elements[name], shown = form.elements[name + "_shown"], value = now.dataset[name];
       if (!field || !shown || !value) return;
       if (field.value === shown.value && document.activeElement !== field) field.value = value;
       shown.value = value;
