@@ -244,9 +244,7 @@ async def _run(
                         await client.aclose()
                 stop.shutting_down = True
                 await asyncio.to_thread(engines.stop)  # the loop keeps taking signals meanwhile
-                close = getattr(factory, "close", None)  # a docker factory holds its daemon's connections
-                if close is not None:
-                    close()
+                factory.close()  # a docker factory holds its daemon's connections
     finally:
         for sig in taken:
             loop.remove_signal_handler(sig)

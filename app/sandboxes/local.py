@@ -247,6 +247,9 @@ class LocalSandboxFactory:
     def create(self, attempt_id: str) -> LocalSandbox:
         return LocalSandbox(self, attempt_id)
 
+    def close(self) -> None:
+        """Nothing held: beside `DockerSandboxFactory.close`, so a run closes whichever it made."""
+
 
 def closed_parent(path: Path) -> Path | None:
     """The first parent of `path` that other users cannot traverse (no o+x), or None: sandbox uids

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core.config import AdmissionMode, LanesConfig, PolicyConfig
 from app.engines.base import Engine
@@ -34,6 +35,10 @@ from app.runtime.engine_pool import EngineFaultConfig, EngineSupervisor
 from app.runtime.ports import AttemptSource
 from app.service.schemas import RunCreate, RunKind, TrainerKind
 from app.settings import Settings
+
+if TYPE_CHECKING:  # the docker SDK only where a run uses it
+    from app.sandboxes.docker import DockerSandboxFactory
+    from app.sandboxes.local import LocalSandboxFactory
 
 # A run's lanes from its lane config and whether they are pinned (app.lanes.choose.choose_lanes).
 LanesFactory = Callable[[LanesConfig, bool], Lanes]
@@ -161,7 +166,7 @@ async def _local_ports(
     engines = EngineProcesses(config.engines, serving_cpus, work_dir, exits_at_start_ok=True)
     clients: list[Engine] = []
     lanes: Lanes | None = None
-    factory: object = None
+    factory: LocalSandboxFactory | DockerSandboxFactory | None = None
     try:
         lanes = make_lanes(config.lane_config(), policy.pinned_lanes)
         # On the run's own thread, not a worker thread: a start-up cancelled (the run stopped while
@@ -190,9 +195,8 @@ async def _local_ports(
         close = getattr(lanes, "close", None)  # Celery lanes hold broker connections
         if close is not None:
             close()
-        close = getattr(factory, "close", None)  # a docker factory holds its daemon's connections
-        if close is not None:
-            close()
+        if factory is not None:
+            factory.close()  # a docker factory holds its daemon's connections
         if scratch:  # the run is over: its sandboxes cleaned up, its engines stopped
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(leftovers.rmtree, sandboxes)
