@@ -67,6 +67,7 @@ SIGKILL_EXIT = 137
 DEATH_CHECKS, DEATH_CHECK_S = 5, 0.1  # how long a SIGKILLed command's container may take to show exited
 DAEMON_WAIT_S = 60.0  # how long an op waits for a daemon that cannot be reached (a restart) to come back
 DAEMON_POLL_S = 0.5
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"  # the SDK's daemon when none is named
 CALL_TIMEOUT_S = 60  # one SDK call (the SDK's default); an exec's output socket waits as long as it runs
 
 
@@ -116,9 +117,14 @@ class DockerSandboxFactory:
         return self._client
 
     @property
+    def _address(self) -> str | None:
+        """The daemon's address as given (the factory's, else `DOCKER_HOST`); None: the SDK's default."""
+        return self._base_url or os.environ.get("DOCKER_HOST")
+
+    @property
     def daemon(self) -> str:
         """Where the daemon is looked for, as the user would name it."""
-        return self._base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock (default)"
+        return self._address or f"{DEFAULT_SOCKET} (default)"
 
     def check(self, timeout_s: float = 10.0) -> None:
         """Before any work: a `SandboxError` of one line when no daemon answers within `timeout_s` or
@@ -171,7 +177,7 @@ class DockerSandboxFactory:
     def _accepts(self) -> bool:
         """Whether a unix-socket daemon takes connections (any other: assumed), probed with a plain socket:
         the SDK leaks the socket of every connection that fails."""
-        where = self._base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        where = self._address or DEFAULT_SOCKET
         if not where.startswith("unix://"):
             return True
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
