@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery import Celery, states
+from celery.exceptions import BackendGetMetaError
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
@@ -378,9 +379,28 @@ class CeleryLanes:
         return result, (after if before == after else lost_ops.UNKNOWN)
 
     def _revoke(self, op: LaneOp[Any]) -> None:
-        """Revoke the op, recorded first where a worker that takes it later looks (`cancelled_key`)."""
-        self.celery.backend.client.set(cancelled_key(op.op_id), op.name.value, ex=CANCELLED_TTL_S)
-        self.celery.control.revoke(op.op_id)
+        """Revoke the op, recorded first where a worker that takes it later looks (`cancelled_key`).
+        Neither step raises: a Redis that does not answer leaves the op's fate to its worker, and says so,
+        rather than turning a cancellation (a run stopping) into a failure."""
+        try:
+            self.celery.backend.client.set(cancelled_key(op.op_id), op.name.value, ex=CANCELLED_TTL_S)
+        except lost_ops.BROKER_ERRORS as exc:
+            log.warning(
+                "op %s (%s): could not record its cancellation, the result backend did not answer (%s); "
+                "a worker that takes it later may still run it",
+                op.op_id,
+                op.name.value,
+                exc,
+            )
+        try:
+            self.celery.control.revoke(op.op_id)
+        except lost_ops.BROKER_ERRORS as exc:
+            log.warning(
+                "op %s (%s): could not revoke it, the broker did not answer (%s)",
+                op.op_id,
+                op.name.value,
+                exc,
+            )
 
     async def _resend_if_lost(self, op: LaneOp[Any], result: AsyncResult, epoch: str) -> str | None:
         """The op's epoch after a check: sent again (same id) if the broker lost it in a restart."""
@@ -583,12 +603,17 @@ class CeleryLanes:
                         raise _HolderGone
 
             try:
-                settled = await self._settled(result, deadline, on_waiting=unless_gone)
+                # bounded here too: a poll of a result backend that went away blocks in its retries
+                settled = await asyncio.wait_for(
+                    self._settled(result, deadline, on_waiting=unless_gone), self._cancel_grace_s
+                )
             except _HolderGone:
                 settled = True
+            except (TimeoutError, BackendGetMetaError, *lost_ops.BROKER_ERRORS):
+                settled = False
             if not settled:
                 log.warning(
-                    "op %s (%s) still running %.0f s after its cancellation",
+                    "op %s (%s) not seen to end in the %.0f s after its cancellation",
                     op.op_id,
                     op.name.value,
                     self._cancel_grace_s,

@@ -472,6 +472,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         if isinstance(found, HTMLResponse):
             return found
         view, back = found[1], f"/runs/{quote(run_id, safe='')}"
+        gid: int | None = None
         try:
             gid = parse_int(group_id, signed=False)
         except ValueError:
@@ -480,8 +481,7 @@ def make_router(dash: Dashboard) -> APIRouter:
                 return _error(
                     dash, request, f"no group {_shown(group_id)}: a group is a whole number", 404, back
                 )
-            gid = -1
-        ctx = group_context(view, gid) if gid >= 0 else None
+        ctx = group_context(view, gid) if gid is not None else None
         if ctx is None:
             why = f"run {_shown(run_id)} has no group {group_id}"
             if view.dropped_groups:

@@ -446,3 +446,26 @@ async def test_a_cancelled_op_taken_by_a_worker_killed_before_it_started_it_is_n
     finally:
         lanes.close()
         workers.stop()
+
+
+async def test_an_op_cancelled_while_redis_is_down_ends_cancelled_and_says_it_could_not_record_it(
+    redis: Redis, tmp_path: Path, base_dir: Path, task_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The revoke's record (`corral:cancelled:<id>`) could not be written, and redis's ConnectionError
+    # replaced the cancellation: a run stopping during a Redis outage ended failed, not stopped.
+    url, host, workers, lanes = _lanes_on(redis, tmp_path, cancel_grace_s=2.0)
+    try:
+        env = broker_env(url, url)
+        for lane in ("reset", "exec", "cleanup"):
+            workers.start("--lane", lane, "--cpus", WORKER_CPUS, "--host", host, env=env)
+        _, op, _ = await _slow_op_started(lanes, base_dir / "down", task_root, 30)
+        await asyncio.to_thread(redis.stop)
+        began = time.monotonic()
+        op.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(op, 120)
+        assert time.monotonic() - began < 30  # cancel_grace_s and the revoke's tries (7 s here)
+        assert any("could not record its cancellation" in r.getMessage() for r in caplog.records)
+    finally:
+        lanes.close()
+        workers.stop()
