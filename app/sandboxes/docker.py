@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import logging
 import os
+import re
 import socket
 import tarfile
 import threading
@@ -64,6 +66,9 @@ exit $rc
 """
 TIMEOUT_EXIT = 124
 SIGKILL_EXIT = 137
+# A command that could not fork, or whose exec the runtime could not start (at the pids limit exactly).
+_FORK_FAILED = re.compile(r"can't fork|Resource temporarily unavailable|OCI runtime exec failed")
+PIDS_MARGIN = 4  # processes an exec needs of its own (the wrapper's shells and its watcher's sleep)
 DEATH_CHECKS, DEATH_CHECK_S = 5, 0.1  # how long a SIGKILLed command's container may take to show exited
 DAEMON_WAIT_S = 60.0  # how long an op waits for a daemon that cannot be reached (a restart) to come back
 DAEMON_POLL_S = 0.5
@@ -378,7 +383,27 @@ class DockerSandbox(CommandSandbox):
                 problem = self._container_problem()
             if problem is not None:
                 raise SandboxError(f"running a command in {self.container_name}: {problem}")
+        if result.exit_code and _FORK_FAILED.search(result.output):
+            note = self._process_limit_note()
+            if note:
+                return dataclasses.replace(result, output=f"{result.output}{note}\n")
         return result
+
+    def _process_limit_note(self) -> str | None:
+        """What to tell a command that could not fork, or whose exec could not start, when the sandbox is
+        at its `pids_limit`: processes earlier commands left in the background hold it (they run until
+        they end or the sandbox is reset). None when the container is not near its limit."""
+        try:
+            pids = self.factory.client.api.stats(self.container_id, stream=False, one_shot=True)["pids_stats"]
+            current, limit = int(pids["current"]), int(pids["limit"])
+        except (docker.errors.DockerException, requests.exceptions.RequestException, KeyError, TypeError):
+            return None
+        if current + PIDS_MARGIN < limit:
+            return None
+        return (
+            f"[corral] this sandbox is at its process limit ({limit} processes, {current} running): "
+            "processes that earlier commands left running hold it until they end or the sandbox is reset"
+        )
 
     def _create_exec(self, command: str, timeout_s: float, cpus: Sequence[int] | None) -> str:
         self._set_cpus(cpus)

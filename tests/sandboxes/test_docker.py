@@ -301,3 +301,18 @@ async def test_ops_wait_for_a_daemon_that_comes_back(
             client.close()
             proxy.down()
             gc.collect()
+
+
+async def test_a_sandbox_at_its_process_limit_says_so(docker_client: Any, task_root: Path) -> None:
+    # Background processes of earlier commands hold the pids limit: every later command failed with
+    # exit 126 and only "OCI runtime exec failed ... read init-p: connection reset by peer".
+    sb = make_factory(docker_client).create("pytest-d-pids")
+    await sb.reset(make_task(task_root, setup=""))
+    try:
+        await sb.exec("i=0; while [ $i -lt 80 ]; do sleep 600 & i=$((i+1)); done; true", timeout_s=30)
+        held = await sb.exec("sleep 0; echo hi", timeout_s=10)  # it forks, after the wrapper took the rest
+        assert held.exit_code != 0
+        assert "at its process limit (64 processes, " in held.output
+        assert "left running" in held.output
+    finally:
+        await sb.cleanup()
