@@ -412,6 +412,7 @@ class Runtime:
         self.state.ended_at = self.now()
         self._stopping = True
         self.phase = "stopping"
+        self.source.stopping()
         self._all_down_ended(back=False)
         for task in self._recoveries.values():
             task.cancel()  # a restart in progress is abandoned; the engines are stopped by their owner

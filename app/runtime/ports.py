@@ -23,6 +23,11 @@ class AttemptSource(Protocol):
         self, group_id: int, task_index: int, attempt: int
     ) -> tuple[Agent, TaskSpec | None, Sandbox]: ...
 
+    def stopping(self) -> None:
+        """The run is stopping: its sandboxes' clean-ups no longer wait for infrastructure that went
+        away (a docker daemon) to come back; what they leave, the next start removes."""
+        ...
+
 
 @dataclass(frozen=True)
 class TrainingBatch:

@@ -36,6 +36,9 @@ class TaskSource:
             self.factory.create(f"g{group_id}a{attempt}-{time.monotonic_ns()}"),
         )
 
+    def stopping(self) -> None:
+        self.factory.stopping()
+
 
 def load_tasks(config: TasksConfig) -> list[TaskSpec]:
     path = builtin_suite_path() if config.suite == "builtin" else Path(config.suite)

@@ -47,3 +47,7 @@ class Sandbox(Protocol):
 
 class SandboxFactory(Protocol):
     def create(self, attempt_id: str) -> Sandbox: ...
+
+    def stopping(self) -> None:
+        """The run is stopping: no op waits any longer for its infrastructure to come back."""
+        ...

@@ -109,6 +109,7 @@ class DockerSandboxFactory:
         self.daemon_wait_s = daemon_wait_s
         self._away_lock = threading.Lock()
         self._away_since: float | None = None
+        self._stopping = False
         self.owner_label = leftovers.container_owner_label()  # empty unless this process owns them
 
     @property
@@ -157,12 +158,21 @@ class DockerSandboxFactory:
         if self._client is not None:
             self._client.close()
 
-    def wait_for_daemon(self, deadline: float) -> bool:
-        """Whether the daemon answers a ping again before `deadline` (said once per outage)."""
+    def stopping(self) -> None:
+        """The run is stopping: an op no longer waits for a daemon that went away (a Ctrl-C waited
+        `daemon_wait_s` for each round of clean-ups its lane's slots took); the containers left are
+        removed by the next start (leftovers.py)."""
+        self._stopping = True
+
+    def wait_for_daemon(self) -> bool:
+        """Whether the daemon answers a ping again within `daemon_wait_s` of the outage's start (said
+        once per outage). Every op of the outage shares that window: once it has passed, or once the run
+        is stopping, an op asks once and waits no more."""
         with self._away_lock:
             if self._away_since is None:
                 self._away_since = time.monotonic()
                 log.warning("docker daemon at %s does not answer: sandbox ops wait for it", self.daemon)
+            deadline = self._away_since + self.daemon_wait_s
         while True:
             with contextlib.suppress(docker.errors.DockerException, requests.exceptions.RequestException):
                 if self._accepts() and self.client.ping():
@@ -175,7 +185,7 @@ class DockerSandboxFactory:
                             )
                             self._away_since = None
                     return True
-            if time.monotonic() >= deadline:
+            if self._stopping or time.monotonic() >= deadline:
                 return False
             time.sleep(DAEMON_POLL_S)
 
@@ -319,17 +329,14 @@ class DockerSandbox(CommandSandbox):
             self._cpus = wanted
 
     def _while_daemon_away(self, doing: str, op: Callable[[], T]) -> T:
-        """`op`, again once the daemon answers when it could not be reached (a restart), for up to the
-        factory's `daemon_wait_s`; then the `DaemonAway` stands."""
-        deadline: float | None = None
+        """`op`, again once the daemon answers when it could not be reached (a restart), within the
+        outage's `daemon_wait_s` (`DockerSandboxFactory.wait_for_daemon`); then the `DaemonAway` stands."""
         while True:
             try:
                 with self._docker_errors(doing):
                     return op()
             except DaemonAway:
-                if deadline is None:
-                    deadline = time.monotonic() + self.factory.daemon_wait_s
-                if not self.factory.wait_for_daemon(deadline):
+                if not self.factory.wait_for_daemon():
                     raise
 
     @contextlib.contextmanager

@@ -250,6 +250,9 @@ class LocalSandboxFactory:
     def close(self) -> None:
         """Nothing held: beside `DockerSandboxFactory.close`, so a run closes whichever it made."""
 
+    def stopping(self) -> None:
+        """Local sandboxes wait on nothing that can go away."""
+
 
 def closed_parent(path: Path) -> Path | None:
     """The first parent of `path` that other users cannot traverse (no o+x), or None: sandbox uids

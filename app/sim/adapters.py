@@ -272,6 +272,9 @@ class SimSource:
         lanes = self._lanes.for_group(group_id) if self._by_group else self._lanes
         return SimAgent(trajectory, self._record, self.tally), _SIM_TASK, SimSandbox(trajectory, lanes)
 
+    def stopping(self) -> None:
+        """Simulated sandboxes wait on nothing outside the simulation."""
+
 
 def lane_cpu_split(workload: Workload) -> dict[str, tuple[int, ...]]:
     """Give each lane whole cores, in proportion to the cores its full slots would use, from the cores

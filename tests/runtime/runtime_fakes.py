@@ -155,6 +155,9 @@ class FakeSource:
     def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Any, None, FakeSandbox]:
         return TurnsAgent(self.turns, float(attempt % 2)), None, FakeSandbox()
 
+    def stopping(self) -> None:
+        pass
+
 
 @dataclass
 class FakeTrainer:

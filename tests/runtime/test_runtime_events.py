@@ -140,6 +140,9 @@ class ScriptedSource:
         script = self.scripts.get((group_id, attempt, n), self.default)
         return ScriptedAgent(script, float(1 - attempt % 2)), None, NullSandbox()
 
+    def stopping(self) -> None:
+        pass
+
 
 class SleepTrainer:
     def __init__(self, step_s: float = 1.0) -> None:
@@ -572,6 +575,9 @@ def test_a_failed_reset_does_not_wait_at_the_agent_gate() -> None:
             task = TaskSpec(name="t", instruction="", root=Path("."), validation="true")
             sandbox = _FailingResetSandbox() if attempt == 1 else NullSandbox()
             return _GateAgent(100.0, returned, attempt), task, sandbox
+
+        def stopping(self) -> None:
+            pass
 
     lanes = InProcessLanes({**dict.fromkeys(LaneName, 64), LaneName.EXEC: 1}, dict.fromkeys(LaneName))
     runtime = Runtime(

@@ -64,6 +64,9 @@ class GatedSource:
     def make_attempt(self, group_id: int, task_index: int, attempt: int) -> tuple[Any, None, Any]:
         return GatedAgent(self, (group_id, attempt)), None, FakeSandbox()
 
+    def stopping(self) -> None:
+        pass
+
 
 def make_gated_runtime(source: GatedSource) -> Runtime:
     """B = 1 group of G = 2, no surplus: group 0 is the one the first batch waits for."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import docker.errors
 import pytest
+from docker_fixtures import DaemonProxy
 from factories import make_echo_task as make_task
 
 from app.sandboxes.docker import DockerSandboxFactory
@@ -214,68 +215,12 @@ async def test_a_daemon_that_does_not_answer_is_named(tmp_path: Path, task_root:
             gc.collect()
 
 
-class _DaemonProxy:
-    """A socket in front of the real daemon that goes away and comes back, as a restarted dockerd's does
-    (its open connections are cut too)."""
-
-    def __init__(self, path: Path, target: str) -> None:
-        self.path = path
-        self.target = target
-        self._threads: list[threading.Thread] = []
-        self._socks: list[socket.socket] = []
-        self._stop = threading.Event()
-
-    def up(self) -> None:
-        self._stop.clear()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
-        listener.listen()
-        listener.settimeout(0.1)
-        self._socks.append(listener)
-        self._spawn(self._accept, listener)
-
-    def down(self) -> None:
-        self._stop.set()
-        for sock in self._socks:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        for thread in self._threads:
-            thread.join()
-        self._socks, self._threads = [], []
-        self.path.unlink(missing_ok=True)
-
-    def _spawn(self, target: Any, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args)
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while not self._stop.is_set():
-            try:
-                conn = listener.accept()[0]
-            except (TimeoutError, OSError):
-                continue
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            upstream.connect(self.target)
-            self._socks += [conn, upstream]
-            self._spawn(self._pump, conn, upstream)
-            self._spawn(self._pump, upstream, conn)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)
-
-
 async def test_ops_wait_for_a_daemon_that_comes_back(
     docker_client: Any, task_root: Path, tmp_path: Path
 ) -> None:
     # dockerd restarted mid-run. Before, every op in the gap failed at once: a run failed 101 groups
     # within 5 s and stopped (docs/sandboxes.md), though the daemon was back 8 s later.
-    proxy = _DaemonProxy(tmp_path / "proxy.sock", docker_client.api._custom_adapter.socket_path)
+    proxy = DaemonProxy(tmp_path / "proxy.sock", docker_client.api._custom_adapter.socket_path)
     proxy.up()
     where = f"unix://{proxy.path}"
     client = docker.DockerClient(base_url=where, version="1.41")
