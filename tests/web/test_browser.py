@@ -380,6 +380,7 @@ def test_changing_k_in_the_form_changes_it_in_the_api(
     page.get_by_label("K (staleness bound)").fill(str(new))
     page.get_by_role("button", name="Apply live").click()
     sync_api.expect(page.locator("#current-k")).to_have_text(str(new))
+    sync_api.expect(page.locator("#policy-k")).to_have_text(str(new))  # the head line, which stayed put
     sync_api.expect(page.locator("#audit")).to_contain_text(f"set max_staleness from {current} to {new}")
     assert api.get(f"/api/runs/{run_id}").json()["policy"]["max_staleness"] == new
     page.context.close()
@@ -456,6 +457,7 @@ def test_the_policy_form_changes_only_what_was_typed_in_it(
         assert policy() == (2, 4)
         assert api.patch(f"/api/runs/{run}/policy", json={"surplus_groups": 8}).status_code == 200
         sync_api.expect(page.locator("#current-s")).to_have_text("8")
+        sync_api.expect(page.locator("#policy-s")).to_have_text("8")  # and the page's head line
         # the field follows the policy the stream brings: it showed the page's 4 beside "Now: S = 8"
         sync_api.expect(page.get_by_label("S (surplus groups)")).to_have_value("8")
         apply("K (staleness bound)", 3, "Applied K = 3.")

@@ -127,9 +127,17 @@
   // The policy as the stream brings it (the API's change, another page's) becomes what the form's fields
   // show, so the form reads as what runs now; a field being edited keeps what is typed in it. Until
   // then the form showed the policy as the page loaded, and S typed back to that value was "no change".
+  // The page's head line ("S 4 · K 2") follows the "Now:" line too: it kept the policy as the page
+  // loaded, beside "Now: K = 3" after a change.
   document.addEventListener("htmx:sseMessage", function (e) {
+    if (!e.target || e.target.id !== "policy") return;
+    var heads = [["current-k", "policy-k"], ["current-s", "policy-s"], ["current-gate", "policy-gate"]];
+    heads.forEach(function (ids) {
+      var from = document.getElementById(ids[0]), to = document.getElementById(ids[1]);
+      if (from && to) to.textContent = from.textContent;
+    });
     var form = document.getElementById("policy-form"), now = document.getElementById("policy-now");
-    if (!form || !now || !e.target || e.target.id !== "policy") return;
+    if (!form || !now) return;
     ["max_staleness", "surplus_groups", "agent_gate"].forEach(function (name) {
       var field = form.elements[name], shown = form.elements[name + "_shown"], value = now.dataset[name];
       if (!field || !shown || !value) return;
