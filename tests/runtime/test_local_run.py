@@ -295,11 +295,13 @@ def test_engines_die_with_a_killed_run(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
+    said: list[str] = []  # what the run printed, for the message of a failed assertion
     for line in proc.stderr:
+        said.append(line)
         if " delivered: " in line:
             break
     started = embedded_engine_pids(parent=proc.pid)
-    assert len(started) == 2
+    assert len(started) == 2, "".join(said[-30:])
     proc.kill()
     proc.wait(timeout=30)
     proc.stderr.close()
