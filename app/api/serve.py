@@ -81,8 +81,13 @@ def serve(
     spec = None
     if demo:
         spec = demo_run(demo_kind)
-    database = check_database(settings.database_url)
-    hold = hold_database(settings.database_url, database)
+    holds: list[DatabaseHold] = []
+
+    def take_hold(shown: str) -> None:  # before the migration: a refused server has migrated nothing
+        holds.append(hold_database(settings.database_url, shown))
+
+    database = check_database(settings.database_url, before_writing=take_hold)
+    hold = holds[0]
     url = f"http://{settings.host}:{settings.port}"
     say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
     lanes = "in-process"
@@ -133,6 +138,8 @@ def hold_database(url: str, shown: str) -> DatabaseHold:
 
     try:
         return DatabaseHold(url)
+    except OSError as exc:  # a SQLite file's lock beside it, in a directory it cannot write
+        fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: cannot lock it: {exc}")
     except DatabaseHeld as exc:
         fail(
             f"CORRAL_DATABASE_URL {shown}: another corral serve is using this database ({exc}); one "

@@ -603,14 +603,18 @@ def database_reason(exc: Exception) -> str:
     return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
 
 
-def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
+def check_database(
+    url: str, create: bool = True, migrate: bool = True, before_writing: Callable[[str], None] | None = None
+) -> str:
     """Open the database (migrating it to the current schema) before the server starts, so that one
     that cannot be reached or created is one line, not the server's start-up traceback. Returns the URL
     to show, with any password hidden. With `create` False the database must be Corral's already: a
     SQLite file that does not exist is refused instead of made (`corral prune` in the wrong directory
     left a new, empty database there), and so is a database without Corral's schema, which is only read
     (a dry run's prune gave another program's SQLite file Corral's tables). With `migrate` False too, a
-    schema behind this Corral's is refused rather than migrated: nothing is written."""
+    schema behind this Corral's is refused rather than migrated: nothing is written. `before_writing`,
+    given the URL to show, runs before anything is written (`corral serve` takes its hold there, so that
+    a second server, refused, has not migrated the database under the one that uses it)."""
     from alembic.util import CommandError
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -632,6 +636,8 @@ def check_database(url: str, create: bool = True, migrate: bool = True) -> str:
             with contextlib.suppress(OSError):  # a new database's directory; if it cannot be made, below
                 path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        if before_writing is not None:
+            before_writing(shown)
         if create:
             ServiceStore(url).close()
         else:

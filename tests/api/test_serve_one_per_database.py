@@ -13,11 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from alembic import command
 from api_support import POSTGRES_URL, TOKEN, free_port, make_run, serve_env, wait_for
 from db_relay import postgres_answers, relayed_database, server_lock_holder, take_server_lock
 from sqlalchemy.pool import NullPool
 
-from app.store.db import make_engine, scratch_database
+from app.store.db import DatabaseHold, make_engine, scratch_database
+from app.store.migrate import alembic_config, current_revision
 
 
 def _start(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -78,6 +80,30 @@ def test_a_second_corral_serve_on_a_served_database_is_refused(backend: str, tmp
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_refused_corral_serve_leaves_the_schema_as_it_found_it(backend: str, tmp_path: Path) -> None:
+    """A newer Corral started while the older one still serves its database (an upgrade begun before the
+    stop) is refused, and has not migrated the schema under the server using it: it did, then said no."""
+    if backend == "postgres" and not postgres_answers(POSTGRES_URL):
+        pytest.skip("no Postgres answering on 127.0.0.1:5432")
+    with scratch_database(backend, POSTGRES_URL, tmp_path) as db:
+        command.upgrade(alembic_config(db), "0004")
+        held = DatabaseHold(db)  # as the older server holds it
+        try:
+            log = tmp_path / "second.log"
+            assert _start(serve_env(tmp_path, db, free_port()), log).wait(timeout=120) == 2
+        finally:
+            held.release()
+        said = log.read_text().strip().splitlines()
+        assert len(said) == 1, said
+        assert "another corral serve is using this database" in said[0]
+        engine = make_engine(db)
+        try:
+            assert current_revision(engine) == "0004"
+        finally:
+            engine.dispose()
 
 
 @pytest.mark.parametrize("taken_meanwhile", [False, True])
