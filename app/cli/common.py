@@ -652,27 +652,50 @@ def check_database(
     except UnicodeError:  # the host's IDNA encoding failed: an empty label (`a..b`) or one over 63
         fail(f"CORRAL_DATABASE_URL {shown}: cannot open the database: its host is not a host name")
     except CommandError as exc:  # a revision these migrations do not know: a newer Corral's schema
-        fail(f"CORRAL_DATABASE_URL {shown}: cannot migrate the database: {exc}")
+        problem = _newer_schema(_stored_revision(url)) or f"cannot migrate the database: {exc}"
+        fail(f"CORRAL_DATABASE_URL {shown}: {problem}")
     return shown
+
+
+def _stored_revision(url: str) -> str | None:
+    from sqlalchemy import create_engine
+
+    from app.store.migrate import current_revision
+
+    engine = create_engine(url)
+    try:
+        return current_revision(engine)
+    finally:
+        engine.dispose()
+
+
+def _newer_schema(revision: str | None) -> str | None:
+    """What to say of a schema at `revision` when it is a newer Corral's (these migrations do not know
+    it); None for any other."""
+    from app.store.migrate import head_revision, is_known
+
+    if revision is None or is_known(revision):
+        return None
+    return (
+        f"its schema is at revision {revision}, a newer Corral's (this one knows up to {head_revision()}): "
+        "use that Corral, or a database of this one's"
+    )
 
 
 def _schema_problem(url: str, migrate: bool) -> str | None:
     """Why the database at `url` is not one to work on, read without writing to it; None when it is
     (migrated to this Corral's schema first, with `migrate`)."""
-    from sqlalchemy import create_engine
+    from app.store.migrate import head_revision, upgrade_to_head
 
-    from app.store.migrate import current_revision, head_revision, upgrade_to_head
-
-    engine = create_engine(url)
-    try:
-        revision = current_revision(engine)
-    finally:
-        engine.dispose()
+    revision = _stored_revision(url)
     head = head_revision()
     if revision is None:
         return "not a Corral database (it has no Corral schema; `corral serve` makes one)"
     if revision == head:
         return None
+    newer = _newer_schema(revision)
+    if newer is not None:
+        return newer
     if not migrate:
         return (
             f"its schema is at revision {revision}, not this Corral's {head}; a dry run writes nothing, "

@@ -12,6 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
@@ -35,6 +36,14 @@ def upgrade_to_head(url: str) -> None:
 
 def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def is_known(revision: str) -> bool:
+    """Is `revision` one of these migrations (not a newer Corral's)?"""
+    try:
+        return ScriptDirectory.from_config(alembic_config("sqlite://")).get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def current_revision(engine: Engine) -> str | None:
