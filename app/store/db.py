@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -255,9 +256,10 @@ class DatabaseHold:
         self._token = ""  # its part that no other process has
         parsed = make_url(url)
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database in (None, "", ":memory:"):
+            database = sqlite_file(parsed)
+            if database is None:
                 return  # a database of this process alone
-            path = Path(parsed.database).with_name(Path(parsed.database).name + ".serve-lock")
+            path = database.with_name(database.name + ".serve-lock")
             self._file = path.open("a+")
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -375,6 +377,21 @@ class DatabaseHold:
             self._engine.dispose()
         if self._file is not None:
             self._file.close()  # and the flock with the file
+
+
+def sqlite_file(url: Any) -> Path | None:
+    """The file of a SQLite URL, given as a path or as a `file:` URI (`?uri=true`: its path, not the text
+    `file:/…`, which named a lock file in a directory `file:` that does not exist); None in memory."""
+    database = url.database or ""
+    if url.query.get("uri"):
+        if url.query.get("mode") == "memory":
+            return None
+        parsed = urlparse(database)
+        if parsed.scheme == "file":
+            database = unquote(parsed.path)
+    if database in ("", ":memory:"):
+        return None
+    return Path(database)
 
 
 def _held_by(row: Any) -> str:

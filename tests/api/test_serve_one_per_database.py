@@ -106,6 +106,26 @@ def test_a_refused_corral_serve_leaves_the_schema_as_it_found_it(backend: str, t
             engine.dispose()
 
 
+def test_a_sqlite_uri_database_is_held_as_its_file(tmp_path: Path) -> None:
+    """`sqlite:///file:/abs/c.db?uri=true` names the file c.db: its server holds it, and a second one on
+    the file's plain path is refused. Before, the lock file was looked for in a directory `file:` that
+    does not exist, and the first server ended in a traceback (after migrating the database)."""
+    database = tmp_path / "c.db"
+    port = free_port()
+    first = _start(serve_env(tmp_path, f"sqlite:///file:{database}?uri=true", port), tmp_path / "first.log")
+    try:
+        log = tmp_path / "first.log"
+        wait_for(lambda: first.poll() is not None or _answers(f"http://127.0.0.1:{port}"), 120, what=str(log))
+        assert first.poll() is None, log.read_text()[-2000:]
+        second = _start(serve_env(tmp_path, f"sqlite:///{database}", free_port()), tmp_path / "second.log")
+        assert second.wait(timeout=120) == 2
+        assert "another corral serve is using this database" in (tmp_path / "second.log").read_text()
+    finally:
+        first.kill()
+        first.wait()
+    assert (tmp_path / "c.db.serve-lock").exists()
+
+
 @pytest.mark.parametrize("taken_meanwhile", [False, True])
 def test_a_lost_hold_is_taken_again_or_the_server_stops(taken_meanwhile: bool, tmp_path: Path) -> None:
     """The connection that holds a serving process's Postgres lock is lost (Postgres restarted: the
