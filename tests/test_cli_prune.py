@@ -225,7 +225,8 @@ def check_stopped(done: subprocess.CompletedProcess[str], store: ServiceStore, t
     assert done.returncode == 130, done.stderr
     assert 0 < deleted < RUNS
     assert "Traceback" not in done.stderr
-    assert done.stdout == f"deleted {deleted} ended runs from sqlite:///{tmp_path / 'corral.db'}\n"
+    runs = "run" if deleted == 1 else "runs"
+    assert done.stdout == f"deleted {deleted} ended {runs} from sqlite:///{tmp_path / 'corral.db'}\n"
     said = f"interrupted: {deleted} of {RUNS} ended runs deleted; the rest are untouched"
     assert done.stderr.splitlines()[-1] == said
 
