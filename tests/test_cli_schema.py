@@ -50,7 +50,8 @@ def test_a_newer_corrals_schema_is_one_line_and_left_alone(
             assert done.returncode == 2, said
             assert said == [said[0]], said
             assert said[0].startswith("error: CORRAL_DATABASE_URL"), said
-            assert "revision 9999, a newer Corral's" in said[0]
+            assert "revision 9999, which this Corral does not know" in said[0]
+            assert "a newer Corral's" in said[0]
             assert current_revision(engine) == "9999"
         finally:
             engine.dispose()

@@ -670,15 +670,15 @@ def _stored_revision(url: str) -> str | None:
 
 
 def _newer_schema(revision: str | None) -> str | None:
-    """What to say of a schema at `revision` when it is a newer Corral's (these migrations do not know
-    it); None for any other."""
+    """What to say of a schema at `revision` when these migrations do not know it (a newer Corral's, or
+    another program's that Alembic manages too); None for any other."""
     from app.store.migrate import head_revision, is_known
 
     if revision is None or is_known(revision):
         return None
     return (
-        f"its schema is at revision {revision}, a newer Corral's (this one knows up to {head_revision()}): "
-        "use that Corral, or a database of this one's"
+        f"its schema is at revision {revision}, which this Corral does not know (it knows up to "
+        f"{head_revision()}): a newer Corral's, or another program's; use that one, or another database"
     )
 
 
