@@ -14,6 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -30,8 +31,19 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade_to_head(url: str) -> None:
-    """Apply every migration not yet applied to the database at `url` (idempotent)."""
-    command.upgrade(alembic_config(url), "head")
+    """Apply every migration not yet applied to the database at `url` (idempotent). A Ctrl-C meanwhile
+    is a KeyboardInterrupt, the migration under way rolled back: SQLAlchemy, ending the transaction the
+    interrupt cut, raised PendingRollbackError over it, which callers took for a database that cannot
+    be opened (`corral serve`: exit 2, "Can't reconnect until invalid transaction is rolled back")."""
+    try:
+        command.upgrade(alembic_config(url), "head")
+    except SQLAlchemyError as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise KeyboardInterrupt from None
 
 
 def head_revision() -> str | None:
