@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +35,12 @@ def make_old_database(path: Path) -> None:
         )
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def writing(path: Path) -> bool:
     """Whether another connection holds the file's write lock (the migration's transaction)."""
     db = sqlite3.connect(path, timeout=0, isolation_level=None)
@@ -51,7 +58,7 @@ def test_ctrl_c_during_the_migration_is_an_interrupt(tmp_path: Path) -> None:
     database = tmp_path / "corral.db"
     make_old_database(database)
     env = {**os.environ, "CORRAL_DATABASE_URL": f"sqlite:///{database}", "CORRAL_OPERATOR_TOKEN": "t" * 16,
-           "CORRAL_PORT": "8", "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+           "CORRAL_PORT": str(free_port()), "CORRAL_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
     serve = subprocess.Popen(
         [str(Path(sys.executable).with_name("corral")), "serve"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
