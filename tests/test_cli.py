@@ -759,6 +759,9 @@ def test_ctrl_c_twice_to_corral_serve_with_a_live_page_open_stops_at_once_cleanl
         [state] = [state for (state,) in db.execute("SELECT state FROM runs")]
     said = {"stopped": "stopped", "running": "stopping (not stopped: resumed at the next start)"}
     assert f"(demo): {said[state]}" in stderr, stderr
+    # stored stopped, it is not resumed: a run ended but still storing when the second came said it was
+    [run_line] = [line for line in stderr.splitlines() if "(demo): " in line]
+    assert state == "running" or "resumed at the next start" not in run_line, stderr
 
 
 def test_a_trainer_long_polling_when_corral_serve_stops_is_told_so_at_once(tmp_path: Path) -> None:

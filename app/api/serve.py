@@ -193,11 +193,18 @@ def _abandon(app: FastAPI) -> None:
 
 def _say_goodbye(app: FastAPI, database: str) -> None:
     """After Ctrl-C: what became of each run this server executed, and where it is kept."""
+    from app.store.models import TERMINAL_RUN_STATES
+
     manager = getattr(app.state, "manager", None)
     for handle in [] if manager is None else list(manager.handles.values()):
         view = handle.recorder.view
         state = handle.state.value
-        if not handle.done.is_set():
+        if handle.done.is_set():
+            pass
+        elif handle.state in TERMINAL_RUN_STATES:  # ended, its thread still storing (a second Ctrl-C)
+            # it said "resumed at the next start", but its end state was stored: it is not resumed
+            state += " (its last events may not all be stored)"
+        else:
             state += " (not stopped: resumed at the next start)"
         say(f"run {handle.run_id} ({handle.spec.name}): {state}, {view.batches} batches")
     say(f"corral serve: stopped; runs and their events are kept in {database}")

@@ -380,8 +380,9 @@ async def test_weight_update_then_corrupt_directories_are_refused(
 
 @pytest.mark.parametrize(
     "version",
-    ["٣", "³", "３", "3.0", "+3", "-3", " 3", "1_000", "9" * 5000, "", -1, 3.0, True, None, [3]],
-)
+    ["٣", "³", "３", "3.0", "+3", "-3", " 3", "1_000", "9" * 5000, "", -1, 3.0, True, None, [3],
+     str(2**63), 2**63, "99999999999999999999999"],  # over an int64, which --weight-version is held to
+)  # fmt: skip
 async def test_a_weight_version_not_in_ascii_digits_is_a_400(
     weights_engine: RunningEngine, version: Any
 ) -> None:

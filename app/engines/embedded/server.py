@@ -42,7 +42,7 @@ from app.engines.embedded.faults import ENV_FLAG as FAULTS_FLAG
 from app.engines.embedded.faults import install_faults
 from app.engines.embedded.model import SENTINEL, PolicyConfig, PolicyModel
 from app.engines.embedded.weights import WeightsError, load_checkpoint
-from app.validation import parse_int
+from app.validation import MAX_SEED, parse_int
 
 log = logging.getLogger(__name__)
 
@@ -145,22 +145,25 @@ def _error(status: int, message: str, path: str) -> JSONResponse:
 
 def _parse_version(value: object) -> int:
     """A committed version: a non-negative int, or a string of ASCII digits (`str.isdigit` also takes
-    '٣' as 3, and '³', which `int` then refuses: a 500)."""
+    '٣' as 3, and '³', which `int` then refuses: a 500), at most `MAX_SEED`, the bound of the initial
+    `--weight-version` (it took 10**23, which no int64 holds)."""
     refusal = BadRequest(
         400,
-        f"weight_version must be a non-negative integer or a string of ASCII digits, got {value!r:.100} "
-        "(the embedded engine reports integer versions)",
+        f"weight_version must be a non-negative integer or a string of ASCII digits, at most {MAX_SEED}, "
+        f"got {value!r:.100} (the embedded engine reports integer versions)",
     )
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise refusal
-        return value
-    if not isinstance(value, str):
+        version = value
+    elif isinstance(value, str):
+        try:
+            version = parse_int(value, signed=False)
+        except ValueError:  # not ASCII digits, or more digits than Python converts
+            raise refusal from None
+    else:
         raise refusal
-    try:
-        return parse_int(value, signed=False)
-    except ValueError:  # not ASCII digits, or more digits than Python converts
-        raise refusal from None
+    if not 0 <= version <= MAX_SEED:
+        raise refusal
+    return version
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
