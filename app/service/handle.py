@@ -223,6 +223,8 @@ class RunHandle:
             # the state says so (a change of K starts groups) needs the runtime's task group.
             runtime.on_collecting = self._collecting
             batches = self.spec.batches or UNTIL_STOPPED
+            if resume is not None:  # the batches its earlier lives delivered count towards them
+                batches = max(batches - resume.batch_offset, 0)
             try:
                 async with asyncio.TaskGroup() as tg:
                     self._tg = tg

@@ -120,6 +120,47 @@ def test_a_resumed_run_counts_on_from_the_store_and_takes_a_repeated_ack(tmp_pat
         api.close()
 
 
+def test_a_resumed_run_counts_the_batches_delivered_before_the_kill_towards_its_batches(
+    tmp_path: Path,
+) -> None:
+    """`batches` counts the run's trainer steps over all its lives: a run of 4 batches killed after 2
+    went on for 4 more after the restart (6 in all), since the resumed run counted from zero again."""
+    env, url, database, log, api = _serve_env(tmp_path)
+    store = ServiceStore(database, migrate=False)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=4, speed=8.0)).json()["id"]
+            before = _train(api, run_id, 2)
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            after = []
+            while (
+                taken := api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60})
+            ).status_code == 200:
+                batch = taken.json()
+                publish = {"version": batch["publish_version"], "sentinel": True}
+                assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code in (202, 409)
+                assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+                after.append(batch["batch_id"])
+                assert len(before + after) <= 4, after  # it went on for 4 more
+            assert taken.status_code == 409, taken.text
+            assert taken.json()["detail"] == f"run {run_id!r} has ended (completed); no more batches"
+            assert before + after == [f"{run_id}-b{index}" for index in range(4)]
+        with store.session() as s:
+            assert [b.batch_index for b in BatchRepo(s).list(run_id) if b.delivered_at is not None] == [
+                0,
+                1,
+                2,
+                3,
+            ]
+    finally:
+        store.close()
+        api.close()
+
+
 def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> None:
     env, url, database, log, api = _serve_env(tmp_path)
     try:
