@@ -51,7 +51,12 @@ class CommandRefused(Exception):
 
 async def on_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on the run's loop; its refusals (an ended run, a state that does not allow it) are
-    409s."""
+    409s. A run resumed after a restart and still starting answers 503: a trainer takes a 409 for the
+    run's end, and its step (a publication, say) waits for the run instead."""
+    if handle.restarting:
+        raise CommandRefused(
+            503, f"run {handle.run_id!r} is being resumed after a restart; try again in a few seconds"
+        )
     try:
         return await handle.call(fn, *args)
     except (RunNotLiveError, IllegalRunStateError) as exc:

@@ -566,6 +566,12 @@ class RunHandle:
 
     # -- the built-in sentinel trainer, one client of the gateway ---------------------------------------
 
+    @property
+    def restarting(self) -> bool:
+        """Whether this is a run of the previous server still starting again here (a local run's engines
+        take seconds): its commands are asked again later, as while its stored stream is replayed."""
+        return self._resume is not None and self.state is RunState.CREATED
+
     def sentinel_problem(self) -> str | None:
         """Why this run's engines cannot take a sentinel version, or None: engines of real weights
         (`engines.sentinel: false`) refuse every checkpoint of the sentinel tensor alone, one engine

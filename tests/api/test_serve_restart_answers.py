@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from api_support import TOKEN, free_port, make_run, make_settings, serving, stored_run, wait_for
+from test_api_local_run import make_local_config
 from test_serve_restart import _healthy, corral_serve
 from test_trainer_loop_example import run_example
 
@@ -158,6 +160,39 @@ def test_a_resumed_run_counts_the_batches_delivered_before_the_kill_towards_its_
             ]
     finally:
         store.close()
+        api.close()
+
+
+@pytest.mark.slow
+def test_a_resumed_local_run_still_starting_asks_its_trainer_to_wait(tmp_path: Path) -> None:
+    """A local run resumed after a kill -9 starts its engines again (seconds): meanwhile the publication
+    of the batch its trainer holds answered 409 "is created; this needs it running or paused", which the
+    README's trainer loop takes for the run's end (it died with CorralError). Now: 503, then 202."""
+    env, url, _, log, api = _serve_env(tmp_path)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            spec = {"name": "local", "kind": "local", "config": make_local_config()}
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 240}).json()
+            kept = tmp_path / "data" / run_id / "offers" / f"{batch['batch_id']}.json"
+            wait_for(kept.exists, what="the offer kept on disk")
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            publish = {"version": batch["publish_version"], "sentinel": True}
+            waits = 0
+            while (published := api.post(f"/api/runs/{run_id}/weights", json=publish)).status_code == 503:
+                assert published.headers["Retry-After"] == "5"
+                assert "is being resumed after a restart" in published.json()["detail"]
+                waits += 1
+                time.sleep(0.2)
+            assert published.status_code == 202, published.text
+            assert waits > 0  # asked while its engines started
+            assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    finally:
         api.close()
 
 
