@@ -335,8 +335,14 @@ def ack_batch(
             pass  # handed out before a restart (and acked then, maybe): the store knows
         else:
             # Answered once the store has the ack and the batch's kept offer is gone: a kill -9 before
-            # that handed the acked batch out again after the restart.
-            manager.wait_written()
+            # that handed the acked batch out again after the restart. A store slower than that (locked,
+            # away) is a 503: the trainer acks again rather than count on an ack a crash would lose.
+            if not manager.wait_written():
+                detail = (
+                    f"batch {batch_id!r} is acked, but the database has not stored the ack yet (it is slow "
+                    "or away); ack it again in a few seconds"
+                )
+                raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail, headers={"Retry-After": "5"})
             return AckResult(batch_id=batch_id, already_acked=already)
     stored = manager.ack_stored(run_id, batch_id)
     if stored is None:

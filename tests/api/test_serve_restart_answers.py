@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,46 @@ def test_a_resumed_local_run_still_starting_asks_its_trainer_to_wait(tmp_path: P
             assert published.status_code == 202, published.text
             assert waits > 0  # asked while its engines started
             assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    finally:
+        api.close()
+
+
+def test_an_ack_the_store_has_not_got_is_a_503_so_a_kill_does_not_hand_its_batch_out_again(
+    tmp_path: Path,
+) -> None:
+    """SQLite locked by another connection past the ack's wait (5 s): the ack answered 200 all the same,
+    and a kill -9 before the lock went handed the acked batch out again after the restart (delivery 2),
+    which the README's trainer loop trains on twice. Now a 503 until the store has it."""
+    env, url, database, log, api = _serve_env(tmp_path)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+            batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            publish = {"version": batch["publish_version"], "sentinel": True}
+            assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202
+            ack = f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack"
+            holder = sqlite3.connect(database.removeprefix("sqlite:///"), isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
+            try:
+                unstored = api.post(ack)
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+            assert unstored.status_code == 503, unstored.text
+            assert unstored.headers["retry-after"] == "5"
+            assert "has not stored the ack yet" in unstored.json()["detail"]
+            again = api.post(ack)  # as the trainer loop does after a 503
+            assert again.status_code == 200, again.text
+            assert again.json()["already_acked"] is True
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(10) == -signal.SIGKILL
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            following = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30})
+            assert following.status_code == 200, following.text
+            assert following.json()["batch_id"] != batch["batch_id"]
             assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
     finally:
         api.close()
