@@ -116,11 +116,12 @@ class TrainerGateway:
         with self._lock:
             if offer.batch_id in self._offers:
                 return self._offers[offer.batch_id]
+        if self.on_offer is not None:  # before a trainer can take it: it keeps the batch on disk
+            self.on_offer(offer)
+        with self._lock:
             self._offers[offer.batch_id] = offer
             self.stats.offered += 1
             self._forget_acked()
-        if self.on_offer is not None:
-            self.on_offer(offer)
         self.notify()
         return offer
 

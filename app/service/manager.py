@@ -462,7 +462,12 @@ class RunManager:
 
     def _batch_write(self, kind: str, run_id: str, offer: Offer, offers: OfferFiles) -> None:
         """Mirror an offer, a take, a redelivery or an ack of a batch: its kept file now, its row in the
-        store with every other one waiting (`_flush_batch_writes`), in the order they came."""
+        store with every other one waiting (`_flush_batch_writes`), in the order they came. The file is
+        written here, before a trainer can take the batch (an offer) or is answered (a take): written by
+        the store writer, it waited behind the marks of a store locked or away, and a kill -9 lost a batch
+        handed out meanwhile, or handed one out again as its first delivery."""
+        if kind in ("offered", "taken") and not offer.acked:  # an acked one's file is on its way out
+            offers.save(offer)
         with self._batch_lock:
             self._batch_writes.append(_BatchWrite(kind, run_id, offer, offers, time.monotonic()))
             if self._flush_scheduled:
@@ -477,7 +482,8 @@ class RunManager:
 
     def _give_up_batch_writes(self) -> None:
         """A flush the shutdown gave up (`StoreWriter.close`): the kept offers are still left right, an
-        unacked batch's file written (offered again at the next start), an acked one's removed."""
+        acked batch's file removed (an unacked one's was written with its offer: offered again at the next
+        start)."""
         with self._batch_lock:
             writes, self._batch_writes = self._batch_writes, []
             marks, self._waiting_marks = self._waiting_marks, []
@@ -485,8 +491,6 @@ class RunManager:
         for write in writes:
             if write.kind == "acked":
                 write.offers.remove(write.offer)
-            elif write.kind in ("offered", "taken") and not write.offer.acked:
-                write.offers.save(write.offer)
         for mark in marks:
             if mark.kind == "acked":
                 mark.offers.remove_batch(mark.batch_id)
@@ -497,17 +501,14 @@ class RunManager:
         """On the store writer: every batch write queued so far, in one transaction (one wait for
         SQLite's writer lock, which the event sink holds most of the time under a busy run: at one
         transaction a write, the writer fell behind a sentinel run at speed 100, 2,563 writes queued
-        after 60,000 events, each holding its batch). Kept files are written first, in order; an ack's
-        file goes once the store has the ack (a failed write leaves the batch to offer again). A write
+        after 60,000 events, each holding its batch). Kept files are written before (`_batch_write`); an
+        ack's file goes once the store has the ack (a failed write leaves the batch to offer again). A write
         whose batch the sink has not stored yet waits, as a few ids, not the batch, and is tried again
         by the next flush (one is queued while any wait), for `BATCH_STORED_WAIT_S`; past that it is
         given up with a warning."""
         with self._batch_lock:
             writes, self._batch_writes = self._batch_writes, []
             self._flush_scheduled = False  # a write from now on schedules the next flush
-        for write in writes:
-            if write.kind in ("offered", "taken"):
-                write.offers.save(write.offer)
         now = time.monotonic()
         marks = self._waiting_marks + [
             _BatchMark(w.kind, w.run_id, w.offer.index, w.offer.batch_id, w.offers, w.since)

@@ -237,6 +237,50 @@ def test_an_ack_the_store_has_not_got_is_a_503_so_a_kill_does_not_hand_its_batch
         api.close()
 
 
+def test_a_batch_handed_out_while_the_database_is_locked_is_offered_again_after_a_kill(
+    tmp_path: Path,
+) -> None:
+    """A batch's kept file was written by the store writer, behind the marks it waits to store: with
+    SQLite locked, a batch offered after the writer blocked was handed out with no file, and a kill -9
+    then lost it (not offered again, its ack a 404 "has no batch"). Here the trainer acks without waiting
+    for the store (it takes the 503s as done); each batch comes back after the restart."""
+    env, url, database, log, api = _serve_env(tmp_path)
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+            holder = sqlite3.connect(database.removeprefix("sqlite:///"), isolation_level=None)
+            taken = []
+            try:
+                for step in range(3):
+                    batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+                    taken.append(batch["batch_id"])
+                    if step == 2:
+                        break
+                    publish = {"version": batch["publish_version"], "sentinel": True}
+                    assert api.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202
+                    if step == 0:
+                        holder.execute("BEGIN IMMEDIATE")
+                    acked = api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack")
+                    assert acked.status_code == 503, acked.text  # not stored: offered again after the kill
+                first.send_signal(signal.SIGKILL)
+                assert first.wait(10) == -signal.SIGKILL
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            again = [api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 10}) for _ in taken]
+            assert [a.status_code for a in again] == [200, 200, 200], [a.text for a in again]
+            assert [a.json()["batch_id"] for a in again] == taken
+            assert [a.json()["delivery"] for a in again] == [2, 2, 2]  # each handed out before
+            for batch_id in taken:
+                assert api.post(f"/api/runs/{run_id}/batches/{batch_id}/ack").status_code == 200
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    finally:
+        api.close()
+
+
 def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> None:
     env, url, database, log, api = _serve_env(tmp_path)
     try:
