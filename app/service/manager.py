@@ -369,6 +369,11 @@ class RunManager:
             log.error("run %s not resumed: its spill could not be stored; the next start tries again",
                       record.id)  # fmt: skip
             return None
+        stored = self.store.get_run(record.id)
+        if stored is None or stored.state in ENDED_STATES:  # its spill, stored since, held its end
+            log.warning("run %s not resumed: it had ended (%s), as its spill says", record.id,
+                        stored.state if stored else "deleted")  # fmt: skip
+            return None
         progress = self._replays[record.id] = ReplayProgress(self.store.last_seq(record.id))
         point = self.store.resume_point(record.id, progress.on_envelope)
         if record.state == RunState.STOPPING.value:

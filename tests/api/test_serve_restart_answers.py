@@ -14,7 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, make_settings, serving, stored_run, wait_for
+from api_support import (
+    POSTGRES_URL,
+    TOKEN,
+    free_port,
+    make_run,
+    make_settings,
+    serve_env,
+    serving,
+    stored_run,
+    wait_for,
+)
+from db_relay import relayed_database
 from test_api_local_run import make_local_config
 from test_serve_restart import _healthy, corral_serve
 from test_trainer_loop_example import run_example
@@ -342,6 +353,47 @@ def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> N
             assert done.returncode == 0, done.stderr
             assert "Traceback" not in done.stderr
             assert done.stdout == ""  # no batch: the loop ended at once
+    finally:
+        api.close()
+
+
+def test_a_run_stopped_by_ctrl_c_while_postgres_was_away_stays_stopped_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C with the database away: the run stopped ("stopped, N batches"), its end kept in its spill,
+    not in its row. The next start stored the spill (its `run_ended`, which ends the row) but resumed the
+    run all the same, from the list of unfinished runs it read before: the run an operator stopped
+    delivered batches again, its stream going on past its end. Now it answers as the stopped run it is."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        with relayed_database(POSTGRES_URL, tmp_path) as db:
+            env = {**serve_env(tmp_path, db.relayed_url, port), "CORRAL_STORE_OUTAGE_S": "2"}
+            with corral_serve(env, log) as first:
+                wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+                spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0.05, speed=8.0)
+                run_id = api.post("/api/runs", json=spec).json()["id"]
+                wait_for(
+                    lambda: api.get(f"/api/runs/{run_id}").json()["live"]["batches"] >= 2, what="2 batches"
+                )
+                db.relay.cut()
+                first.send_signal(signal.SIGINT)
+                assert first.wait(120) == 0, log.read_text()[-2000:]
+            assert f"run {run_id} (test-run): stopped" in log.read_text()
+            db.relay.restore()
+            with corral_serve(env, log):
+                wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+                view = api.get(f"/api/runs/{run_id}").json()
+                assert (view["state"], view["live"]) == ("stopped", None), log.read_text()[-2000:]
+            store = ServiceStore(db.url, migrate=False)
+            try:
+                kinds = [row["kind"] for row in store.timeline(run_id, -1, 100_000)]
+            finally:
+                store.close()
+            assert kinds.count("run_started") == kinds.count("run_ended") == 1
+            assert kinds[-1] == "run_ended"
     finally:
         api.close()
 
