@@ -337,7 +337,7 @@ def ack_batch(
             # Answered once the store has the ack and the batch's kept offer is gone: a kill -9 before
             # that handed the acked batch out again after the restart. A store slower than that (locked,
             # away) is a 503: the trainer acks again rather than count on an ack a crash would lose.
-            if not manager.wait_written():
+            if not manager.wait_written(batch_id=batch_id):
                 detail = (
                     f"batch {batch_id!r} is acked, but the database has not stored the ack yet (it is slow "
                     "or away); ack it again in a few seconds"

@@ -620,21 +620,27 @@ class RunManager:
         recorder.close()
         log.warning("run %s not resumed: %s", record.id, detail)
 
-    def wait_written(self, timeout_s: float = WRITTEN_WAIT_S) -> bool:
+    def wait_written(self, timeout_s: float = WRITTEN_WAIT_S, batch_id: str | None = None) -> bool:
         """Wait until what was handed to the store writer so far is written (its writes run one at a
-        time, in order): whether it was, within `timeout_s` (a database that is away is waited out)."""
+        time, in order): whether it was, within `timeout_s` (a database that is away is waited out).
+        `batch_id`: of the marks waiting for their batch's row, only that batch's count (another run's
+        sink, behind, must not hold up this one's ack)."""
         deadline = time.monotonic() + timeout_s
+
+        def waiting() -> bool:
+            return any(batch_id in (None, mark.batch_id) for mark in self._waiting_marks)
+
         try:
             done = self._writer.submit(lambda: None)
         except RuntimeError:  # shut down: every write was done (or given up) before
             return True
         try:
             done.result(timeout_s)
-            while self._waiting_marks and time.monotonic() < deadline:  # their batches not stored yet
+            while waiting() and time.monotonic() < deadline:  # their batches not stored yet
                 time.sleep(0.02)
         except (TimeoutError, CancelledError):
             pass
-        if done.done() and not done.cancelled() and not self._waiting_marks:
+        if done.done() and not done.cancelled() and not waiting():
             return True
         log.warning("store writes not done after %.0f s", timeout_s)
         return False
