@@ -199,13 +199,15 @@ def _say_goodbye(app: FastAPI, database: str) -> None:
     for handle in [] if manager is None else list(manager.handles.values()):
         view = handle.recorder.view
         state = handle.state.value
-        if handle.done.is_set():
-            pass
-        elif handle.state in TERMINAL_RUN_STATES:  # ended, its thread still storing (a second Ctrl-C)
-            # it said "resumed at the next start", but its end state was stored: it is not resumed
-            state += " (its last events may not all be stored)"
-        else:
-            state += " (not stopped: resumed at the next start)"
+        if not handle.done.is_set():
+            # Ended, its thread still storing (a second Ctrl-C): its end state was stored, so it is not
+            # resumed at the next start, as this line used to say of it.
+            ended = handle.state in TERMINAL_RUN_STATES
+            state += (
+                " (its last events may not all be stored)"
+                if ended
+                else " (not stopped: resumed at the next start)"
+            )
         say(f"run {handle.run_id} ({handle.spec.name}): {state}, {view.batches} batches")
     say(f"corral serve: stopped; runs and their events are kept in {database}")
 

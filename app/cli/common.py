@@ -620,6 +620,7 @@ def check_database(
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from app.service.store import ServiceStore
+    from app.store.db import sqlite_file
     from app.validation import hide_password
 
     try:
@@ -627,8 +628,8 @@ def check_database(
     except (ArgumentError, ValueError) as exc:
         fail(f"CORRAL_DATABASE_URL {hide_password(url)}: not a database URL: {exc}")
     shown = parsed.render_as_string(hide_password=True)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        path = Path(parsed.database or "")
+    path = sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if path is not None:
         uri = bool(parsed.query.get("uri"))  # `file:...?mode=ro`: a URI, not a path
         if not create and not uri and not path.exists():
             fail(f"CORRAL_DATABASE_URL {shown}: no database at {path} (`corral serve` makes one)")
