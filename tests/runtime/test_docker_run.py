@@ -141,40 +141,42 @@ def test_ctrl_c_while_the_daemon_is_away_stops_at_once_and_the_next_start_remove
     # time: a Ctrl-C with the daemon down took 121.8 s for 4 sandboxes on 2 clean-up slots.
     proxy = DaemonProxy(tmp_path / "proxy.sock", docker_client.api._custom_adapter.socket_path)
     proxy.up()
-    suite = write_suite(tmp_path, ["sleep 20", "sleep 20"])
-    config = write_config(tmp_path, suite, TEST_IMAGE)
-    report_path = tmp_path / "report.json"
-    env = {**os.environ, "DOCKER_HOST": f"unix://{proxy.path}"}
-    argv = [str(CORRAL), "run", "--config", str(config), "--json", str(report_path), "--batches", "3"]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
     try:
-        deadline = time.monotonic() + 120
-        while len(run_containers(docker_client)) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "no containers started"
-            time.sleep(0.2)
-        time.sleep(1.0)  # tool calls under way
-        proxy.down()
-        time.sleep(1.0)
-        began = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=180)
-        took = time.monotonic() - began
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert took < 30, f"{took:.1f} s\n{err}"  # the engine's stop and the report, not the daemon's wait
-    assert "Traceback" not in err
-    report = json.loads(report_path.read_text())
-    assert report["lost_groups"] == 0
-    assert run_containers(docker_client)  # left behind: the daemon could not be asked to remove them
+        suite = write_suite(tmp_path, ["sleep 20", "sleep 20"])
+        config = write_config(tmp_path, suite, TEST_IMAGE)
+        report_path = tmp_path / "report.json"
+        env = {**os.environ, "DOCKER_HOST": f"unix://{proxy.path}"}
+        argv = [str(CORRAL), "run", "--config", str(config), "--json", str(report_path), "--batches", "3"]
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while len(run_containers(docker_client)) < 2:
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "no containers started"
+                time.sleep(0.2)
+            time.sleep(1.0)  # tool calls under way
+            proxy.down()
+            time.sleep(1.0)
+            began = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=180)
+            took = time.monotonic() - began
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, err
+        assert took < 30, f"{took:.1f} s\n{err}"  # the engine's stop and the report, not the daemon's wait
+        assert "Traceback" not in err
+        report = json.loads(report_path.read_text())
+        assert report["lost_groups"] == 0
+        assert run_containers(docker_client)  # left behind: the daemon could not be asked to remove them
 
-    proxy.up()  # the daemon is back: the next start removes what the stopped run left
-    again = corral_run(config, tmp_path / "again.json", env, "--batches", "1")
-    proxy.down()
-    assert again.returncode == 0, again.stderr
-    assert run_containers(docker_client) == []
+        proxy.up()  # the daemon is back: the next start removes what the stopped run left
+        again = corral_run(config, tmp_path / "again.json", env, "--batches", "1")
+        assert again.returncode == 0, again.stderr
+        assert run_containers(docker_client) == []
+    finally:  # its threads are not daemons: one left up would hold pytest's exit
+        proxy.down()
