@@ -19,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.runtime.events import RETRY_MAX_S
-from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S
+from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S, in_memory_sqlite
 from app.validation import hide_password
 
 # The database drivers installed with Corral: SQLite's own and psycopg 3 (`postgresql://` means it).
@@ -173,13 +173,13 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _known_scheme(cls, value: str) -> str:
-        scheme, sep, rest = value.partition("://")
+        scheme, sep, _ = value.partition("://")
         if not sep or scheme.lower() not in DATABASE_SCHEMES:
             raise ValueError(
                 f"{hide_password(value)!r}: use sqlite:///FILE or postgresql+psycopg://… (installed "
                 f"drivers: {', '.join(DATABASE_SCHEMES)})"
             )
-        if scheme.lower().startswith("sqlite") and rest.lstrip("/") in ("", ":memory:"):
+        if scheme.lower().startswith("sqlite") and in_memory_sqlite(value):
             raise ValueError(
                 f"{value!r}: an in-memory database would lose every run when the server stops; "
                 "give a file, e.g. sqlite:///corral.db"

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from app.core.events import Envelope, Ledger
 from app.service.recorder import LiveView
 from app.service.rollouts import RolloutLog, RolloutRow, StepRow, rollout_answer
-from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S, make_engine, make_sessionmaker
+from app.store.db import OUTAGE_S, SQLITE_BUSY_TIMEOUT_S, make_engine, make_sessionmaker, sqlite_file
 from app.store.migrate import upgrade_to_head
 from app.store.models import (
     TERMINAL_RUN_STATES,
@@ -155,7 +155,7 @@ class ServiceStore:
         # On SQLite, for reads that take long (a run's stored stream replayed as it is resumed) and for
         # the health check: a transaction begun IMMEDIATE holds the write lock, so a replay held the
         # resumed runs' event sinks and /healthz for as long as it took. A deferred one reads a snapshot.
-        on_file = self.engine.name == "sqlite" and self.engine.url.database not in (None, "", ":memory:")
+        on_file = self.engine.name == "sqlite" and sqlite_file(self.engine.url) is not None
         # (one in-memory database has no reader of its own)
         self._reader = make_engine(url, "DEFERRED", busy_timeout_s) if on_file else None
         self._read_sessions = make_sessionmaker(self._reader or self.engine)

@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool, StaticPool
 
@@ -67,7 +67,7 @@ def make_engine(
 
 
 def _sqlite_engine(url: Any, begin: str, busy_timeout_s: float, **kwargs: Any) -> Engine:
-    memory = url.database in (None, "", ":memory:")
+    memory = sqlite_file(url) is None
     connect_args = kwargs.pop("connect_args", {})
     connect_args.setdefault("check_same_thread", False)
     if memory:
@@ -392,6 +392,15 @@ def sqlite_file(url: Any) -> Path | None:
     if database in ("", ":memory:"):
         return None
     return Path(database)
+
+
+def in_memory_sqlite(url: str) -> bool:
+    """Whether a SQLite URL names a database in memory (`sqlite://`, `:memory:` or a `file:` URI with
+    `mode=memory`), which lives only as long as its connection; False for one it cannot parse."""
+    try:
+        return sqlite_file(make_url(url)) is None
+    except ArgumentError:
+        return False
 
 
 def _held_by(row: Any) -> str:

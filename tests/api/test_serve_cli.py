@@ -38,6 +38,10 @@ from test_serve_restart import corral_serve
         ({"CORRAL_DATABASE_URL": "postgresql+psycopg2://u:s3cret@127.0.0.1:1/db"}, [], "installed drivers"),
         ({"CORRAL_DATABASE_URL": "postgresql://u:s3cret@127.0.0.1:abc/db"}, [], "not a database URL"),
         ({"CORRAL_DATABASE_URL": "sqlite:///:memory:"}, [], "would lose every run"),
+        # a `file:` URI in memory: it used to migrate one connection's database and fail with a traceback
+        # ("no such table: runs") on the next, which was empty
+        ({"CORRAL_DATABASE_URL": "sqlite:///file:mem?mode=memory&uri=true"}, [], "would lose every run"),
+        ({"CORRAL_DATABASE_URL": "sqlite://"}, [], "would lose every run"),
         ({"CORRAL_BROKER_URL": "http://u:s3cret@x"}, [], "CORRAL_BROKER_URL must be redis:// or amqp://"),
         # an empty host would listen on every interface
         ({}, ["--host", ""], "--host: empty"),
