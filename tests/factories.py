@@ -76,6 +76,24 @@ def make_run_ended_mid_rollout() -> list[tuple[float, Event]]:
     ]
 
 
+def reloaded_after_a_resume() -> list[tuple[float, Event]]:
+    """Version 1 rolled onto both engines, then a resumed run loading it again onto engines that restarted."""
+    return [
+        (0.0, RunStarted(engines=("e0", "e1"))),
+        (0.5, VersionPublished(1, "/w/1", "trainer")),
+        (1.0, EngineUpdateBegin("e0", 1)),
+        (2.0, EngineUpdateEnd("e0", 1)),
+        (3.0, EngineUpdateBegin("e1", 1)),
+        (4.0, EngineUpdateEnd("e1", 1)),
+        (20.0, RunStarted(engines=("e0", "e1"))),
+        (20.0, VersionPublished(1, "/w/1", "resume")),
+        (21.0, EngineUpdateBegin("e0", 1)),
+        (23.0, EngineUpdateEnd("e0", 1)),
+        (24.0, EngineUpdateBegin("e1", 1)),
+        (26.0, EngineUpdateEnd("e1", 1)),
+    ]
+
+
 def redis_answers(host: str = "127.0.0.1", port: int = 6379) -> bool:
     """Does a Redis answer PING on `host:port` (the tests that need the real broker skip without it)?"""
     try:

@@ -111,7 +111,7 @@ class RolloutLog:
             step = self.steps.setdefault(ev.version, {}).get(ev.engine)
             if step is None:
                 self.steps[ev.version][ev.engine] = StepRow(ev.version, ev.engine, "updating", t)
-            else:
+            elif step.state != "done":  # done: a resumed run reloads it; the step keeps its own times
                 step.state, step.started_at = "updating", t
         elif isinstance(ev, EngineUpdateEnd):
             self._rollout(ev.version, t)
@@ -119,7 +119,7 @@ class RolloutLog:
             step = self.steps.setdefault(ev.version, {}).get(ev.engine)
             if step is None:
                 self.steps[ev.version][ev.engine] = StepRow(ev.version, ev.engine, state, t, t, error)
-            else:
+            elif step.state != "done":
                 step.state, step.ended_at, step.error = state, t, error
             if ev.ok:
                 self.engines.setdefault(ev.engine, "serving")

@@ -486,6 +486,7 @@ def _write_rare(conn: Connection, env: Envelope) -> None:
         stmt = stmt.on_conflict_do_update(
             index_elements=["rollout_id", "engine"],
             set_={"state": "updating", "started_at": stmt.excluded.started_at},
+            where=steps_t.c.state != "done",  # a reload (`_engine_update_end`) keeps the step it repeats
         )
         conn.execute(stmt, {"rollout_id": rid, "engine": ev.engine, "state": "updating", "started_at": env.t})
     elif isinstance(ev, EngineUpdateEnd):
@@ -540,21 +541,25 @@ def _rollout_id(
 
 def _engine_update_end(conn: Connection, env: Envelope, ev: EngineUpdateEnd) -> None:
     rid = _rollout_id(conn, env.run_id, ev.version, env.t)
-    state = "done" if ev.ok else "failed"
-    stmt: Any = insert_for(conn, steps_t)
-    ex = stmt.excluded
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["rollout_id", "engine"],
-        set_={"state": ex.state, "ended_at": ex.ended_at, "error": ex.error},
-    )
-    conn.execute(
-        stmt,
-        {"rollout_id": rid, "engine": ev.engine, "state": state, "started_at": env.t, "ended_at": env.t,
-         "error": ev.error or None},
-    )  # fmt: skip
-    started = conn.execute(
-        select(steps_t.c.started_at).where(steps_t.c.rollout_id == rid, steps_t.c.engine == ev.engine)
-    ).scalar_one()
+    where = (steps_t.c.rollout_id == rid, steps_t.c.engine == ev.engine)
+    if conn.execute(select(steps_t.c.state).where(*where)).scalar() == "done":
+        # The engine had loaded this version already: a resumed run loading it again onto engines that
+        # restarted. The rollout's step keeps its own times; the reload's pause is a span of its own.
+        started = _update_began(conn, env, ev)
+    else:
+        state = "done" if ev.ok else "failed"
+        stmt: Any = insert_for(conn, steps_t)
+        ex = stmt.excluded
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["rollout_id", "engine"],
+            set_={"state": ex.state, "ended_at": ex.ended_at, "error": ex.error},
+        )
+        conn.execute(
+            stmt,
+            {"rollout_id": rid, "engine": ev.engine, "state": state, "started_at": env.t, "ended_at": env.t,
+             "error": ev.error or None},
+        )  # fmt: skip
+        started = conn.execute(select(steps_t.c.started_at).where(*where)).scalar_one()
     conn.execute(
         insert_for(conn, spans_t).on_conflict_do_nothing(index_elements=["run_id", "seq", "phase"]),
         {"run_id": env.run_id, "seq": env.seq, "group_id": None, "attempt": None,
@@ -569,6 +574,21 @@ def _engine_update_end(conn: Connection, env: Envelope, ev: EngineUpdateEnd) -> 
         conn.execute(stmt, {"run_id": env.run_id, "name": ev.engine, "state": "serving",
                             "weight_version": ev.version})  # fmt: skip
     _maybe_finish_rollout(conn, env.run_id, rid, env.t)
+
+
+def _update_began(conn: Connection, env: Envelope, ev: EngineUpdateEnd) -> float:
+    """When the update that `env` ends began: its `engine_update_begin`, the latest of that engine and
+    version before it (stored already, earlier in this batch or before it); `env.t` when there is none."""
+    payload = events_t.c.payload
+    began = conn.execute(
+        select(events_t.c.t)
+        .where(events_t.c.run_id == env.run_id, events_t.c.seq < env.seq)
+        .where(events_t.c.kind == EngineUpdateBegin.kind)
+        .where(payload["engine"].as_string() == ev.engine, payload["version"].as_integer() == ev.version)
+        .order_by(events_t.c.seq.desc())
+        .limit(1)
+    ).scalar()
+    return env.t if began is None else float(began)
 
 
 def _maybe_finish_rollout(conn: Connection, run_id: str, rid: int, t: float) -> None:

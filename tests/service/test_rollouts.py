@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from factories import make_run_ended_mid_rollout
+from factories import make_run_ended_mid_rollout, reloaded_after_a_resume
 
 from app.core.events import (
     EngineStateChanged,
@@ -181,3 +181,13 @@ def test_the_store_answers_a_superseded_rollout_of_an_ended_run_with_no_engine_p
             ("e0", "done", None),
             ("e1", "cancelled", "run ended"),
         ]
+
+
+def test_a_resumed_runs_reload_keeps_the_rollouts_own_times() -> None:
+    """The reload's begin and end replaced the engines' times of the rollout (9.8-10.1 s for a rollout
+    that ended at 4.7 s, seen after a kill -9 and a restart). The store's side is in
+    tests/store/test_store_sink.py."""
+    log = make_log(*reloaded_after_a_resume())
+    by_engine = {s.engine: (s.state, s.started_at, s.ended_at) for s in log.steps_from(1)}
+    assert by_engine == {"e0": ("done", 1.0, 2.0), "e1": ("done", 3.0, 4.0)}
+    assert (log.rollouts[1].state, log.rollouts[1].ended_at) == ("completed", 4.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from factories import make_run_ended_mid_rollout
+from factories import make_run_ended_mid_rollout, reloaded_after_a_resume
 from run_events import batches_of, make_run_events
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.orm import Session
@@ -114,6 +114,29 @@ def test_sink_projects_batches_engines_rollouts_policy_and_run(conn: Connection,
     assert stored_run.policy["max_staleness"] == 3
     assert stored_run.state == "completed"
     assert stored_run.ended_at is not None
+
+
+def test_a_resumed_runs_reload_keeps_the_rollouts_times_and_has_pauses_of_its_own(
+    conn: Connection, session: Session
+) -> None:
+    """A resumed run loads its version again onto engines that restarted: that reload replaced the
+    rollout's engine times in the store (its steps said 21-26 s for a rollout that ended at 4 s)."""
+    timed = reloaded_after_a_resume()
+    ingest(conn, [Envelope("reload", seq, t, ev) for seq, (t, ev) in enumerate(timed)], batch=3)
+    rollout = session.scalars(select(WeightRollout).where(WeightRollout.run_id == "reload")).one()
+    assert (rollout.version, rollout.state, rollout.ended_at) == (1, "completed", 4.0)
+    steps = session.scalars(select(RolloutStep).where(RolloutStep.rollout_id == rollout.id)).all()
+    assert {s.engine: (s.state, s.started_at, s.ended_at) for s in steps} == {
+        "e0": ("done", 1.0, 2.0),
+        "e1": ("done", 3.0, 4.0),
+    }
+    pauses = session.scalars(select(Span).where(Span.run_id == "reload", Span.phase == "update_pause")).all()
+    assert sorted((p.engine, p.start, p.end) for p in pauses) == [
+        ("e0", 1.0, 2.0),
+        ("e0", 21.0, 23.0),
+        ("e1", 3.0, 4.0),
+        ("e1", 24.0, 26.0),
+    ]
 
 
 def test_a_rollout_still_running_when_the_run_ends_is_stored_cancelled(
