@@ -45,7 +45,14 @@ from app.core.config import MAX_POLICY_VERSION
 from app.service import commands
 from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import TRAINER_CLOCK, CommandRefused
-from app.service.gateway import Offer, RunClosedError, RunDeletedError, TrainerGateway, UnknownBatchError
+from app.service.gateway import (
+    NotTakenError,
+    Offer,
+    RunClosedError,
+    RunDeletedError,
+    TrainerGateway,
+    UnknownBatchError,
+)
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
 from app.service.manager import ENDED_STATES, DispatchError, RunLimitError, RunLiveError, RunManager
 from app.service.retention import MarkError
@@ -333,6 +340,12 @@ def ack_batch(
             _, already = gateway.ack(batch_id, actor)
         except UnknownBatchError:
             pass  # handed out before a restart (and acked then, maybe): the store knows
+        except NotTakenError:
+            detail = (
+                f"batch {batch_id!r} has not been handed out yet, so no trainer has it to ack; take it "
+                f"with GET /api/runs/{run_id}/batches/next, train on it, then ack it"
+            )
+            raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
         else:
             # Answered once the store has the ack and the batch's kept offer is gone: a kill -9 before
             # that handed the acked batch out again after the restart. A store slower than that (locked,

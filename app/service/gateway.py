@@ -43,6 +43,11 @@ class UnknownBatchError(KeyError):
     """No batch with that id was ever offered in this run."""
 
 
+class NotTakenError(RuntimeError):
+    """A batch offered but never handed out was acked: no trainer has seen it, so the ack is refused
+    (taking it as given would mark a batch trained on that nobody trained on)."""
+
+
 @dataclass
 class Offer:
     batch_id: str
@@ -212,6 +217,8 @@ class TrainerGateway:
             offer = self._offers.get(batch_id)
             if offer is None:
                 raise UnknownBatchError(batch_id)
+            if not offer.acked and not offer.deliveries:
+                raise NotTakenError(batch_id)
             already = offer.acked
             if not already:
                 offer.acked = True

@@ -149,6 +149,28 @@ def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> Non
             store.close()
 
 
+def test_an_ack_of_a_batch_never_handed_out_is_refused(server: str) -> None:
+    """Batch ids follow the run's id, so one can be acked unseen: it was taken (200), and the batch counted
+    as trained on though no trainer ever had it."""
+    with CorralClient(server, token=TOKEN) as corral:
+        run_id = corral.create_run(**make_run(batches=2))["id"]
+        try:
+            wait_for(lambda: corral.metrics(run_id)["trainer"]["offered"] >= 1, what="batch 0 to be offered")
+            refused = httpx.post(
+                f"{server}/api/runs/{run_id}/batches/{run_id}-b0/ack",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert refused.status_code == 409, refused.text
+            assert "has not been handed out yet" in refused.json()["detail"]
+            assert corral.metrics(run_id)["trainer"]["acked"] == 0
+            batch = corral.next_batch(run_id, timeout=30)
+            assert batch is not None
+            assert (batch.batch_id, batch.delivery) == (f"{run_id}-b0", 1)
+            assert corral.ack(run_id, batch.batch_id)["already_acked"] is False
+        finally:
+            corral.stop(run_id)
+
+
 def test_a_trainer_that_stops_taking_batches_cannot_make_the_run_grow_without_bound(server: str) -> None:
     """Completed groups wait for a batch outside B + S (policy full). With an external trainer they are
     capped by default at B + S more (`ready_surplus`), so live groups stay ≤ 2·(B + S) while nobody

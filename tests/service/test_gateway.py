@@ -10,6 +10,7 @@ import pytest
 
 from app.service.gateway import (
     KEEP_ACKED,
+    NotTakenError,
     Offer,
     OfferFiles,
     RunClosedError,
@@ -60,12 +61,26 @@ async def test_acks_are_idempotent_and_unknown_batches_refused() -> None:
     acked: list[Offer] = []
     gateway.on_ack = acked.append
     gateway.offer(make_payload(0))
+    assert await gateway.next_batch(0) is not None
     assert gateway.ack("r-b0")[1] is False
     assert gateway.ack("r-b0")[1] is True
     assert len(acked) == 1  # the store hears of the first ack only
     assert await gateway.next_batch(0) is None
     with pytest.raises(UnknownBatchError):
         gateway.ack("r-b9")
+
+
+async def test_a_batch_never_handed_out_cannot_be_acked() -> None:
+    """Its id guessed (they follow the run's id), such an ack was taken: the batch counted as trained on
+    and was never handed out to anyone."""
+    gateway, _, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    with pytest.raises(NotTakenError):
+        gateway.ack("r-b0")
+    taken = await gateway.next_batch(0)
+    assert taken is not None
+    assert taken.batch_id == "r-b0"
+    assert gateway.ack("r-b0")[1] is False
 
 
 async def test_batches_are_handed_out_oldest_first() -> None:
@@ -175,6 +190,7 @@ async def test_an_acked_batch_is_kept_until_its_version_is_published() -> None:
     gateway, _, published = make_gateway()
     for index in range(KEEP_ACKED * 2):
         gateway.offer(make_payload(index))
+        assert await gateway.next_batch(0) is not None
         gateway.ack(f"r-b{index}")
     gateway.offer(make_payload(KEEP_ACKED * 2))
     assert gateway.get("r-b0") is not None  # version 1 never published: the run still waits on it
