@@ -122,7 +122,9 @@ SPILL_RECOVER_BATCH = 2_000
 
 @dataclasses.dataclass
 class _BatchWrite:
-    kind: str  # offered, taken (its kept file only), redelivered, acked
+    # offered, taken (its kept file only), redelivered, acked, restored (a kept offer at a restart: its
+    # hand-outs, which a kill -9 may have kept from the store)
+    kind: str
     run_id: str
     offer: Offer
     offers: OfferFiles
@@ -139,6 +141,7 @@ class _BatchMark:
     batch_id: str
     offers: OfferFiles
     since: float
+    count: int  # a restored offer's hand-outs (at least 1: its offer)
 
 
 __all__ = ["IllegalRunStateError", "RunLimitError", "RunLiveError", "RunManager", "RunNotLiveError"]
@@ -444,8 +447,10 @@ class RunManager:
                 handle.recorder.orphan_open_groups(open_groups, "in flight when the control plane stopped")
             for offer in kept:  # handed out before the restart and never acked: again
                 handle.gateway.restore(offer)
-            # the trainer's counters go on from the store's, as the run's own counters do
-            stored = self.store.figures(run_id)
+                self._batch_write("restored", run_id, offer, offers)
+            # The trainer's counters go on from the store's, as the run's own counters do, with the kept
+            # offers' hand-outs where the store missed some (a kill -9 before it had them).
+            stored = self.store.figures(run_id, {offer.index: offer.deliveries for offer in kept})
             stats = handle.gateway.stats
             stats.offered, stats.redelivered, stats.acked = (
                 stored["offered"],
@@ -516,11 +521,22 @@ class RunManager:
             self._flush_scheduled = False  # a write from now on schedules the next flush
         now = time.monotonic()
         marks = self._waiting_marks + [
-            _BatchMark(w.kind, w.run_id, w.offer.index, w.offer.batch_id, w.offers, w.since)
+            _BatchMark(
+                w.kind,
+                w.run_id,
+                w.offer.index,
+                w.offer.batch_id,
+                w.offers,
+                w.since,
+                max(1, w.offer.deliveries),
+            )
             for w in writes
             if w.kind != "taken"
         ]
-        rows = [("acked" if m.kind == "acked" else "offered", m.run_id, m.index) for m in marks]
+        rows = [
+            (m.kind if m.kind in ("acked", "restored") else "offered", m.run_id, m.index, m.count)
+            for m in marks
+        ]
         store_marks = functools.partial(self.store.mark_batches, rows)
         done = through_outage(store_marks, "store writer", self.store.outage_s)
         waiting = []

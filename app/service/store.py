@@ -393,22 +393,28 @@ class ServiceStore:
     def mark_acked(self, run_id: str, batch_index: int, wait_s: float = BATCH_ROW_WAIT_S) -> None:
         self._when_batch_stored(run_id, batch_index, lambda repo: repo.ack(run_id, batch_index), wait_s)
 
-    def mark_batches(self, marks: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Mirror many offers and acks, `(kind, run_id, batch_index)` with kind `offered` or `acked`, in
-        one transaction and in order: for each, whether it was written (False: the sink has not stored
-        that batch's delivery yet; ask again). One transaction for all: on SQLite each waits for the
-        file's one writer, which the event sink holds most of the time under a busy run."""
+    def mark_batches(self, marks: Sequence[tuple[str, str, int, int]]) -> list[bool]:
+        """Mirror many offers and acks, `(kind, run_id, batch_index, count)` with kind `offered`, `acked`
+        or `restored` (a kept offer at a restart: its offer count becomes at least `count`, the hand-outs
+        its kept file counted), in one transaction and in order: for each, whether it was written (False:
+        the sink has not stored that batch's delivery yet; ask again). One transaction for all: on SQLite
+        each waits for the file's one writer, which the event sink holds most of the time under a busy
+        run."""
 
         def write(s: Session) -> list[bool]:
             repo = BatchRepo(s)
             done = []
-            for kind, run_id, index in marks:
+            for kind, run_id, index, count in marks:
                 batch = repo.get(run_id, index)
                 if batch is None or batch.delivered_at is None:
                     done.append(False)
                     continue
                 if kind == "acked":
                     repo.ack(run_id, index)
+                elif kind == "restored":
+                    if batch.offer_count < count:
+                        batch.offer_count = count
+                        batch.offered_at = batch.offered_at or datetime.now(UTC)
                 else:
                     repo.mark_offered(run_id, index)
                 done.append(True)
@@ -495,14 +501,18 @@ class ServiceStore:
 
         return self._write(write)
 
-    def figures(self, run_id: str) -> dict[str, Any]:
-        """What the store knows of a run's figures (those a run executing here counts in memory)."""
+    def figures(self, run_id: str, kept: Mapping[int, int] | None = None) -> dict[str, Any]:
+        """What the store knows of a run's figures (those a run executing here counts in memory).
+        `kept`: batch index -> hand-outs, of the offers a resumed run kept on disk, which count where the
+        store has fewer (a kill -9 before the store had them)."""
         with self.session() as s:
             account = GroupRepo(s).account(run_id)
             batches = [b for b in BatchRepo(s).list(run_id) if b.delivered_at is not None]
             engines = EngineRepo(s).list(run_id)
             version = RolloutRepo(s).latest_version(run_id) or 0
-        offered = [b for b in batches if b.offered_at is not None]
+        offers = {b.batch_index: b.offer_count for b in batches if b.offered_at is not None}
+        for index, handed_out in (kept or {}).items():
+            offers[index] = max(offers.get(index, 0), handed_out, 1)
         return {
             "batches": len(batches),
             "groups_admitted": account.admitted,
@@ -511,8 +521,8 @@ class ServiceStore:
             "groups_live": account.open,
             "trainer_version": version,
             "engine_versions": {e.name: e.weight_version for e in engines},
-            "offered": len(offered),
-            "redelivered": sum(max(b.offer_count - 1, 0) for b in offered),
+            "offered": len(offers),
+            "redelivered": sum(max(count - 1, 0) for count in offers.values()),
             "acked": sum(1 for b in batches if b.acked_at is not None),
         }
 

@@ -292,6 +292,56 @@ def test_a_batch_handed_out_while_the_database_is_locked_is_offered_again_after_
         api.close()
 
 
+def test_hand_outs_the_store_missed_before_a_kill_are_counted_from_the_kept_file(tmp_path: Path) -> None:
+    """A batch handed out three times while SQLite was locked, then a kill -9: the store had one offer,
+    so after the restart `redelivered` said 1 where the trainer had been handed it 4 times (the kept
+    file counted them all). The trainer's own ledger here is the `delivery` of each answer."""
+    env, url, database, log, api = _serve_env(tmp_path)
+    env["CORRAL_ACK_TIMEOUT_S"] = "0.5"
+    deliveries = []
+    try:
+        with corral_serve(env, log) as first:
+            wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log: {log}")
+            run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+            batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+            deliveries.append(batch["delivery"])
+
+            def offer_count() -> list[int]:
+                store = ServiceStore(database, migrate=False)
+                try:
+                    with store.read_session() as s:
+                        return [b.offer_count for b in BatchRepo(s).list(run_id) if b.batch_index == 0]
+                finally:
+                    store.close()
+
+            wait_for(lambda: offer_count() == [1], what="the first offer to be stored")
+            holder = sqlite3.connect(database.removeprefix("sqlite:///"), isolation_level=None)
+            try:
+                holder.execute("BEGIN IMMEDIATE")
+                for _ in range(2):  # the lease runs out each time: the same batch again
+                    again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 10}).json()
+                    assert again["batch_id"] == batch["batch_id"]
+                    deliveries.append(again["delivery"])
+                first.send_signal(signal.SIGKILL)
+                assert first.wait(10) == -signal.SIGKILL
+            finally:
+                holder.execute("ROLLBACK")
+                holder.close()
+        assert offer_count() == [1]  # what the kill left in the store
+        with corral_serve(env, log):
+            wait_for(lambda: _healthy(url), 120, what="corral serve to restart")
+            again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30}).json()
+            assert again["batch_id"] == batch["batch_id"]
+            deliveries.append(again["delivery"])
+            assert deliveries == [1, 2, 3, 4]
+            trainer = api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]
+            assert (trainer["offered"], trainer["redelivered"]) == (1, 3)
+            wait_for(lambda: offer_count() == [4], what="the store to count every hand-out")
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+    finally:
+        api.close()
+
+
 def test_a_run_that_ended_before_a_restart_answers_as_ended(tmp_path: Path) -> None:
     env, url, database, log, api = _serve_env(tmp_path)
     try:

@@ -24,7 +24,7 @@ class CountingStore(ServiceStore):
         super().__init__(url)
         self.sizes: list[int] = []
 
-    def mark_batches(self, marks: Sequence[tuple[str, str, int]]) -> list[bool]:
+    def mark_batches(self, marks: Sequence[tuple[str, str, int, int]]) -> list[bool]:
         self.sizes.append(len(marks))
         return super().mark_batches(marks)
 
