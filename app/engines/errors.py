@@ -68,3 +68,9 @@ class EngineUnavailable(EngineError):
 
 class EngineProtocolError(EngineError):
     """A 2xx answer that is not JSON or lacks a field the client needs."""
+
+
+class TurnAborted(EngineError):
+    """The engine aborted the request before it finished (paused with `mode=abort` for a weight update):
+    vLLM answers such a request 200 with `finish_reason: "abort"` and the text generated so far, which
+    is not a turn. The runtime sends the turn again, to an engine that is not updating."""

@@ -31,6 +31,7 @@ from app.engines.errors import (
     EngineServerError,
     EngineTimeout,
     EngineUnavailable,
+    TurnAborted,
 )
 from app.validation import parse_int
 
@@ -170,6 +171,20 @@ def first_choice(transport: HTTPTransport, route: str, body: Mapping[str, Any]) 
     return choices[0]
 
 
+def refuse_aborted(transport: HTTPTransport, route: str, choice: Mapping[str, Any], tokens: int) -> None:
+    """Raise `TurnAborted` for a choice the engine cut short by an abort (`finish_reason` "abort", or
+    SGLang's `{"type": "abort"}`): its text is the part generated before the pause, not a turn."""
+    reason = choice.get("finish_reason")
+    if isinstance(reason, Mapping):
+        reason = reason.get("type")
+    if reason == "abort":
+        raise TurnAborted(
+            transport.base_url,
+            route,
+            f"aborted after {tokens} tokens (the engine was paused to load weights)",
+        )
+
+
 def completion_tokens(transport: HTTPTransport, route: str, body: Mapping[str, Any]) -> int:
     usage = get_field(transport, route, body, "usage", dict)
     tokens: int = get_field(transport, route, usage, "completion_tokens", int)
@@ -270,6 +285,7 @@ class VLLMEngine(HTTPEngineClient):
         choice0 = first_choice(self._http, route, answer)
         text: str = get_field(self._http, route, choice0, "text", str)
         tokens = completion_tokens(self._http, route, answer)
+        refuse_aborted(self._http, route, choice0, tokens)
         version = min_reported_version(self._http, route, answer, sent_version)
         chosen: int | None = None
         logprob: float | None = None
@@ -307,13 +323,16 @@ class VLLMEngine(HTTPEngineClient):
             "temperature": temperature,
         }
         answer = await self._http.request_json("POST", route, json=body)
-        message = get_field(self._http, route, first_choice(self._http, route, answer), "message", dict)
+        choice0 = first_choice(self._http, route, answer)
+        message = get_field(self._http, route, choice0, "message", dict)
         # The OpenAI schema allows null content (e.g. a pure tool call); Corral needs text.
         text: str = get_field(self._http, route, message, "content", str)
+        tokens = completion_tokens(self._http, route, answer)
+        refuse_aborted(self._http, route, choice0, tokens)
         return TurnResult(
             text=text,
             weight_version=min_reported_version(self._http, route, answer, sent_version),
-            tokens=completion_tokens(self._http, route, answer),
+            tokens=tokens,
         )
 
     # --- pause / resume -------------------------------------------------------------------------

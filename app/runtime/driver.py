@@ -69,7 +69,7 @@ from app.core.events import (
 from app.core.rollout import BeginUpdate, RestartInFlight, UpdateAction, UpdatePlan
 from app.core.scheduler import CancelGroup, Decision, DeliverBatch, DiscardReason, Scheduler, StartGroup
 from app.engines.base import Engine, PauseMode, TurnRequest, TurnResult
-from app.engines.errors import EngineError, EngineRequestError
+from app.engines.errors import EngineError, EngineRequestError, TurnAborted
 from app.lanes.adaptive import LaneAdapter
 from app.lanes.base import LaneName, Lanes
 from app.lanes.ops import LaneOp, SandboxHandle
@@ -854,6 +854,13 @@ class Runtime:
         engine, however many die: when every engine dies at once, a turn may meet each of them before
         the runtime knows they are all down."""
         name = engine.name
+        if isinstance(error, TurnAborted) and not self.plan.up(name):
+            # Paused with `abort` for its update: the turn was cut short, through no fault of its own,
+            # and goes to an engine that is not updating. (An abort by an engine this run did not pause
+            # counts as the turn's failure below, so that such an engine cannot take a turn forever.)
+            self.state.turn_retries += 1
+            self._log.info("turn sent again: %s", error)
+            return failures
         interrupted = isinstance(error, TimeoutError)
         if interrupted and self.pool.epoch[name] == epoch:
             raise error  # not an interruption by `_engine_down`: someone else's timeout

@@ -23,7 +23,7 @@ from typing import Protocol
 from app.core.rollout import UpdatePlan
 from app.core.router import choose_engine
 from app.engines.base import Engine
-from app.engines.errors import EngineServerError, EngineTimeout, EngineUnavailable
+from app.engines.errors import EngineServerError, EngineTimeout, EngineUnavailable, TurnAborted
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,9 @@ class EngineSupervisor(Protocol):
 def is_engine_fault(exc: BaseException) -> bool:
     """A failure that may be the engine's, not the turn's: worth a health probe and a retry elsewhere.
 
-    An unreachable engine, a timeout and a 5xx qualify; a 4xx or a malformed answer would fail the same
-    way on any engine, so the turn fails instead."""
-    return isinstance(exc, EngineUnavailable | EngineTimeout | EngineServerError)
+    An unreachable engine, a timeout, a 5xx and an abort (by an engine the run did not pause) qualify;
+    a 4xx or a malformed answer would fail the same way on any engine, so the turn fails instead."""
+    return isinstance(exc, EngineUnavailable | EngineTimeout | EngineServerError | TurnAborted)
 
 
 def is_unreachable(exc: BaseException) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
-from app.engines.errors import EngineUnavailable
+from app.engines.errors import EngineUnavailable, TurnAborted
 from app.runtime.context import Agent, AttemptContext, AttemptOutcome
 from app.runtime.ports import TrainingBatch
 from app.sandboxes.base import ExecResult, Sandbox
@@ -19,13 +19,17 @@ from app.sim.lanes import GroupLongOps, LongOps
 from app.sim.workload import FaultSpec, Trajectory, TrajectorySource, Workload
 from app.tasks.spec import TaskSpec
 
+_current_task = asyncio.current_task
+
 
 class SimInfraError(RuntimeError):
     """A simulated infrastructure failure (the sandbox died)."""
 
 
 class SimEngine:
-    """An engine whose turns take `llm_s` of work on its CPU pool; paused with `keep`, they freeze.
+    """An engine whose turns take `llm_s` of work on its CPU pool; paused with `keep`, they freeze; paused
+    with `abort`, they end at once as aborted (`TurnAborted`, as a real engine's answer with
+    `finish_reason: "abort"` is read), and their work so far is lost.
 
     Injected faults (the workload's `faults`): while down, every call fails as an unreachable engine
     does (`EngineUnavailable`), a turn in flight when it dies fails then, and it comes back unpaused on
@@ -50,6 +54,8 @@ class SimEngine:
         self._demand = demand
         self._version = 0
         self._active = 0
+        self._turns: dict[asyncio.Task[Any], None] = {}  # the tasks of the turns in flight, in order
+        self._aborting: set[asyncio.Task[Any]] = set()  # those an abort cancelled
 
     def _check(self, route: str) -> None:
         now = asyncio.get_running_loop().time()
@@ -71,6 +77,9 @@ class SimEngine:
         if self._active == 0 and self._demand:
             self._pool.change_demand(self._demand)
         self._active += 1
+        task: Any = _current_task()
+        turns = self._turns
+        turns[task] = None
         try:
             if faulty:  # a deadline only where the engine may die under the turn
                 try:
@@ -81,7 +90,16 @@ class SimEngine:
                     raise
             else:
                 await self._stream.run(llm_s)
+        except asyncio.CancelledError:
+            if task in self._aborting:
+                self._aborting.discard(task)
+                if task.uncancel() == 0:  # cancelled by the abort alone
+                    raise TurnAborted(
+                        f"sim://{self.name}", "/v1/completions", "aborted (paused to load weights)"
+                    ) from None
+            raise
         finally:
+            del turns[task]
             self._active -= 1
             if self._active == 0 and self._demand:
                 self._pool.change_demand(-self._demand)
@@ -91,6 +109,11 @@ class SimEngine:
         self._check("/pause")
         if mode is PauseMode.KEEP:
             self._stream.set_factor(0.0)
+        elif mode is PauseMode.ABORT:
+            for task in self._turns:
+                if task not in self._aborting:
+                    self._aborting.add(task)
+                    task.cancel()
 
     async def resume(self) -> None:
         self._check("/resume")

@@ -18,13 +18,17 @@ import httpx
 import pytest
 import torch
 
+from app.engines.base import PauseMode, TurnRequest
 from app.engines.embedded.model import (
     PolicyConfig,
     PolicyModel,
     candidate_logprobs,
     candidate_sequence_logprobs,
 )
+from app.engines.embedded.server import DEFAULT_MODEL_NAME
 from app.engines.embedded.weights import save_sentinel, save_weights
+from app.engines.errors import TurnAborted
+from app.engines.vllm import VLLMEngine
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS, HIDDEN, SEED = 1, 32, 0
@@ -213,6 +217,19 @@ async def test_new_request_joins_a_running_batch(client: RunningEngine) -> None:
     assert during["max_batch_size"] >= 2
     assert aborted["choices"][0]["finish_reason"] == "abort"
     assert 0 < aborted["usage"]["completion_tokens"] < 16000
+
+
+async def test_the_client_takes_a_turn_aborted_by_a_pause_for_an_error(client: RunningEngine) -> None:
+    """Through Corral's own client: the partial text of an aborted request used to come back as the turn."""
+    async with (
+        VLLMEngine("e0", client.url, DEFAULT_MODEL_NAME, timeout_s=30) as engine,
+        make_client(client) as http,
+    ):
+        turn = asyncio.create_task(engine.generate(TurnRequest(prompt="long", max_tokens=16000)))
+        await wait_running(http)
+        await engine.pause(PauseMode.ABORT)
+        with pytest.raises(TurnAborted, match=r"aborted after \d+ tokens"):
+            await turn
 
 
 async def test_requests_queued_while_paused_run_as_one_batch(client: RunningEngine) -> None:

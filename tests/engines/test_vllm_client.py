@@ -19,6 +19,7 @@ from app.engines.errors import (
     EngineServerError,
     EngineTimeout,
     EngineUnavailable,
+    TurnAborted,
 )
 from app.engines.sglang import SGLangEngine
 from app.engines.vllm import HTTPTransport, VLLMEngine
@@ -336,16 +337,23 @@ async def test_pause_wait_lets_inflight_turn_finish(stub: RunningStub) -> None:
         await engine.resume()
 
 
-async def test_pause_abort_returns_partial_turn(stub: RunningStub) -> None:
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_a_turn_the_pause_aborts_is_an_error_not_a_turn(stub: RunningStub, route: str) -> None:
+    """vLLM answers an aborted request 200 with `finish_reason: "abort"` and the text so far: it was
+    taken as the turn, a truncated one, into the trajectory a trainer learns from."""
     stub.state.gen_delay_s = 2.0
     async with make_engine(stub) as engine:
-        turn = asyncio.create_task(engine.generate(TurnRequest(prompt="a b")))
+        if route == "chat":
+            turn = asyncio.create_task(engine.chat([{"role": "user", "content": "a b"}]))
+        else:
+            turn = asyncio.create_task(engine.generate(TurnRequest(prompt="a b")))
         await wait_generation_started(stub)
         await engine.pause(PauseMode.ABORT)
-        result = await asyncio.wait_for(turn, timeout=1)
+        with pytest.raises(TurnAborted) as aborted:
+            await asyncio.wait_for(turn, timeout=1)
         await engine.resume()
-    assert result.text == ""
-    assert result.tokens == 0
+    assert f"engine {stub.url} /v1/" in str(aborted.value)
+    assert "aborted after 0 tokens" in str(aborted.value)
 
 
 def test_free_port_is_not_listening() -> None:
