@@ -63,6 +63,12 @@ def worker(
     The broker comes from CORRAL_BROKER_URL (redis:// or amqp://); results go to CORRAL_RESULT_BACKEND
     (default: the broker, when it is Redis).
     """
+    # Read once, when billiard is imported: its pool processes then ignore SIGTERM and are ended with
+    # SIGQUIT, so a SIGTERM to the whole worker stops it as one to its main process does (workers.main).
+    os.environ["REMAP_SIGTERM"] = "SIGQUIT"
+    import billiard.common  # noqa: F401
+
+    del os.environ["REMAP_SIGTERM"]  # not passed on to what the worker starts
     from workers.celery_app import BrokerError, BrokerSettings, check_host
 
     if isolation not in ("auto", "bwrap", "none"):

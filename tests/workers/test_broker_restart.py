@@ -11,9 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -25,7 +23,7 @@ from typing import Any
 import pytest
 from celery import states
 from celery.result import AsyncResult
-from celery_cluster import WORKER_CPUS, Workers, broker_env, wait_for
+from celery_cluster import WORKER_CPUS, Redis, Workers, broker_env, wait_for
 from factories import make_echo_task
 from proc_children import reaped
 from redis import Redis as RedisClient
@@ -36,60 +34,6 @@ from app.lanes.celery import LANE_OP_TASK, CeleryLanes, LaneStartTimeout, lane_q
 from app.lanes.ops import LaneOp, SandboxHandle
 from app.sandboxes.local import LocalSandboxFactory
 from workers.celery_app import make_celery
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Redis:
-    """A `redis-server` of this test's own, stopped and started again on the same port."""
-
-    def __init__(self, port: int, work: Path) -> None:
-        self.port, self.work = port, work
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly",
-             "no", "--dir", str(self.work)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "redis-server did not answer"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=20)
-
-    def restart(self, down_s: float) -> None:
-        self.stop()
-        time.sleep(down_s)
-        self.start()
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[Redis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server on PATH (Debian's redis-server package)")
-    server = Redis(free_port(), tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _lanes_on(redis: Redis, tmp_path: Path, **options: Any) -> tuple[str, str, Workers, CeleryLanes]:

@@ -64,9 +64,9 @@ def _stub_run(tmp_path: Path) -> tuple[str, dict[str, str], Path]:
     return run_id, env, tmp_path / f"{run_id}.starts"
 
 
-def _send(run_id: str, env: dict[str, str]) -> None:
-    """Send the run to the orchestrator queue, from a process of its own."""
-    subprocess.run([sys.executable, "-c", SEND, REDIS_URL, ORCHESTRATOR_TASK, run_id], env=env, check=True)
+def _send(run_id: str, env: dict[str, str], url: str = REDIS_URL) -> None:
+    """Send the run to the orchestrator queue of the Redis at `url`, from a process of its own."""
+    subprocess.run([sys.executable, "-c", SEND, url, ORCHESTRATOR_TASK, run_id], env=env, check=True)
 
 
 def _starts(path: Path) -> list[str]:
