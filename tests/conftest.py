@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis_server import Redis, free_port
 
 # The tests send real stop signals to the processes they start (`corral run`, `corral serve`, engines).
 # A process inherits the signals its parent ignores, and a shell ignores SIGINT and SIGQUIT for a job it
@@ -39,3 +40,16 @@ def task_root(tmp_path: Path) -> Path:
     (root / "greeting.txt").write_text("hello world\n")
     (root / "lib" / "helper.sh").write_text("echo helper\n")
     return root
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[Redis]:
+    """A `redis-server` of the test's own (redis_server.py), stopped at its end."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on PATH (Debian's redis-server package)")
+    server = Redis(free_port(), tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import importlib
 import json
@@ -33,7 +32,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, shared_task
 
-from app.lanes.celery import ORCHESTRATOR_LEASE_S, lease_key
+from app.lanes.celery import ORCHESTRATOR_LEASE_S, lease_key, orchestrated_run
 from app.lanes.redis_client import LEASE_TIMEOUT_S, RECLAIM_TIMEOUT_S, redis_client
 from app.settings import load_settings
 from workers.celery_app import ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK
@@ -139,17 +138,6 @@ return 0
 """
 
 
-def _run_of(message: dict[str, Any]) -> str | None:
-    """The run id an orchestrator task's message carries, or None for any other message."""
-    if message.get("headers", {}).get("task") != ORCHESTRATOR_TASK:
-        return None
-    body = message.get("body", "")
-    if message.get("properties", {}).get("body_encoding") == "base64":
-        body = base64.b64decode(body)
-    args = json.loads(body)[0]
-    return str(args[0]) if args else None
-
-
 def reclaim_orphaned(
     broker: redis.Redis, leases: redis.Redis, unacked: tuple[str, str], now: float, lease_s: float = LEASE_S
 ) -> list[str]:
@@ -164,7 +152,7 @@ def reclaim_orphaned(
         if ORCHESTRATOR_TASK.encode() not in raw:
             continue  # a lane op's message: its client watches it (app.lanes.lost_ops)
         message, exchange, routing_key = json.loads(raw)
-        run_id = _run_of(message)
+        run_id = orchestrated_run(message)
         taken_at = broker.zscore(index_key, tag)
         if run_id is None or routing_key != ORCHESTRATOR_QUEUE or exchange != "" or taken_at is None:
             continue

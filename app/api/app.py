@@ -22,6 +22,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exception_handlers import http_exception_handler
@@ -40,7 +41,7 @@ from app.metrics import CorralMetrics
 from app.service.channel import RunChannel
 from app.service.compose import manager_for, store_for
 from app.service.manager import DispatchError, RunManager
-from app.service.queued import StartTimeout
+from app.service.queued import LostRuns, StartTimeout
 from app.service.schemas import Problem, RunCreate, ValidationProblem
 from app.service.store import ServiceStore
 from app.settings import Settings, load_settings
@@ -86,7 +87,7 @@ def create_app(
                 log.warning("resuming runs %s", ", ".join(resuming))
         if demo is not None and not manager.handles and not manager.resuming:
             app.state.demo_run = await asyncio.to_thread(manager.create, demo)
-        start_timeout = start_timeout_for(settings, store, app.state.queue_workers)
+        start_timeout = start_timeout_for(settings, store, app.state.queue_workers, app.state.dispatch)
         if start_timeout is not None:
             start_timeout.start()
         try:
@@ -190,7 +191,10 @@ def run_channel(settings: Settings) -> RunChannel | None:
 
 
 def start_timeout_for(
-    settings: Settings, store: ServiceStore, queue_workers: QueueWorkers | None
+    settings: Settings,
+    store: ServiceStore,
+    queue_workers: QueueWorkers | None,
+    dispatch: Callable[[str], None] | None = None,
 ) -> StartTimeout | None:
     """The watch that ends the celery runs no orchestrator worker took (with a broker)."""
     if settings.broker_url is None or queue_workers is None:
@@ -198,9 +202,25 @@ def start_timeout_for(
     from app.lanes.celery import broker_urls
     from app.lanes.redis_client import RECLAIM_TIMEOUT_S, redis_client
 
-    _, backend = broker_urls(settings.broker_url, settings.result_backend)
+    broker, backend = broker_urls(settings.broker_url, settings.result_backend)
     leases = redis_client(backend, RECLAIM_TIMEOUT_S)  # a hung Redis waits for the watch's next period
-    return StartTimeout(store, leases, lambda: queue_workers.count()[1], settings.start_timeout_s)
+    lost = None
+    if dispatch is not None and urlsplit(broker).scheme in ("redis", "rediss"):  # RabbitMQ keeps its queues
+        from app.lanes.celery import lease_key, runs_in_broker
+        from app.lanes.lost_ops import BrokerEpoch
+
+        celery = queue_workers.celery
+        epoch = BrokerEpoch(celery)  # its own client of the broker's Redis
+        broker_redis = epoch.client
+        assert broker_redis is not None  # a redis:// broker
+        lost = LostRuns(
+            epoch.now,
+            lambda: runs_in_broker(celery, broker_redis),
+            lambda run_id: bool(leases.exists(lease_key(run_id))),
+            dispatch,
+            epoch.close,
+        )
+    return StartTimeout(store, leases, lambda: queue_workers.count()[1], settings.start_timeout_s, lost=lost)
 
 
 LANE_CHECK_S = 5.0  # /healthz asks the workers at most this often

@@ -33,8 +33,10 @@ answers from that count in between. A broker that cannot be reached leaves the l
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
+import json
 import logging
 import re
 import time
@@ -46,6 +48,7 @@ from celery import Celery, states
 from celery.exceptions import BackendGetMetaError
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
+from redis import Redis
 
 from app.lanes import lost_ops
 from app.lanes.base import LaneName, LaneSlot, LaneStats
@@ -75,6 +78,25 @@ def lease_key(run_id: str) -> str:
 
 def run_stop_key(run_id: str) -> str:
     return f"corral:stop:{run_id}"
+
+
+def orchestrated_run(message: dict[str, Any]) -> str | None:
+    """The run id an orchestrator task's message (as kombu's Redis transport keeps it) carries, or None
+    for any other message."""
+    if message.get("headers", {}).get("task") != ORCHESTRATOR_TASK:
+        return None
+    body = message.get("body", "")
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args = json.loads(body)[0]
+    return str(args[0]) if args else None
+
+
+def runs_in_broker(celery: Celery, client: Redis) -> set[str]:
+    """The runs whose orchestrator task the broker's Redis (`client`) holds: queued, or taken by a
+    worker and not acked."""
+    messages = lost_ops.queue_messages(celery, client, ORCHESTRATOR_QUEUE)
+    return {run for run in map(orchestrated_run, messages) if run is not None}
 
 
 # A revoked op (cancelled, or timed out): a key in the result backend's Redis, which every lane worker

@@ -33,6 +33,7 @@ later (app.lanes.celery.cancelled_key).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -158,6 +159,18 @@ def _in_broker(celery: Celery, client: Redis, op_id: str, queue: str) -> str | N
     if any(needle in raw for raw in client.hvals(names.unacked)):
         return "unacked"
     return None
+
+
+def queue_messages(celery: Celery, client: Redis, queue: str) -> list[dict[str, Any]]:
+    """The messages of `queue` that the broker's Redis (`client`) holds: queued (read first: a message
+    moves from there to the unacked ones), then delivered to a consumer that has not acked them."""
+    names = _redis_names(celery, queue)
+    found = [json.loads(raw) for name in sorted(names.lists) for raw in client.lrange(name, 0, -1)]
+    for raw in client.hvals(names.unacked):
+        message, _, routing_key = json.loads(raw)
+        if routing_key == queue:
+            found.append(message)
+    return found
 
 
 def held(celery: Celery, client: Redis, op_id: str, queue: str) -> bool | None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from celery_cluster import REDIS_URL, WORKER_CPUS, LaneCluster, Redis, Workers, free_port
+from celery_cluster import REDIS_URL, WORKER_CPUS, LaneCluster, Workers
 from factories import redis_answers
 
 from app.lanes.base import LaneName
@@ -35,15 +33,3 @@ def lane_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaneClust
         app.close()
     finally:
         workers.stop()
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[Redis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server on PATH (Debian's redis-server package)")
-    server = Redis(free_port(), tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
