@@ -222,13 +222,14 @@ def runs_in_progress() -> list[str]:
 
 
 def say_what_a_warm_shutdown_waits_for(how: str) -> None:
-    """A Ctrl-C (warm shutdown) waits for the runs in progress to end, which a run without `batches`
-    never does by itself: say which, and the ways out, instead of Celery's bare "Warm shutdown"."""
+    """A Ctrl-C, SIGTERM or SIGHUP (warm shutdown) waits for the runs in progress to end, which a run
+    without `batches` never does by itself: say which, and the ways out, instead of Celery's bare "Warm
+    shutdown". A second SIGTERM is another warm shutdown: SIGQUIT is the way out whatever stop came first."""
     runs = runs_in_progress() if how == "Warm" else []
     if runs:
         log.warning(
             "waiting for the runs this worker drives to end: %s. Stop them (POST /api/runs/<id>/stop), or "
-            "press Ctrl-C again to leave them to another orchestrator worker, which resumes them once "
-            "their lease lapses (about 30 s; the events they have not stored yet are lost)",
+            "press Ctrl-C again (or send SIGQUIT) to leave them to another orchestrator worker, which "
+            "resumes them once their lease lapses (about 30 s; the events they have not stored yet are lost)",
             ", ".join(runs),
         )
