@@ -2,15 +2,21 @@
 
 Invariant: a reader of the path sees the old file or the new one, never a partial write; and whatever
 ends the write (a full disk, an error, a Ctrl-C between the write and the rename), no `.tmp` file is
-left beside it.
+left beside it. A write the run's own state needs while it runs (`until_written`) waits for a disk that
+refuses it, full or read-only, instead of ending the run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def is_null_device(path: Path) -> bool:
@@ -45,3 +51,42 @@ def save_figure(fig: Any, path: Path | str, dpi: int) -> None:
     path = Path(path)
     fmt = path.suffix.lower().removeprefix(".") or "png"
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=fmt))
+
+
+# How often a write the disk refuses (full, read-only) is tried again by `until_written`
+DISK_RETRY_S = 1.0
+
+
+async def until_written(
+    write: Callable[[], Awaitable[T]],
+    what: str,
+    given_up: Callable[[], bool],
+    pause: Callable[[float], Awaitable[object]],
+) -> T | None:
+    """`await write()`, tried again every `DISK_RETRY_S` (`pause`) while the disk refuses it (`OSError`:
+    full, read-only, its directory gone), until it is written or `given_up()` (the run is stopping):
+    then None. One warning when the disk first refuses it and one when it takes it, not one a try. The
+    writes it is for keep the run's own state (a batch's kept file, the trainer's weights): without it
+    one full disk ended the run with a traceback."""
+    refused_at: float | None = None
+    while True:
+        try:
+            done = await write()
+        except OSError as exc:
+            if refused_at is None:
+                refused_at = time.monotonic()
+                log.warning("%s: the disk refuses it (%s); trying again every %g s", what, _said(exc),
+                            DISK_RETRY_S)  # fmt: skip
+            if given_up():
+                log.warning("%s: given up, the run is stopping (%s)", what, _said(exc))
+                return None
+            await pause(DISK_RETRY_S)
+            continue
+        if refused_at is not None:
+            log.warning("%s: written after %.0f s", what, time.monotonic() - refused_at)
+        return done
+
+
+def _said(exc: OSError) -> str:
+    said = exc.strerror or str(exc)
+    return said if exc.filename is None else f"{exc.filename}: {said}"

@@ -232,6 +232,7 @@ async def _run(
                     logger=without_event_records(RUN_LOG) if console is not None else runtime_log,
                 )
                 stop.runtime = runtime
+                trainer.stopping = lambda: runtime is not None and runtime.stop_requested
                 runtime.bus.observe(progress.on_envelope, "progress")
                 runtime.bus.subscribe(event_log.on_envelope)
                 state = await _start_and_collect(

@@ -95,13 +95,26 @@ async def publish(
         if handle.runtime is not None and body.version <= handle.runtime.version:
             raise CommandRefused(422, f"version: {body.version} is not newer than the published version "
                                       f"{handle.runtime.version}")  # fmt: skip
-        path = await asyncio.to_thread(handle.sentinel_weights, body.version)
+        path = await _sentinel_weights(handle, body.version)
     try:
         rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
     await handle.stored(seq, f"version {body.version} published")
     return {**rollout, "command_id": command_id}
+
+
+async def _sentinel_weights(handle: RunHandle, version: int) -> str | None:
+    """`handle.sentinel_weights(version)`, off the loop; a disk that refuses the files (full,
+    read-only) is a 503 saying so, as a database away is, where it was a 500 and a traceback."""
+    try:
+        return await asyncio.to_thread(handle.sentinel_weights, version)
+    except OSError as exc:
+        raise CommandRefused(
+            503,
+            f"the sentinel weights of version {version} cannot be written ({exc}); try again once the "
+            "disk has room",
+        ) from None
 
 
 async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> dict[str, Any]:
@@ -117,7 +130,7 @@ async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> d
     try:
         # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
         # local run's) need its files; without a path they refuse the update.
-        path = await asyncio.to_thread(handle.sentinel_weights, version)
+        path = await _sentinel_weights(handle, version)
         rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, str(exc)) from None

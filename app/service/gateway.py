@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.outputs import until_written, write_text_atomically
 from app.runtime.ports import TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,19 @@ class TrainerGateway:
     # -- the runtime's side ------------------------------------------------------------------------
 
     async def step(self, batch: TrainingBatch, version: int) -> str | None:
-        """The Trainer port: offer `batch`, then wait for its ack and for `version` to be published."""
-        offer = self.offer(batch_payload(self.run_id, batch, version, self.batch_offset, self.group_offset))
+        """The Trainer port: offer `batch`, then wait for its ack and for `version` to be published. An
+        offer whose kept file the disk refuses (`on_offer` raises `OSError`: full, read-only) waits for
+        the disk, the run collecting on meanwhile; a run stopped before the disk takes it ends without
+        handing the batch out (it was never on disk, so no restart could offer it either)."""
+        payload = batch_payload(self.run_id, batch, version, self.batch_offset, self.group_offset)
+
+        async def offered() -> Offer:
+            return self.offer(payload)
+
+        what = f"run {self.run_id}: batch {payload['batch_id']}, kept before a trainer may take it"
+        offer = await until_written(offered, what, lambda: self._closed is not None, self.wait_changed)
+        if offer is None:
+            return None
         while not (offer.acked and self._published_version() >= version) and self._closed is None:
             await self.wait_changed(None)
         return None  # the trainer published through the run's `publish`; nothing left to publish
@@ -313,10 +325,10 @@ class OfferFiles:
     def save(self, offer: Offer) -> None:
         """The offer's payload, and how many times it was handed out (`delivery`): a restarted server
         hands it out again as the next delivery, not the first."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self._path(offer.batch_id).with_suffix(".tmp")
-        tmp.write_text(json.dumps({**offer.payload, KEPT_DELIVERIES: offer.deliveries}))
-        tmp.replace(self._path(offer.batch_id))
+        # A disk that refuses it (full) leaves no partial file behind, taking space the run then needs
+        write_text_atomically(
+            self._path(offer.batch_id), json.dumps({**offer.payload, KEPT_DELIVERIES: offer.deliveries})
+        )
 
     def remove(self, offer: Offer) -> None:
         self.remove_batch(offer.batch_id)

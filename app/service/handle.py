@@ -35,6 +35,7 @@ from app.core.events import EngineStateChanged, PolicyChanged, RunEnded, rotatio
 from app.engines.base import Engine, PauseMode
 from app.engines.embedded.weights import save_sentinel
 from app.engines.errors import EngineError
+from app.outputs import until_written
 from app.runtime.config import sentinel_trainer_problem
 from app.runtime.driver import Runtime, failure_detail
 from app.service.gateway import RunClosedError, TrainerGateway
@@ -612,7 +613,13 @@ class RunHandle:
                 continue
             await asyncio.sleep(step_s)
             version = int(offer.payload["publish_version"])
-            path = await asyncio.to_thread(self.sentinel_weights, version)
+
+            async def weights(version: int = version) -> str | None:
+                return await asyncio.to_thread(self.sentinel_weights, version)
+
+            # A disk that refuses the files (full) holds the step until it takes them, as a slow trainer
+            what = f"run {self.run_id}: sentinel weights v{version}"
+            path = await until_written(weights, what, lambda: self._runtime().stop_requested, asyncio.sleep)
             runtime = self._runtime()
             if not runtime.stop_requested and runtime.version < version:
                 self._publish(version, path, "sentinel-trainer")

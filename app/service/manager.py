@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -59,7 +59,7 @@ from app.service.recorder import CLOSE_WAIT_S, RunRecorder, StoredMark, close_wa
 from app.service.schemas import OrchestratorKind, RunCreate
 from app.service.store import IllegalTransitionError, ResumePoint, RunLiveError, RunRecord, ServiceStore
 from app.settings import MAX_RUNS, SPILL_MAX_BYTES, STORE_BUFFER
-from app.store.db import through_outage
+from app.store.db import is_outage, through_outage
 from app.store.models import TERMINAL_RUN_STATES, RunState, utcnow
 from app.store.repos import stamped
 from app.validation import hide_password
@@ -85,6 +85,7 @@ class RunLimitError(RuntimeError):
 
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ENDED_STATES = frozenset(s.value for s in TERMINAL_RUN_STATES)
 # How long a stopping control plane waits for each run to end: longer than a cancelled lane op is waited
@@ -476,8 +477,14 @@ class RunManager:
         written here, before a trainer can take the batch (an offer) or is answered (a take): written by
         the store writer, it waited behind the marks of a store locked or away, and a kill -9 lost a batch
         handed out meanwhile, or handed one out again as its first delivery."""
-        if kind in ("offered", "taken") and not offer.acked:  # an acked one's file is on its way out
+        if kind == "offered":  # raises while the disk refuses it: the offer waits (`TrainerGateway.step`)
             offers.save(offer)
+        elif kind == "taken" and not offer.acked:  # an acked one's file is on its way out
+            try:
+                offers.save(offer)
+            except OSError as exc:  # its file from the offer keeps it, with an older delivery count
+                log.warning("run %s: batch %s handed out; its kept file is not updated: %s", run_id,
+                            offer.batch_id, exc)  # fmt: skip
         with self._batch_lock:
             self._batch_writes.append(_BatchWrite(kind, run_id, offer, offers, time.monotonic()))
             if self._flush_scheduled:
@@ -538,7 +545,7 @@ class RunManager:
             for m in marks
         ]
         store_marks = functools.partial(self.store.mark_batches, rows)
-        done = through_outage(store_marks, "store writer", self.store.outage_s)
+        done = self._until_stored(store_marks)
         waiting = []
         for mark, written in zip(marks, done, strict=True):
             # Once shutting down, one look: a batch row the sink never stored is not waited for.
@@ -661,14 +668,26 @@ class RunManager:
         log.warning("store writes not done after %.0f s", timeout_s)
         return False
 
+    def _until_stored(self, write: Callable[[], T]) -> T:
+        """`write()` on the store writer, through the store's outage wait, then through another, for as
+        long as the database stays away (its disk full until someone frees space, say) and the server
+        is not shutting down. After one wait, offers, acks and state changes were given up with a
+        warning: an ack the trainer had been told was stored was not, and a run stopped meanwhile was
+        resumed at the next start. The writes behind it wait their turn, in order."""
+        while True:
+            try:
+                return through_outage(write, "store writer", self.store.outage_s)
+            except Exception as exc:
+                if not is_outage(exc) or self._closing:
+                    raise
+
     def _mirror(
         self, fn: Any, *args: Any, dropped: Callable[[], None] | None = None, first: bool = False
     ) -> None:
         # A database that is away (Postgres restarting) is waited out: each write is its own transaction,
         # so one tried again stores nothing twice, and the writes after it wait their turn. `dropped`:
         # what to do instead when the shutdown gives the write up; `first`: see `StoreWriter`.
-        call = functools.partial(fn, *args)
-        write = functools.partial(through_outage, call, "store writer", self.store.outage_s)
+        write = functools.partial(self._until_stored, functools.partial(fn, *args))
         try:
             future = self._writer.submit(write, dropped, first)
         except RuntimeError:  # the writer has shut down (a run outlived `shutdown`): write here

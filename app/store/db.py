@@ -126,16 +126,17 @@ def scratch_database(backend: str, postgres_url: str, tmp_dir: Path) -> Iterator
 def is_outage(exc: BaseException) -> bool:
     """Is `exc` the database being away or busy rather than refusing the write: a connection lost or
     refused, Postgres starting up or shutting down (SQLSTATE classes 08 and 57P), SQLite still locked
-    by other writers when its busy timeout ran out (several runs' writers at once on a busy machine), or
-    every connection of the engine's pool still in use when its wait ran out (dozens of runs at once)?
-    Either way the failed transaction stored nothing, and trying it again is safe."""
+    by other writers when its busy timeout ran out (several runs' writers at once on a busy machine),
+    every connection of the engine's pool still in use when its wait ran out (dozens of runs at once),
+    or the database's disk full or turned read-only (`_disk_refused`)? Either way the failed
+    transaction stored nothing, and trying it again is safe."""
     from sqlalchemy.exc import DBAPIError
 
     if _pool_busy(exc):
         return True
     if not isinstance(exc, DBAPIError):
         return False
-    if _sqlite_busy(exc):
+    if _sqlite_busy(exc) or _disk_refused(exc):
         return True
     if exc.connection_invalidated:
         return True
@@ -158,6 +159,26 @@ def _sqlite_busy(exc: BaseException) -> bool:
     return isinstance(orig, sqlite3.OperationalError) and str(orig).startswith(_SQLITE_BUSY)
 
 
+# SQLite's primary result codes for a disk that refuses the write: SQLITE_READONLY (a file or a file
+# system turned read-only) and SQLITE_FULL ("database or disk is full"); Postgres's SQLSTATE disk_full
+_SQLITE_DISK_CODES = {8: "read-only", 13: "out of disk space"}
+_POSTGRES_DISK_FULL = "53100"
+
+
+def _disk_refused(exc: BaseException) -> str | None:
+    """How the database's disk refused a write ("out of disk space", "read-only"), or None. The write is
+    waited out as an outage: a run's events are held (buffer, then spill) until space is freed, where
+    they used to be counted failed and dropped, 500 events at a time, for as long as the disk was full."""
+    import sqlite3
+
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, sqlite3.Error):
+        return _SQLITE_DISK_CODES.get(getattr(orig, "sqlite_errorcode", 0) & 0xFF)
+    if getattr(orig, "sqlstate", None) == _POSTGRES_DISK_FULL:
+        return "out of disk space"
+    return None
+
+
 def _pool_busy(exc: BaseException) -> bool:
     """The pool's wait for a free connection ran out (SQLAlchemy's TimeoutError): no connection was
     taken, so nothing was sent to the database."""
@@ -167,9 +188,11 @@ def _pool_busy(exc: BaseException) -> bool:
 
 
 def outage_kind(exc: BaseException) -> str:
-    """How an outage is said: the database is "busy" (SQLite locked, or its pool in use) or "not
-    answering"."""
-    return "busy" if _sqlite_busy(exc) or _pool_busy(exc) else "not answering"
+    """How an outage is said: the database is "busy" (SQLite locked, or its pool in use), "out of disk
+    space", "read-only" or "not answering"."""
+    if _sqlite_busy(exc) or _pool_busy(exc):
+        return "busy"
+    return _disk_refused(exc) or "not answering"
 
 
 def outage_reason(exc: BaseException) -> str:

@@ -4,12 +4,15 @@ Invariants:
 - `load_checkpoint` returns tensors that match the model exactly (every expected name, no extra
   names, same shapes and dtypes, finite values) or raises `WeightsError`; it never mutates the model,
   so a refused directory leaves the engine on its old weights.
-- `save_weights` writes through a temporary file and renames it, so a reader never sees half a file.
+- `save_weights` writes through a temporary file and renames it, so a reader never sees half a file; a
+  write that fails (a full disk) leaves no temporary file and raises `OSError`.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,7 +45,16 @@ def _write(tensors: dict[str, torch.Tensor], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / CHECKPOINT_FILE
     tmp = directory / f".{CHECKPOINT_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    except (SafetensorError, OSError) as exc:
+        tmp.unlink(missing_ok=True)  # the part written would hold the space the next try needs
+        if isinstance(exc, OSError):
+            raise
+        # its I/O errors ("... No space left on device (os error 28)") are an OSError, as any write's
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), str(tmp)) from exc
     os.replace(tmp, target)
     return target
 
