@@ -20,6 +20,7 @@ re-rendered block, errors included.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
@@ -71,6 +72,8 @@ TEMPLATES = ROOT / "templates"
 STATIC = Path(__file__).resolve().parent / "static"
 NODE_MODULES = ROOT / "node_modules"
 PHASE_NAMES = {phase: style[0] for phase, style in PHASE_STYLE.items()}  # as the timeline's legend says
+log = logging.getLogger(__name__)
+
 VENDOR = {  # served path -> file installed by `npm ci` (package.json)
     "htmx.min.js": NODE_MODULES / "htmx.org" / "dist" / "htmx.min.js",
     "sse.js": NODE_MODULES / "htmx-ext-sse" / "sse.js",
@@ -825,13 +828,30 @@ async def _changes(
     loop = asyncio.get_running_loop()
     if stopping is None:
         stopping = anyio.Event()
+    away = False  # the database was away at the last look
     while not stopping.is_set() and not await request.is_disconnected():
         for feed in feeds:
-            current = await asyncio.to_thread(feed.key)
-            if current != feed.last and loop.time() - feed.sent_at >= feed.min_interval_s:
-                feed.last, feed.sent_at = current, loop.time()
-                for name, html in await asyncio.to_thread(feed.blocks):
-                    yield {"event": name, "data": html}
+            try:
+                current = await asyncio.to_thread(feed.key)
+                if current == feed.last or loop.time() - feed.sent_at < feed.min_interval_s:
+                    continue
+                blocks = await asyncio.to_thread(feed.blocks)
+            except Exception as exc:
+                # A database away or locked ended the stream with a traceback (an "Exception in ASGI
+                # application" at each of the page's reconnections): it is looked at again next time.
+                from app.store.db import is_outage, outage_kind, outage_reason  # a replay needs no store
+
+                if not is_outage(exc):
+                    raise
+                if not away:
+                    log.warning("a page's live stream: the database is %s (%s); it goes on once the "
+                                "database answers", outage_kind(exc), outage_reason(exc))  # fmt: skip
+                away = True
+                break
+            away = False
+            feed.last, feed.sent_at = current, loop.time()
+            for name, html in blocks:
+                yield {"event": name, "data": html}
         with anyio.move_on_after(interval_s):
             await stopping.wait()
 

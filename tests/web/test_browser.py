@@ -137,14 +137,6 @@ def run_id(api: httpx.Client) -> str:
     return str(created.json()["id"])
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield chromium
-        chromium.close()
-
-
 def new_page(browser: object, server: str, signed_in: bool) -> object:
     context = browser.new_context(viewport={"width": 1400, "height": 1000})  # type: ignore[attr-defined]
     page = context.new_page()

@@ -149,3 +149,78 @@
     e.detail.source.addEventListener("timeline", reload);
   });
 })();
+
+// A page whose server went away (killed, restarted, stopped) said nothing: it went on showing the last
+// figures it was sent as live, and its controls did nothing when clicked. The live stream's state is
+// said at the top of the page; once the stream is open again its first message brings every block up
+// to date (and the timeline with it).
+(function () {
+  var lostAt = null;
+
+  function two(n) { return (n < 10 ? "0" : "") + n; }
+
+  document.addEventListener("htmx:sseError", function () {
+    var note = document.getElementById("live-lost");
+    if (!note) return;
+    if (!lostAt) {
+      var now = new Date();
+      lostAt = two(now.getHours()) + ":" + two(now.getMinutes()) + ":" + two(now.getSeconds());
+    }
+    note.textContent = "Disconnected from the server since " + lostAt + ", retrying: this page shows what " +
+      "it was sent until then, and its controls reach nothing until it is connected again.";
+    note.className = "flash error";  // not before: a page's own error is the one `.flash.error` there
+    note.hidden = false;
+  });
+  document.addEventListener("htmx:sseOpen", function () {
+    var note = document.getElementById("live-lost");
+    if (note) note.hidden = true;
+    lostAt = null;
+  });
+
+  // A control's answer goes to its message area (an id ending in -msg), else just before its form.
+  function tell(target, text) {
+    if (!target) return;
+    var p = document.createElement("p");
+    p.className = "flash error";
+    p.setAttribute("role", "alert");
+    p.dataset.unanswered = "1";
+    p.textContent = text;
+    if (/-msg$/.test(target.id)) { target.replaceChildren(p); return; }
+    var before = target.previousElementSibling;
+    if (before && before.dataset && before.dataset.unanswered) before.remove();
+    target.before(p);
+  }
+
+  // An answer's words: the API's JSON `detail`, else its text.
+  function said(xhr) {
+    var text = xhr.responseText || "";
+    try {
+      var detail = JSON.parse(text).detail;
+      if (typeof detail === "string") return detail;
+    } catch (err) { /* not JSON */ }
+    var body = new DOMParser().parseFromString(text, "text/html").body;
+    return ((body ? body.textContent : text) || xhr.statusText || "no answer").trim().slice(0, 300);
+  }
+
+  // No answer at all (the server down): htmx only logged it.
+  document.addEventListener("htmx:sendError", function (e) {
+    tell(e.detail.target, "Not done: the server did not answer (it may be restarting). Nothing was " +
+      "changed; try again once this page is connected.");
+  });
+  // A 5xx (the database away, a run being resumed after a restart) is not swapped by the page's
+  // responseHandling: the dashboard's own one-line answer is, anything else is said in words.
+  document.addEventListener("htmx:beforeSwap", function (e) {
+    var xhr = e.detail.xhr;
+    if (!xhr || xhr.status < 500) return;
+    var target = e.detail.target;
+    if (target && /-msg$/.test(target.id) && /^\s*<p class="flash/.test(xhr.responseText || "")) {
+      e.detail.shouldSwap = true;
+      e.detail.isError = false;
+      return;
+    }
+    e.detail.shouldSwap = false;
+    var why = said(xhr);
+    tell(target, "Not done: the server answered " + xhr.status + " (" + why + ")" +
+      (/try again/i.test(why) ? "." : ". Try again in a few seconds."));
+  });
+})();
