@@ -8,7 +8,7 @@ import contextlib
 import errno
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +42,23 @@ def fill(disk: Path) -> Path:
                 if len(chunk) == 1:
                     return filler
                 chunk = chunk[: len(chunk) // 2]
+
+
+@contextlib.contextmanager
+def read_only_switch(path: Path) -> Iterator[Callable[[bool], None]]:
+    """`path` (made) bind-mounted on itself for the block, yielding `read_only(flag)`, which turns the
+    mount read-only or writable again with files open in it, as a file system remounted read-only
+    after an error; skips the test where it cannot be (root needed, as for `small_disk`)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to remount a directory read-only (permission bits do not stop root)")
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True, check=False).returncode:
+        pytest.skip("cannot bind-mount here")
+
+    def read_only(flag: bool) -> None:
+        option = "remount,bind,ro" if flag else "remount,bind,rw"
+        subprocess.run(["mount", "-o", option, str(path)], check=True, capture_output=True)
+
+    with contextlib.ExitStack() as mounted:
+        mounted.callback(subprocess.run, ["umount", "--lazy", str(path)], check=False)
+        yield read_only

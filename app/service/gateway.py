@@ -334,9 +334,17 @@ class OfferFiles:
         self.remove_batch(offer.batch_id)
 
     def remove_batch(self, batch_id: str) -> None:
-        self._path(batch_id).unlink(missing_ok=True)
+        """Forget an acked batch's file. One the disk keeps (read-only) is logged, not raised: the store
+        holds the ack, and the next start leaves it out (`load`'s `acked`) and removes it then."""
+        try:
+            self._path(batch_id).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("batch %s acked; its kept file is not removed (%s): the next start removes it",
+                        batch_id, exc)  # fmt: skip
 
-    def load(self) -> list[Offer]:
+    def load(self, acked: set[int] | frozenset[int] = frozenset()) -> list[Offer]:
+        """The kept offers, oldest first, less those whose index is in `acked` (the store holds their
+        ack: a file a read-only disk or a kill kept after the ack was stored), whose files go."""
         if not self.directory.is_dir():
             return []
         offers = []
@@ -349,6 +357,9 @@ class OfferFiles:
             except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
                 # written atomically, so only a hand-edited or damaged disk gets here: keep the file
                 log.warning("kept offer %s not offered again: unreadable (%r)", path, exc)
+                continue
+            if offer.index in acked:
+                self.remove_batch(offer.batch_id)
                 continue
             offers.append(offer)
         return sorted(offers, key=lambda o: o.index)

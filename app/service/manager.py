@@ -411,7 +411,8 @@ class RunManager:
         """Start a run here: from its beginning, or resumed from `point`; `paused`: it was paused
         when the process driving it died, and comes back paused (an operator's pause outlives it)."""
         offers = OfferFiles(self.data_dir / run_id / "offers")
-        kept = offers.load() if point is not None else []
+        # a kept file of a batch the store holds acked is not offered again (handed out twice, before)
+        kept = offers.load(self.store.acked_batches(run_id)) if point is not None else []
         if point is not None and kept:
             # A kept batch the store never got: the resumed run numbers its groups and batches after
             # it, or its next batch would take the kept one's id (and the trainer's ack of it).
@@ -577,7 +578,7 @@ class RunManager:
         before one) in the store: whether it was acked already; None for no such delivered batch."""
         already = self.store.ack_batch(run_id, batch_id)
         if already is False:  # a valid batch id: its kept offer, if any, is done with
-            (self.data_dir / run_id / "offers" / f"{batch_id}.json").unlink(missing_ok=True)
+            OfferFiles(self.data_dir / run_id / "offers").remove_batch(batch_id)
         return already
 
     def ended_gateway(self, record: RunRecord) -> TrainerGateway | None:
@@ -593,7 +594,7 @@ class RunManager:
             if gateway is not None:
                 return gateway
             offers = OfferFiles(self.data_dir / run_id / "offers")
-            kept = offers.load()
+            kept = offers.load(self.store.acked_batches(run_id))
             if not kept:
                 return None
             gateway = TrainerGateway(run_id, self.ack_timeout_s, lambda: 0)

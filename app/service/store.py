@@ -501,6 +501,11 @@ class ServiceStore:
 
         return self._write(write)
 
+    def acked_batches(self, run_id: str) -> set[int]:
+        """The indexes of the run's batches whose ack the store holds."""
+        with self.session() as s:
+            return {b.batch_index for b in BatchRepo(s).list(run_id) if b.acked_at is not None}
+
     def figures(self, run_id: str, kept: Mapping[int, int] | None = None) -> dict[str, Any]:
         """What the store knows of a run's figures (those a run executing here counts in memory).
         `kept`: batch index -> hand-outs, of the offers a resumed run kept on disk, which count where the

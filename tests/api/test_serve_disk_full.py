@@ -16,38 +16,38 @@ from pathlib import Path
 import httpx
 import pytest
 from api_support import TOKEN, free_port, make_run, serve_env, wait_for
-from small_disk import fill, small_disk
+from small_disk import fill, read_only_switch, small_disk
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @contextmanager
-def serving(env: dict[str, str], log: Path) -> Iterator[httpx.Client]:
+def serving(env: dict[str, str], log: Path, killed: bool = False) -> Iterator[httpx.Client]:
     """A real `corral serve` in a session of its own, ended by Ctrl-C (to its process group) at the end
-    of the block, which must exit 0; yields an API client holding the operator token."""
-    with log.open("wb") as out:
+    of the block, which must exit 0, or `killed` (SIGKILL); yields an API client holding the operator
+    token."""
+    with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from app.cli import main; main()", "serve"], env=env, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    api = httpx.Client(
-        base_url=f"http://127.0.0.1:{env['CORRAL_PORT']}",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=60,
-    )
+    url = f"http://127.0.0.1:{env['CORRAL_PORT']}"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     try:
 
         def healthy() -> bool:
             assert proc.poll() is None, log.read_text()
             try:
-                return api.get("/healthz").status_code == 200
+                answer = api.get("/healthz")
             except httpx.TransportError:
                 return False
+            return answer.status_code == 200 and answer.json()["resuming"] == []
 
         wait_for(healthy, 120, what=f"corral serve to start; log {log}")
         yield api
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(120) == 0, log.read_text()[-3000:]
+        if not killed:
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(120) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -209,3 +209,54 @@ def test_sentinel_weights_the_full_disk_refuses_wait_for_room_and_a_publish_says
         text = log.read_text()
         assert f"run {run_id}: sentinel weights v1: written after" in text
         assert "Traceback" not in text
+
+
+def test_an_acked_batch_whose_kept_file_a_read_only_disk_keeps_is_not_handed_out_again(
+    tmp_path: Path,
+) -> None:
+    """The data directory turned read-only under a run, `corral serve` killed meanwhile and started
+    again once it is writable. Before, the acked batch's kept file could not be removed: the store
+    writer's flush ended there ("store mirror write failed: OSError(30, 'Read-only file system')",
+    the marks after it lost), and the restarted server handed the acked batch out again (its ack
+    count 2 in the store)."""
+    env = {
+        **serve_env(tmp_path, f"sqlite:///{tmp_path / 'corral.db'}", free_port()),
+        "CORRAL_DATA_DIR": str(tmp_path / "data"),
+    }
+    log = tmp_path / "serve.log"
+    with read_only_switch(tmp_path / "data") as read_only:
+        with serving(env, log, killed=True) as api:
+            spec = make_run(batches=None, speed=10.0, trainer="sentinel", sentinel_step_s=0.2)
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            wait_for(lambda: batches(api, run_id) >= 3, 120, what="3 batches")
+            read_only(True)
+            said = ("acked; its kept file is not removed", "store mirror write failed")  # after, before
+            wait_for(lambda: any(s in log.read_text() for s in said), 120, what=f"an ack's file kept; {log}")
+        kept = sorted((tmp_path / "data" / run_id / "offers").glob("*.json"))
+        assert kept, "no kept file left by the read-only disk"
+        read_only(False)
+        with serving(env, log) as api:
+            after = batches(api, run_id)
+            wait_for(lambda: batches(api, run_id) >= after + 3, 120, what="3 more batches after the restart")
+            stop(api, run_id)
+        db = sqlite3.connect(tmp_path / "corral.db")
+        try:
+            twice = db.execute(
+                "select batch_index from batches where run_id = ? and ack_count > 1", (run_id,)
+            )
+            assert twice.fetchall() == []  # no acked batch handed out and acked again
+        finally:
+            db.close()
+        assert not [p for p in kept if p.exists() and p.stem in acked_ids(tmp_path / "corral.db", run_id)]
+    assert "store mirror write failed" not in log.read_text()
+
+
+def acked_ids(database: Path, run_id: str) -> set[str]:
+    db = sqlite3.connect(database)
+    try:
+        rows = db.execute(
+            "select batch_index from batches where run_id = ? and acked_at is not null", (run_id,)
+        )
+        return {f"{run_id}-b{index}" for (index,) in rows}
+    finally:
+        db.close()
