@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
 import time
@@ -133,3 +134,16 @@ def take_write_lock(db: Path, wait_s: float = 60.0) -> sqlite3.Connection:
                 conn.close()
                 raise
         time.sleep(0.001)
+
+
+def make_local_config() -> dict[str, object]:
+    """A local run's config for the tests: one small embedded engine, a built-in task, B = 1 of G = 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
+    return {
+        "batch": {"groups": 1, "group_size": 2},
+        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
+        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8},
+        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
+        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
+    }

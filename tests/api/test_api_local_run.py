@@ -10,20 +10,9 @@ import time
 import httpx
 import pytest
 from api_support import wait_for
+from factories import make_local_config
 
 from app.client import CorralClient
-
-
-def make_local_config() -> dict[str, object]:
-    cpus = sorted(os.sched_getaffinity(0))
-    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
-    return {
-        "batch": {"groups": 1, "group_size": 2},
-        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
-        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8},
-        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
-        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
-    }
 
 
 @pytest.mark.slow

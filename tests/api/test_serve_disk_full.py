@@ -176,7 +176,7 @@ def test_sentinel_weights_the_full_disk_refuses_wait_for_room_and_a_publish_says
     fills while the trainer steps. Before, the trainer's sentinel weights raised ENOSPC into the run,
     which failed; and a publication through the API (the dashboard's Publish) answered 500, a traceback
     in the log."""
-    from test_api_local_run import make_local_config
+    from factories import make_local_config
 
     with small_disk(tmp_path / "disk", 8) as disk:
         env = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from api_support import TOKEN, free_port, wait_for
-from test_api_local_run import make_local_config
+from factories import make_local_config
 from test_serve_restart import _healthy, corral_serve
 
 from app.sandboxes.cpuset import CGROUP_ROOT

@@ -26,7 +26,7 @@ from api_support import (
     wait_for,
 )
 from db_relay import relayed_database
-from test_api_local_run import make_local_config
+from factories import make_local_config
 from test_serve_restart import _healthy, corral_serve
 from test_trainer_loop_example import run_example
 

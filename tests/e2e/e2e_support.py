@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from factories import make_local_config as make_local_config  # the e2e tests import it from here
 
 from app.lanes.base import LaneName
 
@@ -74,19 +75,6 @@ def data_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def make_local_config() -> dict[str, Any]:
-    """The smallest real run: one tiny embedded engine, groups of two attempts at one built-in task."""
-    cpus = sorted(os.sched_getaffinity(0))
-    serving, lanes = (cpus[:1], cpus[1:2]) if len(cpus) > 1 else (cpus, cpus)
-    return {
-        "batch": {"groups": 1, "group_size": 2},
-        "policy": {"surplus_groups": 1, "max_staleness": 2, "max_updating_engines": 1},
-        "engines": {"count": 1, "cpus": serving, "slots": 4, "layers": 1, "hidden": 16, "max_tokens": 8},
-        "lanes": {"cpus": lanes, "reset": 2, "exec": 2, "validate": 1, "cleanup": 1},
-        "tasks": {"suite": "builtin", "include": ["fix-off-by-one"]},
-    }
 
 
 # -- processes -----------------------------------------------------------------------------------------

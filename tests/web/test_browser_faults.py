@@ -150,3 +150,38 @@ def test_a_launch_the_locked_database_refuses_says_why(browser: object, tmp_path
     text = log.read_text()
     assert "a page's live stream: the database is busy (database is locked)" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_publish_says_why_the_full_disk_refused_the_weights(browser: object, tmp_path: Path) -> None:
+    """A local run (real embedded engines) whose data directory's disk is full: Publish weights answers
+    503 with the dashboard's own line, which the page's responseHandling dropped: the button did
+    nothing."""
+    from factories import make_local_config
+    from small_disk import fill, small_disk
+
+    with small_disk(tmp_path / "disk", 8) as disk:
+        env = serve_env(tmp_path, CORRAL_DATA_DIR=str(disk / "data"))
+        url = f"http://127.0.0.1:{env['CORRAL_PORT']}"
+        with corral_serve(env, tmp_path / "serve.log"):
+            api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+            spec = {"name": "local", "kind": "local", "config": make_local_config()}
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", 120, what="the run")
+            page = new_page(browser, url, signed_in=True)
+            page.goto(f"{url}/runs/{run_id}")
+            filler = fill(disk)
+            try:
+                page.get_by_role("button", name="Publish weights").click()
+                sync_api.expect(page.locator("#publish-msg")).to_have_text(
+                    re.compile(
+                        r"^the sentinel weights of version 1 cannot be written \(\[Errno 28\] No space left"
+                    )
+                )
+                page.screenshot(path=str(shots(tmp_path) / "publish-refused.png"), full_page=True)
+            finally:
+                filler.unlink()
+            page.get_by_role("button", name="Publish weights").click()
+            sync_api.expect(page.locator("#publish-msg")).to_contain_text("Publishing new weights")
+            page.context.close()
+            api.close()
