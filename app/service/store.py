@@ -148,6 +148,7 @@ class ServiceStore:
         `busy_timeout_s`: how long a SQLite transaction waits for another writer's lock."""
         self.url = url
         self.outage_s = outage_s
+        self.busy_timeout_s = busy_timeout_s
         if migrate:
             upgrade_to_head(url)
         self.engine = make_engine(url, busy_timeout_s=busy_timeout_s)
@@ -171,10 +172,12 @@ class ServiceStore:
         with self._read_sessions() as session, session.begin():
             yield session
 
-    def _write(self, fn: Callable[[Session], T], wait_s: float = 30.0) -> T:
+    def _write(self, fn: Callable[[Session], T], wait_s: float | None = None) -> T:
         """Run `fn` in its own transaction. On SQLite, a transaction that read before writing can find
-        the file locked by another writer (the event sink) and gets no busy wait: it is tried again."""
-        deadline = time.monotonic() + wait_s
+        the file locked by another writer (the event sink) and gets no busy wait: it is tried again, for
+        `wait_s` at most (default: the busy timeout, which a writer waits for the lock; before, 30 s
+        whatever the busy timeout, so a request on a locked database took 30 s to answer 503)."""
+        deadline = time.monotonic() + (self.busy_timeout_s if wait_s is None else wait_s)
         while True:
             try:
                 with self.session() as s:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_support import POSTGRES_URL, TOKEN, make_settings, serving
+from api_support import POSTGRES_URL, TOKEN, make_run, make_settings, serving
 from db_relay import postgres_answers, relayed_database
 
 from app.api.app import create_app
@@ -83,6 +83,28 @@ def test_sqlite_locked_past_its_busy_timeout_is_a_503_that_says_so(tmp_path: Pat
         assert waited >= 25, f"answered after {waited:.1f} s: the busy timeout (30 s) was not waited out"
         assert api.get("/api/runs").status_code == 200
         assert api.get("/", headers={"Accept": "text/html"}).status_code == 200
+
+
+def test_a_write_on_locked_sqlite_waits_the_busy_timeout_it_is_given(tmp_path: Path) -> None:
+    """With `CORRAL_SQLITE_BUSY_TIMEOUT_S=1`, creating a run on a locked database still took 30 s to be
+    refused: the store tried the write again for a fixed 30 s, whatever the busy timeout said."""
+    db = tmp_path / "corral.db"
+    with (
+        serving(make_settings(tmp_path, f"sqlite:///{db}", sqlite_busy_timeout_s=1.0)) as base,
+        httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=90) as api,
+    ):
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        try:
+            answer = api.post("/api/runs", json=make_run())
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        waited = time.monotonic() - started
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["detail"].startswith("the database is busy (database is locked)")
+        assert waited < 20, f"answered after {waited:.1f} s: longer than the 1 s busy timeout allows"
 
 
 def test_every_pooled_connection_in_use_is_a_503_that_says_so(tmp_path: Path) -> None:
