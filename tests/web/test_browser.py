@@ -494,6 +494,22 @@ def test_the_timeline_s_window_links_redraw_it_in_place_and_follow_the_run(
     page.context.close()
 
 
+def test_a_live_stream_lost_while_the_server_answers_is_not_called_a_lost_server(
+    browser: object, server: str, run_id: str
+) -> None:
+    """The stream fails alike when the server is gone and when it answers the stream 503 (its database
+    away): the page said "Disconnected from the server" either way. It now asks /healthz, and says what
+    it found (tests/web/test_browser_faults.py kills the server for the other case)."""
+    page: Any = new_page(browser, server, signed_in=True)
+    page.goto(f"{server}/runs/{run_id}")
+    lost = page.locator("#live-lost")
+    sync_api.expect(lost).to_be_hidden()
+    page.evaluate("document.dispatchEvent(new Event('htmx:sseError'))")  # as htmx does on a failed stream
+    sync_api.expect(lost).to_contain_text("Live updates stopped at")
+    sync_api.expect(lost).to_contain_text("the server answers, but not its live stream")
+    page.context.close()
+
+
 def test_a_missing_group_s_page_fits_a_narrow_window(browser: object, server: str, run_id: str) -> None:
     """The 404 page quotes the group id typed into the URL: 300 digits made an 800 px page 2,700 px wide."""
     context = browser.new_context(viewport={"width": 800, "height": 600})  # type: ignore[attr-defined]

@@ -135,7 +135,7 @@ def test_a_launch_the_locked_database_refuses_says_why(browser: object, tmp_path
         try:
             page.get_by_role("button", name="Launch").click()
             refused = page.locator("p[data-unanswered]")
-            # a run's creation waits about 30 s for the lock before the 503 (not this test's business)
+            # a run's creation waits out the busy timeout (1 s here) for the lock before the 503
             said = "Not done: the server answered 503 (the database is busy (database is locked)"
             sync_api.expect(refused).to_contain_text(said, timeout=90_000)
             sync_api.expect(refused).to_contain_text("try again in a few seconds).")

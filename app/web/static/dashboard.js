@@ -159,6 +159,12 @@
 
   function two(n) { return (n < 10 ? "0" : "") + n; }
 
+  function show(note, text) {
+    note.textContent = text;
+    note.className = "flash error";  // not before: a page's own error is the one `.flash.error` there
+    note.hidden = false;
+  }
+
   document.addEventListener("htmx:sseError", function () {
     var note = document.getElementById("live-lost");
     if (!note) return;
@@ -166,10 +172,16 @@
       var now = new Date();
       lostAt = two(now.getHours()) + ":" + two(now.getMinutes()) + ":" + two(now.getSeconds());
     }
-    note.textContent = "Disconnected from the server since " + lostAt + ", retrying: this page shows what " +
-      "it was sent until then, and its controls reach nothing until it is connected again.";
-    note.className = "flash error";  // not before: a page's own error is the one `.flash.error` there
-    note.hidden = false;
+    var since = lostAt;
+    show(note, "Disconnected from the server since " + since + ", retrying: this page shows what it was " +
+      "sent until then, and its controls reach nothing until it is connected again.");
+    // The stream fails the same way whether the server is gone or answers it 503 (its database away):
+    // ask the health route, which answers either way while the server is up.
+    fetch("/healthz", { cache: "no-store" }).then(function () {
+      if (note.hidden || lostAt !== since) return;  // connected again meanwhile
+      show(note, "Live updates stopped at " + since + ", retrying: the server answers, but not its live " +
+        "stream (its database may be away; see /healthz). This page shows what it was sent until then.");
+    }, function () { /* no answer: the server is gone, as said */ });
   });
   document.addEventListener("htmx:sseOpen", function () {
     var note = document.getElementById("live-lost");
