@@ -194,6 +194,7 @@ class RunManager:
         self._writer = StoreWriter()
         self._batch_writes: list[_BatchWrite] = []  # offers, takes and acks not yet flushed, in order
         self._waiting_marks: list[_BatchMark] = []  # flushed, waiting for the sink to store their batch
+        self._flushing: list[str] = []  # the batch ids of the writes the flush under way took
         self._batch_lock = threading.Lock()
         self._flush_scheduled = False
         self._closing = False  # shutting down: the runs' stops are the server's own (`shutdown`)
@@ -527,6 +528,15 @@ class RunManager:
         with self._batch_lock:
             writes, self._batch_writes = self._batch_writes, []
             self._flush_scheduled = False  # a write from now on schedules the next flush
+            self._flushing = [w.offer.batch_id for w in writes]
+        try:
+            self._flush_marks(writes)
+        finally:
+            with self._batch_lock:
+                self._flushing = []
+
+    def _flush_marks(self, writes: list[_BatchWrite]) -> None:
+        """`_flush_batch_writes`' work on the writes it took."""
         now = time.monotonic()
         marks = self._waiting_marks + [
             _BatchMark(
@@ -561,6 +571,7 @@ class RunManager:
                 mark.offers.remove_batch(mark.batch_id)
         with self._batch_lock:
             self._waiting_marks = waiting
+            self._flushing = []
             again = bool(waiting) and not self._flush_scheduled
             self._flush_scheduled = self._flush_scheduled or again
         if again:  # behind the writes queued meanwhile; the pause keeps it from spinning on the sink
@@ -648,11 +659,20 @@ class RunManager:
         """Wait until what was handed to the store writer so far is written (its writes run one at a
         time, in order): whether it was, within `timeout_s` (a database that is away is waited out).
         `batch_id`: of the marks waiting for their batch's row, only that batch's count (another run's
-        sink, behind, must not hold up this one's ack)."""
+        sink, behind, must not hold up this one's ack).
+
+        A write is waited for until its flush has carried it out, wherever it is meanwhile: queued, in
+        the flush under way, or waiting for its row. Before, only the last were: while other batches'
+        marks waited for their rows, the flush that would take an ack was queued again 0.1 s later, the
+        wait's marker ran before it, and an ack was answered before its batch's kept file was removed."""
         deadline = time.monotonic() + timeout_s
 
         def waiting() -> bool:
-            return any(batch_id in (None, mark.batch_id) for mark in self._waiting_marks)
+            with self._batch_lock:
+                if batch_id is None:  # what was handed over before: the marker ran after its flushes
+                    return bool(self._waiting_marks)
+                queued = [w.offer.batch_id for w in self._batch_writes] + self._flushing
+                return batch_id in queued or any(mark.batch_id == batch_id for mark in self._waiting_marks)
 
         try:
             done = self._writer.submit(lambda: None)
