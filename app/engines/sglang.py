@@ -26,14 +26,7 @@ from __future__ import annotations
 
 from app.engines.base import PauseMode, TurnRequest, TurnResult
 from app.engines.errors import EngineRequestError
-from app.engines.vllm import (
-    HTTPEngineClient,
-    completion_body,
-    completion_tokens,
-    first_choice,
-    get_field,
-    refuse_aborted,
-)
+from app.engines.vllm import HTTPEngineClient, completion_body, finished_choice, get_field
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
 
@@ -45,10 +38,8 @@ class SGLangEngine(HTTPEngineClient):
         route = "/v1/completions"
         sent_version = self._known_version
         answer = await self._http.request_json("POST", route, json=completion_body(self.model, request))
-        choice0 = first_choice(self._http, route, answer)
+        choice0, tokens = finished_choice(self._http, route, answer)
         text: str = get_field(self._http, route, choice0, "text", str)
-        tokens = completion_tokens(self._http, route, answer)
-        refuse_aborted(self._http, route, choice0, tokens)
         chosen = None
         if request.candidates:
             # SGLang has no candidate scoring; report which candidate, if any, it reproduced.

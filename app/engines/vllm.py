@@ -171,9 +171,14 @@ def first_choice(transport: HTTPTransport, route: str, body: Mapping[str, Any]) 
     return choices[0]
 
 
-def refuse_aborted(transport: HTTPTransport, route: str, choice: Mapping[str, Any], tokens: int) -> None:
-    """Raise `TurnAborted` for a choice the engine cut short by an abort (`finish_reason` "abort", or
-    SGLang's `{"type": "abort"}`): its text is the part generated before the pause, not a turn."""
+def finished_choice(
+    transport: HTTPTransport, route: str, body: Mapping[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """A completion's first choice and its token count, once it is known to be a whole turn: a choice
+    the engine cut short by an abort (`finish_reason` "abort", or SGLang's `{"type": "abort"}`) raises
+    `TurnAborted`, since its text is the part generated before the pause, not a turn."""
+    choice = first_choice(transport, route, body)
+    tokens = completion_tokens(transport, route, body)
     reason = choice.get("finish_reason")
     if isinstance(reason, Mapping):
         reason = reason.get("type")
@@ -183,6 +188,7 @@ def refuse_aborted(transport: HTTPTransport, route: str, choice: Mapping[str, An
             route,
             f"aborted after {tokens} tokens (the engine was paused to load weights)",
         )
+    return choice, tokens
 
 
 def completion_tokens(transport: HTTPTransport, route: str, body: Mapping[str, Any]) -> int:
@@ -282,10 +288,8 @@ class VLLMEngine(HTTPEngineClient):
         if request.candidates:
             body["candidates"] = list(request.candidates)
         answer = await self._http.request_json("POST", route, json=body)
-        choice0 = first_choice(self._http, route, answer)
+        choice0, tokens = finished_choice(self._http, route, answer)
         text: str = get_field(self._http, route, choice0, "text", str)
-        tokens = completion_tokens(self._http, route, answer)
-        refuse_aborted(self._http, route, choice0, tokens)
         version = min_reported_version(self._http, route, answer, sent_version)
         chosen: int | None = None
         logprob: float | None = None
@@ -323,12 +327,10 @@ class VLLMEngine(HTTPEngineClient):
             "temperature": temperature,
         }
         answer = await self._http.request_json("POST", route, json=body)
-        choice0 = first_choice(self._http, route, answer)
+        choice0, tokens = finished_choice(self._http, route, answer)
         message = get_field(self._http, route, choice0, "message", dict)
         # The OpenAI schema allows null content (e.g. a pure tool call); Corral needs text.
         text: str = get_field(self._http, route, message, "content", str)
-        tokens = completion_tokens(self._http, route, answer)
-        refuse_aborted(self._http, route, choice0, tokens)
         return TurnResult(
             text=text,
             weight_version=min_reported_version(self._http, route, answer, sent_version),
