@@ -248,6 +248,17 @@ class _SinkWorker:
                 self._note_spill(self._spill)
             return self.stats.as_dict()
 
+    def at_risk(self, share: float) -> bool:
+        """Whether envelopes offered now may be dropped: its buffer holds `share` of its capacity or
+        more, and its spill cannot take the rest (`SpillFile.taking`: the disk refuses, or the spill is
+        near its bound). Only for a sink with a spill: one without is allowed to drop (the metrics')."""
+        spill = self._spill
+        return spill is not None and len(self._buffer) >= share * self.capacity and not spill.taking()
+
+    @property
+    def spill(self) -> SpillFile | None:
+        return self._spill
+
     def buffered(self) -> int:
         """Envelopes held unwritten: in memory and in the spill."""
         return len(self._buffer) + (self._spill.unread if self._spill is not None else 0)
@@ -503,6 +514,15 @@ class EventBus:
     def backlog(self) -> int:
         """The most envelopes any sink holds unwritten now (its buffer and its spill)."""
         return max((w.buffered() for w in self._sinks), default=0)
+
+    def at_risk(self, share: float) -> bool:
+        """Whether a sink with a spill may soon drop envelopes (`_SinkWorker.at_risk`): a run that can
+        should start nothing new until it is not (`RunHandle`'s hold for the store). Blocking: it may
+        probe a disk."""
+        return any(w.at_risk(share) for w in self._sinks)
+
+    def spill_directories(self) -> list[str]:
+        return [str(w.spill.directory) for w in self._sinks if w.spill is not None]
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {w.name: w.stats_now() for w in self._sinks}

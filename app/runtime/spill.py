@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,11 @@ SEGMENT_BYTES = 64 * 1024 * 1024  # a segment read to its end is removed: disk u
 # A backup file takes copies until it holds this much; one whose copies the sink has written is removed
 BACKUP_FILE_BYTES = 4 * 1024 * 1024
 BACKUP_WAIT_S = 10.0  # the most a caller waits for the backup thread (a disk that hangs)
+# `SpillFile.taking`: a spill within this share of its bound takes no more, as far as a run should count
+# on it; a disk is probed (`PROBE_BYTES` written and removed) at most every `PROBE_S`
+HEADROOM_SHARE = 0.1
+PROBE_BYTES = 1 << 20
+PROBE_S = 2.0
 _SUFFIX = ".jsonl"
 _to_json = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
 
@@ -101,6 +107,9 @@ class SpillFile:
         self._backup_cond = threading.Condition()
         self._backup_queue: deque[tuple[str, Any]] = deque()  # its work, in order: write, forget, drop
         self._backup_running = False
+        # When the disk last refused a write (monotonic), None once a write (or a probe) went through
+        self.refused_at: float | None = None
+        self._probed_at = float("-inf")
 
     @property
     def disk_bytes(self) -> int:
@@ -116,7 +125,11 @@ class SpillFile:
                 f"spill {self.directory} holds {self.disk_bytes:,} bytes of {self.max_bytes:,}"
             )
         if self._writer is None or self._segments[-1][1] >= self.segment_bytes:
-            self._open_segment()
+            try:
+                self._open_segment()
+            except OSError:
+                self.refused_at = time.monotonic()
+                raise
         assert self._writer is not None
         path, size = self._segments[-1]
         try:
@@ -127,7 +140,9 @@ class SpillFile:
             self._writer = None
             with open(path, "r+b") as f:  # what a full disk took in part would be read back cut short
                 f.truncate(size)
+            self.refused_at = time.monotonic()
             raise
+        self.refused_at = None
         self._segments[-1] = (path, size + len(data))
         self.bytes += len(data)
         self.unread += len(envelopes)
@@ -167,6 +182,39 @@ class SpillFile:
         if not self.unread:
             self.clear()
         return out
+
+    def taking(self, now: float | None = None) -> bool:
+        """Whether the spill can take envelopes, as far as a run should count on it: not within
+        `HEADROOM_SHARE` of its bound, and its disk took the last write. The disk is probed (`PROBE_BYTES`
+        written beside the segments, then removed) at most every `PROBE_S`, so a disk that filled since
+        the last write, or was freed, is seen without an envelope at stake."""
+        if self.disk_bytes >= self.max_bytes * (1 - HEADROOM_SHARE):
+            return False
+        now = time.monotonic() if now is None else now
+        if now - self._probed_at >= PROBE_S:
+            self._probed_at = now
+            self._probe(now)
+        return self.refused_at is None
+
+    def _probe(self, now: float) -> None:
+        probe = self.directory / "probe.tmp"
+        try:
+            with self._dir_lock:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(probe, "wb") as f:
+                    f.write(bytes(min(PROBE_BYTES, self.max_bytes)))
+                    f.flush()
+                    os.fsync(f.fileno())  # a file system that takes pages it cannot keep refuses here
+            finally:
+                probe.unlink(missing_ok=True)
+        except OSError:
+            self.refused_at = now
+        else:
+            self.refused_at = None
+        with self._dir_lock, contextlib.suppress(OSError):
+            if not self._segments and not self._backup_files:
+                self.directory.rmdir()  # an empty spill leaves no directory behind
 
     def back_up(self, envelopes: Sequence[Envelope]) -> None:
         """Queue a copy of `envelopes` (in seq order, after those queued before) for the backup thread,
@@ -240,7 +288,10 @@ class SpillFile:
             self._backup_writer.flush()
             self._backup_files[-1] = (path, size + len(data), envelopes[-1].seq)
             self.backup_bytes += len(data)
+            self.refused_at = None
         except (OSError, ValueError) as exc:  # they are still in memory: only a crash would lose them
+            if isinstance(exc, OSError):
+                self.refused_at = time.monotonic()
             log.error("spill %s: no copy of %d buffered envelopes on disk: %r", self.directory,
                       len(envelopes), exc)  # fmt: skip
 

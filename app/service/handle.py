@@ -65,6 +65,12 @@ UNTIL_STOPPED = 2**31  # batches: a run without a batch count goes on until it i
 # The runtime keeps the newest this many batches, updates and engine events of its own account (the
 # store has the whole stream) and folds no report: a run going on for days stays flat in memory.
 RUNTIME_HISTORY = 100
+# A local run starts nothing new while its events could not be kept anywhere (`_hold_for_store`): from a
+# store sink's buffer this full with its spill's disk refusing, until the buffer is down to the second
+# share or the disk takes writes again; looked at this often
+STORE_HOLD_SHARE = 0.8
+STORE_RELEASE_SHARE = 0.5
+STORE_CHECK_S = 0.5
 
 
 class RunNotLiveError(RuntimeError):
@@ -141,6 +147,7 @@ class RunHandle:
         self._pausing = asyncio.Lock()
         self.done = threading.Event()
         self.flushing = threading.Event()  # it has ended, and its last events are being stored
+        self.held_for_store = False  # a local run held: its events could be kept nowhere (`_hold_for_store`)
         self.started_wall: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -237,6 +244,8 @@ class RunHandle:
                         )
                     if self.spec.trainer is TrainerKind.SENTINEL:
                         tg.create_task(self._sentinel_client(ports))
+                    if not isinstance(self.loop, PacedLoop):  # a simulated run's clock waits instead
+                        tg.create_task(self._hold_for_store(runtime, run))
                     await asyncio.wait([run])
                     # A trainer told now is told the state the run ends in, not a word of its own.
                     self.gateway.close("stopped" if runtime.stop_requested else "completed")
@@ -245,6 +254,41 @@ class RunHandle:
                     await client.aclose()
             run.result()
             return "stopped" if runtime.stop_requested else "completed"
+
+    async def _hold_for_store(self, runtime: Runtime, run: asyncio.Task[Any]) -> None:
+        """Hold the run (no turn starts, no update begins: `Runtime.hold`, as an operator's pause, the
+        engines left serving the turns in flight) while its store sink would drop events: its buffer
+        `STORE_HOLD_SHARE` full and its spill's disk refusing (the database and the spill on one full
+        disk); released once the buffer is down to `STORE_RELEASE_SHARE` or the disk takes writes again.
+        The work in flight while held is bounded (each attempt stops at its next turn), so the buffer's
+        rest holds its events. Before, events past the buffer were dropped, counted, for as long as the
+        disk stayed full."""
+        bus = self.recorder.bus
+        while not run.done():
+            await asyncio.sleep(STORE_CHECK_S)
+            if self._stopping():
+                return  # `stop` released it: a stopping run's last events are few
+            share = STORE_RELEASE_SHARE if self.held_for_store else STORE_HOLD_SHARE
+            at_risk = await asyncio.to_thread(bus.at_risk, share)  # it may probe a disk
+            if at_risk == self.held_for_store or self._stopping() or run.done():
+                continue
+            self.held_for_store = at_risk
+            if self.state is not RunState.PAUSED:  # an operator's pause holds it already, and outlasts this
+                runtime.hold(at_risk)
+            if at_risk:
+                last_error = bus.stats().get("store", {}).get("last_error") or "the disk refused a write"
+                why = last_error.splitlines()[0]
+                log.warning(
+                    "run %s: held, starting no turn: %d events wait to be stored and neither the database "
+                    "nor the spill (%s) takes them (%s); it goes on once they do",
+                    self.run_id, bus.backlog(), ", ".join(bus.spill_directories()), why,
+                )  # fmt: skip
+            else:
+                log.warning("run %s: goes on: its events are being stored again (%d wait)", self.run_id,
+                            bus.backlog())  # fmt: skip
+
+    def _stopping(self) -> bool:
+        return self.state is RunState.STOPPING  # read again after an await: `stop` may have run meanwhile
 
     def engines(self) -> list[Engine]:
         """The run's engine clients now: a restarted engine has a new one (on its new port)."""
@@ -498,7 +542,7 @@ class RunHandle:
             self._engines_paused(True)
         else:
             self._engines_paused(False)
-            self._runtime().hold(False)
+            self._runtime().hold(self.held_for_store)  # resumed, but still held for the store
 
     def _engines_paused(self, paused: bool) -> None:
         """Local runs: every engine holds its in-flight turns (`keep`) and starts none until resumed."""
@@ -534,8 +578,10 @@ class RunHandle:
         if isinstance(self.loop, PacedLoop):
             self.loop.resume()  # the run must reach its end: cleanups take (simulated) time
             self.loop.hurry()  # which nobody waits on: it ends in seconds, not minutes of wall time
-        elif self.state is RunState.PAUSED:
-            self._engines_paused(False)
+        elif self.state is RunState.PAUSED or self.held_for_store:
+            if self.state is RunState.PAUSED:
+                self._engines_paused(False)
+            self.held_for_store = False  # its last events are few: the buffer's rest holds them
             self._runtime().hold(False)
         self._set_state(RunState.STOPPING, None)
         self._runtime().request_stop()
@@ -549,6 +595,7 @@ class RunHandle:
         out.update(self.recorder.view.as_dict())
         out["batches_unacked"] = len(self.gateway.pending())
         out["events_unwritten"] = self.recorder.bus.backlog()  # in the store sink's memory and spill
+        out["held_for_store"] = self.held_for_store
         store = self.recorder.bus.stats().get("store")
         if store is not None:  # the store was away or slow: what waited on local disk, and waits now
             out["events_spill"] = {k: store[k] for k in ("spilled", "recovered", "spill_bytes", "dropped")}

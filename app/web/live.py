@@ -260,7 +260,8 @@ class ManagerRuns:
         if entry.behind is not None:
             # The figures cover the stream read so far: the run as it was at its last event read.
             meta = replace(meta, now=None, catch_up_note=catch_up_note(entry.last_seq, entry.behind))
-        snapshot = (repr(meta.engines), repr(meta.lanes), repr(meta.policy), meta.trainer_note)
+        notes = (meta.trainer_note, meta.store_note)
+        snapshot = (repr(meta.engines), repr(meta.lanes), repr(meta.policy), *notes)
         key = (entry.last_seq, meta.state, meta.resume_note, *snapshot)
         with entry.lock:
             fresh = handle is None or time.monotonic() - entry.built_at < VIEW_TTL_S
@@ -328,6 +329,7 @@ class ManagerRuns:
             lanes=lanes,
             now=now,
             trainer_note=trainer_note(handle.gateway) if state in ("running", "paused") else None,
+            store_note=store_note(handle),
         )
 
     def _stored_cpus(self, run_id: str) -> dict[str, str]:
@@ -539,6 +541,19 @@ def _live_key(handle: Any) -> object:
         tuple(sorted(dict(getattr(runtime.pool, "active", {})).items())),
         tuple(sorted(handle.knobs.items())),
         trainer_note(handle.gateway),
+        handle.held_for_store,
+    )
+
+
+def store_note(handle: Any) -> str | None:
+    """Why a live run starts no turn although running: its events can be kept nowhere (`RunHandle`'s
+    hold for the store); None otherwise."""
+    if not handle.held_for_store:
+        return None
+    return (
+        f"Held: {handle.recorder.bus.backlog():,} events wait to be stored, and neither the database nor "
+        "the spill on local disk takes them (full or read-only). No turn starts until they do; nothing "
+        "is lost meanwhile."
     )
 
 

@@ -188,6 +188,7 @@ class RunMeta:
     error: str | None = None  # why the run failed, as its owner recorded it
     clock_note: str | None = None  # whose seconds the page counts, where that is not the wall clock's
     trainer_note: str | None = None  # what the run has long waited on its trainer for (live runs)
+    store_note: str | None = None  # a live run held: its events can be kept nowhere
     # Set while the view covers only the start of the stream (a long one being read): the figures are
     # then the run's as of its last event read, so `now` is that event's time (leave it None).
     catch_up_note: str | None = None
@@ -306,6 +307,7 @@ class RunView(_RunFace):
     error: str | None = None  # why a failed run failed (its record: a run failing at start has no events)
     clock_note: str | None = None  # a simulated run's seconds are not the wall clock's
     trainer_note: str | None = None  # the run waits on its trainer to take, ack or publish
+    store_note: str | None = None  # held: its events can be kept nowhere
     catch_up_note: str | None = None  # the view covers the stream read so far, and says how far
     resume_note: str | None = None  # the run is being resumed after a restart, and how far it has got
 
@@ -771,6 +773,7 @@ class RunViewBuilder:
             error=meta.error,
             clock_note=meta.clock_note,
             trainer_note=meta.trainer_note,
+            store_note=meta.store_note,
             catch_up_note=meta.catch_up_note,
             resume_note=meta.resume_note,
         )

@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -260,3 +261,55 @@ def acked_ids(database: Path, run_id: str) -> set[str]:
         return {f"{run_id}-b{index}" for (index,) in rows}
     finally:
         db.close()
+
+
+@pytest.mark.slow
+def test_a_local_run_whose_events_can_be_kept_nowhere_holds_instead_of_dropping_them(tmp_path: Path) -> None:
+    """A local run (real embedded engines and sandboxes) with its database and its event spill on one
+    disk, which fills (its data directory elsewhere, so its trainer's weights keep coming): the store
+    sink's buffer (400 events here) fills and the spill's disk refuses.
+    Before, every event past the buffer was dropped, counted, for as long as the disk stayed full (holes
+    in the stored stream). Now the run is held (no turn starts) before the buffer is full, and goes on
+    once the disk has room: every event stored, in order."""
+    from factories import make_local_config
+
+    with small_disk(tmp_path / "disk", 16) as disk:
+        database = disk / "corral.db"
+        env = {
+            **serve_env(tmp_path, f"sqlite:///{database}", free_port()),
+            "CORRAL_SPILL_DIR": str(disk / "spill"),
+            "CORRAL_STORE_OUTAGE_S": "1",
+            "CORRAL_STORE_BUFFER": "400",
+        }
+        log = tmp_path / "serve.log"
+        with serving(env, log) as api:
+            spec = {"name": "local", "kind": "local", "config": make_local_config(), "trainer": "sentinel",
+                    "sentinel_step_s": 0.5}  # fmt: skip
+            run_id = api.post("/api/runs", json=spec).json()["id"]
+            wait_for(lambda: batches(api, run_id) >= 1, 280, what=f"the first batch; log {log}")
+            filler = fill(disk)
+            held = f"run {run_id}: held, starting no turn"
+            wait_for(lambda: batches(api, run_id) >= 0 and held in log.read_text(), 120, what=f"{held!r}")
+            live = api.get(f"/api/runs/{run_id}").json()["live"]
+            assert live["held_for_store"] is True
+            time.sleep(5)  # held with the disk full: nothing new starts, nothing is dropped
+            live = api.get(f"/api/runs/{run_id}").json()["live"]
+            assert live["held_for_store"] is True
+            assert live["events_spill"]["dropped"] == 0
+            assert live["events_unwritten"] < 400
+            page = api.get(f"/runs/{run_id}")
+            assert page.status_code == 200
+            assert 'id="store-note"' in page.text
+            assert "No turn starts until they do" in page.text
+            filler.unlink()
+            goes_on = f"run {run_id}: goes on: its events are being stored again"
+            wait_for(lambda: goes_on in log.read_text(), 120, what=f"{goes_on!r}")
+            after = batches(api, run_id)
+            wait_for(lambda: batches(api, run_id) >= after + 2, 280, what="2 more batches once it goes on")
+            assert api.get(f"/api/runs/{run_id}").json()["live"]["events_spill"]["dropped"] == 0
+            assert 'id="store-note"' not in api.get(f"/runs/{run_id}").text
+            stop(api, run_id)
+        seqs, state, _ = stored(database, run_id)
+    assert state == "stopped"
+    assert seqs == list(range(len(seqs)))  # every event stored, none twice, no hole
+    assert "Traceback" not in log.read_text()

@@ -50,14 +50,20 @@ def make_bus() -> EventBus:
     return EventBus("run-1", clock=lambda: next(clock))
 
 
-def held_store(spill_dir: Path, capacity: int, max_bytes: int = 1_000_000) -> tuple[EventBus, GateSink]:
-    """A bus whose store sink (batches of 10, spilling to `spill_dir`) is held until `sink.gate` is set."""
+def held_store(
+    spill_dir: Path, capacity: int, behind: int, max_bytes: int = 1_000_000
+) -> tuple[EventBus, GateSink]:
+    """A bus whose store sink (batches of 10, spilling to `spill_dir`) is held until `sink.gate` is set,
+    inside its write of the first envelope, with `behind` more published after it."""
     bus = make_bus()
     sink = GateSink()
     sink.gate.clear()
     spill = SpillFile(spill_dir, max_bytes=max_bytes)
     bus.add_sink(sink, name="store", batch_size=10, flush_interval_s=0.01, capacity=capacity, spill=spill,
                  **QUICK_RETRIES)  # fmt: skip
+    bus.publish(BatchRequested(0))
+    assert sink.entered.wait(5)
+    publish(bus, behind)
     return bus, sink
 
 
@@ -97,10 +103,7 @@ def test_a_full_buffer_spills_to_disk_and_the_sink_gets_every_envelope_once_in_o
 
 
 def test_new_envelopes_go_to_memory_again_once_the_spill_is_drained(tmp_path: Path) -> None:
-    bus, sink = held_store(tmp_path / "spill", capacity=20)
-    bus.publish(BatchRequested(0))
-    assert sink.entered.wait(5)
-    publish(bus, 99)
+    bus, sink = held_store(tmp_path / "spill", capacity=20, behind=99)
     sink.gate.set()
     deadline = time.monotonic() + 10
     while bus.backlog() and time.monotonic() < deadline:
@@ -149,10 +152,7 @@ def test_a_failing_sink_that_says_nothing_of_its_errors_still_loses_the_batch_co
 def test_a_full_spill_drops_what_it_cannot_take_counted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    bus, sink = held_store(tmp_path / "spill", capacity=20, max_bytes=5_000)
-    bus.publish(BatchRequested(0))
-    assert sink.entered.wait(5)
-    publish(bus, 999)
+    bus, sink = held_store(tmp_path / "spill", capacity=20, behind=999, max_bytes=5_000)
     held = bus.stats()["store"]
     assert held["dropped"] > 0
     assert held["max_spill_bytes"] <= 5_000
@@ -167,10 +167,7 @@ def test_a_full_spill_drops_what_it_cannot_take_counted(
 
 def test_an_unwritable_spill_drops_counted_and_the_run_goes_on(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
-    bus, sink = held_store(tmp_path / "a-file" / "spill", capacity=20)
-    bus.publish(BatchRequested(0))
-    assert sink.entered.wait(5)
-    publish(bus, 99)
+    bus, sink = held_store(tmp_path / "a-file" / "spill", capacity=20, behind=99)
     held = bus.stats()["store"]
     assert held["dropped"] == 100 - 1 - 20  # the batch being written and the buffer's 20 stay
     assert held["spilled"] == 0
@@ -180,10 +177,7 @@ def test_an_unwritable_spill_drops_counted_and_the_run_goes_on(tmp_path: Path) -
 
 
 def test_a_sink_stuck_at_close_leaves_its_envelopes_on_disk_for_the_next_start(tmp_path: Path) -> None:
-    bus, sink = held_store(tmp_path / "spill", capacity=50)
-    bus.publish(BatchRequested(0))
-    assert sink.entered.wait(5)
-    publish(bus, 29)  # in memory only: the buffer holds 50
+    bus, sink = held_store(tmp_path / "spill", capacity=50, behind=29)  # in memory only: the buffer holds 50
     stats = bus.close(timeout_s=0.1)["store"]
     assert stats["unflushed"] == 0
     assert stats["kept_on_disk"] == 30  # the batch being written (seq 0) too: its write may never end
@@ -228,10 +222,8 @@ def test_a_buffer_past_half_full_is_copied_to_disk_and_the_copy_removed_once_the
     tmp_path: Path,
 ) -> None:
     # Before: nothing reached the disk until the buffer was full and spilling, then its copy only later.
-    bus, sink = held_store(tmp_path / "spill", capacity=1_000)
-    bus.publish(BatchRequested(0))
-    assert sink.entered.wait(5)
-    publish(bus, 799)  # the batch being written (seq 0) and 799 buffered: past half, short of full
+    # the batch being written (seq 0) and 799 buffered: past half, short of full
+    bus, sink = held_store(tmp_path / "spill", capacity=1_000, behind=799)
     assert bus.stats()["store"]["spilled"] == 0
     deadline = time.monotonic() + 10
     while len(recover(tmp_path / "spill").envelopes) <= 790 and time.monotonic() < deadline:
@@ -346,3 +338,40 @@ def test_a_process_killed_while_its_sink_writes_the_spills_last_batch_leaves_it_
     stored = {int(n) for n in written.read_text().split()}
     left = {e.seq for e in recover(spill_dir).envelopes}  # what the next start would store
     assert sorted(stored | left) == sent
+
+
+def test_a_sink_whose_spill_the_disk_refuses_is_at_risk_before_it_drops_and_not_once_it_drains(
+    tmp_path: Path,
+) -> None:
+    """`EventBus.at_risk` is what holds a local run before its events would be dropped: true from the
+    share of the buffer asked about while the spill's disk refuses (a directory under a file: mkdir
+    fails as on a full or read-only disk), before any envelope is dropped; false once the sink writes
+    again and the buffer is below that share."""
+    (tmp_path / "a-file").write_text("")
+    bus, sink = held_store(tmp_path / "a-file" / "spill", capacity=100, behind=79)
+    assert not bus.at_risk(0.8)  # 79 buffered
+    publish(bus, 1)
+    assert bus.at_risk(0.8)
+    assert not bus.at_risk(0.81)
+    assert bus.stats()["store"]["dropped"] == 0
+    sink.gate.set()
+    deadline = time.monotonic() + 10
+    while bus.at_risk(0.5) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not bus.at_risk(0.5)
+    assert bus.close(timeout_s=10)["store"]["written"] == 81
+
+
+def test_a_spill_that_takes_writes_keeps_its_sink_out_of_risk_and_one_near_its_bound_does_not(
+    tmp_path: Path,
+) -> None:
+    bus, sink = held_store(tmp_path / "spill", capacity=100, behind=99)
+    assert not bus.at_risk(0.5)  # a full buffer, but the disk takes the spill
+    assert not (tmp_path / "spill" / "probe.tmp").exists()
+    sink.gate.set()
+    bus.close(timeout_s=10)
+    near = SpillFile(tmp_path / "near", max_bytes=1_000)
+    near.append([Envelope("run-1", 0, 0.0, BatchRequested(0))] * 12)  # 76 bytes each
+    assert near.disk_bytes >= 900
+    assert not near.taking()
+    near.clear()
