@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.lanes.base import LaneName
 from app.lanes.celery import (
     LANE_OP_TASK,
+    LANE_SWEEP_TASK,
     ORCHESTRATOR_QUEUE,
     ORCHESTRATOR_TASK,
     broker_urls,
@@ -35,6 +36,7 @@ from app.lanes.ops import LaneOpError
 
 __all__ = [
     "LANE_OP_TASK",
+    "LANE_SWEEP_TASK",
     "ORCHESTRATOR_QUEUE",
     "ORCHESTRATOR_TASK",
     "BrokerError",

@@ -11,6 +11,9 @@ Invariants:
   without running the op again (idempotent under at-least-once delivery);
 - an op its client revoked (`app.lanes.celery.cancelled_key`) is not run, whenever it is delivered: it is
   marked REVOKED and its message acked, so its attempt's end is final;
+- an op on a sandbox of an older incarnation of its run than the newest seen on this host (the run was
+  started again since: workers.sandboxes) is not run, marked REVOKED the same way; a reset that such a
+  start overtook removes what it made;
 - the op runs through `app.lanes.ops.execute_op`, as in-process lanes run it.
 """
 
@@ -22,6 +25,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from celery import Task, shared_task, states
@@ -31,8 +35,8 @@ from celery.signals import worker_process_init
 from app.engines.embedded.cpus import pin_cpus
 from app.lanes.base import LaneName
 from app.lanes.ops import LaneOp, LaneOpError, encode_result, execute_op
-from workers.celery_app import LANE_OP_TASK, cancelled_key
-from workers.sandboxes import HostSandboxes
+from workers.celery_app import LANE_OP_TASK, LANE_SWEEP_TASK, cancelled_key
+from workers.sandboxes import HostSandboxes, OlderIncarnation
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +94,22 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
         raise Ignore  # acked, its REVOKED state kept
     started = time.time()
     sandbox = _worker.sandboxes.resolve(op.handle)
-    result = asyncio.run(execute_op(op, sandbox, _worker.cpus))
-    _worker.sandboxes.after(op, sandbox)
+    try:
+        _worker.sandboxes.check_incarnation(op)
+    except OlderIncarnation as exc:  # its run was started again since: whoever sent it is gone
+        log.warning("op %s (%s): %s", op.op_id, op.name.value, exc)
+        self.backend.mark_as_revoked(op.op_id, str(exc), request=self.request)
+        raise Ignore from None
+    try:
+        result = asyncio.run(execute_op(op, sandbox, _worker.cpus))
+        _worker.sandboxes.after(op, sandbox)
+    finally:
+        reaped = _worker.sandboxes.reap_if_older(op, sandbox)
+    if reaped:
+        why = f"sandbox {op.handle.id!r}: its run was started again while it was reset; removed"
+        log.warning("op %s (%s): %s", op.op_id, op.name.value, why)
+        self.backend.mark_as_revoked(op.op_id, why, request=self.request)
+        raise Ignore
     return {
         "result": encode_result(op.name, result),
         "host": _worker.host,
@@ -102,3 +120,17 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
         "ended_at": time.time(),
         "replayed": False,
     }
+
+
+@shared_task(name=LANE_SWEEP_TASK)  # type: ignore[untyped-decorator]
+def lane_sweep(data: dict[str, Any]) -> dict[str, int]:
+    """A run's start asks this host's cleanup worker to remove what its older incarnations left in its
+    sandbox directory (`CeleryLanes.begin_incarnation`, workers.sandboxes)."""
+    if _worker is None or _worker.lane is not LaneName.CLEANUP:
+        raise LaneOpError("a sweep runs on a cleanup lane worker (`corral worker --lane cleanup`)")
+    root, incarnation = data.get("root"), data.get("incarnation")
+    if not isinstance(root, str) or not os.path.isabs(root):
+        raise LaneOpError(f"sweep.root: expected an absolute path, got {root!r}")
+    if not isinstance(incarnation, int) or isinstance(incarnation, bool) or incarnation <= 0:
+        raise LaneOpError(f"sweep.incarnation: expected a positive integer, got {incarnation!r}")
+    return dict(vars(_worker.sandboxes.sweep(Path(root), incarnation)))

@@ -7,30 +7,57 @@ dirs for local sandboxes (`<base dir>/.corral-state/`: the task, the uid claim, 
 worker's state directory for docker sandboxes (the task, the container id). Every op rebuilds the
 sandbox from the handle and that file.
 
+A run on Celery lanes numbers each of its starts (its incarnation, growing from one start to the next:
+`CeleryLanes.begin_incarnation`), and its sandbox ids end with that number. A killed incarnation's
+sandboxes have no process left to clean them up, and no owner on this host that a sweep at start could
+find (leftovers.py): so each start sends every lane host a sweep of the run's sandbox directory
+(`sweep`), which its cleanup worker carries out. A sandbox of an incarnation older than the newest one
+seen on this host, in that directory (`<base dir>/.corral-state/incarnation`), is dead: the sweep removes
+it (its processes, work directory, cgroup, state file, and its uid claim if it still holds it), and a
+reset, exec or validate of it is refused from then on; a reset already running when the newer
+incarnation showed up removes what it made once it ends.
+
 Invariants:
 - an op for a sandbox whose handle names another host, or a kind this worker does not run, is refused;
 - the rebuilt sandbox is exactly the one the handle names (same work dir, or same container name);
 - state is written atomically (a reader never sees half a file);
-- a sandbox's uid claim is held by the worker's main process, which outlives any pool process.
+- a sandbox's uid claim is held by the worker's main process, which outlives any pool process;
+- a sweep touches only sandboxes of older incarnations than the newest one seen in their directory
+  (never one of the incarnation driving the run, nor one without an incarnation), is idempotent, and
+  kills a uid's processes only while the uid's claim still names the holder the sandbox's reset gave it
+  (a worker restarted since lost its claims, and another sandbox may hold that uid now).
 """
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from app.lanes.base import LaneName
-from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, task_from_dict
-from app.sandboxes.limits import PidsGroup
+from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, incarnation_of, task_from_dict
+from app.sandboxes import leftovers
+from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.leftovers import Found
+from app.sandboxes.limits import PidsGroup, pids_parent
 from app.sandboxes.local import LocalSandbox, LocalSandboxFactory
 
 if TYPE_CHECKING:
     from app.sandboxes.docker import DockerSandbox, DockerSandboxFactory
 
+log = logging.getLogger(__name__)
+
 STATE_DIR = ".corral-state"
+INCARNATION_FILE = "incarnation"  # in STATE_DIR: the newest incarnation of the run seen on this host
+
+
+class OlderIncarnation(LaneOpError):
+    """An op on a sandbox of an incarnation of its run older than the one now driving it: not run."""
 
 
 class HostSandboxes:
@@ -81,9 +108,93 @@ class HostSandboxes:
         elif op.name is LaneName.RESET:
             if isinstance(sandbox, LocalSandbox) and sandbox.uid is not None and sandbox.factory.uids:
                 sandbox.factory.uids.hand_over(sandbox.uid, self.owner_pid)
-            _write_atomic(state, {"task": op.args["task"], **_state_of(sandbox)})
+            holder = {"uid_holder": self.owner_pid}  # whose claim a sweep may take the uid's for
+            _write_atomic(state, {"task": op.args["task"], **_state_of(sandbox), **holder})
+
+    def check_incarnation(self, op: LaneOp[Any]) -> None:
+        """Refuse (`OlderIncarnation`) an op other than a cleanup on a local sandbox of an incarnation
+        older than the newest one seen in its directory on this host; a reset makes its own incarnation
+        the newest seen there."""
+        incarnation = incarnation_of(op.handle.id)
+        if op.name is LaneName.CLEANUP or incarnation is None or op.handle.kind != "local":
+            return
+        if not op.handle.work_dir:
+            return  # refused by `resolve`, naming the field
+        root = Path(op.handle.work_dir).parent
+        newest = _raise_incarnation(root, incarnation) if op.name is LaneName.RESET else _incarnation(root)
+        if incarnation < newest:
+            raise OlderIncarnation(
+                f"sandbox {op.handle.id!r} is of an older incarnation of its run ({incarnation}) than the "
+                f"one now driving it ({newest}): not run"
+            )
+
+    def reap_if_older(self, op: LaneOp[Any], sandbox: LocalSandbox | DockerSandbox) -> bool:
+        """After a reset (done or failed): if a newer incarnation of the sandbox's run showed up while it
+        ran, remove what it made (a sweep that ran meanwhile may have missed it). Whether it did."""
+        incarnation = incarnation_of(op.handle.id)
+        if not isinstance(sandbox, LocalSandbox) or incarnation is None or op.name is not LaneName.RESET:
+            return False
+        if incarnation >= _incarnation(sandbox.factory.base_dir):
+            return False
+        asyncio.run(sandbox.cleanup())
+        _local_state(sandbox).unlink(missing_ok=True)
+        return True
+
+    def sweep(self, root: Path, incarnation: int) -> Found:
+        """Remove, from the run's sandbox directory `root` on this host, every sandbox of an incarnation
+        older than the newest one seen there (`incarnation` at least); logged in one line when anything
+        was found."""
+        found = Found()
+        factory = self._factory(root.resolve())
+        root = factory.base_dir
+        newest = _raise_incarnation(root, incarnation)
+        states = root / STATE_DIR
+        dead = sorted(
+            entry
+            for entry in {p.name for p in root.iterdir() if not p.name.startswith(".")}
+            | {p.name.split(".json", 1)[0] for p in states.glob("*.json*")}
+            if (incarnation_of(entry) or 0) < newest
+        )
+        for name in dead:
+            self._remove_dead(factory, name, found)
+        if found.sandboxes:
+            log.warning(
+                "removed what older incarnations of the run left in %s on %s: %s", root, self.host, found
+            )
+        return found
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _remove_dead(self, factory: LocalSandboxFactory, name: str, found: Found) -> None:
+        """One dead sandbox: its processes, cgroups, uid claim (if still its own), work dir and state."""
+        sandbox = factory.create(name)
+        state = _local_state(sandbox)
+        try:
+            holder = _adopt_state(sandbox, state, with_task=False).get("uid_holder")
+        except (ValueError, KeyError, TypeError):  # half a state: what is on disk goes all the same
+            holder = None
+        if sandbox.uid is not None and not _claim_held_by(factory, sandbox.uid, holder):
+            sandbox.uid = None  # its claim lapsed: the uid may be another sandbox's now
+        groups = [] if sandbox.pids_group is None else [sandbox.pids_group]
+        parent = pids_parent(CGROUP_ROOT)
+        if parent is not None:  # a reset killed before it wrote the state: its group by name
+            tag = leftovers.sandbox_group_name(name, factory.base_dir, 0).rsplit("-", 1)[0]
+            groups += [PidsGroup(p, parent[1]) for p in parent[0].glob(f"{tag}-*")
+                       if sandbox.pids_group is None or p != sandbox.pids_group.path]  # fmt: skip
+        for group in groups:
+            if group.path.exists():
+                found.processes += len(group.pids())
+                group.kill_all()
+                group.remove()
+                found.cgroups += 1
+        sandbox.pids_group = None
+        found.processes += leftovers.kill_in(sandbox.work_dir)
+        if sandbox.uid is not None:
+            found.uid_claims += 1
+        asyncio.run(sandbox.cleanup())
+        for stale in state.parent.glob(f"{state.name}*"):
+            stale.unlink(missing_ok=True)
+        found.sandboxes += 1
 
     def _local(self, handle: SandboxHandle) -> LocalSandbox:
         if not handle.work_dir:
@@ -92,15 +203,7 @@ class HostSandboxes:
         sandbox = self._factory(work_dir.parent).create(handle.id)
         if sandbox.work_dir != work_dir:
             raise LaneOpError(f"handle.work_dir: {work_dir} is not where sandbox {handle.id!r} lives")
-        state = _local_state(sandbox)
-        if state.exists():
-            data = json.loads(state.read_text())
-            group = data["pids_group"]
-            sandbox.adopt(
-                task_from_dict(data["task"]),
-                data["uid"],
-                None if group is None else PidsGroup(Path(group["path"]), group["version"]),
-            )
+        _adopt_state(sandbox, _local_state(sandbox))
         return sandbox
 
     def _docker(self, handle: SandboxHandle) -> DockerSandbox:
@@ -136,6 +239,59 @@ def _state_of(sandbox: LocalSandbox | DockerSandbox) -> dict[str, Any]:
 
 def _local_state(sandbox: LocalSandbox) -> Path:
     return sandbox.factory.base_dir / STATE_DIR / f"{sandbox.name}.json"
+
+
+def _adopt_state(sandbox: LocalSandbox, state: Path, with_task: bool = True) -> dict[str, Any]:
+    """Give `sandbox` what its reset left in `state` (if there is such a file); returns that state."""
+    try:
+        data: dict[str, Any] = json.loads(state.read_text())
+    except FileNotFoundError:
+        return {}
+    group = data["pids_group"]
+    sandbox.adopt(
+        task_from_dict(data["task"]) if with_task else None,
+        data["uid"],
+        None if group is None else PidsGroup(Path(group["path"]), group["version"]),
+    )
+    return data
+
+
+def _claim_held_by(factory: LocalSandboxFactory, uid: int, holder: object) -> bool:
+    """Whether `uid`'s claim on this host still names `holder`, the process the sandbox's reset gave it."""
+    if factory.uids is None or not isinstance(holder, int):
+        return False
+    try:
+        return (factory.uids.claims / str(uid)).read_text().strip() == str(holder)
+    except OSError:
+        return False
+
+
+def _incarnation(root: Path) -> int:
+    """The newest incarnation of the run seen in its sandbox directory `root` on this host (0: none)."""
+    try:
+        return int((root / STATE_DIR / INCARNATION_FILE).read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _raise_incarnation(root: Path, incarnation: int) -> int:
+    """Make `incarnation` the newest seen in `root` unless a newer one was; returns the newest. Under a
+    lock on the file: two processes raising it at once never lower it."""
+    path = root / STATE_DIR / INCARNATION_FILE
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        text = os.pread(fd, 32, 0).decode().strip()
+        newest = int(text) if text.isdigit() else 0
+        if incarnation > newest:
+            data = str(incarnation).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            newest = incarnation
+        return newest
+    finally:
+        os.close(fd)
 
 
 def _write_atomic(path: Path, data: Mapping[str, Any]) -> None:

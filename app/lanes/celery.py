@@ -42,6 +42,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from celery import Celery, states
@@ -60,6 +61,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 LANE_OP_TASK = "corral.lane_op"  # workers.lane_tasks registers the task under this name
+LANE_SWEEP_TASK = "corral.lane_sweep"  # a run's sweep of a lane host (`CeleryLanes.begin_incarnation`)
 ORCHESTRATOR_QUEUE = "orchestrator"
 ORCHESTRATOR_TASK = "corral.run_orchestrator"
 # An operator's stop of a run a celery orchestrator drives: a key in the result backend's Redis, which that
@@ -318,6 +320,28 @@ class CeleryLanes:
             host = min(self.hosts, key=lambda h: load[h])
             self._placed[handle.id] = host
         return handle.on(host)
+
+    def begin_incarnation(self, root: Path) -> int:
+        """Start an incarnation of the run whose sandboxes live in `root` (its first start, or a resume):
+        draw its number, the result backend's Redis clock in ms (one clock for every host, so a later
+        incarnation's number is larger wherever it runs), and send each lane host a sweep of `root`
+        through its cleanup lane. The host's cleanup worker removes the sandboxes there of every older
+        incarnation (what a killed one left) and refuses their ops from then on (workers.sandboxes). Not
+        waited for: a sweep touches no sandbox of this incarnation, whose ids end with
+        `incarnation_suffix(n)`, and a host that is down sweeps when it is back."""
+        try:
+            seconds, micros = self.celery.backend.client.time()
+        except lost_ops.BROKER_ERRORS as exc:  # never a reason not to run: this host's clock then
+            log.warning("the result backend did not answer for the time (%s): this host's clock is used", exc)
+            seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
+        incarnation = int(seconds) * 1000 + int(micros) // 1000
+        sweep = {"root": str(root), "incarnation": incarnation}
+        for host in self.hosts:
+            try:
+                self.celery.send_task(LANE_SWEEP_TASK, args=[sweep], queue=lane_queue(host, LaneName.CLEANUP))
+            except lost_ops.BROKER_ERRORS as exc:  # its next start sweeps it
+                log.warning("%s on %s not swept: the broker did not answer (%s)", root, host, exc)
+        return incarnation
 
     def forget(self, handle: SandboxHandle) -> bool:
         """Never: an op sent to a worker may run there however it ends here, so cleanup always runs."""

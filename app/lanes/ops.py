@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import socket
 import uuid
 from collections.abc import Coroutine, Mapping, Sequence
@@ -63,6 +64,23 @@ def new_op_id() -> str:
 
 class LaneOpError(ValueError):
     """A lane operation that cannot be decoded or carried out as described."""
+
+
+# A sandbox of a run driven over Celery lanes carries its incarnation in its id (`g3a1-<ns>-i<n>`): the
+# number each start of the run draws (`CeleryLanes.begin_incarnation`), growing from one start to the
+# next. A lane host tells a dead incarnation's sandboxes from the live one's by it (workers.sandboxes).
+_INCARNATION = re.compile(r"-i([0-9]{1,20})$")
+
+
+def incarnation_suffix(incarnation: int) -> str:
+    """What a sandbox id of incarnation `incarnation` ends with."""
+    return f"-i{incarnation}"
+
+
+def incarnation_of(sandbox_id: str) -> int | None:
+    """The incarnation a sandbox id names, or None for an id without one (in-process runs, `corral run`)."""
+    found = _INCARNATION.search(sandbox_id)
+    return None if found is None else int(found.group(1))
 
 
 def local_host() -> str:

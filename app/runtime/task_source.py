@@ -15,13 +15,17 @@ from app.tasks.spec import TaskSpec
 
 
 class TaskSource:
-    """Group n works on a task drawn by a seeded shuffle of the suite; each attempt gets its own sandbox."""
+    """Group n works on a task drawn by a seeded shuffle of the suite; each attempt gets its own sandbox,
+    named `g<group>a<attempt>-<ns><suffix>` (`suffix`: the run's incarnation on Celery lanes)."""
 
-    def __init__(self, tasks: Sequence[TaskSpec], factory: SandboxFactory, agent: Agent, seed: int) -> None:
+    def __init__(
+        self, tasks: Sequence[TaskSpec], factory: SandboxFactory, agent: Agent, seed: int, suffix: str = ""
+    ) -> None:
         self.tasks = list(tasks)
         self.factory = factory
         self.agent = agent
         self.seed = seed
+        self.suffix = suffix
 
     def task_for(self, task_index: int) -> TaskSpec:
         rng = random.Random(f"{self.seed}:{task_index}")
@@ -33,7 +37,7 @@ class TaskSource:
         return (
             self.agent,
             self.task_for(task_index),
-            self.factory.create(f"g{group_id}a{attempt}-{time.monotonic_ns()}"),
+            self.factory.create(f"g{group_id}a{attempt}-{time.monotonic_ns()}{self.suffix}"),
         )
 
     def stopping(self) -> None:

@@ -109,15 +109,17 @@ class Found:
     cgroups: int = 0
     dirs: int = 0
     containers: int = 0
+    uid_claims: int = 0
 
     def __bool__(self) -> bool:
-        return any((self.sandboxes, self.processes, self.cgroups, self.dirs, self.containers))
+        return any(vars(self).values())
 
     def __str__(self) -> str:
         parts = [
             (self.sandboxes, "sandbox"),
             (self.processes, "process"),
             (self.cgroups, "cgroup"),
+            (self.uid_claims, "uid claim"),
             (self.dirs, "directory"),
             (self.containers, "container"),
         ]
@@ -233,7 +235,11 @@ def sandbox_group_name(sandbox: str, root: Path, pid: int) -> str:
 def rmtree(path: Path) -> None:
     """Remove a sandbox's directory tree, whatever permissions its code left on it."""
 
-    def fix_and_retry(func: Callable[..., Any], p: str, _exc: object) -> None:
+    def fix_and_retry(func: Callable[..., Any], p: str, exc: object) -> None:
+        if isinstance(exc, FileNotFoundError) or (
+            isinstance(exc, tuple) and len(exc) > 1 and isinstance(exc[1], FileNotFoundError)
+        ):
+            return  # removed meanwhile by another cleanup of the same sandbox (a sweep, a late op)
         # The sandboxed code may have removed write/execute permission from its own directories.
         parent = os.path.dirname(p)
         with contextlib.suppress(OSError):
@@ -276,7 +282,7 @@ def _sweep_root(root: Path, found: Found) -> None:
                 found.processes += max(0, group.kill_all())
                 group.remove()
                 found.cgroups += 1
-        found.processes += _kill_in(work)
+        found.processes += kill_in(work)
         if work.exists():
             rmtree(work)
         marker.unlink(missing_ok=True)
@@ -295,7 +301,7 @@ def _sweep_claims(claims: Path, dead: Owner) -> None:
             claim.unlink(missing_ok=True)
 
 
-def _kill_in(work: Path) -> int:
+def kill_in(work: Path) -> int:
     """SIGKILL every process whose working directory lies in `work`; returns how many signals went."""
     inside = str(work)
 

@@ -146,11 +146,12 @@ async def _local_ports(
     spec: RunCreate, policy: PolicyConfig, work_dir: Path, make_lanes: LanesFactory
 ) -> AsyncIterator[RunPorts]:
     from app.agent.loop import ShellAgent, ShellAgentConfig
+    from app.lanes.ops import incarnation_suffix
     from app.runtime.engine_procs import EngineProcesses, fault_config
     from app.runtime.local import make_sandbox_factory
     from app.runtime.task_source import TaskSource, load_tasks
     from app.sandboxes import leftovers
-    from app.sandboxes.local import scratch_base
+    from app.sandboxes.local import LocalSandboxFactory, scratch_base
 
     config = spec.config
     assert config is not None
@@ -176,12 +177,18 @@ async def _local_ports(
         await engines.wait_healthy()
         clients = list(engines.clients())
         factory = await make_sandbox_factory(config, policy, sandboxes)
+        # On lane hosts (Celery lanes) a killed predecessor's sandboxes have no owner that the next
+        # start of a process would sweep: this start sweeps them there (`CeleryLanes.begin_incarnation`)
+        suffix = ""
+        begin = getattr(lanes, "begin_incarnation", None)
+        if begin is not None and isinstance(factory, LocalSandboxFactory):
+            suffix = incarnation_suffix(await asyncio.to_thread(begin, factory.base_dir))
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
             engines=clients,
             engine_slots=config.engines.slots,
             lanes=lanes,
-            source=TaskSource(tasks, factory, agent, config.seed),
+            source=TaskSource(tasks, factory, agent, config.seed, suffix),
             weights_dir=work_dir / "weights",
             supervisor=engines,
             faults=fault_config(config.engines),

@@ -1,0 +1,162 @@
+"""A run's start sweeps its sandbox directory on each lane host (`CeleryLanes.begin_incarnation`): the
+host's cleanup worker removes the sandboxes of older incarnations of the run (what a killed one left:
+work directories, state files, pids cgroups, uid claims, processes) and leaves the newest incarnation's
+alone; ops of an older incarnation are refused from then on. Real lane workers on the real Redis; what
+is left is read from the filesystem and /proc, not from the sweep's own counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import states
+from celery.result import AsyncResult
+from celery_cluster import LaneCluster, wait_for
+from factories import make_echo_task
+from proc_children import alive
+
+from app.lanes.base import LaneName
+from app.lanes.celery import LANE_SWEEP_TASK
+from app.lanes.ops import LaneOp, SandboxHandle, decode_result, handle_of, incarnation_suffix
+from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.limits import pids_parent, uid_claims_dir
+from app.sandboxes.local import LocalSandboxFactory
+from workers.celery_app import LANE_OP_TASK, queue_name
+
+RESULT_TIMEOUT_S = 60
+
+
+def send(cluster: LaneCluster, op: LaneOp[Any]) -> AsyncResult:
+    assert op.host is not None
+    return cluster.app.send_task(
+        LANE_OP_TASK, args=[op.to_dict()], queue=queue_name(op.host, op.lane), task_id=op.op_id
+    )
+
+
+def sweep(cluster: LaneCluster, host: str, root: Path, incarnation: int) -> AsyncResult:
+    return cluster.app.send_task(
+        LANE_SWEEP_TASK,
+        args=[{"root": str(root), "incarnation": incarnation}],
+        queue=queue_name(host, LaneName.CLEANUP),
+    )
+
+
+def reset(cluster: LaneCluster, handle: SandboxHandle, task_root: Path) -> None:
+    envelope = send(cluster, LaneOp.reset(handle, make_echo_task(task_root))).get(timeout=RESULT_TIMEOUT_S)
+    assert envelope["result"]["exit_code"] == 0
+
+
+def detach(cluster: LaneCluster, handle: SandboxHandle) -> int:
+    """Start a process in the sandbox that outlives its command; its pid."""
+    op = LaneOp.exec(handle, "setsid sleep 600 >/dev/null 2>&1 < /dev/null & echo $!", 10)
+    return int(decode_result(op, send(cluster, op).get(timeout=RESULT_TIMEOUT_S)["result"]).output)
+
+
+def state_of(root: Path, name: str) -> dict[str, Any]:
+    return dict(json.loads((root / ".corral-state" / f"{name}.json").read_text()))
+
+
+def cgroups_of(name: str) -> list[Path]:
+    parent = pids_parent(CGROUP_ROOT)
+    return [] if parent is None else list(parent[0].glob(f"{name}-*"))
+
+
+def claim(uid: int) -> str | None:
+    try:
+        return (uid_claims_dir() / str(uid)).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+def test_a_sweep_removes_an_older_incarnations_sandboxes_and_leaves_the_newest_ones_alone(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("sandbox uids need root and setpriv")
+    host = lane_cluster.hosts[0]
+    factory = LocalSandboxFactory(base_dir, isolation="none")
+    old = [handle_of(factory.create(f"g{i}a0-1{incarnation_suffix(1)}"), host) for i in range(2)]
+    for handle in old:
+        reset(lane_cluster, handle, task_root)
+    stray = detach(lane_cluster, old[0])  # a process a tool call left: it outlives the killed run too
+    dead = {h.id: state_of(base_dir, h.id) for h in old}
+    assert all(claim(s["uid"]) is not None for s in dead.values())
+    assert all(cgroups_of(h.id) for h in old) or pids_parent(CGROUP_ROOT) is None
+    # The run started again: its next incarnation (3) resets a sandbox of its own.
+    newest = 3
+    live = handle_of(factory.create(f"g5a0-2{incarnation_suffix(newest)}"), host)
+    reset(lane_cluster, live, task_root)
+    live_pid = detach(lane_cluster, live)
+
+    # A sweep of an incarnation between the two, arriving late (its queue's worker was down): it removes
+    # what is older than the newest incarnation seen on the host, and nothing of the newest.
+    swept = sweep(lane_cluster, host, base_dir, newest - 1).get(timeout=RESULT_TIMEOUT_S)
+    wait_for(lambda: not alive(stray), 10, what="the stray process to die")
+    assert not any((base_dir / name).exists() for name in dead)
+    assert not list((base_dir / ".corral-state").glob("g[01]a0-*"))
+    assert not any(cgroups_of(name) for name in dead)
+    assert [claim(s["uid"]) for s in dead.values()] == [None, None]
+    assert swept["sandboxes"] == 2
+    # The newest incarnation's sandbox is untouched: its directory, state, claim and process.
+    live_state = state_of(base_dir, live.id)
+    assert claim(live_state["uid"]) == str(live_state["uid_holder"])
+    assert alive(live_pid)
+    check = LaneOp.exec(live, "cat greeting.txt", 10)
+    assert (
+        "hello"
+        in decode_result(check, send(lane_cluster, check).get(timeout=RESULT_TIMEOUT_S)["result"]).output
+    )
+    assert "removed what older incarnations of the run left in" in lane_cluster.workers.logs()
+
+    # An op of the older incarnation that reaches a worker afterwards is not run.
+    late = LaneOp.reset(
+        handle_of(factory.create(f"g2a0-3{incarnation_suffix(1)}"), host), make_echo_task(task_root)
+    )
+    pending = send(lane_cluster, late)
+    wait_for(lambda: pending.state == states.REVOKED, RESULT_TIMEOUT_S, what="the late reset to be refused")
+    assert not (base_dir / late.handle.id).exists()
+
+    send(lane_cluster, LaneOp.cleanup(live)).get(timeout=RESULT_TIMEOUT_S)
+    assert not alive(live_pid)
+    assert claim(live_state["uid"]) is None
+
+
+@pytest.mark.slow
+def test_a_sweep_leaves_a_uid_whose_claim_another_sandbox_took_since(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    """A lane worker restarted since the dead incarnation's reset lost its claims (they lapse with their
+    holder), and another sandbox may have claimed the uid since: the sweep must not kill that one's
+    processes, nor free its claim."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("sandbox uids need root and setpriv")
+    host = lane_cluster.hosts[0]
+    factory = LocalSandboxFactory(base_dir, isolation="none")
+    old = handle_of(factory.create(f"g0a0-1{incarnation_suffix(1)}"), host)
+    reset(lane_cluster, old, task_root)
+    uid = state_of(base_dir, old.id)["uid"]
+    # Another sandbox's holder took the uid (as after the holder's death) and runs a process as it.
+    other = subprocess.Popen(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "600"],
+        start_new_session=True,
+    )
+    try:
+        (uid_claims_dir() / str(uid)).write_text(str(other.pid))
+        swept = sweep(lane_cluster, host, base_dir, 2).get(timeout=RESULT_TIMEOUT_S)
+        assert not (base_dir / old.id).exists()
+        assert swept["sandboxes"] == 1
+        time.sleep(0.5)  # a kill would have landed by now
+        assert other.poll() is None
+        assert claim(uid) == str(other.pid)
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()
+        (uid_claims_dir() / str(uid)).unlink(missing_ok=True)
