@@ -7,6 +7,12 @@ batch handed to the trainer and kept (its offer file) whose delivery the store h
 recorded delivered in it; the others were delivered or discarded with a reason; the stored stream has
 no gap. The killed server's embedded engines
 do not outlive it.
+
+Nothing of the killed server's sandboxes is left once the run has resumed, read from the filesystem: work
+directories, state files, pids cgroups, uid claims, processes. On SQLite the next `corral serve` removes
+them as a dead owner's (app/sandboxes/leftovers.py); on Postgres they live on the lane workers, whose
+cleanup worker removes them when the resumed run's sweep reaches it (workers/sandboxes.py). The resumed
+run's own sandboxes are left alone: no group fails.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 import os
 import signal
 import time
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +47,9 @@ from e2e_support import (
 
 from app.client import CorralClient
 from app.core.events import Ledger
+from app.lanes.ops import incarnation_of
+from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.limits import pids_parent, uid_claims_dir
 from app.service.store import ServiceStore
 from app.store.db import scratch_database
 from app.store.repos import GroupRepo
@@ -55,6 +66,75 @@ def stored_ledger(db: str, run_id: str) -> Ledger:
         return store.ledger(run_id)[0]
     finally:
         store.close()
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What sandboxes of a dead process hold on this host, as the filesystem shows it."""
+
+    names: frozenset[str]  # work directories and state files
+    incarnations: frozenset[int]  # of their names, where the run is on lane workers
+    cgroups: frozenset[Path]
+    claims: frozenset[tuple[str, str]]  # (uid, holder)
+
+    def dead(self, name: str) -> bool:
+        return name in self.names or incarnation_of(name) in self.incarnations
+
+
+def sandbox_names(root: Path) -> set[str]:
+    """The sandboxes in a run's sandbox directory: work directories and state files."""
+    if not root.is_dir():
+        return set()
+    names = {p.name for p in root.iterdir() if not p.name.startswith(".")}
+    return names | {p.name.split(".json")[0] for p in (root / ".corral-state").glob("*.json")}
+
+
+def cgroups() -> set[Path]:
+    parent = pids_parent(CGROUP_ROOT)
+    return set(parent[0].iterdir()) if parent is not None and parent[0].is_dir() else set()
+
+
+def claims() -> set[tuple[str, str]]:
+    out = set()
+    for claim in uid_claims_dir().glob("[0-9]*"):
+        with suppress(OSError):
+            out.add((claim.name, claim.read_text().strip()))
+    return out
+
+
+def leftovers_of(root: Path, dead_pid: int) -> Leftovers:
+    """The sandboxes in `root` now, all of them a dead process's: their cgroups and uid claims (held by
+    that process, or by a lane worker as their state files say)."""
+    names = sandbox_names(root)
+    uids = {str(json.loads(f.read_text()).get("uid")) for f in (root / ".corral-state").glob("*.json")}
+    return Leftovers(
+        frozenset(names),
+        frozenset(i for i in map(incarnation_of, names) if i is not None),
+        frozenset(g for g in cgroups() if any(g.name.startswith(f"{n}-") for n in names)),
+        frozenset(c for c in claims() if c[1] == str(dead_pid) or c[0] in uids),
+    )
+
+
+def still_there(dead: Leftovers, root: Path) -> list[str]:
+    """What of `dead` is still on this host: work directories or state files of its sandboxes (or of
+    any sandbox of its incarnations), their cgroups, their uid claims (unless a live sandbox holds the
+    uid again), processes whose working directory is in one of their work directories."""
+    names = sandbox_names(root)
+    left = [f"sandbox {n}" for n in sorted(names) if dead.dead(n)]
+    left += [f"cgroup {g.name}" for g in sorted(dead.cgroups) if g.exists()]
+    live_uids = set()
+    for state in (root / ".corral-state").glob("*.json"):
+        with suppress(OSError, ValueError):
+            if not dead.dead(state.name.split(".json")[0]):
+                live_uids.add(str(json.loads(state.read_text()).get("uid")))
+    left += [f"uid claim {uid} ({holder})" for uid, holder in sorted(dead.claims & claims())
+             if uid not in live_uids]  # fmt: skip
+    for entry in os.listdir("/proc"):
+        with suppress(OSError):
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+            if cwd.startswith(f"{root}/") and dead.dead(cwd[len(str(root)) + 1 :].split("/")[0]):
+                left.append(f"process {entry} in {cwd}")
+    return left
 
 
 def alive(pid: int) -> bool:
@@ -94,8 +174,14 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
                 "trainer": "sentinel", "sentinel_step_s": 0.05}  # fmt: skip
         run_id = corral.create_run(**spec)["id"]
         wait_for(lambda: (corral.run(run_id)["live"] or {}).get("batches", 0) >= 2, 240, "2 batches")
-        # Kill while the store holds a group in flight: the crash must then account for it.
-        wait_for(lambda: stored_ledger(db, run_id).open_groups, 60, "a stored group in flight")
+        # Kill while the store holds a group in flight: the crash must then account for it; and while
+        # sandboxes are on disk: the restart must remove them.
+        sandboxes = data / run_id / "sandboxes"
+        wait_for(
+            lambda: stored_ledger(db, run_id).open_groups and sandbox_names(sandboxes),
+            60,
+            "a stored group in flight, with sandboxes",
+        )
         family = tree(first.pid)
         os.kill(first.pid, signal.SIGKILL)  # the server alone, as `kill -9 <pid>` would
         assert first.wait(10) == -signal.SIGKILL
@@ -103,6 +189,8 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
         killed_at = time.monotonic() - t0
         # Its embedded engines (in sessions of their own) die with it (PR_SET_PDEATHSIG).
         wait_for(lambda: not any(alive(p) for p in family[1:]), 30, f"the engines of {family} to exit")
+        dead = leftovers_of(sandboxes, first.pid)
+        assert dead.names
         at_crash = stored_ledger(db, run_id)
         open_at_crash = set(at_crash.open_groups)
         assert open_at_crash
@@ -136,6 +224,10 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
             "a batch of the resumed run",
         )
         resumed_batch_at = time.monotonic() - t0
+        # The lane workers sweep as the sweep reaches them, in the cleanup lane: soon, not at once.
+        with suppress(AssertionError):
+            wait_for(lambda: not still_there(dead, sandboxes), 60, "the dead server's sandboxes to go")
+        assert still_there(dead, sandboxes) == []
         corral.stop(run_id)
         wait_for(lambda: corral.run(run_id)["state"] == "stopped", 120, "the run to stop")
         if celery:  # the resumed run's sandbox ops went to the lane workers too
@@ -153,6 +245,7 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
             assert ledger.lost == 0
             assert ledger.admitted_count > at_crash.admitted_count  # the second life admitted more
             assert all(reason for reason in ledger.discarded)
+            assert "failed" not in ledger.discarded  # no sandbox of the resumed run was touched
             with store.session() as s:
                 repo = GroupRepo(s)
                 for gid in open_at_crash:
@@ -174,6 +267,7 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
             store.close()
     print(
         f"{deployment}: killed at {killed_at:.1f} s with {len(open_at_crash)} group(s) in flight "
+        f"and {len(dead.names)} sandbox(es), {len(dead.cgroups)} cgroup(s), {len(dead.claims)} uid claim(s) "
         f"({len(open_at_crash & kept_groups)} in {len(kept)} kept batch(es) the store had not got); "
         f"resumed run's batch at {resumed_batch_at:.1f} s; total {time.monotonic() - t0:.1f} s"
     )
