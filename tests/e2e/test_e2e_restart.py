@@ -12,7 +12,8 @@ Nothing of the killed server's sandboxes is left once the run has resumed, read 
 directories, state files, pids cgroups, uid claims, processes. On SQLite the next `corral serve` removes
 them as a dead owner's (app/sandboxes/leftovers.py); on Postgres they live on the lane workers, whose
 cleanup worker removes them when the resumed run's sweep reaches it (workers/sandboxes.py). The resumed
-run's own sandboxes are left alone: no group fails.
+run's own sandboxes are left alone: no group fails. The same for a run an orchestrator worker drives,
+that worker killed whole and another one taking the run over.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from e2e_support import (
+    CORRAL,
     POSTGRES_URL,
     REDIS_URL,
     TOKEN,
@@ -271,3 +273,60 @@ def test_kill_9_of_serve_mid_run_then_restart_resumes_and_accounts_for_every_gro
         f"({len(open_at_crash & kept_groups)} in {len(kept)} kept batch(es) the store had not got); "
         f"resumed run's batch at {resumed_batch_at:.1f} s; total {time.monotonic() - t0:.1f} s"
     )
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_orchestrator_worker_mid_run_leaves_nothing_of_its_sandboxes(tmp_path: Path) -> None:
+    """The same for a run an orchestrator worker drives (`"orchestrator": "celery"`): its worker killed
+    whole (`kill -9` of its process group), another one takes the run over once its lease lapses, and
+    the sandboxes the dead one had on the lane workers are removed."""
+    if not answers("127.0.0.1", 5432) or not answers("127.0.0.1", 6379):
+        pytest.skip("no Postgres or no Redis answering on 127.0.0.1")
+    host = unique_host()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        scratch_database("postgres", POSTGRES_URL, tmp_path) as db,
+        data_dir() as data,
+        processes(tmp_path) as procs,
+        CorralClient(url, token=TOKEN, timeout_s=30) as corral,
+    ):
+        start_lane_workers(procs, host, REDIS_URL)
+        env = serve_env(db, port, data, REDIS_URL, host)
+        procs.stop("worker-orchestrator")  # started without the database: one that has it drives the run
+        orchestrate = [str(CORRAL), "worker", "--orchestrator", "--concurrency", "1", "--loglevel", "info"]
+        first = procs.start("orchestrator-1", orchestrate, env)
+        start_serve(procs, env)
+        wait_for(lambda: healthy(url), 120, f"corral serve to answer; log:\n{procs.tail('serve')}")
+        spec = {"name": "orchestrator-kill", "kind": "local", "config": make_local_config(),
+                "trainer": "sentinel", "sentinel_step_s": 0.05, "orchestrator": "celery"}  # fmt: skip
+        run_id = corral.create_run(**spec)["id"]
+        sandboxes = data / run_id / "sandboxes"
+        wait_for(lambda: stored_ledger(db, run_id).delivered_count >= 4, 240, "2 batches")
+        wait_for(
+            lambda: stored_ledger(db, run_id).open_groups and sandbox_names(sandboxes),
+            60,
+            "a stored group in flight, with sandboxes",
+        )
+        os.killpg(first.pid, signal.SIGKILL)  # the whole worker: main and pool processes
+        first.wait(10)
+        procs.procs.pop("orchestrator-1")
+        dead = leftovers_of(sandboxes, first.pid)
+        assert dead.names
+        delivered = stored_ledger(db, run_id).delivered_count
+
+        procs.start("orchestrator-2", orchestrate, env)  # reclaims the run once its lease has lapsed
+        wait_for(
+            lambda: stored_ledger(db, run_id).delivered_count > delivered,
+            240,
+            f"a batch of the resumed run; log:\n{procs.tail('orchestrator-2')}",
+        )
+        with suppress(AssertionError):
+            wait_for(lambda: not still_there(dead, sandboxes), 60, "the dead worker's sandboxes to go")
+        assert still_there(dead, sandboxes) == []
+        corral.stop(run_id)
+        wait_for(lambda: corral.run(run_id)["state"] == "stopped", 120, "the run to stop")
+        ledger = stored_ledger(db, run_id)
+        assert "orphaned" in ledger.discarded
+        assert "failed" not in ledger.discarded
+        assert not ledger.open_groups
