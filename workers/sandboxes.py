@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from app.lanes.base import LaneName
-from app.lanes.ops import LaneOp, LaneOpError, SandboxHandle, incarnation_of, task_from_dict
+from app.lanes.ops import (
+    LaneOp,
+    LaneOpError,
+    SandboxHandle,
+    incarnation_of,
+    is_attempt_sandbox,
+    task_from_dict,
+)
 from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
 from app.sandboxes.leftovers import Found
@@ -143,7 +150,7 @@ class HostSandboxes:
     def sweep(self, root: Path, incarnation: int) -> Found:
         """Remove, from the run's sandbox directory `root` on this host, every sandbox of an incarnation
         older than the newest one seen there (`incarnation` at least); logged in one line when anything
-        was found."""
+        was found. Only entries named as an attempt's sandbox are looked at (`is_attempt_sandbox`)."""
         found = Found()
         factory = self._factory(root.resolve())
         root = factory.base_dir
@@ -153,7 +160,7 @@ class HostSandboxes:
             entry
             for entry in {p.name for p in root.iterdir() if not p.name.startswith(".")}
             | {p.name.split(".json", 1)[0] for p in states.glob("*.json*")}
-            if (incarnation_of(entry) or 0) < newest
+            if is_attempt_sandbox(entry) and (incarnation_of(entry) or 0) < newest
         )
         for name in dead:
             self._remove_dead(factory, name, found)

@@ -70,6 +70,7 @@ class LaneOpError(ValueError):
 # number each start of the run draws (`CeleryLanes.begin_incarnation`), growing from one start to the
 # next. A lane host tells a dead incarnation's sandboxes from the live one's by it (workers.sandboxes).
 _INCARNATION = re.compile(r"-i([0-9]{1,20})$")
+_ATTEMPT_SANDBOX = re.compile(r"^g[0-9]+a[0-9]+-[0-9]+(?:-i[0-9]{1,20})?$")
 
 
 def incarnation_suffix(incarnation: int) -> str:
@@ -81,6 +82,12 @@ def incarnation_of(sandbox_id: str) -> int | None:
     """The incarnation a sandbox id names, or None for an id without one (in-process runs, `corral run`)."""
     found = _INCARNATION.search(sandbox_id)
     return None if found is None else int(found.group(1))
+
+
+def is_attempt_sandbox(name: str) -> bool:
+    """Whether `name` is one the task source gives an attempt's sandbox (`g3a1-<ns>`, with its run's
+    incarnation or without): a sweep removes nothing else."""
+    return _ATTEMPT_SANDBOX.match(name) is not None
 
 
 def local_host() -> str:

@@ -19,6 +19,9 @@ from app.lanes.ops import (
     decode_result,
     encode_result,
     handle_of,
+    incarnation_of,
+    incarnation_suffix,
+    is_attempt_sandbox,
     task_from_dict,
     task_to_dict,
 )
@@ -113,3 +116,33 @@ async def test_in_process_lanes_run_ops_on_a_real_sandbox_and_forget_it_after_cl
     assert lanes.stats()["exec"].completed == 1
     with pytest.raises(LaneOpError, match="not attached"):
         await lanes.run_op(LaneOp.validate(handle))
+
+
+@pytest.mark.parametrize(
+    ("name", "sandbox", "incarnation"),
+    [
+        ("g3a1-344885462903-i1796585394183", True, 1796585394183),
+        ("g3a1-344885462903", True, None),  # in-process lanes, `corral run`
+        ("g12a0-7-i1", True, 1),
+        ("g3a1-7-i", False, None),
+        ("notes", False, None),
+        ("g3a1-7-i1.json", False, None),
+        (".corral-state", False, None),
+        ("x-g3a1-7-i1", False, 1),  # an incarnation, but no attempt's sandbox: a sweep leaves it
+    ],
+)
+def test_sandbox_names_say_whether_they_are_an_attempts_and_of_which_incarnation(
+    name: str, sandbox: bool, incarnation: int | None
+) -> None:
+    assert is_attempt_sandbox(name) is sandbox
+    assert incarnation_of(name) == incarnation
+
+
+def test_the_task_sources_sandbox_names_carry_the_runs_incarnation(tmp_path: Path) -> None:
+    from app.runtime.task_source import TaskSource
+
+    source = TaskSource([make_echo_task(tmp_path)], LocalSandboxFactory(tmp_path, uid_base=None), None, 1,
+                        incarnation_suffix(42))  # fmt: skip
+    _, _, sandbox = source.make_attempt(3, 0, 1)
+    assert is_attempt_sandbox(sandbox.attempt_id)
+    assert incarnation_of(sandbox.attempt_id) == 42
