@@ -84,6 +84,12 @@ def claim(uid: int) -> str | None:
         return None
 
 
+def held_by(worker: int) -> set[str]:
+    """The uid claims held by a lane worker: its main process (after a reset) or a pool process (during)."""
+    holders = {str(worker)} | {str(pid) for pid in children(worker, b"")}
+    return {p.name for p in uid_claims_dir().glob("[0-9]*") if claim(int(p.name)) in holders}
+
+
 @pytest.mark.slow
 def test_a_sweep_removes_an_older_incarnations_sandboxes_and_leaves_the_newest_ones_alone(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
@@ -132,6 +138,7 @@ def test_a_sweep_removes_an_older_incarnations_sandboxes_and_leaves_the_newest_o
     )
     pending = send(lane_cluster, late)
     wait_for(lambda: pending.state == states.REVOKED, RESULT_TIMEOUT_S, what="the late reset to be refused")
+    assert str(pending.result).endswith("not run")  # refused before it ran, not made and then removed
     assert not (base_dir / late.handle.id).exists()
 
     send(lane_cluster, LaneOp.cleanup(live)).get(timeout=RESULT_TIMEOUT_S)
@@ -172,3 +179,26 @@ def test_a_sweep_leaves_a_uid_whose_claim_another_sandbox_took_since(
         os.killpg(other.pid, signal.SIGKILL)
         other.wait()
         (uid_claims_dir() / str(uid)).unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_a_reset_that_a_newer_incarnation_overtook_removes_what_it_made(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    """The killed incarnation's reset was running when the sweep came: the sweep removes what it had
+    made so far, and once the reset ends it removes what it made after (its state file, its uid claim)."""
+    host = lane_cluster.hosts[0]
+    factory = LocalSandboxFactory(base_dir, isolation="none")
+    handle = handle_of(factory.create(f"g0a0-1{incarnation_suffix(4)}"), host)
+    reset_worker = lane_cluster.by_lane[host, LaneName.RESET].pid
+    claims_before = held_by(reset_worker)
+    slow = LaneOp.reset(handle, make_echo_task(task_root, setup="sleep 3", setup_timeout_s=60.0))
+    pending = send(lane_cluster, slow)
+    wait_for(lambda: (base_dir / handle.id).exists(), RESULT_TIMEOUT_S, what="the reset to begin")
+    sweep(lane_cluster, host, base_dir, 5).get(timeout=RESULT_TIMEOUT_S)
+    wait_for(lambda: pending.state == states.REVOKED, RESULT_TIMEOUT_S, what="the overtaken reset to end")
+    assert "removed" in str(pending.result)
+    assert not (base_dir / handle.id).exists()
+    assert not list((base_dir / ".corral-state").glob(f"{handle.id}*"))
+    assert not cgroups_of(handle.id)
+    assert held_by(reset_worker) == claims_before  # its uid claim released, whoever held it
