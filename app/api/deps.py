@@ -37,7 +37,12 @@ def _bearer(authorization: str | None) -> str | None:
 
 
 def _matches(token: str | None, expected: str | None) -> bool:
-    return token is not None and expected is not None and secrets.compare_digest(token, expected)
+    """Whether the header's token is `expected`. Compared as bytes: the header's as sent (the server
+    decoded them as latin-1), the setting's as UTF-8; a str with a non-ASCII character made
+    `compare_digest` raise, and a token such as "tök" was a 500 with a traceback, not a 403."""
+    if token is None or expected is None:
+        return False
+    return secrets.compare_digest(token.encode("latin-1", "replace"), expected.encode())
 
 
 def require_operator(

@@ -488,6 +488,12 @@ def test_operator_actions_need_the_operator_token(server: str) -> None:
         assert "operator token" in missing.json()["detail"]
         wrong = anonymous.post("/api/runs", json=make_run(), headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 403
+        # non-ASCII bytes in the token (a pasted token, a typo): a 500 and a traceback, it was
+        for token in ("Bearer tök".encode(), "Bearer tök".encode("latin-1"), f"Bearer {TOKEN}é".encode()):
+            odd = anonymous.post("/api/runs/x/batches/x-b0/ack", headers={b"Authorization": token})
+            assert odd.status_code == 403, odd.text
+            assert odd.json()["detail"] == "the token given is not the operator token"
+            assert anonymous.get("/api/runs", headers={b"Authorization": token}).status_code == 200
         assert anonymous.get("/api/runs").status_code == 200  # no view token configured: reads are open
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}) as operator:
         assert operator.post("/api/runs", json=make_run(batches=1)).status_code == 201
