@@ -31,7 +31,7 @@ def patiently(call: Callable[[], T]) -> T:
     while True:
         try:
             return call()
-        except ServerUnavailable as exc:  # stopping (503), or no answer at all (killed, restarting)
+        except ServerUnavailable as exc:  # 503 (stopping, the store not keeping up), or no answer at all
             print(f"server unavailable ({exc.detail}); asking again in {exc.retry_after_s:g} s", flush=True)
             time.sleep(exc.retry_after_s)
 
@@ -51,13 +51,13 @@ with CorralClient(args.url, token=args.token, actor="example-trainer") as corral
     while steps < args.steps and (batch := next_batch(corral)) is not None:
         rewards = batch.rewards  # each group's trajectories: turns, reward, advantage, policy versions
         # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
-        try:
+        try:  # asked again, the same version is answered as published, never published twice
             patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
         except RunEnded:
             pass  # the run ended after it offered this batch: no engine loads a version now
         except CorralError as exc:
-            # Published already: by this loop, before an answer it never got, or by an operator. The
-            # engines have this version or a newer one; the step still ends with the ack.
+            # A newer version was published meanwhile (by an operator): the engines have it or will; the
+            # step still ends with the ack.
             if exc.status != 422 or "is not newer than" not in exc.detail:
                 raise
         patiently(lambda: corral.ack(args.run, batch.batch_id))  # an ended run's batch is acked too

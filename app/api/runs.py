@@ -5,11 +5,14 @@
 - `GET /api/runs/{id}/batches/next?timeout=S` (long-poll; 204 when no batch came in time),
   `POST /api/runs/{id}/batches/{batch_id}/ack` (idempotent: a repeated ack is a 200 with
   `already_acked: true`);
-- `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update),
+- `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update; the newest
+  version again with the same weights is a repeat, 202 with `already_published: true`),
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
 - `PATCH /api/runs/{id}/policy` `{max_staleness, surplus_groups, max_updating_engines, pause_mode,
   agent_gate, confirm_large_change}` (answered once the changes are in the store, so a crash right after
   still resumes with them; an S letting over 4× the trajectories run needs `confirm_large_change`);
+  a publication or a policy change the store has not got within 5 s is a 503 with a Retry-After: the
+  trainer sends it again, which is safe;
 - `GET /api/runs/{id}/timeline?since=<seq>`, `GET /api/runs/{id}/metrics`;
 - `GET /api/runs/{id}/commands/{command_id}` (a celery run's command's outcome, kept a day);
 - `DELETE /api/runs/{id}` (operator: an ended run and everything stored for it; 409 for one that has

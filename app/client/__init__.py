@@ -14,10 +14,13 @@ A trainer loop::
 
 Errors: an answer that is not a success raises `CorralError` with the status and the server's one-line
 `detail`. `next_batch` returns None when no batch arrived within the timeout (204), and raises
-`RunEnded` once the run has ended and has nothing left to hand out. A server that is stopping answers
-503 (`ServerUnavailable`); one that cannot be reached or dropped the connection (killed, restarting)
-raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a trainer asks again after
-`retry_after_s` either way, and a restarted server hands out the batch it had not seen acked again.
+`RunEnded` once the run has ended and has nothing left to hand out. A server that is stopping, or whose
+database has not stored an ack, a publication or a policy change in time, answers 503
+(`ServerUnavailable`); one that cannot be reached or dropped the connection (killed, restarting) raises
+`ServerUnreachable`, a `ServerUnavailable` with status 0: a trainer asks again after `retry_after_s`
+either way. Asking again is safe: an ack is idempotent, the same publication again is answered
+`already_published` (nothing is published twice), the same policy change again changes nothing twice,
+and a restarted server hands out the batch it had not seen acked again.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ class RunEnded(CorralError):
 
 
 class ServerUnavailable(CorralError):
-    """503: the server is stopping (a pending long-poll is answered so) or its database is away. Ask
-    again after `retry_after_s`; once the server has stopped, the next call fails to connect."""
+    """503: the server is stopping (a pending long-poll is answered so), or its database is away or has
+    not stored an ack, a publication or a policy change yet. Ask again after `retry_after_s` (the same
+    call: a repeat is safe); once the server has stopped, the next call fails to connect."""
 
     def __init__(self, status: int, detail: str, retry_after_s: float) -> None:
         super().__init__(status, detail)

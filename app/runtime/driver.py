@@ -540,6 +540,10 @@ class Runtime:
         self._apply(self.scheduler.on_version_published(version, self.now()))
         self._do_updates(self.plan.on_publish(version))
 
+    def weights_path(self, version: int) -> str | None:
+        """The weights directory `version` was published with (None: a sentinel, or never published)."""
+        return self._weights.get(version)
+
     # -- live changes (operators retune S and K while the run goes on) ---------------------------
 
     def set_surplus(self, surplus: int, actor: str = "operator", command_id: str = "") -> None:

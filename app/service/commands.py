@@ -9,7 +9,8 @@ Invariants:
   here touches the runtime (`metrics` reads what `RunHandle.live` reads, safe from any thread);
 - a refusal is a `CommandRefused` carrying the API's answer: 404 (no such engine), 409 (the run's state
   does not allow it, or it has ended), 422 (a value the run cannot take), with the words the API says;
-- a publication and a policy change answer once their events are in the store (`RunHandle.stored`);
+- a publication and a policy change answer once their events are in the store (`RunHandle.stored`), or
+  503 when the store has not got them in time; the same publication or change sent again is safe;
 - every command carried out answers its id (`command_id`: the command channel's for a celery run's, else
   a new one), and every event it published carries the same id, so a client finds what it did in the
   run's events (pause and resume change the run's state and publish none).
@@ -81,7 +82,12 @@ async def publish(
     handle: RunHandle, body: WeightsPublish, actor: str, command_id: str = ""
 ) -> dict[str, Any]:
     """Start a rolling update to `body.version` (its weights in `body.path`, or a sentinel's written
-    where the run's engines read them); the rollout's progress."""
+    where the run's engines read them); the rollout's progress, with `already_published`.
+
+    A repeat of the newest publication (the same version, the same weights: what a trainer sends again
+    after a 503 or after no answer) publishes nothing: it is answered as the first was, once the store
+    holds it. A 503 while the store has not got it, so a kill before then cannot forget a publication
+    the trainer was told of."""
     command_id = new_command_id(command_id)
     if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
@@ -89,6 +95,11 @@ async def publish(
     if handle.state in TERMINAL_RUN_STATES:
         # as a newer version is refused by the run (on_run); an older one was a 422 "not newer" first
         raise CommandRefused(409, f"run {handle.run_id!r} has ended ({handle.state.value})")
+    repeat = await on_run(handle, handle.published_again, body.version, body.path, body.sentinel)
+    if repeat is not None:
+        rollout, seq = repeat
+        await _stored(handle, seq, body.version)
+        return {**rollout, "command_id": command_id, "already_published": True}
     if body.sentinel:
         if (problem := handle.sentinel_problem()) is not None:
             raise CommandRefused(422, f"sentinel: {problem}")
@@ -100,8 +111,21 @@ async def publish(
         rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
-    await handle.stored(seq, f"version {body.version} published")
-    return {**rollout, "command_id": command_id}
+    await _stored(handle, seq, body.version)
+    return {**rollout, "command_id": command_id, "already_published": False}
+
+
+async def _stored(handle: RunHandle, seq: int, version: int, again: str = "") -> None:
+    """Wait for the publication of `version` (its event `seq`) to be stored; a 503 saying how to ask
+    again (`again`: the words for a caller whose repeat is not the same request) when it is not."""
+    if not await handle.stored(seq, f"version {version} published"):
+        again = (
+            again or f"publish version {version} again in a few seconds (a repeat publishes nothing twice)"
+        )
+        raise CommandRefused(
+            503, f"version {version} is published, but the database has not stored it yet (it is slow "
+                 f"or away); {again}"
+        )  # fmt: skip
 
 
 async def _sentinel_weights(handle: RunHandle, version: int) -> str | None:
@@ -134,8 +158,9 @@ async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> d
         rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, str(exc)) from None
-    await handle.stored(seq, f"version {version} published")
-    return {**rollout, "command_id": command_id}
+    # Its repeat is no Publish again, which publishes the next version
+    await _stored(handle, seq, version, "a server stopped before then forgets it")
+    return {**rollout, "command_id": command_id, "already_published": False}
 
 
 async def set_policy(
@@ -147,7 +172,13 @@ async def set_policy(
         raise CommandRefused(422, problem)
     command_id = new_command_id(command_id)
     knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor, command_id)
-    await handle.stored(seq, "policy changed")
+    if not await handle.stored(seq, "policy changed"):
+        # A repeat changes nothing twice (a knob that has its value publishes no change), and is
+        # answered once the store holds this one
+        raise CommandRefused(
+            503, "the policy is changed, but the database has not stored the change yet (it is slow or "
+                 "away); send the same change again in a few seconds (a repeat changes nothing twice)"
+        )  # fmt: skip
     return {"id": handle.run_id, "policy": knobs, "actor": actor, "command_id": command_id}
 
 

@@ -400,19 +400,37 @@ class RunHandle:
         """`publish`, with the sequence number its `VersionPublished` event has or precedes."""
         return self.publish(version, path, actor, command_id), self._last_seq()
 
+    def published_again(
+        self, version: int, path: str | None, sentinel: bool
+    ) -> tuple[dict[str, Any], int] | None:
+        """A repeat of the newest publication: `version` is the version published last, with the same
+        weights (the same `path`, or a sentinel again). Its rollout and the sequence number of the last
+        event published by now (the publication's is at or before it), for `stored` to wait on; None
+        for anything else, which `publish` takes as a new publication (or refuses as not newer)."""
+        runtime = self.runtime
+        if runtime is None or version != runtime.version:
+            return None
+        weights = self.sentinel_path(version) if sentinel else path
+        if runtime.weights_path(version) != weights:
+            return None
+        return self.rollout(version), self._last_seq()
+
     def _last_seq(self) -> int:
         return self.recorder.bus.published - 1
 
-    async def stored(self, seq: int, what: str) -> None:
-        """Wait, at most `STORED_WAIT_S`, until the event numbered `seq` is in the store (a warning when
-        it is not); the API and the dashboard answer an operator or a trainer after this.
+    async def stored(self, seq: int, what: str) -> bool:
+        """Wait, at most `STORED_WAIT_S`, until the event numbered `seq` is in the store: whether it is
+        (a warning when not). The API and the dashboard answer an operator or a trainer after this, and
+        answer 503 when it is not: the caller asks again (a repeat is safe, `published_again`).
         - The store's policy is written by the event sink from the `PolicyChanged` events in the order
           they were made; a write of the caller's own could land after a later change's.
         - A run resumed after a kill -9 goes on from what its store holds: a change or a publication
           answered before it was stored could be lost with the process, and a trainer told that version 7
           was published would then be offered the batches towards version 7 again."""
-        if not await asyncio.to_thread(self.recorder.wait_stored, seq, STORED_WAIT_S):
-            log.warning("run %s: %s, not yet in the store after %.0f s", self.run_id, what, STORED_WAIT_S)
+        if await asyncio.to_thread(self.recorder.wait_stored, seq, STORED_WAIT_S):
+            return True
+        log.warning("run %s: %s, not yet in the store after %.0f s", self.run_id, what, STORED_WAIT_S)
+        return False
 
     def set_policy(self, patch: PolicyPatch, actor: str, command_id: str = "") -> dict[str, Any]:
         """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`."""
@@ -642,11 +660,17 @@ class RunHandle:
         Blocking: call it off the run's loop."""
         if (problem := self.sentinel_problem()) is not None:
             raise ValueError(problem)
+        target = self.sentinel_path(version)
+        if target is not None:
+            save_sentinel(Path(target), float(version))
+        return target
+
+    def sentinel_path(self, version: int) -> str | None:
+        """Where `sentinel_weights` keeps a sentinel `version` (None where it needs no files); writes
+        nothing."""
         if self.ports is None or self.ports.weights_dir is None:
             return None
-        target = self.ports.weights_dir / f"v{version}"
-        save_sentinel(target, float(version))
-        return str(target)
+        return str(self.ports.weights_dir / f"v{version}")
 
     async def _sentinel_client(self, ports: RunPorts) -> None:
         """Takes each batch, "trains" for `sentinel_step_s`, publishes a sentinel version, acks."""

@@ -416,8 +416,11 @@ def test_an_older_version_is_refused_and_a_paused_run_cannot_pause(api: httpx.Cl
     older = api.post(f"/api/runs/{run_id}/weights", json={"version": current + 1, "sentinel": True})
     assert older.status_code == 422
     assert f"not newer than the published version {current + 2}" in older.json()["detail"]
+    # the newest again, the same weights: a repeat (a trainer's after a 503 or no answer), nothing published
     same = api.post(f"/api/runs/{run_id}/weights", json={"version": current + 2, "sentinel": True})
-    assert same.status_code == 422
+    assert same.status_code == 202, same.text
+    assert (same.json()["version"], same.json()["already_published"]) == (current + 2, True)
+    assert api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] == current + 2
     paused = api.post(f"/api/runs/{run_id}/pause")
     assert paused.status_code == 200, paused.text
     again = api.post(f"/api/runs/{run_id}/pause")
@@ -433,7 +436,9 @@ def test_a_version_not_newer_is_refused_in_one_plain_line(
     version = api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] + 1
     body = {"version": version, "path": str(tmp_path)}  # weights on disk: the runtime's own check
     assert api.post(f"/api/runs/{run_id}/weights", json=body).status_code == 202
-    again = api.post(f"/api/runs/{run_id}/weights", json=body)
+    (tmp_path / "other").mkdir()
+    other = {"version": version, "path": str(tmp_path / "other")}  # other weights: no repeat
+    again = api.post(f"/api/runs/{run_id}/weights", json=other)
     assert again.status_code == 422, again.text
     assert again.json()["detail"] == f"version: {version} is not newer than the published version {version}"
 
