@@ -54,7 +54,7 @@ with CorralClient(args.url, token=args.token, actor="example-trainer") as corral
         try:  # asked again, the same version is answered as published, never published twice
             patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
         except RunEnded:
-            pass  # the run ended after it offered this batch: no engine loads a version now
+            pass  # the run ended (or is stopping) after it offered this batch: no engine loads a version now
         except CorralError as exc:
             # A newer version was published meanwhile (by an operator): the engines have it or will; the
             # step still ends with the ack.

@@ -14,13 +14,14 @@ A trainer loop::
 
 Errors: an answer that is not a success raises `CorralError` with the status and the server's one-line
 `detail`. `next_batch` returns None when no batch arrived within the timeout (204), and raises
-`RunEnded` once the run has ended and has nothing left to hand out. A server that is stopping, or whose
-database has not stored an ack, a publication or a policy change in time, answers 503
-(`ServerUnavailable`); one that cannot be reached or dropped the connection (killed, restarting) raises
-`ServerUnreachable`, a `ServerUnavailable` with status 0: a trainer asks again after `retry_after_s`
-either way. Asking again is safe: an ack is idempotent, the same publication again is answered
-`already_published` (nothing is published twice), the same policy change again changes nothing twice,
-and a restarted server hands out the batch it had not seen acked again.
+`RunEnded` once the run has ended and has nothing left to hand out (`publish` raises it too, for a run
+stopping or ended). A server that is stopping, or whose database has not stored an ack, a publication
+or a policy change in time, answers 503 (`ServerUnavailable`); one that cannot be reached or dropped the
+connection (killed, restarting) raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a
+trainer asks again after `retry_after_s` either way. Asking again is safe: an ack is idempotent, the
+same publication again is answered `already_published` (nothing is published twice), the same policy
+change again changes nothing twice, and a restarted server hands out the batch it had not seen acked
+again.
 """
 
 from __future__ import annotations

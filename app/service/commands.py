@@ -92,9 +92,11 @@ async def publish(
     if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
-    if handle.state in TERMINAL_RUN_STATES:
-        # as a newer version is refused by the run (on_run); an older one was a 422 "not newer" first
-        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({handle.state.value})")
+    if handle.state in TERMINAL_RUN_STATES or handle.gateway.closed is not None:
+        # Stopping or ended: its trainer is told the run's end, as `batches/next` tells it (a stopping
+        # run's 409 "is stopping" was no end to the client, and the README's trainer loop died of it)
+        ended = handle.gateway.closed or handle.state.value
+        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({ended})")
     repeat = await on_run(handle, handle.published_again, body.version, body.path, body.sentinel)
     if repeat is not None:
         rollout, seq = repeat

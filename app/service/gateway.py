@@ -269,6 +269,11 @@ class TrainerGateway:
                 return "publish", offer, now - (offer.acked_at or offer.offered_at)
         return None
 
+    @property
+    def closed(self) -> str | None:
+        """Why the run's trainer gets no more batches (the state the run ends in), or None."""
+        return self._closed
+
     def close(self, reason: str) -> None:
         """The run ended: waiting trainers are told so."""
         with self._lock:

@@ -25,6 +25,7 @@ from test_serve_restart import _healthy, corral_serve
 from test_serve_restart_answers import _serve_env
 from test_trainer_loop_example import EXAMPLE
 
+from app.client import CorralClient, RunEnded
 from app.service.handle import STORED_WAIT_S
 from app.service.store import ServiceStore
 
@@ -215,3 +216,20 @@ def test_the_trainer_loop_asks_again_while_its_publication_is_not_stored(served:
 
 def _published_live(api: httpx.Client, run_id: str) -> bool:
     return bool(api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] >= 1)
+
+
+def test_a_publication_to_a_run_still_stopping_tells_the_trainer_the_run_has_ended(served: Served) -> None:
+    """A run stopping (its last events waiting for a locked database) answered a publication 409 "run …
+    is stopping, not executing": the client raised a plain CorralError, and the README's trainer loop,
+    holding a batch when the run was stopped, died of it. Now the 409 the trainer's `next` gives."""
+    api = served.api
+    with served.started(), CorralClient(served.url, token=TOKEN) as corral:
+        run_id, batch, _, publish = served.holding_a_batch()
+        with locked(served.database):
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+            assert api.get(f"/api/runs/{run_id}").json()["state"] == "stopping"
+            with pytest.raises(RunEnded) as ended:
+                corral.publish(run_id, publish["version"], sentinel=True)
+            assert ended.value.detail == f"run {run_id!r} has ended (stopped)"
+            assert api.get(f"/api/runs/{run_id}").json()["state"] == "stopping"  # still, when refused
+        assert corral.ack(run_id, batch["batch_id"])["already_acked"] is False
