@@ -51,19 +51,21 @@ with CorralClient(args.url, token=args.token, actor="example-trainer") as corral
     while steps < args.steps and (batch := next_batch(corral)) is not None:
         rewards = batch.rewards  # each group's trajectories: turns, reward, advantage, policy versions
         # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
+        published = f"published v{batch.publish_version}"
         try:  # asked again, the same version is answered as published, never published twice
             patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
-        except RunEnded:
-            pass  # the run ended (or is stopping) after it offered this batch: no engine loads a version now
+        except RunEnded:  # the run ended (or is stopping) after it offered this batch: no engine loads it
+            published = f"v{batch.publish_version} not published: the run has ended"
         except CorralError as exc:
             # A newer version was published meanwhile (by an operator): the engines have it or will; the
             # step still ends with the ack.
             if exc.status != 422 or "is not newer than" not in exc.detail:
                 raise
+            published = f"v{batch.publish_version} not published: a newer version was"
         patiently(lambda: corral.ack(args.run, batch.batch_id))  # an ended run's batch is acked too
         steps += 1
         print(
             f"batch {batch.index}: {len(batch.groups)} groups, mean reward "
-            f"{sum(rewards) / len(rewards):.3f}, published v{batch.publish_version}",
+            f"{sum(rewards) / len(rewards):.3f}, {published}",
             flush=True,
         )

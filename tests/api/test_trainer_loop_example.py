@@ -71,5 +71,8 @@ def test_the_loop_ends_cleanly_on_a_run_that_ended_while_it_held_a_batch(
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [f"batch {held.json()['index']}"]
+    # nothing was published: the line said "published v1" all the same
+    unpublished = f"v{held.json()['publish_version']} not published: the run has ended"
+    assert done.stdout.rstrip().endswith(unpublished)
     again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
     assert again.status_code == 409, again.text  # acked: nothing is offered again, the run has ended
