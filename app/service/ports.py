@@ -178,10 +178,12 @@ async def _local_ports(
         clients = list(engines.clients())
         factory = await make_sandbox_factory(config, policy, sandboxes)
         # On lane hosts (Celery lanes) a killed predecessor's sandboxes have no owner that the next
-        # start of a process would sweep: this start sweeps them there (`CeleryLanes.begin_incarnation`)
+        # start of a process would sweep: this start sweeps them there (`CeleryLanes.begin_incarnation`).
+        # Only in the run's own sandbox directory: one the config names may hold other runs' sandboxes,
+        # which a sweep would take for a killed incarnation's (their numbers are older than this start's).
         suffix = ""
         begin = getattr(lanes, "begin_incarnation", None)
-        if begin is not None and isinstance(factory, LocalSandboxFactory):
+        if begin is not None and isinstance(factory, LocalSandboxFactory) and not config.sandbox.base_dir:
             suffix = incarnation_suffix(await asyncio.to_thread(begin, factory.base_dir))
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
