@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -115,6 +116,12 @@ class Settings(BaseSettings):
         "a create past it is refused (429). Celery runs execute in orchestrator workers and do not count",
     )
     resume_runs: bool = Field(True, description="resume the runs that were live when the server stopped")
+    runs_on_shutdown: Literal["stop", "resume"] = Field(
+        "stop",
+        description="what a clean stop of the server (Ctrl-C, SIGTERM) does to the runs it executes: "
+        "stop each (its end recorded), or store every event each has published and leave it to the next "
+        "start, which resumes it (a restart that keeps the runs)",
+    )
     spill_dir: Path | None = Field(
         None,
         description="where a run's store sink keeps the events its buffer cannot hold while the database "

@@ -95,7 +95,10 @@ def create_app(
         finally:
             if start_timeout is not None:
                 await asyncio.to_thread(start_timeout.stop)
-            await asyncio.to_thread(manager.shutdown)
+            if settings.runs_on_shutdown == "resume":
+                await asyncio.to_thread(manager.leave_for_next_start)
+            else:
+                await asyncio.to_thread(manager.shutdown)
             store.close()
             if app.state.queue_workers is not None:
                 app.state.queue_workers.close()

@@ -84,12 +84,14 @@ class GracefulServer(uvicorn.Server):
         on_stop: Callable[[], None] | None = None,
         on_force: Callable[[], None] | None = None,
         early: list[int] | None = None,
+        keep_runs: bool = False,
         **config: Any,
     ) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=STOP_WAIT_S, **config))
         logging.getLogger("uvicorn.error").addFilter(_QUIET_CUT_OFF)  # once, however many servers
         self.on_stop = on_stop
         self.on_force = on_force
+        self.keep_runs = keep_runs  # CORRAL_RUNS_ON_SHUTDOWN=resume: the runs are left to the next start
         self.forced = False  # a second stop signal came: the shutdown stops waiting
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early = early if early is not None else []  # stop signals held before it ran (`held_stops`)
@@ -107,10 +109,12 @@ class GracefulServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._forcing)
 
     def _stopping(self) -> None:
-        say(
-            "corral serve: stopping: open requests end, then each run is stopped and its events flushed "
-            "(Ctrl-C again to stop at once)"
+        then = (
+            "each run's events are stored and it is left to the next start, which resumes it"
+            if self.keep_runs
+            else "each run is stopped and its events flushed"
         )
+        say(f"corral serve: stopping: open requests end, then {then} (Ctrl-C again to stop at once)")
         if self.on_stop is not None:
             self.on_stop()
 

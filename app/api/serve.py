@@ -107,7 +107,10 @@ def serve(
         say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
     until = "; the demo run collects batches until then" if spec is not None else ""
     with held_stops() as early:  # a Ctrl-C from the line below on is the server's clean stop
-        say(f"Ctrl-C stops the server and the runs it executes{until}")
+        if settings.runs_on_shutdown == "resume":
+            say(f"Ctrl-C stops the server; its runs are left to the next start, which resumes them{until}")
+        else:
+            say(f"Ctrl-C stops the server and the runs it executes{until}")
         app = create_app(settings, demo=spec, hold=hold)
         hold.watch(on_taken=_database_taken)
         if spec is not None:
@@ -118,6 +121,7 @@ def serve(
             on_stop=app.state.stopping.set,
             on_force=lambda: _abandon(app),
             early=early,
+            keep_runs=settings.runs_on_shutdown == "resume",
             host=settings.host,
             port=settings.port,
             log_level="warning",

@@ -135,6 +135,7 @@ class Registration:
         self.path = directory / f"{owner.pid}.json"
         self.roots: list[str] = []
         self.dirs: list[str] = []
+        self.kept = False
         self._write()
 
     def add_root(self, root: Path) -> None:
@@ -157,8 +158,14 @@ class Registration:
         (root / MARKERS / sandbox).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """A clean exit: nothing is left to find."""
-        self.path.unlink(missing_ok=True)
+        """A clean exit: nothing is left to find (unless `keep` was called)."""
+        if not self.kept:
+            self.path.unlink(missing_ok=True)
+
+    def keep(self) -> None:
+        """Leave the registration at exit, as a crash would: the process leaves sandboxes of runs it did
+        not end (`RunManager.leave_for_next_start`), and the next start removes them as a dead owner's."""
+        self.kept = True
 
     def _write(self) -> None:
         data = {"pid": self.owner.pid, "start": self.owner.start, "roots": self.roots, "dirs": self.dirs}

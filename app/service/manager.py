@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
@@ -51,6 +52,7 @@ from app.metrics import CorralMetrics
 from app.runtime import spill
 from app.runtime.events import RETRY_FIRST_S, RETRY_MAX_S
 from app.runtime.spill import SpillFile
+from app.sandboxes import leftovers
 from app.service import retention
 from app.service.gateway import Offer, OfferFiles, TrainerGateway
 from app.service.handle import IllegalRunStateError, RunHandle, RunNotLiveError
@@ -935,6 +937,48 @@ class RunManager:
                 ", ".join(interrupted),
             )
 
+    def leave_for_next_start(self, timeout_s: float = RUN_STOP_WAIT_S) -> tuple[str, ...]:
+        """Shut down leaving every run executing to the next start (`CORRAL_RUNS_ON_SHUTDOWN=resume`): each
+        run's loop is frozen where it stands (it takes no further step, so it publishes nothing more), the
+        store gets every event it published (up to `timeout_s` in all, its database waited out meanwhile)
+        and the store writer its last writes; the store keeps each run as it was (running, paused), and the
+        next start resumes it as after a crash, its groups in flight discarded `orphaned`. What a kill -9
+        would leave, with nothing lost: the process must end after this (the frozen runs' threads hold
+        their engines, which end with it), and it keeps its sandbox registration, so the next start
+        removes the sandboxes the runs had. `abandon` ends the waits at once. Returns the runs left."""
+        with self._start_lock:
+            self._closing = True
+        frozen: builtins.list[tuple[RunHandle, threading.Event]] = []
+        for handle in list(self.handles.values()):
+            if handle.done.is_set():
+                continue
+            reached = threading.Event()
+            try:
+                handle.submit(_freeze, reached)
+            except RunNotLiveError:  # ended meanwhile: its end is stored as any run's
+                continue
+            frozen.append((handle, reached))
+        deadline = time.monotonic() + timeout_s
+        left: builtins.list[str] = []
+        for handle, reached in frozen:
+            if not self._wait_or_abandoned(reached, min(deadline, time.monotonic() + STOP_ASK_S)):
+                log.warning("run %s: its loop did not stop within %.0f s; left as the store has it",
+                            handle.run_id, STOP_ASK_S)  # fmt: skip
+                left.append(handle.run_id)
+                continue
+            last = handle.recorder.bus.published - 1
+            stored = self._wait_or_abandoned(_Stored(handle.recorder, last), deadline)
+            log.warning(
+                "run %s: left to the next start, which resumes it (%s)", handle.run_id,
+                f"its {last + 1} events stored" if stored else "some of its last events may not be stored",
+            )  # fmt: skip
+            left.append(handle.run_id)
+        self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
+        registration = leftovers.current()
+        if left and registration is not None:
+            registration.keep()
+        return tuple(left)
+
     def abandon(self) -> None:
         """Stop waiting (a second Ctrl-C): `shutdown` returns within `ABANDON_GRACE_S`, leaving each run
         not yet stopped and each store write not yet done as they are; what the store holds is kept,
@@ -959,6 +1003,28 @@ class RunManager:
                 with contextlib.suppress(TimeoutError):
                     what.result(step)
                     return True
+
+
+def _freeze(reached: threading.Event) -> None:
+    """Run on a run's loop: take no further step, for good (`leave_for_next_start`)."""
+    reached.set()
+    threading.Event().wait()
+
+
+class _Stored(threading.Event):
+    """Set once the store holds a run's event `seq` (`RunRecorder.wait_stored`): an event that
+    `_wait_or_abandoned` waits for in steps."""
+
+    def __init__(self, recorder: RunRecorder, seq: int) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.seq = seq
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.seq < 0 or self.recorder.wait_stored(self.seq, 0 if timeout is None else timeout)
+
+    def is_set(self) -> bool:
+        return self.wait(0)
 
 
 class ReplayProgress:

@@ -179,3 +179,37 @@ def stored_run(database_url: str, run_id: str) -> RunRecord:
         store.close()
     assert record is not None, f"no stored run {run_id!r}"
     return record
+
+
+@contextmanager
+def serve_process(env: dict[str, str], log: Path, killed: bool = False) -> Iterator[httpx.Client]:
+    """A real `corral serve` in a session of its own, ended by Ctrl-C (to its process group) at the end
+    of the block, which must exit 0, or `killed` (SIGKILL); yields an API client holding the operator
+    token."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from app.cli import main; main()", "serve"], env=env, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{env['CORRAL_PORT']}"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                answer = api.get("/healthz")
+            except httpx.TransportError:
+                return False
+            return answer.status_code == 200 and answer.json()["resuming"] == []
+
+        wait_for(healthy, 120, what=f"corral serve to start; log {log}")
+        yield api
+        if not killed:
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        api.close()

@@ -4,56 +4,16 @@ goes on once there is room, and nothing it stored, or had to store, is lost."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, serve_env, wait_for
+from api_support import free_port, make_run, serve_env, serve_process, wait_for
 from small_disk import fill, read_only_switch, small_disk
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@contextmanager
-def serving(env: dict[str, str], log: Path, killed: bool = False) -> Iterator[httpx.Client]:
-    """A real `corral serve` in a session of its own, ended by Ctrl-C (to its process group) at the end
-    of the block, which must exit 0, or `killed` (SIGKILL); yields an API client holding the operator
-    token."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from app.cli import main; main()", "serve"], env=env, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{env['CORRAL_PORT']}"
-    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
-    try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                answer = api.get("/healthz")
-            except httpx.TransportError:
-                return False
-            return answer.status_code == 200 and answer.json()["resuming"] == []
-
-        wait_for(healthy, 120, what=f"corral serve to start; log {log}")
-        yield api
-        if not killed:
-            os.killpg(proc.pid, signal.SIGINT)
-            assert proc.wait(120) == 0, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        api.close()
 
 
 def batches(api: httpx.Client, run_id: str) -> int:
@@ -127,7 +87,7 @@ def test_a_full_disk_under_the_database_loses_no_event_and_no_ack(tmp_path: Path
             "CORRAL_STORE_OUTAGE_S": "1",  # the disk stays full past the store's outage wait
         }
         log = tmp_path / "serve.log"
-        with serving(env, log) as api:
+        with serve_process(env, log) as api:
             # The pause's state write goes to the store writer; its second try comes once its first
             # waited out the store's outage wait
             refused = "store writer: the database is out of disk space (database or disk is full)"
@@ -153,7 +113,7 @@ def test_a_full_disk_under_the_data_directory_holds_the_batch_until_it_is_kept(t
             "CORRAL_DATA_DIR": str(disk / "data"),
         }
         log = tmp_path / "serve.log"
-        with serving(env, log) as api:
+        with serve_process(env, log) as api:
             run_id = collect_through_a_full_disk(
                 api,
                 disk,
@@ -185,7 +145,7 @@ def test_sentinel_weights_the_full_disk_refuses_wait_for_room_and_a_publish_says
             "CORRAL_DATA_DIR": str(disk / "data"),
         }
         log = tmp_path / "serve.log"
-        with serving(env, log) as api:
+        with serve_process(env, log) as api:
             spec = {"name": "local", "kind": "local", "config": make_local_config(), "trainer": "sentinel",
                     "sentinel_step_s": 5.0}  # fmt: skip
             run_id = api.post("/api/runs", json=spec).json()["id"]
@@ -226,7 +186,7 @@ def test_an_acked_batch_whose_kept_file_a_read_only_disk_keeps_is_not_handed_out
     }
     log = tmp_path / "serve.log"
     with read_only_switch(tmp_path / "data") as read_only:
-        with serving(env, log, killed=True) as api:
+        with serve_process(env, log, killed=True) as api:
             spec = make_run(batches=None, speed=10.0, trainer="sentinel", sentinel_step_s=0.2)
             run_id = api.post("/api/runs", json=spec).json()["id"]
             wait_for(lambda: batches(api, run_id) >= 3, 120, what="3 batches")
@@ -236,7 +196,7 @@ def test_an_acked_batch_whose_kept_file_a_read_only_disk_keeps_is_not_handed_out
         kept = sorted((tmp_path / "data" / run_id / "offers").glob("*.json"))
         assert kept, "no kept file left by the read-only disk"
         read_only(False)
-        with serving(env, log) as api:
+        with serve_process(env, log) as api:
             after = batches(api, run_id)
             wait_for(lambda: batches(api, run_id) >= after + 3, 120, what="3 more batches after the restart")
             stop(api, run_id)
@@ -282,7 +242,7 @@ def test_a_local_run_whose_events_can_be_kept_nowhere_holds_instead_of_dropping_
             "CORRAL_STORE_BUFFER": "400",
         }
         log = tmp_path / "serve.log"
-        with serving(env, log) as api:
+        with serve_process(env, log) as api:
             spec = {"name": "local", "kind": "local", "config": make_local_config(), "trainer": "sentinel",
                     "sentinel_step_s": 0.5}  # fmt: skip
             run_id = api.post("/api/runs", json=spec).json()["id"]

@@ -26,6 +26,8 @@ from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
 from app.sandboxes.limits import pids_parent, uid_claims_dir
 
+# A process that makes one sandbox, then (`then`): "hold" starts a detached process in it and waits;
+# "keep" exits keeping its registration (`Registration.keep`); "exit" exits as usual
 OWNER = """
 import asyncio, sys
 from pathlib import Path
@@ -33,27 +35,32 @@ from app.sandboxes import leftovers
 from app.sandboxes.local import LocalSandboxFactory
 from app.tasks.spec import TaskSpec
 
-owners, base, task_root, token = sys.argv[1:]
+owners, base, task_root, token, then = sys.argv[1:]
 leftovers.declare_owner(Path(owners))
 
 async def main():
     sandbox = LocalSandboxFactory(Path(base), isolation="none").create("leftover-maker")
     await sandbox.reset(TaskSpec(name="t", instruction="", root=Path(task_root), validation="true"))
-    await sandbox.exec(f"setsid sleep {token} > /dev/null 2>&1 < /dev/null &", 10)
+    if then == "hold":
+        await sandbox.exec(f"setsid sleep {token} > /dev/null 2>&1 < /dev/null &", 10)
     print(sandbox.work_dir, sandbox.uid, flush=True)
-    await asyncio.sleep(600)
+    if then == "hold":
+        await asyncio.sleep(600)
 
 asyncio.run(main())
+if then == "keep":
+    leftovers.current().keep()
 """
 
 
-def start_owner(tmp_path: Path, base_dir: Path, token: str) -> tuple[subprocess.Popen[str], Path, str]:
+def owner_argv(tmp_path: Path, base_dir: Path, token: str, then: str) -> list[str]:
     (tmp_path / "task").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(tmp_path / "owners"), str(base_dir), str(tmp_path / "task"), token],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    places = [str(tmp_path / "owners"), str(base_dir), str(tmp_path / "task")]
+    return [sys.executable, "-c", OWNER, *places, token, then]
+
+
+def start_owner(tmp_path: Path, base_dir: Path, token: str) -> tuple[subprocess.Popen[str], Path, str]:
+    proc = subprocess.Popen(owner_argv(tmp_path, base_dir, token, "hold"), stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     work, uid = proc.stdout.readline().split()
     return proc, Path(work), uid
@@ -184,3 +191,25 @@ async def test_containers_a_dead_owner_left_are_removed_on_a_real_daemon(
     finally:
         for sandbox in made:
             await sandbox.cleanup()
+
+
+@pytest.mark.parametrize("keep", ["keep", "exit"])
+def test_an_owner_that_kept_its_registration_at_a_clean_exit_has_its_sandboxes_removed_by_the_next(
+    tmp_path: Path, base_dir: Path, keep: str
+) -> None:
+    """`corral serve` that leaves its runs to the next start (`CORRAL_RUNS_ON_SHUTDOWN=resume`) exits
+    cleanly with their sandboxes in place: it keeps its registration, so the next start removes them as a
+    dead owner's. Without `keep`, a clean exit leaves nothing to find (its sandboxes are its own to end)."""
+    argv = owner_argv(tmp_path, base_dir, "0", keep)
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
+    work = Path(done.stdout.split()[0])
+    assert work.is_dir()
+    lines = leftovers.sweep(tmp_path / "owners")
+    if keep == "keep":
+        assert len(lines) == 1
+        assert "left behind: 1 sandbox" in lines[0]
+        assert not work.exists()
+    else:
+        assert lines == []
+        assert work.is_dir()
+        leftovers.rmtree(work)

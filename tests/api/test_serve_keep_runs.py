@@ -1,0 +1,83 @@
+"""`corral serve` with `CORRAL_RUNS_ON_SHUTDOWN=resume`, stopped cleanly (Ctrl-C to its process group) in
+the middle of a run and started again, as a `systemctl restart` or a new release would: the run is not
+ended but left to the next start, with every event it published stored, and the next start resumes it.
+With the default (`stop`) the same Ctrl-C ends the run `stopped`, for good."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+from api_support import free_port, make_run, serve_env, serve_process, wait_for
+
+from app.service.store import ServiceStore
+
+
+def live_batches(api: httpx.Client, run_id: str) -> int:
+    return int(api.get(f"/api/runs/{run_id}").json()["live"]["batches"])
+
+
+def test_a_restart_with_runs_on_shutdown_resume_keeps_the_run_and_loses_no_event(
+    tmp_path: Path, backend_url: str
+) -> None:
+    env = {**serve_env(tmp_path, backend_url, free_port()), "CORRAL_RUNS_ON_SHUTDOWN": "resume"}
+    log = tmp_path / "serve.log"
+    spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0.05, speed=8.0)
+    with serve_process(env, log) as api:
+        run_id = api.post("/api/runs", json=spec).json()["id"]
+        wait_for(lambda: live_batches(api, run_id) >= 3, 120, what="3 batches")
+    text = log.read_text()
+    assert "its runs are left to the next start, which resumes them" in text
+    said = re.search(
+        rf"run {run_id}: left to the next start, which resumes it \(its (\d+) events stored\)", text
+    )
+    assert said is not None, text[-3000:]
+    assert f"run {run_id} (test-run): running (not stopped: resumed at the next start)" in text
+    store = ServiceStore(backend_url, migrate=False)
+    try:
+        record = store.get_run(run_id)
+        assert record is not None
+        assert record.state == "running"  # not ended: the next start resumes it
+        ledger, _ = store.ledger(run_id)
+        assert ledger.gaps == 0
+        kinds = [e["kind"] for e in store.timeline(run_id, -1, 1_000_000)]
+        assert len(kinds) == int(said.group(1))  # every event it published is stored
+        assert "run_ended" not in kinds
+        before = kinds.count("batch_delivered")
+        assert before >= 3
+
+        with serve_process(env, log) as api:
+            assert api.get(f"/api/runs/{run_id}").json()["state"] == "running"
+            wait_for(lambda: live_batches(api, run_id) >= before + 2, 120, what="2 more batches, resumed")
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 200
+            wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "stopped", 120, what="stop")
+        ledger, _ = store.ledger(run_id)
+        assert ledger.gaps == 0  # the resumed stream goes on where the stored one ended
+        assert not ledger.ended_twice
+        assert not ledger.open_groups  # every admitted group ended: delivered or discarded
+        assert ledger.lost == 0
+        kinds = [e["kind"] for e in store.timeline(run_id, -1, 1_000_000)]
+        assert kinds.count("run_started") == 2
+        assert kinds.count("run_ended") == 1
+        assert kinds.count("batch_delivered") >= before + 2
+    finally:
+        store.close()
+    assert "Traceback" not in log.read_text()
+
+
+def test_by_default_a_clean_stop_of_the_server_ends_its_runs(tmp_path: Path) -> None:
+    database = f"sqlite:///{tmp_path / 'corral.db'}"
+    env = serve_env(tmp_path, database, free_port())
+    log = tmp_path / "serve.log"
+    with serve_process(env, log) as api:
+        run_id = api.post("/api/runs", json=make_run(batches=None, speed=8.0)).json()["id"]
+        wait_for(lambda: live_batches(api, run_id) >= 1, 120, what="a batch")
+    store = ServiceStore(database, migrate=False)
+    try:
+        record = store.get_run(run_id)
+        assert record is not None
+        assert record.state == "stopped"
+    finally:
+        store.close()
+    assert "Ctrl-C stops the server and the runs it executes" in log.read_text()
