@@ -5,8 +5,9 @@ checked its flags.
 Stop signals: only a worker's main process acts on one, whether it was sent to the main process alone
 (`docker stop`, `kill PID`) or to the whole process group (`kill -TERM -- -PGID`, a supervisor that
 kills the group, the terminal closed). SIGTERM and SIGHUP are Celery's warm shutdown, as one Ctrl-C
-is: the ops (or runs) under way finish, their results are stored and their messages acked, then the
-worker exits 0. A second Ctrl-C, or SIGQUIT, is Celery's cold shutdown. A SIGHUP ignored at start
+is: the ops under way finish, their results are stored and their messages acked; the runs an
+orchestrator worker drives are handed to the next one (`orchestrator.hand_off_runs`); then the worker
+exits 0. A second Ctrl-C, or SIGQUIT, is Celery's cold shutdown. A SIGHUP ignored at start
 (`nohup`) stays ignored. The pool processes ignore SIGINT, SIGTERM and SIGHUP; billiard ends them with
 SIGQUIT (`REMAP_SIGTERM`, which `corral worker` sets before Celery is imported).
 """
@@ -82,9 +83,7 @@ def run_orchestrator_worker(
     reclaimer = orchestrator.Reclaimer(app) if urlsplit(broker).scheme in ("redis", "rediss") else None
     if reclaimer is not None:  # once the pool is up: a reclaimed run is taken by a live worker
         worker_ready.connect(lambda **_: reclaimer.start(), weak=False)
-    worker_shutting_down.connect(
-        lambda how="", **_: orchestrator.say_what_a_warm_shutdown_waits_for(how), weak=False
-    )
+    worker_shutting_down.connect(lambda how="", **_: orchestrator.hand_off_runs(backend, how), weak=False)
     take_stop_signals(app)
     try:
         app.worker_main([*argv, "-l", loglevel, *_QUIET])

@@ -32,7 +32,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, shared_task
 
-from app.lanes.celery import ORCHESTRATOR_LEASE_S, lease_key, orchestrated_run
+from app.lanes.celery import ORCHESTRATOR_LEASE_S, lease_key, orchestrated_run, run_handoff_key
 from app.lanes.redis_client import LEASE_TIMEOUT_S, RECLAIM_TIMEOUT_S, redis_client
 from app.settings import load_settings
 from workers.celery_app import ORCHESTRATOR_QUEUE, ORCHESTRATOR_TASK
@@ -117,7 +117,14 @@ def run_orchestrator(self: Task, run_id: str) -> Any:
     client = redis_client(self.app.conf.result_backend, LEASE_TIMEOUT_S)
     try:
         with run_lease(client, run_id):
-            return drive_run(run_id, load_settings())
+            result = drive_run(run_id, load_settings())
+            if isinstance(result, dict) and result.get("handed_off"):
+                # Sent again while this task holds the lease: the worker that takes it waits for the
+                # lease, which is released as this returns, then resumes the run from what is stored.
+                self.app.send_task(ORCHESTRATOR_TASK, args=[run_id], queue=ORCHESTRATOR_QUEUE,
+                                   ignore_result=True)  # fmt: skip
+                log.warning("run %s: sent to the orchestrator queue again for another worker", run_id)
+            return result
     except LeaseHeld as exc:
         log.info("%s; this delivery ends without running it", exc)
         return {"run_id": run_id, "skipped": str(exc)}
@@ -221,15 +228,40 @@ def runs_in_progress() -> list[str]:
     )
 
 
-def say_what_a_warm_shutdown_waits_for(how: str) -> None:
-    """A Ctrl-C, SIGTERM or SIGHUP (warm shutdown) waits for the runs in progress to end, which a run
-    without `batches` never does by itself: say which, and the ways out, instead of Celery's bare "Warm
-    shutdown". A second SIGTERM is another warm shutdown: SIGQUIT is the way out whatever stop came first."""
+def hand_off_runs(backend: str, how: str) -> None:
+    """A Ctrl-C, SIGTERM or SIGHUP (warm shutdown) asks every run in progress to leave itself to another
+    orchestrator worker (`run_handoff_key`: app.service.runner stores its events, leaves it running and
+    sends it to the queue again), so the worker exits within seconds, not when an unbounded run ends;
+    then says what the shutdown still waits for. An entry point of its own (`--entry`) may not hand off:
+    its runs are waited for."""
     runs = runs_in_progress() if how == "Warm" else []
+    if not runs:
+        return
+    client = redis_client(backend, LEASE_TIMEOUT_S)
+    try:
+        for run_id in runs:
+            client.set(run_handoff_key(run_id), "1", ex=HANDOFF_KEY_S)
+        log.warning("handing the runs this worker drives to another orchestrator worker: %s (their events "
+                    "stored, each resumed where it stands)", ", ".join(runs))  # fmt: skip
+    except redis.RedisError as exc:  # they are waited for, as before
+        log.warning("could not ask the runs this worker drives to hand off (%r): waiting for them", exc)
+    finally:
+        client.close()
+    say_what_a_warm_shutdown_waits_for(runs)
+
+
+HANDOFF_KEY_S = 3600  # a hand-off nobody took (the run ended meanwhile) lapses
+
+
+def say_what_a_warm_shutdown_waits_for(runs: list[str]) -> None:
+    """The warm shutdown waits for the runs in progress to hand off or end, which a run without `batches`
+    of an entry point that does not hand off never does by itself: say which, and the ways out, instead
+    of Celery's bare "Warm shutdown". A second SIGTERM is another warm shutdown: SIGQUIT is the way out
+    whatever stop came first."""
     if runs:
         log.warning(
-            "waiting for the runs this worker drives to end: %s. Stop them (POST /api/runs/<id>/stop), or "
-            "press Ctrl-C again (or send SIGQUIT) to leave them to another orchestrator worker, which "
-            "resumes them once their lease lapses (about 30 s; the events they have not stored yet are lost)",
+            "waiting for the runs this worker drives to end: %s (runs of the default entry point hand off "
+            "within seconds). Stop them (POST /api/runs/<id>/stop), or press Ctrl-C again (or send SIGQUIT) "
+            "to leave them to another orchestrator worker, which resumes them once their lease lapses (about 30 s; the events they have not stored yet are lost)",
             ", ".join(runs),
         )

@@ -82,6 +82,12 @@ def run_stop_key(run_id: str) -> str:
     return f"corral:stop:{run_id}"
 
 
+def run_handoff_key(run_id: str) -> str:
+    """Set by an orchestrator worker's main process as it shuts down: the run's orchestrator leaves the
+    run to another worker (app.service.runner)."""
+    return f"corral:handoff:{run_id}"
+
+
 def orchestrated_run(message: dict[str, Any]) -> str | None:
     """The run id an orchestrator task's message (as kombu's Redis transport keeps it) carries, or None
     for any other message."""

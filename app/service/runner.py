@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-from app.lanes.celery import broker_urls, run_stop_key
+from app.lanes.celery import broker_urls, run_handoff_key, run_stop_key
 from app.lanes.redis_client import COMMAND_TIMEOUT_S, redis_client
 from app.metrics import CorralMetrics
 from app.service.channel import RunInbox, commands_key, expired, reads_key
@@ -64,30 +64,40 @@ def run_orchestrator(run_id: str, settings: Settings) -> dict[str, Any]:
             return {"run_id": run_id, "state": record.state, "batches": None}  # a redelivery after its end
         manager = manager_for(settings, store, CorralMetrics())
         handle = manager.adopt(run_id)
-        _join_serving_commands(handle, settings)
-        manager.shutdown()
-        return {"run_id": run_id, "state": handle.state.value, "batches": handle.recorder.view.batches}
+        handed_off = _join_serving_commands(handle, settings)
+        if handed_off:  # the worker shuts down: another one resumes the run from what is stored
+            manager.leave_for_next_start()
+        else:
+            manager.shutdown()
+        return {"run_id": run_id, "state": handle.state.value, "batches": handle.recorder.view.batches,
+                "handed_off": handed_off}  # fmt: skip
     finally:
         store.close()
 
 
-def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
+def _join_serving_commands(handle: RunHandle, settings: Settings) -> bool:
     """Wait for the run's end, stopping it once an operator asks (`run_stop_key`), while its command line
-    (`CommandLine`) carries out the commands of its channel. With no broker, as when this is called
-    outside a worker, nobody can ask."""
+    (`CommandLine`) carries out the commands of its channel; or until this worker shuts down and asks
+    for the run to be handed off (`run_handoff_key`): whether it did. With no broker, as when this is
+    called outside a worker, nobody can ask."""
     if settings.broker_url is None:
         handle.join()
-        return
+        return False
     _, backend = broker_urls(settings.broker_url, settings.result_backend)
     lines = [CommandLine(handle, backend, key) for key in (commands_key, reads_key)]
     for line in lines:
         line.start()
     client = redis_client(backend, COMMAND_TIMEOUT_S)
-    asked = False
+    asked = handed_off = False
     try:
         while not handle.join(STOP_CHECK_S):
             try:
                 asked = asked or _stop_if_asked(client, handle)
+                if not asked and client.delete(run_handoff_key(handle.run_id)):
+                    log.warning("run %s: this worker shuts down; the run is left to another orchestrator "
+                                "worker, which resumes it", handle.run_id)  # fmt: skip
+                    handed_off = True
+                    break
             except redis.RedisError as exc:  # fault tolerance: the run goes on; asked again next check
                 log.warning("run %s: could not look for an operator's stop: %r", handle.run_id, exc)
     finally:
@@ -101,6 +111,7 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> None:
             if line.is_alive():  # a handler in a blocking call: no cancellation reaches it
                 log.warning("run %s: its command line is still carrying out %s after it was cancelled; left "
                             "behind, as this worker is done with it", handle.run_id, line.busy)  # fmt: skip
+    return handed_off
 
 
 class CommandLine(threading.Thread):

@@ -213,3 +213,24 @@ def serve_process(env: dict[str, str], log: Path, killed: bool = False) -> Itera
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         api.close()
+
+
+def celery_serve_env(tmp_path: Path, database_url: str, redis_url: str) -> tuple[dict[str, str], int]:
+    """`serve_env` on a free port for a `corral serve` and its orchestrator workers on `redis_url` (broker
+    and result backend), with a lane host of its own name: the environment, and the port."""
+    port = free_port()
+    env = {
+        **serve_env(tmp_path, database_url, port),
+        "CORRAL_BROKER_URL": redis_url,
+        "CORRAL_RESULT_BACKEND": redis_url,
+        "CORRAL_LANE_HOSTS": f"h-{port}",
+    }
+    return env, port
+
+
+def answers(url: str) -> bool:
+    """Whether a server answers /healthz at all (503 while no lane worker of its lane hosts is up)."""
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code in (200, 503)
+    except httpx.TransportError:
+        return False

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_support import TOKEN, free_port, make_run, orchestrator_worker, serve_env, wait_for
+from api_support import TOKEN, answers, celery_serve_env, make_run, orchestrator_worker, wait_for
 from factories import redis_answers
 from test_serve_restart import corral_serve
 
@@ -22,17 +22,11 @@ def test_a_run_an_orchestrator_worker_drives_is_stopped_through_the_api(tmp_path
     if not redis_answers():
         pytest.skip("no Redis answering on 127.0.0.1:6379")
     db = f"sqlite:///{tmp_path / 'corral.db'}"
-    port = free_port()
-    env = {
-        **serve_env(tmp_path, db, port),
-        "CORRAL_BROKER_URL": REDIS_URL,
-        "CORRAL_RESULT_BACKEND": REDIS_URL,
-        "CORRAL_LANE_HOSTS": f"h-{port}",
-    }
+    env, port = celery_serve_env(tmp_path, db, REDIS_URL)
     serve_log = tmp_path / "serve.log"
     with orchestrator_worker(env, tmp_path / "worker.log"), corral_serve(env, serve_log):
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(url), 120, what=f"corral serve to answer; log {serve_log}")
+        wait_for(lambda: answers(url), 120, what=f"corral serve to answer; log {serve_log}")
         api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         spec = make_run(speed=1.0, trainer="sentinel", orchestrator="celery")
         del spec["batches"]  # it goes on until stopped
@@ -58,10 +52,3 @@ def test_a_run_an_orchestrator_worker_drives_is_stopped_through_the_api(tmp_path
         assert again.status_code == 200, again.text
         assert again.json()["already_stopped"] is True
         api.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=5).status_code in (200, 503)
-    except httpx.TransportError:
-        return False
