@@ -262,6 +262,7 @@ def say_what_a_warm_shutdown_waits_for(runs: list[str]) -> None:
         log.warning(
             "waiting for the runs this worker drives to end: %s (runs of the default entry point hand off "
             "within seconds). Stop them (POST /api/runs/<id>/stop), or press Ctrl-C again (or send SIGQUIT) "
-            "to leave them to another orchestrator worker, which resumes them once their lease lapses (about 30 s; the events they have not stored yet are lost)",
+            "to leave them to another orchestrator worker, which resumes them once their lease lapses "
+            "(about 30 s; the events they have not stored yet are lost)",
             ", ".join(runs),
         )
