@@ -22,8 +22,9 @@ is granted at once; a `corral serve` restarted alone, while orchestrator workers
 files as they are (emptying them would take the workers' counts away).
 
 A run's labelled series go away `RUN_SERIES_GRACE_S` after it ends (`forget_run`, then `expire` at a
-later scrape): the grace lets Prometheus scrape their last values, and a server that drives run after
-run does not keep every one's series for its life. The `corral_runs_*` counters carry no run label
+later scrape or at a later run's end; a deleted run's at once): the grace lets Prometheus scrape their
+last values, and a server that drives run after run does not keep every one's series for its life, scraped
+or not. The `corral_runs_*` counters carry no run label
 and keep the totals over every run, ended ones included. In multiprocess mode prometheus_client cannot
 remove a series (the values stay in the processes' files until the directory is emptied), so the
 exposition leaves out the series of runs this process saw end and expire; those of a run that ended in
@@ -227,11 +228,13 @@ class CorralMetrics:
             self.labelled(run_id, "corral_lane_queue_depth", lane).set(0)
         with self._lock:
             self._expiring[run_id] = self._clock() + self.grace_s
+        self.expire()  # those of runs ended longer ago: a server nobody scrapes kept every run's series
 
     def drop_run(self, run_id: str) -> None:
-        """A run deleted: its series go at the next `expire`, whatever is left of its grace."""
+        """A run deleted: its series go now, whatever was left of its grace."""
         with self._lock:
             self._expiring[run_id] = float("-inf")
+        self.expire()
 
     def expire(self) -> list[str]:
         """Remove the series of the runs whose grace after their end has passed; the runs removed."""

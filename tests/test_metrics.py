@@ -93,3 +93,23 @@ def test_in_multiprocess_mode_an_expired_run_is_left_out_of_the_exposition(tmp_p
     }
     assert runs == {"live"}
     assert "corral_runs_batches_delivered_total 2.0" in text
+
+
+def test_a_server_nobody_scrapes_keeps_only_the_series_of_runs_ended_within_the_grace() -> None:
+    # Only a scrape removed expired series: with no Prometheus, 200 runs ended one after another
+    # (100 of them deleted) left all 200 runs' series in the registry (46 samples a run).
+    clock = Clock()
+    metrics = CorralMetrics(CollectorRegistry(), grace_s=60.0, clock=clock)
+    for i in range(200):
+        feed(metrics, f"r{i}")
+        metrics.forget_run(f"r{i}", {"lanes": {"exec": {}}})
+        if i % 2:
+            metrics.drop_run(f"r{i}")
+        clock.now += 10.0
+    runs = {
+        labels["run"]
+        for family in metrics.registry.collect()
+        for name, labels, _ in (s[:3] for s in family.samples)
+        if "run" in labels
+    }
+    assert runs == {f"r{i}" for i in range(194, 200, 2)}  # ended within the last 60 s, not deleted
