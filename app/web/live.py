@@ -123,7 +123,12 @@ class ManagerRuns:
         while its state stays the same)."""
         manager = self.manager
         rows = []
-        for record in manager.list():
+        records = manager.list()
+        with self._lock:  # a deleted run's figures: kept for the server's life, one per run ever listed
+            listed = {str(record["id"]) for record in records}
+            for gone in self._figures.keys() - listed:
+                del self._figures[gone]
+        for record in records:
             run_id = str(record["id"])
             state = str(record.get("state", "unknown"))
             policy = dict(record.get("policy") or {})

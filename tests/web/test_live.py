@@ -781,3 +781,22 @@ async def test_the_agent_gate_is_set_from_the_launch_form_and_changed_from_the_p
             await runs.stop(sync_id, "tester")
     finally:
         manager.shutdown()
+
+
+def test_the_runs_list_lets_go_of_the_figures_of_runs_deleted_since(runs) -> None:
+    # The runs page caches each stored run's trainer figures; a deleted run's stayed for the server's
+    # life, so a server that ran and deleted runs for weeks held one entry for every run it ever listed.
+    from app.store.models import RunState
+
+    store = runs.manager.store
+    spec = RunCreate(name="old", kind="sim", trainer="sentinel")
+    for i in range(30):
+        store.create_run(f"old-{i}", spec.name, spec.stored(), {})
+        store.set_state(f"old-{i}", RunState.RUNNING)
+        store.set_state(f"old-{i}", RunState.COMPLETED)
+    assert len(runs.summaries()) == 30
+    for i in range(25):
+        runs.manager.delete(f"old-{i}")
+    kept = {f"old-{i}" for i in range(25, 30)}
+    assert {row.run_id for row in runs.summaries()} == kept
+    assert set(runs._figures) == kept
