@@ -127,3 +127,37 @@ def test_make_trace_help_writes_nothing_and_out_writes_the_same_trace(tmp_path: 
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == tracked.read_bytes()  # the default invocation's output, byte for byte
     assert tracked.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [(["--minutes", "nan"], "--minutes"), (["--minutes", "0"], "--minutes"), (["--sse", "65"], "--sse"),
+     (["--concurrent", "0"], "--concurrent"), (["--every", "inf"], "--every")],
+)  # fmt: skip
+def test_soak_refuses_bad_numbers_in_one_line_before_starting_a_server(args: list[str], flag: str) -> None:
+    done = run_module("benchmarks.soak", *args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {flag}: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow  # a minute: a server started, two runs, a prune, the server's stop
+def test_soak_samples_a_real_server_and_prunes_what_it_kept(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    done = run_module(
+        "benchmarks.soak", "--minutes", "0.2", "--idle-s", "2", "--every", "2", "--run-s", "4",
+        "--keep-every", "1", "--sse", "2", "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    first, last = result["samples"][0], result["samples"][-1]
+    assert first["fds"] > 0
+    assert first["threads"] > 0
+    assert last["runs_created"] >= 1
+    assert last["streams_opened"] >= 1
+    assert result["prune"]["rc"] == 0
+    assert result["prune"]["kept"] >= 1
+    assert (last["data_files"], last["events_rows"]) == (0, 0)  # every kept run pruned, files and rows
+    assert result["exit_code"] == 0
