@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -695,6 +696,23 @@ class RunHandle:
             if not runtime.stop_requested and runtime.version < version:
                 self._publish(version, path, "sentinel-trainer")
             self.gateway.ack(offer.batch_id, "sentinel-trainer")
+            if ports.weights_dir is not None:
+                floor = min([*runtime.plan.versions.values(), runtime.plan.target])
+                await asyncio.to_thread(prune_sentinel_weights, ports.weights_dir, floor)
+
+
+def prune_sentinel_weights(weights_dir: Path, floor: int) -> int:
+    """Remove the sentinel weights of every version below `floor` (the oldest version an engine serves,
+    or the newest published if lower: none of them may be asked for again: a restarted engine is brought
+    to the newest or back to the one it served) from `weights_dir`; returns how many went. Before, the
+    built-in trainer kept every version it wrote: 8,500 directories a day in the demo."""
+    removed = 0
+    for entry in weights_dir.glob("v*"):
+        digits = entry.name[1:]
+        if digits.isdigit() and int(digits) < floor and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 # PolicyPatch's
