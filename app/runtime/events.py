@@ -248,12 +248,16 @@ class _SinkWorker:
                 self._note_spill(self._spill)
             return self.stats.as_dict()
 
+    def filled(self, share: float) -> bool:
+        """Whether its buffer holds `share` of its capacity or more; only for a sink with a spill (one
+        without is allowed to drop: the metrics')."""
+        return self._spill is not None and len(self._buffer) >= share * self.capacity
+
     def at_risk(self, share: float) -> bool:
-        """Whether envelopes offered now may be dropped: its buffer holds `share` of its capacity or
-        more, and its spill cannot take the rest (`SpillFile.taking`: the disk refuses, or the spill is
-        near its bound). Only for a sink with a spill: one without is allowed to drop (the metrics')."""
+        """Whether envelopes offered now may be dropped: `filled(share)`, and its spill cannot take the
+        rest (`SpillFile.taking`: the disk refuses, or the spill is near its bound)."""
         spill = self._spill
-        return spill is not None and len(self._buffer) >= share * self.capacity and not spill.taking()
+        return spill is not None and self.filled(share) and not spill.taking()
 
     @property
     def spill(self) -> SpillFile | None:
@@ -514,6 +518,11 @@ class EventBus:
     def backlog(self) -> int:
         """The most envelopes any sink holds unwritten now (its buffer and its spill)."""
         return max((w.buffered() for w in self._sinks), default=0)
+
+    def filled(self, share: float) -> bool:
+        """Whether a sink with a spill holds `share` of its buffer or more (`_SinkWorker.filled`): cheap,
+        and what `at_risk` needs first."""
+        return any(w.filled(share) for w in self._sinks)
 
     def at_risk(self, share: float) -> bool:
         """Whether a sink with a spill may soon drop envelopes (`_SinkWorker.at_risk`): a run that can

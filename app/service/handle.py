@@ -270,7 +270,8 @@ class RunHandle:
             if self._stopping():
                 return  # `stop` released it: a stopping run's last events are few
             share = STORE_RELEASE_SHARE if self.held_for_store else STORE_HOLD_SHARE
-            at_risk = await asyncio.to_thread(bus.at_risk, share)  # it may probe a disk
+            # the disk probed (off the loop) only for a buffer that filled: most checks cost nothing
+            at_risk = bus.filled(share) and await asyncio.to_thread(bus.at_risk, share)
             if at_risk == self.held_for_store or self._stopping() or run.done():
                 continue
             self.held_for_store = at_risk
