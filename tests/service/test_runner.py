@@ -28,7 +28,7 @@ def test_run_orchestrator_drives_a_stored_run_to_its_end(tmp_path: Path) -> None
     store.create_run("r1", "orch", spec, {})
     try:
         done = run_orchestrator("r1", settings)
-        assert done == {"run_id": "r1", "state": "completed", "batches": 2}
+        assert done == {"run_id": "r1", "state": "completed", "batches": 2, "handed_off": False}
         ledger, _ = store.ledger("r1")
         assert ledger.lost == 0
         assert ledger.delivered_count == 4
