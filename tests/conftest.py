@@ -44,9 +44,14 @@ def task_root(tmp_path: Path) -> Path:
     return root
 
 
+# The test-private redis-servers, each left running from its test's end to the session's
+_LEFT_RUNNING: list[Redis] = []
+
+
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[Redis]:
-    """A `redis-server` of the test's own (redis_server.py), stopped at its end."""
+    """A `redis-server` of the test's own (redis_server.py), answering from the test's start to the end of
+    the session, then stopped."""
     if shutil.which("redis-server") is None:
         pytest.skip("no redis-server on PATH (Debian's redis-server package)")
     server = Redis(free_port(), tmp_path)
@@ -54,11 +59,13 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
     try:
         yield server
     finally:
-        # Celery's AsyncResults that the test left in reference cycles unsubscribe from this Redis when
-        # they are collected. Collected later, in another test, each retried the stopped server for 20 s
-        # and failed that test with an "Exception ignored in AsyncResult.__del__" (CI once failed
-        # tests/workers/test_docker_sandboxes.py that way, after test_broker_restart.py). Now, while it
-        # still answers (started again if the test left it stopped).
+        # Celery's AsyncResults that the test left behind unsubscribe from this Redis when they are
+        # collected, in whatever test that happens. Collected once the server was stopped, each retried
+        # it for 20 s and failed that test with an "Exception ignored in AsyncResult.__del__" (CI failed
+        # tests/workers/test_docker_sandboxes.py that way twice, after test_broker_restart.py, the second
+        # time although this fixture collected the test's garbage before it stopped the server: the
+        # test's event loop, torn down after this fixture, still held some). So the server is left
+        # answering (started again if the test left it stopped) until the session ends.
         # (Sockets a client left unclosed are collected with them; their ResourceWarnings, which this
         # suite's warning filter makes errors, are for the test of the client, not this fixture.)
         if server.proc is None or server.proc.poll() is not None:
@@ -66,4 +73,9 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             gc.collect()
-        server.stop()
+        _LEFT_RUNNING.append(server)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    while _LEFT_RUNNING:
+        _LEFT_RUNNING.pop().stop()

@@ -93,11 +93,17 @@ def test_a_hung_command_is_cancelled_at_the_runs_end_and_threads_do_not_pile_up(
                 assert kept["status"] == 409, kept
                 assert "has ended (stopped)" in kept["body"]["detail"]
                 assert "cancelled" in kept["body"]["detail"]
-                threads.append(_settled_threads(worker.pid))
+                if not threads:
+                    threads.append(_settled_threads(worker.pid))
+                else:
+                    # Back to the first run's threads once this one has wound up: a thread a hung command
+                    # left behind never goes. (Read once settled for a second, CI once got 1, 5 and 1:
+                    # the second run was still winding up under load.)
+                    back = f"the pool process's threads back to {threads[0]}; log {worker_log}"
+                    wait_for(lambda: _threads(worker.pid) == threads[0], 60, what=back)
+                    threads.append(_threads(worker.pid))
         text = worker_log.read_text()
         assert "left behind" not in text, text
-        # the same threads after each run: none left behind by a hung command
-        assert len(set(threads)) == 1, threads
     finally:
         broker.flushdb()
         broker.close()
