@@ -249,6 +249,11 @@ class Settings(BaseSettings):
 
         return ",".join(parse_lane_hosts(value or socket.gethostname()))
 
+    @property
+    def keeps_runs(self) -> bool:
+        """Whether a clean stop of the server leaves its runs to the next start (`runs_on_shutdown`)."""
+        return self.runs_on_shutdown == "resume"
+
 
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment (and `overrides`), remembering whether the token was generated."""

@@ -95,7 +95,7 @@ def create_app(
         finally:
             if start_timeout is not None:
                 await asyncio.to_thread(start_timeout.stop)
-            if settings.runs_on_shutdown == "resume":
+            if settings.keeps_runs:
                 await asyncio.to_thread(manager.leave_for_next_start)
             else:
                 await asyncio.to_thread(manager.shutdown)

@@ -107,7 +107,7 @@ def serve(
         say(f"metrics: {multiprocess_dir()} left as is (other processes write there, or it does not exist)")
     until = "; the demo run collects batches until then" if spec is not None else ""
     with held_stops() as early:  # a Ctrl-C from the line below on is the server's clean stop
-        if settings.runs_on_shutdown == "resume":
+        if settings.keeps_runs:
             say(f"Ctrl-C stops the server; its runs are left to the next start, which resumes them{until}")
         else:
             say(f"Ctrl-C stops the server and the runs it executes{until}")
@@ -121,7 +121,7 @@ def serve(
             on_stop=app.state.stopping.set,
             on_force=lambda: _abandon(app),
             early=early,
-            keep_runs=settings.runs_on_shutdown == "resume",
+            keep_runs=settings.keeps_runs,
             host=settings.host,
             port=settings.port,
             log_level="warning",
