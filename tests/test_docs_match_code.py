@@ -20,6 +20,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -600,6 +601,68 @@ def route_drift(docs: tuple[Path, ...], data: Path) -> list[str]:
     return drift
 
 
+# A table of the workload family: its header, and the reports it cites within the lines above it.
+FAMILY_HEADER = "| rung | default | design | cpu-scarce | ample-cpu | trace |"
+FAMILY_REPORTS = ("docs/family-trainable.json", "docs/family.json")
+LOWER_BOUND_ROWS = ("lower bound for `full`", "lower bound (full)")
+
+
+def _family_report(text: list[str], header: int) -> str | None:
+    """The report a family table gives its figures from: the nearest one named in the 15 lines above."""
+    for line in reversed(text[max(0, header - 15) : header]):
+        found = [name for name in FAMILY_REPORTS if name in line]
+        if found:
+            return found[0]
+    return None
+
+
+def _figure(cell: str) -> float | None:
+    """A cell's figure: its first number (`**691.9** (797.8 without …)` → 691.9), None where it has none."""
+    found = re.search(r"\d[\d,]*\.?\d*", cell.replace("**", ""))
+    return float(found.group().replace(",", "")) if found else None
+
+
+def _rungs(row: str) -> list[str]:
+    """The rungs a row names: `areal / skyrl (no concurrency cap)` is both, each without a cap."""
+    *heads, last = row.split(" / ")
+    name, paren, variant = last.partition(" (")
+    return [f"{head}{paren}{variant}" for head in heads] + [last] if heads else [name + paren + variant]
+
+
+def figure_drift(docs: tuple[Path, ...], root: Path = ROOT) -> list[str]:
+    """Each mean batch time in a family table is the report's it cites, rounded as shown."""
+    drift = []
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8").splitlines()
+        for header, line in enumerate(text):
+            cited = _family_report(text, header) if line.strip() == FAMILY_HEADER else None
+            if cited is None:
+                continue
+            workloads = json.loads((root / cited).read_text(encoding="utf-8"))["workloads"]
+            names = FAMILY_HEADER.strip("|").split("|")[1:]
+            for number in range(header + 2, len(text)):
+                cells = [c.strip() for c in text[number].strip().strip("|").split("|")]
+                if not text[number].startswith("|") or any("%" in c for c in cells):
+                    break
+                rung = cells[0].replace("*", "")
+                for workload, cell in zip((n.strip() for n in names), cells[1:], strict=False):
+                    shown = _figure(cell)
+                    if shown is None:
+                        continue
+                    rungs = workloads[workload]["rungs"]
+                    if rung in LOWER_BOUND_ROWS:
+                        wanted = [rungs["full"]["lower_bound_s"]]
+                    else:
+                        wanted = [rungs[r]["mean_s"] for r in _rungs(rung) if r in rungs]
+                    where = f"{_name(doc)}:{number + 1}"
+                    if not wanted:
+                        drift.append(f"{where}: {rung}: no such rung in {cited}")
+                    elif any(round(w, 1) != shown for w in wanted):
+                        figures = ", ".join(f"{w:.1f}" for w in wanted)
+                        drift.append(f"{where}: {rung} on {workload}: {shown}, {cited} has {figures}")
+    return drift
+
+
 # --- the checks ------------------------------------------------------------------------------------
 
 
@@ -613,6 +676,7 @@ CHECKS = {
     "settings": ("settings drifted from docs/api.md's table", lambda data: settings_drift(SETTINGS_DOC)),
     "commands": ("command lines that would be refused", lambda data: command_drift(DOCS)),
     "routes": ("routes nobody serves", lambda data: route_drift(DOCS, data)),
+    "figures": ("family table figures that are not their report's", lambda data: figure_drift(DOCS)),
 }
 
 
@@ -669,3 +733,19 @@ def test_each_check_finds_a_drift_of_its_kind(tmp_path: Path) -> None:
     drift = settings_drift(doc[0])
     assert "drifted.md:11: CORRAL_PORT: default `8001`, the code's is 8000" in drift
     assert "drifted.md: CORRAL_DATABASE_URL: a setting missing from the settings table" in drift
+
+
+def test_the_figures_check_finds_a_figure_its_report_lacks(tmp_path: Path) -> None:
+    report = json.loads((ROOT / "docs" / "family.json").read_text(encoding="utf-8"))["workloads"]
+    full = report["default"]["rungs"]["full"]["mean_s"]
+    doc = _doc(
+        tmp_path,
+        "From `docs/family.json`:\n\n"
+        f"{FAMILY_HEADER}\n| --- | --- | --- | --- | --- | --- |\n"
+        f"| **full** | **{full:.1f}** | **1.0** | — | x | y |\n| no such rung | 1.0 | | | | |\n",
+    )
+    design = report["design"]["rungs"]["full"]["mean_s"]
+    assert figure_drift(doc) == [
+        f"drifted.md:5: full on design: 1.0, docs/family.json has {design:.1f}",
+        "drifted.md:6: no such rung: no such rung in docs/family.json",
+    ]
