@@ -110,6 +110,9 @@ FLUSH_SLACK_S = 5.0
 SHUTDOWN_BOUND_S = STOP_ASK_S + RUN_STOP_WAIT_S + CLOSE_WAIT_S + FLUSH_SLACK_S + WRITER_WAIT_S
 # How long `shutdown` still waits once abandoned (a second Ctrl-C): a run a moment from its end ends
 ABANDON_GRACE_S = 1.0
+# How long a frozen run's sinks, left to the next start with events unstored, get to let go of them:
+# the store's puts what it holds in its spill on disk (local disk writes, milliseconds)
+SPILL_AT_LEAVE_S = 0.5
 # How long an ack waits for the store to have it before it answers
 WRITTEN_WAIT_S = 5.0
 # How long an offer's or an ack's mirror waits for the event sink to store its batch
@@ -119,6 +122,7 @@ BATCH_STORED_WAIT_S = 60.0
 # Kept for all, a server's memory grew with every run it had ever executed.
 KEEP_ENDED_HANDLES = 8
 STORE_BATCH = 500  # envelopes per transaction
+STORE_SINK = "store"  # the name of each run's store sink on its bus
 # A spill left by a dead process is stored in batches of this many envelopes
 SPILL_RECOVER_BATCH = 2_000
 
@@ -398,7 +402,7 @@ class RunManager:
         overflow = SpillFile(self._spill_path(recorder.run_id), self.spill_max_bytes)
         recorder.bus.add_sink(
             recorder.stored,
-            name="store",
+            name=STORE_SINK,
             batch_size=min(STORE_BATCH, self.store_buffer),
             capacity=self.store_buffer,
             spill=overflow,
@@ -968,9 +972,10 @@ class RunManager:
                 continue
             last = handle.recorder.bus.published - 1
             stored = self._wait_or_abandoned(_Stored(handle.recorder, last), deadline)
+            kept = "stored" if stored else self._keep_unstored(handle)
             log.warning(
-                "run %s: left to the next start, which resumes it (%s)", handle.run_id,
-                f"its {last + 1} events stored" if stored else "some of its last events may not be stored",
+                "run %s: left to the next start, which resumes it (its %d events %s)", handle.run_id,
+                last + 1, kept,
             )  # fmt: skip
             left.append(handle.run_id)
         self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
@@ -978,6 +983,20 @@ class RunManager:
         if left and registration is not None:
             registration.keep()
         return tuple(left)
+
+    def _keep_unstored(self, handle: RunHandle) -> str:
+        """A frozen run whose events the store does not all have: its sinks let go of what they hold,
+        the store's into its spill on disk (`_SinkWorker.close`), which the next start stores before it
+        resumes the run. Before, a second Ctrl-C (or a database away past the wait) lost every event
+        not yet written, all of a young run's. What became of them, for the log line."""
+        sinks = handle.recorder.close(SPILL_AT_LEAVE_S)
+        store = sinks.get(STORE_SINK, {})
+        kept, lost = int(store.get("kept_on_disk", 0)), int(store.get("unflushed", 0))
+        if lost:
+            return f"published: {lost} of them neither stored nor kept, the spill's disk refused them"
+        if kept:
+            return f"published: {kept} of them not yet stored, kept on disk for the next start to store"
+        return "stored"
 
     def abandon(self) -> None:
         """Stop waiting (a second Ctrl-C): `shutdown` returns within `ABANDON_GRACE_S`, leaving each run

@@ -5,11 +5,18 @@ With the default (`stop`) the same Ctrl-C ends the run `stopped`, for good."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
-from api_support import free_port, make_run, serve_env, serve_process, wait_for
+from api_support import POSTGRES_URL, TOKEN, free_port, make_run, serve_env, serve_process, wait_for
+from db_relay import relayed_database
+from test_serve_restart import _healthy
 
 from app.service.store import ServiceStore
 
@@ -81,3 +88,84 @@ def test_by_default_a_clean_stop_of_the_server_ends_its_runs(tmp_path: Path) -> 
     finally:
         store.close()
     assert "Ctrl-C stops the server and the runs it executes" in log.read_text()
+
+
+def test_a_second_ctrl_c_while_the_runs_are_left_with_the_database_away_exits_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """`CORRAL_RUNS_ON_SHUTDOWN=resume`, Postgres cut away (a relay dropped) just before Ctrl-C: the
+    server leaves the run to the next start while its last events cannot reach the database, and a
+    second Ctrl-C ends the waits. It must exit at once, with the run still `running` in the store and
+    every event it published kept (stored, or spilled and stored by the next start, which resumes it)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        with relayed_database(POSTGRES_URL, tmp_path) as db:
+            env = {
+                **serve_env(tmp_path, db.relayed_url, port),
+                "CORRAL_RUNS_ON_SHUTDOWN": "resume",
+                "CORRAL_STORE_OUTAGE_S": "60",  # the first Ctrl-C alone would wait the database out
+            }
+            with log.open("ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from app.cli import main; main()", "serve"], env=env,
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            try:
+                wait_for(lambda: _healthy(url), 120, what=f"corral serve to start; log {log}")
+                spec = make_run(batches=None, trainer="sentinel", sentinel_step_s=0.05, speed=8.0)
+                run_id = api.post("/api/runs", json=spec).json()["id"]
+                wait_for(lambda: live_batches(api, run_id) >= 2, 120, what="2 batches")
+                db.relay.cut()
+                os.killpg(proc.pid, signal.SIGINT)
+                wait_for(lambda: "its runs are left to the next start" in log.read_text(), 30, what="leaving")
+                time.sleep(2)  # the waits are under way, the database still away
+                assert proc.poll() is None, log.read_text()[-3000:]
+                second = time.monotonic()
+                os.killpg(proc.pid, signal.SIGINT)
+                code = proc.wait(30)
+                took = time.monotonic() - second
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            text = log.read_text()
+            assert code == 0, text[-3000:]
+            assert took < 15, f"{took:.1f} s after the second Ctrl-C; log:\n{text[-3000:]}"
+            assert "Traceback" not in text, text[-5000:]
+            said = re.search(
+                rf"run {run_id}: left to the next start, which resumes it \(its (\d+) events", text
+            )
+            assert said is not None, text[-3000:]
+            assert "neither stored nor kept" not in text
+
+            db.relay.restore()
+            store = ServiceStore(db.url, migrate=False)
+            try:
+                record = store.get_run(run_id)
+                assert record is not None
+                assert record.state == "running"  # not ended: the next start resumes it
+                with serve_process(env, log) as again:
+                    assert again.get(f"/api/runs/{run_id}").json()["state"] == "running"
+                    before = live_batches(again, run_id)
+                    wait_for(lambda: live_batches(again, run_id) >= before + 1, 120, what="resumed")
+                    assert again.post(f"/api/runs/{run_id}/stop").status_code == 200
+                    state = lambda: again.get(f"/api/runs/{run_id}").json()["state"]  # noqa: E731
+                    wait_for(lambda: state() == "stopped", 120, what="stop")
+                ledger, _ = store.ledger(run_id)
+                assert ledger.gaps == 0  # nothing the first server published went missing
+                assert not ledger.ended_twice
+                assert ledger.lost == 0
+                events = store.timeline(run_id, -1, 1_000_000)
+                kinds = [e["kind"] for e in events]
+                assert kinds.count("run_started") == 2
+                assert kinds.count("run_ended") == 1
+                # The resumed run went on after every event the first server published: all stored
+                resumed = [e["seq"] for e in events if e["kind"] == "run_started"][1]
+                assert resumed >= int(said.group(1)) > 0
+            finally:
+                store.close()
+    finally:
+        api.close()
