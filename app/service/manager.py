@@ -933,6 +933,8 @@ class RunManager:
             )
             if not self._wait_or_abandoned(handle.done, flushed_by):
                 log.warning("run %s: its last events and end state may be lost, unstored", handle.run_id)
+        if self._abandoned.is_set():
+            self._keep_what_left_runs_hold()
         self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
         interrupted = [h.run_id for h in self.handles.values() if not h.done.is_set()]
         if interrupted:
@@ -983,6 +985,31 @@ class RunManager:
         if left and registration is not None:
             registration.keep()
         return tuple(left)
+
+    def _keep_what_left_runs_hold(self) -> None:
+        """Abandoned (a second Ctrl-C): each run not ended yet is left as the store has it, for the next
+        start to resume. What it published that the store does not have yet goes to its spill first, as
+        `leave_for_next_start` does: its loop is frozen (or it has ended and is storing its last events),
+        then its sinks let go. A run whose loop does not take the freeze within `SPILL_AT_LEAVE_S` is
+        still publishing and is left as a kill -9 would leave it."""
+        frozen: builtins.list[tuple[RunHandle, threading.Event]] = []
+        for handle in self.handles.values():
+            if handle.done.is_set():
+                continue
+            reached = threading.Event()
+            try:
+                handle.submit(_freeze, reached)
+            except RunNotLiveError:  # its loop has ended: it is storing its last events, or about to
+                reached = handle.flushing
+            frozen.append((handle, reached))
+        by = time.monotonic() + SPILL_AT_LEAVE_S
+        for handle, reached in frozen:
+            last = handle.recorder.bus.published - 1
+            if reached.wait(max(0.0, by - time.monotonic())) and not handle.recorder.wait_stored(last, 0):
+                log.warning(
+                    "run %s: left as the store has it (its %d events %s)",
+                    handle.run_id, last + 1, self._keep_unstored(handle),
+                )  # fmt: skip
 
     def _keep_unstored(self, handle: RunHandle) -> str:
         """A frozen run whose events the store does not all have: its sinks let go of what they hold,
