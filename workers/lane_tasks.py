@@ -124,13 +124,18 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
 
 @shared_task(name=LANE_SWEEP_TASK)  # type: ignore[untyped-decorator]
 def lane_sweep(data: dict[str, Any]) -> dict[str, int]:
-    """A run's start asks this host's cleanup worker to remove what its older incarnations left in its
-    sandbox directory (`CeleryLanes.begin_incarnation`, workers.sandboxes)."""
+    """A run's start asks this host's cleanup worker to remove what its older incarnations left: in its
+    sandbox directory (`root`), or its docker containers (`run`) (`CeleryLanes.begin_incarnation`,
+    workers.sandboxes)."""
     if _worker is None or _worker.lane is not LaneName.CLEANUP:
         raise LaneOpError("a sweep runs on a cleanup lane worker (`corral worker --lane cleanup`)")
-    root, incarnation = data.get("root"), data.get("incarnation")
-    if not isinstance(root, str) or not os.path.isabs(root):
-        raise LaneOpError(f"sweep.root: expected an absolute path, got {root!r}")
+    root, run, incarnation = data.get("root"), data.get("run"), data.get("incarnation")
     if not isinstance(incarnation, int) or isinstance(incarnation, bool) or incarnation <= 0:
         raise LaneOpError(f"sweep.incarnation: expected a positive integer, got {incarnation!r}")
+    if run is not None:  # a run of docker sandboxes: its containers, by its label
+        if not isinstance(run, str) or root is not None:
+            raise LaneOpError(f"sweep.run: expected a run id (and no root), got {run!r}")
+        return dict(vars(_worker.sandboxes.sweep_docker(run, incarnation)))
+    if not isinstance(root, str) or not os.path.isabs(root):
+        raise LaneOpError(f"sweep.root: expected an absolute path, got {root!r}")
     return dict(vars(_worker.sandboxes.sweep(Path(root), incarnation)))

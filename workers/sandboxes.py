@@ -31,10 +31,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +63,9 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = ".corral-state"
 INCARNATION_FILE = "incarnation"  # in STATE_DIR: the newest incarnation of the run seen on this host
+_RUN_ID = re.compile(
+    r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}$"
+)  # a docker sandbox's run, as `corral.run` names it
 
 
 class OlderIncarnation(LaneOpError):
@@ -105,11 +110,7 @@ class HostSandboxes:
 
     def after(self, op: LaneOp[Any], sandbox: LocalSandbox | DockerSandbox) -> None:
         """Keep what the next op of this sandbox needs: state after `reset`, nothing after `cleanup`."""
-        if isinstance(sandbox, LocalSandbox):
-            state = _local_state(sandbox)
-        else:
-            assert self.state_dir is not None
-            state = self.state_dir / f"{sandbox.container_name}.json"
+        state = self._state_file(sandbox)
         if op.name is LaneName.CLEANUP:
             state.unlink(missing_ok=True)
         elif op.name is LaneName.RESET:
@@ -119,16 +120,16 @@ class HostSandboxes:
             _write_atomic(state, {"task": op.args["task"], **_state_of(sandbox), **holder})
 
     def check_incarnation(self, op: LaneOp[Any]) -> None:
-        """Refuse (`OlderIncarnation`) an op other than a cleanup on a local sandbox of an incarnation
-        older than the newest one seen in its directory on this host; a reset makes its own incarnation
-        the newest seen there."""
+        """Refuse (`OlderIncarnation`) an op other than a cleanup on a sandbox of an incarnation older than
+        the newest one of its run seen on this host; a reset makes its own incarnation the newest seen."""
         incarnation = incarnation_of(op.handle.id)
-        if op.name is LaneName.CLEANUP or incarnation is None or op.handle.kind != "local":
+        newest_file = self._newest_file(op.handle)
+        if op.name is LaneName.CLEANUP or incarnation is None or newest_file is None:
             return
-        if not op.handle.work_dir:
-            return  # refused by `resolve`, naming the field
-        root = Path(op.handle.work_dir).parent
-        newest = _raise_incarnation(root, incarnation) if op.name is LaneName.RESET else _incarnation(root)
+        if op.name is LaneName.RESET:
+            newest = _raise_incarnation(newest_file, incarnation)
+        else:
+            newest = _incarnation(newest_file)
         if incarnation < newest:
             raise OlderIncarnation(
                 f"sandbox {op.handle.id!r} is of an older incarnation of its run ({incarnation}) than the "
@@ -139,12 +140,13 @@ class HostSandboxes:
         """After a reset (done or failed): if a newer incarnation of the sandbox's run showed up while it
         ran, remove what it made (a sweep that ran meanwhile may have missed it). Whether it did."""
         incarnation = incarnation_of(op.handle.id)
-        if not isinstance(sandbox, LocalSandbox) or incarnation is None or op.name is not LaneName.RESET:
+        newest_file = self._newest_file(op.handle)
+        if incarnation is None or newest_file is None or op.name is not LaneName.RESET:
             return False
-        if incarnation >= _incarnation(sandbox.factory.base_dir):
+        if incarnation >= _incarnation(newest_file):
             return False
         asyncio.run(sandbox.cleanup())
-        _local_state(sandbox).unlink(missing_ok=True)
+        self._state_file(sandbox).unlink(missing_ok=True)
         return True
 
     def sweep(self, root: Path, incarnation: int) -> Found:
@@ -154,7 +156,7 @@ class HostSandboxes:
         found = Found()
         factory = self._factory(root.resolve())
         root = factory.base_dir
-        newest = _raise_incarnation(root, incarnation)
+        newest = _raise_incarnation(root / STATE_DIR / INCARNATION_FILE, incarnation)
         states = root / STATE_DIR
         dead = sorted(
             entry
@@ -168,6 +170,39 @@ class HostSandboxes:
             log.warning(
                 "removed what older incarnations of the run left in %s on %s: %s", root, self.host, found
             )
+        return found
+
+    def sweep_docker(self, run: str, incarnation: int) -> Found:
+        """Remove this host's docker sandboxes of run `run` of an incarnation older than the newest one of
+        the run seen here (`incarnation` at least): their containers, listed by the run's label alone (so
+        never another run's), and their state files; logged in one line when any went."""
+        if self.docker is None or self.state_dir is None:
+            raise LaneOpError(
+                f"sweep.run: run {run!r} has docker sandboxes; start this worker with --docker-image"
+            )
+        newest = _raise_incarnation(self._run_file(run), incarnation)
+
+        def older(attempt: object) -> bool:
+            return (
+                isinstance(attempt, str)
+                and is_attempt_sandbox(attempt)
+                and (incarnation_of(attempt) or 0) < newest
+            )
+
+        removed = self.docker.remove_run_containers(run, older)
+        dead = set(removed)
+        for state in self.state_dir.glob("*.json"):  # also a state whose container went another way
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                data = json.loads(state.read_text())
+                if data.get("run") == run and older(data.get("attempt")):
+                    dead.add(data["attempt"])
+        for attempt in dead:
+            name = self.docker.create(attempt).container_name
+            for stale in self.state_dir.glob(f"{name}.json*"):
+                stale.unlink(missing_ok=True)
+        found = Found(sandboxes=len(dead), containers=len(removed))
+        if found:
+            log.warning("removed what older incarnations of run %s left on %s: %s", run, self.host, found)
         return found
 
     # -- internals ----------------------------------------------------------------------------------
@@ -222,11 +257,36 @@ class HostSandboxes:
         sandbox = self.docker.create(handle.id)
         if sandbox.container_name != handle.container:
             raise LaneOpError(f"handle.container: {handle.container!r} is not sandbox {handle.id!r}'s")
+        if handle.run is not None:
+            self._run_file(handle.run)  # refuses a run id that is no file name
+        sandbox.run = handle.run
         state = self.state_dir / f"{sandbox.container_name}.json"
         if state.exists():
             data = json.loads(state.read_text())
             sandbox.adopt(task_from_dict(data["task"]), data["container_id"])
         return sandbox
+
+    def _newest_file(self, handle: SandboxHandle) -> Path | None:
+        """Where the newest incarnation of the handle's run seen on this host is kept: beside a local
+        sandbox's work dir, in the state dir for a docker sandbox's run; None when it has no such run."""
+        if handle.kind == "local" and handle.work_dir:
+            return Path(handle.work_dir).parent / STATE_DIR / INCARNATION_FILE
+        if handle.kind == "docker" and handle.run is not None and self.state_dir is not None:
+            return self._run_file(handle.run)
+        return None
+
+    def _run_file(self, run: str) -> Path:
+        """The newest incarnation of docker run `run` seen on this host."""
+        assert self.state_dir is not None
+        if not _RUN_ID.match(run):
+            raise LaneOpError(f"run {run!r}: a run id is letters, digits, '_', '-' and '.' (at most 100)")
+        return self.state_dir / f"run-{run}.{INCARNATION_FILE}"
+
+    def _state_file(self, sandbox: LocalSandbox | DockerSandbox) -> Path:
+        if isinstance(sandbox, LocalSandbox):
+            return _local_state(sandbox)
+        assert self.state_dir is not None
+        return self.state_dir / f"{sandbox.container_name}.json"
 
     def _factory(self, base_dir: Path) -> LocalSandboxFactory:
         factory = self._factories.get(base_dir)
@@ -237,8 +297,8 @@ class HostSandboxes:
 
 
 def _state_of(sandbox: LocalSandbox | DockerSandbox) -> dict[str, Any]:
-    if not isinstance(sandbox, LocalSandbox):
-        return {"container_id": sandbox.container_id}
+    if not isinstance(sandbox, LocalSandbox):  # its run and attempt: a sweep of its run finds it
+        return {"container_id": sandbox.container_id, "run": sandbox.run, "attempt": sandbox.attempt_id}
     group = sandbox.pids_group
     pids = None if group is None else {"path": str(group.path), "version": group.version}
     return {"uid": sandbox.uid, "pids_group": pids}
@@ -273,18 +333,17 @@ def _claim_held_by(factory: LocalSandboxFactory, uid: int, holder: object) -> bo
         return False
 
 
-def _incarnation(root: Path) -> int:
-    """The newest incarnation of the run seen in its sandbox directory `root` on this host (0: none)."""
+def _incarnation(path: Path) -> int:
+    """The newest incarnation of a run seen on this host, as kept in `path` (0: none)."""
     try:
-        return int((root / STATE_DIR / INCARNATION_FILE).read_text() or 0)
+        return int(path.read_text() or 0)
     except (OSError, ValueError):
         return 0
 
 
-def _raise_incarnation(root: Path, incarnation: int) -> int:
-    """Make `incarnation` the newest seen in `root` unless a newer one was; returns the newest. Under a
+def _raise_incarnation(path: Path, incarnation: int) -> int:
+    """Make `incarnation` the newest seen in `path` unless a newer one was; returns the newest. Under a
     lock on the file: two processes raising it at once never lower it."""
-    path = root / STATE_DIR / INCARNATION_FILE
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:

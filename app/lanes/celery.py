@@ -327,26 +327,32 @@ class CeleryLanes:
             self._placed[handle.id] = host
         return handle.on(host)
 
-    def begin_incarnation(self, root: Path) -> int:
-        """Start an incarnation of the run whose sandboxes live in `root` (its first start, or a resume):
-        draw its number, the result backend's Redis clock in ms (one clock for every host, so a later
-        incarnation's number is larger wherever it runs), and send each lane host a sweep of `root`
+    def begin_incarnation(self, root: Path | None = None, run: str | None = None) -> int:
+        """Start an incarnation of a run (its first start, or a resume) whose sandboxes live in `root`
+        (local sandboxes) or are docker containers labelled with run id `run`: draw its number, the
+        result backend's Redis clock in ms (one clock for every host, so a later incarnation's number is
+        larger wherever it runs), and send each lane host a sweep of `root` or of `run`'s containers
         through its cleanup lane. The host's cleanup worker removes the sandboxes there of every older
         incarnation (what a killed one left) and refuses their ops from then on (workers.sandboxes). Not
         waited for: a sweep touches no sandbox of this incarnation, whose ids end with
         `incarnation_suffix(n)`, and a host that is down sweeps when it is back."""
+        if (root is None) == (run is None):
+            raise LaneOpError(
+                "begin_incarnation: name the run's sandbox directory or its run id, one of them"
+            )
         try:
             seconds, micros = self.celery.backend.client.time()
         except lost_ops.BROKER_ERRORS as exc:  # never a reason not to run: this host's clock then
             log.warning("the result backend did not answer for the time (%s): this host's clock is used", exc)
             seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
         incarnation = int(seconds) * 1000 + int(micros) // 1000
-        sweep = {"root": str(root), "incarnation": incarnation}
+        sweep: dict[str, object] = {"root": str(root)} if run is None else {"run": run}
+        sweep["incarnation"] = incarnation
         for host in self.hosts:
             try:
                 self.celery.send_task(LANE_SWEEP_TASK, args=[sweep], queue=lane_queue(host, LaneName.CLEANUP))
             except lost_ops.BROKER_ERRORS as exc:  # its next start sweeps it
-                log.warning("%s on %s not swept: the broker did not answer (%s)", root, host, exc)
+                log.warning("%s on %s not swept: the broker did not answer (%s)", root or run, host, exc)
         return incarnation
 
     def forget(self, handle: SandboxHandle) -> bool:

@@ -108,6 +108,7 @@ class SandboxHandle:
     host: str | None = None
     work_dir: str | None = None
     container: str | None = None
+    run: str | None = None  # a docker sandbox's run on Celery lanes: its container is labelled with it
 
     def on(self, host: str) -> SandboxHandle:
         return replace(self, host=host)
@@ -131,6 +132,7 @@ class SandboxHandle:
             host=_opt_str(raw, "host", "handle"),
             work_dir=_opt_str(raw, "work_dir", "handle"),
             container=_opt_str(raw, "container", "handle"),
+            run=_opt_str(raw, "run", "handle"),
         )
 
 
@@ -142,7 +144,8 @@ def handle_of(sandbox: Sandbox, host: str | None = None) -> SandboxHandle:
     attempt_id = getattr(sandbox, "attempt_id", None)
     container = getattr(sandbox, "container_name", None) if isinstance(attempt_id, str) else None
     if isinstance(container, str) and isinstance(attempt_id, str):
-        return SandboxHandle("docker", attempt_id, host, container=container)
+        run = getattr(sandbox, "run", None)
+        return SandboxHandle("docker", attempt_id, host, container=container, run=run)
     return SandboxHandle(type(sandbox).__name__, f"{type(sandbox).__name__}-{id(sandbox):x}", host)
 
 

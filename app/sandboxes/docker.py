@@ -5,6 +5,9 @@ Invariants:
   replaces any container of that name, `cleanup` removes it (a missing container is not an error).
 - In a process that owns its sandboxes (leftovers.py), containers also carry `corral.owner`, and the
   first use of the daemon removes the containers of dead owners on this host.
+- A sandbox of a run on Celery lanes (`run` set) labels its container `corral.run` (the run's id) and
+  `corral.incarnation` (the incarnation its id ends with): a lane host's sweep finds a run's containers
+  by that label alone, so it never lists another run's (workers.sandboxes).
 - Containers run with `network_mode="none"`, `pids_limit`, `mem_limit` and an init process (so
   killed commands' children are reaped); `cpuset_cpus` is the CPU set of the lane running the
   current operation (set at creation, updated when a later operation comes from another lane).
@@ -39,6 +42,7 @@ import docker.utils.socket
 import requests.exceptions
 
 from app.cpulist import format_cpu_list
+from app.lanes.ops import incarnation_of
 from app.sandboxes import leftovers
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
@@ -51,6 +55,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LABEL = "corral.attempt"
+RUN_LABEL = "corral.run"
+INCARNATION_LABEL = "corral.incarnation"
 # $0 = command, $1 = timeout in seconds. The watcher is a separate sh so that killing it (trap)
 # also stops its sleep; the marker file distinguishes a deadline kill from a command dying of SIGKILL.
 _WATCHER = (
@@ -111,6 +117,7 @@ class DockerSandboxFactory:
         self._away_since: float | None = None
         self._stopping = False
         self.owner_label = leftovers.container_owner_label()  # empty unless this process owns them
+        self.run: str | None = None  # the run its sandboxes belong to, on Celery lanes (`RUN_LABEL`)
 
     @property
     def client(self) -> docker.DockerClient:
@@ -218,6 +225,22 @@ class DockerSandboxFactory:
             lambda container: client.containers.get(container).remove(force=True),
         )
 
+    def remove_run_containers(self, run: str, dead: Callable[[str], bool]) -> list[str]:
+        """Remove the containers of run `run` (listed by its label alone: never another run's) whose
+        attempt id `dead` takes (a sweep on a lane host: workers.sandboxes); returns those attempt ids. A
+        daemon that fails is a `SandboxError` of one line."""
+        removed = []
+        try:
+            for container in self.client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run}"}):
+                attempt = container.labels.get(LABEL, "")
+                if container.labels.get(RUN_LABEL) == run and dead(attempt):
+                    with contextlib.suppress(docker.errors.NotFound):  # removed meanwhile
+                        container.remove(force=True)
+                    removed.append(attempt)
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            raise SandboxError(f"docker daemon at {self.daemon}: {_reason(exc)}") from None
+        return removed
+
     def create(self, attempt_id: str) -> DockerSandbox:
         return DockerSandbox(self, attempt_id)
 
@@ -228,6 +251,7 @@ class DockerSandbox(CommandSandbox):
         self.attempt_id = attempt_id
         self.container_name = f"corral-{_safe_name(attempt_id)}"
         self.container_id: str | None = None
+        self.run = factory.run  # on a lane worker: the run its handle names
         self._cpus: str | None = None
         self._task: TaskSpec | None = None
         # Creation and removal run in threads, which a cancelled await leaves running: a reset
@@ -292,7 +316,7 @@ class DockerSandbox(CommandSandbox):
             pids_limit=f.pids_limit,
             mem_limit=f.mem_limit,
             working_dir=f.work_dir,
-            labels={LABEL: self.attempt_id, **f.owner_label},
+            labels={LABEL: self.attempt_id, **f.owner_label, **self._run_labels()},
             **kwargs,
         )
         self.container_id = container.id
@@ -302,6 +326,12 @@ class DockerSandbox(CommandSandbox):
         f.client.api.exec_start(mkdir)
         if not container.put_archive(f.work_dir, archive):
             raise SandboxError(f"copying the task files into {self.container_name}:{f.work_dir} failed")
+
+    def _run_labels(self) -> dict[str, str]:
+        incarnation = incarnation_of(self.attempt_id)
+        if self.run is None or incarnation is None:
+            return {}
+        return {RUN_LABEL: self.run, INCARNATION_LABEL: str(incarnation)}
 
     def _remove(self) -> None:
         with self._lock:

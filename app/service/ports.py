@@ -179,12 +179,16 @@ async def _local_ports(
         factory = await make_sandbox_factory(config, policy, sandboxes)
         # On lane hosts (Celery lanes) a killed predecessor's sandboxes have no owner that the next
         # start of a process would sweep: this start sweeps them there (`CeleryLanes.begin_incarnation`).
-        # Only in the run's own sandbox directory: one the config names may hold other runs' sandboxes,
-        # which a sweep would take for a killed incarnation's (their numbers are older than this start's).
+        # Local sandboxes only in the run's own sandbox directory: one the config names may hold other
+        # runs' sandboxes, which a sweep would take for a killed incarnation's (their numbers are older
+        # than this start's). Docker sandboxes by their containers' run label (the run's id).
         suffix = ""
         begin = getattr(lanes, "begin_incarnation", None)
         if begin is not None and isinstance(factory, LocalSandboxFactory) and not config.sandbox.base_dir:
             suffix = incarnation_suffix(await asyncio.to_thread(begin, factory.base_dir))
+        elif begin is not None and not isinstance(factory, LocalSandboxFactory):
+            factory.run = work_dir.name
+            suffix = incarnation_suffix(await asyncio.to_thread(begin, None, factory.run))
         agent = ShellAgent(ShellAgentConfig(max_tokens=config.engines.max_tokens))
         yield RunPorts(
             engines=clients,
