@@ -53,7 +53,7 @@ from app.lanes.ops import (
 from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
 from app.sandboxes.leftovers import Found
-from app.sandboxes.limits import PidsGroup, pids_parent
+from app.sandboxes.limits import PidsGroup, claim_names, pids_parent
 from app.sandboxes.local import LocalSandbox, LocalSandboxFactory
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class HostSandboxes:
         elif op.name is LaneName.RESET:
             if isinstance(sandbox, LocalSandbox) and sandbox.uid is not None and sandbox.factory.uids:
                 sandbox.factory.uids.hand_over(sandbox.uid, self.owner_pid)
+                sandbox.uid_holder = self.owner_pid
             holder = {"uid_holder": self.owner_pid}  # whose claim a sweep may take the uid's for
             _write_atomic(state, {"task": op.args["task"], **_state_of(sandbox), **holder})
 
@@ -211,12 +212,19 @@ class HostSandboxes:
         """One dead sandbox: its processes, cgroups, uid claim (if still its own), work dir and state."""
         sandbox = factory.create(name)
         state = _local_state(sandbox)
-        try:
-            holder = _adopt_state(sandbox, state, with_task=False).get("uid_holder")
-        except (ValueError, KeyError, TypeError):  # half a state: what is on disk goes all the same
-            holder = None
-        if sandbox.uid is not None and not _claim_held_by(factory, sandbox.uid, holder):
-            sandbox.uid = None  # its claim lapsed: the uid may be another sandbox's now
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # half a state: what is on disk goes
+            _adopt_state(sandbox, state, with_task=False)
+        # Its uid's processes are killed, and the claim dropped, only while the claim names the holder
+        # its reset gave it (`LocalSandbox.cleanup`): a worker restarted since lost its claims, and
+        # another sandbox may hold that uid now.
+        uids, uid, holder = factory.uids, sandbox.uid, sandbox.uid_holder
+        if (
+            uids is not None
+            and uid is not None
+            and holder is not None
+            and claim_names(uids.claims, uid, holder)
+        ):
+            found.uid_claims += 1
         groups = [] if sandbox.pids_group is None else [sandbox.pids_group]
         parent = pids_parent(CGROUP_ROOT)
         if parent is not None:  # a reset killed before it wrote the state: its group by name
@@ -231,8 +239,6 @@ class HostSandboxes:
                 found.cgroups += 1
         sandbox.pids_group = None
         found.processes += leftovers.kill_in(sandbox.work_dir)
-        if sandbox.uid is not None:
-            found.uid_claims += 1
         asyncio.run(sandbox.cleanup())
         for stale in state.parent.glob(f"{state.name}*"):
             stale.unlink(missing_ok=True)
@@ -315,22 +321,14 @@ def _adopt_state(sandbox: LocalSandbox, state: Path, with_task: bool = True) -> 
     except FileNotFoundError:
         return {}
     group = data["pids_group"]
+    holder = data.get("uid_holder")
     sandbox.adopt(
         task_from_dict(data["task"]) if with_task else None,
         data["uid"],
         None if group is None else PidsGroup(Path(group["path"]), group["version"]),
+        holder if isinstance(holder, int) else None,
     )
     return data
-
-
-def _claim_held_by(factory: LocalSandboxFactory, uid: int, holder: object) -> bool:
-    """Whether `uid`'s claim on this host still names `holder`, the process the sandbox's reset gave it."""
-    if factory.uids is None or not isinstance(holder, int):
-        return False
-    try:
-        return (factory.uids.claims / str(uid)).read_text().strip() == str(holder)
-    except OSError:
-        return False
 
 
 def _incarnation(path: Path) -> int:

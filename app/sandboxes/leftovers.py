@@ -34,7 +34,6 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import zlib
@@ -48,6 +47,7 @@ from app.sandboxes.limits import (
     PidsGroup,
     SandboxLimitError,
     after_comm,
+    kill_uid_if_claimed,
     kill_until_gone,
     owner_alive,
     pids_parent,
@@ -264,17 +264,6 @@ def rmtree(path: Path) -> None:
         shutil.rmtree(path, onerror=fix_and_retry)
 
 
-def uid_kill_argv(setpriv: str, uid: int) -> list[str]:
-    """kill(-1) as the sandbox uid: reaches every process of that uid, however it detached."""
-    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-KILL", "-1"]
-
-
-def kill_uid_processes(uid: int) -> None:
-    setpriv = shutil.which("setpriv")
-    if setpriv is not None:
-        subprocess.run(uid_kill_argv(setpriv, uid), capture_output=True, check=False, timeout=30)
-
-
 def _sweep_root(root: Path, found: Found) -> None:
     markers = root / MARKERS
     for marker in sorted(markers.glob("*")) if markers.is_dir() else []:
@@ -304,8 +293,7 @@ def _sweep_claims(claims: Path, dead: Owner) -> None:
         except FileNotFoundError:
             continue  # released meanwhile (the claims are the whole host's)
         if claim.name.isdigit() and holder == str(dead.pid) and not owner_alive(claim):
-            kill_uid_processes(int(claim.name))
-            claim.unlink(missing_ok=True)
+            kill_uid_if_claimed(claims, int(claim.name), dead.pid, release=True)
 
 
 def kill_in(work: Path) -> int:

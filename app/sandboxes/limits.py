@@ -10,19 +10,26 @@ Invariants:
   owner pid, in the host's one claims directory, `uid_claims_dir()`, whatever the sandbox's own
   directory); a claim whose owner is dead may be taken over. Killing "every process of the uid"
   therefore only hits that sandbox, never one of another run that named its sandbox alike.
+- Every process of a uid is killed only while its claim names the holder the caller's sandbox gave it
+  (`kill_uid_if_claimed`): a claim lapses with its holder (a lane worker restarted) and another sandbox
+  may have taken the uid since. Claiming, handing over, releasing and that check-and-kill hold the
+  claims directory's lock, so no claim changes hands between the check and the kill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import resource
+import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,28 +247,35 @@ class UidPool:
         private_dir(self.claims, "uid claims directory", f"set {ENV_UID_CLAIMS} to another path")
 
     def claim(self, hint: int) -> int:
-        for i in range(self.span):
-            uid = self.base + (hint + i) % self.span
-            path = self.claims / str(uid)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                if owner_alive(path):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        with claims_locked(self.claims):
+            for i in range(self.span):
+                uid = self.base + (hint + i) % self.span
+                path = self.claims / str(uid)
                 try:
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 except FileExistsError:
-                    continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            return uid
+                    if owner_alive(path):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    try:
+                        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    except FileExistsError:
+                        continue
+                with os.fdopen(fd, "w") as f:
+                    f.write(str(os.getpid()))
+                return uid
         raise SandboxLimitError(f"all {self.span} sandbox uids from {self.base} are claimed ({self.claims})")
 
-    def release(self, uid: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.claims / str(uid)).unlink()
+    def release(self, uid: int, holder: int) -> bool:
+        """Drop `uid`'s claim if it still names `holder` (not one that another sandbox took since); whether
+        it did."""
+        with claims_locked(self.claims):
+            if not claim_names(self.claims, uid, holder):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                (self.claims / str(uid)).unlink()
+            return True
 
     def hand_over(self, uid: int, owner_pid: int) -> None:
         """Make `owner_pid` the holder of `uid`'s claim: a claim lapses when its holder dies, so a
@@ -269,8 +283,49 @@ class UidPool:
         (a Celery worker's main process, not the pool process that ran the reset)."""
         path = self.claims / str(uid)
         tmp = path.with_name(f".{uid}.{os.getpid()}.tmp")
-        tmp.write_text(str(owner_pid))
-        tmp.replace(path)
+        with claims_locked(self.claims):
+            tmp.write_text(str(owner_pid))
+            tmp.replace(path)
+
+
+@contextlib.contextmanager
+def claims_locked(claims: Path) -> Iterator[None]:
+    """Hold the lock of the host's claims directory `claims` (an flock on the directory itself)."""
+    fd = os.open(claims, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def claim_names(claims: Path, uid: int, holder: int) -> bool:
+    """Whether `uid`'s claim in `claims` names `holder`."""
+    try:
+        return (claims / str(uid)).read_text().strip() == str(holder)
+    except OSError:
+        return False
+
+
+def uid_kill_argv(setpriv: str, uid: int) -> list[str]:
+    """kill(-1) as the sandbox uid: reaches every process of that uid, however it detached."""
+    return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-KILL", "-1"]
+
+
+def kill_uid_if_claimed(claims: Path, uid: int, holder: int, release: bool = False) -> bool:
+    """Kill every process of `uid` if its claim in `claims` still names `holder`, the process the
+    caller's sandbox got it from, and with `release` drop the claim; whether it did. Under the claims
+    lock: a claim that lapsed (its holder died) is taken over only under it, so the uid cannot pass to
+    another sandbox, which would start processes as it, between the check and the kill."""
+    with claims_locked(claims):
+        if not claim_names(claims, uid, holder):
+            return False
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            subprocess.run(uid_kill_argv(setpriv, uid), capture_output=True, check=False, timeout=30)
+        if release:
+            (claims / str(uid)).unlink(missing_ok=True)
+        return True
 
 
 def owner_alive(path: Path) -> bool:

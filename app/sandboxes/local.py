@@ -44,8 +44,15 @@ from typing import TYPE_CHECKING, Literal
 from app.sandboxes import cpuset, cpushare, leftovers
 from app.sandboxes.base import ExecResult
 from app.sandboxes.commands import CommandSandbox
-from app.sandboxes.leftovers import rmtree, uid_kill_argv
-from app.sandboxes.limits import PidsGroup, ResourceLimits, SandboxLimitError, UidPool, private_dir
+from app.sandboxes.leftovers import rmtree
+from app.sandboxes.limits import (
+    PidsGroup,
+    ResourceLimits,
+    SandboxLimitError,
+    UidPool,
+    kill_uid_if_claimed,
+    private_dir,
+)
 from app.sandboxes.timelimits import GivenClock, TimeLimits, leaf_threads, session_threads
 
 if TYPE_CHECKING:
@@ -290,6 +297,9 @@ class LocalSandbox(CommandSandbox):
         self.name = _safe_name(attempt_id)
         self.work_dir = factory.base_dir / self.name
         self.uid: int | None = None
+        # Whom the uid's claim names for this sandbox (the claiming process, or whom it handed it over
+        # to): a claim that names someone else went to another sandbox, whose processes run as that uid.
+        self.uid_holder: int | None = None
         self.pids_group: PidsGroup | None = None
         self.last_pin_method: str | None = None
         self._task: TaskSpec | None = None
@@ -315,8 +325,11 @@ class LocalSandbox(CommandSandbox):
     # -- the port -----------------------------------------------------------------------------------
 
     async def reset(self, task: TaskSpec, cpus: Sequence[int] | None = None) -> ExecResult:
+        if self.factory.uids is not None and self.uid is not None:
+            await self._kill_everything()  # an earlier reset's uid: dropped if another sandbox took it since
         if self.factory.uids is not None and self.uid is None:
             self.uid = await asyncio.to_thread(self.factory.uids.claim, zlib.crc32(self.name.encode()))
+            self.uid_holder = os.getpid()
         # Also kills what a crashed earlier owner of this uid or work dir left behind.
         await self._teardown()
         if self.factory.owner is not None:
@@ -335,17 +348,24 @@ class LocalSandbox(CommandSandbox):
         await self._teardown()
         if self.factory.owner is not None:
             await asyncio.to_thread(self.factory.owner.unmark, self.factory.base_dir, self.name)
-        if self.uid is not None and self.factory.uids is not None:
-            self.factory.uids.release(self.uid)
-            self.uid = None
+        if self.uid is not None and self.factory.uids is not None and self.uid_holder is not None:
+            await asyncio.to_thread(self.factory.uids.release, self.uid, self.uid_holder)
+        self.uid = self.uid_holder = None
         self._task = None
 
-    def adopt(self, task: TaskSpec | None, uid: int | None, pids_group: PidsGroup | None) -> None:
+    def adopt(
+        self,
+        task: TaskSpec | None,
+        uid: int | None,
+        pids_group: PidsGroup | None,
+        uid_holder: int | None = None,
+    ) -> None:
         """Take over this sandbox as `reset` left it in another process of this host (a Celery pool
-        process): its task, its uid claim and its pids cgroup. Per-exec cgroup leaves get names of
-        this process, so two processes never share one."""
+        process): its task, its uid claim (and whom the claim names) and its pids cgroup. Per-exec
+        cgroup leaves get names of this process, so two processes never share one."""
         self._task = task
         self.uid = uid
+        self.uid_holder = uid_holder
         self.pids_group = pids_group
         self._exec_seq = os.getpid() * 1_000_000
 
@@ -389,13 +409,19 @@ class LocalSandbox(CommandSandbox):
     async def _kill_everything(self) -> None:
         if self.pids_group is not None:
             await asyncio.to_thread(self.pids_group.kill_all)
-        if self.uid is not None and self.factory.setpriv is not None:
-            proc = await asyncio.create_subprocess_exec(
-                *uid_kill_argv(self.factory.setpriv, self.uid),
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
+        uids, uid, holder = self.factory.uids, self.uid, self.uid_holder
+        if uids is None or uid is None:
+            return
+        if holder is None or not await asyncio.to_thread(kill_uid_if_claimed, uids.claims, uid, holder):
+            # Its claim lapsed and went to another sandbox (a lane worker restarted since its reset), or
+            # a state of an older corral names no holder: the uid's processes may be another sandbox's.
+            log.warning(
+                "sandbox %s: uid %d is no longer claimed for it (%s): its processes of that uid are left",
+                self.attempt_id,
+                uid,
+                "another sandbox took it" if holder is not None else "its holder is unknown",
             )
-            await proc.wait()
+            self.uid = self.uid_holder = None  # nor is the claim released
 
     def _argv(self, command: str) -> list[str]:
         inner = ["bash", "-c", command]

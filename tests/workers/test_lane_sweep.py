@@ -6,6 +6,7 @@ is left is read from the filesystem and /proc, not from the sweep's own counts."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +204,55 @@ def test_a_reset_that_a_newer_incarnation_overtook_removes_what_it_made(
     assert not list((base_dir / ".corral-state").glob(f"{handle.id}*"))
     assert not cgroups_of(handle.id)
     assert held_by(reset_worker) == claims_before  # its uid claim released, whoever held it
+
+
+def same_uid_hint(name: str) -> str:
+    """Another sandbox name whose uid claim starts at `name`'s (`UidPool.claim` tries from the name's
+    crc32 on): it takes `name`'s uid once that claim lapses."""
+    span = 10_000  # LocalSandboxFactory's default uid span, as lane workers use it
+    want = zlib.crc32(name.encode()) % span
+    return next(f"g1a0-{n}" for n in range(10**6) if zlib.crc32(f"g1a0-{n}".encode()) % span == want)
+
+
+@pytest.mark.slow
+def test_a_late_cleanup_leaves_a_uid_that_another_sandbox_claimed_after_a_worker_restart(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    """A sandbox's uid claim lapses when the lane worker holding it restarts, and another sandbox's reset
+    may take that uid: the first sandbox's cleanup, coming later (its run goes on), must not kill the
+    second's processes, which run as that uid, nor free its claim."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("sandbox uids need root and setpriv")
+    host = f"u{uuid.uuid4().hex[:8]}"  # workers of its own: one of them is restarted
+    lane = ("--cpus", "1", "--host", host, "--concurrency", "1", "--isolation", "none")
+    first_reset = lane_cluster.workers.start("--lane", "reset", *lane)
+    lane_cluster.workers.start("--lane", "cleanup", *lane)
+    factory = LocalSandboxFactory(base_dir, isolation="none")
+    first = handle_of(factory.create(f"g0a0-{uuid.uuid4().int % 10**12}"), host)
+    reset(lane_cluster, first, task_root)
+    uid = state_of(base_dir, first.id)["uid"]
+    assert claim(uid) == str(first_reset.pid)
+
+    os.killpg(first_reset.pid, signal.SIGKILL)  # the reset worker dies (its claims lapse) and comes back
+    first_reset.wait()
+    second_reset = lane_cluster.workers.start("--lane", "reset", *lane)
+    second = handle_of(factory.create(same_uid_hint(first.id)), host)
+    marker = f"600.{uuid.uuid4().int % 10**9}"
+    setup = f"setsid sleep {marker} >/dev/null 2>&1 </dev/null &"
+    op = LaneOp.reset(second, make_echo_task(task_root, setup=setup))
+    assert send(lane_cluster, op).get(timeout=RESULT_TIMEOUT_S)["result"]["exit_code"] == 0
+    assert state_of(base_dir, second.id)["uid"] == uid  # the second sandbox took the lapsed claim
+    assert claim(uid) == str(second_reset.pid)
+    (process,) = children(None, marker.encode())
+    try:
+        send(lane_cluster, LaneOp.cleanup(first)).get(timeout=RESULT_TIMEOUT_S)
+        assert not (base_dir / first.id).exists()
+        time.sleep(0.5)  # a kill would have landed by now
+        assert alive(process)
+        assert claim(uid) == str(second_reset.pid)
+        send(lane_cluster, LaneOp.cleanup(second)).get(timeout=RESULT_TIMEOUT_S)
+        wait_for(lambda: not alive(process), 10, what="the second sandbox's process to die with its cleanup")
+        assert claim(uid) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signal.SIGKILL)
