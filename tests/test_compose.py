@@ -6,6 +6,7 @@ same broker and database."""
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 
 from app.cpulist import parse_cpu_list
 from app.lanes.base import LaneName
+from app.service.manager import SHUTDOWN_BOUND_S
 
 REPO = Path(__file__).resolve().parents[1]
 CORRAL_SERVICES = {"api", "orchestrator", "engine", *(f"worker-{lane.value}" for lane in LaneName)}
@@ -114,3 +116,24 @@ def test_the_image_gets_every_front_end_file_the_server_serves() -> None:
     assert let_in == served
     assert "node_modules" in ignore  # the rest of it stays out
     assert "COPY node_modules ./node_modules" in (REPO / "Dockerfile").read_text().splitlines()
+
+
+def _seconds(period: str) -> float:
+    """A compose duration (`3m`, `1m30s`, `90s`) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", period)
+    assert parts, f"not a duration: {period!r}"
+    assert "".join(n + u for n, u in parts) == period, f"not a duration: {period!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_docker_stop_waits_out_a_shutdown_that_stores_the_runs_last_events() -> None:
+    """`docker stop` sends SIGKILL after the service's stop_grace_period (10 s unless set): a `corral
+    serve` or an orchestrator worker then still storing a run's last events, the database away, lost
+    them. Each Corral service waits at least the shutdown's own bound and its 10 s for open requests."""
+    needed = SHUTDOWN_BOUND_S + 10
+    services = compose_config()["services"]
+    for name in CORRAL_SERVICES:
+        period = services[name].get("stop_grace_period")
+        assert period is not None, f"{name}: no stop_grace_period (docker's 10 s)"
+        assert _seconds(str(period)) >= needed, f"{name}: {period}, the shutdown may take {needed:.0f} s"
