@@ -89,7 +89,7 @@ async def publish(
     holds it. A 503 while the store has not got it, so a kill before then cannot forget a publication
     the trainer was told of."""
     command_id = new_command_id(command_id)
-    if body.path is not None and not await asyncio.to_thread(Path(body.path).is_dir):
+    if body.path is not None and not await _is_dir(body.path):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
     if handle.state in TERMINAL_RUN_STATES or handle.gateway.closed is not None:
@@ -115,6 +115,16 @@ async def publish(
         raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
     await _stored(handle, seq, body.version)
     return {**rollout, "command_id": command_id, "already_published": False}
+
+
+async def _is_dir(path: str) -> bool:
+    """Whether `path` is a directory on the server; a lookup the OS refuses (a directory on the way
+    that cannot be searched) is a 422 naming why, not a 500."""
+    try:
+        return await asyncio.to_thread(Path(path).is_dir)
+    except OSError as exc:
+        detail = f"path: {path!r} cannot be looked up on the server: {exc.strerror}"
+        raise CommandRefused(422, detail) from None
 
 
 async def _stored(handle: RunHandle, seq: int, version: int, again: str = "") -> None:

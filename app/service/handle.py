@@ -413,7 +413,7 @@ class RunHandle:
         if runtime is None or version != runtime.version:
             return None
         weights = self.sentinel_path(version) if sentinel else path
-        if runtime.weights_path(version) != weights:
+        if _spelling_free(runtime.weights_path(version)) != _spelling_free(weights):
             return None
         return self.rollout(version), self._last_seq()
 
@@ -740,3 +740,14 @@ def _continue_numbering(runtime: Runtime, first_group: int, first_batch: int) ->
     the store. (The scheduler has no public parameter for this yet; these are its two counters.)"""
     runtime.scheduler._next_group = first_group
     runtime.scheduler._batches = first_batch
+
+
+def _spelling_free(path: str | None) -> str | None:
+    """`path` without what only changes its spelling: repeated `/`, `.` names and a trailing `/` (a
+    trainer retrying with `/ckpt/v5/` for `/ckpt/v5` sends the same weights). `..` is kept, unlike
+    `os.path.normpath`: after a symbolic link it leads elsewhere than the name before it. Nothing on
+    disk is read."""
+    if path is None:
+        return None
+    names = [name for name in path.split("/") if name not in ("", ".")]
+    return "/" + "/".join(names) if path.startswith("/") else "/".join(names)

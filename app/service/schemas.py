@@ -308,10 +308,33 @@ class WeightsPublish(_Input):
     def _path_or_sentinel(self) -> WeightsPublish:
         if (self.path is None) == (not self.sentinel):
             raise ValueError("give exactly one of path or sentinel: true")
-        if self.path is not None and not self.path.startswith("/"):
-            # It goes to the engines, whose working directory is not the server's
-            raise ValueError(f"path: {self.path!r} must be absolute (it is read by the engines)")
+        if self.path is not None:
+            problem = weights_path_problem(self.path)
+            if problem is not None:
+                raise ValueError(f"path: {problem}")
         return self
+
+
+# Linux's limits on a path a system call takes (PATH_MAX, with its NUL) and on each name in it (NAME_MAX):
+# past them the server's directory check raised ENAMETOOLONG, a 500
+MAX_PATH_BYTES = 4095
+MAX_NAME_BYTES = 255
+
+
+def weights_path_problem(path: str) -> str | None:
+    """What is wrong with `path` as a weights directory, before the file system is asked: not absolute
+    (it goes to the engines, whose working directory is not the server's), a NUL in it, or a length the
+    OS refuses to look up."""
+    if not path.startswith("/"):
+        return f"{path!r} must be absolute (it is read by the engines)"
+    if "\0" in path:
+        return "contains a NUL character"
+    encoded = path.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_PATH_BYTES:
+        return f"{len(encoded):,} bytes long, over {MAX_PATH_BYTES:,} bytes (the longest path Linux takes)"
+    if any(len(name) > MAX_NAME_BYTES for name in encoded.split(b"/")):
+        return f"a name in it is over {MAX_NAME_BYTES} bytes (the longest Linux takes)"
+    return None
 
 
 class RunAction(StrEnum):

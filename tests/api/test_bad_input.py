@@ -380,6 +380,13 @@ def run_id(server: str) -> Iterator[str]:
         ("POST", "weights", {"version": 5, "path": "/x", "sentinel": True}, 422, "path or sentinel"),
         ("POST", "weights", {"version": 5, "path": "/no/such/weights"}, 422, "path"),
         ("POST", "weights", {"version": 5, "path": "data"}, 422, "must be absolute"),  # relative to what?
+        ("POST", "weights", {"version": 5, "path": "./ckpt/v5"}, 422, "must be absolute"),
+        ("POST", "weights", {"version": 5, "path": ""}, 422, "path"),
+        ("POST", "weights", {"version": 5, "path": "/ckpt/v5\u0000x"}, 422, "path: contains a NUL character"),
+        # names the OS will not look up: the server's directory check raised ENAMETOOLONG, a 500
+        ("POST", "weights", {"version": 5, "path": "/" + "a" * 300}, 422, "a name in it is over 255 bytes"),
+        ("POST", "weights", {"version": 5, "path": "/" + ("é" * 100 + "/") * 30}, 422, "over 4,095 bytes"),
+        ("POST", "weights", {"version": 5, "path": "/" + "a/" * 2100}, 422, "path"),
         ("POST", "weights", {"version": "5", "sentinel": True}, 422, "version"),
         ("POST", "weights", {"version": 5, "sentinel": "yes"}, 422, "sentinel"),  # strict: a JSON boolean
         ("POST", "weights", {"version": 5, "sentinel": 1}, 422, "sentinel"),
@@ -441,6 +448,32 @@ def test_a_version_not_newer_is_refused_in_one_plain_line(
     again = api.post(f"/api/runs/{run_id}/weights", json=other)
     assert again.status_code == 422, again.text
     assert again.json()["detail"] == f"version: {version} is not newer than the published version {version}"
+
+
+def test_the_same_weights_under_another_spelling_of_their_path_are_a_repeat(
+    api: httpx.Client, run_id: str, tmp_path: Path
+) -> None:
+    """A trainer that retries with `/ckpt/v5/` or `/ckpt/./v5` where it first sent `/ckpt/v5` publishes
+    the same weights: before, the paths were compared as strings, and the retry was refused as a
+    version not newer (422), the trainer left not knowing whether its publication stood."""
+    weights = tmp_path / "v5"
+    weights.mkdir()
+    version = api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] + 1
+    first = api.post(f"/api/runs/{run_id}/weights", json={"version": version, "path": str(weights)})
+    assert (first.status_code, first.json()["already_published"]) == (202, False), first.text
+    for spelling in (f"{weights}/", f"{tmp_path}/./v5", f"{tmp_path}//v5//", f"{tmp_path}/v5/."):
+        again = api.post(f"/api/runs/{run_id}/weights", json={"version": version, "path": spelling})
+        assert again.status_code == 202, (spelling, again.text)
+        assert (again.json()["version"], again.json()["already_published"]) == (version, True), spelling
+    assert api.get(f"/api/runs/{run_id}").json()["live"]["trainer_version"] == version
+    # `..` is not folded: through a symbolic link it names another directory (here tmp/real/v5)
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "real" / "v5").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "deep")
+    elsewhere = {"version": version, "path": f"{tmp_path}/link/../v5"}
+    other = api.post(f"/api/runs/{run_id}/weights", json=elsewhere)
+    assert other.status_code == 422, other.text
+    assert "not newer than the published version" in other.json()["detail"]
 
 
 @pytest.mark.parametrize(
