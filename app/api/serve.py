@@ -16,6 +16,9 @@ is a lock on a connection of its own; if that connection is lost (Postgres resta
 terminated), the hold is taken again as soon as the database answers, `/healthz` failing meanwhile. If
 another `corral serve` took the database in between, this one stops at once, writing nothing more, and
 exits with status 3 (`_database_taken`).
+
+A standard error it cannot write at start (a full disk, a pipe whose reader is gone, closed) is status 4
+and one line on standard output: not started (`_not_started`). Lost while it serves, it serves on.
 """
 
 from __future__ import annotations
@@ -24,12 +27,20 @@ import gc
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
 
-from app.cli.common import check_database, check_run_dirs, fail, say, settings_problem
+from app.cli.common import (
+    check_database,
+    check_run_dirs,
+    fail,
+    on_stdout,
+    say,
+    settings_problem,
+    stderr_lost,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -53,6 +64,8 @@ def serve(
     demo_kind: Annotated[str, typer.Option(help="demo run: local (embedded engines) or sim")] = "local",
 ) -> None:
     """Serve the control plane: runs, the trainer API, /metrics, /healthz and the docs at /docs."""
+    if (lost := stderr_lost()) is not None:  # before it opens a file, which would take descriptor 2
+        _not_started(lost)
     from app.api.app import create_app
     from app.api.graceful import GracefulServer, held_stops
     from app.settings import load_settings
@@ -90,6 +103,8 @@ def serve(
     hold = holds[0]
     url = f"http://{settings.host}:{settings.port}"
     say(f"corral serve: {url}  (docs {url}/docs, metrics {url}/metrics)")
+    if (lost := stderr_lost()) is not None:  # nothing it says would be seen: the token, a warning
+        _not_started(lost)
     lanes = "in-process"
     if settings.broker_url:
         lanes = f"celery on {settings.broker_url}, hosts {settings.lane_hosts}"
@@ -153,6 +168,21 @@ def hold_database(url: str, shown: str) -> DatabaseHold:
 
 # The exit status of a server that lost its database to another `corral serve` (2 is a refusal at start)
 EXIT_DATABASE_TAKEN = 3
+
+
+# The exit status of a server that did not start because its standard error cannot be written
+EXIT_STDERR_LOST = 4
+
+
+def _not_started(why: str) -> NoReturn:
+    """Standard error cannot be written (`why`): the server does not start, since its every word (the
+    generated operator token, a warning, what became of its runs) would be lost. One line on standard
+    output (where it can be written), exit status 4."""
+    on_stdout(
+        f"corral serve: not started: standard error cannot be written ({why}); give it one that can be "
+        "(a terminal, a file on a disk with room, a pipe that is read)"
+    )
+    raise typer.Exit(EXIT_STDERR_LOST)
 
 
 def _database_taken(reason: str) -> None:

@@ -5,7 +5,8 @@ Exit codes (README, "Commands"): `REFUSED` (2) for bad input, refused before any
 value, an input file, an output path that cannot be written); `FAILED` (1) when the work ran but did
 not end well: an output (report, plot, trace, standard output) that could not be written once the work
 was done (the path changed since it was checked, a disk filled), or a run that could not go on; 130
-when interrupted.
+when interrupted. A standard error that cannot be written (a full disk, a pipe whose reader is gone)
+ends no command: what goes there goes to /dev/null from then on, and a refusal goes to standard output.
 
 Invariants: a refusal is one line on stderr, `error: <what the user typed>: <why>`, exit code 2; an
 output that cannot be written after the work is one line too, `error: cannot write <path>: <why>`,
@@ -18,6 +19,7 @@ inputs or other outputs; a report is strict JSON (no NaN or Infinity).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -41,17 +43,63 @@ from rich.text import Text
 from app import early_signals, terminal
 from app.outputs import is_null_device, write_text_atomically
 
-err = Console(stderr=True, soft_wrap=True, highlight=False)
 P = ParamSpec("P")
+
+# Why standard error could not be written, from the first write it refused on
+_stderr_refused: list[str] = []
+
+
+class _StderrConsole(Console):
+    """Standard error, where a write it refuses (a full disk under `2> file`, a pipe whose reader is
+    gone, a terminal hung up) is noted (`stderr_lost`) and standard error pointed at /dev/null: the
+    command goes on, and nothing later (a log line, the interpreter's last flush) fails on it again.
+    Before, the first such line raised into the command, and its traceback went into the same dead
+    stream."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        try:
+            super().print(*objects, **kwargs)
+        except OSError as exc:
+            self._refused(exc.strerror or str(exc))
+
+    def on_broken_pipe(self) -> None:
+        # rich's own ends the command, exit status 1, and points standard output (not error) at /dev/null
+        self._refused(os.strerror(errno.EPIPE))
+
+    def _refused(self, why: str) -> None:
+        _stderr_refused.append(why)
+        terminal.detach([2])
+
+
+err = _StderrConsole(stderr=True, soft_wrap=True, highlight=False)
+
+
+def stderr_lost() -> str | None:
+    """Why standard error cannot be written (closed when the process started, or a write refused), or
+    None while it can be, as far as anything written to it tells."""
+    if sys.stderr is None:
+        return "it is closed"
+    return _stderr_refused[0] if _stderr_refused else None
+
+
+def on_stdout(line: str) -> None:
+    """`line` on standard output, unbuffered; nothing where that cannot be written either."""
+    with contextlib.suppress(OSError):
+        os.write(1, f"{line}\n".encode())
+
 
 REFUSED = 2  # bad input, refused before any work: the usage error of POSIX utilities and click
 FAILED = 1  # the work ran and did not end well: an output it could not write, a run that could not go on
 
 
 def fail(message: str, code: int = REFUSED) -> NoReturn:
-    """Refuse: one line naming the problem, exit code 2 (or `code`)."""
+    """Refuse: one line naming the problem, exit code 2 (or `code`); on standard output when standard
+    error cannot be written."""
     lines = [" ".join(line.split()) for line in message.splitlines()]
-    err.print(Text.assemble(("error:", "bold red"), " ", "; ".join(line for line in lines if line)))
+    line = "; ".join(line for line in lines if line)
+    err.print(Text.assemble(("error:", "bold red"), " ", line))
+    if stderr_lost() is not None:
+        on_stdout(f"error: {line}")  # said where it can be
     raise typer.Exit(code)
 
 

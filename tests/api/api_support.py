@@ -181,6 +181,19 @@ def stored_run(database_url: str, run_id: str) -> RunRecord:
     return record
 
 
+def assert_stopped_with_nothing_lost(database_url: str, run_id: str) -> None:
+    """The run is stored as stopped, and its stored stream accounts for every group it admitted."""
+    store = ServiceStore(database_url, migrate=False)
+    try:
+        record = store.get_run(run_id)
+        assert record is not None, f"no stored run {run_id!r}"
+        assert record.state == "stopped"
+        ledger, _ = store.ledger(run_id)
+        assert ledger.lost == 0
+    finally:
+        store.close()
+
+
 @contextmanager
 def serve_process(env: dict[str, str], log: Path, killed: bool = False) -> Iterator[httpx.Client]:
     """A real `corral serve` in a session of its own, ended by Ctrl-C (to its process group) at the end

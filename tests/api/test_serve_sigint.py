@@ -13,10 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from api_support import free_port, wait_for
+from api_support import assert_stopped_with_nothing_lost, free_port, wait_for
 from proc_children import alive, children
-
-from app.service.store import ServiceStore
 
 
 class Timeline:
@@ -105,15 +103,7 @@ def test_make_run_demo_rides_out_a_dead_engine_and_ctrl_c_ends_it_cleanly(tmp_pa
     assert f"run {run_id} (demo): stopped, " in printed  # what became of the run, said on the way out
     assert f"corral serve: stopped; runs and their events are kept in {database}" in printed
     assert not [pid for pid in engines | first if alive(pid)]
-    store = ServiceStore(database)
-    try:
-        record = store.get_run(run_id)
-        assert record is not None
-        assert record.state == "stopped"
-        ledger, _ = store.ledger(run_id)
-        assert ledger.lost == 0
-    finally:
-        store.close()
+    assert_stopped_with_nothing_lost(database, run_id)
 
 
 @pytest.mark.parametrize("presses", [1, 2], ids=["Ctrl-C", "Ctrl-C twice"])
