@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -1034,21 +1034,27 @@ class RunManager:
             self._abandoned_by = time.monotonic() + ABANDON_GRACE_S
             self._abandoned.set()
 
-    def _wait_or_abandoned(self, what: threading.Event | Future[Any], until: float) -> bool:
-        """Wait for an event (or a future's result) until the monotonic time `until`, or until
-        `abandon`: whether it came."""
+    def _wait_or_abandoned(self, what: _Waitable | Future[Any], until: float) -> bool:
+        """Wait for `what` (anything with `wait(timeout)`, as an event; or a future's result) until the
+        monotonic time `until`, or until `abandon`: whether it came."""
         while True:
             left = min(until, self._abandoned_by) - time.monotonic()
-            if left <= 0:
-                return what.is_set() if isinstance(what, threading.Event) else what.done()
-            step = min(left, 0.1)
-            if isinstance(what, threading.Event):
-                if what.wait(step):
+            if isinstance(what, Future):
+                if left <= 0:
+                    return what.done()
+                with contextlib.suppress(TimeoutError):
+                    what.result(min(left, 0.1))
                     return True
             else:
-                with contextlib.suppress(TimeoutError):
-                    what.result(step)
-                    return True
+                came = what.wait(max(0.0, min(left, 0.1)))  # at the bound: one look, not a wait
+                if came or left <= 0:
+                    return came
+
+
+class _Waitable(Protocol):
+    """What `RunManager._wait_or_abandoned` waits for in steps: a `threading.Event`, a `_Stored`."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 def _freeze(reached: threading.Event) -> None:
@@ -1057,20 +1063,16 @@ def _freeze(reached: threading.Event) -> None:
     threading.Event().wait()
 
 
-class _Stored(threading.Event):
-    """Set once the store holds a run's event `seq` (`RunRecorder.wait_stored`): an event that
-    `_wait_or_abandoned` waits for in steps."""
+class _Stored:
+    """Whether the store holds a run's event `seq` (`RunRecorder.wait_stored`), waited for as an event
+    (`_Waitable`)."""
 
     def __init__(self, recorder: RunRecorder, seq: int) -> None:
-        super().__init__()
         self.recorder = recorder
         self.seq = seq
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.seq < 0 or self.recorder.wait_stored(self.seq, 0 if timeout is None else timeout)
-
-    def is_set(self) -> bool:
-        return self.wait(0)
 
 
 class ReplayProgress:
