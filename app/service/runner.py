@@ -91,15 +91,17 @@ def _join_serving_commands(handle: RunHandle, settings: Settings) -> bool:
     asked = handed_off = False
     try:
         while not handle.join(STOP_CHECK_S):
+            if asked:
+                continue  # stopping: it ends, and is handed off no more
             try:
-                asked = asked or _stop_if_asked(client, handle)
-                if not asked and client.delete(run_handoff_key(handle.run_id)):
-                    log.warning("run %s: this worker shuts down; the run is left to another orchestrator "
-                                "worker, which resumes it", handle.run_id)  # fmt: skip
-                    handed_off = True
-                    break
+                asked, handed_off = _stop_or_hand_off(client, handle)
             except redis.RedisError as exc:  # fault tolerance: the run goes on; asked again next check
                 log.warning("run %s: could not look for an operator's stop: %r", handle.run_id, exc)
+                continue
+            if handed_off:
+                log.warning("run %s: this worker shuts down; the run is left to another orchestrator "
+                            "worker, which resumes it", handle.run_id)  # fmt: skip
+                break
     finally:
         client.close()
         for line in lines:
@@ -215,13 +217,19 @@ class CommandLine(threading.Thread):
                 self._task = None
 
 
-def _stop_if_asked(client: redis.Redis, handle: RunHandle) -> bool:
-    """Stop the run if an operator asked (`run_stop_key`); whether one did."""
-    actor = client.get(run_stop_key(handle.run_id))
+def _stop_or_hand_off(client: redis.Redis, handle: RunHandle) -> tuple[bool, bool]:
+    """Stop the run if an operator asked (`run_stop_key`), else take this worker's ask to hand it off
+    (`run_handoff_key`): whether each was asked. One round trip to Redis for both (a pipeline, not a
+    transaction: each key is read on its own), every `STOP_CHECK_S` of the run's life; a stop wins over a
+    hand-off asked at the same time, which it takes too (the run ends: nothing is left to hand off)."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.get(run_stop_key(handle.run_id))
+        pipe.delete(run_handoff_key(handle.run_id))
+        actor, handoffs = pipe.execute()
     if actor is None:
-        return False
+        return False, bool(handoffs)
     who = actor.decode(errors="replace") if isinstance(actor, bytes) else str(actor)
     log.warning("run %s: stopped by %s", handle.run_id, who)
     with contextlib.suppress(RunNotLiveError):  # it ended meanwhile
         handle.submit(handle.stop)
-    return True
+    return True, False
