@@ -234,12 +234,17 @@ class WaitAccumulator:
     Memory: the spans of groups not yet ended, the weight-update and outage windows and one `BatchWait` per
     batch. So the runtime can keep one beside its report, and the result equals `attribute_waits`
     over the same envelopes.
+
+    A group is open from its `GroupAdmitted` until it is delivered or discarded, and only an open group's
+    attempts and ops are kept. Ops come after that too (an attempt's sandbox cleanup, the tail of an
+    attempt its group no longer waited for), and no batch's path can include them: kept, they filled
+    the map again, about one group a batch for the rest of the run (some 1 KB a version).
     """
 
     def __init__(self) -> None:
         self._admitted: dict[int, float] = {}
         self._ready: dict[int, float] = {}
-        self._attempts: dict[int, dict[int, _Attempt]] = defaultdict(dict)
+        self._attempts: dict[int, dict[int, _Attempt]] = {}
         self._updates: dict[str, list[Interval]] = defaultdict(list)
         self._open_updates: dict[str, float] = {}
         self._engines: set[str] = set()
@@ -254,19 +259,21 @@ class WaitAccumulator:
         return len(set(self._attempts) | set(self._admitted) | set(self._ready))
 
     def _attempt(self, gid: int, attempt: int) -> _Attempt:
-        group = self._attempts[gid]
-        if attempt not in group:
-            group[attempt] = _Attempt()
-        return group[attempt]
+        """The attempt's record; one that is not kept (its group is not open) when it has ended."""
+        group = self._attempts.get(gid)
+        if group is None:
+            if gid not in self._admitted:
+                return _Attempt()
+            group = self._attempts[gid] = {}
+        att = group.get(attempt)
+        if att is None:
+            att = group[attempt] = _Attempt()
+        return att
 
     def on_op(self, env: Envelope) -> None:
         """`on_envelope` for the frequent kinds, a `TurnDone` or a `SandboxOp`: one append."""
         ev = env.event
-        group = self._attempts[ev.group_id]  # type: ignore[attr-defined]
-        att = group.get(ev.attempt)  # type: ignore[attr-defined]
-        if att is None:
-            att = group[ev.attempt] = _Attempt()  # type: ignore[attr-defined]
-        att.ops.append(ev)  # type: ignore[arg-type]
+        self._attempt(ev.group_id, ev.attempt).ops.append(ev)  # type: ignore[attr-defined, arg-type]
         if isinstance(ev, TurnDone):
             self._engines.add(ev.engine)
 
@@ -339,7 +346,7 @@ class WaitAccumulator:
         if best is None:
             return None, None
         gid = best[1]
-        finished = [(a.finished, i) for i, a in self._attempts[gid].items() if a.finished is not None]
+        finished = [(a.finished, i) for i, a in self._attempts.get(gid, {}).items() if a.finished is not None]
         return gid, max(finished)[1] if finished else None
 
     def _on_batch(self, ev: BatchDelivered, delivered: float) -> None:

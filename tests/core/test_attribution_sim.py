@@ -62,3 +62,38 @@ def check_attribution(attribution, report, phase):
     assert report["wait_attribution"]["largest"] == phase  # the run report says the same
     assert report["wait_attribution"] == attribution.to_dict()
     assert attribution.total_s == pytest.approx(report["trainer_wait_s"], abs=1e-3)
+
+
+def test_the_accumulator_keeps_no_group_past_its_end_in_a_simulated_run():
+    """An ended group's late ops (its sandboxes' cleanup, the tail of an attempt the group no longer
+    waited for) came after its delivery or discard and filled the accumulator's map again: 71 groups
+    kept after 40 batches, about one more a batch for the run's whole life (the dashboard's view of a
+    long run grew about 1 KB a version). Only the groups still open may be kept, at every event."""
+    from factories import make_workload_data
+
+    from app.core.attribution import WaitAccumulator
+    from app.core.events import BatchDelivered, GroupAdmitted, GroupDiscarded
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(make_workload_data(batches=40))
+    envelopes: list[Envelope] = []
+    simulate(workload, policy_for(workload, "full", adaptive_lanes=False), "full", events=envelopes.append)
+    acc = WaitAccumulator()
+    open_groups: set[int] = set()
+    late = 0
+    for env in envelopes:
+        ev = env.event
+        if isinstance(ev, GroupAdmitted):
+            open_groups.add(ev.group_id)
+        elif isinstance(ev, GroupDiscarded):
+            open_groups.discard(ev.group_id)
+        elif isinstance(ev, BatchDelivered):
+            open_groups.difference_update(ev.group_ids)
+        elif getattr(ev, "group_id", None) is not None and ev.group_id not in open_groups:
+            late += 1
+        acc.on_envelope(env)
+        assert acc.open_groups == len(open_groups), f"event {env.seq} ({ev.kind})"
+    assert late > 40  # the stream has them (113 ops of ended groups): the check above met them
+    assert acc.open_groups == 0
+    assert acc.result() == attribute_waits(envelopes)
