@@ -39,14 +39,15 @@ So the phases of a batch sum to its wait exactly, and the run's phases sum to th
 A batch whose groups were all ready before it was asked for has a wait near zero, all of it `handoff`.
 
 Pure: no I/O, no clock. `attribute_waits` reads envelopes in any order (it sorts by sequence number);
-`WaitAccumulator` folds them one at a time in sequence order, keeping only the open groups' spans.
+`WaitAccumulator` folds them one at a time in sequence order, keeping only the open groups' spans
+and, with `keep_batches`, only the newest batches' critical paths (the run's totals stay whole).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,12 +138,22 @@ class BatchWait:
 
 @dataclass(frozen=True, slots=True)
 class WaitAttribution:
+    """The run's wait by phase and the critical path of its batches: every batch's, or, where
+    `batch_count` says there were more (a long live run's view), the newest ones'. `waited_s`, when
+    given, is the whole run's wait (its batches' waits summed in delivery order)."""
+
     batches: tuple[BatchWait, ...]
     phases: dict[str, float] = field(default_factory=dict)
+    batch_count: int | None = None  # every batch attributed, those not kept included
+    waited_s: float | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.batches) if self.batch_count is None else self.batch_count
 
     @property
     def total_s(self) -> float:
-        return sum(b.wait_s for b in self.batches)
+        return sum(b.wait_s for b in self.batches) if self.waited_s is None else self.waited_s
 
     def largest(self) -> str | None:
         return _largest(self.phases)
@@ -154,7 +165,7 @@ class WaitAttribution:
 
     def summary(self, top: int = 4) -> str:
         """One sentence: "The trainer waited 84.0 s over 3 batches: 51.2 s on model turns, …"."""
-        n = len(self.batches)
+        n = self.count
         head = f"The trainer waited {self.total_s:.1f} s over {n} batch{'es' if n != 1 else ''}"
         parts = [f"{s:.1f} s on {PHASE_LABELS[p]}" for p, s in self.ranked()[:top]]
         return head + (": " + ", ".join(parts) + "." if parts else ".")
@@ -231,9 +242,12 @@ class WaitAccumulator:
     """Folds the stream in sequence order; at each `BatchDelivered` it works out that batch's critical
     path, then forgets the batch's groups (and a discarded group's attempts at its discard).
 
-    Memory: the spans of groups not yet ended, the weight-update and outage windows and one `BatchWait` per
-    batch. So the runtime can keep one beside its report, and the result equals `attribute_waits`
-    over the same envelopes.
+    Memory: the spans of groups not yet ended, the weight-update and outage windows that end after the
+    latest batch was asked for (batches are asked for in order, so no later batch's window reaches an
+    earlier one), and one `BatchWait` per batch, or with `keep_batches` the newest that many (the
+    run's phases, batch count and wait are running totals). So the runtime can keep one beside its
+    report, and the result equals `attribute_waits` over the same envelopes (its last `keep_batches`
+    batches).
 
     A group is open from its `GroupAdmitted` until it is delivered or discarded, and only an open group's
     attempts and ops are kept. Ops come after that too (an attempt's sandbox cleanup, the tail of an
@@ -241,7 +255,7 @@ class WaitAccumulator:
     the map again, about one group a batch for the rest of the run (some 1 KB a version).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_batches: int | None = None) -> None:
         self._admitted: dict[int, float] = {}
         self._ready: dict[int, float] = {}
         self._attempts: dict[int, dict[int, _Attempt]] = {}
@@ -250,8 +264,10 @@ class WaitAccumulator:
         self._engines: set[str] = set()
         self._outages: list[Interval] = []  # every engine down
         self._outage_since: float | None = None
-        self._batches: list[BatchWait] = []
+        self._batches: deque[BatchWait] = deque(maxlen=keep_batches)
         self._phases = dict.fromkeys(PHASES, 0.0)
+        self._count = 0
+        self._waited = 0.0  # summed in delivery order, as `sum` over every batch would
 
     @property
     def open_groups(self) -> int:
@@ -364,6 +380,9 @@ class WaitAccumulator:
             phases = _split(labelled, window)
         for p, sec in phases.items():
             self._phases[p] += sec
+        self._prune(window[0])
+        self._count += 1
+        self._waited += window[1] - window[0]
         self._batches.append(
             BatchWait(
                 batch_index=ev.batch_index,
@@ -376,8 +395,27 @@ class WaitAccumulator:
             )
         )
 
+    def _prune(self, asked: float) -> None:
+        """Forget the update and outage windows that ended before `asked`, this batch's request: the
+        next batches are asked for no earlier, so none of their windows can reach them."""
+        for ivs in self._updates.values():
+            ended = next((i for i, (_, e) in enumerate(ivs) if e > asked), len(ivs))
+            del ivs[:ended]
+        ended = next((i for i, (_, e) in enumerate(self._outages) if e > asked), len(self._outages))
+        del self._outages[:ended]
+
+    @property
+    def latest(self) -> BatchWait | None:
+        """The critical path of the batch folded last."""
+        return self._batches[-1] if self._batches else None
+
+    @property
+    def kept_windows(self) -> int:
+        """Update and outage windows kept (for tests of the memory bound)."""
+        return sum(len(ivs) for ivs in self._updates.values()) + len(self._outages)
+
     def result(self) -> WaitAttribution:
-        return WaitAttribution(tuple(self._batches), dict(self._phases))
+        return WaitAttribution(tuple(self._batches), dict(self._phases), self._count, self._waited)
 
 
 def _all_updating(updates: dict[str, list[Interval]], engines: int) -> list[Interval]:

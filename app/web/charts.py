@@ -4,16 +4,19 @@ beside the marks, so none needs colour to be read.
 
 A chart's size is bounded whatever the run: a per-step bar chart draws at most `MAX_BARS` bars and a
 line at most `MAX_POINTS` points. A longer run's steps are bucketed, k consecutive steps a bar (k as
-small as fits): the bar is their mean, a tick marks their max, and the chart's title and axis say so
-(a 1,260-batch run drew 1,260 bars a quarter of a pixel wide, 377 kB in every live update)."""
+small as the series' buckets allow, app.web.series): the bar is their mean, a tick marks their max,
+and the chart's title and axis say so (a 1,260-batch run drew 1,260 bars a quarter of a pixel wide,
+377 kB in every live update)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from html import escape
+from typing import Any
 
 from app.core.attribution import PHASE_LABELS
+from app.web.series import Bucket, Series
 
 W, H = 360, 150
 MAX_BINS = 24  # a histogram's bars at most: wider ranges are binned
@@ -121,8 +124,8 @@ def _per_bucket(n: int, most: int) -> int:
 
 def bar_chart(
     title: str,
-    labels: Sequence[str],
-    values: Sequence[float],
+    labels: Sequence[str] | Series,
+    values: Sequence[float] = (),
     unit: str = "",
     reference: float | None = None,
     reference_label: str = "",
@@ -130,31 +133,30 @@ def bar_chart(
     empty: str = "no data yet",
     max_bars: int = MAX_BARS,
     items: str = "steps",
-    hovers: Sequence[str] = (),
-    bucket_hover: Callable[[range], str] | None = None,
+    hover: Callable[[Bucket], str] | None = None,
 ) -> str:
-    """Bars labelled underneath, every n-th bar where all would not fit side by side (a long run's
-    trainer steps: past 24 bars none was labelled); `x_label` says what the labels are (a trainer step,
-    a staleness). Past `max_bars` values, k consecutive ones (`items`) make a bar: their mean, with a
-    tick at their max, labelled with the first one's label; the title and `x_label` say so. `hovers`,
-    one a value, replace what a bar says on hover while each bar is one value; past that, `bucket_hover`
-    of a bar's indices is added to what it says. A value below 0 (a reward) hangs below a 0 line, and the
-    axis runs down to the least bar."""
-    if not values:
+    """Bars of `values`, one a label, or of a series' first value (`labels` a `Series`), labelled underneath,
+    every n-th bar where all would not fit side by side (a long run's trainer steps: past 24 bars none was
+    labelled); `x_label` says what the labels are (a trainer step, a staleness). Past `max_bars` items, k
+    consecutive ones (`items`, k as small as the series' buckets allow) make a bar: their mean, with a tick at
+    their max, labelled with the first one's label; the title and `x_label` say so. `hover` of a bar's bucket
+    replaces what a bar of one item says on hover, and is added to what a bar of several says. A value below 0
+    (a reward) hangs below a 0 line, and the axis runs down to the least bar."""
+    series = labels if isinstance(labels, Series) else _series(zip(labels, values, strict=True))
+    if not len(series):
         return _empty(title, empty)
-    k = _per_bucket(len(values), max_bars)
+    k, bars = series.marks(max_bars)
     note = f"a bar is the mean of {k} {items}, its tick their max" if k > 1 else ""
     if k > 1:
         x_label = f"{x_label} ({k} a bar: the mean; a tick at the max)".lstrip()
-    chunks = [range(i, min(i + k, len(values))) for i in range(0, len(values), k)]
-    means = [math.fsum(values[j] for j in c) / len(c) for c in chunks]
-    maxes = [max(values[j] for j in c) for c in chunks]
-    firsts = [labels[c[0]] for c in chunks]
+    means = [b.stats[0].total / b.stats[0].n for b in bars]
+    maxes = [b.stats[0].most for b in bars]
+    firsts = [str(b.first) for b in bars]
     bottom = min(0.0, *means)
     top = max([*maxes, reference or 0.0, 0.0])
     if top == bottom:
         top = bottom + 1.0
-    span_w = (W - PAD_L - PAD_R) / len(chunks)
+    span_w = (W - PAD_L - PAD_R) / len(bars)
     every = math.ceil((max(_label_width(label) for label in firsts) + 4) / span_w)
     plot_h = H - PAD_T - PAD_B
     parts = [_head(title, note=note), _axis(top, unit, bottom), _x_label(x_label)]
@@ -162,16 +164,16 @@ def bar_chart(
     def y_of(v: float) -> float:
         return H - PAD_B - (v - bottom) / (top - bottom) * plot_h
 
-    for i, (label, c, v, most) in enumerate(zip(firsts, chunks, means, maxes, strict=True)):
+    for i, (label, bar, v, most) in enumerate(zip(firsts, bars, means, maxes, strict=True)):
         y, h = y_of(max(v, 0.0)), abs(v) / (top - bottom) * plot_h
         x = PAD_L + i * span_w + 1
         w = max(span_w - 2, 1)
-        if k == 1:
-            said = escape(hovers[c[0]]) if hovers else f"{escape(label)}: {_num(v)}{unit}"
+        if bar.n == 1:
+            said = escape(hover(bar)) if hover is not None else f"{escape(label)}: {_num(v)}{unit}"
         else:
-            said = f"{escape(label)}–{escape(labels[c[-1]])}: mean {_num(v)}{unit}, max {_num(most)}{unit}"
-            if bucket_hover is not None:
-                said += escape(bucket_hover(c))
+            said = f"{escape(label)}–{escape(str(bar.last))}: mean {_num(v)}{unit}, max {_num(most)}{unit}"
+            if hover is not None:
+                said += escape(hover(bar))
         parts.append(
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" '
             f'fill="#4a78b5"><title>{said}</title></rect>'
@@ -202,6 +204,14 @@ def bar_chart(
             f'stroke-dasharray="5 3" stroke-width="1.5"/>'
         )
     return "".join(parts) + "</svg>"
+
+
+def _series(items: Iterable[tuple[Any, ...]]) -> Series:
+    """A series of (label, value, ...) items."""
+    series = Series()
+    for label, *values in items:
+        series.add(label, *values)
+    return series
 
 
 def _bin_width(lo: int, hi: int) -> int:
@@ -262,7 +272,7 @@ def histogram(
 
 def line_chart(
     title: str,
-    points: Sequence[tuple[float, float]],
+    points: Sequence[tuple[float, float]] | Series,
     unit: str = "",
     top: float | None = None,
     x_label: str = "",
@@ -270,15 +280,17 @@ def line_chart(
     max_points: int = MAX_POINTS,
     items: str = "points",
 ) -> str:
-    """A line over time (seconds from 0, marked at both ends); `x_label` says what the time is. Past
-    `max_points` points, k consecutive ones (`items`) make a point: their mean time and mean value, its
-    hover naming their span and max; the title and `x_label` say so."""
-    if not points:
+    """A line over time (seconds from 0, marked at both ends) of `points` (time, value), or of a series
+    labelled by time, its values (time, value); `x_label` says what the time is. Past `max_points` points, k
+    consecutive ones (`items`) make a point: their mean time and mean value, its hover naming their span and
+    max; the title and `x_label` say so."""
+    series = points if isinstance(points, Series) else _series((t, t, v) for t, v in points)
+    if not len(series):
         return _empty(title, empty)
-    top = top if top is not None else (max(v for _, v in points) or 1.0)
-    t_max = max(t for t, _ in points) or 1.0
+    top = top if top is not None else (max(b.stats[1].most for b in series) or 1.0)
+    t_max = max(b.stats[0].most for b in series) or 1.0
     plot_w, plot_h = W - PAD_L - PAD_R, H - PAD_T - PAD_B
-    k = _per_bucket(len(points), max_points)
+    k, marks_of = series.marks(max_points)
     note = f"a point is the mean of {k} {items}" if k > 1 else ""
     if k > 1:
         x_label = f"{x_label} (a point: the mean of {k})".lstrip()
@@ -287,16 +299,13 @@ def line_chart(
         return f"{PAD_L + t / t_max * plot_w:.1f},{H - PAD_B - v / top * plot_h:.1f}"
 
     marks: list[tuple[float, float, str]] = []  # t, v, hover
-    for i in range(0, len(points), k):
-        chunk = points[i : i + k]
-        if k == 1:
-            t, v = chunk[0]
+    for p in marks_of:
+        t, v = p.stats[0].total / p.n, p.stats[1].total / p.n
+        if p.n == 1:
             marks.append((t, v, f"{t:.1f} s: {_num(v)}{unit}"))
             continue
-        t = math.fsum(p[0] for p in chunk) / len(chunk)
-        v = math.fsum(p[1] for p in chunk) / len(chunk)
-        most = max(p[1] for p in chunk)
-        said = f"{chunk[0][0]:.1f}–{chunk[-1][0]:.1f} s: mean {_num(v)}{unit}, max {_num(most)}{unit}"
+        most = p.stats[1].most
+        said = f"{p.first:.1f}–{p.last:.1f} s: mean {_num(v)}{unit}, max {_num(most)}{unit}"
         marks.append((t, v, said))
     path = " ".join(xy(t, v) for t, v, _ in marks)
     dots = "".join(

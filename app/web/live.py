@@ -44,7 +44,7 @@ from app.service.store import TrainerFigures
 from app.store.repos import LaneRepo
 from app.validation import parse_decimal, parse_int, problems
 from app.web.backend import ActionRefused
-from app.web.readmodel import ASKING, OUTCOMES, RunMeta, RunSummary, RunView, RunViewBuilder
+from app.web.readmodel import ASKING, BATCHES_KEPT, OUTCOMES, RunMeta, RunSummary, RunView, RunViewBuilder
 
 FETCH_LIMIT = 2000  # events read and folded at a time
 # A request folds a run's unread events for about this long at most (a page's first load of a run of
@@ -205,7 +205,7 @@ class ManagerRuns:
         with self._lock:
             entry = self._cache.get(run_id)
             if entry is None:
-                builder = RunViewBuilder(run_id, "live", KEEP_GROUPS, KEEP_SPANS)
+                builder = RunViewBuilder(run_id, "live", KEEP_GROUPS, KEEP_SPANS, BATCHES_KEPT)
                 entry = self._cache[run_id] = _RunCache(builder)
                 self._let_go_idle_views()
             else:

@@ -12,14 +12,21 @@ Definitions shown on the pages:
   the run's completed groups (with at least 3 completed);
 - a group **held** batch n when it was that batch's critical group (see app.core.attribution);
 - trainer idle fraction at a batch = total trainer wait so far ÷ time since the run started.
+
+A live run's view keeps its figures for the whole run as running totals (batches delivered, the
+trainer's wait, the wait by phase, staleness) and bounded per-step series for the charts
+(app.web.series), and per-batch rows only for its newest batches (`BATCHES_KEPT` batch rows, weight
+publications and engine updates, `PATHS_KEPT` critical paths): its memory does not grow with the run's
+length, but for the observed bound's and the straggler rule's inputs, a float a completed group and
+one a batch (both need every one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import statistics
+from array import array
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,6 +62,7 @@ from app.core.events import (
 from app.core.rollout import too_stale
 from app.sim.bound import lower_bound_s
 from app.store.sink import RUN_END_STATE
+from app.web.series import BatchTrend
 
 STRAGGLER_RATIO = 1.5
 REFUSALS_KEPT = 50  # the latest weight refusals a view lists
@@ -64,6 +72,11 @@ NO_GROUPS_NOTE = (
     "its batches, engines, lanes and wait attribution are shown, its groups are not."
 )
 LANE_WAITS_KEPT = 10_000  # per lane, for its p99 queue wait
+# A live view's per-batch rows: its newest batches (the timeline draws the batches and versions of the
+# latest groups, at most 500 of them ended: app.web.live.KEEP_GROUPS), and the newest critical paths
+# (the page lists 12). The run's totals and chart series cover every batch.
+BATCHES_KEPT = 500
+PATHS_KEPT = 100
 SNAPSHOT_KEYS = ("state", "version", "in_flight", "target_version")  # an engine's, from a live run's owner
 POOL = "*"  # the engine name of events about the whole pool (every engine down, every one given up)
 OUTCOMES = ("completed", "stopped", "failed")  # an ended run's states
@@ -278,11 +291,11 @@ class RunView(_RunFace):
     now: float
     groups: list[GroupRow]
     trajectories: dict[tuple[int, int], Trajectory]
-    batches: list[BatchRow]
+    batches: list[BatchRow]  # every batch's, or a long live run's newest `BATCHES_KEPT`
     engines: list[EngineRow]
     lanes: list[LaneRow]
-    publications: list[tuple[float, int]]  # (t, version) weight publications
-    updates: list[tuple[str, float, float, int]]  # engine, begin, end, version
+    publications: list[tuple[float, int]]  # (t, version) weight publications (a long live run's newest)
+    updates: list[tuple[str, float, float, int]]  # engine, begin, end, version (a long live run's newest)
     audit: list[AuditRow]  # the latest `AUDIT_KEPT` (all of a report's)
     staleness: dict[int, int]  # staleness -> delivered groups
     attribution: WaitAttribution | None
@@ -310,6 +323,12 @@ class RunView(_RunFace):
     store_note: str | None = None  # held: its events can be kept nowhere
     catch_up_note: str | None = None  # the view covers the stream read so far, and says how far
     resume_note: str | None = None  # the run is being resumed after a restart, and how far it has got
+    # A view that keeps only its newest batches (a long live run's): every batch delivered, their
+    # collection times summed, and the chart series of every batch. None: `batches` is every batch.
+    batch_count: int | None = None
+    batch_wait_s: float | None = None
+    kept_trend: BatchTrend | None = None
+    publications_dropped: int = 0  # weight publications no longer in `publications`
 
     # -- figures ----------------------------------------------------------------------------------
 
@@ -340,8 +359,28 @@ class RunView(_RunFace):
         return "none" if self.outcome is not None else "none yet"
 
     @property
+    def trend(self) -> BatchTrend:
+        """The per-step chart series of every batch delivered."""
+        return self.kept_trend if self.kept_trend is not None else trend_of(self.batches)
+
+    @property
+    def batches_delivered(self) -> int:
+        return len(self.batches) if self.batch_count is None else self.batch_count
+
+    @property
+    def trainer_wait_s(self) -> float:
+        """The delivered batches' collection times, summed in delivery order."""
+        return sum(b.wait_s for b in self.batches) if self.batch_wait_s is None else self.batch_wait_s
+
+    @property
+    def batches_dropped(self) -> int:
+        """Batches delivered whose rows are no longer kept (a long live run keeps its newest)."""
+        return self.batches_delivered - len(self.batches)
+
+    @property
     def mean_collection_s(self) -> float | None:
-        return statistics.fmean(b.wait_s for b in self.batches) if self.batches else None
+        n = self.batches_delivered
+        return self.trainer_wait_s / n if n else None
 
     @property
     def waiting_s(self) -> float | None:
@@ -354,7 +393,7 @@ class RunView(_RunFace):
         elapsed = self.now - self.t0
         if elapsed <= 0:
             return None
-        waited = sum(b.wait_s for b in self.batches) + (self.waiting_s or 0.0) + self.unanswered_s
+        waited = self.trainer_wait_s + (self.waiting_s or 0.0) + self.unanswered_s
         return waited / elapsed
 
     def summary(self) -> RunSummary:
@@ -366,8 +405,8 @@ class RunView(_RunFace):
             self.policy,
             self.label,
             self.started_at,
-            len(self.batches),
-            sum(b.wait_s for b in self.batches),
+            self.batches_delivered,
+            self.trainer_wait_s,
             (self.waiting_s or 0.0) + self.unanswered_s,
             self.now - self.t0,
         )
@@ -403,8 +442,12 @@ class RunViewBuilder:
     With `keep_groups` and/or `keep_spans`, only that many ended groups (or as many as hold that many
     spans, counted when each ended) keep their rows and trajectories (oldest ended first out; open
     groups are always kept); figures (batches, staleness, the wait attribution, the
-    straggler rule's durations) still cover the whole run. Memory is then bounded by the open and the
-    latest ended groups, plus O(batches) and the last `LANE_WAITS_KEPT` queue waits of each lane.
+    straggler rule's durations) still cover the whole run. With `keep_batches`, only the newest that
+    many batch rows, publications and engine updates are kept, and `PATHS_KEPT` critical paths; the
+    batches' count, wait and chart series still cover the whole run. Memory is then bounded by the
+    open and the latest ended groups, the newest batches, the last `LANE_WAITS_KEPT` queue waits of
+    each lane, and a float a completed group and a batch (the observed bound's and the straggler
+    rule's inputs).
     """
 
     def __init__(
@@ -413,6 +456,7 @@ class RunViewBuilder:
         source: str = "live",
         keep_groups: int | None = None,
         keep_spans: int | None = None,
+        keep_batches: int | None = None,
     ) -> None:
         self.run_id = run_id
         self.source = source
@@ -436,15 +480,21 @@ class RunViewBuilder:
         self.ended_order: deque[int] = deque()
         self.dropped_groups = 0
         self.dropped_outcomes: Counter[str] = Counter()  # how the groups no longer kept ended
-        self.durations: list[float] = []  # admission to completion of every completed group
+        self.durations = array("d")  # admission to completion of every completed group
         self.first_admitted: float | None = None  # the run's first admission
-        self.batches: list[BatchRow] = []
+        self.batches: deque[BatchRow] = deque(maxlen=keep_batches)
+        self.batch_count = 0
+        self.batch_wait = 0.0  # summed in delivery order
+        self.first_requested: float | None = None
+        self.steps = array("d")  # the trainer's step after each batch but the last: to the next request
+        self.trend = BatchTrend()
         # rewards of the batches not yet delivered: batch → [reward sum, rewards, groups, with a signal]
         self._batch_rewards: dict[int, list[float]] = {}
         self.engines: dict[str, EngineRow] = {}
         self.pool: tuple[str, str] | None = None  # the whole pool's state and its detail, while not serving
-        self.publications: list[tuple[float, int]] = []
-        self.updates: list[tuple[str, float, float, int]] = []
+        self.publications: deque[tuple[float, int]] = deque(maxlen=keep_batches)
+        self.publication_count = 0
+        self.updates: deque[tuple[str, float, float, int]] = deque(maxlen=keep_batches)
         self.open_updates: dict[str, tuple[float, int]] = {}
         self.refusals: deque[RefusalRow] = deque(maxlen=REFUSALS_KEPT)
         self.refusals_total = 0
@@ -459,7 +509,7 @@ class RunViewBuilder:
         self.lane_now: dict[str, tuple[int | None, int | None]] = {}  # busy, queue depth at the latest op
         self.lane_slots: dict[str, tuple[int, int]] = {}  # slots, configured: adaptive lanes' latest resize
         self.pending: float | None = None
-        self.waits = WaitAccumulator()
+        self.waits = WaitAccumulator(None if keep_batches is None else min(keep_batches, PATHS_KEPT))
         self._tokens = 0  # since the last batch
         self._turns = 0
         self._waited = 0.0
@@ -593,6 +643,7 @@ class RunViewBuilder:
             tr.spans.append(Span(s, e, LANE_PHASE.get(ev.lane, "tool_call"), detail))
         elif isinstance(ev, VersionPublished):
             self.publications.append((t, ev.version))
+            self.publication_count += 1
             if ev.command_id:  # a command's (the dashboard's Publish, the API's), not a built-in trainer's
                 self._audit_publication(t, ev)
         elif isinstance(ev, EngineUpdateBegin):
@@ -630,19 +681,32 @@ class RunViewBuilder:
             interval = t - self._last_delivered
             self._waited += t - requested
             total, rewards, groups, signal = self._batch_rewards.pop(ev.batch_index, (0.0, 0, 0, 0))
-            self.batches.append(
-                BatchRow(
-                    ev.batch_index,
-                    requested,
-                    t,
-                    t - requested,
-                    ev.group_ids,
-                    tokens_per_s=self._tokens / interval if interval > 0 and self._turns else None,
-                    idle_fraction=self._waited / t if t > 0 else None,
-                    mean_reward=total / rewards if rewards else None,
-                    trainable=signal / groups if groups else None,
-                )
+            row_b = BatchRow(
+                ev.batch_index,
+                requested,
+                t,
+                t - requested,
+                ev.group_ids,
+                tokens_per_s=self._tokens / interval if interval > 0 and self._turns else None,
+                idle_fraction=self._waited / t if t > 0 else None,
+                mean_reward=total / rewards if rewards else None,
+                trainable=signal / groups if groups else None,
             )
+            if self.batches:
+                self.steps.append(max(0.0, requested - self.batches[-1].delivered))
+            else:
+                self.first_requested = requested
+            self.batches.append(row_b)
+            self.batch_count += 1
+            self.batch_wait += row_b.wait_s
+            if self.batches.maxlen is not None:  # else a view's series are drawn from its rows
+                self.trend.add(
+                    row_b.index, requested, t, row_b.tokens_per_s, row_b.mean_reward, row_b.trainable
+                )
+            # the batch's critical group, if it held the trainer (the accumulator has just folded it)
+            held = self.waits.latest
+            if held is not None and held.group_id in self.groups and held.wait_s > 0:
+                self.groups[held.group_id].held_batch = held.batch_index
             self._tokens, self._last_delivered = 0, t
         elif isinstance(ev, PolicyChanged):
             self.audit.append(AuditRow(t, ev.actor, ev.field, ev.old, ev.new))
@@ -726,7 +790,8 @@ class RunViewBuilder:
         unanswered = 0.0
         if ended and not partial and self.pending is not None:
             unanswered = max(now - self.pending, 0.0)
-        _mark_groups(groups, attribution, self.durations)
+        _mark_groups(groups, self.durations)
+        bounded = self.batches.maxlen is not None
         return RunView(
             run_id=self.run_id,
             source=self.source,
@@ -737,6 +802,10 @@ class RunViewBuilder:
             groups=list(groups.values()),
             trajectories=trajs,
             batches=list(self.batches),
+            batch_count=self.batch_count if bounded else None,
+            batch_wait_s=self.batch_wait if bounded else None,
+            kept_trend=self.trend.copy() if bounded else None,
+            publications_dropped=self.publication_count - len(self.publications),
             engines=rows,
             lanes=_lanes(
                 meta.lanes,
@@ -753,7 +822,12 @@ class RunViewBuilder:
             lower_bound_s=meta.lower_bound_s
             if meta.lower_bound_s is not None
             else _observed_bound(
-                self.durations, self.first_admitted, self.batches, self._bound_policy(policy)
+                self.durations,
+                self.first_admitted,
+                self.first_requested,
+                self.batch_count,
+                self.steps,
+                self._bound_policy(policy),
             ),
             lower_bound_observed=meta.lower_bound_s is None and bool(self.batches),
             label=meta.label,
@@ -810,7 +884,9 @@ def _stall_note(
 def _observed_bound(
     durations: Sequence[float],
     first_admitted: float | None,
-    batches: Sequence[BatchRow],
+    first_requested: float | None,
+    batches: int,
+    steps: Sequence[float],
     policy: Mapping[str, Any],
 ) -> float | None:
     """The clairvoyant bound of `app.sim.bound` over the run's observed group durations (admission to
@@ -822,15 +898,14 @@ def _observed_bound(
     admission more than B + S groups can be live, so only the order statistic is stated."""
     b = policy.get("groups_per_batch")
     s = policy.get("surplus_groups")
-    if not batches or not isinstance(b, int) or not isinstance(s, int) or b < 1:
+    if not batches or first_requested is None or not isinstance(b, int) or not isinstance(s, int) or b < 1:
         return None
-    steps = [max(0.0, nxt.requested - cur.delivered) for cur, nxt in itertools.pairwise(batches)]
     # Groups admitted before the first batch was asked for had a head start the bound must not count.
-    head_start = 0.0 if first_admitted is None else max(0.0, batches[0].requested - first_admitted)
+    head_start = 0.0 if first_admitted is None else max(0.0, first_requested - first_admitted)
     # Attempts admission: as many live as there are groups makes the capacity term no tighter than the
     # order statistic
     live = max(1, len(durations)) if policy.get("admission") == AdmissionMode.ATTEMPTS.value else b + s
-    return max(0.0, lower_bound_s(durations, len(batches), b, live, steps) - head_start / len(batches))
+    return max(0.0, lower_bound_s(durations, batches, b, live, steps) - head_start / batches)
 
 
 def view_from_events(
@@ -843,10 +918,8 @@ def view_from_events(
     return builder.view(meta)
 
 
-def _mark_groups(
-    groups: dict[int, GroupRow], attribution: WaitAttribution | None, durations: list[float] | None = None
-) -> None:
-    """Straggler flags (against the median of `durations`, or of these groups' own) and held batches."""
+def _mark_groups(groups: dict[int, GroupRow], durations: Sequence[float] | None = None) -> None:
+    """Straggler flags, against the median of `durations`, or of these groups' own."""
     if durations is None:
         durations = [
             g.ready - g.admitted for g in groups.values() if g.ready is not None and g.admitted is not None
@@ -856,10 +929,14 @@ def _mark_groups(
         for g in groups.values():
             if g.ready is not None and g.admitted is not None:
                 g.straggler = g.ready - g.admitted > limit
-    if attribution is not None:
-        for b in attribution.batches:
-            if b.group_id in groups and b.wait_s > 0:
-                groups[b.group_id].held_batch = b.batch_index
+
+
+def trend_of(batches: Iterable[BatchRow]) -> BatchTrend:
+    """The chart series of these batches, in order."""
+    trend = BatchTrend()
+    for b in batches:
+        trend.add(b.index, b.requested, b.delivered, b.tokens_per_s, b.mean_reward, b.trainable)
+    return trend
 
 
 def _number_at(values: Sequence[Any], i: int) -> float | None:
@@ -1112,7 +1189,7 @@ def _view_from_timeline(run_id: str, report: Mapping[str, Any], meta: RunMeta) -
         for name, e in (report.get("engines") or {}).items()
     ]
     by_group = {g.group_id: g for g in groups}
-    _mark_groups(by_group, None)
+    _mark_groups(by_group)
     batches = _with_rates(batches)
     critical: dict[int, int] = {}
     for b in batches:

@@ -301,6 +301,13 @@ def render_timeline(
         tick_labels.add(x, f"{t:g} s")
     batches = [b for b in view.batches if b.delivered >= t_from]
     publications = [(t, v) for t, v in view.publications if t >= t_from]
+    # A long live run's view keeps its newest batches' rows (readmodel.BATCHES_KEPT): lines from before
+    # the oldest kept are not drawn, and the timeline says from when it draws them.
+    kept_from = max(
+        view.batches[0].delivered if view.batches_dropped and view.batches else -math.inf,
+        view.publications[0][0] if view.publications_dropped and view.publications else -math.inf,
+    )
+    lines_note = f"batch and version lines from {kept_from:.0f} s" if kept_from > t_from else ""
     # Lines closer than MIN_LINE_GAP_PX on average striped every row (a fast run's hundreds of batches
     # and versions at one screen's width): they stay in the header then, and zooming in brings them down.
     dense = plot_w / max(len(batches) + len(publications), 1) < MIN_LINE_GAP_PX
@@ -344,8 +351,12 @@ def render_timeline(
         ]
         if waiting_left_out:
             gutter.append(f"({waiting_left_out} not started yet)")
+        if lines_note:
+            gutter.append(lines_note)
         for i, line in enumerate(gutter):
             axis.append(f'<text x="4" y="{9 + 10 * i}" class="note">{escape(line)}</text>')
+    if lines_note:
+        note += f"; {lines_note}"
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline-svg" role="img" '
         f'aria-label="group timeline: {len(view.trajectories)} trajectories, {view.span_count} spans{note}" '

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -43,7 +42,7 @@ from app.core.config import MAX_AGENT_GATE
 from app.validation import MAX_RUN_STALENESS, MAX_SURPLUS, large_surplus_change, parse_decimal, parse_int
 from app.web import charts
 from app.web.backend import MAX_REPORT_BYTES, ActionRefused, ReplayStore, RunsBackend
-from app.web.readmodel import BatchRow, ReportError, RunSummary, RunView
+from app.web.readmodel import BatchRow, ReportError, RunSummary, RunView, trend_of
 from app.web.security import (
     CSRF_FIELD,
     AccessConfig,
@@ -54,6 +53,7 @@ from app.web.security import (
     set_csrf_cookie,
     set_token_cookie,
 )
+from app.web.series import IDLE_WINDOW_BATCHES, BatchTrend, Bucket, idle_percent
 from app.web.timeline import (
     BASE_WIDTH,
     MAX_WIDTH,
@@ -197,20 +197,16 @@ def runs_context(dash: Dashboard) -> dict[str, Any]:
     }
 
 
-IDLE_WINDOW_BATCHES = 10  # the idle chart's window: the whole run's fraction hid a change made late in it
-
-
 def rolling_idle(batches: Sequence[BatchRow], n: int = IDLE_WINDOW_BATCHES) -> list[tuple[float, float]]:
     """At each batch's delivery, the percentage of the time since the `n`-th last batch was asked for
     that the trainer spent waiting for batches (the summary's idle is the whole run's: after S and K
-    were cut, batches took twice as long and it moved from 56% to 59%)."""
+    were cut, batches took twice as long and it moved from 56% to 59%). A view's `trend.idle` holds the
+    same points, folded as its batches come."""
     points = []
     for i, x in enumerate(batches):
-        first = batches[max(0, i - n + 1)]
-        span = x.delivered - first.requested
-        if span > 0:
-            waited = math.fsum(b.wait_s for b in batches[max(0, i - n + 1) : i + 1])
-            points.append((x.delivered, min(100.0, 100 * waited / span)))
+        window = [(b.requested, b.delivered, b.wait_s) for b in batches[max(0, i - n + 1) : i + 1]]
+        if (pct := idle_percent(window)) is not None:
+            points.append((x.delivered, pct))
     return points
 
 
@@ -231,34 +227,27 @@ def duration_chart(view: RunView, empty: str) -> str:
     )
 
 
-def reward_chart(batches: Sequence[BatchRow], empty: str) -> str:
+def reward_chart(batches: Sequence[BatchRow] | BatchTrend, empty: str) -> str:
     """Each step's mean reward, its hover with the share of the batch's groups with a learning signal
     (rewards not all equal): a run whose reward climbs towards 1 while that share falls is running out
-    of groups to learn from. Steps without rewards (a report from before they were kept) are left out."""
-    title = "mean reward per step"
-    rows = [x for x in batches if x.mean_reward is not None]
+    of groups to learn from. Steps without rewards (a report from before they were kept) are left out.
+    `batches`: the rows, or a view's trend of them."""
+    trend = batches if isinstance(batches, BatchTrend) else trend_of(batches)
 
-    def said(x: BatchRow) -> str:
-        signal = "" if x.trainable is None else f"; {x.trainable:.0%} of its groups with a learning signal"
-        return f"step {x.index}: mean reward {x.mean_reward:.3g}{signal}"
-
-    def said_of(steps: range) -> str:
-        """A bar of several steps: their mean share with a learning signal and the lowest (past 100 steps
-        the bars said only their rewards, and the share, the point of the chart, was gone)."""
-        shares = [s for s in (rows[i].trainable for i in steps) if s is not None]
-        if not shares:
+    def said(bar: Bucket) -> str:
+        reward, share = bar.stats
+        if bar.n == 1:
+            signal = "" if share.mean is None else f"; {share.mean:.0%} of its groups with a learning signal"
+            return f"step {bar.first}: mean reward {reward.mean:.3g}{signal}"
+        # A bar of several steps: their mean share with a learning signal and the lowest (past 100
+        # steps the bars said only their rewards, and the share, the point of the chart, was gone).
+        if share.mean is None:
             return ""
-        mean = math.fsum(shares) / len(shares)
-        return f"; {mean:.0%} of their groups with a learning signal (the lowest step {min(shares):.0%})"
+        lowest = f"(the lowest step {share.least:.0%})"
+        return f"; {share.mean:.0%} of their groups with a learning signal {lowest}"
 
     return charts.bar_chart(
-        title,
-        [str(x.index) for x in rows],
-        [x.mean_reward or 0.0 for x in rows],
-        x_label="trainer step",
-        empty=empty,
-        hovers=[said(x) for x in rows],
-        bucket_hover=said_of,
+        "mean reward per step", trend.reward, x_label="trainer step", empty=empty, hover=said
     )
 
 
@@ -303,7 +292,7 @@ def group_context(view: RunView, group_id: int) -> dict[str, Any] | None:
 def run_context(
     view: RunView, zoom: float = 1.0, width: int = BASE_WIDTH, window: float | None = None
 ) -> dict[str, Any]:
-    b = view.batches
+    trend = view.trend
     attribution = view.attribution
     engines_versions = [e.version for e in view.engines]
     # a drained engine loads no version until it is returned: the progress counts the others
@@ -326,32 +315,23 @@ def run_context(
         "collection_chart": Lazy(
             lambda: charts.bar_chart(
                 "batch collection time per step",
-                [str(x.index) for x in b],
-                [x.wait_s for x in b],
-                " s",
-                view.lower_bound_s,
-                f"lower bound {view.lower_bound_s:.1f} s" if view.lower_bound_s is not None else "",
+                trend.collection,
+                unit=" s",
+                reference=view.lower_bound_s,
+                reference_label=f"lower bound {view.lower_bound_s:.1f} s"
+                if view.lower_bound_s is not None
+                else "",
                 x_label="trainer step",
                 empty=empty,
             )
         ),
         "tokens_chart": Lazy(
-            lambda: (
-                charts.bar_chart(
-                    "tokens/s per step",
-                    [str(x.index) for x in b if x.tokens_per_s is not None],
-                    [x.tokens_per_s for x in b if x.tokens_per_s is not None],
-                    "",
-                    x_label="trainer step",
-                )
-                if any(x.tokens_per_s is not None for x in b)
-                else charts.bar_chart("tokens/s per step", [], [], empty=empty)
-            )
+            lambda: charts.bar_chart("tokens/s per step", trend.tokens, x_label="trainer step", empty=empty)
         ),
         "idle_chart": Lazy(
             lambda: charts.line_chart(
                 f"trainer idle fraction, last {IDLE_WINDOW_BATCHES} batches",
-                rolling_idle(b),
+                trend.idle,
                 "%",
                 top=100.0,
                 x_label="run time at each batch",
@@ -359,7 +339,7 @@ def run_context(
                 items="batches",
             )
         ),
-        "reward_chart": Lazy(lambda: reward_chart(b, empty)),
+        "reward_chart": Lazy(lambda: reward_chart(trend, empty)),
         "duration_chart": Lazy(lambda: duration_chart(view, empty)),
         "staleness_chart": Lazy(
             lambda: charts.histogram(

@@ -97,3 +97,33 @@ def test_the_accumulator_keeps_no_group_past_its_end_in_a_simulated_run():
     assert late > 40  # the stream has them (113 ops of ended groups): the check above met them
     assert acc.open_groups == 0
     assert acc.result() == attribute_waits(envelopes)
+
+
+def test_a_long_run_s_accumulator_keeps_its_newest_paths_and_the_windows_a_batch_can_still_reach():
+    """The dashboard's view of a long run kept every batch's critical path (783 bytes each, its phase
+    dict most of it) and every engine's every weight-update window. Kept to its newest 10 paths, the
+    accumulator's totals are still the whole run's, and it holds only the update windows that end after
+    the latest batch was asked for: 400 batches published about 800 windows."""
+    from factories import make_workload_data
+
+    from app.core.attribution import WaitAccumulator
+    from app.sim.run import policy_for, simulate
+    from app.sim.workload import Workload
+
+    workload = Workload.model_validate(make_workload_data(batches=400))
+    envelopes: list[Envelope] = []
+    simulate(workload, policy_for(workload, "full", adaptive_lanes=False), "full", events=envelopes.append)
+    whole = attribute_waits(envelopes)
+    acc = WaitAccumulator(keep_batches=10)
+    most_windows = 0
+    for env in envelopes:
+        acc.on_envelope(env)
+        most_windows = max(most_windows, acc.kept_windows)
+    kept = acc.result()
+    assert len(whole.batches) == kept.count == 400
+    assert kept.batches == whole.batches[-10:]
+    assert kept.phases == whole.phases
+    assert kept.total_s == whole.total_s == sum(b.wait_s for b in whole.batches)
+    assert kept.summary() == whole.summary()
+    assert sum(e.event.kind == "engine_update_end" for e in envelopes) > 700
+    assert most_windows <= 3 * workload.engines.count  # the latest versions of each engine (5, of 797)

@@ -779,14 +779,14 @@ def test_an_s_that_admitted_no_group_leaves_the_observed_bound_as_it_was() -> No
 def test_the_observed_bound_of_an_attempts_admission_run_is_its_order_statistic() -> None:
     """Attempts admission can have more than B + S groups live, so the capacity term in groups is no bound
     for it: eight 10 s groups, B = 2, S = 0, two batches delivered at 10 s and 20 s."""
-    from app.web.readmodel import BatchRow, _observed_bound
+    from app.web.readmodel import _observed_bound
 
-    batches = [BatchRow(0, 0.0, 10.0, 10.0), BatchRow(1, 10.0, 20.0, 10.0)]
+    # the first batch asked for at 0 s, two batches, the trainer's step between them 0 s
     policy = {"groups_per_batch": 2, "surplus_groups": 0}
     # B + S groups live: 4 groups of 10 s through 2 places take 20 s, so the mean is at least 10 s
-    assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "in_flight"}) == 10.0
+    assert _observed_bound([10.0] * 8, 0.0, 0.0, 2, [0.0], {**policy, "admission": "in_flight"}) == 10.0
     # attempts admission: only that no group is ready before 10 s, so the mean is at least 5 s
-    assert _observed_bound([10.0] * 8, 0.0, batches, {**policy, "admission": "attempts"}) == 5.0
+    assert _observed_bound([10.0] * 8, 0.0, 0.0, 2, [0.0], {**policy, "admission": "attempts"}) == 5.0
 
 
 def test_each_batch_s_mean_reward_and_learning_signal_come_from_its_groups():
@@ -816,3 +816,68 @@ def test_a_batch_whose_groups_all_solved_or_all_failed_has_no_learning_signal():
     (batch,) = view_from_events("run-1", envelopes).batches
     assert batch.mean_reward == pytest.approx(0.75)
     assert batch.trainable == pytest.approx(0.5)
+
+
+def test_a_long_run_s_live_view_keeps_its_newest_batches_and_the_whole_run_s_figures():
+    """A live view kept every batch's row, critical path, publication and engine updates (about 1.9 KB
+    a batch: a long fast run's server grew 3.7 KiB of RSS a version while its page was watched). Fed a
+    3,000-batch stream, a view keeping its newest batches holds a bounded number of each however far
+    the stream goes, and every block of the run page renders the same as from a view of every batch."""
+    from app.web.live import KEEP_GROUPS, KEEP_SPANS
+    from app.web.readmodel import BATCHES_KEPT, PATHS_KEPT, RunViewBuilder
+    from app.web.security import AccessConfig
+    from app.web.series import MOST_BUCKETS
+    from app.web.views import LIVE_BLOCKS, Dashboard, run_context
+
+    events = synthetic_run(groups=6000, group_size=2, batch_groups=2, turns=2)
+    bounded = RunViewBuilder("long", "live", KEEP_GROUPS, KEEP_SPANS, BATCHES_KEPT)
+    whole = RunViewBuilder("long", "live", KEEP_GROUPS, KEEP_SPANS)  # every batch's rows
+    kept = []
+    for env in events:
+        bounded.on_envelope(env)
+        whole.on_envelope(env)
+        if env.event.kind == "batch_delivered" and env.event.batch_index % 250 == 249:
+            kept.append(
+                (
+                    len(bounded.batches),
+                    len(bounded.publications),
+                    len(bounded.updates),
+                    len(bounded.waits.result().batches),
+                    bounded.waits.kept_windows,
+                    max(len(s.buckets) for s in vars(bounded.trend).values() if hasattr(s, "buckets")),
+                )
+            )
+    assert len(kept) == 12  # 3,000 batches
+    assert max(k[0] for k in kept) == max(k[1] for k in kept) == max(k[2] for k in kept) == BATCHES_KEPT
+    assert max(k[3] for k in kept) == PATHS_KEPT
+    assert max(k[4] for k in kept) <= 4  # windows that may still reach a batch: an engine's latest or two
+    assert max(k[5] for k in kept) <= MOST_BUCKETS
+
+    meta = RunMeta(state="running")
+    view, full = bounded.view(meta), whole.view(meta)
+    assert len(full.batches) == full.batches_delivered == view.batches_delivered == 3000
+    assert view.batches == full.batches[-BATCHES_KEPT:]
+    assert view.batches_dropped == 3000 - BATCHES_KEPT
+    assert view.trainer_wait_s == full.trainer_wait_s
+    assert view.mean_collection_s == full.mean_collection_s
+    assert view.idle_fraction == full.idle_fraction
+    assert view.summary() == full.summary()
+    assert view.lower_bound_s == full.lower_bound_s
+    assert view.staleness == full.staleness
+    assert view.groups == full.groups  # the held batches and straggler flags of the kept groups
+    assert any(g.held_batch is not None for g in view.groups)
+    assert view.attribution is not None
+    assert full.attribution is not None
+    assert view.attribution.batches == full.attribution.batches[-PATHS_KEPT:]
+    assert view.attribution.phases == full.attribution.phases
+    assert view.attribution.total_s == full.attribution.total_s
+    assert view.attribution.summary() == full.attribution.summary()
+    assert "over 3000 batches" in view.attribution.summary()
+    dash = Dashboard(AccessConfig(None, None))
+    blocks = {b: dash.render("run.html", run_context(view), b) for b in LIVE_BLOCKS}
+    assert blocks == {b: dash.render("run.html", run_context(full), b) for b in LIVE_BLOCKS}
+    assert 'id="batches-delivered">3000<' in blocks["summary"]
+    assert "a bar is the mean of 32 steps" in blocks["trainer"]
+    from app.web.timeline import render_timeline
+
+    assert render_timeline(view) == render_timeline(full)  # the latest groups' batches are all kept
