@@ -104,6 +104,7 @@ def lane_op(self: Task, data: dict[str, Any]) -> dict[str, Any]:
         result = asyncio.run(execute_op(op, sandbox, _worker.cpus))
         _worker.sandboxes.after(op, sandbox)
     finally:
+        _worker.sandboxes.keep_uid_holder(op, sandbox)
         reaped = _worker.sandboxes.reap_if_older(op, sandbox)
     if reaped:
         why = f"sandbox {op.handle.id!r}: its run was started again while it was reset; removed"

@@ -21,7 +21,9 @@ Invariants:
 - an op for a sandbox whose handle names another host, or a kind this worker does not run, is refused;
 - the rebuilt sandbox is exactly the one the handle names (same work dir, or same container name);
 - state is written atomically (a reader never sees half a file);
-- a sandbox's uid claim is held by the worker's main process, which outlives any pool process;
+- a sandbox's uid claim is held by the worker's main process, which outlives any pool process; an op
+  that took over a claim that lapsed (`LocalSandbox._own_uid`: a worker restarted, nobody took the uid)
+  leaves the new holder, this worker's main process, in the sandbox's state;
 - a sweep touches only sandboxes of older incarnations than the newest one seen in their directory
   (never one of the incarnation driving the run, nor one without an incarnation), is idempotent, and
   kills a uid's processes only while the uid's claim still names the holder the sandbox's reset gave it
@@ -119,6 +121,19 @@ class HostSandboxes:
                 sandbox.uid_holder = self.owner_pid
             holder = {"uid_holder": self.owner_pid}  # whose claim a sweep may take the uid's for
             _write_atomic(state, {"task": op.args["task"], **_state_of(sandbox), **holder})
+
+    def keep_uid_holder(self, op: LaneOp[Any], sandbox: LocalSandbox | DockerSandbox) -> None:
+        """After an exec or validate (done or failed): if it took over the sandbox's lapsed uid claim, the
+        state names the new holder, whom its later ops and its cleanup check the claim against."""
+        if op.name in (LaneName.RESET, LaneName.CLEANUP) or not isinstance(sandbox, LocalSandbox):
+            return
+        state = self._state_file(sandbox)
+        try:
+            data = json.loads(state.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        if sandbox.uid_holder is not None and data.get("uid_holder") != sandbox.uid_holder:
+            _write_atomic(state, {**data, "uid_holder": sandbox.uid_holder})
 
     def check_incarnation(self, op: LaneOp[Any]) -> None:
         """Refuse (`OlderIncarnation`) an op other than a cleanup on a sandbox of an incarnation older than
@@ -297,7 +312,9 @@ class HostSandboxes:
     def _factory(self, base_dir: Path) -> LocalSandboxFactory:
         factory = self._factories.get(base_dir)
         if factory is None:
-            factory = LocalSandboxFactory(base_dir, isolation=self.isolation, **self.factory_options)
+            factory = LocalSandboxFactory(
+                base_dir, isolation=self.isolation, claims_holder=self.owner_pid, **self.factory_options
+            )
             self._factories[base_dir] = factory
         return factory
 

@@ -14,6 +14,11 @@ Invariants:
   (`kill_uid_if_claimed`): a claim lapses with its holder (a lane worker restarted) and another sandbox
   may have taken the uid since. Claiming, handing over, releasing and that check-and-kill hold the
   claims directory's lock, so no claim changes hands between the check and the kill.
+- A command runs as a sandbox's uid only while the claim names the sandbox's holder (`hold_claim`): a
+  claim that lapsed and went to another sandbox (or went away) refuses it; one that lapsed and stayed
+  free (it still names the dead holder, so nobody took the uid since) is taken over by a live holder.
+  The check and the command's start hold the claims lock shared (LocalSandbox._run): starts overlap,
+  and every claim, hand-over, release and check-and-kill (exclusive) waits for those under way.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,22 +286,72 @@ class UidPool:
         """Make `owner_pid` the holder of `uid`'s claim: a claim lapses when its holder dies, so a
         claim made by a short-lived process for a long-lived sandbox names the process that outlives it
         (a Celery worker's main process, not the pool process that ran the reset)."""
-        path = self.claims / str(uid)
-        tmp = path.with_name(f".{uid}.{os.getpid()}.tmp")
         with claims_locked(self.claims):
-            tmp.write_text(str(owner_pid))
-            tmp.replace(path)
+            _write_claim(self.claims, uid, owner_pid)
+
+
+def _write_claim(claims: Path, uid: int, holder: int) -> None:
+    """Make `holder` whom `uid`'s claim names, atomically; the caller holds the claims lock."""
+    path = claims / str(uid)
+    tmp = path.with_name(f".{uid}.{os.getpid()}.tmp")
+    tmp.write_text(str(holder))
+    tmp.replace(path)
+
+
+# Beside the claims: an flock that whoever waits for the claims lock exclusively holds, so that commands'
+# starts, which take that lock shared, cannot keep it from a claim by overlapping one another.
+CLAIMS_GATE = ".gate"
 
 
 @contextlib.contextmanager
 def claims_locked(claims: Path) -> Iterator[None]:
-    """Hold the lock of the host's claims directory `claims` (an flock on the directory itself)."""
-    fd = os.open(claims, os.O_RDONLY | os.O_DIRECTORY)
+    """Hold the lock of the host's claims directory `claims` (an flock on the directory itself)
+    exclusively, taken through its gate."""
+    gate = os.open(claims / CLAIMS_GATE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fd = os.open(claims, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(gate)
+
+
+def try_claims_shared(claims: Path) -> int | None:
+    """The lock of the claims directory `claims` taken shared, unless it or its gate is held exclusively
+    now (None): the descriptor that holds it, let go when closed. Never blocks."""
+    gate = os.open(claims / CLAIMS_GATE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fd = os.open(claims, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    except BlockingIOError:
+        return None
+    finally:
+        os.close(gate)
+
+
+def hold_claim(claims: Path, uid: int, holder: int, successor: int) -> int | None:
+    """Whom `uid`'s claim names now for a sandbox that got it from `holder`, the caller holding the claims
+    lock, shared at least (then no other sandbox's op changes this uid's claim): `holder` while it is
+    alive; `successor`, a live process, once it took over a claim that lapsed with `holder` and that
+    nobody took since (it still names `holder`); None when the claim names another or nobody (another
+    sandbox took the uid, or took and released it: the uid is not the sandbox's)."""
+    path = claims / str(uid)
+    if not claim_names(claims, uid, holder):
+        return None
+    if owner_alive(path):
+        return holder
+    _write_claim(claims, uid, successor)
+    return successor
 
 
 def claim_names(claims: Path, uid: int, holder: int) -> bool:
@@ -342,3 +397,22 @@ def owner_alive(path: Path) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def real_uid(pid: int) -> int | None:
+    """The real uid process `pid` runs as, or None once it has exited (gone, or a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("State", "").split()[:1] == ["Z"]:
+        return None
+    return int(fields["Uid"].split()[0])
+
+
+def running_as(uid: int, lead: int, members: Iterable[int]) -> bool:
+    """Whether a command has switched to `uid`: one of `members` (its processes, `lead` the first) runs
+    as `uid`, or `lead` has exited. The switch is the command's own (setpriv): from then on whatever it
+    starts runs as `uid`, since it can never become root again."""
+    return real_uid(lead) in (None, uid) or any(real_uid(pid) == uid for pid in members)

@@ -17,6 +17,12 @@ Invariants:
   otherwise "none", with a logged warning. Under bwrap: no network (only a private loopback), a
   read-only view of the system directories, the work dir writable at `/work`, a private /tmp, /proc
   and /dev, no view of other sandboxes, /root, /home or the repository.
+- A command runs as the sandbox's uid only while that uid's claim names the sandbox's holder
+  (`uid_holder`), or after the sandbox took over a claim that lapsed with its holder and that nobody
+  took since; else it is refused (`SandboxError`): after a lane worker restart the uid may be another
+  sandbox's. The check holds the host's claims lock (shared) until the command runs as the uid (or has
+  ended), so a sandbox that takes the uid later kills the command with its reset, never shares the uid
+  with it.
 - Nothing here blocks the event loop: processes through asyncio, file work through `to_thread`.
 - In a process that declared itself the owner of its sandboxes (`corral run`, `corral serve`), each
   sandbox is marked from its reset to the end of its cleanup, so that what a killed owner left is
@@ -37,7 +43,7 @@ import stat
 import subprocess
 import tempfile
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -50,8 +56,11 @@ from app.sandboxes.limits import (
     ResourceLimits,
     SandboxLimitError,
     UidPool,
+    hold_claim,
     kill_uid_if_claimed,
     private_dir,
+    running_as,
+    try_claims_shared,
 )
 from app.sandboxes.timelimits import GivenClock, TimeLimits, leaf_threads, session_threads
 
@@ -67,6 +76,13 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 # After the main process exits, background processes may keep the output pipe open; read this much
 # longer, then stop (they keep running until cleanup, or die with the pid namespace under bwrap).
 DRAIN_AFTER_EXIT_S = 0.2
+# How long a command's start may hold the host's uid claims lock while it has not switched to the
+# sandbox's uid yet (setpriv, after bwrap set up its namespaces: milliseconds).
+START_AS_UID_S = 5.0
+# How often a command's start looks again whether it may take the claims lock, or runs as the uid yet:
+# polled from the event loop, so a start holding the lock never waits for a thread that waits for it
+# (claims take the lock in threads).
+UID_POLL_S = 0.0005
 
 Isolation = Literal["bwrap", "none"]
 
@@ -176,6 +192,7 @@ class LocalSandboxFactory:
         lane_weights: Mapping[str, int] | None = None,
         borrow_serving: bool = False,
         time_limits: TimeLimits | None = None,
+        claims_holder: int | None = None,
     ) -> None:
         if output_limit <= 0:
             raise SandboxError(f"output_limit must be positive, got {output_limit}")
@@ -188,6 +205,9 @@ class LocalSandboxFactory:
         self.pin_method = pin_method
         self.cgroup_root = cgroup_root
         self.use_cgroups = use_cgroups
+        # The live process a sandbox's uid claim is made to name when the sandbox takes over a claim that
+        # lapsed: this one, or a lane worker's main process (which outlives its pool processes).
+        self.claims_holder = claims_holder if claims_holder is not None else os.getpid()
         # Work-conserving lanes: each lane's processes join a cpu-share group of that lane's weight.
         self.lane_shares: dict[str, cpushare.SharePlacement] = {}
         for lane, weight in (lane_weights or {}).items():
@@ -423,6 +443,76 @@ class LocalSandbox(CommandSandbox):
             )
             self.uid = self.uid_holder = None  # nor is the claim released
 
+    @contextlib.asynccontextmanager
+    async def _own_uid(self) -> AsyncIterator[None]:
+        """Hold the host's uid claims lock (shared: other starts may hold it too) while this sandbox's uid
+        is its own, for a command's start; raise `SandboxError` if it is not (its claim lapsed and went
+        to another sandbox, or went away). A claim that lapsed with its holder (a lane worker restarted)
+        and that nobody took since is taken over for the factory's `claims_holder` first: no other
+        sandbox has had that uid meanwhile."""
+        uids, uid, holder = self.factory.uids, self.uid, self.uid_holder
+        if uids is None or uid is None:
+            yield
+            return
+        while (fd := try_claims_shared(uids.claims)) is None:  # noqa: ASYNC110 (an flock: no event to wait on)
+            await asyncio.sleep(UID_POLL_S)
+        try:
+            now_holder = (
+                None if holder is None else hold_claim(uids.claims, uid, holder, self.factory.claims_holder)
+            )
+            if now_holder is None:
+                why = (
+                    "its claim lapsed with a lane worker restart; another sandbox took it, or it was dropped"
+                    if holder is not None
+                    else "its state names no claim holder"
+                )
+                raise SandboxError(
+                    f"sandbox {self.attempt_id!r}: uid {uid} is no longer claimed for it ({why}): not run"
+                )
+            if now_holder != holder:
+                log.warning(
+                    "sandbox %s: took over the claim of uid %d that lapsed with its holder %d (now %d)",
+                    self.attempt_id,
+                    uid,
+                    holder,
+                    now_holder,
+                )
+            self.uid_holder = now_holder
+            yield
+        finally:
+            os.close(fd)  # lets go of the lock
+
+    async def _until_running_as_uid(self, proc: asyncio.subprocess.Process, leaf: Path | None) -> None:
+        """Wait until the command `proc` started runs as the sandbox's uid, or has ended (the caller holds
+        the claims lock): from then on all it starts is of that uid, and a sandbox that takes the uid
+        after a lapse kills it all with its reset, nothing of it still root and about to switch."""
+        assert self.uid is not None
+        group = self.pids_group
+
+        def members() -> list[int]:
+            if self.isolation == "none":
+                return []  # setpriv is the lead itself
+            if leaf is not None and group is not None:
+                return group.pids(leaf)  # bwrap's processes, setpriv's among them
+            return session_threads(proc.pid)
+
+        deadline = asyncio.get_running_loop().time() + START_AS_UID_S
+        try:
+            while not (switched := running_as(self.uid, proc.pid, members())):
+                if asyncio.get_running_loop().time() >= deadline:
+                    break
+                await asyncio.sleep(UID_POLL_S)
+        except BaseException:
+            await self._kill_exec(proc.pid, leaf)
+            raise
+        if not switched:
+            log.warning(
+                "sandbox %s: its command did not switch to uid %d within %g s; the claims lock is let go",
+                self.attempt_id,
+                self.uid,
+                START_AS_UID_S,
+            )
+
     def _argv(self, command: str) -> list[str]:
         inner = ["bash", "-c", command]
         if self.uid is not None and self.factory.setpriv is not None:
@@ -505,16 +595,19 @@ class LocalSandbox(CommandSandbox):
 
         read_fd, write_fd = os.pipe()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(command),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=write_fd,
-                stderr=write_fd,
-                cwd=self.work_dir,
-                env=self._env(),
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
+            async with self._own_uid():
+                proc = await asyncio.create_subprocess_exec(
+                    *self._argv(command),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=write_fd,
+                    stderr=write_fd,
+                    cwd=self.work_dir,
+                    env=self._env(),
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+                if drop_uid:
+                    await self._until_running_as_uid(proc, leaf)
         except BaseException:
             os.close(read_fd)
             raise

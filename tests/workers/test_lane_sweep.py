@@ -15,6 +15,8 @@ import subprocess
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,8 @@ from app.lanes.base import LaneName
 from app.lanes.celery import LANE_SWEEP_TASK
 from app.lanes.ops import LaneOp, SandboxHandle, decode_result, handle_of, incarnation_suffix
 from app.sandboxes.cpuset import CGROUP_ROOT
-from app.sandboxes.limits import pids_parent, uid_claims_dir
-from app.sandboxes.local import LocalSandboxFactory, probe_bwrap
+from app.sandboxes.limits import pids_parent, real_uid, uid_claims_dir
+from app.sandboxes.local import LocalSandboxFactory, SandboxError, probe_bwrap
 from workers.celery_app import LANE_OP_TASK, queue_name
 
 RESULT_TIMEOUT_S = 60
@@ -214,6 +216,61 @@ def same_uid_hint(name: str) -> str:
     return next(f"g1a0-{n}" for n in range(10**6) if zlib.crc32(f"g1a0-{n}".encode()) % span == want)
 
 
+@dataclass
+class Restarted:
+    """A sandbox reset on a host of its own, whose reset worker was then killed and started again: its
+    uid claim lapsed. `workers` by lane, the reset worker the new one."""
+
+    host: str
+    lane: tuple[str, ...]
+    factory: LocalSandboxFactory
+    first: SandboxHandle
+    uid: int
+    workers: dict[str, subprocess.Popen[bytes]]
+
+
+def reset_then_restart(cluster: LaneCluster, base_dir: Path, task_root: Path, *lanes: str) -> Restarted:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("sandbox uids need root and setpriv")
+    host = f"u{uuid.uuid4().hex[:8]}"  # workers of its own: one of them is restarted
+    lane = ("--cpus", "1", "--host", host, "--concurrency", "1", "--isolation", "none")
+    workers = {name: cluster.workers.start("--lane", name, *lane) for name in ("reset", *lanes)}
+    factory = LocalSandboxFactory(base_dir, isolation="none")
+    first = handle_of(factory.create(f"g0a0-{uuid.uuid4().int % 10**12}"), host)
+    reset(cluster, first, task_root)
+    uid = state_of(base_dir, first.id)["uid"]
+    assert claim(uid) == str(workers["reset"].pid)
+    os.killpg(workers["reset"].pid, signal.SIGKILL)  # the reset worker dies (its claims lapse), comes back
+    workers["reset"].wait()
+    workers["reset"] = cluster.workers.start("--lane", "reset", *lane)
+    return Restarted(host, lane, factory, first, uid, workers)
+
+
+@contextlib.contextmanager
+def second_takes_the_uid(
+    cluster: LaneCluster, base_dir: Path, task_root: Path, at: Restarted
+) -> Iterator[int]:
+    """A second sandbox's reset takes the first's lapsed uid and leaves a process running as it (given
+    to the block); after the block, its cleanup kills that process and frees the claim."""
+    second = handle_of(at.factory.create(same_uid_hint(at.first.id)), at.host)
+    marker = f"600.{uuid.uuid4().int % 10**9}"
+    setup = f"setsid sleep {marker} >/dev/null 2>&1 </dev/null &"
+    op = LaneOp.reset(second, make_echo_task(task_root, setup=setup))
+    assert send(cluster, op).get(timeout=RESULT_TIMEOUT_S)["result"]["exit_code"] == 0
+    assert state_of(base_dir, second.id)["uid"] == at.uid  # the second sandbox took the lapsed claim
+    assert claim(at.uid) == str(at.workers["reset"].pid)
+    (process,) = children(None, marker.encode())
+    assert real_uid(process) == at.uid
+    try:
+        yield process
+        send(cluster, LaneOp.cleanup(second)).get(timeout=RESULT_TIMEOUT_S)
+        wait_for(lambda: not alive(process), 10, what="the second sandbox's process to die with its cleanup")
+        assert claim(at.uid) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_late_cleanup_leaves_a_uid_that_another_sandbox_claimed_after_a_worker_restart(
     lane_cluster: LaneCluster, base_dir: Path, task_root: Path
@@ -221,38 +278,52 @@ def test_a_late_cleanup_leaves_a_uid_that_another_sandbox_claimed_after_a_worker
     """A sandbox's uid claim lapses when the lane worker holding it restarts, and another sandbox's reset
     may take that uid: the first sandbox's cleanup, coming later (its run goes on), must not kill the
     second's processes, which run as that uid, nor free its claim."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("sandbox uids need root and setpriv")
-    host = f"u{uuid.uuid4().hex[:8]}"  # workers of its own: one of them is restarted
-    lane = ("--cpus", "1", "--host", host, "--concurrency", "1", "--isolation", "none")
-    first_reset = lane_cluster.workers.start("--lane", "reset", *lane)
-    lane_cluster.workers.start("--lane", "cleanup", *lane)
-    factory = LocalSandboxFactory(base_dir, isolation="none")
-    first = handle_of(factory.create(f"g0a0-{uuid.uuid4().int % 10**12}"), host)
-    reset(lane_cluster, first, task_root)
-    uid = state_of(base_dir, first.id)["uid"]
-    assert claim(uid) == str(first_reset.pid)
-
-    os.killpg(first_reset.pid, signal.SIGKILL)  # the reset worker dies (its claims lapse) and comes back
-    first_reset.wait()
-    second_reset = lane_cluster.workers.start("--lane", "reset", *lane)
-    second = handle_of(factory.create(same_uid_hint(first.id)), host)
-    marker = f"600.{uuid.uuid4().int % 10**9}"
-    setup = f"setsid sleep {marker} >/dev/null 2>&1 </dev/null &"
-    op = LaneOp.reset(second, make_echo_task(task_root, setup=setup))
-    assert send(lane_cluster, op).get(timeout=RESULT_TIMEOUT_S)["result"]["exit_code"] == 0
-    assert state_of(base_dir, second.id)["uid"] == uid  # the second sandbox took the lapsed claim
-    assert claim(uid) == str(second_reset.pid)
-    (process,) = children(None, marker.encode())
-    try:
-        send(lane_cluster, LaneOp.cleanup(first)).get(timeout=RESULT_TIMEOUT_S)
-        assert not (base_dir / first.id).exists()
+    at = reset_then_restart(lane_cluster, base_dir, task_root, "cleanup")
+    with second_takes_the_uid(lane_cluster, base_dir, task_root, at) as process:
+        send(lane_cluster, LaneOp.cleanup(at.first)).get(timeout=RESULT_TIMEOUT_S)
+        assert not (base_dir / at.first.id).exists()
         time.sleep(0.5)  # a kill would have landed by now
         assert alive(process)
-        assert claim(uid) == str(second_reset.pid)
-        send(lane_cluster, LaneOp.cleanup(second)).get(timeout=RESULT_TIMEOUT_S)
-        wait_for(lambda: not alive(process), 10, what="the second sandbox's process to die with its cleanup")
-        assert claim(uid) is None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process, signal.SIGKILL)
+        assert claim(at.uid) == str(at.workers["reset"].pid)
+
+
+@pytest.mark.slow
+def test_a_sandbox_runs_nothing_as_a_uid_that_another_sandbox_claimed_after_a_worker_restart(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    """After the restart, the first sandbox's tool calls and validation would run as the uid the second
+    sandbox now holds (one could signal or read the other's processes): they are refused with a
+    SandboxError saying why, run nothing, and the second sandbox's process and claim stay."""
+    at = reset_then_restart(lane_cluster, base_dir, task_root, "exec", "validate", "cleanup")
+    with second_takes_the_uid(lane_cluster, base_dir, task_root, at) as process:
+        ran = base_dir / at.first.id / "ran-as"
+        with pytest.raises(SandboxError, match=rf"uid {at.uid} is no longer claimed for it .*: not run"):
+            send(lane_cluster, LaneOp.exec(at.first, f"id -u > {ran}; kill -9 -1", 10)).get(
+                timeout=RESULT_TIMEOUT_S
+            )
+        with pytest.raises(SandboxError, match="is no longer claimed for it"):
+            send(lane_cluster, LaneOp.validate(at.first)).get(timeout=RESULT_TIMEOUT_S)
+        assert not ran.exists()
+        assert alive(process)
+        assert claim(at.uid) == str(at.workers["reset"].pid)
+        send(lane_cluster, LaneOp.cleanup(at.first)).get(timeout=RESULT_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_a_sandbox_takes_over_its_lapsed_uid_claim_that_nobody_took(
+    lane_cluster: LaneCluster, base_dir: Path, task_root: Path
+) -> None:
+    """After the restart nobody took the uid: the first sandbox's next tool call takes its claim over for
+    the exec worker's main process (recorded in its state), runs as the uid, and from then on the claim
+    is alive again: another sandbox's reset gets another uid, and the first's cleanup frees it."""
+    at = reset_then_restart(lane_cluster, base_dir, task_root, "exec", "cleanup")
+    envelope = send(lane_cluster, LaneOp.exec(at.first, "id -u", 10)).get(timeout=RESULT_TIMEOUT_S)
+    assert envelope["result"]["output"].strip() == str(at.uid)
+    assert claim(at.uid) == str(at.workers["exec"].pid)
+    assert state_of(base_dir, at.first.id)["uid_holder"] == at.workers["exec"].pid
+    second = handle_of(at.factory.create(same_uid_hint(at.first.id)), at.host)
+    reset(lane_cluster, second, task_root)
+    assert state_of(base_dir, second.id)["uid"] != at.uid
+    for handle in (at.first, second):
+        send(lane_cluster, LaneOp.cleanup(handle)).get(timeout=RESULT_TIMEOUT_S)
+    assert claim(at.uid) is None
