@@ -92,12 +92,8 @@ async def publish(
     if body.path is not None and not await _is_dir(body.path):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
-    if handle.state in TERMINAL_RUN_STATES or handle.gateway.closed is not None:
-        # Stopping or ended: its trainer is told the run's end, as `batches/next` tells it (a stopping
-        # run's 409 "is stopping" was no end to the client, and the README's trainer loop died of it)
-        ended = handle.gateway.closed or handle.state.value
-        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({ended})")
-    repeat = await on_run(handle, handle.published_again, body.version, body.path, body.sentinel)
+    _refuse_if_ending(handle)
+    repeat = await _on_live_run(handle, handle.published_again, body.version, body.path, body.sentinel)
     if repeat is not None:
         rollout, seq = repeat
         await _stored(handle, seq, body.version)
@@ -110,11 +106,31 @@ async def publish(
                                       f"{handle.runtime.version}")  # fmt: skip
         path = await _sentinel_weights(handle, body.version)
     try:
-        rollout, seq = await on_run(handle, handle.publish_marked, body.version, path, actor, command_id)
+        published = await _on_live_run(handle, handle.publish_marked, body.version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, f"version: {str(exc).removeprefix('version ')}") from None
+    rollout, seq = published
     await _stored(handle, seq, body.version)
     return {**rollout, "command_id": command_id, "already_published": False}
+
+
+def _refuse_if_ending(handle: RunHandle) -> None:
+    """A run stopping or ended: its trainer is told the run's end, as `batches/next` tells it (a stopping
+    run's 409 "is stopping" was no end to the client, and the README's trainer loop died of it)."""
+    if handle.state in TERMINAL_RUN_STATES or handle.gateway.closed is not None:
+        ended = handle.gateway.closed or handle.state.value
+        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({ended})")
+
+
+async def _on_live_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T:
+    """`on_run` for a publication: a stop that came between the check above and this call's turn on the
+    run's loop (its loop closing, or `publish` finding the stop asked) is the run's end too, in the same
+    words, not the loop's "is stopping, not executing"."""
+    try:
+        return await on_run(handle, fn, *args)
+    except CommandRefused:
+        _refuse_if_ending(handle)
+        raise
 
 
 async def _is_dir(path: str) -> bool:
@@ -162,12 +178,12 @@ async def publish_next(handle: RunHandle, actor: str, command_id: str = "") -> d
             raise RunNotLiveError(f"run {handle.run_id} has not started")
         return handle.runtime.version + 1
 
-    version = await on_run(handle, next_version)
+    version = await _on_live_run(handle, next_version)
     try:
         # A sentinel version, as the API's `sentinel: true`: engines that load weights from disk (a
         # local run's) need its files; without a path they refuse the update.
         path = await _sentinel_weights(handle, version)
-        rollout, seq = await on_run(handle, handle.publish_marked, version, path, actor, command_id)
+        rollout, seq = await _on_live_run(handle, handle.publish_marked, version, path, actor, command_id)
     except ValueError as exc:
         raise CommandRefused(422, str(exc)) from None
     # Its repeat is no Publish again, which publishes the next version

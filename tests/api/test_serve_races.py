@@ -1,0 +1,94 @@
+"""Operators and a trainer acting on one run at once, through a real `corral serve` (its own process,
+stopped with Ctrl-C to its process group at the end of the module, which must exit 0) on SQLite and on
+Postgres, from many HTTP clients in threads: what each gets is what docs/api.md says, and nothing the
+run publishes is lost or doubled (its stored ledger)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from api_support import TOKEN, free_port, make_run, serve_env, serve_process, wait_for
+
+from app.service.store import ServiceStore
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, backend_url: str) -> Iterator[tuple[str, Path]]:
+    """A `corral serve` on `backend_url`: its URL and its log."""
+    tmp = tmp_path_factory.mktemp("races")
+    log = tmp / "serve.log"
+    env = {**serve_env(tmp, backend_url, free_port()), "CORRAL_MAX_RUNS": "1000"}
+    with serve_process(env, log) as api:
+        yield str(api.base_url), log
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def _clients(url: str, n: int) -> list[httpx.Client]:
+    """`n` operator clients, one connection each (so their requests reach the server at once)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    return [httpx.Client(base_url=url, headers=auth, timeout=60) for _ in range(n)]
+
+
+def _at_once(calls: list[Callable[[], T]]) -> list[T]:
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def _running(api: httpx.Client, **overrides: Any) -> str:
+    spec = make_run(speed=5.0, **overrides)
+    spec.pop("batches")  # until stopped
+    run_id = str(api.post("/api/runs", json=spec).json()["id"])
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] == "running", 60, what=f"{run_id} to run")
+    return run_id
+
+
+def _ended(api: httpx.Client, run_id: str) -> None:
+    ended = ("stopped", "completed", "failed")
+    wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] in ended, 60, what=f"{run_id} to end")
+
+
+def _ledger_whole(database_url: str, run_id: str) -> None:
+    store = ServiceStore(database_url, migrate=False)
+    try:
+        ledger, _ = store.ledger(run_id)
+    finally:
+        store.close()
+    assert (ledger.lost, ledger.gaps, ledger.ended_twice, ledger.open_groups) == (0, 0, set(), set())
+
+
+def test_a_publication_racing_a_stop_is_told_the_runs_end(served: tuple[str, Path], backend_url: str) -> None:
+    """Publications sent as the run is stopped: each is published (202) or told the run has ended, 409
+    "has ended (stopped)", which the client raises as `RunEnded`; never the run loop's "is stopping, not
+    executing" or the runtime's "is stopping; it takes no new version" (a plain `CorralError`, which the
+    README's trainer loop dies of)."""
+    url, _ = served
+    clients = _clients(url, 9)
+    try:
+        for attempt in range(4):
+            run_id = _running(clients[0])
+
+            weights = f"/api/runs/{run_id}/weights"
+            calls: list[Callable[[], httpx.Response]] = [
+                lambda c=c, v=v, w=weights: c.post(w, json={"version": v, "sentinel": True})
+                for v, c in enumerate(clients[1:], start=1)
+            ]
+            calls.insert(attempt, lambda stop=f"/api/runs/{run_id}/stop": clients[0].post(stop))
+            answers = _at_once(calls)
+            stop = answers.pop(attempt)
+            assert stop.status_code == 200, stop.text
+            for answer in answers:
+                assert answer.status_code in (202, 409, 422), answer.text
+                if answer.status_code == 409:
+                    assert answer.json()["detail"] == f"run {run_id!r} has ended (stopped)"
+            _ended(clients[0], run_id)
+            _ledger_whole(backend_url, run_id)
+    finally:
+        for client in clients:
+            client.close()
