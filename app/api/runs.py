@@ -209,7 +209,8 @@ async def stop_run(run_id: RunId, request: Request, manager: Manager, actor: Ope
     `already_stopped` when it was stopping), so it can then be deleted. A run a celery orchestrator
     worker drives is sent the stop (202): the worker stops it within a second or so, or the next worker
     to take it, if it is still queued."""
-    record = manager.store.get_run(run_id) if manager.get(run_id) is None else None
+    # Off the loop: on SQLite a read waits for a writer of another process (a prune) to let go
+    record = await run_in_threadpool(manager.store.get_run, run_id) if manager.get(run_id) is None else None
     if record is not None and record.state == RunState.STOPPED.value:  # stopped before a restart
         return {"id": run_id, "state": record.state, "actor": actor, "already_stopped": True}
     if driven_elsewhere(record):

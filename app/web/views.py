@@ -420,11 +420,19 @@ def make_router(dash: Dashboard) -> APIRouter:
             return form, _forbidden(dash, request, "refused: acting needs the operator token (sign in)", back)
         return form, None
 
-    def run_or_404(request: Request, run_id: str) -> tuple[RunsBackend, RunView] | HTMLResponse:
+    Found = tuple[RunsBackend, RunView] | HTMLResponse
+
+    def run_or_404(request: Request, run_id: str) -> Found:
         found = dash.find(run_id)
         if found is None:
             return _error(dash, request, f"no run {_shown(run_id)}", 404)
         return found
+
+    async def run_or_404_off_loop(request: Request, run_id: str) -> Found:
+        """`run_or_404` for an `async` route, in a worker thread: building a run's view folds its new
+        events and may read the store (which, on SQLite, waits for another process's write lock), and on
+        the event loop every other request waited with it."""
+        return await asyncio.to_thread(run_or_404, request, run_id)
 
     # The pages are plain `def`s: FastAPI runs them in its threadpool, so building and rendering a
     # large run's view never holds up the event loop (the backends are thread-safe).
@@ -497,7 +505,7 @@ def make_router(dash: Dashboard) -> APIRouter:
     async def run_stream(request: Request, run_id: str) -> Response:
         if (denied := guard_view(request)) is not None:
             return denied
-        found = run_or_404(request, run_id)
+        found = await run_or_404_off_loop(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
@@ -625,7 +633,7 @@ def make_router(dash: Dashboard) -> APIRouter:
         form, denied = await guard_act(request, run_page)
         if denied is not None:
             return denied
-        found = run_or_404(request, run_id)
+        found = await run_or_404_off_loop(request, run_id)
         if isinstance(found, HTMLResponse):
             return found
         backend = found[0]
@@ -694,7 +702,7 @@ def make_router(dash: Dashboard) -> APIRouter:
     async def policy(request: Request, run_id: str) -> Response:
         async def change(backend: RunsBackend, form: dict[str, str]) -> str:
             changes = parse_policy_form(form)
-            found = run_or_404(request, run_id)
+            found = await run_or_404_off_loop(request, run_id)
             large = form.get("large") == "1"
             if not large and not isinstance(found, HTMLResponse):
                 why = large_change(found[1].policy, changes)

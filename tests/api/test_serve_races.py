@@ -5,6 +5,9 @@ run publishes is lost or doubled (its stored ledger)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,3 +95,64 @@ def test_a_publication_racing_a_stop_is_told_the_runs_end(served: tuple[str, Pat
     finally:
         for client in clients:
             client.close()
+
+
+# Holds SQLite's write lock for `sys.argv[2]` seconds, as `corral prune` deleting old runs (or a
+# DELETE of a run of millions of events) does from another process; says "held" once it holds it.
+LOCK_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+db.execute("ROLLBACK")
+"""
+
+
+def test_requests_that_wait_for_the_database_hold_up_no_other(tmp_path: Path) -> None:
+    """A stop of a run not executing here (deleted, ended long ago, unknown) and the live stream of an
+    ended run's page read the store: they did so on the server's event loop, so while another process
+    held SQLite's write lock (`corral prune`, say, which a read here waits for: transactions begin
+    IMMEDIATE) every request waited with them, a trainer's long-poll and the run views answered from
+    memory included. They read it off the loop now: the others are answered at once."""
+    database = tmp_path / "corral.db"
+    env = serve_env(tmp_path, f"sqlite:///{database}", free_port())
+    with serve_process(env, tmp_path / "serve.log") as api:
+        live = _running(api)
+        ended = _running(api)
+        api.post(f"/api/runs/{ended}/stop")
+        _ended(api, ended)
+        hold_s = 5.0
+        holder = subprocess.Popen(
+            [sys.executable, "-c", LOCK_HOLDER, str(database), str(hold_s)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "held"
+            clients = _clients(str(api.base_url), 3)
+
+            def stream() -> int:
+                with clients[1].stream("GET", f"/runs/{ended}/stream") as answer:
+                    return answer.status_code
+
+            def view_after_them() -> float:
+                time.sleep(0.5)  # the stop and the stream are waiting for the lock by now
+                began = time.monotonic()
+                assert clients[2].get(f"/api/runs/{live}").status_code == 200
+                return time.monotonic() - began
+
+            calls: list[Callable[[], Any]] = [
+                lambda: clients[0].post("/api/runs/no-such-run/stop").status_code,
+                stream,
+                view_after_them,
+            ]
+            stop, streamed, took = _at_once(calls)
+        finally:
+            holder.wait(30)
+            if holder.stdout is not None:
+                holder.stdout.close()
+            for client in clients:
+                client.close()
+        assert stop == 404
+        assert streamed == 200
+        assert took < 1.0, f"the live run's view took {took:.1f} s while the lock was held {hold_s:g} s"
