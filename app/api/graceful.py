@@ -45,13 +45,19 @@ CUT_OFF = "cut off by a second stop signal"  # the cancel message of a request c
 CUT_OFF_AFTER_S = 1.0  # after a second stop signal, the requests still open this much later are cut off
 
 
+# The cancel message of the requests uvicorn cuts off once `STOP_WAIT_S` is over (it says so in one
+# line of its own, "Cancel N running task(s), timeout graceful shutdown exceeded")
+GRACE_OVER = "Task cancelled, timeout graceful shutdown exceeded"
+
+
 class _QuietCutOff(logging.Filter):
     """uvicorn logs a request task's cancellation as "Exception in ASGI application" with a traceback;
-    one this server cut off (`CUT_OFF`) was said in one line already."""
+    one this server cut off (`CUT_OFF`), or uvicorn at the end of the requests' grace (`GRACE_OVER`),
+    was said in one line already."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, asyncio.CancelledError) and CUT_OFF in exc.args)
+        return not (isinstance(exc, asyncio.CancelledError) and {CUT_OFF, GRACE_OVER} & set(exc.args))
 
 
 _QUIET_CUT_OFF = _QuietCutOff()

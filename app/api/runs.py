@@ -57,7 +57,14 @@ from app.service.gateway import (
     UnknownBatchError,
 )
 from app.service.handle import IllegalRunStateError, RolloutForgottenError, RunHandle, RunNotLiveError
-from app.service.manager import ENDED_STATES, DispatchError, RunLimitError, RunLiveError, RunManager
+from app.service.manager import (
+    ENDED_STATES,
+    DispatchError,
+    RunLimitError,
+    RunLiveError,
+    RunManager,
+    ServerStoppingError,
+)
 from app.service.retention import MarkError
 from app.service.schemas import (
     AckResult,
@@ -148,8 +155,8 @@ def create_run(
         raise HTTPException(422, f"orchestrator: {exc}") from None
     except RunLimitError as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc)) from None
-    except DispatchError as exc:
-        detail = f"{exc}; try again once the broker answers"
+    except (DispatchError, ServerStoppingError) as exc:
+        detail = f"{exc}; try again once the broker answers" if isinstance(exc, DispatchError) else str(exc)
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, detail, headers={"Retry-After": "5"}
         ) from None

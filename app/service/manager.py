@@ -71,6 +71,13 @@ class DispatchError(RuntimeError):
     """A run could not be sent to the `orchestrator` queue (the broker did not answer)."""
 
 
+class ServerStoppingError(RuntimeError):
+    """A run not started: this server has begun to stop (Ctrl-C, SIGTERM)."""
+
+
+NOT_STARTED = "not started: corral serve was stopping when its create was carried out"
+
+
 class RunLimitError(RuntimeError):
     """A run not created: this server executes `limit` runs already (`CORRAL_MAX_RUNS`)."""
 
@@ -207,6 +214,7 @@ class RunManager:
         self._abandoned = threading.Event()  # shutting down at once: no more waiting (`abandon`)
         self._abandoned_by = float("inf")  # the monotonic time every wait ends once abandoned
         self._start_lock = threading.Lock()
+        self._created = threading.Condition(self._count_lock)  # a create under way has stored its run
         self._left_lock = threading.Lock()  # `stop_left`
         self.resuming: set[str] = set()  # runs of the previous server still to resume (`start_resuming`)
         self._ended_here: deque[str] = deque()  # runs ended here whose handles are kept, oldest first
@@ -236,16 +244,29 @@ class RunManager:
                 raise DispatchError(f"run {run_id!r} was not started (stored as failed): {exc}") from None
             return run_id
         with self._count_lock:  # counted and let in at once: two creates cannot both take the last place
+            if self._closing:
+                raise ServerStoppingError("corral serve is stopping; create the run again once it is back")
             executing = len(self.executing())
             if executing >= self.max_runs:
                 raise RunLimitError(self.max_runs, executing)
             self._creating.add(run_id)
         try:
             self.store.create_run(run_id, spec.name, spec.stored(), policy.model_dump(mode="json"))
-            self._start(run_id, spec, None)
+            # A create the shutdown overtook as it stored the run (the database slow past the requests'
+            # grace) started it after the shutdown had stopped every run: left running in the store at
+            # the exit, and resumed by the next start, where its request had got a 500.
+            with self._start_lock:
+                stopping = self._closing
+                if not stopping:
+                    self._start(run_id, spec, None)
+            if stopping:
+                self._write_state(run_id, RunState.STOPPED, NOT_STARTED, time.time())
+                raise ServerStoppingError(f"run {run_id!r} was not started (stored as stopped): corral serve "
+                                          "is stopping; create it again once the server is back")  # fmt: skip
         finally:
             with self._count_lock:
                 self._creating.discard(run_id)
+                self._created.notify_all()
         return run_id
 
     def executing(self) -> set[str]:
@@ -935,6 +956,7 @@ class RunManager:
                 log.warning("run %s: its last events and end state may be lost, unstored", handle.run_id)
         if self._abandoned.is_set():
             self._keep_what_left_runs_hold()
+        self._wait_for_creates(flushed_by)
         self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
         interrupted = [h.run_id for h in self.handles.values() if not h.done.is_set()]
         if interrupted:
@@ -980,11 +1002,25 @@ class RunManager:
                 last + 1, kept,
             )  # fmt: skip
             left.append(handle.run_id)
+        self._wait_for_creates(deadline)
         self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
         registration = leftovers.current()
         if left and registration is not None:
             registration.keep()
         return tuple(left)
+
+    def _wait_for_creates(self, until: float) -> None:
+        """Wait, until `until` or an abandon, for the creates under way as the shutdown began: each stores
+        its run stopped, never started (`create`), rather than leave it `created` for the next start to
+        run, with the process gone under it."""
+        with self._count_lock:
+            while self._creating and not self._abandoned.is_set():
+                left = until - time.monotonic()
+                if left <= 0:
+                    log.warning("runs %s: their creates had not stored them at the shutdown's end",
+                                ", ".join(sorted(self._creating)))  # fmt: skip
+                    return
+                self._created.wait(min(left, 0.1))
 
     def _keep_what_left_runs_hold(self) -> None:
         """Abandoned (a second Ctrl-C): each run not ended yet is left as the store has it, for the next

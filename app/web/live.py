@@ -38,7 +38,7 @@ from typing import Any
 
 from app.core.events import envelope_from_dict
 from app.service.gateway import TrainerGateway
-from app.service.manager import RunLimitError, described_lanes
+from app.service.manager import RunLimitError, ServerStoppingError, described_lanes
 from app.service.schemas import SYNC_SURPLUS
 from app.service.store import TrainerFigures
 from app.store.repos import LaneRepo
@@ -423,6 +423,8 @@ class ManagerRuns:
             return str(await asyncio.to_thread(self.manager.create, spec))
         except RunLimitError as exc:
             raise ActionRefused(str(exc), 429) from None
+        except ServerStoppingError as exc:
+            raise ActionRefused(str(exc), 503) from None
 
     def capacity(self) -> dict[str, int]:
         """The runs executing here that count towards the server's limit, and the limit, for the launch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from api_support import TOKEN, free_port, make_run, serve_env, serve_process, wait_for
 
+from app.service.manager import NOT_STARTED
 from app.service.store import ServiceStore
 
 T = TypeVar("T")
@@ -156,3 +158,38 @@ def test_requests_that_wait_for_the_database_hold_up_no_other(tmp_path: Path) ->
         assert stop == 404
         assert streamed == 200
         assert took < 1.0, f"the live run's view took {took:.1f} s while the lock was held {hold_s:g} s"
+
+
+def test_a_create_the_stop_overtakes_leaves_no_run_to_the_next_start(tmp_path: Path) -> None:
+    """Ctrl-C while a create waits for the database (another process holds SQLite's write lock past the
+    open requests' 10 s): the create stored its run after the shutdown had stopped every run, started
+    it, and the exit (0) left it `running` in the store, for the next start to resume, while its client
+    got a 500, under a traceback in the log. Now the run is stored `stopped`, never started, and the
+    log says the cut-off request in uvicorn's one line."""
+    database = tmp_path / "corral.db"
+    log = tmp_path / "serve.log"
+    env = serve_env(tmp_path, f"sqlite:///{database}", free_port())
+    answers: list[int] = []
+    with serve_process(env, log) as api:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", LOCK_HOLDER, str(database), "13"], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        create = lambda: answers.append(api.post("/api/runs", json=make_run()).status_code)  # noqa: E731
+        creating = threading.Thread(target=create)
+        creating.start()
+        time.sleep(1.0)  # the create waits for the lock; the block's end is the Ctrl-C
+    holder.wait(30)
+    holder.stdout.close()
+    creating.join(30)
+    assert answers == [500]  # cut off by uvicorn at the end of the grace
+    store = ServiceStore(f"sqlite:///{database}", migrate=False)
+    try:
+        runs = store.list_runs()
+    finally:
+        store.close()
+    assert [(r.state, r.error) for r in runs] == [("stopped", NOT_STARTED)]
+    out = log.read_text()
+    assert "Traceback" not in out, out
+    assert "timeout graceful shutdown exceeded" in out
