@@ -234,14 +234,14 @@ def _say_goodbye(app: FastAPI, database: str) -> None:
         view = handle.recorder.view
         state = handle.state.value
         if not handle.done.is_set():
-            # Ended, its thread still storing (a second Ctrl-C): its end state was stored, so it is not
-            # resumed at the next start, as this line used to say of it.
-            ended = handle.state in TERMINAL_RUN_STATES
-            state += (
-                " (its last events may not all be stored)"
-                if ended
-                else " (not stopped: resumed at the next start)"
-            )
+            # Ended, its thread still storing (a second Ctrl-C): its end state was stored, or its end is
+            # kept on disk for the next start, so it is not resumed there, as this line used to say of it.
+            if handle.state in TERMINAL_RUN_STATES:
+                state += " (its last events may not all be stored)"
+            elif manager is not None and handle.run_id in manager.ends_kept:
+                state = "stopped (its end kept: the next start finds it ended and does not resume it)"
+            else:
+                state += " (not stopped: resumed at the next start)"
         say(f"run {handle.run_id} ({handle.spec.name}): {state}, {view.batches} batches")
     say(f"corral serve: stopped; runs and their events are kept in {database}")
 

@@ -216,6 +216,9 @@ class RunManager:
         self._start_lock = threading.Lock()
         self._created = threading.Condition(self._count_lock)  # a create under way has stored its run
         self._left_lock = threading.Lock()  # `stop_left`
+        # Runs that had ended when a second Ctrl-C came, their end stored or kept on disk for the next
+        # start, which finds them ended and does not resume them (`_keep_what_left_runs_hold`)
+        self.ends_kept: set[str] = set()
         self.resuming: set[str] = set()  # runs of the previous server still to resume (`start_resuming`)
         self._ended_here: deque[str] = deque()  # runs ended here whose handles are kept, oldest first
         # How far each run being resumed has replayed its stored stream (`replay_progress`)
@@ -958,7 +961,9 @@ class RunManager:
             self._keep_what_left_runs_hold()
         self._wait_for_creates(flushed_by)
         self._writer.close(time.monotonic() + WRITER_WAIT_S, lambda: self._abandoned_by)
-        interrupted = [h.run_id for h in self.handles.values() if not h.done.is_set()]
+        interrupted = [
+            h.run_id for h in self.handles.values() if not h.done.is_set() and h.run_id not in self.ends_kept
+        ]
         if interrupted:
             log.warning(
                 "runs %s not stopped: left as the store has them, resumed at the next start",
@@ -996,7 +1001,7 @@ class RunManager:
                 continue
             last = handle.recorder.bus.published - 1
             stored = self._wait_or_abandoned(_Stored(handle.recorder, last), deadline)
-            kept = "stored" if stored else self._keep_unstored(handle)
+            kept = "stored" if stored else self._keep_unstored(handle)[1]
             log.warning(
                 "run %s: left to the next start, which resumes it (its %d events %s)", handle.run_id,
                 last + 1, kept,
@@ -1041,25 +1046,31 @@ class RunManager:
         by = time.monotonic() + SPILL_AT_LEAVE_S
         for handle, reached in frozen:
             last = handle.recorder.bus.published - 1
-            if reached.wait(max(0.0, by - time.monotonic())) and not handle.recorder.wait_stored(last, 0):
+            if not reached.wait(max(0.0, by - time.monotonic())):
+                continue
+            kept = True
+            if not handle.recorder.wait_stored(last, 0):
+                kept, said = self._keep_unstored(handle)
                 log.warning(
-                    "run %s: left as the store has it (its %d events %s)",
-                    handle.run_id, last + 1, self._keep_unstored(handle),
-                )  # fmt: skip
+                    "run %s: left as the store has it (its %d events %s)", handle.run_id, last + 1, said
+                )
+            if kept and reached is handle.flushing:
+                self.ends_kept.add(handle.run_id)  # its end stored, or on disk for the next start
 
-    def _keep_unstored(self, handle: RunHandle) -> str:
+    def _keep_unstored(self, handle: RunHandle) -> tuple[bool, str]:
         """A frozen run whose events the store does not all have: its sinks let go of what they hold,
         the store's into its spill on disk (`_SinkWorker.close`), which the next start stores before it
         resumes the run. Before, a second Ctrl-C (or a database away past the wait) lost every event
-        not yet written, all of a young run's. What became of them, for the log line."""
+        not yet written, all of a young run's. Whether every event is kept, and what became of them,
+        for the log line."""
         sinks = handle.recorder.close(SPILL_AT_LEAVE_S)
         store = sinks.get(STORE_SINK, {})
         kept, lost = int(store.get("kept_on_disk", 0)), int(store.get("unflushed", 0))
         if lost:
-            return f"published: {lost} of them neither stored nor kept, the spill's disk refused them"
+            return False, f"published: {lost} of them neither stored nor kept, the spill's disk refused them"
         if kept:
-            return f"published: {kept} of them not yet stored, kept on disk for the next start to store"
-        return "stored"
+            return True, f"published: {kept} of them not yet stored, kept on disk for the next start to store"
+        return True, "stored"
 
     def abandon(self) -> None:
         """Stop waiting (a second Ctrl-C): `shutdown` returns within `ABANDON_GRACE_S`, leaving each run

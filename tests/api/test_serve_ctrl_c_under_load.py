@@ -8,6 +8,7 @@ was replayed first)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -92,27 +93,40 @@ def test_a_second_ctrl_c_stops_at_once_with_the_store_stuck_and_the_runs_resume(
         assert "Traceback" not in said, said
         assert "corral serve: stopping at once" in said, said
         assert took < 15, f"{took:.1f} s from the second Ctrl-C to the exit"
-        # What the store held is kept, and the runs are left resumable: not `stopping`, which the next
-        # start would end instead of resuming.
+        # What the store held is kept, and the runs are left as it has them: not `stopping`, which the
+        # next start would end. What they published and the store did not have went to their spills.
         states, events_after = _stored(db)
         assert events_after >= events_before
         assert [states[r] for r in runs] == ["running", "running"], states
+        published = {
+            r: int(m.group(1))
+            for r in runs
+            if (m := re.search(rf"run {r}: left as the store has it \(its (\d+) events published", said))
+        }
 
         restarted = _serve(env, log)
         started = time.monotonic()
         health = wait_for(lambda: _health(url), 60, what=f"corral serve to start again; log: {log}")
         assert set(health["resuming"]) <= set(runs), health
-        for run_id in runs:
-            wait_for(
-                lambda run_id=run_id: (
-                    api.get(f"/api/runs/{run_id}").json()["state"] == "running"
-                    and api.get(f"/api/runs/{run_id}").json()["live"] is not None
-                ),
-                60,
-                what=f"run {run_id} resumed",
-            )
-        assert wait_for(lambda: (h := _health(url)) is not None and h["resuming"] == [], 30, what="resumed")
+        assert wait_for(lambda: (h := _health(url)) is not None and h["resuming"] == [], 60, what="resumed")
         assert time.monotonic() - started < 60
+        again = log.read_text()
+        for run_id in runs:
+            view = api.get(f"/api/runs/{run_id}").json()
+            if f"run {run_id} not resumed: it had ended (stopped), as its spill says" in again:
+                # Its stop had ended in memory, its end kept on disk: stored now, and not resumed
+                assert view["state"] == "stopped", view
+                goodbye = rf"run {run_id} \(load-\d\): stopped \(its end kept: the next start finds it ended"
+                assert re.search(goodbye, said), said
+            else:
+                assert (view["state"], view["live"] is not None) == ("running", True), view
+        # Every event each run published is stored now: what the store had, and what its spill kept
+        assert set(published) == set(runs), said
+        with sqlite3.connect(db, timeout=30) as conn:
+            for run_id, count in published.items():
+                query = "SELECT count(*) FROM events WHERE run_id = ? AND seq < ?"
+                (stored,) = conn.execute(query, (run_id, count)).fetchone()
+                assert stored == count, (run_id, stored, count)
     finally:
         api.close()
         for p in (proc, restarted):
