@@ -38,6 +38,25 @@ from app.runtime.config import EnginesConfig, LocalRunError
 from app.runtime.engine_pool import EngineFaultConfig
 
 _STOP_GRACE_S = 10.0
+# How long `exit_status` waits for a process the kernel is ending (PF_EXITING) to be done
+EXITING_WAIT_S = 0.5
+_PF_EXITING = 0x4  # the kernel's flag on a task in do_exit (linux/sched.h), in /proc/<pid>/stat
+
+
+def _exiting(pid: int) -> bool:
+    """Whether the kernel is ending process `pid` (killed, its files closing) and it is not yet a zombie
+    that can be waited for: its flags in /proc/<pid>/stat (field 9) hold PF_EXITING."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    try:
+        return bool(int(fields[6]) & _PF_EXITING)  # fields[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return False
+
+
 TURN_TIMEOUT_S = 300.0
 DEBUG_FLAG = "CORRAL_ENGINE_DEBUG"
 DEBUG_FAIL_START = "CORRAL_ENGINE_DEBUG_FAIL_START"
@@ -226,7 +245,15 @@ class EngineProcesses:
 
     def exit_status(self, name: str) -> str | None:
         engine = self.engines.get(name)
-        code = None if engine is None else engine.proc.poll()
+        if engine is None:
+            return None
+        code = engine.proc.poll()
+        if code is None and _exiting(engine.pid):
+            # Killed and on its way out: its sockets close (the turn that saw it fail) before it can be
+            # waited for, so a poll just then read it as running (a loaded CI machine did). It is done
+            # within milliseconds.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = engine.proc.wait(EXITING_WAIT_S)
         if code is None:
             return None
         return f"exited with {code}" + (f" ({signal_name(code)})" if code < 0 else "")

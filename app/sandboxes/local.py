@@ -81,8 +81,10 @@ DRAIN_AFTER_EXIT_S = 0.2
 START_AS_UID_S = 5.0
 # How often a command's start looks again whether it may take the claims lock, or runs as the uid yet:
 # polled from the event loop, so a start holding the lock never waits for a thread that waits for it
-# (claims take the lock in threads).
+# (claims take the lock in threads). The pause doubles from the first to the last: a start that is slow
+# (a loaded machine) is not looked at every half millisecond, each look a read of /proc.
 UID_POLL_S = 0.0005
+UID_POLL_MAX_S = 0.02
 
 Isolation = Literal["bwrap", "none"]
 
@@ -454,8 +456,10 @@ class LocalSandbox(CommandSandbox):
         if uids is None or uid is None:
             yield
             return
-        while (fd := try_claims_shared(uids.claims)) is None:  # noqa: ASYNC110 (an flock: no event to wait on)
-            await asyncio.sleep(UID_POLL_S)
+        pause = UID_POLL_S
+        while (fd := try_claims_shared(uids.claims)) is None:  # an flock: no event to wait on
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, UID_POLL_MAX_S)
         try:
             now_holder = (
                 None if holder is None else hold_claim(uids.claims, uid, holder, self.factory.claims_holder)
@@ -497,11 +501,13 @@ class LocalSandbox(CommandSandbox):
             return session_threads(proc.pid)
 
         deadline = asyncio.get_running_loop().time() + START_AS_UID_S
+        pause = UID_POLL_S
         try:
             while not (switched := running_as(self.uid, proc.pid, members())):
                 if asyncio.get_running_loop().time() >= deadline:
                     break
-                await asyncio.sleep(UID_POLL_S)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, UID_POLL_MAX_S)
         except BaseException:
             await self._kill_exec(proc.pid, leaf)
             raise
