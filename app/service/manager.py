@@ -981,16 +981,8 @@ class RunManager:
         removes the sandboxes the runs had. `abandon` ends the waits at once. Returns the runs left."""
         with self._start_lock:
             self._closing = True
-        frozen: builtins.list[tuple[RunHandle, threading.Event]] = []
-        for handle in list(self.handles.values()):
-            if handle.done.is_set():
-                continue
-            reached = threading.Event()
-            try:
-                handle.submit(_freeze, reached)
-            except RunNotLiveError:  # ended meanwhile: its end is stored as any run's
-                continue
-            frozen.append((handle, reached))
+        # A run whose loop has ended meanwhile is left out: its end is stored as any run's
+        frozen = [(h, reached) for h, reached in self._freeze_runs() if reached is not h.flushing]
         deadline = time.monotonic() + timeout_s
         left: builtins.list[str] = []
         for handle, reached in frozen:
@@ -1033,16 +1025,7 @@ class RunManager:
         `leave_for_next_start` does: its loop is frozen (or it has ended and is storing its last events),
         then its sinks let go. A run whose loop does not take the freeze within `SPILL_AT_LEAVE_S` is
         still publishing and is left as a kill -9 would leave it."""
-        frozen: builtins.list[tuple[RunHandle, threading.Event]] = []
-        for handle in self.handles.values():
-            if handle.done.is_set():
-                continue
-            reached = threading.Event()
-            try:
-                handle.submit(_freeze, reached)
-            except RunNotLiveError:  # its loop has ended: it is storing its last events, or about to
-                reached = handle.flushing
-            frozen.append((handle, reached))
+        frozen = self._freeze_runs()
         by = time.monotonic() + SPILL_AT_LEAVE_S
         for handle, reached in frozen:
             last = handle.recorder.bus.published - 1
@@ -1056,6 +1039,22 @@ class RunManager:
                 )
             if kept and reached is handle.flushing:
                 self.ends_kept.add(handle.run_id)  # its end stored, or on disk for the next start
+
+    def _freeze_runs(self) -> builtins.list[tuple[RunHandle, threading.Event]]:
+        """Freeze the loop of each run not done (`_freeze`), all at once: each with the event set once its
+        loop has taken the freeze, or, for a run whose loop has ended (it is storing its last events, or
+        about to), its `flushing`."""
+        frozen: builtins.list[tuple[RunHandle, threading.Event]] = []
+        for handle in list(self.handles.values()):
+            if handle.done.is_set():
+                continue
+            reached = threading.Event()
+            try:
+                handle.submit(_freeze, reached)
+            except RunNotLiveError:
+                reached = handle.flushing
+            frozen.append((handle, reached))
+        return frozen
 
     def _keep_unstored(self, handle: RunHandle) -> tuple[bool, str]:
         """A frozen run whose events the store does not all have: its sinks let go of what they hold,
@@ -1105,7 +1104,7 @@ class _Waitable(Protocol):
 
 
 def _freeze(reached: threading.Event) -> None:
-    """Run on a run's loop: take no further step, for good (`leave_for_next_start`)."""
+    """Run on a run's loop: take no further step, for good (`RunManager._freeze_runs`)."""
     reached.set()
     threading.Event().wait()
 
