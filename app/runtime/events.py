@@ -53,7 +53,8 @@ Invariants:
   `failed` or, after a `close` that gave up on a sink too slow to drain, `unflushed` (memory) or
   `kept_on_disk` (its spill, for the next process to store); `stats()` reports them per sink and the
   run report carries them (`event_sinks`);
-- `close()` flushes every sink and joins its thread (waiting at most `timeout_s` per sink).
+- `close()` flushes every sink and joins its thread (waiting at most `timeout_s` per sink); closes
+  from two threads at once give a sink up once, so its spill gets each envelope it held once.
 """
 
 from __future__ import annotations
@@ -368,12 +369,18 @@ class _SinkWorker:
             return
 
     def close(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the worker to write what it holds, then give it up: what it still
+        holds goes to the spill (`kept_on_disk`), or is counted `unflushed`. Two closes at once (a run's
+        thread as its run ends, and a second Ctrl-C letting its sinks go: `RunManager._keep_unstored`)
+        give it up once: each waits its own time, and the second whose wait ends finds it given up by
+        the first, whose counts stand. Before, each appended the batch being written to the spill, which
+        then held it twice, and counted it twice in `kept_on_disk`."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout_s)
         with self._cond:
-            if not self._thread.is_alive():
+            if not self._thread.is_alive() or self._abandoned:
                 return
             # a sink stuck in write_batch: what it never got is counted, and kept on disk if it can be
             self._abandoned = True
@@ -537,7 +544,8 @@ class EventBus:
         return {w.name: w.stats_now() for w in self._sinks}
 
     def close(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
-        """Flush and stop every sink; return their final stats. Call it once the run has ended."""
+        """Flush and stop every sink; return their final stats. Call it once the run has ended; two
+        threads may call it at once (`_SinkWorker.close`)."""
         for worker in self._sinks:
             worker.close(timeout_s)
         return self.stats()

@@ -1060,8 +1060,9 @@ class RunManager:
         """A frozen run whose events the store does not all have: its sinks let go of what they hold,
         the store's into its spill on disk (`_SinkWorker.close`), which the next start stores before it
         resumes the run. Before, a second Ctrl-C (or a database away past the wait) lost every event
-        not yet written, all of a young run's. Whether every event is kept, and what became of them,
-        for the log line."""
+        not yet written, all of a young run's. A run whose loop has ended is closing its recorder on its
+        own thread meanwhile: the two closes give each sink up once (`_SinkWorker.close`). Whether every
+        event is kept, and what became of them, for the log line."""
         sinks = handle.recorder.close(SPILL_AT_LEAVE_S)
         store = sinks.get(STORE_SINK, {})
         kept, lost = int(store.get("kept_on_disk", 0)), int(store.get("unflushed", 0))
