@@ -49,10 +49,11 @@ Invariants:
   logged, and its envelopes in `failed` unless it is tried again;
 - a sink with a spill gets every envelope once, in sequence order, however long it is away, while
   the spill's disk allows (`SinkStats.spill_bytes`, at most the spill's `max_bytes`);
-- nothing is lost silently: every envelope published to a sink ends counted, as `written`, `dropped`,
-  `failed` or, after a `close` that gave up on a sink too slow to drain, `unflushed` (memory) or
-  `kept_on_disk` (its spill, for the next process to store); `stats()` reports them per sink and the
-  run report carries them (`event_sinks`);
+- nothing is lost silently: every envelope published to a sink ends counted once, as `written`,
+  `dropped`, `failed` or, after a `close` that gave up on a sink too slow to drain, `unflushed` (memory)
+  or `kept_on_disk` (its spill, for the next process to store: once given up, the sink neither writes
+  nor counts the batch it was writing, which is there); `stats()` reports them per sink and the run
+  report carries them (`event_sinks`);
 - `close()` flushes every sink and joins its thread (waiting at most `timeout_s` per sink); closes
   from two threads at once give a sink up once, so its spill gets each envelope it held once.
 """
@@ -94,9 +95,9 @@ def _worth_logging(count: int) -> bool:
 
 @dataclass
 class SinkStats:
-    written: int = 0  # envelopes handed to a write_batch that returned
+    written: int = 0  # envelopes handed to a write_batch that returned (unless kept_on_disk meanwhile)
     dropped: int = 0  # refused: the buffer was full and the spill (if any) could not take them
-    failed: int = 0  # in a write_batch that raised and was not tried again
+    failed: int = 0  # in a write_batch that raised and was not tried again (unless kept_on_disk)
     unflushed: int = 0  # still buffered when close() gave up waiting for the sink
     errors: int = 0  # write_batch calls that raised
     batches: int = 0  # write_batch calls that returned
@@ -154,6 +155,7 @@ class _SinkWorker:
         self._cond = threading.Condition()
         self._closing = False
         self._abandoned = False  # close() gave up: write nothing more, keep the spill for the next start
+        self._batch_kept = False  # close() gave up and put the batch being written in the spill
         self._thread = threading.Thread(target=self._loop, name=f"event-sink-{name}", daemon=True)
         self._thread.start()
 
@@ -325,21 +327,14 @@ class _SinkWorker:
                 # while the sink writes it (a database away again: minutes): on disk first, as a copy.
                 self._spill.backed_up()
             self._write(batch, from_spill)
-            with self._cond:
-                self._inflight = []
-                self._done_seq = max(self._done_seq, batch[-1].seq)
-                spill = self._spill
-                if spill is not None and (self._backing_up or from_spill):
-                    if len(self._buffer) <= self.capacity // 4 and not spill.unread:
-                        self._backing_up = False  # caught up: what is buffered is only in memory again
-                        self._unbacked = []
-                        spill.drop_backups()
-                    else:
-                        spill.forget_backups(self._done_seq)
 
     def _write(self, batch: list[Envelope], from_spill: bool) -> None:
         """Write `batch`; one the sink failed on for a passing reason (`retryable`) is tried again,
-        after a pause that doubles up to `retry_max_s`, until it is written or close() gives up."""
+        after a pause that doubles up to `retry_max_s`, until it is written or close() gives up. Once
+        close() has given the sink up, the batch is not tried again; if close() put it in the spill
+        (counted `kept_on_disk`), its write under way is not counted either, only logged as it ends.
+        Before, a pause's end wrote it again after the give-up, and counted it `failed` (or `written`,
+        the database back) on top of `kept_on_disk`."""
         delay = self.retry_first_s
         while True:
             try:
@@ -347,26 +342,65 @@ class _SinkWorker:
             except Exception as exc:  # a broken sink is counted and logged; the run goes on
                 again = self._retryable(exc)
                 with self._cond:
-                    self.stats.errors += 1
-                    self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                    kept = self._batch_kept
                     again = again and not self._abandoned
-                    if not again:
-                        self.stats.failed += len(batch)
+                    if not kept:
+                        self.stats.errors += 1
+                        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                        if not again:
+                            self._end_locked(batch, from_spill, written=False)
+                if kept:
+                    log.info("event sink %s: its write of %d events, given up at close, failed (%r); they "
+                             "are in its spill", self.name, len(batch), exc)  # fmt: skip
+                    return
                 if not again:
                     log.warning("event sink %s failed on %d events: %r", self.name, len(batch), exc)
                     return
                 log.warning("event sink %s failed on %d events (seq %d-%d): %r; trying again in %.1f s",
                             self.name, len(batch), batch[0].seq, batch[-1].seq, exc, delay)  # fmt: skip
                 with self._cond:
-                    self._cond.wait_for(lambda: self._abandoned, delay)
+                    given_up = self._cond.wait_for(lambda: self._abandoned, delay)
+                    kept = self._batch_kept
+                    if given_up and not kept:
+                        self._end_locked(batch, from_spill, written=False)
+                if given_up:
+                    if not kept:
+                        log.warning("event sink %s failed on %d events: given up at close before its next "
+                                    "try", self.name, len(batch))  # fmt: skip
+                    return
                 delay = min(2 * delay, self.retry_max_s)
                 continue
             with self._cond:
-                self.stats.written += len(batch)
-                self.stats.batches += 1
-                if from_spill:
-                    self.stats.recovered += len(batch)
+                kept = self._batch_kept
+                if not kept:
+                    self._end_locked(batch, from_spill, written=True)
+            if kept:
+                log.info("event sink %s: its write of %d events, given up at close, landed; the next start "
+                         "skips their copy in its spill", self.name, len(batch))  # fmt: skip
             return
+
+    def _end_locked(self, batch: list[Envelope], from_spill: bool, written: bool) -> None:
+        """Count `batch` written or failed on. In the same hold of the lock as the count, it stops being
+        the batch being written, which a close() that gives the sink up puts in the spill: each of its
+        envelopes is counted once, here or there."""
+        if written:
+            self.stats.written += len(batch)
+            self.stats.batches += 1
+            if from_spill:
+                self.stats.recovered += len(batch)
+        else:
+            self.stats.failed += len(batch)
+        self._inflight = []
+        self._done_seq = max(self._done_seq, batch[-1].seq)
+        spill = self._spill
+        if spill is None or not (self._backing_up or from_spill):
+            return
+        if len(self._buffer) <= self.capacity // 4 and not spill.unread:
+            self._backing_up = False  # caught up: what is buffered is only in memory again
+            self._unbacked = []
+            spill.drop_backups()
+        else:
+            spill.forget_backups(self._done_seq)
 
     def close(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the worker to write what it holds, then give it up: what it still
@@ -391,6 +425,7 @@ class _SinkWorker:
                 # has is skipped when the next start stores the spill).
                 try:
                     spill.append([*self._inflight, *self._buffer])
+                    self._batch_kept = bool(self._inflight)  # its write's end is counted no more
                     self.stats.spilled += len(self._buffer)
                     self._buffer.clear()
                 except (OSError, ValueError) as exc:

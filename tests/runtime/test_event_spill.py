@@ -187,6 +187,23 @@ def test_a_sink_stuck_at_close_leaves_its_envelopes_on_disk_for_the_next_start(t
     sink.gate.set()
 
 
+def test_a_sink_given_up_at_close_while_it_waits_to_try_a_batch_again_does_not_try_it() -> None:
+    # Before: the give-up woke it from its pause, and it wrote the batch once more (here: written). With
+    # no spill to keep it, the batch is the sink's to count: failed, its last try having raised.
+    bus = make_bus()
+    sink = GateSink(fail_first=1)
+    bus.add_sink(sink, name="metrics", batch_size=5, flush_interval_s=0.01, retry_first_s=60, retry_max_s=60)
+    publish(bus, 5)
+    deadline = time.monotonic() + 5
+    while not bus.stats()["metrics"]["errors"]:  # its write failed: it waits 60 s to try again
+        assert time.monotonic() < deadline, "the sink's first write did not fail"
+        time.sleep(0.005)
+    bus.close(timeout_s=0.1)
+    stats = bus.close(timeout_s=10)["metrics"]  # once the sink has ended
+    assert (sink.calls, sink.seqs) == (1, [])
+    assert (stats["failed"], stats["written"], stats["unflushed"], stats["errors"]) == (5, 0, 0, 1)
+
+
 def test_a_line_cut_short_by_a_crash_is_skipped_when_recovered(tmp_path: Path) -> None:
     spill = SpillFile(tmp_path / "spill", max_bytes=1_000_000)
     spill.append([Envelope("r", n, float(n), BatchRequested(n)) for n in range(3)])

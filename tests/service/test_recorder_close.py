@@ -1,26 +1,34 @@
-"""Closing a run's recorder from two threads at once: the run's thread as the run ends, and a second Ctrl-C
-letting its sinks go (`RunManager._keep_unstored`), while the store cannot write. Every event the run
-published ends stored or in the store sink's spill, once, and both closes say so."""
+"""Closing a run's recorder while the store cannot write (another connection holds the SQLite file's write
+lock): from two threads at once (the run's thread as the run ends, and a second Ctrl-C letting its sinks
+go: `RunManager._keep_unstored`), and while the store sink waits to try its batch again. Every event the
+run published ends stored or in the store sink's spill, once, and counted once: the sink's counts are
+checked against the database file and the spill's lines, read directly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from factories import take_write_lock
 from test_store_spill_kill import rows
 
 from app.core.events import BatchRequested
+from app.runtime.events import RETRY_FIRST_S
 from app.runtime.spill import SpillFile
 from app.service.recorder import RunRecorder, StoredMark
 from app.service.store import ServiceStore
 
 STORED = 100  # published and stored before the lock
 HELD = 100  # published while another writer holds the lock
+WAIT_S = 30.0  # the most a test waits for what should come at once
 
 
 def spilled_seqs(directory: Path) -> list[int]:
@@ -30,55 +38,106 @@ def spilled_seqs(directory: Path) -> list[int]:
     return sorted(json.loads(line)["seq"] for line in lines)
 
 
-def test_two_closes_at_once_of_a_recorder_whose_store_is_locked_keep_each_event_once(tmp_path: Path) -> None:
-    # Before: each close that timed out on the sink (stuck writing its batch to the locked file) appended
-    # that batch to the spill, so the second wrote every one of its events there again, and its
-    # kept_on_disk counted them twice (200 for 100).
+@dataclass
+class Locked:
+    recorder: RunRecorder
+    run_id: str
+    db: Path
+    spill_dir: Path
+    lock: sqlite3.Connection  # holds the file's write lock until it commits
+
+
+@contextlib.contextmanager
+def recorder_behind_a_lock(
+    tmp_path: Path, outage_s: float, retry_first_s: float = RETRY_FIRST_S
+) -> Iterator[Locked]:
+    """A run's recorder whose store sink (a real SQLite file, with a spill) has stored STORED events, then
+    was published HELD more while another connection holds the file's write lock (let go at the end).
+    The sink's write waits out the lock for `outage_s`, then waits `retry_first_s` to try it again."""
     db = tmp_path / "corral.db"
-    # A write waits out the lock for 5 s: longer than both closes wait for it
-    store = ServiceStore(f"sqlite:///{db}", outage_s=5.0, busy_timeout_s=0.5)
-    other: sqlite3.Connection | None = None
+    store = ServiceStore(f"sqlite:///{db}", outage_s=outage_s, busy_timeout_s=0.05)
+    lock: sqlite3.Connection | None = None
     try:
-        run_id = store.create_run("closed-twice", "closed-twice", {}, {}).id
+        run_id = store.create_run("closed", "closed", {}, {}).id
         clock = iter(range(10**9))
         recorder = RunRecorder(run_id, clock=lambda: float(next(clock)))
         recorder.stored = StoredMark(store.event_sink())
         spill_dir = tmp_path / "spill"
-        recorder.bus.add_sink(recorder.stored, name="store", spill=SpillFile(spill_dir, max_bytes=2**30))
+        recorder.bus.add_sink(
+            recorder.stored,
+            name="store",
+            spill=SpillFile(spill_dir, max_bytes=2**30),
+            retry_first_s=retry_first_s,
+            retry_max_s=retry_first_s,
+        )
         for n in range(STORED):
             recorder.publish(BatchRequested(n))
-        assert recorder.wait_stored(STORED - 1, 30), "the store did not take the first events"
-        other = take_write_lock(db)
+        assert recorder.wait_stored(STORED - 1, WAIT_S), "the store did not take the first events"
+        lock = take_write_lock(db)
         for n in range(STORED, STORED + HELD):
             recorder.publish(BatchRequested(n))
+        yield Locked(recorder, run_id, db, spill_dir, lock)
+    finally:
+        if lock is not None:
+            lock.close()
+        store.close()
 
+
+def check_ledger(locked: Locked, counts: dict[str, Any]) -> None:
+    """Each event published is stored (the database file) or in the spill (its lines), once, and the
+    sink's counts say the same: the store's rows `written`, the spill's lines `kept_on_disk`."""
+    stored = rows(locked.db, locked.run_id)  # read straight from the file, not through Corral
+    spilled = spilled_seqs(locked.spill_dir)
+    assert stored == list(range(STORED))
+    assert spilled == list(range(STORED, STORED + HELD))
+    assert (counts["written"], counts["kept_on_disk"]) == (len(stored), len(spilled))
+    assert (counts["failed"], counts["dropped"], counts["unflushed"]) == (0, 0, 0)
+
+
+def test_two_closes_at_once_of_a_recorder_whose_store_is_locked_keep_each_event_once(tmp_path: Path) -> None:
+    # Before: each close that timed out on the sink (stuck writing its batch to the locked file) appended
+    # that batch to the spill, so the second wrote every one of its events there again, and its
+    # kept_on_disk counted them twice (200 for 100). And once that write failed, its events were counted
+    # failed as well as kept_on_disk.
+    with recorder_behind_a_lock(tmp_path, outage_s=5.0) as locked:  # longer than both closes wait
         results: list[dict[str, Any]] = []
         both = threading.Barrier(2)
 
         def close(timeout_s: float) -> None:
             both.wait()
-            results.append(recorder.close(timeout_s)["store"])
+            results.append(locked.recorder.close(timeout_s)["store"])
 
         closers = [threading.Thread(target=close, args=(t,)) for t in (0.2, 0.5)]
         for closer in closers:
             closer.start()
         for closer in closers:
-            closer.join(30)
+            closer.join(WAIT_S)
         assert len(results) == 2, "a close did not return"
-        # The lock is let go once the sink has given its batch up: a write that landed would leave a copy
-        # stored and kept (the next start skips it), which is not what this test looks at.
-        deadline = time.monotonic() + 30
-        while not recorder.bus.stats()["store"]["failed"]:
-            assert time.monotonic() < deadline, "the sink's write on the locked file did not end"
-            time.sleep(0.05)
-        other.execute("COMMIT")
-    finally:
-        if other is not None:
-            other.close()
-        store.close()
-    stored = rows(db, run_id)  # read straight from the file, not through Corral
-    spilled = spilled_seqs(spill_dir)
-    assert stored == list(range(STORED))
-    assert spilled == list(range(STORED, STORED + HELD))  # each once
+        # A close waits for the sink's write on the locked file to end (a write that landed would leave a
+        # copy stored and kept, which the next start skips), then the lock is let go.
+        later = locked.recorder.close(WAIT_S)["store"]
     assert [r["kept_on_disk"] for r in results] == [HELD, HELD]
     assert [r["unflushed"] for r in results] == [0, 0]
+    check_ledger(locked, later)
+
+
+@pytest.mark.parametrize("lock_after", ["held on", "let go"])
+def test_a_close_that_gives_up_while_the_store_sink_waits_to_try_again_ends_its_writes(
+    tmp_path: Path, lock_after: str
+) -> None:
+    # Before: the give-up woke the sink from its pause and it wrote the batch it had just put in the spill
+    # once more: on the locked file that failed, counted failed as well as kept_on_disk; with the lock let
+    # go it was stored, and stayed in the spill.
+    with recorder_behind_a_lock(tmp_path, outage_s=0.2, retry_first_s=WAIT_S * 10) as locked:
+        recorder = locked.recorder
+        deadline = time.monotonic() + WAIT_S
+        while not recorder.bus.stats()["store"]["errors"]:  # its write failed: it waits to try again
+            assert time.monotonic() < deadline, "the sink's write on the locked file did not fail"
+            time.sleep(0.01)
+        given_up = recorder.close(0.1)["store"]
+        if lock_after == "let go":
+            locked.lock.execute("COMMIT")
+        later = recorder.close(WAIT_S)["store"]  # once the sink has ended
+    check_ledger(locked, later)
+    assert given_up["kept_on_disk"] == HELD
+    assert later == given_up  # the sink counted nothing after it was given up
