@@ -435,6 +435,7 @@ class _SinkWorker:
             if spill is not None:
                 self.stats.kept_on_disk = spill.unread
                 self._note_spill(spill)
+                # Waits ≤10 s in the lock, yet no offer() waits: a bus closes once its loop ended or froze
                 spill.close()
             log.warning(
                 "event sink %s did not drain within %.1f s: %d events unflushed, %d kept in %s for the "
