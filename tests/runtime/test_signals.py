@@ -27,11 +27,14 @@ import httpx
 import pytest
 from corral_proc import BATCH_LINE, FAST_CONFIG, CorralRun
 from runtime_fakes import FakeEngine, FakeSandbox, accounted, make_runtime
+from sandbox_owner import alive_with_token, start_owner
 
 from app.engines.base import TurnRequest
 from app.runtime.context import AttemptContext, AttemptOutcome
 from app.runtime.driver import Runtime
+from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
+from app.sandboxes.leftovers import MARKERS
 from app.sandboxes.limits import pids_parent
 from app.sim.clock import run_virtual
 
@@ -349,16 +352,24 @@ def test_ctrl_c_while_loading_interrupts_any_other_command(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["default", "config"])
+def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(
+    tmp_path: Path, base_dir: Path, where: str
+) -> None:
     """`kill -9` of a run mid-batch leaves its sandboxes (work directories, pids cgroups) and its
     temporary directory; the next `corral run` removes them and says so. A process left running in
     one of the sandboxes (here a `sleep` started in its work directory once the run is dead, standing in
-    for what a tool call detached) is killed too."""
+    for what a tool call detached) is killed too. Its sandboxes are where the run put them: in its
+    temporary directory ("default") or in the config's `sandbox.base_dir` ("config"), which another live
+    process also keeps a sandbox in (with a detached process of its own): that one is left alone."""
     owners = tmp_path / "owners"
     env = {"CORRAL_OWNERS_DIR": str(owners)}
+    config = FAST_CONFIG + (f"sandbox: {{base_dir: {base_dir}}}\n" if where == "config" else "")
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = CorralRun(tmp_path / "first", ["--batches", "50"], env=env)
+    token = f"{os.getpid() % 1000}.4343"
+    live, live_work, _ = start_owner(tmp_path, base_dir, token)
+    first = CorralRun(tmp_path / "first", ["--batches", "50"], config=config, env=env)
     orphan: subprocess.Popen[bytes] | None = None
     try:
         first.wait_engines_ready()
@@ -368,9 +379,9 @@ def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path:
             # is about to remove disappears between looking and killing.
             os.kill(first.pid, signal.SIGSTOP)
             data = json.loads(registration.read_text())
-            root = Path(data["roots"][0])
-            marked = [m for r in data["roots"] for m in (Path(r) / ".corral-owners").iterdir()]
-            left = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+            roots = [Path(r) for r in data["roots"]]
+            marked = [m for r in roots for m in (r / MARKERS).iterdir() if m.name != live_work.name]
+            left = sorted(p for r in roots for p in r.iterdir() if p.name[0] != "." and p != live_work)
             if (marked and left) or time.monotonic() > deadline:
                 break
             os.kill(first.pid, signal.SIGCONT)
@@ -378,33 +389,46 @@ def test_what_a_run_killed_mid_batch_left_is_removed_by_the_next_start(tmp_path:
         os.kill(first.pid, signal.SIGKILL)
         assert first.proc is not None
         first.proc.wait(timeout=30)
+        assert roots == [base_dir if where == "config" else Path(data["dirs"][0]) / "sandboxes"]
         assert marked, first.text()
         assert left, "no sandbox left to clean up"
         (run_dir,) = (Path(d) for d in data["dirs"])
-        orphan = subprocess.Popen(["sleep", "600"], cwd=root / left[0], start_new_session=True)
+        orphan = subprocess.Popen(["sleep", "600"], cwd=left[0], start_new_session=True)
         cgroups = pids_parent(CGROUP_ROOT)
         assert run_dir.is_dir()
 
-        second = CorralRun(tmp_path / "second", ["--batches", "1"], env=env)
+        second = CorralRun(tmp_path / "second", ["--batches", "1"], config=config, env=env)
         try:
             report = second.finish(timeout_s=120)
             assert second.leftovers() == []
         finally:
             second.kill()
         assert orphan.wait(timeout=10) == -signal.SIGKILL
+        # The live owner's sandbox, in the same directory: its work directory, marker and process stay.
+        assert live.poll() is None
+        assert live_work.is_dir()
+        assert (base_dir / MARKERS / live_work.name).is_file()
+        assert alive_with_token(token) != []
     finally:
         first.kill()
         if orphan is not None and orphan.poll() is None:
             orphan.kill()
             orphan.wait()
+        live.kill()
+        live.wait()
+        assert live.stdout is not None
+        live.stdout.close()
+        leftovers.sweep(owners)  # what the live owner, now killed, left
     assert report["batches"] == 1
     said = rf"removed what dead corral process {first.pid} left behind: (\d+) sandbox"
     swept = re.search(said, second.text())
     assert swept is not None, second.text()
     assert int(swept.group(1)) >= len(marked)
+    assert [p for p in left if p.exists()] == []
     assert not run_dir.exists()
     if cgroups is not None:
         assert [g.name for g in cgroups[0].iterdir() if g.name.endswith(f"-{first.pid}")] == []
+    assert alive_with_token(token) == []
     assert list(owners.iterdir()) == []  # the second run ended cleanly: no registration is left
 
 

@@ -13,57 +13,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from factories import make_echo_task as make_task
-from test_local import alive_with_token
+from sandbox_owner import alive_with_token, owner_argv, start_owner
 
 from app.sandboxes import leftovers
 from app.sandboxes.cpuset import CGROUP_ROOT
 from app.sandboxes.limits import pids_parent, uid_claims_dir
-
-# A process that makes one sandbox, then (`then`): "hold" starts a detached process in it and waits;
-# "keep" exits keeping its registration (`Registration.keep`); "exit" exits as usual
-OWNER = """
-import asyncio, sys
-from pathlib import Path
-from app.sandboxes import leftovers
-from app.sandboxes.local import LocalSandboxFactory
-from app.tasks.spec import TaskSpec
-
-owners, base, task_root, token, then = sys.argv[1:]
-leftovers.declare_owner(Path(owners))
-
-async def main():
-    sandbox = LocalSandboxFactory(Path(base), isolation="none").create("leftover-maker")
-    await sandbox.reset(TaskSpec(name="t", instruction="", root=Path(task_root), validation="true"))
-    if then == "hold":
-        await sandbox.exec(f"setsid sleep {token} > /dev/null 2>&1 < /dev/null &", 10)
-    print(sandbox.work_dir, sandbox.uid, flush=True)
-    if then == "hold":
-        await asyncio.sleep(600)
-
-asyncio.run(main())
-if then == "keep":
-    leftovers.current().keep()
-"""
-
-
-def owner_argv(tmp_path: Path, base_dir: Path, token: str, then: str) -> list[str]:
-    (tmp_path / "task").mkdir()
-    places = [str(tmp_path / "owners"), str(base_dir), str(tmp_path / "task")]
-    return [sys.executable, "-c", OWNER, *places, token, then]
-
-
-def start_owner(tmp_path: Path, base_dir: Path, token: str) -> tuple[subprocess.Popen[str], Path, str]:
-    proc = subprocess.Popen(owner_argv(tmp_path, base_dir, token, "hold"), stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    work, uid = proc.stdout.readline().split()
-    return proc, Path(work), uid
 
 
 def test_a_killed_owners_sandbox_is_removed_and_a_live_ones_is_not(tmp_path: Path, base_dir: Path) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from factories import make_echo_task as make_task
+from sandbox_owner import alive_with_token
 
 from app.sandboxes.cpuset import read_cpus_allowed
 from app.sandboxes.cpushare import share_method
@@ -36,22 +37,6 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "Z (zombie)" not in status
-
-
-def alive_with_token(token: str) -> list[int]:
-    """Host pids whose command line contains `token` and that are not zombies."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next(ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:"))
-        except (OSError, StopIteration):
-            continue
-        if token in cmdline and "Z (zombie)" not in state:
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture(params=ISOLATIONS)
