@@ -9,10 +9,14 @@ from __future__ import annotations
 from app import early_signals
 
 # First, before the heavy imports below: a Ctrl-C from here on is held, not a KeyboardInterrupt inside
-# an import. `corral run` takes it (and stops with a report); every other command releases it.
+# an import. `corral run` takes it (and stops with a report); every other command releases it. Then,
+# before any file is opened, a closed standard input, output or error is /dev/null (app/stdio.py).
 if early_signals.is_command_process():
     early_signals.hold()
     early_signals.keep_ctrl_c_out_of_finalizers()
+    from app import stdio
+
+    stdio.fill_closed()
 
 import errno
 import sys

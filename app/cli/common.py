@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from app import early_signals, terminal
+from app import early_signals, stdio, terminal
 from app.outputs import is_null_device, write_text_atomically
 
 P = ParamSpec("P")
@@ -300,7 +300,7 @@ def write_stdout(text: str) -> None:
 
 
 def _stdout_closed() -> bool:
-    if sys.stdout is None:
+    if sys.stdout is None or stdio.closed_at_start(1):  # the latter: /dev/null since (app/stdio.py)
         return True
     try:
         os.fstat(sys.stdout.fileno())

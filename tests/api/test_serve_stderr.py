@@ -1,7 +1,9 @@
 """`corral serve` whose standard error cannot be written: at start (a file on a full disk, a pipe whose
 reader is gone, closed) it does not start, says why on standard output and exits 4; lost mid-run (the
 terminal or the pipe it wrote to went away) it goes on serving, and a Ctrl-C still stops it cleanly with
-every event stored. Real processes, a real full file system (`small_disk`), real pipes."""
+every event stored. Standard input or output closed at start (app/stdio.py) is /dev/null before any file
+can take its descriptor: it serves, and nothing meant for the stream lands in another file. Real
+processes, a real full file system (`small_disk`), real pipes."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -68,6 +72,56 @@ def test_a_closed_stderr_is_exit_4(tmp_path: Path) -> None:
     assert not (tmp_path / "corral.db").exists()  # refused before it opened anything
 
 
+def test_a_closed_stdout_takes_the_place_of_no_file(tmp_path: Path) -> None:
+    """Standard output closed, standard error on a full disk: the "not started" line (written to
+    standard output when standard error refuses) went into the database's lock file, which had taken
+    descriptor 1 as the first file opened."""
+    with open("/dev/full", "wb") as full:
+        code, said = serve_at_start(tmp_path, full, shell=">&-")
+    assert code == 4
+    assert said == ""
+    for path in tmp_path.glob("corral.db*"):
+        assert b"not started" not in path.read_bytes(), path
+    assert _integrity(tmp_path / "corral.db") == "ok"
+
+
+@pytest.mark.parametrize("closed", [0, 1], ids=["stdin", "stdout"])
+def test_a_closed_stdin_or_stdout_serves_and_stops_with_every_event_stored(
+    tmp_path: Path, closed: int
+) -> None:
+    """`corral serve <&-` (or `>&-`). With standard output closed it ended at start in a traceback
+    (uvicorn's access log asked the missing `sys.stdout` whether it is a terminal); with standard input
+    closed the database's lock file took descriptor 0, which every child could inherit."""
+    database = tmp_path / "corral.db"
+    env = serve_env(tmp_path, f"sqlite:///{database}", free_port())
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            SERVE, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            preexec_fn=lambda: os.close(closed),
+        )  # fmt: skip
+    with _client(proc, env) as api:
+        wait_for(lambda: proc.poll() is not None or _answers(api), 60, what="corral serve to answer")
+        assert proc.poll() is None, log.read_text()
+        assert os.readlink(f"/proc/{proc.pid}/fd/{closed}") == os.devnull
+        run_id = _collecting(api)
+        code = _ctrl_c(proc)
+    said = log.read_text()
+    assert code == 0, said
+    assert "Traceback" not in said
+    assert_stopped_with_nothing_lost(f"sqlite:///{database}", run_id)
+    assert _integrity(database) == "ok"
+    assert (tmp_path / "corral.db.serve-lock").read_bytes() == b""
+
+
+def _integrity(database: Path) -> str:
+    db = sqlite3.connect(database)
+    try:
+        return str(db.execute("pragma integrity_check").fetchone()[0])
+    finally:
+        db.close()
+
+
 def test_a_pipe_gone_mid_run_loses_no_event_and_ctrl_c_still_stops_cleanly(tmp_path: Path) -> None:
     """The terminal (or the pipe to a log collector) went away while a run collected: the stop's first
     line raised BrokenPipeError in the event loop, the runs were not told to stop first, and its
@@ -78,28 +132,17 @@ def test_a_pipe_gone_mid_run_loses_no_event_and_ctrl_c_still_stops_cleanly(tmp_p
         SERVE, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
-    api = httpx.Client(
-        base_url=f"http://127.0.0.1:{env['CORRAL_PORT']}", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
-    try:
+    with _client(proc, env) as api:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(b"Ctrl-C stops the server"):
                 break
         wait_for(lambda: _answers(api), 60, what="corral serve to answer")
-        spec = make_run(batches=None, speed=10.0, trainer="sentinel", sentinel_step_s=0.2)
-        run_id = api.post("/api/runs", json=spec).json()["id"]
-        wait_for(lambda: _batches(api, run_id) >= 2, 120, what="2 batches")
+        run_id = _collecting(api)
         proc.stdout.close()  # the reader goes away: every write to the pipe from now on is EPIPE
         after = _batches(api, run_id)
         wait_for(lambda: _batches(api, run_id) >= after + 2, 120, what="2 more batches, the pipe gone")
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(120)
-    finally:
-        api.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code = _ctrl_c(proc)
     assert code == 0
     assert_stopped_with_nothing_lost(f"sqlite:///{database}", run_id)
     db = sqlite3.connect(database)
@@ -109,6 +152,36 @@ def test_a_pipe_gone_mid_run_loses_no_event_and_ctrl_c_still_stops_cleanly(tmp_p
         db.close()
     assert [seq for seq, _ in rows] == list(range(len(rows)))  # no hole in the stored stream
     assert rows[-1][1] == "run_ended"
+
+
+@contextmanager
+def _client(proc: subprocess.Popen[bytes], env: dict[str, str]) -> Iterator[httpx.Client]:
+    """An API client of the server `proc`; at the end of the block the server is killed if it is still
+    there (a failed test)."""
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{env['CORRAL_PORT']}", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    try:
+        yield api
+    finally:
+        api.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _collecting(api: httpx.Client) -> str:
+    """A simulated run that goes on until stopped, once it has delivered 2 batches: its id."""
+    spec = make_run(batches=None, speed=10.0, trainer="sentinel", sentinel_step_s=0.2)
+    run_id = str(api.post("/api/runs", json=spec).json()["id"])
+    wait_for(lambda: _batches(api, run_id) >= 2, 120, what="2 batches")
+    return run_id
+
+
+def _ctrl_c(proc: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C to the server's process group; its exit status."""
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc.wait(120)
 
 
 def _answers(api: httpx.Client) -> bool:

@@ -4,6 +4,7 @@ published every trainer step, one engine at a time."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -256,13 +257,18 @@ def embedded_engine_pids(parent: int | None = None) -> set[int]:
 
 
 @pytest.mark.slow
-def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> None:
+@pytest.mark.parametrize("closed", [None, 0, 1], ids=["open", "stdin closed", "stdout closed"])
+def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path, closed: int | None) -> None:
+    """Also with standard input or output closed at start (`<&-`, `>&-`): the run goes on with /dev/null
+    there (app/stdio.py). Before, the first file or socket it opened took the descriptor (asyncio's
+    epoll with standard output closed), where a write meant for the stream would have gone."""
     out = tmp_path / "report.json"
     config = str(write_config(tmp_path))
     proc = subprocess.Popen(
         [sys.executable, "-c", "from app.cli import main; main()", "run", "--config", config,
          "--json", str(out), "--duration", "600"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=None if closed is None else lambda: os.close(closed),
     )  # fmt: skip
     # Wait until the first batch is delivered, so the stop lands in the middle of real work.
     assert proc.stderr is not None
@@ -274,6 +280,8 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
     # This run's engines (not every engine on the machine: other tests may start and stop theirs)
     ours = embedded_engine_pids(proc.pid)
     assert ours, "".join(seen)
+    if closed is not None:
+        assert os.readlink(f"/proc/{proc.pid}/fd/{closed}") == os.devnull
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 0, "".join(seen) + rest
