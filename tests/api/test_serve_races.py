@@ -5,6 +5,7 @@ run publishes is lost or doubled (its stored ledger)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from api_support import TOKEN, free_port, make_run, serve_env, serve_process, wait_for
+from factories import take_write_lock
 
 from app.service.manager import NOT_STARTED
 from app.service.store import ServiceStore
@@ -157,6 +159,72 @@ def test_requests_that_wait_for_the_database_hold_up_no_other(tmp_path: Path) ->
                 client.close()
         assert stop == 404
         assert streamed == 200
+        assert took < 1.0, f"the live run's view took {took:.1f} s while the lock was held {hold_s:g} s"
+
+
+def _signed_in(url: str) -> tuple[httpx.Client, str]:
+    """A browser's session on the dashboard at `url`: a client holding the `corral_csrf` cookie, signed in
+    with the operator token through the sign-in form (its `corral_token` cookie), and the CSRF token its
+    forms carry."""
+    client = httpx.Client(base_url=url, timeout=60)
+    page = client.get("/login")
+    found = re.search(r'name="csrf_token" value="([^"]+)"', page.text)
+    assert found is not None, page.text
+    csrf = found.group(1)
+    assert client.post("/login", data={"csrf_token": csrf, "token": TOKEN}).status_code == 303
+    return client, csrf
+
+
+def test_dashboard_controls_that_wait_for_the_database_hold_up_no_other(tmp_path: Path) -> None:
+    """The dashboard's controls (Pause, Resume, Stop, Publish, the policy form) build the run's view
+    first, which for a run not executing here (ended before this start) reads the store. Signed in as an
+    operator, each is posted on such a run while another process holds SQLite's write lock: they wait
+    for it (each is answered after the lock is let go), and a live run's view, asked meanwhile, is
+    answered at once, as `test_requests_that_wait_for_the_database_hold_up_no_other` has it for the API."""
+    database = tmp_path / "corral.db"
+    env = serve_env(tmp_path, f"sqlite:///{database}", free_port())
+    with serve_process(env, tmp_path / "serve.log") as api:
+        ended = _running(api)
+        api.post(f"/api/runs/{ended}/stop")
+        _ended(api, ended)
+    with serve_process(env, tmp_path / "serve.log") as api:
+        live = _running(api)
+        browsers = [_signed_in(str(api.base_url)) for _ in range(5)]
+        viewer = _clients(str(api.base_url), 1)[0]
+        forms: list[tuple[str, dict[str, str]]] = [(name, {}) for name in ("pause", "resume", "stop")]
+        forms += [("publish", {}), ("policy", {"max_staleness": "3"})]  # K
+        hold_s = 5.0
+        lock = take_write_lock(database)
+        try:
+
+            def control(browser: tuple[httpx.Client, str], name: str, form: dict[str, str]) -> float:
+                client, csrf = browser
+                answer = client.post(f"/runs/{ended}/{name}", data={"csrf_token": csrf, **form})
+                assert answer.status_code == 409, (name, answer.status_code, answer.text)
+                assert f"run {ended} is not executing in this server" in answer.text, answer.text
+                return time.monotonic()
+
+            def let_go() -> float:
+                time.sleep(hold_s)
+                lock.execute("ROLLBACK")
+                return time.monotonic()
+
+            def view_after_them() -> float:
+                time.sleep(0.5)  # the controls are waiting for the lock by now
+                began = time.monotonic()
+                assert viewer.get(f"/api/runs/{live}").status_code == 200
+                return time.monotonic() - began
+
+            calls: list[Callable[[], float]] = [
+                lambda b=b, n=n, f=f: control(b, n, f) for b, (n, f) in zip(browsers, forms, strict=True)
+            ]
+            *answered, let_go_at, took = _at_once([*calls, let_go, view_after_them])
+        finally:
+            lock.close()
+            viewer.close()
+            for client, _ in browsers:
+                client.close()
+        assert min(answered) >= let_go_at  # each waited for the lock: it read the store
         assert took < 1.0, f"the live run's view took {took:.1f} s while the lock was held {hold_s:g} s"
 
 
