@@ -36,6 +36,7 @@ from starlette.middleware.gzip import GZipMiddleware
 from app.api.body_limit import BodyLimit
 from app.api.deps import require_viewer
 from app.api.docs import mount_docs
+from app.api.graceful import AnswerCutOff
 from app.api.runs import router as runs_router
 from app.metrics import CorralMetrics
 from app.service.channel import RunChannel
@@ -123,6 +124,7 @@ def create_app(
     # than the render) for 8.8×. The live stream (text/event-stream) is left alone: Starlette's default
     # exclude_content_types (pyproject asks for a Starlette that has it).
     app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
+    app.add_middleware(AnswerCutOff)  # outermost: whatever the request was in when it was cut off
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]

@@ -80,12 +80,15 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _too_large(send: Send, limit: int) -> None:
-    body = json.dumps({"detail": f"request body: larger than {human_bytes(limit)}"}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    await send_problem(send, 413, f"request body: larger than {human_bytes(limit)}")
+
+
+async def send_problem(
+    send: Send, status: int, detail: str, headers: Mapping[str, str] | None = None
+) -> None:
+    """Answer `status` with the JSON `detail` the API's errors have, from ASGI middleware."""
+    body = json.dumps({"detail": detail}).encode()
+    fields = {"content-type": "application/json", "content-length": str(len(body)), **(headers or {})}
+    start = [(name.encode(), value.encode()) for name, value in fields.items()]
+    await send({"type": "http.response.start", "status": status, "headers": start})
     await send({"type": "http.response.body", "body": body})

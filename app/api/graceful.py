@@ -19,6 +19,9 @@ Here:
   for the rest of `STOP_WAIT_S` (a client sending its body slowly held the exit for the whole 10 s).
   The application's shutdown still runs (it keeps the offer files of batches handed out): it is not
   uvicorn's "force quit";
+- a request cut off, at the end of `STOP_WAIT_S` or by a second stop signal, before its answer began is
+  answered 503 with `Retry-After` and a JSON `detail`, as the API's other refusals are (`AnswerCutOff`),
+  not uvicorn's plain-text 500; its task's cancellation goes on;
 - the captured signals are not raised again: `corral serve` says what became of its runs, exit 0.
 """
 
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from app.api.body_limit import Message, Receive, Scope, Send, send_problem
 from app.cli.common import say
 
 if TYPE_CHECKING:
@@ -61,6 +65,42 @@ class _QuietCutOff(logging.Filter):
 
 
 _QUIET_CUT_OFF = _QuietCutOff()
+
+_WHY_CUT_OFF = {
+    GRACE_OVER: f"cut off at the end of the {STOP_WAIT_S} s open requests get",
+    CUT_OFF: "cut off by a second stop signal",
+}
+
+
+class AnswerCutOff:
+    """ASGI middleware: a request whose task is cut off (`GRACE_OVER`, `CUT_OFF`) before its answer began
+    gets a 503 with `Retry-After`, as a create refused once the server is stopping does; uvicorn sent
+    its plain-text 500, "Internal Server Error", which a client read as a fault of the server (a cut-off
+    create stores its run stopped, never started: app.service.manager). The cancellation is raised on;
+    uvicorn closes the connection once the answer is written."""
+
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError as exc:
+            why = next((_WHY_CUT_OFF[arg] for arg in exc.args if arg in _WHY_CUT_OFF), None)
+            if why is not None and not started:
+                detail = f"corral serve is stopping: this request was {why}; send it again once it is back"
+                await send_problem(send, 503, detail, {"retry-after": "5"})
+            raise
 
 
 @contextlib.contextmanager

@@ -232,26 +232,32 @@ def test_a_create_the_stop_overtakes_leaves_no_run_to_the_next_start(tmp_path: P
     """Ctrl-C while a create waits for the database (another process holds SQLite's write lock past the
     open requests' 10 s): the create stored its run after the shutdown had stopped every run, started
     it, and the exit (0) left it `running` in the store, for the next start to resume, while its client
-    got a 500, under a traceback in the log. Now the run is stored `stopped`, never started, and the
-    log says the cut-off request in uvicorn's one line."""
+    got a 500, under a traceback in the log. Now the run is stored `stopped`, never started, the log
+    says the cut-off request in uvicorn's one line, and its client gets the API's JSON 503 with
+    `Retry-After`, not uvicorn's plain-text 500 ("Internal Server Error")."""
     database = tmp_path / "corral.db"
     log = tmp_path / "serve.log"
     env = serve_env(tmp_path, f"sqlite:///{database}", free_port())
-    answers: list[int] = []
+    answers: list[httpx.Response] = []
     with serve_process(env, log) as api:
         holder = subprocess.Popen(
             [sys.executable, "-c", LOCK_HOLDER, str(database), "13"], stdout=subprocess.PIPE, text=True
         )
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "held"
-        create = lambda: answers.append(api.post("/api/runs", json=make_run()).status_code)  # noqa: E731
+        create = lambda: answers.append(api.post("/api/runs", json=make_run()))  # noqa: E731
         creating = threading.Thread(target=create)
         creating.start()
         time.sleep(1.0)  # the create waits for the lock; the block's end is the Ctrl-C
     holder.wait(30)
     holder.stdout.close()
     creating.join(30)
-    assert answers == [500]  # cut off by uvicorn at the end of the grace
+    [answer] = answers  # cut off by uvicorn at the end of the grace
+    assert (answer.status_code, answer.headers.get("retry-after")) == (503, "5"), answer.text
+    assert answer.json() == {
+        "detail": "corral serve is stopping: this request was cut off at the end of the 10 s open requests "
+        "get; send it again once it is back"
+    }
     store = ServiceStore(f"sqlite:///{database}", migrate=False)
     try:
         runs = store.list_runs()

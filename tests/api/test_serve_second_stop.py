@@ -1,9 +1,11 @@
 """A second Ctrl-C to `corral serve` stops it at once, open requests included: uvicorn waited for them
 for the rest of its `STOP_WAIT_S` (10 s), and a client that sends its body slowly kept one open. The
-request cut off is said in one line, without uvicorn's "Exception in ASGI application" traceback."""
+request cut off is said in one line, without uvicorn's "Exception in ASGI application" traceback, and
+its client is answered 503 with `Retry-After`, not uvicorn's plain-text 500."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import time
@@ -44,6 +46,7 @@ def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(tmp_path: Pat
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=STOP_WAIT_S + 30)
             took = time.monotonic() - second
+            answer = b"".join(iter(lambda: slow.recv(65536), b""))  # up to the close
         finally:
             slow.close()
     out = log.read_text()
@@ -54,3 +57,10 @@ def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(tmp_path: Pat
     assert "1 open request(s) cut off" in out, out
     assert "Traceback" not in out, out
     assert "Exception in ASGI application" not in out, out
+    head, _, body = answer.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 503 "), answer
+    assert "retry-after: 5" in head.lower().split("\r\n"), answer
+    assert json.loads(body) == {
+        "detail": "corral serve is stopping: this request was cut off by a second stop signal; send it "
+        "again once it is back"
+    }
