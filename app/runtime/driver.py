@@ -316,6 +316,9 @@ class Runtime:
         # Called once the run executes (its task group open, its first groups admitted): from then on a
         # live change (S, K, a publication, a pause) has somewhere to start what it decides.
         self.on_collecting: Callable[[], None] | None = None
+        # Called once the trainer loop is over (its last batch trained, its deadline passed, or a stop),
+        # before the run drains its work: no batch is asked for and no version is taken from then on.
+        self.on_trainer_done: Callable[[], None] | None = None
         # Awaited before the first batch is asked for: a resumed run's trainer steps on the batches it
         # had handed out before the restart (app.service.gateway.TrainerGateway.restored_steps).
         self.before_batches: Callable[[], Awaitable[None]] | None = None
@@ -366,6 +369,8 @@ class Runtime:
                 if self.on_collecting is not None:
                     self.on_collecting()
                 await self._trainer_loop(batches, duration_s)
+                if self.on_trainer_done is not None:
+                    self.on_trainer_done()
                 self._begin_shutdown()
         except asyncio.CancelledError:
             # Stopped at once (a second Ctrl-C): the TaskGroup has cancelled every task and each

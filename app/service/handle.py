@@ -231,6 +231,7 @@ class RunHandle:
             # "running" once the runtime executes, not before its first step: a command sent the moment
             # the state says so (a change of K starts groups) needs the runtime's task group.
             runtime.on_collecting = self._collecting
+            runtime.on_trainer_done = self._trainer_done
             batches = self.spec.batches or UNTIL_STOPPED
             if resume is not None:  # the batches its earlier lives delivered count towards them
                 batches = max(batches - resume.batch_offset, 0)
@@ -248,8 +249,7 @@ class RunHandle:
                     if not isinstance(self.loop, PacedLoop):  # a simulated run's clock waits instead
                         tg.create_task(self._hold_for_store(runtime, run))
                     await asyncio.wait([run])
-                    # A trainer told now is told the state the run ends in, not a word of its own.
-                    self.gateway.close("stopped" if runtime.stop_requested else "completed")
+                    self._trainer_done()  # a run that failed never called it: its thread says "failed" next
             finally:
                 for client in self.engines():  # a restarted engine's client is the runtime's, not the ports'
                     await client.aclose()
@@ -288,6 +288,14 @@ class RunHandle:
             else:
                 log.warning("run %s: goes on: its events are being stored again (%d wait)", self.run_id,
                             bus.backlog())  # fmt: skip
+
+    def _trainer_done(self) -> None:
+        """The trainer loop is over: a trainer is told the state the run ends in from now (its
+        `batches/next`, a publication: `publish`), not a word of its own, while the run drains its turns
+        and weight updates. Told once the run had drained, a publication meanwhile was published, 202,
+        its weight update begun on a run that had ended for its trainer and waited for by the drain, and
+        one as the run's loop closed was told "is running, not executing"."""
+        self.gateway.close("stopped" if self._runtime().stop_requested else "completed")
 
     def _stopping(self) -> bool:
         return self.state is RunState.STOPPING  # read again after an await: `stop` may have run meanwhile
@@ -462,6 +470,8 @@ class RunHandle:
         self._require(RunState.RUNNING, RunState.PAUSED)
         if self._runtime().stop_requested:
             raise IllegalRunStateError(f"run {self.run_id} is stopping; it takes no new version")
+        if (ended := self.gateway.closed) is not None:  # its trainer loop is over (`_trainer_done`)
+            raise IllegalRunStateError(f"run {self.run_id} has ended ({ended}); it takes no new version")
         return self._publish(version, path, actor, command_id)
 
     def _publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:

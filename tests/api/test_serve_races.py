@@ -5,6 +5,7 @@ run publishes is lost or doubled (its stored ledger)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import pytest
 from api_support import TOKEN, free_port, make_run, serve_env, serve_process, wait_for
 from factories import take_write_lock
 
+from app.client import CorralClient, CorralError, RunEnded
+from app.core.events import RunEnded as RunEndedEvent
 from app.service.manager import NOT_STARTED
 from app.service.store import ServiceStore
 
@@ -98,6 +101,66 @@ def test_a_publication_racing_a_stop_is_told_the_runs_end(served: tuple[str, Pat
             _ledger_whole(backend_url, run_id)
     finally:
         for client in clients:
+            client.close()
+
+
+def _publish_until_ended(client: CorralClient, run_id: str, versions: Iterator[int]) -> str:
+    """Publish each of `versions` (a 422 for one another publisher passed is taken as published by it):
+    the detail of the run's end once told it (`RunEnded`), another refusal's status and detail, or
+    "published" when `versions` ran out first."""
+    for version in versions:
+        try:
+            client.publish(run_id, version, sentinel=True)
+        except RunEnded as exc:
+            return exc.detail
+        except CorralError as exc:
+            if exc.status != 422 or "is not newer than" not in exc.detail:
+                return f"{exc.status}: {exc.detail}"
+    return "published"
+
+
+def test_a_publication_racing_the_runs_completion_is_told_the_runs_end(
+    served: tuple[str, Path], backend_url: str
+) -> None:
+    """A one-batch run completes once its trainer acks the batch and publishes version 1; 8 other
+    publishers publish the versions after it meanwhile, each until it is told the run's end. The trainer
+    loop is then over and the run drains its work (its turns and weight updates under way): a
+    publication in that time was published (202, an update begun on a run that had ended for its
+    trainer, which the drain then waited for), or, once the run's loop had ended, "is running, not
+    executing". Each is now told the run's end, 409 "has ended (completed)", the client's `RunEnded`, and
+    the stored stream has no publication after the trainer loop's end."""
+    url, _ = served
+    trainer = CorralClient(url, TOKEN, timeout_s=60)
+    publishers = [CorralClient(url, TOKEN, timeout_s=60) for _ in range(8)]
+    try:
+        for _ in range(3):
+            run_id = str(trainer.create_run(**make_run(batches=1, speed=1.0))["id"])
+            batch = trainer.next_batch(run_id, timeout=60)
+            assert batch is not None
+            versions = itertools.count(2)
+
+            def complete(run_id: str = run_id, batch_id: str = batch.batch_id) -> str:
+                trainer.ack(run_id, batch_id)
+                return _publish_until_ended(trainer, run_id, iter([1]))
+
+            calls = [lambda c=c, r=run_id, v=versions: _publish_until_ended(c, r, v) for c in publishers]
+            ends = _at_once([complete, *calls])
+            ended = f"run {run_id!r} has ended (completed)"
+            assert ends[0] in ("published", ended), ends[0]  # or published meanwhile by another
+            assert ends[1:] == [ended] * len(publishers), ends
+            wait_for(lambda run_id=run_id: trainer.run(run_id)["state"] == "completed", 60, what="completed")
+            _ledger_whole(backend_url, run_id)
+            store = ServiceStore(backend_url, migrate=False)
+            try:
+                events = store.envelopes(run_id, -1, 1_000_000)
+            finally:
+                store.close()
+            [end] = [e.event for e in events if isinstance(e.event, RunEndedEvent)]
+            assert end.reason == "completed"
+            late = [(e.t, e.event) for e in events if e.event.kind == "version_published"]
+            assert [v for t, v in late if t > (end.collection_ended_at or 0.0)] == []
+    finally:
+        for client in (trainer, *publishers):
             client.close()
 
 
