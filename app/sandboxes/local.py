@@ -42,10 +42,12 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from app.sandboxes import cpuset, cpushare, leftovers
 from app.sandboxes.base import ExecResult
@@ -81,10 +83,32 @@ DRAIN_AFTER_EXIT_S = 0.2
 START_AS_UID_S = 5.0
 # How often a command's start looks again whether it may take the claims lock, or runs as the uid yet:
 # polled from the event loop, so a start holding the lock never waits for a thread that waits for it
-# (claims take the lock in threads). The pause doubles from the first to the last: a start that is slow
-# (a loaded machine) is not looked at every half millisecond, each look a read of /proc.
+# (claims take the lock in a thread of their own: `in_claims_thread`). The pause doubles from the first
+# to the last: a start that is slow (a loaded machine) is not looked at every half millisecond, each look
+# a read of /proc.
 UID_POLL_S = 0.0005
 UID_POLL_MAX_S = 0.02
+
+_T = TypeVar("_T")
+
+# The thread where a process's claims, releases and kills of a uid wait for the claims lock, exclusively:
+# in the default executor, its six threads (on 2 cores) waiting for it starved a command's start that held
+# the lock shared and, cancelled, needed one of them to kill what it had started: a `corral run` of `sync`
+# hung for good (2026-12-07). One thread: the lock is exclusive, a second would only wait beside it.
+_claims_thread: tuple[int, ThreadPoolExecutor] | None = None
+_claims_thread_made = threading.Lock()
+
+
+def in_claims_thread(fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+    """`fn(*args)` run in this process's claims thread (one per process: a forked one, a Celery pool's,
+    makes its own, as the parent's thread is not in it)."""
+    global _claims_thread
+    with _claims_thread_made:
+        if _claims_thread is None or _claims_thread[0] != os.getpid():
+            _claims_thread = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="corral-uid-claims"))
+        executor = _claims_thread[1]
+    return asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
 
 Isolation = Literal["bwrap", "none"]
 
@@ -350,7 +374,7 @@ class LocalSandbox(CommandSandbox):
         if self.factory.uids is not None and self.uid is not None:
             await self._kill_everything()  # an earlier reset's uid: dropped if another sandbox took it since
         if self.factory.uids is not None and self.uid is None:
-            self.uid = await asyncio.to_thread(self.factory.uids.claim, zlib.crc32(self.name.encode()))
+            self.uid = await in_claims_thread(self.factory.uids.claim, zlib.crc32(self.name.encode()))
             self.uid_holder = os.getpid()
         # Also kills what a crashed earlier owner of this uid or work dir left behind.
         await self._teardown()
@@ -371,7 +395,7 @@ class LocalSandbox(CommandSandbox):
         if self.factory.owner is not None:
             await asyncio.to_thread(self.factory.owner.unmark, self.factory.base_dir, self.name)
         if self.uid is not None and self.factory.uids is not None and self.uid_holder is not None:
-            await asyncio.to_thread(self.factory.uids.release, self.uid, self.uid_holder)
+            await in_claims_thread(self.factory.uids.release, self.uid, self.uid_holder)
         self.uid = self.uid_holder = None
         self._task = None
 
@@ -434,7 +458,7 @@ class LocalSandbox(CommandSandbox):
         uids, uid, holder = self.factory.uids, self.uid, self.uid_holder
         if uids is None or uid is None:
             return
-        if holder is None or not await asyncio.to_thread(kill_uid_if_claimed, uids.claims, uid, holder):
+        if holder is None or not await in_claims_thread(kill_uid_if_claimed, uids.claims, uid, holder):
             # Its claim lapsed and went to another sandbox (a lane worker restarted since its reset), or
             # a state of an older corral names no holder: the uid's processes may be another sandbox's.
             log.warning(
