@@ -177,12 +177,14 @@ def _lost_worker(pool: ProcessPoolExecutor) -> str | None:
     SIGTERM, which the pool also sends the others as it breaks) or is still running. Python keeps the
     pool's processes in a private field; where it is missing this says None (an interrupt, as before)."""
     processes = getattr(pool, "_processes", None) or {}
-    for process in list(processes.values()):
-        code = process.exitcode
-        if code is None or code in (0, 130, -signal.SIGTERM):
-            continue
-        return signal_name(code) if code < 0 else f"exit status {code}"
-    return None
+    codes = [process.exitcode for process in list(processes.values())]
+    lost = [code for code in codes if code is not None and code not in (0, 130, -signal.SIGTERM)]
+    if not lost:
+        return None
+    # A signal first: the fork server says 255 of a worker whose status it could not pass on, and CI saw
+    # "exit status 255" named for a pool whose other worker had been killed (SIGKILL).
+    code = min(lost, key=lambda code: (code >= 0, code == 255))
+    return signal_name(code) if code < 0 else f"exit status {code}"
 
 
 def signal_name(code: int) -> str:

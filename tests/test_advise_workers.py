@@ -136,3 +136,32 @@ def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None
         assert stderr.decode().splitlines() == [
             "interrupted before the current settings were simulated; a.json not written"
         ]
+
+
+def _exits(code: int) -> None:
+    os._exit(code)
+
+
+def test_a_worker_killed_by_a_signal_is_named_before_one_whose_status_was_lost() -> None:
+    """What `advise` says broke its pool, from its workers' real exit codes: one killed (SIGKILL) and one
+    that the fork server reports as 255 (its status not passed on). CI's run named "exit status 255",
+    the other worker, where a worker had been killed with SIGKILL."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from app.children import _lost_worker
+
+    context = multiprocessing.get_context("fork")
+    unknown = context.Process(target=_exits, args=(255,))
+    killed = context.Process(target=time.sleep, args=(60,))
+    ended = context.Process(target=_exits, args=(130,))  # a stop signal's exit: not a loss
+    for process in (unknown, killed, ended):
+        process.start()
+    os.kill(killed.pid, signal.SIGKILL)
+    for process in (unknown, killed, ended):
+        process.join(10)
+    assert (unknown.exitcode, killed.exitcode, ended.exitcode) == (255, -signal.SIGKILL, 130)
+    pool = SimpleNamespace(_processes={p.pid: p for p in (unknown, killed, ended)})
+    assert _lost_worker(pool) == "SIGKILL"  # type: ignore[arg-type]
+    assert _lost_worker(SimpleNamespace(_processes={unknown.pid: unknown})) == "exit status 255"  # type: ignore[arg-type]
+    assert _lost_worker(SimpleNamespace(_processes={ended.pid: ended})) is None  # type: ignore[arg-type]
