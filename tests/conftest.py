@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import shutil
 import signal
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -79,3 +81,14 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while _LEFT_RUNNING:
         _LEFT_RUNNING.pop().stop()
+    # A multiprocessing child a test left running would hold pytest's exit for good (Python joins them
+    # at exit): CI's run of 81040e2 printed its summary and then waited until the job's limit, behind a
+    # forked child that hung. Such a child is killed and the session fails, naming it.
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+        child.join(10)
+    if left:
+        names = ", ".join(f"{child.name} (pid {child.pid})" for child in left)
+        print(f"\nthe tests left {len(left)} child process(es) running, killed: {names}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

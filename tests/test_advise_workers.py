@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from proc_children import alive, command_line, in_session
@@ -138,28 +139,31 @@ def test_ctrl_c_while_the_fork_server_starts_is_one_line(tmp_path: Path) -> None
         ]
 
 
-def _exits(code: int) -> None:
-    os._exit(code)
+def _ended(code: str, kill: bool = False) -> SimpleNamespace:
+    """A real process that ran `code` and has ended, as a pool keeps it (`exitcode`, `pid`). A separate
+    interpreter, not a fork: a fork of the test process, with the threads earlier tests left, hung in CI
+    before it ran its target (`join` gave None after 10 s, and Python's exit then waited for it)."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    if kill:
+        proc.kill()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    return SimpleNamespace(pid=proc.pid, exitcode=proc.returncode)
 
 
 def test_a_worker_killed_by_a_signal_is_named_before_one_whose_status_was_lost() -> None:
     """What `advise` says broke its pool, from its workers' real exit codes: one killed (SIGKILL) and one
     that the fork server reports as 255 (its status not passed on). CI's run named "exit status 255",
     the other worker, where a worker had been killed with SIGKILL."""
-    import multiprocessing
-    from types import SimpleNamespace
-
     from app.children import _lost_worker
 
-    context = multiprocessing.get_context("fork")
-    unknown = context.Process(target=_exits, args=(255,))
-    killed = context.Process(target=time.sleep, args=(60,))
-    ended = context.Process(target=_exits, args=(130,))  # a stop signal's exit: not a loss
-    for process in (unknown, killed, ended):
-        process.start()
-    os.kill(killed.pid, signal.SIGKILL)
-    for process in (unknown, killed, ended):
-        process.join(10)
+    unknown = _ended("import os; os._exit(255)")
+    killed = _ended("import time; time.sleep(60)", kill=True)
+    ended = _ended("import os; os._exit(130)")  # a stop signal's exit: not a loss
     assert (unknown.exitcode, killed.exitcode, ended.exitcode) == (255, -signal.SIGKILL, 130)
     pool = SimpleNamespace(_processes={p.pid: p for p in (unknown, killed, ended)})
     assert _lost_worker(pool) == "SIGKILL"  # type: ignore[arg-type]
