@@ -330,54 +330,60 @@ class _SinkWorker:
 
     def _write(self, batch: list[Envelope], from_spill: bool) -> None:
         """Write `batch`; one the sink failed on for a passing reason (`retryable`) is tried again,
-        after a pause that doubles up to `retry_max_s`, until it is written or close() gives up. Once
-        close() has given the sink up, the batch is not tried again; if close() put it in the spill
-        (counted `kept_on_disk`), its write under way is not counted either, only logged as it ends.
-        Before, a pause's end wrote it again after the give-up, and counted it `failed` (or `written`,
-        the database back) on top of `kept_on_disk`."""
+        after a pause that doubles up to `retry_max_s`, until it is written or close() gives up."""
         delay = self.retry_first_s
         while True:
             try:
                 self.sink.write_batch(batch)
             except Exception as exc:  # a broken sink is counted and logged; the run goes on
-                again = self._retryable(exc)
-                with self._cond:
-                    kept = self._batch_kept
-                    again = again and not self._abandoned
-                    if not kept:
-                        self.stats.errors += 1
-                        self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                        if not again:
-                            self._end_locked(batch, from_spill, written=False)
-                if kept:
-                    log.info("event sink %s: its write of %d events, given up at close, failed (%r); they "
-                             "are in its spill", self.name, len(batch), exc)  # fmt: skip
-                    return
-                if not again:
-                    log.warning("event sink %s failed on %d events: %r", self.name, len(batch), exc)
-                    return
-                log.warning("event sink %s failed on %d events (seq %d-%d): %r; trying again in %.1f s",
-                            self.name, len(batch), batch[0].seq, batch[-1].seq, exc, delay)  # fmt: skip
-                with self._cond:
-                    given_up = self._cond.wait_for(lambda: self._abandoned, delay)
-                    kept = self._batch_kept
-                    if given_up and not kept:
-                        self._end_locked(batch, from_spill, written=False)
-                if given_up:
-                    if not kept:
-                        log.warning("event sink %s failed on %d events: given up at close before its next "
-                                    "try", self.name, len(batch))  # fmt: skip
+                if not self._try_again(batch, from_spill, exc, delay):
                     return
                 delay = min(2 * delay, self.retry_max_s)
-                continue
-            with self._cond:
-                kept = self._batch_kept
-                if not kept:
-                    self._end_locked(batch, from_spill, written=True)
-            if kept:
-                log.info("event sink %s: its write of %d events, given up at close, landed; the next start "
-                         "skips their copy in its spill", self.name, len(batch))  # fmt: skip
-            return
+            else:
+                self._write_ended(batch, from_spill, None)
+                return
+
+    def _try_again(self, batch: list[Envelope], from_spill: bool, exc: Exception, delay: float) -> bool:
+        """Count a write that raised `exc`; whether to write `batch` again: the error passes and the sink
+        was not given up within the pause of `delay` seconds."""
+        again = self._retryable(exc)
+        with self._cond:
+            again = again and not self._abandoned
+            if not self._batch_kept:
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        if not again:
+            self._write_ended(batch, from_spill, exc)
+            return False
+        log.warning("event sink %s failed on %d events (seq %d-%d): %r; trying again in %.1f s",
+                    self.name, len(batch), batch[0].seq, batch[-1].seq, exc, delay)  # fmt: skip
+        with self._cond:
+            given_up = self._cond.wait_for(lambda: self._abandoned, delay)
+        if given_up:
+            self._write_ended(batch, from_spill, exc, "given up at close before its next try")
+        return not given_up
+
+    def _write_ended(
+        self, batch: list[Envelope], from_spill: bool, exc: Exception | None, why: str = ""
+    ) -> None:
+        """The one place a write's end is counted: written (`exc` None) or failed on (logged with `why`,
+        else `exc`). Once close() has given the sink up and put the batch in the spill (counted
+        `kept_on_disk`), its write's end is not counted, only logged. Before, a pause's end wrote it again
+        after the give-up, and counted it `failed` (or `written`, the database back) on top of
+        `kept_on_disk`."""
+        with self._cond:
+            kept = self._batch_kept
+            if not kept:
+                self._end_locked(batch, from_spill, written=exc is None)
+        if kept:
+            ended = (
+                "landed; the next start skips their copy in its spill" if exc is None else f"failed ({exc!r})"
+            )
+            log.info(
+                "event sink %s: its write of %d events, given up at close, %s", self.name, len(batch), ended
+            )
+        elif exc is not None:
+            log.warning("event sink %s failed on %d events: %s", self.name, len(batch), why or repr(exc))
 
     def _end_locked(self, batch: list[Envelope], from_spill: bool, written: bool) -> None:
         """Count `batch` written or failed on. In the same hold of the lock as the count, it stops being
