@@ -124,7 +124,7 @@ def create_app(
     # than the render) for 8.8×. The live stream (text/event-stream) is left alone: Starlette's default
     # exclude_content_types (pyproject asks for a Starlette that has it).
     app.add_middleware(GZipMiddleware, minimum_size=GZIP_MIN_BYTES, compresslevel=GZIP_LEVEL)
-    app.add_middleware(AnswerCutOff)  # outermost: whatever the request was in when it was cut off
+    app.add_middleware(AnswerCutOff, page=_cut_off_page)  # outermost: whatever the request was in
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(DBAPIError, _database_error)  # type: ignore[arg-type]
@@ -264,6 +264,11 @@ class QueueWorkers:
 
 
 NAMES_ITS_FIELD = re.compile(r"[A-Za-z_][\w.]*(, [A-Za-z_][\w.]*)*: ")  # "surplus_groups: ...", "a, b: ..."
+
+
+def _cut_off_page(scope: dict[str, Any], detail: str) -> Response | None:
+    """A dashboard page's request cut off as the server stops (`AnswerCutOff`): a page saying so."""
+    return error_page(Request(scope), detail, 503)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:

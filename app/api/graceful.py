@@ -35,6 +35,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from starlette.responses import Response
 
 from app.api.body_limit import Message, Receive, Scope, Send, send_problem
 from app.cli.common import say
@@ -77,10 +78,15 @@ class AnswerCutOff:
     gets a 503 with `Retry-After`, as a create refused once the server is stopping does; uvicorn sent
     its plain-text 500, "Internal Server Error", which a client read as a fault of the server (a cut-off
     create stores its run stopped, never started: app.service.manager). The cancellation is raised on;
-    uvicorn closes the connection once the answer is written."""
+    uvicorn closes the connection once the answer is written. A dashboard page's request gets a page
+    saying the same (`page`, given the request's scope and the detail; None for the API's): a launch from
+    the dashboard cut off showed the JSON."""
 
-    def __init__(self, app: Callable[..., Any]) -> None:
+    def __init__(
+        self, app: Callable[..., Any], page: Callable[[Scope, str], Response | None] | None = None
+    ) -> None:
         self.app = app
+        self.page = page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,7 +105,12 @@ class AnswerCutOff:
             why = next((_WHY_CUT_OFF[arg] for arg in exc.args if arg in _WHY_CUT_OFF), None)
             if why is not None and not started:
                 detail = f"corral serve is stopping: this request was {why}; send it again once it is back"
-                await send_problem(send, 503, detail, {"retry-after": "5"})
+                page = None if self.page is None else self.page(scope, detail)
+                if page is None:
+                    await send_problem(send, 503, detail, {"retry-after": "5"})
+                else:
+                    page.headers["retry-after"] = "5"
+                    await page(scope, receive, send)  # type: ignore[arg-type]  # ASGI's Send, typed apart
             raise
 
 

@@ -196,6 +196,7 @@ async def set_policy(
 ) -> dict[str, Any]:
     """Change K, S, the rollout's pace, its pause mode or the agent-phase gate's factor live; answered
     once the changes are stored."""
+    _refuse_if_ending(handle)
     if (problem := handle.patch_problem(patch)) is not None:
         raise CommandRefused(422, problem)
     command_id = new_command_id(command_id)

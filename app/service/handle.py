@@ -443,8 +443,11 @@ class RunHandle:
         return False
 
     def set_policy(self, patch: PolicyPatch, actor: str, command_id: str = "") -> dict[str, Any]:
-        """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`."""
+        """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`. Not once the
+        trainer loop is over (`_trainer_done`): a change then altered the settings of a run that had
+        ended for its trainer, and one of K or S admitted groups the drain only cancelled."""
         self._require(RunState.RUNNING, RunState.PAUSED)
+        self._require_trainer_loop("its policy is fixed")
         runtime = self._runtime()
         for name, new in patch.changes().items():
             old = self.knobs[name]
@@ -470,9 +473,14 @@ class RunHandle:
         self._require(RunState.RUNNING, RunState.PAUSED)
         if self._runtime().stop_requested:
             raise IllegalRunStateError(f"run {self.run_id} is stopping; it takes no new version")
-        if (ended := self.gateway.closed) is not None:  # its trainer loop is over (`_trainer_done`)
-            raise IllegalRunStateError(f"run {self.run_id} has ended ({ended}); it takes no new version")
+        self._require_trainer_loop("it takes no new version")
         return self._publish(version, path, actor, command_id)
+
+    def _require_trainer_loop(self, refused: str) -> None:
+        """Refuse a command, saying `refused`, once the run's trainer loop is over (`_trainer_done`): the
+        run has ended for its trainer (409 "has ended", the client's `RunEnded`) while it drains."""
+        if (ended := self.gateway.closed) is not None:
+            raise IllegalRunStateError(f"run {self.run_id!r} has ended ({ended}); {refused}")
 
     def _publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         runtime = self._runtime()

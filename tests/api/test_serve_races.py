@@ -22,6 +22,7 @@ from api_support import TOKEN, free_port, make_run, serve_env, serve_process, wa
 from factories import take_write_lock
 
 from app.client import CorralClient, CorralError, RunEnded
+from app.core.events import Envelope
 from app.core.events import RunEnded as RunEndedEvent
 from app.service.manager import NOT_STARTED
 from app.service.store import ServiceStore
@@ -119,6 +120,31 @@ def _publish_until_ended(client: CorralClient, run_id: str, versions: Iterator[i
     return "published"
 
 
+def _race_the_completion(
+    trainer: CorralClient, backend_url: str, others: Callable[[str], list[Callable[[], str]]]
+) -> tuple[str, list[str], list[Envelope], RunEndedEvent]:
+    """A one-batch run completes once `trainer` acks its batch and publishes version 1, while the calls
+    `others(run_id)` make run at once, each until it is told the run's end. The run's id, what each call
+    ended with (the trainer's first), and, once the run has completed, its stored events and its end."""
+    run_id = str(trainer.create_run(**make_run(batches=1, speed=1.0))["id"])
+    batch = trainer.next_batch(run_id, timeout=60)
+    assert batch is not None
+
+    def complete(batch_id: str = batch.batch_id) -> str:
+        trainer.ack(run_id, batch_id)
+        return _publish_until_ended(trainer, run_id, iter([1]))
+
+    ends = _at_once([complete, *others(run_id)])
+    wait_for(lambda: trainer.run(run_id)["state"] == "completed", 60, what="completed")
+    store = ServiceStore(backend_url, migrate=False)
+    try:
+        events = store.envelopes(run_id, -1, 1_000_000)
+    finally:
+        store.close()
+    [end] = [e.event for e in events if isinstance(e.event, RunEndedEvent)]
+    return run_id, ends, events, end
+
+
 def test_a_publication_racing_the_runs_completion_is_told_the_runs_end(
     served: tuple[str, Path], backend_url: str
 ) -> None:
@@ -134,33 +160,70 @@ def test_a_publication_racing_the_runs_completion_is_told_the_runs_end(
     publishers = [CorralClient(url, TOKEN, timeout_s=60) for _ in range(8)]
     try:
         for _ in range(3):
-            run_id = str(trainer.create_run(**make_run(batches=1, speed=1.0))["id"])
-            batch = trainer.next_batch(run_id, timeout=60)
-            assert batch is not None
             versions = itertools.count(2)
-
-            def complete(run_id: str = run_id, batch_id: str = batch.batch_id) -> str:
-                trainer.ack(run_id, batch_id)
-                return _publish_until_ended(trainer, run_id, iter([1]))
-
-            calls = [lambda c=c, r=run_id, v=versions: _publish_until_ended(c, r, v) for c in publishers]
-            ends = _at_once([complete, *calls])
+            run_id, ends, events, end = _race_the_completion(
+                trainer,
+                backend_url,
+                lambda r, v=versions: [lambda c=c: _publish_until_ended(c, r, v) for c in publishers],
+            )
             ended = f"run {run_id!r} has ended (completed)"
             assert ends[0] in ("published", ended), ends[0]  # or published meanwhile by another
             assert ends[1:] == [ended] * len(publishers), ends
-            wait_for(lambda run_id=run_id: trainer.run(run_id)["state"] == "completed", 60, what="completed")
             _ledger_whole(backend_url, run_id)
-            store = ServiceStore(backend_url, migrate=False)
-            try:
-                events = store.envelopes(run_id, -1, 1_000_000)
-            finally:
-                store.close()
-            [end] = [e.event for e in events if isinstance(e.event, RunEndedEvent)]
             assert end.reason == "completed"
             late = [(e.t, e.event) for e in events if e.event.kind == "version_published"]
             assert [v for t, v in late if t > (end.collection_ended_at or 0.0)] == []
     finally:
         for client in (trainer, *publishers):
+            client.close()
+
+
+def _change_until_ended(client: CorralClient, run_id: str, ks: Iterator[int]) -> str:
+    """Set K to each of `ks`: the detail of the run's end once told it (`RunEnded`), another refusal's
+    status and detail, or "changed" when `ks` ran out first."""
+    for k in ks:
+        try:
+            client.set_policy(run_id, max_staleness=k)
+        except RunEnded as exc:
+            return exc.detail
+        except CorralError as exc:
+            return f"{exc.status}: {exc.detail}"
+    return "changed"
+
+
+def test_a_policy_change_racing_the_runs_completion_is_told_the_runs_end(
+    served: tuple[str, Path], backend_url: str
+) -> None:
+    """As the publications above: 4 operators change K, and 4 trainers publish (each publication's weight
+    update makes the drain longer), while the trainer completes a one-batch run. Once the trainer loop
+    is over, a change is 409 "has ended (completed)" (with "; its policy is fixed" where it reached the
+    run's loop), and no `PolicyChanged` is stored after the trainer loop's end. Before, changes then
+    passed (200), altering the settings of a run that had ended for its trainer."""
+    url, _ = served
+    trainer = CorralClient(url, TOKEN, timeout_s=60)
+    operators = [CorralClient(url, TOKEN, timeout_s=60) for _ in range(4)]
+    publishers = [CorralClient(url, TOKEN, timeout_s=60) for _ in range(4)]
+
+    def others(run_id: str) -> list[Callable[[], str]]:
+        versions = itertools.count(2)
+        cycles = [itertools.cycle([2 + i, 3 + i]) for i in range(len(operators))]
+        changes = [
+            lambda c=c, k=k: _change_until_ended(c, run_id, k) for c, k in zip(operators, cycles, strict=True)
+        ]
+        publications = [lambda c=c: _publish_until_ended(c, run_id, versions) for c in publishers]
+        return [*changes, *publications]
+
+    try:
+        for _ in range(3):
+            run_id, ends, events, end = _race_the_completion(trainer, backend_url, others)
+            ended = f"run {run_id!r} has ended (completed)"
+            told = ends[1 : 1 + len(operators)]
+            assert all(said in (ended, f"{ended}; its policy is fixed") for said in told), ends
+            changed = [e.t for e in events if e.event.kind == "policy_changed"]
+            assert changed, "no change was made before the run's end: the race was not run"
+            assert [t for t in changed if t > (end.collection_ended_at or 0.0)] == []
+    finally:
+        for client in (trainer, *operators, *publishers):
             client.close()
 
 

@@ -9,9 +9,11 @@ import json
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from api_support import TOKEN, free_port, serve_env, wait_for
 from test_serve_restart import corral_serve
 
@@ -25,7 +27,33 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(tmp_path: Path) -> None:
+CUT_OFF_DETAIL = (
+    "corral serve is stopping: this request was cut off by a second stop signal; send it again once "
+    "it is back"
+)
+
+
+def _json_detail(body: str) -> None:
+    assert json.loads(body) == {"detail": CUT_OFF_DETAIL}
+
+
+def _page(body: str) -> None:
+    """The dashboard's message page (a sign-in form cut off showed the API's JSON)."""
+    assert "<title>Corral — corral serve is stopping" in body, body
+    assert f'role="alert">{CUT_OFF_DETAIL}</p>' in body, body
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type", "check"),
+    [
+        ("/api/runs", "application/json", _json_detail),
+        ("/login", "application/x-www-form-urlencoded", _page),  # a dashboard form: read before all else
+    ],
+    ids=["api", "dashboard"],
+)
+def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(
+    tmp_path: Path, path: str, content_type: str, check: Callable[[str], None]
+) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
@@ -34,8 +62,8 @@ def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(tmp_path: Pat
         slow = socket.create_connection(("127.0.0.1", port), timeout=30)
         try:
             head = (
-                "POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {TOKEN}\r\nContent-Type: {content_type}\r\n"
                 "Content-Length: 1000\r\n\r\n{"
             )
             slow.sendall(head.encode())  # and the other 999 bytes never come
@@ -60,7 +88,4 @@ def test_a_second_ctrl_c_cuts_off_a_request_whose_body_never_comes(tmp_path: Pat
     head, _, body = answer.decode().partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 503 "), answer
     assert "retry-after: 5" in head.lower().split("\r\n"), answer
-    assert json.loads(body) == {
-        "detail": "corral serve is stopping: this request was cut off by a second stop signal; send it "
-        "again once it is back"
-    }
+    check(body)
