@@ -1,12 +1,14 @@
 """The sandbox tests' docker fixtures (tests/sandboxes/conftest.py: the daemon that answers, or a private
 dockerd, and the busybox image built for it) for tests in other directories, which that conftest does not
 reach. A test module binds the fixture to its own name: `docker_client = docker_fixtures.docker_client`.
-Also `DaemonProxy`: a daemon socket that goes away and comes back, for outages."""
+Also `docker_env`, the environment that points a `corral` process at that daemon, and `DaemonProxy`: a
+daemon socket that goes away and comes back, for outages."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import socket
 import threading
 from pathlib import Path
@@ -21,6 +23,11 @@ _fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_fixtures)
 docker_client = _fixtures.docker_client
 TEST_IMAGE = _fixtures.TEST_IMAGE
+
+
+def docker_env(client: Any) -> dict[str, str]:
+    """The environment that points a `corral` process at the fixture's daemon (a unix socket)."""
+    return {**os.environ, "DOCKER_HOST": f"unix://{client.api._custom_adapter.socket_path}"}
 
 
 class DaemonProxy:

@@ -15,7 +15,7 @@ from typing import Any
 
 import docker_fixtures
 import pytest
-from docker_fixtures import DaemonProxy
+from docker_fixtures import DaemonProxy, docker_env
 
 docker_client = docker_fixtures.docker_client  # a fixture: the daemon that answers, or a private dockerd
 TEST_IMAGE = docker_fixtures.TEST_IMAGE
@@ -53,11 +53,6 @@ def write_config(root: Path, suite: Path, image: str, **extra: Any) -> Path:
     path = root / "run.yaml"
     path.write_text(json.dumps(config))
     return path
-
-
-def docker_env(client: Any) -> dict[str, str]:
-    """The environment that points `corral run` at the fixture's daemon (a unix socket)."""
-    return {**os.environ, "DOCKER_HOST": f"unix://{client.api._custom_adapter.socket_path}"}
 
 
 def corral_run(
