@@ -215,14 +215,21 @@ class DockerSandboxFactory:
         return docker.from_env(timeout=timeout_s)
 
     def remove_leftovers(self) -> int:
-        """Remove the containers that dead corral processes of this host left (leftovers.py)."""
+        """Remove the containers that dead corral processes of this host left (leftovers.py). Listed in one
+        call (`containers.list` inspects each container after listing it, and failed with NotFound on one a
+        live corral process removed meanwhile); one removed meanwhile by another sweep is no error."""
         client = self.client
+
+        def remove(container: str) -> None:
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_container(container, force=True)
+
         return leftovers.sweep_containers(
             lambda label: [
-                (c.id, c.labels.get(label, ""))
-                for c in client.containers.list(all=True, filters={"label": label})
+                (c["Id"], (c.get("Labels") or {}).get(label, ""))
+                for c in client.api.containers(all=True, filters={"label": label})
             ],
-            lambda container: client.containers.get(container).remove(force=True),
+            remove,
         )
 
     def remove_run_containers(self, run: str, dead: Callable[[str], bool]) -> list[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,36 @@ async def test_containers_a_dead_owner_left_are_removed_on_a_real_daemon(
     finally:
         for sandbox in made:
             await sandbox.cleanup()
+
+
+@pytest.mark.docker
+def test_a_sweep_of_containers_is_not_failed_by_a_live_owners_containers_coming_and_going(
+    docker_client: Any,
+) -> None:
+    """Another corral process on the daemon (this one, live) makes and removes its containers while a
+    factory sweeps: a container it removed between the sweep's listing and its look at it is no error."""
+    from app.sandboxes.docker import DockerSandboxFactory
+
+    me = leftovers.Owner.me()
+    labels = {leftovers.OWNER_LABEL: f"{socket.gethostname()} {me}", "corral.attempt": "pytest-churn"}
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            made = docker_client.containers.create("corral-sandbox:test", ["true"], labels=labels)
+            made.remove(force=True)
+
+    factory = DockerSandboxFactory("corral-sandbox:test", client=docker_client)
+    factory.owner_label = {leftovers.OWNER_LABEL: f"{socket.gethostname()} {me}"}
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        deadline = time.monotonic() + 5  # before the fix it failed within 1 s here
+        while time.monotonic() < deadline:
+            assert factory.remove_leftovers() == 0
+    finally:
+        stop.set()
+        churner.join()
 
 
 @pytest.mark.parametrize("keep", ["keep", "exit"])
