@@ -217,20 +217,30 @@ class DockerSandboxFactory:
     def remove_leftovers(self) -> int:
         """Remove the containers that dead corral processes of this host left (leftovers.py). Listed in one
         call (`containers.list` inspects each container after listing it, and failed with NotFound on one a
-        live corral process removed meanwhile); one removed meanwhile by another sweep is no error."""
+        live corral process removed meanwhile). One another sweep is removing (409) or has removed (404)
+        is no error: two corral processes starting at once both sweep. A sweep that fails otherwise is
+        logged, and the start goes on (leftovers.py's rule); the next start sweeps again."""
         client = self.client
 
         def remove(container: str) -> None:
-            with contextlib.suppress(docker.errors.NotFound):
+            try:
                 client.api.remove_container(container, force=True)
+            except docker.errors.APIError as exc:
+                if exc.status_code not in (404, 409):  # gone, or going: another sweep's
+                    raise
 
-        return leftovers.sweep_containers(
-            lambda label: [
-                (c["Id"], (c.get("Labels") or {}).get(label, ""))
-                for c in client.api.containers(all=True, filters={"label": label})
-            ],
-            remove,
-        )
+        try:
+            return leftovers.sweep_containers(
+                lambda label: [
+                    (c["Id"], (c.get("Labels") or {}).get(label, ""))
+                    for c in client.api.containers(all=True, filters={"label": label})
+                ],
+                remove,
+            )
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            log.warning("could not remove what dead corral processes left on the docker daemon at %s (%s); "
+                        "going on, the next start tries again", self.daemon, _reason(exc))  # fmt: skip
+            return 0
 
     def remove_run_containers(self, run: str, dead: Callable[[str], bool]) -> list[str]:
         """Remove the containers of run `run` (listed by its label alone: never another run's) whose

@@ -184,6 +184,46 @@ def test_a_sweep_of_containers_is_not_failed_by_a_live_owners_containers_coming_
         churner.join()
 
 
+@pytest.mark.docker
+def test_two_factories_sweeping_one_dead_owners_containers_at_once_both_start(
+    docker_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two corral processes starting at once on one daemon sweep the same dead owner's containers: a
+    removal the other has under way (409) or has done (404) is no error to either, and every container
+    goes. Before, the 409 ("removal ... is already in progress") came out of the sweep, and so out of
+    the factory's start-up check, in the first of five rounds of 8 containers."""
+    from app.sandboxes.docker import DockerSandboxFactory
+
+    me = leftovers.Owner.me()
+    dead = {leftovers.OWNER_LABEL: f"{socket.gethostname()} {me.pid} {me.start + 1}"}
+    labels = {**dead, "corral.attempt": "pytest-two-sweeps"}
+    errors: list[BaseException] = []
+
+    def sweep(barrier: threading.Barrier) -> None:
+        factory = DockerSandboxFactory("corral-sandbox:test", client=docker_client)
+        barrier.wait()
+        try:
+            factory.remove_leftovers()
+        except Exception as exc:  # what the test looks for
+            errors.append(exc)
+
+    for _ in range(5):
+        for _ in range(8):
+            docker_client.containers.create("corral-sandbox:test", ["true"], labels=labels)
+        barrier = threading.Barrier(2)
+        sweeps = [threading.Thread(target=sweep, args=(barrier,)) for _ in range(2)]
+        for thread in sweeps:
+            thread.start()
+        for thread in sweeps:
+            thread.join(60)
+        assert errors == []
+        assert "could not remove" not in caplog.text  # no sweep gave up
+        assert (
+            docker_client.containers.list(all=True, filters={"label": "corral.attempt=pytest-two-sweeps"})
+            == []
+        )
+
+
 @pytest.mark.parametrize("keep", ["keep", "exit"])
 def test_an_owner_that_kept_its_registration_at_a_clean_exit_has_its_sandboxes_removed_by_the_next(
     tmp_path: Path, base_dir: Path, keep: str
