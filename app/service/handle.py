@@ -445,7 +445,7 @@ class RunHandle:
     def set_policy(self, patch: PolicyPatch, actor: str, command_id: str = "") -> dict[str, Any]:
         """Apply `patch`'s changes; each publishes a `PolicyChanged` carrying `command_id`. Not once the
         trainer loop is over (`_trainer_done`): a change then altered the settings of a run that had
-        ended for its trainer, and one of K or S admitted groups the drain only cancelled."""
+        ended for its trainer."""
         self._require(RunState.RUNNING, RunState.PAUSED)
         self._require_trainer_loop("its policy is fixed")
         runtime = self._runtime()
