@@ -215,27 +215,15 @@ class DockerSandboxFactory:
         return docker.from_env(timeout=timeout_s)
 
     def remove_leftovers(self) -> int:
-        """Remove the containers that dead corral processes of this host left (leftovers.py). Listed in one
-        call (`containers.list` inspects each container after listing it, and failed with NotFound on one a
-        live corral process removed meanwhile). One another sweep is removing (409) or has removed (404)
-        is no error: two corral processes starting at once both sweep. A sweep that fails otherwise is
-        logged, and the start goes on (leftovers.py's rule); the next start sweeps again."""
-        client = self.client
-
-        def remove(container: str) -> None:
-            try:
-                client.api.remove_container(container, force=True)
-            except docker.errors.APIError as exc:
-                if exc.status_code not in (404, 409):  # gone, or going: another sweep's
-                    raise
-
+        """Remove the containers that dead corral processes of this host left (leftovers.py). Two corral
+        processes starting at once both sweep (`_labelled`, `_remove_container`). A sweep that fails
+        otherwise is logged, and the start goes on (leftovers.py's rule); the next start sweeps again."""
         try:
             return leftovers.sweep_containers(
                 lambda label: [
-                    (c["Id"], (c.get("Labels") or {}).get(label, ""))
-                    for c in client.api.containers(all=True, filters={"label": label})
+                    (container, labels.get(label, "")) for container, labels in self._labelled(label)
                 ],
-                remove,
+                self._remove_container,
             )
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             log.warning("could not remove what dead corral processes left on the docker daemon at %s (%s); "
@@ -248,15 +236,30 @@ class DockerSandboxFactory:
         daemon that fails is a `SandboxError` of one line."""
         removed = []
         try:
-            for container in self.client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run}"}):
-                attempt = container.labels.get(LABEL, "")
-                if container.labels.get(RUN_LABEL) == run and dead(attempt):
-                    with contextlib.suppress(docker.errors.NotFound):  # removed meanwhile
-                        container.remove(force=True)
+            for container, labels in self._labelled(f"{RUN_LABEL}={run}"):
+                attempt = labels.get(LABEL, "")
+                if labels.get(RUN_LABEL) == run and dead(attempt):
+                    self._remove_container(container)
                     removed.append(attempt)
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             raise SandboxError(f"docker daemon at {self.daemon}: {_reason(exc)}") from None
         return removed
+
+    def _labelled(self, label: str) -> list[tuple[str, dict[str, str]]]:
+        """The containers carrying `label` (`key` or `key=value`), stopped ones too, as (id, labels). Listed
+        in one call: `containers.list` inspects each container after listing it, and failed with NotFound
+        on one that a live corral process removed meanwhile."""
+        listed = self.client.api.containers(all=True, filters={"label": label})
+        return [(c["Id"], c.get("Labels") or {}) for c in listed]
+
+    def _remove_container(self, container: str) -> None:
+        """Remove `container`, running or not. One another sweep is removing (409, "removal ... already in
+        progress") or has removed (404) is no error."""
+        try:
+            self.client.api.remove_container(container, force=True)
+        except docker.errors.APIError as exc:
+            if exc.status_code not in (404, 409):  # gone, or going
+                raise
 
     def create(self, attempt_id: str) -> DockerSandbox:
         return DockerSandbox(self, attempt_id)
