@@ -252,14 +252,17 @@ class DockerSandboxFactory:
         listed = self.client.api.containers(all=True, filters={"label": label})
         return [(c["Id"], c.get("Labels") or {}) for c in listed]
 
-    def _remove_container(self, container: str) -> None:
-        """Remove `container`, running or not. One another sweep is removing (409, "removal ... already in
-        progress") or has removed (404) is no error."""
+    def _remove_container(self, container: str) -> bool:
+        """Remove `container`, running or not; whether this call removed it. One another sweep is
+        removing (409, "removal ... already in progress") or has removed (404) is no error, and that
+        sweep's to count."""
         try:
             self.client.api.remove_container(container, force=True)
         except docker.errors.APIError as exc:
             if exc.status_code not in (404, 409):  # gone, or going
                 raise
+            return False
+        return True
 
     def create(self, attempt_id: str) -> DockerSandbox:
         return DockerSandbox(self, attempt_id)

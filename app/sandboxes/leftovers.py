@@ -321,18 +321,18 @@ def container_owner_label() -> dict[str, str]:
 
 
 def sweep_containers(
-    list_labelled: Callable[[str], list[tuple[str, str]]], remove: Callable[[str], None]
+    list_labelled: Callable[[str], list[tuple[str, str]]], remove: Callable[[str], bool]
 ) -> int:
     """Remove the containers of dead owners on this host; `list_labelled(label)` gives (container id,
-    label value) pairs. Returns how many were removed."""
+    label value) pairs, and `remove(id)` says whether this call removed it (not another sweep, racing
+    this one). Returns how many this sweep removed, so two sweeps at once count each container once."""
     host = socket.gethostname()
     removed = 0
     for container, value in list_labelled(OWNER_LABEL):
         name, _, owner_text = value.partition(" ")
         owner = Owner.parse(owner_text)
         if name == host and owner is not None and not owner.alive():
-            remove(container)
-            removed += 1
+            removed += remove(container)
     if removed:
         found = Found(containers=removed)
         log.warning("removed what dead corral processes left behind: %s", found)

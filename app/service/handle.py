@@ -472,7 +472,7 @@ class RunHandle:
     def publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         self._require(RunState.RUNNING, RunState.PAUSED)
         if self._runtime().stop_requested:
-            raise IllegalRunStateError(f"run {self.run_id} is stopping; it takes no new version")
+            raise IllegalRunStateError(f"run {self.run_id!r} is stopping; it takes no new version")
         self._require_trainer_loop("it takes no new version")
         return self._publish(version, path, actor, command_id)
 

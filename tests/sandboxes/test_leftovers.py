@@ -92,7 +92,12 @@ def test_containers_of_dead_owners_on_this_host_are_removed(owner_of: str, remov
         "dead-elsewhere": f"another-host {me.pid} {me.start + 1}",
     }[owner_of]
     gone: list[str] = []
-    count = leftovers.sweep_containers(lambda label: [("c-dead", value)], gone.append)
+
+    def remove(container: str) -> bool:
+        gone.append(container)
+        return True
+
+    count = leftovers.sweep_containers(lambda label: [("c-dead", value)], remove)
     assert gone == removed
     assert count == len(removed)
 
@@ -192,23 +197,26 @@ def test_two_factories_sweeping_one_dead_owners_containers_at_once_both_start(
     """Two corral processes starting at once on one daemon sweep the same dead owner's containers: a
     removal the other has under way (409) or has done (404) is no error to either, and every container
     goes. Before, the 409 ("removal ... is already in progress") came out of the sweep, and so out of
-    the factory's start-up check, in the first of five rounds of 8 containers."""
+    the factory's start-up check, in the first of five rounds of 8 containers. Each container is
+    counted by the one sweep that removed it: before, both sweeps counted (and logged) all 8."""
     from app.sandboxes.docker import DockerSandboxFactory
 
     me = leftovers.Owner.me()
     dead = {leftovers.OWNER_LABEL: f"{socket.gethostname()} {me.pid} {me.start + 1}"}
     labels = {**dead, "corral.attempt": "pytest-two-sweeps"}
     errors: list[BaseException] = []
+    counts: list[int] = []
 
     def sweep(barrier: threading.Barrier) -> None:
         factory = DockerSandboxFactory("corral-sandbox:test", client=docker_client)
         barrier.wait()
         try:
-            factory.remove_leftovers()
+            counts.append(factory.remove_leftovers())
         except Exception as exc:  # what the test looks for
             errors.append(exc)
 
     for _ in range(5):
+        counts.clear()
         for _ in range(8):
             docker_client.containers.create("corral-sandbox:test", ["true"], labels=labels)
         barrier = threading.Barrier(2)
@@ -219,6 +227,7 @@ def test_two_factories_sweeping_one_dead_owners_containers_at_once_both_start(
             thread.join(60)
         assert errors == []
         assert "could not remove" not in caplog.text  # no sweep gave up
+        assert sum(counts) == 8, counts  # each container counted by the sweep that removed it
         assert (
             docker_client.containers.list(all=True, filters={"label": "corral.attempt=pytest-two-sweeps"})
             == []
