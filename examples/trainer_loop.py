@@ -6,10 +6,11 @@
 
 It outlives the server: while the server is stopping, killed or restarting, each call is asked again
 after the delay the server (or the client) gives, and a restarted server hands out the batch it had not
-seen acked.
+seen acked. A Ctrl-C while it trains hands the batch back, so the next trainer takes it at once.
 """
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,6 +24,7 @@ parser.add_argument("--url", default="http://127.0.0.1:8000")
 parser.add_argument("--run", required=True)
 parser.add_argument("--token", required=True)
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--train-s", type=float, default=0.0, help="seconds a step trains (here: waits)")
 args = parser.parse_args()
 
 
@@ -46,11 +48,25 @@ def next_batch(corral: CorralClient) -> Batch | None:
     return batch
 
 
-with CorralClient(args.url, token=args.token, actor="example-trainer") as corral:
+def train(corral: CorralClient, batch: Batch) -> None:
+    """One training step on `batch`; a Ctrl-C before its weights are saved hands the batch back."""
+    try:
+        # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
+        time.sleep(args.train_s)
+    except KeyboardInterrupt:
+        try:
+            patiently(lambda: corral.release(args.run, batch))
+            print(f"batch {batch.index}: handed back untrained", flush=True)
+        except CorralError as exc:  # the run has ended meanwhile, say; its lease ends it all the same
+            print(f"batch {batch.index}: not handed back: {exc.detail}", flush=True)
+        raise
+
+
+def main(corral: CorralClient) -> None:
     steps = 0
     while steps < args.steps and (batch := next_batch(corral)) is not None:
         rewards = batch.rewards  # each group's trajectories: turns, reward, advantage, policy versions
-        # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
+        train(corral, batch)
         published = f"published v{batch.publish_version}"
         try:  # asked again, the same version is answered as published, never published twice
             patiently(lambda: corral.publish(args.run, batch.publish_version, sentinel=True))  # or path=
@@ -69,3 +85,10 @@ with CorralClient(args.url, token=args.token, actor="example-trainer") as corral
             f"{sum(rewards) / len(rewards):.3f}, {published}",
             flush=True,
         )
+
+
+with CorralClient(args.url, token=args.token, actor="example-trainer") as client:
+    try:
+        main(client)
+    except KeyboardInterrupt:  # Ctrl-C: a batch being trained on was handed back (`train`)
+        sys.exit(130)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from proc_children import reaped
 
 from app.sandboxes.cpuset import read_cpus_allowed
 
@@ -134,16 +135,12 @@ def test_ctrl_c_twice_to_the_embedded_engine_stops_it_as_once_does(gap_s: float)
         [*CORRAL, "engine", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    try:
+    with reaped(proc):
         wait_healthy(proc, port)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole process group
         time.sleep(gap_s)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == 0, (out, err)
     assert out.splitlines()[-1] == f"corral engine: stopped; no longer serving on http://127.0.0.1:{port}"
     assert "Traceback" not in err, err

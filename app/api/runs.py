@@ -4,7 +4,8 @@
 - `POST /api/runs/{id}/pause|resume|stop`;
 - `GET /api/runs/{id}/batches/next?timeout=S` (long-poll; 204 when no batch came in time),
   `POST /api/runs/{id}/batches/{batch_id}/ack` (idempotent: a repeated ack is a 200 with
-  `already_acked: true`);
+  `already_acked: true`), `POST /api/runs/{id}/batches/{batch_id}/release` `{delivery}` (a batch handed
+  back untrained is handed out again at once, not after `ack_timeout_s`);
 - `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update; the newest
   version again with the same weights is a repeat, 202 with `already_published: true`),
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
@@ -49,6 +50,7 @@ from app.service import commands
 from app.service.channel import RunChannel, command_elsewhere, driven_elsewhere, reachable
 from app.service.commands import TRAINER_CLOCK, CommandRefused
 from app.service.gateway import (
+    AlreadyAckedError,
     NotTakenError,
     Offer,
     RunClosedError,
@@ -68,8 +70,10 @@ from app.service.manager import (
 from app.service.retention import MarkError
 from app.service.schemas import (
     AckResult,
+    BatchRelease,
     PolicyPatch,
     Problem,
+    ReleaseResult,
     RunCreate,
     ValidationProblem,
     WeightsPublish,
@@ -372,6 +376,35 @@ def ack_batch(
     if stored is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r}")
     return AckResult(batch_id=batch_id, already_acked=stored)
+
+
+@router.post("/{run_id}/batches/{batch_id}/release")
+def release_batch(
+    run_id: RunId,
+    batch_id: Annotated[str, PathParam(min_length=1, max_length=128)],
+    body: BatchRelease,
+    manager: Manager,
+    _: Operator,
+) -> ReleaseResult:
+    """Hand a batch back untrained (a trainer stopping): the next `batches/next` takes it at once, as
+    `delivery` + 1, instead of after `ack_timeout_s`. Only the lease of that delivery ends."""
+    handle = manager.get(run_id)
+    gateway = handle.gateway if handle is not None else _ended_gateway(manager, run_id)
+    try:
+        offer, unreleased = gateway.release(batch_id, body.delivery)
+    except UnknownBatchError:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r} to release"
+        ) from None
+    except AlreadyAckedError:
+        detail = f"batch {batch_id!r} is acked: it was trained on, so there is nothing to release"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    except NotTakenError:
+        detail = f"batch {batch_id!r} has not been handed out yet, so no trainer holds it to release"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    return ReleaseResult(
+        batch_id=batch_id, released=unreleased is None, delivery=offer.deliveries, detail=unreleased
+    )
 
 
 @router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED, responses=COMMAND_ANSWERS)

@@ -18,7 +18,9 @@ Errors: an answer that is not a success raises `CorralError` with the status and
 stopping or ended). A server that is stopping, or whose database has not stored an ack, a publication
 or a policy change in time, answers 503 (`ServerUnavailable`); one that cannot be reached or dropped the
 connection (killed, restarting) raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a
-trainer asks again after `retry_after_s` either way. Asking again is safe: an ack is idempotent, the
+trainer asks again after `retry_after_s` either way. A trainer stopping while it holds a batch it has
+not trained on hands it back with `release` (the next trainer takes it at once; unreleased, it is handed
+out again only once its lease, `ack_timeout_s`, ends). Asking again is safe: an ack is idempotent, the
 same publication again is answered `already_published` (nothing is published twice), the same policy
 change again changes nothing twice, and a restarted server hands out the batch it had not seen acked
 again.
@@ -141,6 +143,10 @@ def _retry_after_s(value: str | None) -> float:
     return seconds if 0 <= seconds <= 3600 else DEFAULT_RETRY_AFTER_S
 
 
+def _release_url(run_id: str, batch: Batch) -> str:
+    return f"/api/runs/{run_id}/batches/{batch.batch_id}/release"
+
+
 def _publish_body(version: int, path: str | None, sentinel: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"version": version}
     if path is not None:
@@ -219,6 +225,10 @@ class CorralClient:
 
     def ack(self, run_id: str, batch_id: str) -> dict[str, Any]:
         return dict(self._call("POST", f"/api/runs/{run_id}/batches/{batch_id}/ack"))
+
+    def release(self, run_id: str, batch: Batch) -> dict[str, Any]:
+        """Hand `batch` back untrained (the trainer is stopping): the next trainer takes it at once."""
+        return dict(self._call("POST", _release_url(run_id, batch), json={"delivery": batch.delivery}))
 
     def publish(
         self, run_id: str, version: int, path: str | None = None, sentinel: bool = False
@@ -320,6 +330,10 @@ class AsyncCorralClient:
 
     async def ack(self, run_id: str, batch_id: str) -> dict[str, Any]:
         return dict(await self._call("POST", f"/api/runs/{run_id}/batches/{batch_id}/ack"))
+
+    async def release(self, run_id: str, batch: Batch) -> dict[str, Any]:
+        """Hand `batch` back untrained (the trainer is stopping): the next trainer takes it at once."""
+        return dict(await self._call("POST", _release_url(run_id, batch), json={"delivery": batch.delivery}))
 
     async def publish(
         self, run_id: str, version: int, path: str | None = None, sentinel: bool = False

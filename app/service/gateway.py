@@ -44,6 +44,10 @@ class UnknownBatchError(KeyError):
     """No batch with that id was ever offered in this run."""
 
 
+class AlreadyAckedError(RuntimeError):
+    """An acked batch was released: it was trained on, so it is not handed out again."""
+
+
 class NotTakenError(RuntimeError):
     """A batch offered but never handed out was acked: no trainer has seen it, so the ack is refused
     (taking it as given would mark a batch trained on that nobody trained on)."""
@@ -242,6 +246,31 @@ class TrainerGateway:
                 self.on_ack(offer)
             self.notify()
         return offer, already
+
+    def release(self, batch_id: str, delivery: int) -> tuple[Offer, str | None]:
+        """Hand a batch back before its lease ends (a trainer stopping without training on it): the
+        next `next_batch` takes it at once instead of after `ack_timeout_s`. Only the lease of that
+        `delivery` is ended, so a trainer whose lease ran out, and whose batch another trainer holds
+        now, cannot take it from that one. Returns the batch and, when nothing was released, why."""
+        with self._lock:
+            offer = self._offers.get(batch_id)
+            if offer is None:
+                raise UnknownBatchError(batch_id)
+            if offer.acked:
+                raise AlreadyAckedError(batch_id)
+            if not offer.deliveries:
+                raise NotTakenError(batch_id)
+            if delivery < offer.deliveries:
+                return offer, f"it was handed out again since (delivery {offer.deliveries})"
+            if delivery > offer.deliveries:
+                return offer, f"it has been handed out {offer.deliveries} time(s), not {delivery}"
+            if offer.leased_until is None or offer.leased_until <= self._clock():
+                return offer, "its lease had already ended"
+            offer.leased_until = None
+        log.info("run %s: batch %s released (delivery %d): handed out again at once", self.run_id,
+                 batch_id, delivery)  # fmt: skip
+        self.notify()
+        return offer, None
 
     def get(self, batch_id: str) -> Offer | None:
         with self._lock:

@@ -349,6 +349,23 @@ class AckResult(BaseModel):
     already_acked: bool
 
 
+# The most times one batch can have been handed out: a signed 32-bit integer, as a policy version
+MAX_DELIVERY = 2**31 - 1
+
+
+class BatchRelease(_Input):
+    """A batch handed back untrained: `delivery` is the one the trainer holds (its batch's `delivery`)."""
+
+    delivery: StrictInt = Field(ge=1, le=MAX_DELIVERY)
+
+
+class ReleaseResult(BaseModel):
+    batch_id: str
+    released: bool
+    delivery: int  # how many times it has been handed out
+    detail: str | None = None  # why nothing was released
+
+
 class Problem(BaseModel):
     """An error: `detail` says what is wrong, naming the field."""
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 from api_support import TOKEN, make_run, wait_for
+from proc_children import reaped
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
 
@@ -76,3 +80,72 @@ def test_the_loop_ends_cleanly_on_a_run_that_ended_while_it_held_a_batch(
     assert done.stdout.rstrip().endswith(unpublished)
     again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 1})
     assert again.status_code == 409, again.text  # acked: nothing is offered again, the run has ended
+
+
+def test_a_ctrl_c_while_the_example_trains_hands_its_batch_back_for_the_next_trainer_at_once(
+    server: str, api: httpx.Client
+) -> None:
+    """A trainer stopped with Ctrl-C in its terminal (SIGINT to its process group) while it trains:
+    before, its batch stayed leased for `ack_timeout_s` (30 s on this server, 60 s by default) and the
+    next trainer waited that long; it printed a traceback too. Now it hands the batch back and exits 130,
+    and the next `batches/next` gets the same batch at once, as delivery 2."""
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    argv = [
+        sys.executable,
+        str(EXAMPLE),
+        "--url",
+        server,
+        "--run",
+        run_id,
+        "--token",
+        TOKEN,
+        "--train-s",
+        "120",
+    ]
+    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
+    with reaped(trainer):
+        # nobody else asks for batches: once one is handed out, the example holds batch 0
+        wait_for(
+            lambda: api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]["handed_out"] >= 1,
+            what="the example trainer to take batch 0",
+            timeout_s=60,
+        )
+        time.sleep(0.5)  # inside its training step
+        os.killpg(trainer.pid, signal.SIGINT)
+        out, err = trainer.communicate(timeout=30)
+    assert trainer.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert out.splitlines() == ["batch 0: handed back untrained"]
+    asked = time.monotonic()
+    again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 20})
+    assert again.status_code == 200, again.text
+    assert (again.json()["index"], again.json()["delivery"]) == (0, 2)
+    assert time.monotonic() - asked < 10  # not the 30 s lease
+    api.post(f"/api/runs/{run_id}/stop")
+
+
+def test_release_answers_for_the_holder_only_and_refuses_what_it_cannot_release(api: httpx.Client) -> None:
+    run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+    held = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 60}).json()
+    url = f"/api/runs/{run_id}/batches/{held['batch_id']}/release"
+    for bad in ({}, {"delivery": 0}, {"delivery": "1"}, {"delivery": 2**31}, {"delivery": 1, "x": 1}):
+        refused = api.post(url, json=bad)
+        assert refused.status_code == 422, (bad, refused.text)
+        assert "delivery" in refused.json()["detail"] or "x" in refused.json()["detail"]
+    assert httpx.post(api.base_url.join(url), json={"delivery": 1}).status_code == 401  # no token
+    assert api.post(url, json={"delivery": 2}).json() == {
+        "batch_id": held["batch_id"], "released": False, "delivery": 1,
+        "detail": "it has been handed out 1 time(s), not 2",
+    }  # fmt: skip
+    assert api.post(url, json={"delivery": 1}).json()["released"] is True
+    again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 5}).json()
+    assert (again["batch_id"], again["delivery"]) == (held["batch_id"], 2)
+    assert api.post(f"/api/runs/{run_id}/batches/{held['batch_id']}/ack").status_code == 200
+    acked = api.post(url, json={"delivery": 2})
+    assert acked.status_code == 409
+    assert "is acked" in acked.json()["detail"]
+    unknown = api.post(f"/api/runs/{run_id}/batches/{run_id}-b999/release", json={"delivery": 1})
+    assert unknown.status_code == 404
+    assert api.post("/api/runs/nope/batches/nope-b0/release", json={"delivery": 1}).status_code == 404
+    api.post(f"/api/runs/{run_id}/stop")

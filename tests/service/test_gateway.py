@@ -10,6 +10,7 @@ import pytest
 
 from app.service.gateway import (
     KEEP_ACKED,
+    AlreadyAckedError,
     NotTakenError,
     Offer,
     OfferFiles,
@@ -81,6 +82,37 @@ async def test_a_batch_never_handed_out_cannot_be_acked() -> None:
     assert taken is not None
     assert taken.batch_id == "r-b0"
     assert gateway.ack("r-b0")[1] is False
+
+
+async def test_a_released_batch_is_handed_out_again_at_once_and_only_its_holder_can_release_it() -> None:
+    gateway, clock, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    gateway.offer(make_payload(1))
+    held = await gateway.next_batch(0)
+    assert held is not None
+    assert held.index == 0
+    # a trainer waiting meanwhile gets batch 1 (batch 0 is leased), then waits
+    assert (await gateway.next_batch(0)).index == 1  # type: ignore[union-attr]
+    waiting = asyncio.create_task(gateway.next_batch(30))
+    await asyncio.sleep(0)
+    assert gateway.release("r-b0", 1) == (held, None)
+    again = await asyncio.wait_for(waiting, 5)  # woken by the release, long before the lease ends
+    assert again is held
+    assert again.deliveries == 2
+    assert gateway.stats.redelivered == 1
+    # the first trainer's release again, now that another holds it: nothing changes
+    assert gateway.release("r-b0", 1) == (held, "it was handed out again since (delivery 2)")
+    assert await gateway.next_batch(0) is None
+    clock.now += 10.5  # the second lease ran out too: nothing left to release
+    assert gateway.release("r-b0", 2) == (held, "its lease had already ended")
+    assert gateway.ack("r-b1")[1] is False
+    with pytest.raises(AlreadyAckedError):
+        gateway.release("r-b1", 1)
+    gateway.offer(make_payload(2))
+    with pytest.raises(NotTakenError):
+        gateway.release("r-b2", 1)
+    with pytest.raises(UnknownBatchError):
+        gateway.release("r-b9", 1)
 
 
 async def test_batches_are_handed_out_oldest_first() -> None:
