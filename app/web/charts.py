@@ -333,7 +333,7 @@ def phase_bar(phases: dict[str, float], width: int = 720, title: str = "where th
     x = 0.0
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(title)}" '
-        f'width="{width}" height="26">'
+        f'width="{width}" height="26" viewBox="0 0 {width} 26" class="phase-bar">'
     ]
     for phase, s in sorted(phases.items(), key=lambda ps: -ps[1]):
         if s <= 0:

@@ -524,6 +524,34 @@ def test_a_missing_group_s_page_fits_a_narrow_window(browser: object, server: st
         context.close()
 
 
+@pytest.mark.parametrize("path", ["/", "/runs/{run}", "/runs/{run}/groups/0"])
+def test_a_phone_sized_window_scrolls_the_page_down_only(
+    browser: object, server: str, run_id: str, path: str
+) -> None:
+    """At 390 px (a phone held upright), signed in: before, the launch form made the runs page 442 px
+    wide, and the run page was 749 px wide (the wait bar's fixed 720 px, the timeline's window buttons,
+    the legend's long items, the engines table's buttons). Wide tables and the timeline scroll in their
+    own boxes; the page itself only scrolls down."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})  # type: ignore[attr-defined]
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    try:
+        page.goto(server + "/")
+        page.get_by_label("Operator token").fill(TOKEN)
+        page.get_by_role("button", name="Sign in").click()
+        page.wait_for_load_state()
+        page.goto(server + path.format(run=run_id))
+        if path == "/runs/{run}":
+            sync_api.expect(page.locator("#wait td.num").first).to_be_visible(timeout=60_000)
+            sync_api.expect(page.locator("#engines button").first).to_be_visible()
+        wide = page.evaluate(
+            """() => [document.documentElement.scrollWidth, document.documentElement.clientWidth]"""
+        )
+        assert wide[0] <= wide[1], f"{path}: the page is {wide[0]} px wide in a {wide[1]} px window"
+    finally:
+        context.close()
+
+
 def test_an_action_without_the_operator_token_is_refused(
     browser: object, server: str, run_id: str, api: httpx.Client
 ) -> None:
