@@ -110,6 +110,8 @@ def trace_import(
         say(f"not read: {what}" + (f" ({n} such files)" if n > 1 else ""))
     if (note := over_agent_limit(result.records)) is not None:
         say(note)
+    for note in result.notes:
+        say(note)
 
 
 def _count(n: int, noun: str) -> str:

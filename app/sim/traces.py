@@ -78,6 +78,7 @@ class ImportResult:
     # Files not read that hold no trial of their own, by what they are and why: a run summary whose
     # trials were read from their own files, a trial's file whose trial a summary held.
     unread: Counter[str] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)  # what to know before replaying the trace
 
     def skip(self, why: str, where: str, n: int = 1) -> None:
         self.skipped[why] += n
@@ -300,7 +301,30 @@ def import_corral_run(report_path: Path) -> ImportResult:
         raise WorkloadError(
             f"{report_path}: no finished attempt in its events (skipped: {dict(result.skipped) or 'none'})"
         )
+    if (note := _replay_note(report)) is not None:
+        result.notes.append(note)
     return result
+
+
+def _replay_note(report: dict[str, Any]) -> str | None:
+    """How to replay a `corral run`'s attempts at its own settings without counting its CPU contention
+    twice (docs/simulator.md, "Traces"): its recorded times hold it already. None where the report does
+    not say its engines and serving CPUs."""
+    engines, cpus = report.get("engines"), report.get("cpus")
+    serving = cpus.get("serving") if isinstance(cpus, dict) else None
+    if not isinstance(engines, dict) or not engines or not isinstance(serving, list) or not serving:
+        return None
+    demands = f"engine_demand: {len(serving) / len(engines):g}"
+    measured = report.get("lane_op_demand_cores")
+    if isinstance(measured, int | float) and not isinstance(measured, bool) and 0 <= measured <= 1e6:
+        demands += f", sandbox_demand: {measured:g}"
+    policy = report.get("policy")
+    under = f" under `{policy}`" if isinstance(policy, str) and policy.isidentifier() else ""
+    return (
+        f"note: these times hold the run's own CPU contention{under}; to replay them at its settings "
+        f"without counting it twice, give the workload cpus: {{{demands}}} (docs/simulator.md, Traces); "
+        "another policy's contention is not in them"
+    )
 
 
 def _report_text(path: Path) -> str:

@@ -11,6 +11,7 @@ policy in a ladder sees exactly the same trajectories.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -394,6 +395,11 @@ class TraceSpec(Strict):
     llm_fraction: float = Field(
         0.6, ge=0, le=1, strict=True, description="share of agent time spent on the engine"
     )
+    tasks: Literal["uniform", "as_recorded"] = Field(
+        "uniform",
+        description="how a group picks its task: each task alike, or as often as the trace holds its "
+        "attempts (a `corral run`'s own task mix)",
+    )
 
 
 class FaultSpec(Strict):
@@ -546,9 +552,13 @@ class TrajectorySource:
         self._note_durations = durations and not cache
         self._trace: dict[str, list[TraceAttempt]] | None = None
         self._trace_tasks: list[str] = []
+        self._trace_weights: list[int] | None = None  # `as_recorded`: the tasks' attempts, added up
         if workload.trace is not None:
             self._trace = load_trace(workload.trace.path)
             self._trace_tasks = sorted(self._trace)
+            if workload.trace.tasks == "as_recorded":
+                counts = (len(self._trace[task]) for task in self._trace_tasks)
+                self._trace_weights = list(itertools.accumulate(counts))
         self._cache: dict[tuple[int, int], Trajectory] = {}
         self._tasks: dict[int, tuple[float, float, float, float]] = {}
         # With `durations`: each group's attempts drawn (a bit each) and its slowest duration so far
@@ -631,7 +641,10 @@ class TrajectorySource:
     def _draw_trace(self, group: int, attempt: int) -> Trajectory:
         assert self._trace is not None
         assert self.workload.trace is not None
-        task = self._trace_tasks[self._rng(group).randrange(len(self._trace_tasks))]
+        if self._trace_weights is None:
+            task = self._trace_tasks[self._rng(group).randrange(len(self._trace_tasks))]
+        else:
+            task = self._rng(group).choices(self._trace_tasks, cum_weights=self._trace_weights)[0]
         rng = self._rng(group, attempt)
         rec = rng.choice(self._trace[task])
         turns = rec.turns or _split_agent_time(rec.agent_s, self.workload, rng)

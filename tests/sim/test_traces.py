@@ -540,3 +540,48 @@ def test_a_test_that_starts_before_the_agent_ends_is_skipped() -> None:
     )
     assert line is None
     assert why == "tests start before the agent ends"
+
+
+@pytest.mark.parametrize(("tasks", "share"), [("uniform", 0.5), ("as_recorded", 0.9)])
+def test_groups_pick_their_tasks_alike_or_as_often_as_the_trace_holds_them(
+    tmp_path: Path, tasks: str, share: float
+) -> None:
+    """A `corral run` trace holds each task as often as that run picked it (its fast tasks most, here);
+    `as_recorded` replays that mix, `uniform` (the default) gives every task the same chance."""
+    from app.sim.workload import TrajectorySource, Workload
+
+    line = {"reset_s": 1.0, "agent_s": 2.0, "validate_s": 1.0, "cleanup_s": 0.0, "reward": 1.0}
+    often = [json.dumps({**line, "task": "often"})] * 90
+    rarely = [json.dumps({**line, "task": "rarely", "reset_s": 7.0})] * 10
+    (tmp_path / "t.jsonl").write_text("\n".join(often + rarely) + "\n")
+    workload = Workload.model_validate({"trace": {"path": str(tmp_path / "t.jsonl"), "tasks": tasks}})
+    source = TrajectorySource(workload)
+    picked = [source.trajectory(group, 0).reset_s == 1.0 for group in range(4000)]
+    assert sum(picked) / len(picked) == pytest.approx(share, abs=0.03)
+    # a group's attempts all play the task it picked
+    assert {source.trajectory(7, attempt).reset_s for attempt in range(8)} == {
+        source.trajectory(7, 0).reset_s
+    }
+
+
+def test_a_corral_run_import_says_how_to_replay_it_without_counting_its_contention_twice(
+    tmp_path: Path,
+) -> None:
+    """Replayed at the simulator's default CPU demands, a `full` run of this machine's came out 6×
+    slower and behind `sync` (benchmarks/sim_vs_real.py); the import names the demands its times hold."""
+    from app.sim.traces import import_corral_run
+
+    report = Path(__file__).resolve().parents[2] / "docs" / "runs" / "stop45" / "pair1-full.json"
+    notes = import_corral_run(report).notes
+    assert notes == [
+        "note: these times hold the run's own CPU contention under `full`; to replay them at its settings "
+        "without counting it twice, give the workload cpus: {engine_demand: 0.5, sandbox_demand: 0.052} "
+        "(docs/simulator.md, Traces); another policy's contention is not in them"
+    ]
+    # a report that does not say its engines and serving CPUs gets no note (and no error)
+    data = json.loads(report.read_text())
+    for broken in ({"engines": []}, {"cpus": None}, {"cpus": {"serving": "0"}}):
+        (tmp_path / "r.json").write_text(json.dumps({**data, **broken}))
+        assert import_corral_run(tmp_path / "r.json").notes == []
+    (tmp_path / "r.json").write_text(json.dumps({**data, "lane_op_demand_cores": float("nan")}))
+    assert "sandbox_demand" not in import_corral_run(tmp_path / "r.json").notes[0]
