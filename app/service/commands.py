@@ -241,7 +241,7 @@ def metrics(handle: RunHandle) -> dict[str, Any]:
         "lanes": live.get("lanes"),
         "trainer": {
             "offered": stats.offered,
-            "handed_out": stats.collections,  # batches handed out (the first time)
+            "handed_out": stats.handed_out,
             "redelivered": stats.redelivered,
             "acked": stats.acked,
             "idle_s": round(stats.trainer_idle_s, 6),
