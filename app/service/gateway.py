@@ -266,9 +266,10 @@ class TrainerGateway:
                 return offer, f"it was handed out again since (delivery {offer.deliveries})"
             if delivery > offer.deliveries:
                 return offer, f"it has been handed out {offer.deliveries} time(s), not {delivery}"
-            if offer.leased_until is None or offer.leased_until <= self._clock():
+            now = self._clock()
+            if offer.leased_until is None or offer.leased_until <= now:
                 return offer, "its lease had already ended"
-            offer.leased_until = None
+            offer.leased_until = now  # ended now: free to take, and `holding` says since when
         log.info("run %s: batch %s released (delivery %d): handed out again at once", self.run_id,
                  batch_id, delivery)  # fmt: skip
         self.notify()
@@ -286,7 +287,8 @@ class TrainerGateway:
         """What the run waits on its trainer for, if anything, oldest batch first: the trainer to take
         it (`take`), to ack it (`ack`), or to publish the version it trains towards (`publish`), with
         how long it has waited for that (seconds of this gateway's clock). A run's next trainer step
-        begins only once its batch is acked and that version published (`step`)."""
+        begins only once its batch is acked and that version published (`step`). A batch handed back
+        (`release`), or whose lease ran out, waits to be taken again, since then."""
         now = self._clock()
         published = self._published_version()
         with self._lock:
@@ -295,6 +297,9 @@ class TrainerGateway:
             if not offer.acked:
                 if offer.taken_at is None:
                     return "take", offer, now - offer.offered_at
+                if offer.leased_until is not None and offer.leased_until <= now:
+                    # handed back, or its lease ran out: no trainer holds it, and it waits to be taken
+                    return "take", offer, now - offer.leased_until
                 return "ack", offer, now - offer.taken_at
             if published < int(offer.payload.get("publish_version", 0)):
                 return "publish", offer, now - (offer.acked_at or offer.offered_at)

@@ -184,9 +184,16 @@ async def test_what_the_run_waits_on_its_trainer_for_and_since_when() -> None:
     assert taken is offer
     clock.now += 5
     assert gateway.holding() == ("ack", offer, 5)  # since it was taken, not since it was offered
-    clock.now += 20  # the lease ran out: handed out again, still waited on since the first take
-    assert await gateway.next_batch(0) is offer
+    clock.now += 20  # the lease (10 s) ran out 15 s ago: nobody holds it, it waits to be taken again
+    assert gateway.holding() == ("take", offer, 15)
+    assert await gateway.next_batch(0) is offer  # handed out again: still waited on since the first take
     assert gateway.holding() == ("ack", offer, 25)
+    clock.now += 2
+    assert gateway.release(offer.batch_id, 2)[1] is None  # handed back: it waits to be taken, since now
+    clock.now += 4
+    assert gateway.holding() == ("take", offer, 4)
+    assert await gateway.next_batch(0) is offer
+    assert gateway.holding() == ("ack", offer, 31)
     gateway.ack(offer.batch_id)
     clock.now += 3
     assert gateway.holding() == ("publish", offer, 3)  # the step also waits for version 1
