@@ -52,7 +52,9 @@ def train(corral: CorralClient, batch: Batch) -> None:
     """One training step on `batch`; a Ctrl-C before its weights are saved hands the batch back."""
     try:
         # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
-        time.sleep(args.train_s)
+        if args.train_s:
+            print(f"batch {batch.index}: training for {args.train_s:g} s", flush=True)
+            time.sleep(args.train_s)
     except KeyboardInterrupt:
         try:
             patiently(lambda: corral.release(args.run, batch))

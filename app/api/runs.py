@@ -567,7 +567,6 @@ def _stored_metrics(run_id: str, state: str, figures: dict[str, Any]) -> dict[st
         "lanes": None,
         "trainer": {
             "offered": figures["offered"],
-            "handed_out": figures["handed_out"],
             "redelivered": figures["redelivered"],
             "acked": figures["acked"],
             "idle_s": None,

@@ -241,7 +241,6 @@ def metrics(handle: RunHandle) -> dict[str, Any]:
         "lanes": live.get("lanes"),
         "trainer": {
             "offered": stats.offered,
-            "handed_out": stats.handed_out,
             "redelivered": stats.redelivered,
             "acked": stats.acked,
             "idle_s": round(stats.trainer_idle_s, 6),

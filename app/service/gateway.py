@@ -76,7 +76,6 @@ class _Waiter:
 @dataclass
 class GatewayStats:
     offered: int = 0
-    handed_out: int = 0  # batches handed out (the first time)
     redelivered: int = 0
     acked: int = 0
     trainer_idle_s: float = 0.0  # time trainers spent in next_batch with nothing to take
@@ -223,7 +222,6 @@ class TrainerGateway:
                 self.stats.redelivered += 1
             else:
                 offer.taken_at = now
-                self.stats.handed_out += 1
             offer.deliveries += 1
             offer.leased_until = now + self.ack_timeout_s
             return offer, None

@@ -485,9 +485,8 @@ class RunManager:
             # offers' hand-outs where the store missed some (a kill -9 before it had them).
             stored = self.store.figures(run_id, {offer.index: offer.deliveries for offer in kept})
             stats = handle.gateway.stats
-            stats.offered, stats.handed_out, stats.redelivered, stats.acked = (
+            stats.offered, stats.redelivered, stats.acked = (
                 stored["offered"],
-                stored["handed_out"],
                 stored["redelivered"],
                 stored["acked"],
             )

@@ -530,7 +530,6 @@ class ServiceStore:
             "trainer_version": version,
             "engine_versions": {e.name: e.weight_version for e in engines},
             "offered": len(offers),
-            "handed_out": sum(1 for count in offers.values() if count >= 1),
             "redelivered": sum(max(count - 1, 0) for count in offers.values()),
             "acked": sum(1 for b in batches if b.acked_at is not None),
         }

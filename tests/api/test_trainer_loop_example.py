@@ -105,18 +105,15 @@ def test_a_ctrl_c_while_the_example_trains_hands_its_batch_back_for_the_next_tra
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
     with reaped(trainer):
-        # nobody else asks for batches: once one is handed out, the example holds batch 0
-        wait_for(
-            lambda: api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]["handed_out"] >= 1,
-            what="the example trainer to take batch 0",
-            timeout_s=60,
-        )
-        time.sleep(0.5)  # inside its training step
+        assert trainer.stdout is not None
+        training = trainer.stdout.readline()  # it says so once it holds the batch and trains on it
+        assert training == "batch 0: training for 120 s\n", (training, trainer.stderr)
+        time.sleep(0.5)
         os.killpg(trainer.pid, signal.SIGINT)
         out, err = trainer.communicate(timeout=30)
     assert trainer.returncode == 130, err
     assert "Traceback" not in err, err
-    assert out.splitlines() == ["batch 0: handed back untrained"]
+    assert out.splitlines() == ["batch 0: handed back untrained"]  # after the line read above
     asked = time.monotonic()
     again = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 20})
     assert again.status_code == 200, again.text
