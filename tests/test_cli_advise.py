@@ -214,10 +214,10 @@ def cancelled(attempt: int) -> dict[str, object]:
 FAILED = {"kind": "attempt_finished", "group_id": 0, "attempt": 99, "reward": 0.0, "error": "SandboxError"}
 SKIP_COUNTS = {  # a count of 1 and of many for each reason a corral run's attempt is skipped
     "none": ([], "(none skipped)"),
-    "one cancelled": ([cancelled(1)], "(skipped 1 attempt: 1 cancelled (its group was discarded))"),
+    "one cancelled": ([cancelled(1)], "(skipped 1 attempt: 1 cancelled before it started)"),
     "many": (
         [*map(cancelled, range(1, 23)), FAILED],
-        "(skipped 23 attempts: 22 cancelled (its group was discarded), 1 failed)",
+        "(skipped 23 attempts: 22 cancelled before it started, 1 failed)",
     ),
     "failed": ([FAILED, {**FAILED, "attempt": 98}], "(skipped 2 attempts: 2 failed)"),
 }

@@ -119,7 +119,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _skipped(skipped: Mapping[str, int], unit: str) -> str:
-    """`skipped 23 attempts: 22 cancelled (its group was discarded), 1 failed`: the total names the
+    """`skipped 23 attempts: 22 cancelled before it started, 1 failed`: the total names the
     unit (a terminal-bench trial, a corral run's attempt), each reason its count."""
     if not skipped:
         return "none skipped"

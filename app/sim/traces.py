@@ -28,8 +28,12 @@ A `corral run` report carries its event stream under `event_log`; each attempt's
 its sandbox operations (by lane) and model turns, and its task is named by the report's `group_tasks`.
 A malformed event (not an object, a missing field, a wrong type, a non-finite number) refuses the whole
 report, naming its index: the report is not what `corral run` writes. An attempt that failed, or one
-with an op or turn that ends before it starts, is skipped and counted with its reason, like a bad trial;
-so is an attempt cancelled because its group was discarded. A turn an engine fault cut short (it has an
+with an op or turn that ends before it starts, is skipped and counted with its reason, like a bad trial.
+An attempt cancelled with its group (discarded, or still running when the run ended) is a line marked
+`censored`: its spans up to the cancel, a lower bound on the attempt it would have been, which a replay
+replaces by a finished attempt of its task that took at least as long (app.sim.workload); skipping them
+left a run's slowest work out of its trace, since its slowest groups are those still running at its end.
+One cancelled before any op or turn of it started is skipped. A turn an engine fault cut short (it has an
 `error`; the attempt retried it) is left out of its attempt's model time, and each exec op's time goes to
 the turn that asked for it (the latest turn that started before the op).
 
@@ -277,7 +281,7 @@ def import_terminal_bench(directory: Path, on_file: Callable[[int, int], None] |
 
 
 def import_corral_run(report_path: Path) -> ImportResult:
-    """A `corral run` report's event stream → one trace line per finished attempt."""
+    """A `corral run` report's event stream → one trace line per finished or cancelled attempt."""
     try:
         report = json.loads(_report_text(report_path))
     except OSError as exc:
@@ -297,13 +301,26 @@ def import_corral_run(report_path: Path) -> ImportResult:
         result.records, result.skipped = attempts_from_events(events, names)
     except WorkloadError as exc:
         raise WorkloadError(f"{report_path}: {exc}") from None
-    if not result.records:
+    censored = sum(1 for r in result.records if r.get("censored"))
+    if censored == len(result.records):  # cut-short attempts stand in for finished ones: none to take
+        cut = f"{censored} cut short, " if censored else ""
         raise WorkloadError(
-            f"{report_path}: no finished attempt in its events (skipped: {dict(result.skipped) or 'none'})"
+            f"{report_path}: no finished attempt in its events "
+            f"({cut}skipped: {dict(result.skipped) or 'none'})"
         )
+    if censored:
+        result.notes.append(_censored_note(censored))
     if (note := _replay_note(report)) is not None:
         result.notes.append(note)
     return result
+
+
+def _censored_note(n: int) -> str:
+    return (
+        f"note: {n} of these attempts were cut short (cancelled with their group, or running when the run "
+        "ended) and are marked censored: a replay takes for each a finished attempt of its task that took "
+        "at least as long, or the cut-short one, a lower bound, where none did"
+    )
 
 
 def _replay_note(report: dict[str, Any]) -> str | None:
@@ -383,7 +400,8 @@ def _name(ev: dict[str, Any], i: int, name: str) -> str:
 def attempts_from_events(
     events: Iterable[Any], group_tasks: Mapping[str, str] | None = None
 ) -> tuple[list[dict[str, Any]], Counter[str]]:
-    """One trace line per finished attempt, in finishing order, and what was skipped, by reason.
+    """One trace line per finished attempt, in finishing order, then one `censored` line per attempt
+    cancelled with its group, and what was skipped, by reason.
     Raises `WorkloadError` naming the first malformed event by its index.
 
     A line's task is its group's: the group_admitted event's `task`, else the report's `group_tasks`
@@ -397,6 +415,7 @@ def attempts_from_events(
     done: list[tuple[tuple[int, int], dict[str, Any]]] = []
     finished: dict[tuple[int, int], dict[str, Any]] = {}  # cleanup runs after the attempt reports
     backwards: dict[tuple[int, int], str] = {}  # the attempt's first span that ends before it starts
+    cut: dict[tuple[int, int], None] = {}  # attempts cancelled with their group or at the run's end
     skipped: Counter[str] = Counter()
     for i, ev in enumerate(events):
         if not isinstance(ev, dict):
@@ -411,13 +430,13 @@ def attempts_from_events(
         if kind not in ("sandbox_op", "turn", "attempt_finished", "attempt_restarted", "attempt_cancelled"):
             continue
         key = (_integer(ev, i, "group_id"), _integer(ev, i, "attempt"))
-        if kind in ("attempt_restarted", "attempt_cancelled"):
+        if kind == "attempt_restarted":  # its turns were thrown away: it starts over
             phases.pop(key, None)
             turns.pop(key, None)
             tools.pop(key, None)
             backwards.pop(key, None)
-            if kind == "attempt_cancelled":
-                skipped["cancelled (its group was discarded)"] += 1
+        elif kind == "attempt_cancelled":  # cut short: the ops it had running end after this event
+            cut.setdefault(key, None)
         elif kind == "sandbox_op":
             lane = _name(ev, i, "lane")
             spent = _finite(ev, i, "end") - _finite(ev, i, "start")
@@ -456,20 +475,15 @@ def attempts_from_events(
                     for kept in (phases, turns, tools, backwards):
                         kept.pop(key, None)
                 continue
-            lanes = phases.pop(key, {})
-            attempt_turns = _turns_with_tools(turns.pop(key, []), tools.pop(key, []))
-            tool = lanes.get("exec", 0.0)
-            agent = sum(t["llm_s"] for t in attempt_turns) + tool
-            finished[key] = record = {
-                "task": tasks.get(key[0]) or named.get(str(key[0])) or f"group-{key[0]}",
-                "reset_s": round(lanes.get("reset", 0.0), 3),
-                "agent_s": round(agent, 3),
-                "validate_s": round(lanes.get("validate", 0.0), 3),
-                "cleanup_s": round(lanes.get("cleanup", 0.0), 3),
-                "reward": reward,
-                **({"turns": attempt_turns} if attempt_turns else {}),
-            }
+            cut.pop(key, None)
+            finished[key] = record = _line(key, phases, turns, tools, tasks, named, reward)
             done.append((key, record))
+    for key in cut:
+        line = _line(key, phases, turns, tools, tasks, named, 0.0)
+        if line["reset_s"] + line["agent_s"] + line["validate_s"] > 0:
+            done.append((key, {**line, "censored": True}))
+        else:  # nothing ran (a reset cancelled in its queue, then the clean-up): it says nothing
+            skipped["cancelled before it started"] += 1
     records: list[dict[str, Any]] = []
     # Judged once every event is in: a cleanup that runs backwards may come after its attempt reports.
     for key, line in done:
@@ -480,6 +494,30 @@ def attempts_from_events(
         else:
             records.append(line)
     return records, skipped
+
+
+def _line(
+    key: tuple[int, int],
+    phases: dict[tuple[int, int], dict[str, float]],
+    turns: dict[tuple[int, int], list[tuple[float, float]]],
+    tools: dict[tuple[int, int], list[tuple[float, float]]],
+    tasks: Mapping[int, str],
+    named: Mapping[str, str],
+    reward: float,
+) -> dict[str, Any]:
+    """The trace line of attempt `key` from its spans so far (taken out of `phases`, `turns`, `tools`)."""
+    lanes = phases.pop(key, {})
+    attempt_turns = _turns_with_tools(turns.pop(key, []), tools.pop(key, []))
+    agent = sum(t["llm_s"] for t in attempt_turns) + lanes.get("exec", 0.0)
+    return {
+        "task": tasks.get(key[0]) or named.get(str(key[0])) or f"group-{key[0]}",
+        "reset_s": round(lanes.get("reset", 0.0), 3),
+        "agent_s": round(agent, 3),
+        "validate_s": round(lanes.get("validate", 0.0), 3),
+        "cleanup_s": round(lanes.get("cleanup", 0.0), 3),
+        "reward": reward,
+        **({"turns": attempt_turns} if attempt_turns else {}),
+    }
 
 
 def _turns_with_tools(

@@ -10,6 +10,7 @@ policy in a ladder sees exactly the same trajectories.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import json
@@ -535,6 +536,13 @@ class TraceAttempt:
     cleanup_s: float
     reward: float
     turns: tuple[Turn, ...] | None
+    # Cut short (cancelled with its group): it would have taken at least `duration_s`, reward unknown.
+    censored: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        """As `Trajectory.duration_s`: admission to reward, cleanup left out."""
+        return self.reset_s + self.agent_s + self.validate_s
 
 
 class TrajectorySource:
@@ -553,6 +561,7 @@ class TrajectorySource:
         self._trace: dict[str, list[TraceAttempt]] | None = None
         self._trace_tasks: list[str] = []
         self._trace_weights: list[int] | None = None  # `as_recorded`: the tasks' attempts, added up
+        self._finished: dict[str, tuple[list[float], list[TraceAttempt]]] = {}  # by task, for `_survivor`
         if workload.trace is not None:
             self._trace = load_trace(workload.trace.path)
             self._trace_tasks = sorted(self._trace)
@@ -638,6 +647,17 @@ class TrajectorySource:
             infra_error=rng.random() < spec.p_infra_error,
         )
 
+    def _survivor(self, task: str, cut: TraceAttempt, rng: random.Random) -> TraceAttempt:
+        """What a censored attempt stands for: one of its task's finished attempts that took at least as
+        long as it had run when cancelled (each alike), or, where none did, itself: a lower bound."""
+        assert self._trace is not None
+        found = self._finished.get(task)
+        if found is None:
+            found = self._finished[task] = _finished_by_duration(self._trace[task])
+        durations, finished = found
+        longer = finished[bisect.bisect_left(durations, cut.duration_s) :]
+        return rng.choice(longer) if longer else cut
+
     def _draw_trace(self, group: int, attempt: int) -> Trajectory:
         assert self._trace is not None
         assert self.workload.trace is not None
@@ -647,6 +667,8 @@ class TrajectorySource:
             task = self._rng(group).choices(self._trace_tasks, cum_weights=self._trace_weights)[0]
         rng = self._rng(group, attempt)
         rec = rng.choice(self._trace[task])
+        if rec.censored:
+            rec = self._survivor(task, rec, rng)
         turns = rec.turns or _split_agent_time(rec.agent_s, self.workload, rng)
         return Trajectory(
             reset_s=rec.reset_s,
@@ -656,6 +678,12 @@ class TrajectorySource:
             timeout_s=self.workload.trajectory.timeout_s,
             reward=rec.reward,
         )
+
+
+def _finished_by_duration(attempts: list[TraceAttempt]) -> tuple[list[float], list[TraceAttempt]]:
+    """A task's finished (not censored) attempts, shortest first, and their durations."""
+    finished = sorted((a for a in attempts if not a.censored), key=lambda a: a.duration_s)
+    return [a.duration_s for a in finished], finished
 
 
 def _split_agent_time(agent_s: float, workload: Workload, rng: random.Random) -> tuple[Turn, ...]:
@@ -682,6 +710,7 @@ class _TraceLine(Strict):
     # terminal-bench trial); a fraction such as tests passed fits, a score on another scale does not.
     reward: float = Field(ge=0, le=1, strict=True)
     turns: list[_TraceTurn] | None = Field(None, max_length=MAX_TURNS)
+    censored: bool = Field(False, strict=True)
 
 
 # A trace is written to milliseconds: each turn's two figures and agent_s are rounded apart, so the
@@ -802,7 +831,9 @@ def load_trace(path: Path, flag: str | None = None) -> dict[str, list[TraceAttem
         turns = tuple(Turn(t.llm_s, t.tool_s) for t in rec.turns) if rec.turns else None
         agent_s = sum(t.llm_s + t.tool_s for t in turns) if turns else rec.agent_s
         by_task.setdefault(rec.task, []).append(
-            TraceAttempt(rec.task, rec.reset_s, agent_s, rec.validate_s, rec.cleanup_s, rec.reward, turns)
+            TraceAttempt(
+                rec.task, rec.reset_s, agent_s, rec.validate_s, rec.cleanup_s, rec.reward, turns, rec.censored
+            )
         )
     if not by_task:
         raise WorkloadError(f"{name} is empty: it needs at least one recorded attempt")

@@ -2,6 +2,7 @@
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from app.sim.traces import (
     terminal_bench_record,
     write_trace,
 )
-from app.sim.workload import WorkloadError, load_trace, trace_line_problem
+from app.sim.workload import TrajectorySource, Workload, WorkloadError, load_trace, trace_line_problem
 
 
 def make_trial(task: str, trial: str, resolved: bool | None, **overrides: str | None) -> dict:
@@ -199,17 +200,63 @@ def test_each_turn_gets_the_tool_calls_it_asked_for_and_a_failed_turn_is_no_mode
     assert records[0]["agent_s"] == 1.75 + 4.5
 
 
-def test_an_attempt_cancelled_with_its_group_is_counted() -> None:
-    # 20 of a report's 40 attempts were cancelled (their groups discarded), and the import said
-    # "skipped: none" for them.
+def test_an_attempt_cancelled_with_its_group_is_a_censored_line() -> None:
+    # Skipped before: a run's slowest groups are those still running at its end, so its trace lacked its
+    # slowest work (`full` replayed on its own attempts gave 3.5 s against 28.6 s real).
     events = [
-        *make_events()[:5],
+        {**make_events()[0], "group_size": 3},
+        *make_events()[1:5],
+        make_op("reset", 0.5, 40.5, attempt=1),
+        make_turn(40.5, 41.5, attempt=1),
         {"kind": "attempt_cancelled", "group_id": 0, "attempt": 1, "reason": "stale"},
-        {"kind": "attempt_finished", "group_id": 0, "attempt": 0, "reward": 1.0, "error": None},
+        {"kind": "attempt_cancelled", "group_id": 0, "attempt": 2, "reason": "stale"},
+        make_op("exec", 41.5, 44.0, attempt=1),  # cut short by the cancel: published after it
+        *make_events()[5:7],  # attempt 0 finishes, then its cleanup
+        make_op("cleanup", 44.0, 44.5, attempt=1),
     ]
     records, skipped = attempts_from_events(events)
-    assert skipped == {"cancelled (its group was discarded)": 1}
-    assert len(records) == 1
+    assert skipped == {"cancelled before it started": 1}
+    assert records[0] == COUNT_PRIMES
+    assert records[1] == {
+        "task": "count-primes",
+        "reset_s": 40.0,
+        "agent_s": 3.5,
+        "validate_s": 0.0,
+        "cleanup_s": 0.5,
+        "reward": 0.0,
+        "turns": [{"llm_s": 1.0, "tool_s": 2.5}],
+        "censored": True,
+    }
+
+
+def _draws(tmp_path: Path, lines: list[dict], n: int = 300) -> Counter[float]:
+    trace = tmp_path / "censored.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    source = TrajectorySource(Workload.model_validate({"trace": {"path": str(trace)}}))
+    return Counter(round(source.trajectory(g, 0).duration_s, 6) for g in range(n))
+
+
+def _attempt(seconds: float, censored: bool = False, task: str = "a") -> dict:
+    return {"task": task, "reset_s": seconds, "agent_s": 0.0, "validate_s": 0.0, "cleanup_s": 0.0,
+            "reward": 1.0, "censored": censored}  # fmt: skip
+
+
+def test_a_censored_attempt_is_replayed_as_a_finished_one_at_least_as_long(tmp_path: Path) -> None:
+    drawn = _draws(tmp_path, [_attempt(10), _attempt(100), _attempt(40, censored=True)])
+    assert set(drawn) == {10.0, 100.0}  # 40 s never: it stands for an attempt of at least 40 s
+    assert drawn[100.0] > drawn[10.0]  # a third of the draws pick the 100 s one, another third by the cut
+
+
+def test_a_censored_attempt_longer_than_every_finished_one_is_its_own_lower_bound(tmp_path: Path) -> None:
+    drawn = _draws(tmp_path, [_attempt(10), _attempt(500, censored=True)])
+    assert set(drawn) == {10.0, 500.0}
+
+
+def test_a_trace_line_takes_only_a_boolean_censored(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(json.dumps({**_attempt(10), "censored": "yes"}) + "\n")
+    with pytest.raises(WorkloadError, match="line 1: censored"):
+        load_trace(trace)
 
 
 @pytest.mark.parametrize(
@@ -574,14 +621,17 @@ def test_a_corral_run_import_says_how_to_replay_it_without_counting_its_contenti
     report = Path(__file__).resolve().parents[2] / "docs" / "runs" / "stop45" / "pair1-full.json"
     notes = import_corral_run(report).notes
     assert notes == [
+        "note: 24 of these attempts were cut short (cancelled with their group, or running when the run "
+        "ended) and are marked censored: a replay takes for each a finished attempt of its task that took "
+        "at least as long, or the cut-short one, a lower bound, where none did",
         "note: these times hold the run's own CPU contention under `full`; to replay them at its settings "
         "without counting it twice, give the workload cpus: {engine_demand: 0.5, sandbox_demand: 0.052} "
-        "(docs/simulator.md, Traces); another policy's contention is not in them"
+        "(docs/simulator.md, Traces); another policy's contention is not in them",
     ]
     # a report that does not say its engines and serving CPUs gets no note (and no error)
     data = json.loads(report.read_text())
     for broken in ({"engines": []}, {"cpus": None}, {"cpus": {"serving": "0"}}):
         (tmp_path / "r.json").write_text(json.dumps({**data, **broken}))
-        assert import_corral_run(tmp_path / "r.json").notes == []
+        assert import_corral_run(tmp_path / "r.json").notes == notes[:1]
     (tmp_path / "r.json").write_text(json.dumps({**data, "lane_op_demand_cores": float("nan")}))
-    assert "sandbox_demand" not in import_corral_run(tmp_path / "r.json").notes[0]
+    assert "sandbox_demand" not in import_corral_run(tmp_path / "r.json").notes[1]
