@@ -6,13 +6,18 @@
 
 It outlives the server: while the server is stopping, killed or restarting, each call is asked again
 after the delay the server (or the client) gives, and a restarted server hands out the batch it had not
-seen acked. A Ctrl-C while it trains hands the batch back, so the next trainer takes it at once.
+seen acked. While it trains it renews its batch's lease every third of the lease (`ack_timeout_s`, as
+the server gives it), so a step longer than the lease is not handed out again meanwhile, and a trainer
+killed with SIGKILL holds its batch one lease at most. A Ctrl-C while it trains hands the batch back,
+so the next trainer takes it at once.
 """
 
 import argparse
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from app.client import Batch, CorralClient, CorralError, RunEnded, ServerUnavailable
@@ -48,13 +53,41 @@ def next_batch(corral: CorralClient) -> Batch | None:
     return batch
 
 
+@contextmanager
+def leased(corral: CorralClient, batch: Batch) -> Iterator[None]:
+    """The block, with `batch`'s lease renewed every third of it in the background: a step longer than the
+    lease keeps its batch. The renewals end with the block (before a Ctrl-C hands the batch back)."""
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(batch.ack_timeout_s / 3):
+            try:
+                renewed = corral.renew(args.run, batch)
+            except ServerUnavailable:
+                continue  # asked again a third of the lease later
+            except CorralError as exc:  # the run has ended meanwhile, say
+                renewed = {"renewed": False, "detail": exc.detail}
+            if not renewed["renewed"]:  # its lease ran out (another trainer may take it): train on
+                print(f"batch {batch.index}: lease not renewed: {renewed['detail']}", flush=True)
+                return
+
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        renewer.join()
+
+
 def train(corral: CorralClient, batch: Batch) -> None:
     """One training step on `batch`; a Ctrl-C before its weights are saved hands the batch back."""
     try:
-        # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
-        if args.train_s:
-            print(f"batch {batch.index}: training for {args.train_s:g} s", flush=True)
-            time.sleep(args.train_s)
+        with leased(corral, batch):
+            # ... one GRPO step on batch.groups; save the weights where the engines can read them ...
+            if args.train_s:
+                print(f"batch {batch.index}: training for {args.train_s:g} s", flush=True)
+                time.sleep(args.train_s)
     except KeyboardInterrupt:
         try:
             patiently(lambda: corral.release(args.run, batch))

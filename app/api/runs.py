@@ -5,7 +5,9 @@
 - `GET /api/runs/{id}/batches/next?timeout=S` (long-poll; 204 when no batch came in time),
   `POST /api/runs/{id}/batches/{batch_id}/ack` (idempotent: a repeated ack is a 200 with
   `already_acked: true`), `POST /api/runs/{id}/batches/{batch_id}/release` `{delivery}` (a batch handed
-  back untrained is handed out again at once, not after `ack_timeout_s`);
+  back untrained is handed out again at once, not after `ack_timeout_s`),
+  `POST /api/runs/{id}/batches/{batch_id}/renew` `{delivery}` (its lease extended to `ack_timeout_s`
+  from now, for a step longer than the lease; `lease_s` says how long it has left);
 - `POST /api/runs/{id}/weights` `{version, path | sentinel}` (202, starts a rolling update; the newest
   version again with the same weights is a repeat, 202 with `already_published: true`),
   `GET /api/runs/{id}/rollouts/{rid}` (progress engine by engine; `rid` is the version);
@@ -71,9 +73,11 @@ from app.service.retention import MarkError
 from app.service.schemas import (
     AckResult,
     BatchRelease,
+    BatchRenew,
     PolicyPatch,
     Problem,
     ReleaseResult,
+    RenewResult,
     RunCreate,
     ValidationProblem,
     WeightsPublish,
@@ -404,6 +408,39 @@ def release_batch(
         raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
     return ReleaseResult(
         batch_id=batch_id, released=unreleased is None, delivery=offer.deliveries, detail=unreleased
+    )
+
+
+@router.post("/{run_id}/batches/{batch_id}/renew")
+def renew_batch(
+    run_id: RunId,
+    batch_id: Annotated[str, PathParam(min_length=1, max_length=128)],
+    body: BatchRenew,
+    manager: Manager,
+    _: Operator,
+) -> RenewResult:
+    """Extend a batch's lease to `ack_timeout_s` from now (a step longer than the lease): it is not
+    handed out again while its trainer trains on it. Only the delivery that holds the lease renews it."""
+    handle = manager.get(run_id)
+    gateway = handle.gateway if handle is not None else _ended_gateway(manager, run_id)
+    try:
+        offer, lease_s, unrenewed = gateway.renew(batch_id, body.delivery)
+    except UnknownBatchError:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r} to renew"
+        ) from None
+    except AlreadyAckedError:
+        detail = f"batch {batch_id!r} is acked: it was trained on, so it holds no lease to renew"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    except NotTakenError:
+        detail = f"batch {batch_id!r} has not been handed out yet, so no trainer holds a lease to renew"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    return RenewResult(
+        batch_id=batch_id,
+        renewed=unrenewed is None,
+        delivery=offer.deliveries,
+        lease_s=lease_s,
+        detail=unrenewed,
     )
 
 

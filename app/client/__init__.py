@@ -20,7 +20,9 @@ or a policy change in time, answers 503 (`ServerUnavailable`); one that cannot b
 connection (killed, restarting) raises `ServerUnreachable`, a `ServerUnavailable` with status 0: a
 trainer asks again after `retry_after_s` either way. A trainer stopping while it holds a batch it has
 not trained on hands it back with `release` (the next trainer takes it at once; unreleased, it is handed
-out again only once its lease, `ack_timeout_s`, ends). Asking again is safe: an ack is idempotent, the
+out again only once its lease, `ack_timeout_s`, ends); one whose step takes longer than the lease renews
+it with `renew` (every third of `batch.ack_timeout_s`, say), so it is not handed out again meanwhile.
+Asking again is safe: an ack is idempotent, the
 same publication again is answered `already_published` (nothing is published twice), the same policy
 change again changes nothing twice, and a restarted server hands out the batch it had not seen acked
 again.
@@ -91,6 +93,7 @@ class Batch:
     publish_version: int
     groups: list[dict[str, Any]]
     delivery: int  # 1 the first time; more when it was offered again after a missed ack
+    ack_timeout_s: float  # its lease: handed out again unless acked (or its lease renewed) within it
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Batch:
@@ -101,6 +104,7 @@ class Batch:
             publish_version=int(body["publish_version"]),
             groups=list(body["groups"]),
             delivery=int(body.get("delivery", 1)),
+            ack_timeout_s=float(body["ack_timeout_s"]),
         )
 
     @property
@@ -145,6 +149,10 @@ def _retry_after_s(value: str | None) -> float:
 
 def _release_url(run_id: str, batch: Batch) -> str:
     return f"/api/runs/{run_id}/batches/{batch.batch_id}/release"
+
+
+def _renew_url(run_id: str, batch: Batch) -> str:
+    return f"/api/runs/{run_id}/batches/{batch.batch_id}/renew"
 
 
 def _publish_body(version: int, path: str | None, sentinel: bool) -> dict[str, Any]:
@@ -229,6 +237,11 @@ class CorralClient:
     def release(self, run_id: str, batch: Batch) -> dict[str, Any]:
         """Hand `batch` back untrained (the trainer is stopping): the next trainer takes it at once."""
         return dict(self._call("POST", _release_url(run_id, batch), json={"delivery": batch.delivery}))
+
+    def renew(self, run_id: str, batch: Batch) -> dict[str, Any]:
+        """Extend `batch`'s lease to `ack_timeout_s` from now (a step longer than the lease): it is not
+        handed out again meanwhile. `renewed` is false, with why, once the trainer no longer holds it."""
+        return dict(self._call("POST", _renew_url(run_id, batch), json={"delivery": batch.delivery}))
 
     def publish(
         self, run_id: str, version: int, path: str | None = None, sentinel: bool = False
@@ -334,6 +347,11 @@ class AsyncCorralClient:
     async def release(self, run_id: str, batch: Batch) -> dict[str, Any]:
         """Hand `batch` back untrained (the trainer is stopping): the next trainer takes it at once."""
         return dict(await self._call("POST", _release_url(run_id, batch), json={"delivery": batch.delivery}))
+
+    async def renew(self, run_id: str, batch: Batch) -> dict[str, Any]:
+        """Extend `batch`'s lease to `ack_timeout_s` from now (a step longer than the lease): it is not
+        handed out again meanwhile. `renewed` is false, with why, once the trainer no longer holds it."""
+        return dict(await self._call("POST", _renew_url(run_id, batch), json={"delivery": batch.delivery}))
 
     async def publish(
         self, run_id: str, version: int, path: str | None = None, sentinel: bool = False

@@ -8,7 +8,8 @@ new as the one it trains towards is published.
 
 Invariants:
 - delivery is at least once: a batch handed out and not acked within `ack_timeout_s` is handed out
-  again (same batch id); a batch is never handed to two trainers within one lease;
+  again (same batch id); a batch is never handed to two trainers within one lease, which its holder
+  may renew (`renew`) or end (`release`), and nobody else;
 - acking is idempotent: a second ack of the same batch reports `already_acked`;
 - memory does not grow with the run's length: an acked batch whose version is published is forgotten
   once `KEEP_ACKED` newer batches have been acked (a repeated ack of it is answered from the store,
@@ -45,7 +46,8 @@ class UnknownBatchError(KeyError):
 
 
 class AlreadyAckedError(RuntimeError):
-    """An acked batch was released: it was trained on, so it is not handed out again."""
+    """An acked batch was released or its lease renewed: it was trained on, so it is not handed out
+    again and holds no lease."""
 
 
 class NotTakenError(RuntimeError):
@@ -253,24 +255,46 @@ class TrainerGateway:
         `delivery` is ended, so a trainer whose lease ran out, and whose batch another trainer holds
         now, cannot take it from that one. Returns the batch and, when nothing was released, why."""
         with self._lock:
-            offer = self._offers.get(batch_id)
-            if offer is None:
-                raise UnknownBatchError(batch_id)
-            if offer.acked:
-                raise AlreadyAckedError(batch_id)
-            if not offer.deliveries:
-                raise NotTakenError(batch_id)
-            if delivery < offer.deliveries:
-                return offer, f"it was handed out again since (delivery {offer.deliveries})"
-            if delivery > offer.deliveries:
-                return offer, f"it has been handed out {offer.deliveries} time(s), not {delivery}"
             now = self._clock()
-            if offer.leased_until is None or offer.leased_until <= now:
-                return offer, "its lease had already ended"
+            offer, unheld = self._lease(batch_id, delivery, now)
+            if unheld is not None:
+                return offer, unheld
             offer.leased_until = now  # ended now: free to take, and `holding` says since when
         log.info("run %s: batch %s released (delivery %d): handed out again at once", self.run_id,
                  batch_id, delivery)  # fmt: skip
         self.notify()
+        return offer, None
+
+    def renew(self, batch_id: str, delivery: int) -> tuple[Offer, float, str | None]:
+        """Extend the lease of `delivery` to `ack_timeout_s` from now (a trainer whose step takes longer
+        than the lease): the batch is not handed out again while its trainer still trains on it, and a
+        trainer killed meanwhile holds it for at most one lease past its last renewal. As with `release`,
+        only the delivery that holds the lease can renew it; one whose lease ran out cannot take it
+        back. Returns the batch, the seconds the lease of `delivery` has left (0 when not renewed) and,
+        when it was not renewed, why."""
+        with self._lock:
+            now = self._clock()
+            offer, unheld = self._lease(batch_id, delivery, now)
+            if unheld is not None:
+                return offer, 0.0, unheld
+            offer.leased_until = now + self.ack_timeout_s
+        return offer, self.ack_timeout_s, None
+
+    def _lease(self, batch_id: str, delivery: int, now: float) -> tuple[Offer, str | None]:
+        """Under the lock: the batch, and why `delivery` does not hold its lease (None when it does)."""
+        offer = self._offers.get(batch_id)
+        if offer is None:
+            raise UnknownBatchError(batch_id)
+        if offer.acked:
+            raise AlreadyAckedError(batch_id)
+        if not offer.deliveries:
+            raise NotTakenError(batch_id)
+        if delivery < offer.deliveries:
+            return offer, f"it was handed out again since (delivery {offer.deliveries})"
+        if delivery > offer.deliveries:
+            return offer, f"it has been handed out {offer.deliveries} time(s), not {delivery}"
+        if offer.leased_until is None or offer.leased_until <= now:
+            return offer, "its lease had already ended"
         return offer, None
 
     def get(self, batch_id: str) -> Offer | None:

@@ -366,6 +366,21 @@ class ReleaseResult(BaseModel):
     detail: str | None = None  # why nothing was released
 
 
+class BatchRenew(_Input):
+    """A batch's lease extended while it is trained on: `delivery` is the one the trainer holds (its
+    batch's `delivery`)."""
+
+    delivery: StrictInt = Field(ge=1, le=MAX_DELIVERY)
+
+
+class RenewResult(BaseModel):
+    batch_id: str
+    renewed: bool
+    delivery: int  # how many times it has been handed out
+    lease_s: float  # seconds the lease of that delivery has left: ack_timeout_s once renewed, else 0
+    detail: str | None = None  # why it was not renewed
+
+
 class Problem(BaseModel):
     """An error: `detail` says what is wrong, naming the field."""
 

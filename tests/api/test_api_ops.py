@@ -169,6 +169,8 @@ def test_openapi_docs_list_the_contract_paths(api: httpx.Client) -> None:
         "/api/runs/{run_id}",
         "/api/runs/{run_id}/batches/next",
         "/api/runs/{run_id}/batches/{batch_id}/ack",
+        "/api/runs/{run_id}/batches/{batch_id}/release",
+        "/api/runs/{run_id}/batches/{batch_id}/renew",
         "/api/runs/{run_id}/weights",
         "/api/runs/{run_id}/rollouts/{version}",
         "/api/runs/{run_id}/policy",

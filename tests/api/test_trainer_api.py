@@ -115,11 +115,51 @@ def test_async_client_takes_publishes_and_acks(server: str) -> None:
                 if batch.delivery == 1:  # handed back untrained: it comes again at once, as delivery 2
                     assert (await corral.release(run_id, batch))["released"] is True
                     continue
+                renewed = await corral.renew(run_id, batch)
+                assert (renewed["renewed"], renewed["lease_s"]) == (True, batch.ack_timeout_s)
                 await corral.publish(run_id, batch.publish_version, sentinel=True)
                 await corral.ack(run_id, batch.batch_id)
                 versions.append(batch.publish_version)
 
     assert asyncio.run(main()) == [1, 2]
+
+
+def test_renew_answers_for_the_holder_only_and_refuses_what_it_cannot_renew(server: str) -> None:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as api:
+        run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+        url = f"/api/runs/{run_id}/batches/{run_id}-b0/renew"
+        try:
+            metrics = f"/api/runs/{run_id}/metrics"
+            wait_for(lambda: api.get(metrics).json()["trainer"]["offered"] >= 1, what="batch 0 to be offered")
+            untaken = api.post(url, json={"delivery": 1})
+            assert untaken.status_code == 409, untaken.text
+            assert "has not been handed out yet" in untaken.json()["detail"]
+            held = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30}).json()
+            assert (held["batch_id"], held["delivery"]) == (f"{run_id}-b0", 1)
+            for bad in ({}, {"delivery": 0}, {"delivery": "1"}, {"delivery": 1.5}, {"delivery": 2**31},
+                        {"delivery": 1, "x": 1}, [1]):  # fmt: skip
+                refused = api.post(url, json=bad)
+                assert refused.status_code == 422, (bad, refused.text)
+                assert "delivery" in refused.json()["detail"] or "x" in refused.json()["detail"]
+            assert httpx.post(f"{server}{url}", json={"delivery": 1}).status_code == 401  # no token
+            assert api.post(url, json={"delivery": 2}).json() == {
+                "batch_id": held["batch_id"], "renewed": False, "delivery": 1, "lease_s": 0.0,
+                "detail": "it has been handed out 1 time(s), not 2",
+            }  # fmt: skip
+            assert api.post(url, json={"delivery": 1}).json() == {
+                "batch_id": held["batch_id"], "renewed": True, "delivery": 1,
+                "lease_s": held["ack_timeout_s"], "detail": None,
+            }  # fmt: skip
+            assert api.post(f"/api/runs/{run_id}/batches/{held['batch_id']}/ack").status_code == 200
+            acked = api.post(url, json={"delivery": 1})
+            assert acked.status_code == 409, acked.text
+            assert "is acked" in acked.json()["detail"]
+            unknown = api.post(f"/api/runs/{run_id}/batches/{run_id}-b999/renew", json={"delivery": 1})
+            assert unknown.status_code == 404, unknown.text
+            assert "has no batch" in unknown.json()["detail"]
+            assert api.post("/api/runs/nope/batches/nope-b0/renew", json={"delivery": 1}).status_code == 404
+        finally:
+            api.post(f"/api/runs/{run_id}/stop")
 
 
 def test_unacked_batch_is_offered_again(tmp_path: Path, backend_url: str) -> None:

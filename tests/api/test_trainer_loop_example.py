@@ -7,19 +7,33 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from api_support import TOKEN, make_run, wait_for
+import pytest
+from api_support import TOKEN, make_run, make_settings, serving, wait_for
 from proc_children import reaped
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trainer_loop.py"
+SHORT_LEASE_S = 1.5  # ack_timeout_s of `short_lease_server`: a step of a few seconds outlasts it
+
+
+def example_argv(url: str, run_id: str, *args: str) -> list[str]:
+    return [sys.executable, str(EXAMPLE), "--url", url, "--run", run_id, "--token", TOKEN, *args]
 
 
 def run_example(url: str, run_id: str, *args: str) -> subprocess.CompletedProcess[str]:
     """examples/trainer_loop.py on `run_id` at `url`, from the repository root, as its docstring runs it."""
-    argv = [sys.executable, str(EXAMPLE), "--url", url, "--run", run_id, "--token", TOKEN, *args]
+    argv = example_argv(url, run_id, *args)
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=EXAMPLE.parents[1])
+
+
+@pytest.fixture(scope="module")
+def short_lease_server(tmp_path_factory: pytest.TempPathFactory, backend_url: str) -> Iterator[str]:
+    settings = make_settings(tmp_path_factory.mktemp("short-lease"), backend_url, ack_timeout_s=SHORT_LEASE_S)
+    with serving(settings) as url:
+        yield url
 
 
 def test_the_readme_trainer_loop_trains_on_three_batches(server: str, api: httpx.Client) -> None:
@@ -90,18 +104,7 @@ def test_a_ctrl_c_while_the_example_trains_hands_its_batch_back_for_the_next_tra
     next trainer waited that long; it printed a traceback too. Now it hands the batch back and exits 130,
     and the next `batches/next` gets the same batch at once, as delivery 2."""
     run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
-    argv = [
-        sys.executable,
-        str(EXAMPLE),
-        "--url",
-        server,
-        "--run",
-        run_id,
-        "--token",
-        TOKEN,
-        "--train-s",
-        "120",
-    ]
+    argv = example_argv(server, run_id, "--train-s", "120")
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
     with reaped(trainer):
@@ -146,3 +149,32 @@ def test_release_answers_for_the_holder_only_and_refuses_what_it_cannot_release(
     assert unknown.status_code == 404
     assert api.post("/api/runs/nope/batches/nope-b0/release", json={"delivery": 1}).status_code == 404
     api.post(f"/api/runs/{run_id}/stop")
+
+
+def test_the_example_renews_its_lease_so_a_step_longer_than_the_lease_is_not_handed_out_twice(
+    short_lease_server: str,
+) -> None:
+    """A step of 6 s on leases of 1.5 s: the batch was handed out to the next trainer as the lease ran
+    out, while the example still trained on it. It renews the lease every third of it as it trains, so
+    a second trainer's long-poll over two leases gets nothing (204), and the example acks the batch."""
+    with httpx.Client(base_url=short_lease_server, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
+        run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
+        argv = example_argv(short_lease_server, run_id, "--steps", "1", "--train-s", "6")
+        trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
+        with reaped(trainer):
+            assert trainer.stdout is not None
+            training = trainer.stdout.readline()  # it holds batch 0 (the run offers one at a time)
+            assert training == "batch 0: training for 6 s\n", (training, trainer.stderr)
+            timeout = 2 * SHORT_LEASE_S + 0.5  # over, by far, before the step ends and batch 1 is offered
+            second = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": timeout}, timeout=30)
+            assert second.status_code == 204, second.text
+            out, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0, err
+        assert "Traceback" not in err, err
+        [line] = out.splitlines()  # its step's line alone: no "lease not renewed"
+        assert line.startswith("batch 0: ")
+        assert line.endswith(", published v1")
+        trainer_metrics = api.get(f"/api/runs/{run_id}/metrics").json()["trainer"]
+        assert (trainer_metrics["acked"], trainer_metrics["redelivered"]) == (1, 0)
+        api.post(f"/api/runs/{run_id}/stop")

@@ -115,6 +115,38 @@ async def test_a_released_batch_is_handed_out_again_at_once_and_only_its_holder_
         gateway.release("r-b9", 1)
 
 
+async def test_a_renewed_lease_is_not_handed_out_again_and_only_its_holder_can_renew_it() -> None:
+    """A step longer than the lease: its batch was handed out to a second trainer while the first still
+    trained on it. Renewed, the lease ends `ack_timeout_s` after the renewal instead."""
+    gateway, clock, _ = make_gateway()
+    gateway.offer(make_payload(0))
+    held = await gateway.next_batch(0)
+    assert held is not None
+    clock.now += 8
+    assert gateway.renew("r-b0", 1) == (held, 10.0, None)
+    clock.now += 8  # 16 s since it was taken: past the first lease's end, within the renewed one
+    assert await gateway.next_batch(0) is None
+    assert gateway.holding() == ("ack", held, 16)
+    assert gateway.renew("r-b0", 2) == (held, 0.0, "it has been handed out 1 time(s), not 2")
+    clock.now += 2.5  # the renewed lease ran out: it cannot be renewed back, and is free to take
+    assert gateway.renew("r-b0", 1) == (held, 0.0, "its lease had already ended")
+    again = await gateway.next_batch(0)
+    assert again is held
+    assert again.deliveries == 2
+    # the first trainer renews again, now that another holds it: the second's lease is untouched
+    assert gateway.renew("r-b0", 1) == (held, 0.0, "it was handed out again since (delivery 2)")
+    assert held.leased_until == clock.now + 10
+    assert gateway.renew("r-b0", 2)[2] is None
+    assert gateway.ack("r-b0")[1] is False
+    with pytest.raises(AlreadyAckedError):
+        gateway.renew("r-b0", 2)
+    gateway.offer(make_payload(1))
+    with pytest.raises(NotTakenError):
+        gateway.renew("r-b1", 1)
+    with pytest.raises(UnknownBatchError):
+        gateway.renew("r-b9", 1)
+
+
 async def test_batches_are_handed_out_oldest_first() -> None:
     gateway, _, _ = make_gateway()
     gateway.offer(make_payload(0))
