@@ -11,6 +11,9 @@ Invariants:
   does not allow it, or it has ended), 422 (a value the run cannot take), with the words the API says;
 - a publication and a policy change answer once their events are in the store (`RunHandle.stored`), or
   503 when the store has not got them in time; the same publication or change sent again is safe;
+- one refused as the run has ended for its trainer says the state the run ends in, 409 "has ended
+  (<state>)": on a run whose trainer loop is over and which drains its work, once the drain is over (up
+  to `DRAIN_WAIT_S`, then a 503 to ask again), since a drain that fails ends the run `failed`;
 - every command carried out answers its id (`command_id`: the command channel's for a celery run's, else
   a new one), and every event it published carries the same id, so a client finds what it did in the
   run's events (pause and resume change the run's state and publish none).
@@ -39,6 +42,10 @@ COMMANDS = ("pause", "resume", "publish", "publish_next", "policy", "drain", "se
 # The trainer's figures are measured where the trainer is, on the wall clock, whatever clock the run
 # runs on (a simulated run's page counts simulated seconds and says so).
 TRAINER_CLOCK = "wall"
+
+# How long a command refused by a run whose trainer loop is over waits for its drain to end, to say
+# how the run ended; past it, a 503 (ask again in a few seconds)
+DRAIN_WAIT_S = 10.0
 
 
 class CommandRefused(Exception):
@@ -92,7 +99,7 @@ async def publish(
     if body.path is not None and not await _is_dir(body.path):
         raise CommandRefused(422, f"path: {body.path!r} is not a directory on the server")
     path = body.path
-    _refuse_if_ending(handle)
+    await _refuse_if_ending(handle)
     repeat = await _on_live_run(handle, handle.published_again, body.version, body.path, body.sentinel)
     if repeat is not None:
         rollout, seq = repeat
@@ -114,12 +121,25 @@ async def publish(
     return {**rollout, "command_id": command_id, "already_published": False}
 
 
-def _refuse_if_ending(handle: RunHandle) -> None:
+async def _refuse_if_ending(handle: RunHandle, refused: str = "") -> None:
     """A run stopping or ended: its trainer is told the run's end, as `batches/next` tells it (a stopping
-    run's 409 "is stopping" was no end to the client, and the README's trainer loop died of it)."""
-    if handle.state in TERMINAL_RUN_STATES or handle.gateway.closed is not None:
-        ended = handle.gateway.closed or handle.state.value
-        raise CommandRefused(409, f"run {handle.run_id!r} has ended ({ended})")
+    run's 409 "is stopping" was no end to the client, and the README's trainer loop died of it), and
+    `refused`. A run whose trainer loop is over and whose work is draining says it once the drain is
+    over, in the state the run ends in: told "completed" at once, a trainer heard it from a run whose
+    drain then failed it. A drain not over within `DRAIN_WAIT_S` is a 503: ask again."""
+    gateway = handle.gateway
+    if handle.state in TERMINAL_RUN_STATES:
+        ended: str | None = gateway.closed or handle.state.value
+    elif gateway.ending:
+        ended = gateway.closed or await gateway.until_closed(DRAIN_WAIT_S)
+    else:
+        return
+    if ended is None:
+        raise CommandRefused(
+            503, f"run {handle.run_id!r} is ending: its trainer loop is over and it drains its work; ask "
+                 "again in a few seconds to learn how it ended"
+        )  # fmt: skip
+    raise CommandRefused(409, f"run {handle.run_id!r} has ended ({ended}){refused}")
 
 
 async def _on_live_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T:
@@ -129,7 +149,7 @@ async def _on_live_run(handle: RunHandle, fn: Callable[..., T], *args: Any) -> T
     try:
         return await on_run(handle, fn, *args)
     except CommandRefused:
-        _refuse_if_ending(handle)
+        await _refuse_if_ending(handle)
         raise
 
 
@@ -196,11 +216,16 @@ async def set_policy(
 ) -> dict[str, Any]:
     """Change K, S, the rollout's pace, its pause mode or the agent-phase gate's factor live; answered
     once the changes are stored."""
-    _refuse_if_ending(handle)
+    await _refuse_if_ending(handle)
     if (problem := handle.patch_problem(patch)) is not None:
         raise CommandRefused(422, problem)
     command_id = new_command_id(command_id)
-    knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor, command_id)
+    try:
+        knobs, seq = await on_run(handle, handle.set_policy_marked, patch, actor, command_id)
+    except CommandRefused:
+        if handle.gateway.ending:  # the trainer loop ended before the change's turn on the run's loop
+            await _refuse_if_ending(handle, "; its policy is fixed")
+        raise
     if not await handle.stored(seq, "policy changed"):
         # A repeat changes nothing twice (a knob that has its value publishes no change), and is
         # answered once the store holds this one

@@ -11,6 +11,9 @@ Invariants:
   again (same batch id); a batch is never handed to two trainers within one lease, which its holder
   may renew (`renew`) or end (`release`), and nobody else;
 - acking is idempotent: a second ack of the same batch reports `already_acked`;
+- a trainer is told a run's end (`RunClosedError`, the API's 409 "has ended (<state>)") in the state the
+  run ends in: a run whose trainer loop completed tells it once its drain is over (`trainer_loop_over`,
+  then `close`), as that drain may fail it;
 - memory does not grow with the run's length: an acked batch whose version is published is forgotten
   once `KEEP_ACKED` newer batches have been acked (a repeated ack of it is answered from the store,
   which has had the ack since: the store writer writes in order); the wait per step is kept as a sum
@@ -106,6 +109,7 @@ class TrainerGateway:
         self._waiters: list[_Waiter] = []
         self._restored: list[Offer] = []  # handed out before a restart and not acked then
         self._closed: str | None = None
+        self._loop_over = False  # the run's trainer loop is over: it drains its work (`trainer_loop_over`)
         self.stats = GatewayStats()
         self.on_offer: Callable[[Offer], None] | None = None
         self.on_redeliver: Callable[[Offer], None] | None = None  # a batch handed out again
@@ -182,8 +186,10 @@ class TrainerGateway:
 
     # -- the trainer's side ------------------------------------------------------------------------
 
-    async def next_batch(self, timeout_s: float) -> Offer | None:
-        """The oldest batch not acked and not leased to someone else, waiting up to `timeout_s`."""
+    async def next_batch(self, timeout_s: float, *, to_loop_end: bool = False) -> Offer | None:
+        """The oldest batch not acked and not leased to someone else, waiting up to `timeout_s`.
+        `RunClosedError` once the run has ended with nothing left to hand out; `to_loop_end` (the run's
+        built-in trainer): once its trainer loop is over, the run's end not waited for."""
         asked = self._clock()
         deadline = asked + timeout_s
         while True:
@@ -194,6 +200,8 @@ class TrainerGateway:
                     if self._closed == DELETED:
                         raise RunDeletedError(DELETED)
                     raise RunClosedError(self._closed)  # nothing left to hand out, ever
+                if taken is None and to_loop_end and self._loop_over and next_expiry is None:
+                    raise RunClosedError("its trainer loop is over")
             if taken is not None:
                 if self.on_take is not None:
                     self.on_take(taken)
@@ -332,11 +340,34 @@ class TrainerGateway:
         """Why the run's trainer gets no more batches (the state the run ends in), or None."""
         return self._closed
 
+    @property
+    def ending(self) -> bool:
+        """Whether the run has ended for its trainer: its trainer loop is over (`trainer_loop_over`), or
+        it is stopping or has ended (`close`). It takes no batch, version or policy change from then on."""
+        return self._loop_over or self._closed is not None
+
+    def trainer_loop_over(self) -> None:
+        """The run's trainer loop completed (its last batch acked, its version published): no batch is
+        offered from now on while the run drains its turns and weight updates. Its trainer is told how
+        the run ended only once the drain is over (`close`), since a drain that fails ends it `failed`:
+        told at the loop's end, a trainer heard "completed" from a run that then ended "failed"."""
+        with self._lock:
+            self._loop_over = True
+        self.notify()
+
     def close(self, reason: str) -> None:
         """The run ended: waiting trainers are told so."""
         with self._lock:
             self._closed = reason
         self.notify()
+
+    async def until_closed(self, timeout_s: float) -> str | None:
+        """`closed`, waiting up to `timeout_s` (seconds of this loop's clock) for the run's end."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._closed is None and (left := deadline - loop.time()) > 0:
+            await self.wait_changed(left, lambda: self._closed is not None)
+        return self._closed
 
     def deleted(self) -> None:
         """The run was deleted: its batches are gone, and a trainer waiting for one is told so at once
@@ -356,11 +387,14 @@ class TrainerGateway:
             if not waiter.loop.is_closed():
                 waiter.loop.call_soon_threadsafe(_set_done, waiter.future)
 
-    async def wait_changed(self, timeout_s: float | None) -> None:
-        """Wait until `notify` is called (or `timeout_s` seconds of this loop's clock pass)."""
+    async def wait_changed(self, timeout_s: float | None, done: Callable[[], bool] | None = None) -> None:
+        """Wait until `notify` is called (or `timeout_s` seconds of this loop's clock pass); not at all
+        when `done()` holds, asked under the lock that a change and its `notify` take."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            if done is not None and done():
+                return
             self._waiters.append(_Waiter(loop, future))
         if timeout_s is None:
             await future

@@ -12,6 +12,9 @@ Invariants:
 - the run's end is recorded exactly once (`RunEnded`), and every group the run admitted ends in the
   stream: delivered, or discarded with the scheduler's reason;
 - a stopping run publishes no new version; its trainer gateway is closed, so waiting trainers learn it;
+- a trainer is told the state the run ends in: once its trainer loop completed, the run takes no batch,
+  version or policy change, and its trainer learns how it ended once its drain is over (which may fail
+  it), not "completed" at the loop's end;
 - a drained engine starts no turn and no update until it is put back; the last serving engine cannot
   be drained. (Adding an engine to a running run is not supported.)
 - a local run's engine that dies is restarted by the runtime (`RunPorts.supervisor`); a pause or resume
@@ -145,6 +148,7 @@ class RunHandle:
         self._tg: asyncio.TaskGroup | None = None
         self._main_task: asyncio.Task[str] | None = None
         self._stopped_starting = False  # stopped before its runtime ran (engines still coming up)
+        self._ended_as: str | None = None  # how its runtime ended, once it did without an error
         self._pausing = asyncio.Lock()
         self.done = threading.Event()
         self.flushing = threading.Event()  # it has ended, and its last events are being stored
@@ -187,6 +191,8 @@ class RunHandle:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()
+            if reason == "error" and self._ended_as is not None:
+                reason = self._teardown_failed(self._ended_as)
             final = {"completed": RunState.COMPLETED, "stopped": RunState.STOPPED}.get(
                 reason, RunState.FAILED
             )
@@ -199,6 +205,17 @@ class RunHandle:
             self.recorder.close()
             self._set_state(final, self.error)
             self.done.set()
+
+    def _teardown_failed(self, ended_as: str) -> str:
+        """The run's runtime ended `ended_as` (completed or stopped), its every group accounted for and
+        that end in its events (`RunEnded`, which the store takes first), and the teardown after it (its
+        engines' clients closed, their processes stopped) failed. Nothing of the run is lost, so it ends
+        as recorded; the failure is logged. Before, the run ended `failed` here while the store kept
+        `completed`: its API said one and, once it had let the run go, the other."""
+        log.warning("run %s: %s; its teardown then failed: %s (it stays %s: its every batch and group "
+                    "are accounted for)", self.run_id, ended_as, self.error, ended_as)  # fmt: skip
+        self.error = None
+        return ended_as
 
     async def _main(self) -> str:
         self.started_wall = time.time()
@@ -249,6 +266,8 @@ class RunHandle:
                     if not isinstance(self.loop, PacedLoop):  # a simulated run's clock waits instead
                         tg.create_task(self._hold_for_store(runtime, run))
                     await asyncio.wait([run])
+                    if not run.cancelled() and run.exception() is None:  # its end recorded and stored
+                        self._ended_as = "stopped" if runtime.stop_requested else "completed"
                     self._trainer_done()  # a run that failed never called it: its thread says "failed" next
             finally:
                 for client in self.engines():  # a restarted engine's client is the runtime's, not the ports'
@@ -290,12 +309,17 @@ class RunHandle:
                             bus.backlog())  # fmt: skip
 
     def _trainer_done(self) -> None:
-        """The trainer loop is over: a trainer is told the state the run ends in from now (its
-        `batches/next`, a publication: `publish`), not a word of its own, while the run drains its turns
+        """The trainer loop is over: the run has ended for its trainer (its `batches/next`, a
+        publication: `publish`, a policy change), not a word of its own, while the run drains its turns
         and weight updates. Told once the run had drained, a publication meanwhile was published, 202,
         its weight update begun on a run that had ended for its trainer and waited for by the drain, and
-        one as the run's loop closed was told "is running, not executing"."""
-        self.gateway.close("stopped" if self._runtime().stop_requested else "completed")
+        one as the run's loop closed was told "is running, not executing". A stopped run's trainer is
+        told so at once (`stop`); a completed loop's trainer is told how the run ended once the drain is
+        over (the run's thread: `gateway.close`), since a drain that fails ends the run `failed`."""
+        if self._runtime().stop_requested:
+            self.gateway.close("stopped")
+        else:
+            self.gateway.trainer_loop_over()
 
     def _stopping(self) -> bool:
         return self.state is RunState.STOPPING  # read again after an await: `stop` may have run meanwhile
@@ -478,9 +502,12 @@ class RunHandle:
 
     def _require_trainer_loop(self, refused: str) -> None:
         """Refuse a command, saying `refused`, once the run's trainer loop is over (`_trainer_done`): the
-        run has ended for its trainer (409 "has ended", the client's `RunEnded`) while it drains."""
+        run has ended for its trainer (409 "has ended", the client's `RunEnded`) while it drains. Until
+        the drain is over the state it ends in is not known: app.service.commands waits for it."""
         if (ended := self.gateway.closed) is not None:
             raise IllegalRunStateError(f"run {self.run_id!r} has ended ({ended}); {refused}")
+        if self.gateway.ending:
+            raise IllegalRunStateError(f"run {self.run_id!r} is ending (its trainer loop is over); {refused}")
 
     def _publish(self, version: int, path: str | None, actor: str, command_id: str = "") -> dict[str, Any]:
         runtime = self._runtime()
@@ -697,7 +724,7 @@ class RunHandle:
         step_s = self.spec.sentinel_step_s
         while True:
             try:
-                offer = await self.gateway.next_batch(3600.0)
+                offer = await self.gateway.next_batch(3600.0, to_loop_end=True)
             except RunClosedError:
                 return
             if offer is None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ from api_support import TOKEN, make_run, make_settings, serving, stored_run, wai
 from app.client import AsyncCorralClient, CorralClient, RunEnded
 from app.core.events import Ledger
 from app.service.store import ServiceStore
+from app.sim.adapters import SimEngine, SimSource
 from app.store.repos import BatchRepo, GroupRepo, PolicyRepo
 
 
@@ -98,6 +101,73 @@ def test_a_trainer_waiting_when_the_last_batch_ends_the_run_is_told_it_completed
         ended = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30})
         assert ended.status_code == 409, ended.text
         assert ended.json()["detail"] == f"run {run_id!r} has ended (completed); no more batches"
+
+
+DRAIN_S = 2.0  # how long the faults below take to fail the run's drain
+
+
+def _stopping_fails(source: SimSource) -> None:
+    """The attempts' source, told the run stops (as a docker daemon gone away holds it up), fails."""
+    time.sleep(DRAIN_S)
+    raise RuntimeError("the source could not stop")
+
+
+async def _close_refused(engine: SimEngine) -> None:
+    """An engine client that takes `DRAIN_S` of wall time to fail to close, once the run is over."""
+    await asyncio.to_thread(time.sleep, DRAIN_S)
+    raise RuntimeError(f"{engine.name}: its client would not close")
+
+
+@pytest.mark.parametrize(
+    ("fault", "state"),
+    [
+        ((SimSource, "stopping", _stopping_fails), "failed"),
+        ((SimEngine, "aclose", _close_refused), "completed"),
+    ],
+    ids=["in-the-runtime-s-drain", "in-the-teardown"],
+)
+def test_a_run_whose_drain_fails_after_its_last_batch_tells_everyone_one_end(
+    server: str, backend_url: str, monkeypatch: pytest.MonkeyPatch, fault: tuple[Any, str, Any], state: str
+) -> None:
+    """A one-batch run's trainer loop completes (its batch acked, version 1 published), then its drain
+    fails a moment into it. Its trainer, waiting for the next batch as the loop completed, was told
+    "has ended (completed)" at once, and so were a publication and a policy change sent during the
+    drain, whatever the drain then did. They are told the run's end once the drain is over, in the state
+    that its API, its stored row and its dashboard page say: `failed` where the runtime's drain failed
+    (its end recorded as an error), `completed` where only the teardown after the runtime's end failed
+    (closing its engines' clients): that end was stored first, and nothing was lost. Before, that run's
+    API said `failed` while the store kept `completed`."""
+    monkeypatch.setattr(*fault)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    clients = [httpx.Client(base_url=server, headers=auth, timeout=60) for _ in range(3)]
+    api, publisher, operator = clients
+    try:
+        run_id = api.post("/api/runs", json=make_run(batches=1)).json()["id"]
+        batch = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": 30}).json()
+        assert api.post(f"/api/runs/{run_id}/batches/{batch['batch_id']}/ack").status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            # the trainer asks for the next batch, and waits, as its loop completes
+            waiting = pool.submit(api.get, f"/api/runs/{run_id}/batches/next", params={"timeout": 30})
+            time.sleep(0.5)
+            publish = {"version": batch["publish_version"], "sentinel": True}
+            assert publisher.post(f"/api/runs/{run_id}/weights", json=publish).status_code == 202
+            # the trainer loop is over and the run drains: these come during its DRAIN_S
+            late = publisher.post(f"/api/runs/{run_id}/weights", json={"version": 2, "sentinel": True})
+            changed = operator.patch(f"/api/runs/{run_id}/policy", json={"max_staleness": 3})
+            told = waiting.result()
+        ended = f"run {run_id!r} has ended ({state})"
+        assert (told.status_code, told.json()["detail"]) == (409, f"{ended}; no more batches")
+        assert (late.status_code, late.json()["detail"]) == (409, ended)
+        assert changed.status_code == 409, changed.text
+        assert changed.json()["detail"] in (ended, f"{ended}; its policy is fixed")
+        wait_for(lambda: api.get(f"/api/runs/{run_id}").json()["state"] != "running", what="its end")
+        assert api.get(f"/api/runs/{run_id}").json()["state"] == state
+        wait_for(lambda: stored_run(backend_url, run_id).state != "running", what="its stored end")
+        assert stored_run(backend_url, run_id).state == state
+        assert f'<span class="badge {state}" id="run-state">{state}</span>' in api.get(f"/runs/{run_id}").text
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_async_client_takes_publishes_and_acks(server: str) -> None:

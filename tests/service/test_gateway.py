@@ -271,3 +271,24 @@ async def test_an_acked_batch_is_kept_until_its_version_is_published() -> None:
     published["version"] = KEEP_ACKED * 2
     gateway.offer(make_payload(KEEP_ACKED * 2 + 1))
     assert gateway.get("r-b0") is None
+
+
+async def test_a_trainer_is_told_the_runs_end_once_its_drain_is_over_not_at_its_loops_end() -> None:
+    """Once the trainer loop is over (`trainer_loop_over`) the run drains, and the drain may fail it: a
+    waiting trainer hears the state the run ends in (`close`), not "completed" at the loop's end. The
+    run's built-in trainer (`to_loop_end`) is done at the loop's end; `until_closed` waits within its
+    bound."""
+    gateway, _, _ = make_gateway()
+    waiting = asyncio.ensure_future(gateway.next_batch(30.0))
+    await asyncio.sleep(0.05)
+    gateway.trainer_loop_over()
+    assert gateway.ending
+    with pytest.raises(RunClosedError, match="trainer loop is over"):
+        await gateway.next_batch(30.0, to_loop_end=True)
+    assert await gateway.until_closed(0.05) is None  # still draining
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # told nothing while the run drains
+    gateway.close("failed")
+    with pytest.raises(RunClosedError, match="failed"):
+        await waiting
+    assert await gateway.until_closed(0.0) == "failed"
