@@ -23,6 +23,7 @@ from test_store_spill_kill import rows
 from app.core.events import BatchRequested
 from app.runtime.events import RETRY_FIRST_S
 from app.runtime.spill import SpillFile
+from app.service.manager import RunManager
 from app.service.recorder import RunRecorder, StoredMark
 from app.service.store import ServiceStore
 
@@ -141,3 +142,28 @@ def test_a_close_that_gives_up_while_the_store_sink_waits_to_try_again_ends_its_
     check_ledger(locked, later)
     assert given_up["kept_on_disk"] == HELD
     assert later == given_up  # the sink counted nothing after it was given up
+
+
+def test_a_write_that_lands_after_the_give_up_is_stored_once_by_the_next_start(tmp_path: Path) -> None:
+    """A close gives up on the store sink while its write waits on the locked file: the batch it writes
+    goes to the spill too. The lock is then let go and that write lands: its events are both stored and
+    spilled. The next start stores the spill (`RunManager._recover_spill`), skipping the copies the store
+    has: every event stored once, none lost, no hole."""
+    with recorder_behind_a_lock(tmp_path, outage_s=5.0) as locked:  # its write outlasts the give-up
+        recorder = locked.recorder
+        given_up = recorder.close(0.2)["store"]
+        assert given_up["kept_on_disk"] == HELD  # the batch being written included
+        locked.lock.execute("COMMIT")  # the write under way lands now
+        recorder.close(WAIT_S)
+        landed = [seq for seq in rows(locked.db, locked.run_id) if seq >= STORED]
+        assert landed, "the write under way at the give-up did not land: nothing was stored twice"
+        assert set(landed) <= set(spilled_seqs(locked.spill_dir))  # stored and kept
+        store = ServiceStore(f"sqlite:///{locked.db}", migrate=False)
+        try:
+            new = RunManager(store, tmp_path / "data", 30.0)._recover_spill(locked.run_id, locked.spill_dir)
+            assert new == HELD - len(landed)
+            assert store.event_gaps(locked.run_id) == 0
+        finally:
+            store.close()
+    assert rows(locked.db, locked.run_id) == list(range(STORED + HELD))  # each once
+    assert not locked.spill_dir.exists()
