@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, HTTPException, Query, Request, Response, status
 from fastapi import Path as PathParam
@@ -105,6 +105,8 @@ ERROR_ANSWERS: dict[int | str, dict[str, Any]] = {
 COMMAND_ANSWERS: dict[int | str, dict[str, Any]] = {
     504: {"model": Problem, "description": "the run's orchestrator worker did not answer in time"},
 }
+
+T = TypeVar("T")
 
 router = APIRouter(prefix="/api/runs", tags=["runs"], responses=ERROR_ANSWERS)
 
@@ -392,20 +394,9 @@ def release_batch(
 ) -> ReleaseResult:
     """Hand a batch back untrained (a trainer stopping): the next `batches/next` takes it at once, as
     `delivery` + 1, instead of after `ack_timeout_s`. Only the lease of that delivery ends."""
-    handle = manager.get(run_id)
-    gateway = handle.gateway if handle is not None else _ended_gateway(manager, run_id)
-    try:
-        offer, unreleased = gateway.release(batch_id, body.delivery)
-    except UnknownBatchError:
-        raise HTTPException(
-            status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r} to release"
-        ) from None
-    except AlreadyAckedError:
-        detail = f"batch {batch_id!r} is acked: it was trained on, so there is nothing to release"
-        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
-    except NotTakenError:
-        detail = f"batch {batch_id!r} has not been handed out yet, so no trainer holds it to release"
-        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    offer, unreleased = _on_lease(
+        manager, run_id, batch_id, "release", lambda g: g.release(batch_id, body.delivery)
+    )
     return ReleaseResult(
         batch_id=batch_id, released=unreleased is None, delivery=offer.deliveries, detail=unreleased
     )
@@ -421,20 +412,9 @@ def renew_batch(
 ) -> RenewResult:
     """Extend a batch's lease to `ack_timeout_s` from now (a step longer than the lease): it is not
     handed out again while its trainer trains on it. Only the delivery that holds the lease renews it."""
-    handle = manager.get(run_id)
-    gateway = handle.gateway if handle is not None else _ended_gateway(manager, run_id)
-    try:
-        offer, lease_s, unrenewed = gateway.renew(batch_id, body.delivery)
-    except UnknownBatchError:
-        raise HTTPException(
-            status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r} to renew"
-        ) from None
-    except AlreadyAckedError:
-        detail = f"batch {batch_id!r} is acked: it was trained on, so it holds no lease to renew"
-        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
-    except NotTakenError:
-        detail = f"batch {batch_id!r} has not been handed out yet, so no trainer holds a lease to renew"
-        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    offer, lease_s, unrenewed = _on_lease(
+        manager, run_id, batch_id, "renew", lambda g: g.renew(batch_id, body.delivery)
+    )
     return RenewResult(
         batch_id=batch_id,
         renewed=unrenewed is None,
@@ -442,6 +422,27 @@ def renew_batch(
         lease_s=lease_s,
         detail=unrenewed,
     )
+
+
+def _on_lease(
+    manager: RunManager, run_id: str, batch_id: str, verb: str, act: Callable[[TrainerGateway], T]
+) -> T:
+    """`act` on the run's gateway (an ended run's too), its refusals as the API's answers: 404 for a batch
+    the run never offered, 409 for one acked or never handed out (no trainer holds a lease to `verb`)."""
+    handle = manager.get(run_id)
+    gateway = handle.gateway if handle is not None else _ended_gateway(manager, run_id)
+    try:
+        return act(gateway)
+    except UnknownBatchError:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"run {run_id!r} has no batch {batch_id!r} to {verb}"
+        ) from None
+    except AlreadyAckedError:
+        detail = f"batch {batch_id!r} is acked: it was trained on, so it holds no lease to {verb}"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    except NotTakenError:
+        detail = f"batch {batch_id!r} has not been handed out yet, so no trainer holds a lease to {verb}"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
 
 
 @router.post("/{run_id}/weights", status_code=status.HTTP_202_ACCEPTED, responses=COMMAND_ANSWERS)

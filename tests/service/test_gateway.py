@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,21 @@ async def test_a_released_batch_is_handed_out_again_at_once_and_only_its_holder_
     clock.now += 10.5  # the second lease ran out too: nothing left to release
     assert gateway.release("r-b0", 2) == (held, "its lease had already ended")
     assert gateway.ack("r-b1")[1] is False
+    refuses_what_no_trainer_holds(gateway, gateway.release, acked="r-b1", fresh=2)
+
+
+def refuses_what_no_trainer_holds(
+    gateway: TrainerGateway, act: Callable[[str, int], object], acked: str, fresh: int
+) -> None:
+    """`act` (release, renew) refuses batch `acked` (acked), batch `fresh` (offered now, never handed out)
+    and a batch never offered."""
     with pytest.raises(AlreadyAckedError):
-        gateway.release("r-b1", 1)
-    gateway.offer(make_payload(2))
+        act(acked, 1)
+    gateway.offer(make_payload(fresh))
     with pytest.raises(NotTakenError):
-        gateway.release("r-b2", 1)
+        act(f"r-b{fresh}", 1)
     with pytest.raises(UnknownBatchError):
-        gateway.release("r-b9", 1)
+        act("r-b9", 1)
 
 
 async def test_a_renewed_lease_is_not_handed_out_again_and_only_its_holder_can_renew_it() -> None:
@@ -138,13 +147,7 @@ async def test_a_renewed_lease_is_not_handed_out_again_and_only_its_holder_can_r
     assert held.leased_until == clock.now + 10
     assert gateway.renew("r-b0", 2)[2] is None
     assert gateway.ack("r-b0")[1] is False
-    with pytest.raises(AlreadyAckedError):
-        gateway.renew("r-b0", 2)
-    gateway.offer(make_payload(1))
-    with pytest.raises(NotTakenError):
-        gateway.renew("r-b1", 1)
-    with pytest.raises(UnknownBatchError):
-        gateway.renew("r-b9", 1)
+    refuses_what_no_trainer_holds(gateway, gateway.renew, acked="r-b0", fresh=1)
 
 
 async def test_batches_are_handed_out_oldest_first() -> None:
