@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,20 @@ def run_example(url: str, run_id: str, *args: str) -> subprocess.CompletedProces
     """examples/trainer_loop.py on `run_id` at `url`, from the repository root, as its docstring runs it."""
     argv = example_argv(url, run_id, *args)
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=EXAMPLE.parents[1])
+
+
+@contextmanager
+def training_on_batch_0(url: str, run_id: str, train_s: int, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """The example in a session of its own (as a terminal starts it), once it says it holds batch 0 and
+    trains on it for `train_s`; reaped on the way out."""
+    argv = example_argv(url, run_id, "--train-s", str(train_s), *args)
+    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
+    with reaped(trainer):
+        assert trainer.stdout is not None
+        training = trainer.stdout.readline()
+        assert training == f"batch 0: training for {train_s} s\n", (training, trainer.stderr)
+        yield trainer
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +119,7 @@ def test_a_ctrl_c_while_the_example_trains_hands_its_batch_back_for_the_next_tra
     next trainer waited that long; it printed a traceback too. Now it hands the batch back and exits 130,
     and the next `batches/next` gets the same batch at once, as delivery 2."""
     run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
-    argv = example_argv(server, run_id, "--train-s", "120")
-    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
-    with reaped(trainer):
-        assert trainer.stdout is not None
-        training = trainer.stdout.readline()  # it says so once it holds the batch and trains on it
-        assert training == "batch 0: training for 120 s\n", (training, trainer.stderr)
+    with training_on_batch_0(server, run_id, 120) as trainer:
         time.sleep(0.5)
         os.killpg(trainer.pid, signal.SIGINT)
         out, err = trainer.communicate(timeout=30)
@@ -159,13 +168,8 @@ def test_the_example_renews_its_lease_so_a_step_longer_than_the_lease_is_not_han
     a second trainer's long-poll over two leases gets nothing (204), and the example acks the batch."""
     with httpx.Client(base_url=short_lease_server, headers={"Authorization": f"Bearer {TOKEN}"}) as api:
         run_id = api.post("/api/runs", json=make_run(batches=None)).json()["id"]
-        argv = example_argv(short_lease_server, run_id, "--steps", "1", "--train-s", "6")
-        trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=EXAMPLE.parents[1], start_new_session=True)  # fmt: skip
-        with reaped(trainer):
-            assert trainer.stdout is not None
-            training = trainer.stdout.readline()  # it holds batch 0 (the run offers one at a time)
-            assert training == "batch 0: training for 6 s\n", (training, trainer.stderr)
+        # it holds batch 0 (the run offers one at a time)
+        with training_on_batch_0(short_lease_server, run_id, 6, "--steps", "1") as trainer:
             timeout = 2 * SHORT_LEASE_S + 0.5  # over, by far, before the step ends and batch 1 is offered
             second = api.get(f"/api/runs/{run_id}/batches/next", params={"timeout": timeout}, timeout=30)
             assert second.status_code == 204, second.text
